@@ -1,0 +1,29 @@
+# `make demo` and `make test` do all their own setup: a .venv with shoal installed into it.
+PYTHON ?= python3
+VENV   ?= .venv
+BIN    := $(VENV)/bin
+STAMP  := $(VENV)/.shoal-installed
+# Without an NVIDIA GPU, pin the CPU build of torch (a multi-GB CUDA build otherwise).
+CONSTRAINTS := $(if $(shell command -v nvidia-smi 2>/dev/null),,-c constraints-cpu.txt)
+
+.PHONY: demo test lint install clean
+
+$(STAMP): pyproject.toml constraints-cpu.txt
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install -q --disable-pip-version-check $(CONSTRAINTS) -e '.[dev]'
+	touch $(STAMP)
+
+install: $(STAMP)
+
+demo: $(STAMP)
+	$(BIN)/shoal train --model lenet5 --dataset digits --workers 2 --epochs 10 --out runs/demo
+
+test: $(STAMP)
+	$(BIN)/ruff check shoal tests benchmarks examples
+	$(BIN)/python -m pytest -q
+
+lint: $(STAMP)
+	$(BIN)/ruff check shoal tests benchmarks examples
+
+clean:
+	rm -rf $(VENV) runs build *.egg-info

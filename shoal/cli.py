@@ -1,0 +1,231 @@
+"""The ``shoal`` command: ``shoal train``, ``shoal list``.
+
+Errors a user can fix print one line (``shoal: error: ...``) and exit with status 2; with
+``--debug`` the traceback follows. Unexpected errors exit with status 1.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import sys
+import traceback
+from collections.abc import Sequence
+from typing import Any, NoReturn
+
+from shoal.errors import ShoalError, WorkerError
+
+EXIT_USER_ERROR = 2
+EXIT_FAILURE = 1
+EXIT_INTERRUPTED = 130
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse, but a usage error is one line naming the problem."""
+
+    def error(self, message: str) -> NoReturn:
+        raise ShoalError(f"{self.prog}: {message} (see {self.prog} --help)")
+
+
+def _shape(text: str) -> tuple[int, ...]:
+    try:
+        dims = tuple(int(d) for d in text.replace("x", ",").split(",") if d)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a shape like 3x32x32, got {text!r}") from None
+    if not dims:
+        raise argparse.ArgumentTypeError(f"expected a shape like 3x32x32, got {text!r}")
+    return dims
+
+
+def _floats(text: str) -> tuple[float, ...]:
+    try:
+        return tuple(float(v) for v in text.split(",") if v)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected numbers like 30,60, got {text!r}") from None
+
+
+_TYPES = {"int": int, "float": float, "str": str, int: int, float: float, str: str}
+
+
+def _add_strategy_options(group: argparse._ArgumentGroup) -> None:
+    """One flag per field of every registered strategy's options (``tau`` -> ``--tau``)."""
+    from shoal.strategies import STRATEGIES, option_fields
+
+    seen: dict[str, str] = {}
+    for cls in STRATEGIES.values():
+        for f in option_fields(cls):
+            if f.name in seen:
+                continue
+            seen[f.name] = cls.name
+            kind = f.type if not isinstance(f.type, str) else f.type.split("|")[0].strip()
+            help_text = f.metadata.get("help", "")
+            users = [c.name for c in STRATEGIES.values()
+                     if f.name in {g.name for g in option_fields(c)}]
+            default = f.default if f.default is not dataclasses.MISSING else None
+            if kind in ("bool", bool):
+                group.add_argument(f"--{f.name.replace('_', '-')}", dest=f"opt_{f.name}",
+                                   action=argparse.BooleanOptionalAction,
+                                   default=argparse.SUPPRESS,
+                                   help=f"{help_text} [{', '.join(users)}; default {default}]")
+            else:
+                group.add_argument(f"--{f.name.replace('_', '-')}", dest=f"opt_{f.name}",
+                                   type=_TYPES.get(kind, str), default=argparse.SUPPRESS,
+                                   choices=f.metadata.get("choices"), metavar=f.name.upper(),
+                                   help=f"{help_text} [{', '.join(users)}; default {default}]")
+
+
+def _train_parser(sub: Any) -> argparse.ArgumentParser:
+    p = sub.add_parser("train", help="train a model data-parallel",
+                       description="Train a model data-parallel on local workers or under "
+                                   "torchrun / Slurm / mpirun.")
+    S = argparse.SUPPRESS
+    g = p.add_argument_group("what to train")
+    g.add_argument("--config", default=S, help="YAML or JSON file of settings (flags override)")
+    g.add_argument("--model", default=S, help="mlp, lenet5, alexnet, vgg11, resnet20, resnet56, "
+                   "resnet18, resnet50, or pkg.module:factory (default lenet5)")
+    g.add_argument("--dataset", default=S, help="digits, synthetic, mnist, fashion-mnist, cifar10, "
+                   "npz:PATH, imagefolder:PATH (default digits)")
+    g.add_argument("--data-dir", default=S, help="directory holding the dataset's files")
+    g.add_argument("--synthetic-shape", type=_shape, default=S, metavar="CxHxW",
+                   help="input shape of --dataset synthetic (default 3x32x32)")
+    g.add_argument("--synthetic-classes", type=int, default=S, metavar="N")
+    g.add_argument("--synthetic-samples", type=int, default=S, metavar="N",
+                   help="training samples of --dataset synthetic (test: a fifth as many)")
+    g.add_argument("--image-size", type=int, default=S, metavar="PX",
+                   help="resize imagefolder images to PX x PX")
+    g.add_argument("--augment", action="store_true", default=S,
+                   help="random flips and 4-pixel padded crops of training images")
+
+    g = p.add_argument_group("where and how")
+    g.add_argument("--workers", type=int, default=S,
+                   help="local worker processes to spawn (default: one per GPU with "
+                        "--device cuda, else 1); not used under torchrun/Slurm/mpirun")
+    g.add_argument("--threads-per-worker", type=int, default=S,
+                   help="intra-op threads per worker (default: cores // workers)")
+    g.add_argument("--device", default=S, choices=("auto", "cpu", "cuda"))
+    g.add_argument("--strategy", default=S,
+                   help="how workers couple (default sync); see `shoal list`")
+    g.add_argument("--timeout", type=float, default=S, metavar="S",
+                   help="seconds any collective may wait for a peer (default 300)")
+    _add_strategy_options(p.add_argument_group("strategy options"))
+
+    g = p.add_argument_group("optimization")
+    g.add_argument("--epochs", type=int, default=S)
+    g.add_argument("--batch-size", type=int, default=S, help="per worker (default 16)")
+    g.add_argument("--global-batch-size", type=int, default=S,
+                   help="total over workers; overrides --batch-size")
+    g.add_argument("--optimizer", default=S, choices=("sgd", "adam", "adamw"))
+    g.add_argument("--lr", type=float, default=S, help="peak learning rate (default 0.05)")
+    g.add_argument("--momentum", type=float, default=S)
+    g.add_argument("--nesterov", action="store_true", default=S)
+    g.add_argument("--weight-decay", type=float, default=S)
+    g.add_argument("--schedule", default=S, choices=("constant", "step", "cosine"))
+    g.add_argument("--warmup-epochs", type=float, default=S)
+    g.add_argument("--lr-milestones", type=_floats, default=S, metavar="E1,E2",
+                   help="epochs at which --schedule step multiplies the lr by --lr-gamma")
+    g.add_argument("--lr-gamma", type=float, default=S)
+    g.add_argument("--scale-lr", action="store_true", default=S,
+                   help="multiply the lr by the number of workers (linear scaling rule)")
+    g.add_argument("--seed", type=int, default=S)
+
+    g = p.add_argument_group("outputs")
+    g.add_argument("--out", default=S, help="run directory (default runs/latest)")
+    g.add_argument("--overwrite", action="store_true", default=S,
+                   help="start over in an --out that holds a run")
+    g.add_argument("--resume", nargs="?", const="", default=S, metavar="CHECKPOINT",
+                   help="continue from CHECKPOINT (default <out>/checkpoint.pt)")
+    g.add_argument("--checkpoint-every", type=int, default=S, metavar="STEPS",
+                   help="also checkpoint every STEPS steps (default: at each epoch end)")
+    g.add_argument("--stop-at-step", type=int, default=S, metavar="STEP",
+                   help="checkpoint and stop after STEP steps (split a run into jobs)")
+    g.add_argument("--log-every", type=int, default=S, metavar="STEPS")
+    g.add_argument("--eval-every", type=int, default=S, metavar="EPOCHS")
+    g.add_argument("--progress", default=S, choices=("auto", "bar", "plain", "none"))
+    return p
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = _Parser(prog="shoal", description="Data-parallel training on PyTorch.")
+    parser.add_argument("--debug", action="store_true", help="show tracebacks of errors")
+    from shoal import __version__
+
+    parser.add_argument("--version", action="version", version=f"shoal {__version__}")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
+    train = _train_parser(sub)
+    train.add_argument("--debug", action="store_true", default=argparse.SUPPRESS,
+                       help="show tracebacks of errors")
+    sub.add_parser("list", help="list models, datasets and strategies")
+    return parser
+
+
+def config_from_args(args: argparse.Namespace) -> Any:
+    """Merge defaults, ``--config`` file and flags into a validated TrainConfig."""
+    from shoal.config import TrainConfig, load_config_file
+
+    values: dict[str, Any] = {}
+    given = vars(args)
+    if "config" in given:
+        values.update(load_config_file(given["config"]))
+    options = dict(values.pop("strategy_options", None) or {})
+    for key, value in given.items():
+        if key.startswith("opt_"):
+            options[key[4:]] = value
+        elif key not in ("command", "config"):
+            values[key] = value
+    values["strategy_options"] = options
+    return TrainConfig.from_dict(values).validate()
+
+
+def _list() -> None:
+    from shoal.data import dataset_names
+    from shoal.models import MODELS
+    from shoal.strategies import STRATEGIES
+
+    print("models:     " + ", ".join(sorted(MODELS)))
+    print("datasets:   " + ", ".join(dataset_names()))
+    print("strategies:")
+    for name, cls in sorted(STRATEGIES.items()):
+        doc = (cls.__doc__ or "").strip().splitlines()[0] if cls.__doc__ else ""
+        print(f"  {name:<12} {doc}")
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    debug = "--debug" in argv
+    try:
+        args = build_parser().parse_args(argv)
+        if args.command == "train":
+            from shoal.train import train
+
+            train(config_from_args(args))
+        elif args.command == "list":
+            _list()
+        else:
+            build_parser().print_help()
+            return EXIT_USER_ERROR
+        return 0
+    except KeyboardInterrupt:
+        print("shoal: interrupted", file=sys.stderr)
+        return EXIT_INTERRUPTED
+    except ShoalError as exc:
+        if debug:
+            traceback.print_exc()
+            if isinstance(exc, WorkerError) and exc.traceback:
+                print(f"--- traceback on rank {exc.rank} ---\n{exc.traceback}", file=sys.stderr)
+        if isinstance(exc, WorkerError) and not exc.user_error:
+            hint = "" if debug else " (run with --debug for the traceback)"
+            print(f"shoal: error: {exc}{hint}", file=sys.stderr)
+            return EXIT_FAILURE
+        print(f"shoal: error: {exc}", file=sys.stderr)
+        return EXIT_USER_ERROR
+    except Exception as exc:
+        if debug:
+            traceback.print_exc()
+        first = (str(exc).splitlines() or [""])[0]
+        print(f"shoal: error: {type(exc).__name__}: {first} (run with --debug for the "
+              "traceback)", file=sys.stderr)
+        return EXIT_FAILURE
+
+
+if __name__ == "__main__":
+    sys.exit(main())

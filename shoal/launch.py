@@ -1,0 +1,302 @@
+"""Where this process sits in a job, and how to start local workers.
+
+A job is either started by shoal itself (``--workers N`` spawns N local processes) or by an
+outside launcher that already started one process per rank: torchrun (``RANK`` ...),
+Slurm's ``srun`` (``SLURM_PROCID`` ...) or mpirun (OpenMPI's ``OMPI_COMM_WORLD_*``,
+MPICH/Hydra's ``PMI_*``). :func:`detect_environment` reads those variables;
+:func:`spawn` starts and supervises local workers so that one failing worker brings the
+whole job down within seconds and its error is reported as one line.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import json
+import multiprocessing as mp
+import multiprocessing.connection
+import os
+import re
+import shutil
+import signal
+import socket
+import sys
+import tempfile
+import time
+import traceback
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from shoal.errors import ShoalError, WorkerError
+
+
+@dataclass(frozen=True)
+class Environment:
+    """This process's place in the job."""
+
+    rank: int = 0
+    world_size: int = 1
+    local_rank: int = 0
+    local_world_size: int = 1
+    master_addr: str = "127.0.0.1"
+    master_port: int = 29500
+    launcher: str = "none"  # none | local | torchrun | slurm | mpi
+
+    @property
+    def distributed(self) -> bool:
+        return self.world_size > 1
+
+    def export(self) -> None:
+        """Set the variables torch.distributed's ``env://`` rendezvous reads."""
+        os.environ.update(
+            RANK=str(self.rank),
+            WORLD_SIZE=str(self.world_size),
+            LOCAL_RANK=str(self.local_rank),
+            LOCAL_WORLD_SIZE=str(self.local_world_size),
+            MASTER_ADDR=self.master_addr,
+            MASTER_PORT=str(self.master_port),
+        )
+
+
+def _int(env: Mapping[str, str], *names: str, default: int | None = None) -> int:
+    for name in names:
+        if name in env:
+            try:
+                return int(env[name])
+            except ValueError:
+                raise ShoalError(f"environment variable {name}={env[name]!r} is not an integer")
+    if default is None:
+        raise ShoalError(f"environment variable {names[0]} is not set")
+    return default
+
+
+def expand_hostlist(nodelist: str) -> list[str]:
+    """Expand a Slurm node list such as ``gpu[01-03,7],login1`` into host names."""
+    hosts: list[str] = []
+    for part in re.findall(r"[^,\[]+(?:\[[^\]]*\])?[^,]*", nodelist):
+        m = re.fullmatch(r"([^\[]*)\[([^\]]*)\](.*)", part)
+        if not m:
+            hosts.append(part)
+            continue
+        prefix, ranges, suffix = m.groups()
+        for item in ranges.split(","):
+            lo, _, hi = item.partition("-")
+            if not hi:
+                hosts.append(f"{prefix}{lo}{suffix}")
+                continue
+            width = len(lo) if lo.startswith("0") else 0
+            for i in range(int(lo), int(hi) + 1):
+                hosts.append(f"{prefix}{i:0{width}d}{suffix}")
+    return hosts
+
+
+def detect_environment(env: Mapping[str, str] | None = None) -> Environment | None:
+    """The job this process belongs to, if an outside launcher started it; else ``None``.
+
+    Checked in order: torchrun (or any launcher that sets ``RANK``/``WORLD_SIZE``), Slurm
+    (``srun`` with more than one task), OpenMPI, MPICH/Hydra.
+    """
+    env = os.environ if env is None else env
+    if "RANK" in env and "WORLD_SIZE" in env:
+        world = _int(env, "WORLD_SIZE")
+        return Environment(
+            rank=_int(env, "RANK"),
+            world_size=world,
+            local_rank=_int(env, "LOCAL_RANK", default=0),
+            local_world_size=_int(env, "LOCAL_WORLD_SIZE", default=world),
+            master_addr=env.get("MASTER_ADDR", "127.0.0.1"),
+            master_port=_int(env, "MASTER_PORT", default=29500),
+            launcher="torchrun",
+        )
+    if "SLURM_PROCID" in env and _int(env, "SLURM_NTASKS", default=1) > 1:
+        addr = env.get("MASTER_ADDR")
+        if addr is None:
+            nodes = env.get("SLURM_STEP_NODELIST") or env.get("SLURM_JOB_NODELIST")
+            if not nodes:
+                raise ShoalError("under Slurm, set MASTER_ADDR or SLURM_JOB_NODELIST")
+            addr = expand_hostlist(nodes)[0]
+        job = _int(env, "SLURM_JOB_ID", default=0)
+        return Environment(
+            rank=_int(env, "SLURM_PROCID"),
+            world_size=_int(env, "SLURM_NTASKS"),
+            local_rank=_int(env, "SLURM_LOCALID", default=0),
+            local_world_size=_int(env, "SLURM_NTASKS_PER_NODE", default=1)
+            if env.get("SLURM_NTASKS_PER_NODE", "").isdigit()
+            else 1,
+            master_addr=addr,
+            master_port=_int(env, "MASTER_PORT", default=10000 + job % 20000),
+            launcher="slurm",
+        )
+    for size, rank, local, local_size in (
+        ("OMPI_COMM_WORLD_SIZE", "OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_LOCAL_RANK",
+         "OMPI_COMM_WORLD_LOCAL_SIZE"),
+        ("PMI_SIZE", "PMI_RANK", "MPI_LOCALRANKID", "MPI_LOCALNRANKS"),
+    ):
+        if size in env and _int(env, size) > 1:
+            if "MASTER_ADDR" not in env:
+                raise ShoalError(
+                    "under mpirun, set MASTER_ADDR (and MASTER_PORT) to the address of rank 0's "
+                    "host, e.g. mpirun -x MASTER_ADDR=node1 ..."
+                )
+            world = _int(env, size)
+            return Environment(
+                rank=_int(env, rank),
+                world_size=world,
+                local_rank=_int(env, local, default=0),
+                local_world_size=_int(env, local_size, default=world),
+                master_addr=env["MASTER_ADDR"],
+                master_port=_int(env, "MASTER_PORT", default=29500),
+                launcher="mpi",
+            )
+    return None
+
+
+def free_port() -> int:
+    """A TCP port on the loopback interface that was free a moment ago."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def die_with_parent() -> None:
+    """Ask Linux to SIGTERM this process when its parent dies (no orphaned workers)."""
+    if sys.platform.startswith("linux"):
+        try:
+            libc = ctypes.CDLL("libc.so.6", use_errno=True)
+            libc.prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+        except OSError:
+            pass
+
+
+def is_comm_failure(exc: BaseException) -> bool:
+    """Whether ``exc`` looks like the echo of another rank's failure (peer closed, timeout)."""
+    import torch.distributed as dist
+
+    if isinstance(exc, dist.DistError):
+        return True
+    text = str(exc).lower()
+    return any(
+        s in text
+        for s in ("connection closed", "connection reset", "gloo", "nccl", "broken pipe",
+                  "socket", "timed out", "timeout")
+    )
+
+
+def record_failure(errdir: str, rank: int, exc: BaseException) -> None:
+    """Write what went wrong on this rank where the supervising parent will read it."""
+    info = {
+        "rank": rank,
+        "time": time.time(),
+        "type": type(exc).__name__,
+        "message": str(exc) or type(exc).__name__,
+        "primary": isinstance(exc, ShoalError) or not is_comm_failure(exc),
+        "user_error": isinstance(exc, ShoalError),
+        "traceback": "".join(traceback.format_exception(exc)),
+    }
+    tmp = os.path.join(errdir, f".rank{rank}.tmp")
+    with open(tmp, "w") as f:
+        json.dump(info, f)
+    os.replace(tmp, os.path.join(errdir, f"rank{rank}.json"))
+
+
+def _worker_main(
+    env: Environment, errdir: str, target: Callable[..., Any], args: tuple[Any, ...]
+) -> None:
+    die_with_parent()
+    env.export()
+    os.environ["SHOAL_ERROR_DIR"] = errdir
+    try:
+        target(*args)
+    except KeyboardInterrupt:
+        sys.exit(130)
+    except BaseException as exc:  # reported by the parent, one line
+        if isinstance(exc, SystemExit) and not exc.code:
+            raise
+        record_failure(errdir, env.rank, exc)
+        sys.exit(1)
+
+
+def _first_error(errdir: str) -> dict[str, Any] | None:
+    found = []
+    for name in os.listdir(errdir):
+        if name.startswith("rank") and name.endswith(".json"):
+            with open(os.path.join(errdir, name)) as f:
+                found.append(json.load(f))
+    if not found:
+        return None
+    # A real error beats the "peer closed the connection" it caused on the other ranks.
+    found.sort(key=lambda e: (not e["primary"], e["time"]))
+    return found[0]
+
+
+def _wait_all(procs: list[Any], timeout: float) -> list[Any]:
+    """Wait up to ``timeout`` seconds for all ``procs`` to exit; return those still running."""
+    deadline = time.monotonic() + timeout
+    while True:
+        alive = [p for p in procs if p.exitcode is None]
+        remaining = deadline - time.monotonic()
+        if not alive or remaining <= 0:
+            return alive
+        mp.connection.wait([p.sentinel for p in alive], timeout=remaining)
+
+
+def _stop(procs: list[Any], grace: float) -> None:
+    """Give workers ``grace`` seconds to exit by themselves, then SIGTERM, then SIGKILL."""
+    alive = _wait_all(procs, grace)
+    for p in alive:
+        p.terminate()
+    for p in _wait_all(alive, 5.0):
+        p.kill()
+    _wait_all(procs, 5.0)
+    for p in procs:
+        p.join(timeout=0)
+
+
+def spawn(
+    nprocs: int,
+    target: Callable[..., Any],
+    args: tuple[Any, ...] = (),
+    *,
+    grace: float = 2.0,
+) -> None:
+    """Run ``target(*args)`` in ``nprocs`` fresh processes joined as one job on this machine.
+
+    Each process gets ``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``, ``MASTER_ADDR`` and
+    ``MASTER_PORT`` (a free port) in its environment. Returns when all exit cleanly. When one
+    fails, the others get ``grace`` seconds to notice and are then terminated, and a
+    :class:`WorkerError` describing the root-cause failure is raised. Ctrl-C stops them all.
+    """
+    if nprocs < 1:
+        raise ShoalError(f"need at least 1 worker, got {nprocs}")
+    ctx = mp.get_context("spawn")
+    port = free_port()
+    errdir = tempfile.mkdtemp(prefix="shoal-errors-")
+    procs = []
+    try:
+        for rank in range(nprocs):
+            env = Environment(rank, nprocs, rank, nprocs, "127.0.0.1", port, "local")
+            p = ctx.Process(target=_worker_main, args=(env, errdir, target, args), daemon=False)
+            p.start()
+            procs.append(p)
+        failed = None
+        pending = list(procs)
+        while pending and failed is None:
+            mp.connection.wait([p.sentinel for p in pending], timeout=1.0)
+            for p in pending:
+                if p.exitcode is not None and p.exitcode != 0:
+                    failed = p
+            pending = [p for p in pending if p.exitcode is None]
+        if failed is None:
+            return
+        _stop(procs, grace)
+        err = _first_error(errdir)
+        if err is None:
+            rank = procs.index(failed)
+            code = failed.exitcode
+            how = f"killed by signal {-code}" if code < 0 else f"exited with code {code}"
+            raise WorkerError(rank, f"worker process {how}")
+        message = err["message"] if err["user_error"] else f"{err['type']}: {err['message']}"
+        raise WorkerError(err["rank"], message, err["traceback"], err["user_error"])
+    finally:
+        _stop(procs, 0.0)
+        shutil.rmtree(errdir, ignore_errors=True)

@@ -1,0 +1,429 @@
+"""The training loop: one epoch after another, every step through the chosen strategy.
+
+Runs the same in every worker process; ranks appear only through the :class:`Comm` (which
+rows of the data this worker reads, and who writes files). Each step is timed into data,
+compute, communication, waiting, optimizer and the loop's own bookkeeping.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import shoal
+from shoal.comm import Comm
+from shoal.config import TrainConfig
+from shoal.data import DataOptions, Dataset, EpochPlan, Split, load_dataset, shard_range
+from shoal.data.augment import flip_and_crop
+from shoal.errors import ShoalError
+from shoal.models import build_model, count_parameters
+from shoal.strategies import Strategy, get_strategy, make_options
+from shoal.timeline import Timeline
+from shoal.train.checkpoint import load_checkpoint, remove_stale_temporaries, save_checkpoint
+from shoal.train.checkpoint import to_cpu
+from shoal.train.metrics import TIME_CATEGORIES, MetricsLog, comm_fraction, time_split, write_json
+from shoal.train.optim import build_optimizer, build_schedule
+from shoal.train.progress import Progress
+
+#: Configuration keys that must match between a checkpoint and the run resuming it.
+RESUME_KEYS = ("model", "dataset", "strategy", "seed", "optimizer")
+
+
+def data_options(cfg: TrainConfig) -> DataOptions:
+    return DataOptions(cfg.data_dir, cfg.seed, tuple(cfg.synthetic_shape), cfg.synthetic_classes,
+                       cfg.synthetic_samples, cfg.image_size)
+
+
+def check_resume(payload: dict[str, Any], cfg: TrainConfig, world: int,
+                 strategy_cls: type[Strategy]) -> None:
+    """Raise a one-line error if ``payload`` cannot continue under ``cfg`` on ``world`` ranks."""
+    saved = payload["config"]
+    for key in RESUME_KEYS:
+        if saved.get(key) != getattr(cfg, key):
+            raise ShoalError(f"checkpoint was made with {key}={saved.get(key)!r}, "
+                             f"this run has {key}={getattr(cfg, key)!r}")
+    if payload["global_batch"] != cfg.global_batch(world):
+        raise ShoalError(f"checkpoint was made with a global batch of {payload['global_batch']}, "
+                         f"this run has {cfg.global_batch(world)}")
+    if not strategy_cls.replicas_in_sync and len(payload["ranks"]) != world:
+        raise ShoalError(f"checkpoint holds {len(payload['ranks'])} workers' state; strategy "
+                         f"{cfg.strategy} must resume on as many, not {world}")
+
+
+def preflight(cfg: TrainConfig, world: int) -> Dataset:
+    """Everything that can be checked before workers start: data, model fit, strategy
+    options, output directory and resume file. Returns the loaded dataset."""
+    strategy_cls = get_strategy(cfg.strategy)
+    make_options(strategy_cls, cfg.strategy_options)
+    data = load_dataset(cfg.dataset, data_options(cfg))
+    build_model(cfg.model, data.input_shape, data.num_classes)
+    EpochPlan(len(data.train), cfg.global_batch(world), world, cfg.seed)
+    out = Path(cfg.out)
+    if out.exists() and not out.is_dir():
+        raise ShoalError(f"--out {out} exists and is not a directory")
+    if cfg.resume_path is not None:
+        check_resume(load_checkpoint(cfg.resume_path), cfg, world, strategy_cls)
+    elif not cfg.overwrite and any((out / f).exists() for f in ("checkpoint.pt", "metrics.jsonl")):
+        raise ShoalError(f"{out} already holds a run; pass --resume to continue it or "
+                         "--overwrite to start over")
+    return data
+
+
+@dataclass
+class RunState:
+    """Where training is, and what has been accumulated; saved in checkpoints."""
+
+    epoch: int = 0  # epochs completed
+    epoch_step: int = 0  # steps completed in the current epoch
+    step: int = 0  # steps completed in all
+    samples: int = 0  # training samples processed, all ranks
+    train_time_s: float = 0.0  # rank 0's time inside training steps
+    wall_time_s: float = 0.0  # earlier invocations' wall time
+    times: dict[str, float] = field(default_factory=dict)  # this rank's time per category
+    bytes_sent: int = 0  # this rank's payload
+    epoch_sums: list[float] = field(default_factory=lambda: [0.0, 0.0, 0.0])  # loss, correct, n
+
+
+class Trainer:
+    """Trains ``cfg.model`` on ``cfg.dataset`` in this worker; call :meth:`run`."""
+
+    def __init__(self, cfg: TrainConfig, comm: Comm, data: Dataset | None = None) -> None:
+        self.cfg, self.comm = cfg, comm
+        self.rank, self.world = comm.rank, comm.world_size
+        self.device = comm.device
+        self.is_main = self.rank == 0
+        self.tl = comm.timeline
+        if self.device.type == "cuda":
+            self.tl.set_synchronize(torch.cuda.synchronize)
+        self.out = Path(cfg.out)
+        self.data = data if data is not None else load_dataset(cfg.dataset, data_options(cfg))
+        self.plan = EpochPlan(len(self.data.train), cfg.global_batch(self.world), self.world,
+                              cfg.seed)
+        torch.manual_seed(cfg.seed)  # identical initial weights on every rank
+        self.model = build_model(cfg.model, self.data.input_shape,
+                                 self.data.num_classes).to(self.device)
+        self.optimizer = build_optimizer(cfg, self.model.parameters(), cfg.base_lr(self.world))
+        self.scheduler = build_schedule(cfg, self.optimizer, self.plan.steps_per_epoch)
+        torch.manual_seed(cfg.seed + 1 + self.rank)  # dropout differs between ranks
+        self.aug_gen = torch.Generator().manual_seed(cfg.seed + 10_007 * (self.rank + 1))
+        self.state = RunState()
+        strategy_cls = get_strategy(cfg.strategy)
+        payload = self._load_resume(strategy_cls) if cfg.resume_path is not None else None
+        self.strategy = strategy_cls(self.model, self.optimizer, comm,
+                                     make_options(strategy_cls, cfg.strategy_options))
+        if payload is not None:
+            self._restore(payload)
+        self.progress = Progress(cfg.progress, enabled=self.is_main)
+        self.log: MetricsLog | None = None
+
+    # -- checkpoints --------------------------------------------------------------------------
+    def _load_resume(self, strategy_cls: type[Strategy]) -> dict[str, Any]:
+        """Rank 0 reads the checkpoint and sends it to all; errors reach every rank."""
+        payload, error = None, None
+        if self.is_main:
+            try:
+                payload = load_checkpoint(self.cfg.resume_path)
+                check_resume(payload, self.cfg, self.world, strategy_cls)
+            except ShoalError as exc:
+                payload, error = None, str(exc)
+        payload, error = self.comm.broadcast_object((payload, error))
+        if error:
+            raise ShoalError(error)
+        # Model and optimizer before the strategy is built: DDP and friends start from them.
+        mine = payload["ranks"][self.rank] if self.rank < len(payload["ranks"]) else None
+        in_sync = strategy_cls.replicas_in_sync
+        self.model.load_state_dict(payload["model"] if in_sync else mine["model"])
+        self.optimizer.load_state_dict(payload["optimizer"] if in_sync else mine["optimizer"])
+        self.scheduler.load_state_dict(payload["scheduler"])
+        return payload
+
+    def _restore(self, payload: dict[str, Any]) -> None:
+        p = payload["progress"]
+        self.state = RunState(
+            epoch=p["epoch"], epoch_step=p["epoch_step"], step=p["step"], samples=p["samples"],
+            train_time_s=p["train_time_s"], wall_time_s=p["wall_time_s"],
+        )
+        if self.rank < len(payload["ranks"]):
+            mine = payload["ranks"][self.rank]
+            torch.set_rng_state(mine["rng"])
+            self.aug_gen.set_state(mine["aug_rng"])
+            if self.device.type == "cuda" and "cuda_rng" in mine:
+                torch.cuda.set_rng_state(mine["cuda_rng"])
+            self.strategy.load_state_dict(mine["strategy"])
+            self.state.times = dict(mine["times"])
+            self.state.bytes_sent = int(mine["bytes_sent"])
+            self.state.epoch_sums = list(mine["epoch_sums"])
+        self.comm.bytes_sent = self.state.bytes_sent
+        self.tl.totals.update(self.state.times)
+
+    def _check_finite(self, what: str) -> None:
+        bad = any(not torch.isfinite(p).all() for p in self.strategy.eval_module.parameters())
+        if self.comm.reduce_values([float(bad)], "max")[0]:
+            raise ShoalError(f"parameters became non-finite by step {self.state.step}; "
+                             f"{what} (lower --lr?)")
+
+    def save(self) -> None:
+        """Write ``checkpoint.pt`` atomically (rank 0), with every rank's own state."""
+        self._check_finite("checkpoint not written, the last good one is kept")
+        with self.tl.span("checkpoint"):
+            self._sync_state()
+            local: dict[str, Any] = {
+                "rng": torch.get_rng_state(),
+                "aug_rng": self.aug_gen.get_state(),
+                "strategy": self.strategy.state_dict(),
+                "times": dict(self.state.times),
+                "bytes_sent": self.state.bytes_sent,
+                "epoch_sums": self._epoch_sums(),
+            }
+            if self.device.type == "cuda":
+                local["cuda_rng"] = torch.cuda.get_rng_state()
+            if not self.strategy.replicas_in_sync:
+                local["model"] = self.model.state_dict()
+                local["optimizer"] = self.optimizer.state_dict()
+            ranks = self.comm.gather_objects(to_cpu(local))
+            if self.is_main:
+                s = self.state
+                save_checkpoint(self.cfg.checkpoint_path, {
+                    "config": self.cfg.to_dict(),
+                    "global_batch": self.plan.global_batch,
+                    "world_size": self.world,
+                    "progress": {
+                        "epoch": s.epoch, "epoch_step": s.epoch_step, "step": s.step,
+                        "samples": s.samples, "train_time_s": s.train_time_s,
+                        "wall_time_s": s.wall_time_s + (time.perf_counter() - self._t0),
+                    },
+                    "model": to_cpu(self.strategy.eval_module.state_dict()),
+                    "optimizer": to_cpu(self.optimizer.state_dict()),
+                    "scheduler": self.scheduler.state_dict(),
+                    "ranks": ranks,
+                })
+
+    # -- one step -----------------------------------------------------------------------------
+    def _sync_state(self) -> None:
+        self.state.times = {k: v for k, v in self.tl.totals.items() if k in TIME_CATEGORIES}
+        self.state.bytes_sent = self.comm.bytes_sent
+
+    def _batch(self, split: Split, idx: torch.Tensor, train: bool) -> tuple[torch.Tensor, ...]:
+        x, y = split.get_batch(idx)
+        if train and self.cfg.augment:
+            x = flip_and_crop(x, self.aug_gen)
+        return x.to(self.device, non_blocking=True), y.to(self.device, non_blocking=True)
+
+    def train_step(self, perm: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, int, int]:
+        """One step: returns (loss sum, correct, local samples, global samples) of the batch."""
+        tl, strategy = self.tl, self.strategy
+        with tl.span("data"):
+            idx, n_global = self.plan.local(perm, self.state.epoch_step, self.rank)
+            x, y = self._batch(self.data.train, idx, train=True)
+        with tl.span("compute"):
+            out = strategy.module(x)
+            loss = F.cross_entropy(out, y)
+            strategy.backward(loss * strategy.loss_weight(len(idx), n_global))
+        with tl.span("optim"):
+            strategy.step()
+            self.scheduler.step()
+            strategy.zero_grad()
+        with torch.no_grad():
+            correct = (out.argmax(1) == y).sum()
+        return loss.detach() * len(idx), correct, len(idx), n_global
+
+    # -- evaluation ---------------------------------------------------------------------------
+    @torch.no_grad()
+    def evaluate(self) -> tuple[float, float]:
+        """Test loss and accuracy of the strategy's evaluation model; each rank a shard."""
+        model: nn.Module = self.strategy.eval_module
+        was_training = model.training
+        model.eval()
+        test = self.data.test
+        lo, hi = shard_range(len(test), self.world, self.rank)
+        loss_sum = torch.zeros((), dtype=torch.float64, device=self.device)
+        correct = torch.zeros((), dtype=torch.float64, device=self.device)
+        batch = max(256, 2 * self.cfg.batch_size)
+        for start in range(lo, hi, batch):
+            x, y = self._batch(test, torch.arange(start, min(start + batch, hi)), train=False)
+            out = model(x)
+            loss_sum += F.cross_entropy(out, y, reduction="sum").double()
+            correct += (out.argmax(1) == y).sum()
+        model.train(was_training)
+        total_loss, total_correct = self.comm.reduce_values([loss_sum.item(), correct.item()])
+        return total_loss / len(test), total_correct / len(test)
+
+    # -- the loop -----------------------------------------------------------------------------
+    def _log_step(self, loss_sum: float, correct: float, n: int, samples: int,
+                  times: dict[str, float]) -> None:
+        if not math.isfinite(loss_sum):
+            raise ShoalError(f"training loss became {loss_sum / max(n, 1)} by step "
+                             f"{self.state.step} (epoch {self.state.epoch + 1}); "
+                             "lower --lr or check the data")
+        if self.log is None:
+            return
+        step_time = sum(times.values())
+        self.log.write({
+            "event": "step", "epoch": self.state.epoch + 1, "step": self.state.step,
+            "loss": loss_sum / n, "accuracy": correct / n,
+            "lr": self.optimizer.param_groups[0]["lr"],
+            "samples_per_s": samples / step_time if step_time > 0 else None,
+            "time_s": time_split(times), "comm_fraction": comm_fraction(times),
+            "bytes_sent": self.comm.bytes_sent,
+            "elapsed_s": self.state.wall_time_s + time.perf_counter() - self._t0,
+        })
+
+    def _epoch_sums(self) -> list[float]:
+        """This rank's (loss sum, correct, samples) of the epoch so far."""
+        return [a + b for a, b in zip(self.state.epoch_sums, self._epoch_acc.tolist())]
+
+    def run(self) -> dict[str, Any] | None:
+        """Train to ``cfg.epochs`` (or ``cfg.stop_at_step``); rank 0 returns the summary."""
+        cfg, st, tl, plan = self.cfg, self.state, self.tl, self.plan
+        self._t0 = time.perf_counter()
+        self._epoch_acc = torch.zeros(3, dtype=torch.float64, device=self.device)
+        if self.is_main:
+            self.out.mkdir(parents=True, exist_ok=True)
+            remove_stale_temporaries(self.out)
+            write_json(self.out / "config.json", {**cfg.to_dict(), "world_size": self.world})
+            self.log = MetricsLog(self.out / "metrics.jsonl",
+                                  keep_until_step=st.step if cfg.resume_path else None)
+            self.progress.line(
+                f"shoal: {cfg.model} on {self.data.describe()}; {self.world} worker(s), "
+                f"strategy {cfg.strategy}, global batch {plan.global_batch}, "
+                f"{plan.steps_per_epoch} steps/epoch")
+        stopped = False
+        saved_at = -1
+        test_loss = test_acc = float("nan")
+        while st.epoch < cfg.epochs and not stopped:
+            perm = plan.permutation(st.epoch)
+            self.strategy.module.train()
+            self.progress.start_epoch(st.epoch + 1, cfg.epochs, plan.steps_per_epoch, st.epoch_step)
+            epoch_start = interval_start = tl.snapshot()
+            interval = torch.zeros(3, dtype=torch.float64, device=self.device)
+            interval_samples = epoch_samples = 0
+            while st.epoch_step < plan.steps_per_epoch:
+                t_step = time.perf_counter()
+                with tl.span("other", "step"):
+                    loss_sum, correct, n, n_global = self.train_step(perm)
+                    sums = torch.stack([loss_sum.double(), correct.double(),
+                                        torch.tensor(float(n), dtype=torch.float64,
+                                                     device=self.device)])
+                    interval += sums
+                    self._epoch_acc += sums
+                st.train_time_s += time.perf_counter() - t_step
+                st.step += 1
+                st.epoch_step += 1
+                st.samples += n_global
+                interval_samples += n_global
+                epoch_samples += n_global
+                if st.step % cfg.log_every == 0 or st.epoch_step == plan.steps_per_epoch:
+                    now = tl.snapshot()
+                    ls, co, cnt = interval.tolist()
+                    self._log_step(ls, co, int(cnt), interval_samples,
+                                   self._step_times(Timeline.delta(now, interval_start)))
+                    self.progress.step(ls / cnt)
+                    interval.zero_()
+                    interval_samples, interval_start = 0, now
+                else:
+                    self.progress.step()
+                if cfg.stop_at_step is not None and st.step >= cfg.stop_at_step:
+                    stopped = True
+                    break
+                if cfg.checkpoint_every and st.step % cfg.checkpoint_every == 0:
+                    self.save()
+                    saved_at = st.step
+            self.progress.end_epoch()
+            if stopped:
+                break
+            self.strategy.end_epoch(st.epoch)
+            loss_all, correct_all, n_all = self.comm.reduce_values(self._epoch_sums())
+            self._epoch_acc.zero_()
+            st.epoch, st.epoch_step, st.epoch_sums = st.epoch + 1, 0, [0.0, 0.0, 0.0]
+            if st.epoch % cfg.eval_every == 0 or st.epoch == cfg.epochs:
+                with tl.span("eval"):
+                    test_loss, test_acc = self.evaluate()
+            self._end_epoch_record(loss_all / n_all, correct_all / n_all, test_loss, test_acc,
+                                   epoch_samples,
+                                   self._step_times(Timeline.delta(tl.snapshot(), epoch_start)))
+            if not cfg.checkpoint_every:
+                self.save()
+                saved_at = st.step
+        if saved_at != st.step:
+            self.save()
+        if not stopped and math.isnan(test_acc):
+            test_loss, test_acc = self.evaluate()
+        return self._finish(stopped, test_loss, test_acc)
+
+    @staticmethod
+    def _step_times(times: dict[str, float]) -> dict[str, float]:
+        return {k: v for k, v in times.items() if k in TIME_CATEGORIES}
+
+    def _end_epoch_record(self, train_loss: float, train_acc: float, test_loss: float,
+                          test_acc: float, samples: int, times: dict[str, float]) -> None:
+        self._last_train = (train_loss, train_acc)
+        if not math.isfinite(train_loss):
+            raise ShoalError(f"training loss became {train_loss} in epoch {self.state.epoch}; "
+                             "lower --lr or check the data")
+        if not self.is_main:
+            return
+        step_times = times
+        step_time = sum(step_times.values())
+        assert self.log is not None
+        self.log.write({
+            "event": "epoch", "epoch": self.state.epoch, "step": self.state.step,
+            "train_loss": train_loss, "train_accuracy": train_acc,
+            "test_loss": test_loss, "test_accuracy": test_acc,
+            "lr": self.optimizer.param_groups[0]["lr"],
+            "samples_per_s": samples / step_time if step_time > 0 else None,
+            "time_s": time_split(step_times), "comm_fraction": comm_fraction(step_times),
+            "bytes_sent": self.comm.bytes_sent,
+            "elapsed_s": self.state.wall_time_s + time.perf_counter() - self._t0,
+        })
+        test = f"  test loss {test_loss:.4f} acc {100 * test_acc:.1f}%" \
+            if math.isfinite(test_acc) else ""
+        self.progress.line(
+            f"epoch {self.state.epoch:>3}/{self.cfg.epochs}  train loss {train_loss:.4f} "
+            f"acc {100 * train_acc:.1f}%{test}  {samples / max(step_time, 1e-9):,.0f} samples/s"
+            f"  comm {100 * comm_fraction(step_times):.0f}%")
+
+    def _finish(self, stopped: bool, test_loss: float, test_acc: float) -> dict[str, Any] | None:
+        st = self.state
+        self._sync_state()
+        keys = list(TIME_CATEGORIES)
+        summed = self.comm.reduce_values([st.times.get(k, 0.0) for k in keys]
+                                         + [float(self.comm.bytes_sent)])
+        times = {k: v / self.world for k, v in zip(keys, summed[:-1])}
+        total_bytes = summed[-1]
+        if self.log is not None:
+            self.log.close()
+        if not self.is_main:
+            return None
+        train_loss, train_acc = getattr(self, "_last_train", (float("nan"), float("nan")))
+        wall = st.wall_time_s + time.perf_counter() - self._t0
+        summary = {
+            "model": self.cfg.model, "dataset": self.cfg.dataset, "strategy": self.cfg.strategy,
+            "strategy_options": self.cfg.strategy_options,
+            "workers": self.world, "device": str(self.device),
+            "global_batch": self.plan.global_batch, "epochs": st.epoch, "steps": st.step,
+            "completed": not stopped and st.epoch >= self.cfg.epochs,
+            "test_accuracy": test_acc, "test_loss": test_loss,
+            "train_loss": train_loss, "train_accuracy": train_acc,
+            "wall_time_s": wall, "train_time_s": st.train_time_s, "samples": st.samples,
+            "samples_per_s": st.samples / st.train_time_s if st.train_time_s > 0 else None,
+            "comm_fraction": comm_fraction(times), "time_s": time_split(times),
+            "bytes_sent": total_bytes,
+            "bytes_per_sample": total_bytes / st.samples if st.samples else None,
+            "parameters": count_parameters(self.model),
+            "torch_version": torch.__version__, "shoal_version": shoal.__version__,
+        }
+        write_json(self.out / "summary.json", summary)
+        if stopped:
+            self.progress.line(f"stopped at step {st.step} as asked; checkpoint in "
+                               f"{self.cfg.checkpoint_path} (continue with --resume)")
+        else:
+            self.progress.line(f"done: test accuracy {100 * test_acc:.2f}% after {st.epoch} "
+                               f"epochs in {wall:.1f} s; results in {self.out}")
+        return summary
