@@ -161,12 +161,17 @@ def build_parser() -> argparse.ArgumentParser:
 def config_from_args(args: argparse.Namespace) -> Any:
     """Merge defaults, ``--config`` file and flags into a validated TrainConfig."""
     from shoal.config import TrainConfig, load_config_file
+    from shoal.strategies import STRATEGIES, option_fields
 
     values: dict[str, Any] = {}
     given = vars(args)
     if "config" in given:
         values.update(load_config_file(given["config"]))
     options = dict(values.pop("strategy_options", None) or {})
+    # A file may give strategy options at the top level, as the flags do.
+    option_names = {f.name for cls in STRATEGIES.values() for f in option_fields(cls)}
+    for key in [k for k in values if k in option_names]:
+        options[key] = values.pop(key)
     for key, value in given.items():
         if key.startswith("opt_"):
             options[key[4:]] = value
@@ -189,6 +194,14 @@ def _list() -> None:
         print(f"  {name:<12} {doc}")
 
 
+def _where() -> str:
+    """``rank N: `` when this process is one rank of a job started by an outside launcher."""
+    import os
+
+    world, rank = os.environ.get("WORLD_SIZE", "1"), os.environ.get("RANK")
+    return f"rank {rank}: " if rank is not None and world.isdigit() and int(world) > 1 else ""
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     debug = "--debug" in argv
@@ -208,6 +221,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         print("shoal: interrupted", file=sys.stderr)
         return EXIT_INTERRUPTED
     except ShoalError as exc:
+        where = _where() if not isinstance(exc, WorkerError) else ""
         if debug:
             traceback.print_exc()
             if isinstance(exc, WorkerError) and exc.traceback:
@@ -216,14 +230,14 @@ def main(argv: Sequence[str] | None = None) -> int:
             hint = "" if debug else " (run with --debug for the traceback)"
             print(f"shoal: error: {exc}{hint}", file=sys.stderr)
             return EXIT_FAILURE
-        print(f"shoal: error: {exc}", file=sys.stderr)
+        print(f"shoal: error: {where}{exc}", file=sys.stderr)
         return EXIT_USER_ERROR
     except Exception as exc:
         if debug:
             traceback.print_exc()
-        first = (str(exc).splitlines() or [""])[0]
-        print(f"shoal: error: {type(exc).__name__}: {first} (run with --debug for the "
-              "traceback)", file=sys.stderr)
+        first = (str(exc).strip().splitlines() or [""])[0]
+        hint = "" if debug else " (run with --debug for the traceback)"
+        print(f"shoal: error: {_where()}{type(exc).__name__}: {first}{hint}", file=sys.stderr)
         return EXIT_FAILURE
 
 

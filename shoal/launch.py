@@ -29,6 +29,9 @@ from typing import Any
 
 from shoal.errors import ShoalError, WorkerError
 
+#: Exit status of a rank that stopped because another rank failed (not a root cause).
+EXIT_ABORTED = 75
+
 
 @dataclass(frozen=True)
 class Environment:
@@ -64,7 +67,7 @@ def _int(env: Mapping[str, str], *names: str, default: int | None = None) -> int
             try:
                 return int(env[name])
             except ValueError:
-                raise ShoalError(f"environment variable {name}={env[name]!r} is not an integer")
+                raise ShoalError(f"environment variable {name}={env[name]!r} is not an integer") from None
     if default is None:
         raise ShoalError(f"environment variable {names[0]} is not set")
     return default
@@ -182,13 +185,18 @@ def is_comm_failure(exc: BaseException) -> bool:
     )
 
 
+def _first_line(exc: BaseException, limit: int = 400) -> str:
+    line = next((ln.strip() for ln in str(exc).splitlines() if ln.strip()), type(exc).__name__)
+    return line if len(line) <= limit else line[: limit - 3] + "..."
+
+
 def record_failure(errdir: str, rank: int, exc: BaseException) -> None:
     """Write what went wrong on this rank where the supervising parent will read it."""
     info = {
         "rank": rank,
         "time": time.time(),
         "type": type(exc).__name__,
-        "message": str(exc) or type(exc).__name__,
+        "message": _first_line(exc),
         "primary": isinstance(exc, ShoalError) or not is_comm_failure(exc),
         "user_error": isinstance(exc, ShoalError),
         "traceback": "".join(traceback.format_exception(exc)),
@@ -216,17 +224,36 @@ def _worker_main(
         sys.exit(1)
 
 
-def _first_error(errdir: str) -> dict[str, Any] | None:
-    found = []
+def _read_errors(errdir: str) -> dict[int, dict[str, Any]]:
+    found = {}
     for name in os.listdir(errdir):
         if name.startswith("rank") and name.endswith(".json"):
             with open(os.path.join(errdir, name)) as f:
-                found.append(json.load(f))
-    if not found:
-        return None
-    # A real error beats the "peer closed the connection" it caused on the other ranks.
-    found.sort(key=lambda e: (not e["primary"], e["time"]))
-    return found[0]
+                info = json.load(f)
+            found[info["rank"]] = info
+    return found
+
+
+def _root_cause(errdir: str, exits: dict[int, int]) -> WorkerError:
+    """The failure that started it, from the error files and the exit codes of ranks that
+    ended before shoal stopped the rest: a real error first; then a rank that died without a
+    word (killed, crashed); only then the "peer closed the connection" echoes of it."""
+    errors = _read_errors(errdir)
+    primary = sorted((e for e in errors.values() if e["primary"]), key=lambda e: e["time"])
+    silent = sorted((code >= 0, rank) for rank, code in exits.items()
+                    if rank not in errors and code not in (0, EXIT_ABORTED))
+    if not primary and silent:
+        rank = silent[0][1]
+        code = exits[rank]
+        how = f"killed by signal {-code}" if code < 0 else f"exited with code {code}"
+        return WorkerError(rank, f"worker process {how}")
+    echoes = sorted(errors.values(), key=lambda e: e["time"])
+    if primary or echoes:
+        err = (primary or echoes)[0]
+        message = err["message"] if err["user_error"] else f"{err['type']}: {err['message']}"
+        return WorkerError(err["rank"], message, err["traceback"], err["user_error"])
+    rank = min(exits)
+    return WorkerError(rank, f"worker process exited with code {exits[rank]}")
 
 
 def _wait_all(procs: list[Any], timeout: float) -> list[Any]:
@@ -282,21 +309,14 @@ def spawn(
         pending = list(procs)
         while pending and failed is None:
             mp.connection.wait([p.sentinel for p in pending], timeout=1.0)
-            for p in pending:
-                if p.exitcode is not None and p.exitcode != 0:
-                    failed = p
+            failed = next((p for p in pending if p.exitcode not in (None, 0)), None)
             pending = [p for p in pending if p.exitcode is None]
         if failed is None:
             return
+        # Exit codes now, before shoal's own SIGTERMs blur who died first.
+        exits = {r: p.exitcode for r, p in enumerate(procs) if p.exitcode not in (None, 0)}
         _stop(procs, grace)
-        err = _first_error(errdir)
-        if err is None:
-            rank = procs.index(failed)
-            code = failed.exitcode
-            how = f"killed by signal {-code}" if code < 0 else f"exited with code {code}"
-            raise WorkerError(rank, f"worker process {how}")
-        message = err["message"] if err["user_error"] else f"{err['type']}: {err['message']}"
-        raise WorkerError(err["rank"], message, err["traceback"], err["user_error"])
+        raise _root_cause(errdir, exits)
     finally:
         _stop(procs, 0.0)
         shutil.rmtree(errdir, ignore_errors=True)

@@ -13,7 +13,7 @@ import torch
 import torch.distributed as dist
 
 from shoal.errors import ShoalError
-from shoal.launch import Environment
+from shoal.launch import EXIT_ABORTED, Environment
 from shoal.timeline import Timeline
 
 _OPS = {
@@ -149,7 +149,8 @@ class Comm:
         """Tell every other rank that this one failed, so they exit instead of waiting."""
         if self._store is not None:
             try:
-                self._store.set(_ABORT_KEY, f"rank {self.rank}: {message}")
+                first = (message.strip().splitlines() or ["failed"])[0][:300]
+                self._store.set(_ABORT_KEY, f"rank {self.rank}: {first}")
             except Exception:  # the store may be gone already; the launcher still reaps us
                 pass
 
@@ -166,10 +167,12 @@ class Comm:
                     return
                 reason = "lost contact with the job's rendezvous store"
             if reason:
-                if not reason.startswith(f"rank {self.rank}:"):
-                    print(f"shoal: rank {self.rank} stopping: {reason}", file=sys.stderr, flush=True)
-                    os._exit(1)
-                return
+                if reason.startswith(f"rank {self.rank}:"):
+                    return
+                if "SHOAL_ERROR_DIR" not in os.environ:  # shoal's own launcher reports it
+                    print(f"shoal: rank {self.rank} stopping: {reason}", file=sys.stderr,
+                          flush=True)
+                os._exit(EXIT_ABORTED)
 
     def close(self) -> None:
         """Wait for every rank, stop the watchdog and leave the process group."""

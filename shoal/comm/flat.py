@@ -45,14 +45,14 @@ class FlatParams:
     def pack(self, buffer: torch.Tensor | None = None) -> torch.Tensor:
         """Copy the tensors into ``buffer`` (default :attr:`buffer`) and return it."""
         buf = self.buffer if buffer is None else buffer
-        for view, t in zip(self.views(buf), self.tensors):
+        for view, t in zip(self.views(buf), self.tensors, strict=False):
             view.copy_(t)
         return buf
 
     @torch.no_grad()
     def unpack(self, buffer: torch.Tensor | None = None) -> None:
         """Copy ``buffer`` (default :attr:`buffer`) back into the tensors."""
-        for t, view in zip(self.tensors, self.views(buffer)):
+        for t, view in zip(self.tensors, self.views(buffer), strict=False):
             t.copy_(view)
 
     def zeros_like(self) -> torch.Tensor:

@@ -41,7 +41,7 @@ def read_idx(path: Path) -> np.ndarray:
     if len(raw) - header != expected:
         raise ShoalError(f"{path}: IDX header promises {dims} ({expected} bytes of data) "
                          f"but the file holds {len(raw) - header}")
-    return np.frombuffer(raw, dtype=dtype, offset=header).reshape(dims)
+    return np.frombuffer(raw, dtype=dtype, offset=header).reshape(dims).copy()
 
 
 def _find(root: Path, subdir: str, stem: str) -> Path:

@@ -119,7 +119,7 @@ class ImageNetResNet(nn.Module):
         )
         stages: list[nn.Module] = []
         cin = 64
-        for i, (width, count) in enumerate(zip((64, 128, 256, 512), layers)):
+        for i, (width, count) in enumerate(zip((64, 128, 256, 512), layers, strict=False)):
             for j in range(count):
                 stages.append(block(cin, width, 2 if (i > 0 and j == 0) else 1))
                 cin = width * block.expansion

@@ -26,14 +26,19 @@ from shoal.errors import ShoalError
 from shoal.models import build_model, count_parameters
 from shoal.strategies import Strategy, get_strategy, make_options
 from shoal.timeline import Timeline
-from shoal.train.checkpoint import load_checkpoint, remove_stale_temporaries, save_checkpoint
-from shoal.train.checkpoint import to_cpu
+from shoal.train.checkpoint import (
+    load_checkpoint,
+    remove_stale_temporaries,
+    save_checkpoint,
+    to_cpu,
+)
 from shoal.train.metrics import TIME_CATEGORIES, MetricsLog, comm_fraction, time_split, write_json
 from shoal.train.optim import build_optimizer, build_schedule
 from shoal.train.progress import Progress
 
 #: Configuration keys that must match between a checkpoint and the run resuming it.
-RESUME_KEYS = ("model", "dataset", "strategy", "seed", "optimizer")
+RESUME_KEYS = ("model", "dataset", "strategy", "seed", "optimizer", "lr", "momentum",
+               "nesterov", "weight_decay", "scale_lr")
 
 
 def data_options(cfg: TrainConfig) -> DataOptions:
@@ -227,6 +232,7 @@ class Trainer:
             loss = F.cross_entropy(out, y)
             strategy.backward(loss * strategy.loss_weight(len(idx), n_global))
         with tl.span("optim"):
+            self._lr = self.optimizer.param_groups[0]["lr"]  # the rate this step used
             strategy.step()
             self.scheduler.step()
             strategy.zero_grad()
@@ -268,7 +274,7 @@ class Trainer:
         self.log.write({
             "event": "step", "epoch": self.state.epoch + 1, "step": self.state.step,
             "loss": loss_sum / n, "accuracy": correct / n,
-            "lr": self.optimizer.param_groups[0]["lr"],
+            "lr": self._lr,
             "samples_per_s": samples / step_time if step_time > 0 else None,
             "time_s": time_split(times), "comm_fraction": comm_fraction(times),
             "bytes_sent": self.comm.bytes_sent,
@@ -277,7 +283,7 @@ class Trainer:
 
     def _epoch_sums(self) -> list[float]:
         """This rank's (loss sum, correct, samples) of the epoch so far."""
-        return [a + b for a, b in zip(self.state.epoch_sums, self._epoch_acc.tolist())]
+        return [a + b for a, b in zip(self.state.epoch_sums, self._epoch_acc.tolist(), strict=False)]
 
     def run(self) -> dict[str, Any] | None:
         """Train to ``cfg.epochs`` (or ``cfg.stop_at_step``); rank 0 returns the summary."""
@@ -287,6 +293,7 @@ class Trainer:
         if self.is_main:
             self.out.mkdir(parents=True, exist_ok=True)
             remove_stale_temporaries(self.out)
+            (self.out / "summary.json").unlink(missing_ok=True)  # rewritten at the end
             write_json(self.out / "config.json", {**cfg.to_dict(), "world_size": self.world})
             self.log = MetricsLog(self.out / "metrics.jsonl",
                                   keep_until_step=st.step if cfg.resume_path else None)
@@ -376,7 +383,7 @@ class Trainer:
             "event": "epoch", "epoch": self.state.epoch, "step": self.state.step,
             "train_loss": train_loss, "train_accuracy": train_acc,
             "test_loss": test_loss, "test_accuracy": test_acc,
-            "lr": self.optimizer.param_groups[0]["lr"],
+            "lr": self._lr,
             "samples_per_s": samples / step_time if step_time > 0 else None,
             "time_s": time_split(step_times), "comm_fraction": comm_fraction(step_times),
             "bytes_sent": self.comm.bytes_sent,
@@ -395,7 +402,7 @@ class Trainer:
         keys = list(TIME_CATEGORIES)
         summed = self.comm.reduce_values([st.times.get(k, 0.0) for k in keys]
                                          + [float(self.comm.bytes_sent)])
-        times = {k: v / self.world for k, v in zip(keys, summed[:-1])}
+        times = {k: v / self.world for k, v in zip(keys, summed[:-1], strict=False)}
         total_bytes = summed[-1]
         if self.log is not None:
             self.log.close()

@@ -1,0 +1,90 @@
+"""The reference: a minimal hand-written PyTorch DDP training loop.
+
+Only ``torch`` is used in the timed part: ``init_process_group``, ``DistributedDataParallel``,
+SGD, cross-entropy. The model architecture and the data come from shoal so that both sides
+train exactly the same thing. Throughput is measured on rank 0 between two barriers, after
+``warmup`` steps.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from dataclasses import asdict, dataclass
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+import torch.nn.functional as F
+from torch.nn.parallel import DistributedDataParallel
+
+
+@dataclass
+class Workload:
+    """What both sides train: model on synthetic data of a shape, per-worker batch, steps."""
+
+    model: str = "resnet20"
+    shape: tuple[int, ...] = (3, 32, 32)
+    classes: int = 10
+    batch: int = 32
+    steps: int = 60
+    warmup: int = 10
+    lr: float = 0.05
+    momentum: float = 0.9
+    dataset: str = "synthetic"
+
+    def samples(self, workers: int) -> int:
+        return self.steps * self.batch * workers
+
+
+def _load(w: Workload, workers: int):
+    from shoal.data import DataOptions, load_dataset
+
+    return load_dataset(w.dataset, DataOptions(synthetic_shape=w.shape,
+                                               synthetic_classes=w.classes,
+                                               synthetic_samples=w.samples(workers)))
+
+
+def _worker(rank: int, workers: int, port: int, w: Workload, threads: int, out: str) -> None:
+    from shoal.models import build_model
+
+    torch.set_num_threads(threads)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                            world_size=workers)
+    data = _load(w, workers).train
+    torch.manual_seed(0)
+    model = build_model(w.model, w.shape, w.classes)
+    ddp = DistributedDataParallel(model)
+    opt = torch.optim.SGD(ddp.parameters(), lr=w.lr, momentum=w.momentum)
+    gen = torch.Generator().manual_seed(0)
+    perm = torch.randperm(len(data), generator=gen)
+    t0 = 0.0
+    for step in range(w.steps):
+        if step == w.warmup:
+            dist.barrier()
+            t0 = time.perf_counter()
+        start = (step * workers + rank) * w.batch
+        x, y = data.get_batch(perm[start : start + w.batch])
+        loss = F.cross_entropy(ddp(x), y)
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        opt.step()
+    dist.barrier()
+    elapsed = time.perf_counter() - t0
+    if rank == 0:
+        timed = (w.steps - w.warmup) * w.batch * workers
+        with open(out, "w") as f:
+            json.dump({"samples_per_s": timed / elapsed, "seconds": elapsed}, f)
+    dist.destroy_process_group()
+
+
+def run_reference(w: Workload, workers: int, threads: int, out: str) -> dict:
+    """Run the plain DDP loop on ``workers`` local processes; return its throughput."""
+    from shoal.launch import free_port
+
+    mp.spawn(_worker, args=(workers, free_port(), w, threads, out), nprocs=workers)
+    with open(out) as f:
+        result = json.load(f)
+    os.unlink(out)
+    return {**result, "workload": asdict(w)}

@@ -1,0 +1,89 @@
+"""Shared helpers: run the real ``shoal`` command in a subprocess, read its outputs."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import subprocess
+import sys
+import uuid
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def shoal_env(marker: str | None = None) -> dict[str, str]:
+    env = dict(os.environ)
+    env["PYTHONPATH"] = str(REPO) + os.pathsep + env.get("PYTHONPATH", "")
+    env["SHOAL_TEST_MARKER"] = marker or uuid.uuid4().hex
+    env.pop("RANK", None)
+    env.pop("WORLD_SIZE", None)
+    return env
+
+
+def run(args: list[str], timeout: float = 120, env: dict[str, str] | None = None,
+        cwd: Path | None = None) -> subprocess.CompletedProcess:
+    """Run ``args`` in a new session; kill the whole session if it outlives ``timeout``."""
+    proc = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env=env or shoal_env(), cwd=cwd or REPO, start_new_session=True)
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, err = proc.communicate()
+        pytest.fail(f"{' '.join(args)} did not finish in {timeout}s\n{out}\n{err}")
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)  # nothing of it may outlive the test
+    return subprocess.CompletedProcess(args, proc.returncode, out, err)
+
+
+def shoal(*args: str, timeout: float = 120, env: dict[str, str] | None = None
+          ) -> subprocess.CompletedProcess:
+    """``python -m shoal ARGS``."""
+    return run([sys.executable, "-m", "shoal", *args], timeout=timeout, env=env)
+
+
+def train(out: Path, *args: str, timeout: float = 120) -> dict[str, Any]:
+    """``shoal train`` that must succeed; returns summary.json."""
+    res = shoal("train", "--out", str(out), "--progress", "plain", *args, timeout=timeout)
+    assert res.returncode == 0, f"shoal train failed:\n{res.stdout}\n{res.stderr}"
+    return json.loads((out / "summary.json").read_text())
+
+
+def checkpoint_params(path: Path) -> dict[str, torch.Tensor]:
+    return torch.load(path, map_location="cpu", weights_only=True)["model"]
+
+
+def max_param_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
+    assert a.keys() == b.keys()
+    return max((a[k].double() - b[k].double()).abs().max().item() for k in a)
+
+
+def marked_processes(marker: str) -> list[int]:
+    """Pids of live processes whose environment carries ``marker``."""
+    pids = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            if marker.encode() in (entry / "environ").read_bytes():
+                pids.append(int(entry.name))
+        except OSError:
+            continue
+    return pids
+
+
+def one_error_line(stderr: str) -> str:
+    """The stderr of a failed command must be one ``shoal: error:`` line, no traceback."""
+    lines = [ln for ln in stderr.strip().splitlines() if ln.strip()]
+    assert "Traceback" not in stderr, stderr
+    errors = [ln for ln in lines if ln.startswith("shoal: error:")]
+    assert len(errors) == 1, stderr
+    return errors[0]

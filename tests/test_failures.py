@@ -1,0 +1,47 @@
+"""One failing rank brings the whole job down within seconds, with one line saying why."""
+
+import sys
+import time
+import uuid
+
+import pytest
+
+from conftest import marked_processes, one_error_line, run, shoal, shoal_env
+
+JOB = ["train", "--dataset", "digits", "--workers", "3", "--epochs", "2", "--timeout", "120",
+       "--progress", "none"]
+
+
+@pytest.mark.parametrize("model, expected", [
+    ("tests.fixtures_models:raises_on_rank1", "rank 1: RuntimeError: injected failure"),
+    ("tests.fixtures_models:killed_on_rank1", "rank 1: worker process killed by signal 9"),
+])
+def test_failing_rank_stops_the_job(tmp_path, model, expected):
+    marker = uuid.uuid4().hex
+    start = time.monotonic()
+    res = shoal(*JOB, "--model", model, "--out", str(tmp_path), env=shoal_env(marker), timeout=60)
+    elapsed = time.monotonic() - start
+    assert res.returncode == 1
+    assert expected in one_error_line(res.stderr)
+    assert elapsed < 40, f"job took {elapsed:.0f}s to notice the failure (timeout is 120s)"
+    assert marked_processes(marker) == [], "worker processes outlived the job"
+
+
+def test_failure_under_torchrun_stops_every_rank(tmp_path):
+    marker = uuid.uuid4().hex
+    start = time.monotonic()
+    res = run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
+               "2", "-m", "shoal", *[a for a in JOB if a not in ("--workers", "3")],
+               "--model", "tests.fixtures_models:raises_on_rank1", "--out", str(tmp_path)],
+              env=shoal_env(marker), timeout=90)
+    assert res.returncode != 0
+    assert "rank 1" in res.stderr and "injected failure" in res.stderr
+    assert time.monotonic() - start < 60
+    assert marked_processes(marker) == []
+
+
+def test_debug_shows_the_workers_traceback(tmp_path):
+    res = shoal(*JOB, "--model", "tests.fixtures_models:raises_on_rank1", "--out", str(tmp_path),
+                "--debug", timeout=60)
+    assert res.returncode == 1
+    assert "traceback on rank 1" in res.stderr and "fixtures_models.py" in res.stderr

@@ -1,0 +1,58 @@
+import pytest
+
+from shoal.errors import ShoalError
+from shoal.launch import detect_environment, expand_hostlist
+
+
+def test_plain_process_is_not_in_a_job():
+    assert detect_environment({}) is None
+
+
+def test_torchrun_variables():
+    env = detect_environment({"RANK": "3", "WORLD_SIZE": "8", "LOCAL_RANK": "1",
+                              "LOCAL_WORLD_SIZE": "2", "MASTER_ADDR": "n1",
+                              "MASTER_PORT": "1234", "TORCHELASTIC_RUN_ID": "x"})
+    assert (env.rank, env.world_size, env.local_rank, env.local_world_size) == (3, 8, 1, 2)
+    assert (env.master_addr, env.master_port, env.launcher) == ("n1", 1234, "torchrun")
+
+
+def test_slurm_variables_take_master_from_the_node_list():
+    env = detect_environment({"SLURM_PROCID": "5", "SLURM_NTASKS": "8", "SLURM_LOCALID": "1",
+                              "SLURM_NTASKS_PER_NODE": "4", "SLURM_JOB_ID": "4242",
+                              "SLURM_JOB_NODELIST": "gpu[07-08]"})
+    assert (env.rank, env.world_size, env.local_rank, env.local_world_size) == (5, 8, 1, 4)
+    assert env.master_addr == "gpu07" and env.launcher == "slurm"
+    assert env.master_port == 10000 + 4242
+
+
+def test_single_task_slurm_allocation_spawns_locally():
+    assert detect_environment({"SLURM_PROCID": "0", "SLURM_NTASKS": "1"}) is None
+
+
+def test_openmpi_and_mpich_variables():
+    ompi = detect_environment({"OMPI_COMM_WORLD_SIZE": "4", "OMPI_COMM_WORLD_RANK": "2",
+                               "OMPI_COMM_WORLD_LOCAL_RANK": "0",
+                               "OMPI_COMM_WORLD_LOCAL_SIZE": "2", "MASTER_ADDR": "h0"})
+    assert (ompi.rank, ompi.world_size, ompi.local_world_size, ompi.launcher) == (2, 4, 2, "mpi")
+    mpich = detect_environment({"PMI_SIZE": "2", "PMI_RANK": "1", "MASTER_ADDR": "h0"})
+    assert (mpich.rank, mpich.world_size) == (1, 2)
+
+
+def test_mpi_without_master_addr_is_a_clear_error():
+    with pytest.raises(ShoalError, match="MASTER_ADDR"):
+        detect_environment({"OMPI_COMM_WORLD_SIZE": "2", "OMPI_COMM_WORLD_RANK": "0"})
+
+
+def test_bad_rank_variable_is_named():
+    with pytest.raises(ShoalError, match="RANK"):
+        detect_environment({"RANK": "x", "WORLD_SIZE": "2"})
+
+
+@pytest.mark.parametrize("nodelist, hosts", [
+    ("node1", ["node1"]),
+    ("a[1-3]", ["a1", "a2", "a3"]),
+    ("gpu[01-03,7],login1", ["gpu01", "gpu02", "gpu03", "gpu7", "login1"]),
+    ("r[8-10]-ib", ["r8-ib", "r9-ib", "r10-ib"]),
+])
+def test_expand_hostlist(nodelist, hosts):
+    assert expand_hostlist(nodelist) == hosts
