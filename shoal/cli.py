@@ -70,7 +70,8 @@ def _add_strategy_options(group: argparse._ArgumentGroup) -> None:
             else:
                 group.add_argument(f"--{f.name.replace('_', '-')}", dest=f"opt_{f.name}",
                                    type=_TYPES.get(kind, str), default=argparse.SUPPRESS,
-                                   choices=f.metadata.get("choices"), metavar=f.name.upper(),
+                                   choices=f.metadata.get("choices"),
+                                   metavar=None if f.metadata.get("choices") else f.name.upper(),
                                    help=f"{help_text} [{', '.join(users)}; default {default}]")
 
 
@@ -94,7 +95,7 @@ def _train_parser(sub: Any) -> argparse.ArgumentParser:
     g.add_argument("--image-size", type=int, default=S, metavar="PX",
                    help="resize imagefolder images to PX x PX")
     g.add_argument("--augment", action="store_true", default=S,
-                   help="random flips and 4-pixel padded crops of training images")
+                   help="random flips and padded crops (an eighth of the height) of training images")
 
     g = p.add_argument_group("where and how")
     g.add_argument("--workers", type=int, default=S,
@@ -141,7 +142,23 @@ def _train_parser(sub: Any) -> argparse.ArgumentParser:
     g.add_argument("--log-every", type=int, default=S, metavar="STEPS")
     g.add_argument("--eval-every", type=int, default=S, metavar="EPOCHS")
     g.add_argument("--progress", default=S, choices=("auto", "bar", "plain", "none"))
+    _show_defaults(p)
     return p
+
+
+def _show_defaults(parser: argparse.ArgumentParser) -> None:
+    """Append TrainConfig's default to every flag's help that does not state one."""
+    from shoal.config import TrainConfig
+
+    defaults = TrainConfig()
+    for action in parser._actions:
+        if not hasattr(defaults, action.dest) or "default" in (action.help or ""):
+            continue
+        value = getattr(defaults, action.dest)
+        if isinstance(value, bool) or value in (None, (), ""):
+            continue
+        shown = "x".join(map(str, value)) if isinstance(value, tuple) else value
+        action.help = f"{action.help or ''} (default {shown})".strip()
 
 
 def build_parser() -> argparse.ArgumentParser:

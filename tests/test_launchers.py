@@ -1,0 +1,56 @@
+"""`shoal train` joins jobs started by Slurm's srun and by mpirun, from their variables alone.
+
+Neither launcher is installed here, so each test starts the two processes itself with exactly
+the variables srun / OpenMPI's mpirun / MPICH's Hydra give a task, and checks the job trains
+as one (the same parameters as shoal's own launcher gives).
+"""
+
+import subprocess
+import sys
+
+import pytest
+
+from shoal.launch import free_port
+
+from conftest import REPO, checkpoint_params, max_param_diff, shoal_env, train
+
+JOB = ["--model", "lenet5", "--dataset", "digits", "--epochs", "1", "--stop-at-step", "15"]
+
+
+@pytest.fixture(scope="module")
+def local(tmp_path_factory):
+    out = tmp_path_factory.mktemp("local")
+    train(out, *JOB, "--workers", "2")
+    return checkpoint_params(out / "checkpoint.pt")
+
+
+def variables(launcher: str, rank: int, port: int) -> dict[str, str]:
+    if launcher == "slurm":
+        return {"SLURM_PROCID": str(rank), "SLURM_NTASKS": "2", "SLURM_LOCALID": str(rank),
+                "SLURM_NTASKS_PER_NODE": "2", "SLURM_JOB_ID": "77",
+                "SLURM_JOB_NODELIST": "localhost", "MASTER_PORT": str(port)}
+    if launcher == "openmpi":
+        return {"OMPI_COMM_WORLD_RANK": str(rank), "OMPI_COMM_WORLD_SIZE": "2",
+                "OMPI_COMM_WORLD_LOCAL_RANK": str(rank), "OMPI_COMM_WORLD_LOCAL_SIZE": "2",
+                "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
+    return {"PMI_RANK": str(rank), "PMI_SIZE": "2", "MPI_LOCALRANKID": str(rank),
+            "MPI_LOCALNRANKS": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
+
+
+@pytest.mark.parametrize("launcher", ["slurm", "openmpi", "mpich"])
+def test_job_started_by_an_outside_launcher(tmp_path, local, launcher):
+    port = free_port()
+    procs = []
+    try:
+        for rank in range(2):
+            env = {**shoal_env(), **variables(launcher, rank, port)}
+            procs.append(subprocess.Popen(
+                [sys.executable, "-m", "shoal", "train", "--out", str(tmp_path), "--progress",
+                 "none", "--timeout", "60", *JOB], env=env, cwd=REPO, stderr=subprocess.PIPE,
+                text=True))
+        errors = [p.communicate(timeout=120)[1] for p in procs]
+    finally:
+        for p in procs:
+            p.kill()
+    assert [p.returncode for p in procs] == [0, 0], errors
+    assert max_param_diff(checkpoint_params(tmp_path / "checkpoint.pt"), local) < 1e-6
