@@ -30,7 +30,7 @@ def run_shoal(w: Workload, workers: int, threads: int, log_every: int = 5) -> di
     with tempfile.TemporaryDirectory() as out:
         shape = "x".join(map(str, w.shape))
         cmd = [sys.executable, "-m", "shoal", "train", "--strategy", "sync", "--model", w.model,
-               "--dataset", w.dataset, "--synthetic-shape", shape,
+               "--dataset", "synthetic", "--synthetic-shape", shape,
                "--synthetic-classes", str(w.classes),
                "--synthetic-samples", str(w.samples(workers)), "--epochs", "1",
                "--batch-size", str(w.batch), "--workers", str(workers),
@@ -50,7 +50,6 @@ def run_shoal(w: Workload, workers: int, threads: int, log_every: int = 5) -> di
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--model", default="resnet20")
-    p.add_argument("--dataset", default="synthetic", help="synthetic or digits")
     p.add_argument("--shape", default="3x32x32")
     p.add_argument("--batch", type=int, default=32, help="per worker")
     p.add_argument("--steps", type=int, default=60)
@@ -60,8 +59,7 @@ def main() -> None:
     p.add_argument("--json", help="also write the results here")
     a = p.parse_args()
     shape = tuple(int(d) for d in a.shape.split("x"))
-    w = Workload(model=a.model, shape=shape, batch=a.batch, steps=a.steps, warmup=a.warmup,
-                 dataset=a.dataset)
+    w = Workload(model=a.model, shape=shape, batch=a.batch, steps=a.steps, warmup=a.warmup)
     rows = []
     for workers in a.workers:
         threads = default_threads(workers)

@@ -32,7 +32,6 @@ class Workload:
     warmup: int = 10
     lr: float = 0.05
     momentum: float = 0.9
-    dataset: str = "synthetic"
 
     def samples(self, workers: int) -> int:
         return self.steps * self.batch * workers
@@ -41,7 +40,7 @@ class Workload:
 def _load(w: Workload, workers: int):
     from shoal.data import DataOptions, load_dataset
 
-    return load_dataset(w.dataset, DataOptions(synthetic_shape=w.shape,
+    return load_dataset("synthetic", DataOptions(synthetic_shape=w.shape,
                                                synthetic_classes=w.classes,
                                                synthetic_samples=w.samples(workers)))
 
