@@ -12,7 +12,7 @@ import torch
 from torch import nn
 
 from shoal.comm import Comm
-from shoal.strategies import sync  # noqa: F401 - registers "sync"
+from shoal.strategies import diloco, easgd, local_sgd, sync  # noqa: F401 - importing registers
 from shoal.strategies.base import Strategy, make_options, option_fields
 from shoal.strategies.registry import STRATEGIES, get_strategy, register
 

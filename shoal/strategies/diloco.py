@@ -1,0 +1,97 @@
+"""DiLoCo: local inner steps, then an outer Nesterov step on the averaged pseudo-gradient.
+
+Douillard et al. (2023), "DiLoCo: Distributed Low-Communication Training of Language Models".
+Every worker starts a round from the global model theta and takes ``tau`` steps with its own
+inner optimizer (the one you configured: AdamW in the paper). Then::
+
+    delta  = mean over workers of (theta - x)      # the pseudo-gradient, one all-reduce
+    theta  = outer_sgd_nesterov(theta, delta)      # --outer-lr, --outer-momentum
+    x      = theta                                 # every worker starts the next round there
+
+With ``--outer-lr 1 --outer-momentum 0`` this is local SGD. Every worker needs theta at the
+start of the next round, so the all-reduce cannot be hidden. An epoch's end closes the round
+in progress, so the model evaluated and saved (theta) has seen every step of the epoch.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+from shoal.comm import FlatParams
+from shoal.comm.averaging import ModelCopy, average_buffers
+from shoal.errors import ShoalError
+from shoal.strategies.base import Strategy
+from shoal.strategies.registry import register
+
+
+@dataclass
+class DiLoCoOptions:
+    tau: int = field(default=4, metadata={"help": "local steps between two averagings"})
+    outer_lr: float = field(default=0.7, metadata={"help": "outer (Nesterov SGD) learning rate"})
+    outer_momentum: float = field(default=0.5, metadata={
+        "help": "outer Nesterov momentum (the paper: 0.9, with inner AdamW)"})
+
+    def validate(self) -> None:
+        if self.tau < 1:
+            raise ShoalError(f"--tau must be at least 1, got {self.tau}")
+        if not self.outer_lr > 0:
+            raise ShoalError(f"--outer-lr must be positive, got {self.outer_lr}")
+        if not 0 <= self.outer_momentum < 1:
+            raise ShoalError(f"--outer-momentum must be in [0, 1), got {self.outer_momentum}")
+
+
+@register
+class DiLoCo(Strategy):
+    """DiLoCo: --tau inner steps, then an outer Nesterov step on the averaged pseudo-gradient."""
+
+    name = "diloco"
+    Options = DiLoCoOptions
+    replicas_in_sync = False
+
+    def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, comm,
+                 options: DiLoCoOptions | None = None) -> None:
+        super().__init__(model, optimizer, comm, options)
+        opts: DiLoCoOptions = self.options
+        self.flat = FlatParams(model.parameters())
+        self.theta = ModelCopy(model)
+        comm.broadcast(self.theta.vector, src=0, name="global-model")
+        # The outer optimizer steps theta in place; its gradient is the pseudo-gradient.
+        self._outer_param = nn.Parameter(self.theta.vector, requires_grad=False)
+        self._outer_param.grad = torch.zeros_like(self.theta.vector)
+        self.outer = torch.optim.SGD([self._outer_param], lr=opts.outer_lr,
+                                     momentum=opts.outer_momentum,
+                                     nesterov=opts.outer_momentum > 0)
+
+    @property
+    def eval_module(self) -> nn.Module:
+        return self.theta.with_buffers_of(self.model)
+
+    def step(self) -> None:
+        super().step()
+        if self.steps % self.options.tau == 0:
+            self._outer_step()
+
+    @torch.no_grad()
+    def _outer_step(self) -> None:
+        delta = self._outer_param.grad
+        torch.sub(self.theta.vector, self.flat.pack(), out=delta)
+        self.comm.all_reduce(delta, "avg", "pseudo-gradient")
+        self.outer.step()
+        self.flat.unpack(self.theta.vector)
+
+    def end_epoch(self, epoch: int) -> None:
+        if self.steps % self.options.tau != 0:
+            self._outer_step()
+        average_buffers(self.model, self.comm)
+
+    def state_dict(self) -> dict:
+        return {**super().state_dict(), "theta": self.theta.vector.clone(),
+                "outer": self.outer.state_dict()}
+
+    def load_state_dict(self, state: dict) -> None:
+        super().load_state_dict(state)
+        self.theta.vector.copy_(state["theta"])
+        self.outer.load_state_dict(state["outer"])
