@@ -9,6 +9,12 @@ Quick use in your own loop (run it under ``torchrun``)::
         strategy.backward(loss)
         strategy.step()
         strategy.zero_grad()
+
+Or keep a serial program and run chosen functions data-parallel (``docs/parallel.md``)::
+
+    step = shoal.function(grad_step, scatter=["x", "y"], reduce="avg")
+    with shoal.fork(2):
+        loss = step(model, x, y)
 """
 
 __version__ = "0.1.0"
@@ -17,5 +23,19 @@ from shoal.errors import ShoalError, WorkerError  # noqa: E402
 from shoal.runtime import init, shutdown  # noqa: E402
 from shoal.strategies import STRATEGIES, Strategy, register, strategy  # noqa: E402
 
-__all__ = ["STRATEGIES", "ShoalError", "Strategy", "WorkerError", "__version__", "init",
-           "register", "shutdown", "strategy"]
+# The single-controller API (shoal.parallel), imported on first use.
+_PARALLEL = ("all_gather", "all_reduce", "broadcast", "close", "data", "fork", "function", "gather",
+             "reduce", "replicate", "scatter")
+
+
+def __getattr__(name: str) -> object:
+    if name in _PARALLEL or name == "parallel":
+        import shoal.parallel
+
+        return shoal.parallel if name == "parallel" else getattr(shoal.parallel, name)
+    raise AttributeError(f"module 'shoal' has no attribute {name!r}")
+
+
+__all__ = ["STRATEGIES", "ShoalError", "Strategy", "WorkerError", "__version__", "all_gather",
+           "all_reduce", "broadcast", "close", "data", "fork", "function", "gather", "init", "reduce",
+           "register", "replicate", "scatter", "shutdown", "strategy"]

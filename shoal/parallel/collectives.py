@@ -1,0 +1,307 @@
+"""Collectives on tensors, and on the parameters and buffers of modules.
+
+Inside a parallel function they act like ``torch.distributed`` on every rank at once, on
+whatever tensors the function holds. From the controller, outside any function, they act
+on each worker's replica of a module that has reached the workers (a module passed to a
+parallel function, or given to :func:`shoal.replicate`): ``shoal.all_reduce(model,
+op="avg")`` averages the replicas, ``shoal.broadcast(model)`` copies rank 0's values into
+all of them. Before moving data every rank checks that all ranks hold the same number of
+tensors with the same dtypes and shapes (dimension 0 may differ for ``gather`` and
+``all_gather``); if not, every rank raises :class:`~shoal.ShoalError` naming the ranks and
+shapes, and no rank is left waiting.
+
+A module stands for its parameters and floating-point buffers. ``avg`` is the plain mean
+over ranks. ``gather``, ``all_gather`` and ``scatter`` concatenate or split along dimension
+0 in rank order (the same split as a function's scatter arguments).
+"""
+
+from __future__ import annotations
+
+import zlib
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from shoal.errors import ShoalError
+from shoal.parallel.data import Data
+from shoal.parallel.function import Function, split_sizes
+from shoal.parallel.session import current, in_function
+
+Target = torch.Tensor | nn.Module | Iterable[Any]
+_OPS = {"sum": dist.ReduceOp.SUM, "avg": dist.ReduceOp.SUM, "prod": dist.ReduceOp.PRODUCT,
+        "min": dist.ReduceOp.MIN, "max": dist.ReduceOp.MAX}
+
+
+def _tensors(target: Any, name: str) -> tuple[list[torch.Tensor], bool]:
+    if isinstance(target, torch.Tensor):
+        return [target], True
+    if isinstance(target, Data):
+        raise ShoalError(f"shoal.{name}: shoal.data arrays are read-only inputs, not collective targets")
+    if isinstance(target, nn.Module):
+        return [*target.parameters(), *(b for b in target.buffers() if b.is_floating_point())], False
+    try:
+        items = list(target)
+    except TypeError:
+        raise ShoalError(f"shoal.{name} takes a tensor, a module or an iterable of them, "
+                         f"got {type(target).__name__}") from None
+    out: list[torch.Tensor] = []
+    for item in items:
+        out.extend(_tensors(item, name)[0] if isinstance(item, (torch.Tensor, nn.Module)) else
+                   _bad(item, name))
+    return out, False
+
+
+def _bad(item: Any, name: str) -> list[torch.Tensor]:
+    raise ShoalError(f"shoal.{name}: expected tensors or modules, got a {type(item).__name__}")
+
+
+def _rank_world() -> tuple[int, int]:
+    if dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    return 0, 1
+
+
+def _fmt(desc: tuple[Any, ...], cat: bool) -> str:
+    parts = [f"{d.replace('torch.', '')}[{'*, ' if cat else ''}{', '.join(map(str, s))}]".replace(", ]", "]")
+             for d, s in desc]
+    return f"{len(parts)} tensor{'s' * (len(parts) != 1)} " + ", ".join(parts[:6]) + \
+        (", ..." if len(parts) > 6 else "")
+
+
+def _agree(name: str, tensors: list[torch.Tensor], world: int, cat: bool,
+           extra: Any = None) -> list[list[int]] | None:
+    """Check that every rank holds matching tensors; for ``cat``, return each rank's dim 0s."""
+    desc = tuple((str(t.dtype), tuple(t.shape[1:]) if cat else tuple(t.shape)) for t in tensors)
+    crc = zlib.crc32(repr((name, extra, desc)).encode())
+    vec = torch.tensor([len(tensors), crc], dtype=torch.int64)
+    got = [torch.empty_like(vec) for _ in range(world)]
+    dist.all_gather(got, vec)
+    if any(not torch.equal(g, vec) for g in got):
+        descs: list[Any] = [None] * world
+        dist.all_gather_object(descs, (name, extra, desc))
+        ranks = "; ".join(f"rank {r}: {d[0]}({d[1] or ''}) on {_fmt(d[2], cat)}"
+                          for r, d in enumerate(descs))
+        raise ShoalError(f"shoal.{name}: ranks disagree on the call or on the tensors' dtypes and "
+                         f"shapes (nothing was sent): {ranks}")
+    if not cat or not tensors:
+        return None
+    dims = torch.tensor([t.shape[0] if t.dim() else 1 for t in tensors], dtype=torch.int64)
+    all_dims = [torch.empty_like(dims) for _ in range(world)]
+    dist.all_gather(all_dims, dims)
+    return [d.tolist() for d in all_dims]
+
+
+def _flat_groups(tensors: list[torch.Tensor]) -> list[list[torch.Tensor]]:
+    groups: dict[tuple[torch.dtype, torch.device], list[torch.Tensor]] = {}
+    for t in tensors:
+        groups.setdefault((t.dtype, t.device), []).append(t)
+    return list(groups.values())
+
+
+def _in_place(tensors: list[torch.Tensor], op: Any) -> None:
+    """Run ``op(flat)`` on one flat buffer per dtype and copy the result back."""
+    for group in _flat_groups(tensors):
+        if len(group) == 1 and group[0].is_contiguous():
+            with torch.no_grad():
+                op(group[0])
+            continue
+        flat = torch.cat([t.detach().reshape(-1) for t in group])
+        op(flat)
+        offset = 0
+        with torch.no_grad():
+            for t in group:
+                t.copy_(flat[offset:offset + t.numel()].view_as(t))
+                offset += t.numel()
+
+
+def _op(op: str, name: str, tensors: list[torch.Tensor]) -> Any:
+    if op not in _OPS:
+        raise ShoalError(f"shoal.{name}: unknown op {op!r}; choose from {', '.join(_OPS)}")
+    if op == "avg" and any(not (t.is_floating_point() or t.is_complex()) for t in tensors):
+        raise ShoalError(f"shoal.{name}: op 'avg' needs floating-point tensors")
+    return _OPS[op]
+
+
+def _controller(name: str, target: Any, **options: Any) -> Any:
+    """Run collective ``name`` on every rank of the open session, on the replicas of ``target``."""
+    session = current()
+    assert session is not None
+    if not isinstance(target, (torch.Tensor, nn.Module)):
+        target = [t for t in target] if not isinstance(target, Data) else target
+    tensors, _ = _tensors(target, name)
+    modules = [target] if isinstance(target, nn.Module) else \
+        [t for t in (target if isinstance(target, list) else []) if isinstance(t, nn.Module)]
+    for m in modules:
+        session.registry.register(m)
+    lost = [t for t in tensors if not session.registry.is_replicated_tensor(t)]
+    if lost:
+        raise ShoalError(
+            f"shoal.{name} from the controller works on modules the workers hold (a module passed "
+            f"to a parallel function, or shoal.replicate(module)); {len(lost)} of the tensors given "
+            "are not parameters or buffers of such a module. Inside a parallel function any tensor works.")
+    return _RUN(name, target, options)
+
+
+def _run_collective(name: str, target: Any, options: dict[str, Any]) -> Any:
+    return _SPMD[name](target, **options)
+
+
+_RUN = Function(_run_collective, reduce=None, name="shoal collective")
+
+
+def _dispatch(name: str, target: Any, **options: Any) -> Any:
+    if not in_function() and current() is not None and current().world > 1:  # type: ignore[union-attr]
+        return _controller(name, target, **options)
+    return _SPMD[name](target, **options)
+
+
+# -- the collectives on one rank (inside a function, or in a job of one) ---------------------
+def _broadcast(target: Target, src: int = 0) -> Any:
+    tensors, single = _tensors(target, "broadcast")
+    rank, world = _rank_world()
+    if world > 1:
+        _agree("broadcast", tensors, world, False, src)
+        _in_place(tensors, lambda flat: dist.broadcast(flat, src=src))
+    return tensors[0] if single else target
+
+
+def _all_reduce(target: Target, op: str = "sum") -> Any:
+    tensors, single = _tensors(target, "all_reduce")
+    red = _op(op, "all_reduce", tensors)
+    rank, world = _rank_world()
+    if world > 1:
+        _agree("all_reduce", tensors, world, False, op)
+
+        def run(flat: torch.Tensor) -> None:
+            dist.all_reduce(flat, op=red)
+            if op == "avg":
+                flat.div_(world)
+        _in_place(tensors, run)
+    return tensors[0] if single else target
+
+
+def _reduce(target: Target, op: str = "sum", dst: int = 0) -> Any:
+    tensors, single = _tensors(target, "reduce")
+    red = _op(op, "reduce", tensors)
+    rank, world = _rank_world()
+    if world > 1:
+        _agree("reduce", tensors, world, False, (op, dst))
+        for group in _flat_groups(tensors):
+            flat = torch.cat([t.detach().reshape(-1) for t in group])  # a copy: others keep theirs
+            dist.reduce(flat, dst=dst, op=red)
+            if rank == dst:
+                if op == "avg":
+                    flat.div_(world)
+                offset = 0
+                with torch.no_grad():
+                    for t in group:
+                        t.copy_(flat[offset:offset + t.numel()].view_as(t))
+                        offset += t.numel()
+    return tensors[0] if single else target
+
+
+def _padded(t: torch.Tensor, rows: int) -> torch.Tensor:
+    t = t.detach().reshape(1) if t.dim() == 0 else t.detach()
+    if t.shape[0] < rows:
+        t = torch.cat([t, t.new_zeros((rows - t.shape[0], *t.shape[1:]))])
+    return t.contiguous()
+
+
+def _gather(target: Target, dst: int = 0) -> Any:
+    tensors, single = _tensors(target, "gather")
+    rank, world = _rank_world()
+    if world == 1:
+        out = [t.detach().reshape(1) if t.dim() == 0 else t.detach().clone() for t in tensors]
+        return out[0] if single else out
+    dims = _agree("gather", tensors, world, True, dst)
+    assert dims is not None or not tensors
+    out = []
+    for i, t in enumerate(tensors):
+        rows = max(d[i] for d in dims)  # type: ignore[union-attr]
+        bufs = [torch.empty_like(_padded(t, rows)) for _ in range(world)] if rank == dst else None
+        dist.gather(_padded(t, rows), bufs, dst=dst)
+        if bufs is not None:
+            out.append(torch.cat([b[:d[i]] for b, d in zip(bufs, dims, strict=False)]))  # type: ignore[arg-type]
+    if rank != dst:
+        return None
+    return out[0] if single else out
+
+
+def _all_gather(target: Target) -> Any:
+    tensors, single = _tensors(target, "all_gather")
+    rank, world = _rank_world()
+    if world == 1:
+        out = [t.detach().reshape(1) if t.dim() == 0 else t.detach().clone() for t in tensors]
+        return out[0] if single else out
+    dims = _agree("all_gather", tensors, world, True)
+    out = []
+    for i, t in enumerate(tensors):
+        rows = max(d[i] for d in dims)  # type: ignore[union-attr]
+        mine = _padded(t, rows)
+        bufs = [torch.empty_like(mine) for _ in range(world)]
+        dist.all_gather(bufs, mine)
+        out.append(torch.cat([b[:d[i]] for b, d in zip(bufs, dims, strict=False)]))  # type: ignore[index]
+    return out[0] if single else out
+
+
+def _scatter(target: Target, src: int = 0) -> Any:
+    tensors, single = _tensors(target, "scatter")
+    if any(t.dim() == 0 for t in tensors):
+        raise ShoalError("shoal.scatter: 0-dim tensors have no rows to split")
+    rank, world = _rank_world()
+    if world == 1:
+        out = [t.detach().clone() for t in tensors]
+        return out[0] if single else out
+    _agree("scatter", tensors, world, False, src)
+    out = []
+    for t in tensors:
+        counts = split_sizes(t.shape[0], world)
+        rows = max(counts)
+        chunks = None
+        if rank == src:
+            chunks = [_padded(c, rows) for c in torch.split(t.detach(), counts)]
+        recv = torch.empty((rows, *t.shape[1:]), dtype=t.dtype, device=t.device)
+        dist.scatter(recv, chunks, src=src)
+        out.append(recv[:counts[rank]])
+    return out[0] if single else out
+
+
+_SPMD = {"broadcast": _broadcast, "all_reduce": _all_reduce, "reduce": _reduce, "gather": _gather,
+         "all_gather": _all_gather, "scatter": _scatter}
+
+
+# -- public ----------------------------------------------------------------------------------
+def broadcast(target: Target, src: int = 0) -> Any:
+    """Overwrite ``target`` on every rank with rank ``src``'s values (in place); returns it."""
+    return _dispatch("broadcast", target, src=src)
+
+
+def all_reduce(target: Target, op: str = "sum") -> Any:
+    """Reduce ``target`` across ranks in place (op ``avg``, ``sum``, ``min``, ``max``, ``prod``)."""
+    return _dispatch("all_reduce", target, op=op)
+
+
+def reduce(target: Target, op: str = "sum", dst: int = 0) -> Any:
+    """Reduce ``target`` into rank ``dst``'s tensors in place; other ranks keep theirs."""
+    return _dispatch("reduce", target, op=op, dst=dst)
+
+
+def gather(target: Target, dst: int = 0) -> Any:
+    """Concatenate every rank's tensors along dimension 0 in rank order, on rank ``dst``
+    (a tensor, or a list for several; ``None`` on other ranks). Dimension 0 may differ."""
+    return _dispatch("gather", target, dst=dst)
+
+
+def all_gather(target: Target) -> Any:
+    """Like :func:`gather`, with the result on every rank."""
+    return _dispatch("all_gather", target)
+
+
+def scatter(target: Target, src: int = 0) -> Any:
+    """Split rank ``src``'s tensors along dimension 0 (rank order, the first ``n % world``
+    shares one row larger); every rank gets its share as new tensors. All ranks pass tensors
+    of the same shape (only ``src``'s values are read)."""
+    return _dispatch("scatter", target, src=src)
