@@ -205,7 +205,9 @@ class Session:
         from shoal.parallel.worker import worker_main
 
         td = timedelta(seconds=self.timeout)
-        self._store = dist.TCPStore("127.0.0.1", 0, self.world, True, timeout=td, wait_for_workers=False)
+        start = timedelta(seconds=max(self.timeout, 60.0))
+        self._store = dist.TCPStore("127.0.0.1", 0, self.world, True, timeout=start,
+                                    wait_for_workers=False)
         ctx = mp.get_context("spawn")
         for rank in range(1, self.world):
             ours, theirs = ctx.Pipe()
@@ -217,10 +219,12 @@ class Session:
             self.procs.append(p)
             self.conns.append(ours)
         # Wait until every worker has imported torch (a dead one shows at once), then join.
-        self.recv_all(self.timeout, what="start")
+        # Starting is allowed a minute even under a short call timeout: a loaded machine
+        # can take that long to import torch in n processes.
+        self.recv_all(max(self.timeout, 60.0), what="start")
         backend = "cpu:gloo,cuda:nccl" if device == "cuda" else "gloo"
         dist.init_process_group(backend, store=self._store, rank=0, world_size=self.world, timeout=td)
-        self.recv_all(self.timeout, what="join the process group")
+        self.recv_all(max(self.timeout, 60.0), what="join the process group")
 
     def close(self) -> None:
         """Stop the workers (they finish their current command first) and leave the group."""

@@ -96,7 +96,7 @@ def worker_main(rank: int, world: int, port: int, device: str, conn: Any, timeou
     _session._state.in_function = True  # collectives called here are the SPMD kind
     conn.send_bytes(b"ready")
     td = timedelta(seconds=timeout)
-    store = dist.TCPStore("127.0.0.1", port, world, False, timeout=td)
+    store = dist.TCPStore("127.0.0.1", port, world, False, timeout=timedelta(seconds=max(timeout, 60.0)))
     backend = "cpu:gloo,cuda:nccl" if device == "cuda" else "gloo"
     dist.init_process_group(backend, store=store, rank=rank, world_size=world, timeout=td)
     conn.send_bytes(b"joined")

@@ -1,0 +1,141 @@
+"""A parallel session fails loudly and never hangs: dead workers, stuck workers, Ctrl-C."""
+
+from __future__ import annotations
+
+import contextlib
+import multiprocessing.resource_tracker
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+import uuid
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import shoal
+from shoal.errors import WorkerError
+
+from conftest import REPO, marked_processes, shoal_env
+
+pytestmark = pytest.mark.timeout(90)
+
+
+@contextlib.contextmanager
+def marked_fork(n: int, **kwargs):
+    """fork() whose workers carry a marker; afterwards none of them may be left."""
+    marker = uuid.uuid4().hex
+    multiprocessing.resource_tracker.ensure_running()
+    os.environ["SHOAL_TEST_MARKER"] = marker
+    try:
+        session = shoal.fork(n, **kwargs)
+    finally:
+        del os.environ["SHOAL_TEST_MARKER"]
+    try:
+        yield session
+    finally:
+        shoal.close()
+        assert not session.procs or all(p.exitcode is not None for p in session.procs)
+        assert [p for p in marked_processes(marker) if p != os.getpid()] == [], "stray workers"
+
+
+def exit_on_rank1(x):
+    if dist.get_rank() == 1:
+        os._exit(3)
+    return x.sum()
+
+
+def spin_on_rank1(x):
+    while dist.get_rank() == 1:
+        pass
+    return x.sum()
+
+
+def total(x):
+    return x.sum()
+
+
+def test_dead_worker_raises_with_its_rank():
+    with marked_fork(2, timeout=60) as session:
+        f = shoal.function(exit_on_rank1, scatter=["x"], reduce="sum")
+        start = time.monotonic()
+        with pytest.raises(WorkerError, match="rank 1: worker process exited with code 3") as info:
+            f(torch.ones(4))
+        assert info.value.rank == 1
+        assert time.monotonic() - start < 10, "noticing a dead worker took too long"
+        assert session.closed
+        with pytest.raises(shoal.ShoalError, match="closed"):
+            session.check_open()
+
+
+def test_worker_killed_between_calls_is_noticed_at_the_next_call():
+    with marked_fork(2, timeout=60) as session:
+        f = shoal.function(total, scatter=["x"], reduce="sum")
+        assert f(torch.ones(4)).item() == 4
+        session.procs[0].kill()
+        session.procs[0].join(5)
+        with pytest.raises(WorkerError, match="rank 1: worker process killed by signal 9"):
+            f(torch.ones(4))
+
+
+def test_stuck_worker_times_out():
+    with marked_fork(2, timeout=3):
+        f = shoal.function(spin_on_rank1, scatter=["x"], reduce="sum")
+        start = time.monotonic()
+        with pytest.raises(WorkerError, match="rank 1: did not answer within 3 s"):
+            f(torch.ones(4))
+        assert time.monotonic() - start < 15
+
+
+def test_context_manager_closes_cleanly():
+    with marked_fork(3, timeout=60) as session:
+        with session:
+            f = shoal.function(total, scatter=["x"], reduce="sum")
+            assert f(torch.ones(9)).item() == 9
+        assert session.closed and all(p.exitcode == 0 for p in session.procs)
+
+
+CTRL_C = textwrap.dedent("""
+    import sys, time
+    import torch, torch.distributed as dist
+    import shoal
+
+    def slow(x, where):
+        if where == "everywhere" or dist.get_rank() == 1:
+            time.sleep(120)
+        return x.sum()
+
+    if __name__ == "__main__":
+        f = shoal.function(slow, scatter=["x"], reduce="sum")
+        with shoal.fork(2, timeout=300):
+            print("running", flush=True)
+            f(torch.ones(4), sys.argv[1])
+""")
+
+
+@pytest.mark.parametrize("where", ["everywhere", "worker"])
+def test_ctrl_c_stops_every_worker(tmp_path, where):
+    script = tmp_path / "ctrl_c.py"
+    script.write_text(CTRL_C)
+    marker = uuid.uuid4().hex
+    proc = subprocess.Popen([sys.executable, str(script), where], cwd=REPO, env=shoal_env(marker),
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True)
+    try:
+        assert proc.stdout.readline().strip() == "running"
+        time.sleep(1.0)
+        start = time.monotonic()
+        os.killpg(proc.pid, signal.SIGINT)  # what a terminal's Ctrl-C does
+        _, err = proc.communicate(timeout=30)
+        assert time.monotonic() - start < 10
+        assert proc.returncode != 0 and "KeyboardInterrupt" in err
+        deadline = time.monotonic() + 10
+        while marked_processes(marker) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert marked_processes(marker) == [], "workers outlived Ctrl-C"
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
