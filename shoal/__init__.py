@@ -24,8 +24,8 @@ from shoal.runtime import init, shutdown  # noqa: E402
 from shoal.strategies import STRATEGIES, Strategy, register, strategy  # noqa: E402
 
 # The single-controller API (shoal.parallel), imported on first use.
-_PARALLEL = ("all_gather", "all_reduce", "broadcast", "close", "data", "fork", "function", "gather",
-             "reduce", "replicate", "scatter")
+_PARALLEL = ("all_gather", "all_reduce", "broadcast", "close", "fork", "function", "gather", "reduce",
+             "replicate", "scatter", "shared")
 
 
 def __getattr__(name: str) -> object:
@@ -37,5 +37,5 @@ def __getattr__(name: str) -> object:
 
 
 __all__ = ["STRATEGIES", "ShoalError", "Strategy", "WorkerError", "__version__", "all_gather",
-           "all_reduce", "broadcast", "close", "data", "fork", "function", "gather", "init", "reduce",
-           "register", "replicate", "scatter", "shutdown", "strategy"]
+           "all_reduce", "broadcast", "close", "fork", "function", "gather", "init", "reduce",
+           "register", "replicate", "scatter", "shared", "shutdown", "strategy"]

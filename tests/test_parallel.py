@@ -115,7 +115,7 @@ def weighted_loss(x, y, w):
 
 def test_batch_indexes_shared_data(session):
     x, y, w = data(50, 4), data(50, 1, seed=1), data(4, 1, seed=2)
-    xs, ys = shoal.data(x), shoal.data(y)
+    xs, ys = shoal.shared(x), shoal.shared(y)
     f = shoal.function(weighted_loss, scatter=["x", "y"], broadcast=["w"], reduce=["avg", "max", "sum"])
     idx = torch.randperm(50, generator=torch.Generator().manual_seed(3))[:29]
     loss, worst, n = f(xs, ys, w, batch=idx)
@@ -225,7 +225,7 @@ def test_in_place_updates_match_serial_training(session):
     x, y = torch.randn(40, 4, generator=g), torch.randint(0, 3, (40,), generator=g)
     parallel, serial = Net(), Net()
     step = shoal.function(sgd_step, scatter=["x", "y"], reduce="avg")
-    xs, ys = shoal.data(x), shoal.data(y)
+    xs, ys = shoal.shared(x), shoal.shared(y)
     for epoch in range(3):
         for idx in torch.randperm(40, generator=torch.Generator().manual_seed(epoch)).split(15):
             step(parallel, xs, ys, len(idx), batch=idx)

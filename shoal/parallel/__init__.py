@@ -12,7 +12,7 @@ Write a serial program; run chosen functions data-parallel on every process::
 
     if __name__ == "__main__":
         step = shoal.function(grad_step, scatter=["x", "y"], reduce=None)
-        x, y = shoal.data(x_train), shoal.data(y_train)   # placed once in shared memory
+        x, y = shoal.shared(x_train), shoal.shared(y_train)   # placed once in shared memory
         with shoal.fork(2):                        # this process is rank 0 and computes too
             for idx in batches:
                 step(model, opt, x, y, len(idx), batch=idx)
@@ -21,15 +21,15 @@ See ``docs/parallel.md`` for the semantics and the limits.
 """
 
 from shoal.parallel.collectives import all_gather, all_reduce, broadcast, gather, reduce, scatter
-from shoal.parallel.data import Data, data
 from shoal.parallel.function import MODES, Function, function
 from shoal.parallel.session import RemoteTraceback, Session, close, current, fork
+from shoal.parallel.shared import SharedArray, shared
 
 
 def replicate(*objects: object) -> None:
     """Send ``objects`` (modules, optimizers, anything picklable) to every worker now, by value;
     afterwards they are passed by reference to each worker's replica. Modules, optimizers and
-    :func:`data` arrays are replicated automatically the first time a call needs them; for a
+    :func:`shared` arrays are replicated automatically the first time a call needs them; for a
     module, do it before its optimizer. Without an open session this does nothing."""
     session = current()
     if session is not None and session.world > 1:
@@ -37,6 +37,6 @@ def replicate(*objects: object) -> None:
             session.registry.register(obj)
 
 
-__all__ = ["MODES", "Data", "Function", "RemoteTraceback", "Session", "all_gather", "all_reduce",
-           "broadcast", "close", "current", "data", "fork", "function", "gather", "reduce",
-           "replicate", "scatter"]
+__all__ = ["MODES", "SharedArray", "Function", "RemoteTraceback", "Session", "all_gather", "all_reduce",
+           "broadcast", "close", "current", "fork", "function", "gather", "reduce",
+           "replicate", "scatter", "shared"]

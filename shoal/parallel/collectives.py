@@ -26,9 +26,9 @@ import torch.distributed as dist
 from torch import nn
 
 from shoal.errors import ShoalError
-from shoal.parallel.data import Data
 from shoal.parallel.function import Function, split_sizes
 from shoal.parallel.session import current, in_function
+from shoal.parallel.shared import SharedArray
 
 Target = torch.Tensor | nn.Module | Iterable[Any]
 _OPS = {"sum": dist.ReduceOp.SUM, "avg": dist.ReduceOp.SUM, "prod": dist.ReduceOp.PRODUCT,
@@ -38,8 +38,8 @@ _OPS = {"sum": dist.ReduceOp.SUM, "avg": dist.ReduceOp.SUM, "prod": dist.ReduceO
 def _tensors(target: Any, name: str) -> tuple[list[torch.Tensor], bool]:
     if isinstance(target, torch.Tensor):
         return [target], True
-    if isinstance(target, Data):
-        raise ShoalError(f"shoal.{name}: shoal.data arrays are read-only inputs, not collective targets")
+    if isinstance(target, SharedArray):
+        raise ShoalError(f"shoal.{name}: shoal.shared arrays are read-only inputs, not collective targets")
     if isinstance(target, nn.Module):
         return [*target.parameters(), *(b for b in target.buffers() if b.is_floating_point())], False
     try:
@@ -130,7 +130,7 @@ def _controller(name: str, target: Any, **options: Any) -> Any:
     session = current()
     assert session is not None
     if not isinstance(target, (torch.Tensor, nn.Module)):
-        target = [t for t in target] if not isinstance(target, Data) else target
+        target = [t for t in target] if not isinstance(target, SharedArray) else target
     tensors, _ = _tensors(target, name)
     modules = [target] if isinstance(target, nn.Module) else \
         [t for t in (target if isinstance(target, list) else []) if isinstance(t, nn.Module)]

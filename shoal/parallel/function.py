@@ -5,7 +5,7 @@ One call runs in three steps, the same on the controller (rank 0) and on every w
 1. *Arguments.* The controller sends one small command per worker (function id, row count,
    slices, the ``batch`` indices, and the pickled plain arguments only when they changed
    since the last call). Scatter tensors go out with one ``dist.scatter`` each, broadcast
-   tensors with one ``dist.broadcast``; :class:`~shoal.parallel.data.Data` arguments are
+   tensors with one ``dist.broadcast``; :class:`~shoal.parallel.shared.SharedArray` arguments are
    already on every worker and cost nothing.
 2. *Compute.* Each rank runs ``fn`` on its share, in ``num_slices`` pieces, and accumulates
    the outputs (``avg`` weighted by rows, so uneven shares and slices give the serial answer).
@@ -31,8 +31,8 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from shoal.errors import ShoalError, WorkerError
 from shoal.parallel import session as _session
-from shoal.parallel.data import Data
 from shoal.parallel.session import GO, OP_CALL, SKIP, RemoteTraceback, current, in_function
+from shoal.parallel.shared import SharedArray
 
 MODES = ("avg", "sum", "prod", "min", "max", "gather", None)
 _REDUCE_OPS = {"avg": dist.ReduceOp.SUM, "sum": dist.ReduceOp.SUM, "prod": dist.ReduceOp.PRODUCT,
@@ -107,7 +107,7 @@ def function(fn: Callable[..., Any] | None = None, *, scatter: Sequence[str] = (
     """Make ``fn`` a parallel function (also usable as ``@shoal.function(scatter=[...])``).
 
     Calling it splits the ``scatter`` arguments along dimension 0 across the session's
-    processes (tensors, NumPy arrays or :func:`shoal.data` arrays), sends ``broadcast``
+    processes (tensors, NumPy arrays or :func:`shoal.shared` arrays), sends ``broadcast``
     tensors whole, passes other arguments as they are (modules and optimizers by reference
     to each worker's replica), runs ``fn`` everywhere and combines its outputs. ``reduce`` is
     one mode for every output, a sequence (one per element of a returned tuple) or a dict
@@ -357,7 +357,7 @@ class _Call:
                 local[name] = self.values[name].local(self.device)
             else:
                 value = self.values[name]
-                local[name] = value.local(self.device) if isinstance(value, Data) else value
+                local[name] = value.local(self.device) if isinstance(value, SharedArray) else value
         return local
 
     def run(self, local: dict[str, Any]) -> tuple[_Result, BaseException | None]:
@@ -418,12 +418,12 @@ def worker_call(f: Function, call: _Call, conn: Any) -> None:
 
 
 # -- the controller --------------------------------------------------------------------------
-def _to_tensor(value: Any, name: str, fname: str) -> torch.Tensor | Data:
-    if isinstance(value, (torch.Tensor, Data)):
+def _to_tensor(value: Any, name: str, fname: str) -> torch.Tensor | SharedArray:
+    if isinstance(value, (torch.Tensor, SharedArray)):
         return value
     if isinstance(value, np.ndarray):
         return torch.from_numpy(value)
-    raise ShoalError(f"{fname}: argument {name!r} must be a tensor, a NumPy array or shoal.data, "
+    raise ShoalError(f"{fname}: argument {name!r} must be a tensor, a NumPy array or shoal.shared, "
                      f"got {type(value).__name__}")
 
 
@@ -470,7 +470,7 @@ def _controller_call(f: Function, args: tuple[Any, ...], kwargs: dict[str, Any],
                 raise ShoalError(f"{f.name}: scatter arguments have different numbers of rows "
                                  f"({rows} and {n} for {name!r})")
             rows = n
-            if isinstance(value, Data):
+            if isinstance(value, SharedArray):
                 roles.append((name, "scatter_data"))
                 values[name] = value
             else:
@@ -483,7 +483,7 @@ def _controller_call(f: Function, args: tuple[Any, ...], kwargs: dict[str, Any],
             value = _to_tensor(value, name, f.name).to(device).contiguous()  # type: ignore[union-attr]
             roles.append((name, "broadcast", value.dtype, tuple(value.shape)))
             tensors[name] = value
-        elif name in f.broadcast and isinstance(value, Data):
+        elif name in f.broadcast and isinstance(value, SharedArray):
             roles.append((name, "broadcast_data"))
             values[name] = value
         else:

@@ -30,7 +30,7 @@ from torch import nn
 
 from shoal.errors import ShoalError, WorkerError
 from shoal.launch import _stop
-from shoal.parallel.data import Data
+from shoal.parallel.shared import SharedArray
 
 try:  # by-value pickling of lambdas, closures and functions defined in __main__
     import cloudpickle
@@ -82,7 +82,7 @@ class _RefPickler(_Pickler):  # type: ignore[misc, valid-type]
 
 class Registry:
     """Objects that exist on every worker, by id. Auto-registers nn.Modules, optimizers and
-    :class:`Data` the first time they are pickled for a worker; sends each one once."""
+    :class:`SharedArray` the first time they are pickled for a worker; sends each one once."""
 
     def __init__(self) -> None:
         self._ids: dict[int, int] = {}  # id(obj) -> oid
@@ -103,7 +103,7 @@ class Registry:
             self._check_optimizer(obj)
         oid = self._next
         self._next += 1
-        if isinstance(obj, Data):
+        if isinstance(obj, SharedArray):
             kind, payload = "data", pickle.dumps(obj.handle())
         else:
             kind, payload = "object", self.dumps(obj, exempt=obj)
@@ -140,7 +140,7 @@ class Registry:
         oid = self._ids.get(id(obj))
         if oid is not None:
             return ("obj", oid)
-        if isinstance(obj, (nn.Module, torch.optim.Optimizer, Data)):
+        if isinstance(obj, (nn.Module, torch.optim.Optimizer, SharedArray)):
             return ("obj", self.register(obj))
         if isinstance(obj, torch.Tensor):
             ref = self._tensors.get(id(obj))

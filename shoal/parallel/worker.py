@@ -15,9 +15,9 @@ from torch import nn
 
 from shoal.launch import die_with_parent
 from shoal.parallel import session as _session
-from shoal.parallel.data import Data
 from shoal.parallel.function import Function, _Call, worker_call
 from shoal.parallel.session import OP_CALL, OP_CLOSE, module_tensors
+from shoal.parallel.shared import SharedArray
 
 
 class _Unpickler(pickle.Unpickler):
@@ -49,7 +49,7 @@ class Worker:
 
     def define(self, oid: int, kind: str, payload: bytes) -> None:
         if kind == "data":
-            self.objects[oid] = Data.attach(pickle.loads(payload))
+            self.objects[oid] = SharedArray.attach(pickle.loads(payload))
             return
         obj = self.loads(payload)
         if isinstance(obj, nn.Module) and self.device.type != "cpu":

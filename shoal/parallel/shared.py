@@ -1,11 +1,11 @@
-"""Data placed once where every worker can read it: ``shoal.data(array)``.
+"""Arrays placed once where every worker can read them: ``shoal.shared(array)``.
 
 On CPU the array is copied once into a memory-mapped file in ``/dev/shm`` (the system's
 temporary directory where there is none); every worker maps the same pages, so selecting a
 shuffled batch by index on each worker copies only that batch, never the data set. In a
 ``cuda`` session each process copies the array once onto its own GPU when it first sees it.
-The file is removed when the :class:`Data` object is garbage-collected or the program exits;
-a controller killed with SIGKILL can leave a ``shoal-data-*`` file behind.
+The file is removed when the :class:`SharedArray` object is garbage-collected or the program exits;
+a controller killed with SIGKILL can leave a ``shoal-shared-*`` file behind.
 """
 
 from __future__ import annotations
@@ -40,7 +40,7 @@ def _map(path: str, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
     return torch.from_file(path, shared=True, size=numel, dtype=dtype).view(shape)
 
 
-class Data:
+class SharedArray:
     """An array held once in shared memory, read by every worker without copies.
 
     Pass it to a parallel function as a ``scatter`` argument (each worker takes its rows,
@@ -52,11 +52,11 @@ class Data:
         src = array if isinstance(array, torch.Tensor) else torch.as_tensor(np.asarray(array))
         src = src.detach().cpu().contiguous()
         if src.dim() == 0 or src.numel() == 0:
-            raise ShoalError(f"shoal.data needs a non-empty array with rows, got shape {tuple(src.shape)}")
+            raise ShoalError(f"shoal.shared needs a non-empty array with rows, got shape {tuple(src.shape)}")
         self.id = next(_IDS)
         self.shape = tuple(src.shape)
         self.dtype = src.dtype
-        fd, self.path = tempfile.mkstemp(prefix="shoal-data-", dir=_shm_dir())
+        fd, self.path = tempfile.mkstemp(prefix="shoal-shared-", dir=_shm_dir())
         try:
             os.ftruncate(fd, src.numel() * src.element_size())
         finally:
@@ -70,7 +70,7 @@ class Data:
         return self.shape[0]
 
     def __repr__(self) -> str:
-        return f"shoal.Data({self.dtype}, shape={list(self.shape)})"
+        return f"shoal.shared({self.dtype}, shape={list(self.shape)})"
 
     def local(self, device: torch.device | None = None) -> torch.Tensor:
         """This process's view: the shared tensor, or its copy on ``device`` (cuda)."""
@@ -85,7 +85,7 @@ class Data:
         return self.path, self.dtype, self.shape
 
     @classmethod
-    def attach(cls, handle: tuple[str, torch.dtype, tuple[int, ...]]) -> Data:
+    def attach(cls, handle: tuple[str, torch.dtype, tuple[int, ...]]) -> SharedArray:
         """A worker's view of the controller's data (shares its memory, owns no file)."""
         self = cls.__new__(cls)
         self.path, self.dtype, self.shape = handle
@@ -95,6 +95,6 @@ class Data:
         return self
 
 
-def data(array: Any) -> Data:
+def shared(array: Any) -> SharedArray:
     """Place ``array`` (tensor, NumPy array or nested list) once where every worker can read it."""
-    return Data(array)
+    return SharedArray(array)
