@@ -1,0 +1,52 @@
+"""The low-communication strategies through `shoal train`: they learn, they record what they
+sent, and a stopped run resumes exactly (every worker's own model, the center, outer momentum)."""
+
+import pytest
+import torch
+
+from conftest import checkpoint_params, max_param_diff, one_error_line, shoal, train
+
+COMMON = ["--model", "lenet5", "--dataset", "digits", "--workers", "2", "--epochs", "10"]
+STRATEGIES = ["local-sgd", "easgd", "eamsgd", "diloco"]
+
+
+def rank_models(path):
+    ranks = torch.load(path, map_location="cpu", weights_only=True)["ranks"]
+    return [r["model"] for r in ranks]
+
+
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_learns_digits_and_resumes_exactly(tmp_path, strategy):
+    full = train(tmp_path / "full", *COMMON, "--strategy", strategy, "--tau", "4")
+    assert full["strategy"] == strategy and full["completed"]
+    assert full["test_accuracy"] >= 0.93, full["test_accuracy"]
+    # One packed message of all parameters every 4 steps of 32 samples (16 a worker), from each worker.
+    params_bytes = 4 * full["parameters"]
+    assert full["bytes_per_sample"] == pytest.approx(2 * params_bytes / (4 * 32), rel=0.15)
+    assert 0 < full["comm_fraction"] < 1
+
+    # Stop mid-epoch and mid-round (30 % 4 == 2: EASGD has an exchange in flight), resume.
+    part = tmp_path / "part"
+    first = train(part, *COMMON, "--strategy", strategy, "--tau", "4", "--stop-at-step", "30")
+    assert first["steps"] == 30 and not first["completed"]
+    resumed = train(part, *COMMON, "--strategy", strategy, "--tau", "4", "--resume")
+    assert resumed["completed"] and resumed["steps"] == full["steps"]
+    assert max_param_diff(checkpoint_params(part / "checkpoint.pt"),
+                          checkpoint_params(tmp_path / "full" / "checkpoint.pt")) < 1e-6
+    for mine, theirs in zip(rank_models(part / "checkpoint.pt"),
+                            rank_models(tmp_path / "full" / "checkpoint.pt"), strict=True):
+        assert max_param_diff(mine, theirs) < 1e-6
+    assert resumed["test_accuracy"] == pytest.approx(full["test_accuracy"], abs=1e-9)
+
+
+@pytest.mark.parametrize("args, expected", [
+    (["--strategy", "local-sgd", "--tau", "0"], "--tau must be at least 1, got 0"),
+    (["--strategy", "easgd", "--alpha", "1.5"], "--alpha must be in [0, 1], got 1.5"),
+    (["--strategy", "eamsgd", "--momentum", "0"], "eamsgd needs --momentum > 0"),
+    (["--strategy", "diloco", "--outer-momentum", "1"], "--outer-momentum must be in [0, 1)"),
+    (["--strategy", "sync", "--tau", "4"], "strategy sync does not take --tau"),
+])
+def test_bad_strategy_options_are_one_line(tmp_path, args, expected):
+    res = shoal("train", "--out", str(tmp_path), "--workers", "2", "--epochs", "1", *args)
+    assert res.returncode == 2
+    assert expected in one_error_line(res.stderr)
