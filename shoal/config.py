@@ -68,6 +68,10 @@ class TrainConfig:
     eval_every: int = 1
     progress: str = "auto"
     debug: bool = False
+    # observability
+    trace: bool = False  # write trace.json (Chrome trace format, one lane per rank)
+    profile: tuple[int, ...] | None = None  # (first, last) step handed to torch.profiler
+    tensorboard: bool = False  # also log scalars to <out>/tensorboard
 
     # -- derived --------------------------------------------------------------------------
     def world_size(self) -> int:
@@ -142,6 +146,8 @@ class TrainConfig:
             raise ShoalError(f"--synthetic-shape must be positive sizes, got {self.synthetic_shape}")
         if self.resume is not None and self.overwrite:
             raise ShoalError("--resume and --overwrite contradict each other")
+        if self.profile is not None:
+            self.profile = parse_step_window(self.profile)
         return self
 
     # -- (de)serialization ----------------------------------------------------------------
@@ -162,6 +168,24 @@ class TrainConfig:
         for k, v in values.items():
             clean[k] = tuple(v) if isinstance(v, list) and k != "strategy_options" else v
         return cls(**clean)
+
+
+def parse_step_window(value: Any) -> tuple[int, int]:
+    """``"20:25"``, ``[20, 25]`` or ``20`` -> ``(20, 25)`` / ``(20, 20)``: steps, both included."""
+    try:
+        if isinstance(value, str):
+            parts = [int(v) for v in value.split(":")]
+        elif isinstance(value, int):
+            parts = [value]
+        else:
+            parts = [int(v) for v in value]
+    except (TypeError, ValueError):
+        parts = []
+    if len(parts) == 1:
+        parts = parts * 2
+    if len(parts) != 2 or parts[0] < 1 or parts[1] < parts[0]:
+        raise ShoalError(f"--profile must be FIRST:LAST steps with 1 <= FIRST <= LAST, got {value!r}")
+    return parts[0], parts[1]
 
 
 def load_config_file(path: str) -> dict[str, Any]:

@@ -3,7 +3,8 @@
 Every phase of a training step (``data``, ``compute``, ``comm``, ``optim``, ...) runs inside
 a :meth:`Timeline.span`. Totals are *exclusive*: a span nested in another moves its time from
 the parent's category to its own, so the categories add up to the wall time of the outermost
-spans. With ``keep_events`` the spans are also kept, for a Chrome/Perfetto trace.
+spans. With ``keep_events`` the spans are also kept, for a Chrome/Perfetto trace
+(:func:`chrome_trace`): one lane per rank, one ``X`` event per span.
 """
 
 from __future__ import annotations
@@ -11,9 +12,10 @@ from __future__ import annotations
 import threading
 import time
 from collections import defaultdict
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
+from typing import Any
 
 
 @dataclass
@@ -32,13 +34,16 @@ class Timeline:
 
     def __init__(self, keep_events: bool = False) -> None:
         self.origin = time.perf_counter()
+        # The wall clock at ``origin``: puts every rank's events on one time axis (exact on
+        # one machine, as good as the clocks' synchronization across machines).
+        self.origin_wall = time.time()
         self.keep_events = keep_events
         self.events: list[Event] = []
         self.totals: dict[str, float] = defaultdict(float)
         self._local = threading.local()
         self._sync = None  # set to torch.cuda.synchronize when timing GPU work
 
-    def set_synchronize(self, fn) -> None:  # noqa: ANN001 - a zero-argument callable
+    def set_synchronize(self, fn: Callable[[], Any] | None) -> None:
         """Call ``fn`` (e.g. ``torch.cuda.synchronize``) at span boundaries for honest GPU times."""
         self._sync = fn
 
@@ -73,25 +78,69 @@ class Timeline:
             if self.keep_events:
                 self._keep(cat, name or cat, start, end)
 
-    def record(self, cat: str, name: str, start: float, end: float) -> None:
+    def record(self, cat: str, name: str, start: float, end: float) -> Event | None:
         """Add a span measured elsewhere (``perf_counter`` times) inside the open span.
 
         Its time moves from the enclosing span's category to ``cat``; used e.g. for the part
-        of DDP's allreduce that backward had to wait for.
+        of DDP's allreduce that backward had to wait for. Returns the kept event, if any.
         """
         if end <= start:
-            return
+            return None
         stack = self._stack()
         self.totals[cat] += end - start
         if stack:
             stack[-1][1] += end - start
         if self.keep_events:
-            self._keep(cat, name, start, end)
+            return self._keep(cat, name, start, end)
+        return None
 
-    def _keep(self, cat: str, name: str, start: float, end: float) -> None:
-        self.events.append(
-            Event(cat, name, start - self.origin, end - self.origin, threading.get_ident())
-        )
+    def reassign(self, seconds: float, src: str, dst: str, event: Event | None = None,
+                 name: str | None = None) -> None:
+        """Move ``seconds`` already booked as ``src`` to ``dst``.
+
+        For time whose nature is learnt only later: e.g. the first part of an exposed
+        all-reduce turns out to have been waiting for a slower rank. With ``event`` (a kept
+        span of ``src``), its first ``seconds`` become a separate ``dst`` span ``name``.
+        """
+        if seconds <= 0:
+            return
+        self.totals[src] -= seconds
+        self.totals[dst] += seconds
+        if event is not None:
+            seconds = min(seconds, event.end - event.start)
+            cut = event.start + seconds
+            self.events.append(Event(dst, name or dst, event.start, cut, event.thread))
+            event.start = cut
+
+    def _keep(self, cat: str, name: str, start: float, end: float) -> Event:
+        event = Event(cat, name, start - self.origin, end - self.origin, threading.get_ident())
+        self.events.append(event)
+        return event
+
+    def chrome_events(self, rank: int, step_offset: int = 0) -> list[dict[str, Any]]:
+        """The kept spans as Chrome trace ``X`` events in lane (``pid``) ``rank``.
+
+        Times are microseconds of wall-clock time, so lanes of different ranks line up.
+        Threads other than the first to record become their own rows (``tid``).
+        """
+        tids: dict[int, int] = {}
+        out: list[dict[str, Any]] = [
+            {"name": "process_name", "ph": "M", "pid": rank, "tid": 0,
+             "args": {"name": f"rank {rank}"}},
+            {"name": "process_sort_index", "ph": "M", "pid": rank, "tid": 0,
+             "args": {"sort_index": rank}},
+        ]
+        base = self.origin_wall * 1e6
+        for ev in sorted(self.events, key=lambda e: (e.start, -(e.end - e.start))):
+            tid = tids.setdefault(ev.thread, len(tids))
+            out.append({"name": ev.name, "cat": ev.cat, "ph": "X", "pid": rank, "tid": tid,
+                        "ts": round(base + ev.start * 1e6, 3),
+                        "dur": round((ev.end - ev.start) * 1e6, 3)})
+        for thread, tid in tids.items():
+            label = "main" if tid == 0 else f"thread {thread}"
+            out.append({"name": "thread_name", "ph": "M", "pid": rank, "tid": tid,
+                        "args": {"name": label}})
+        return out
 
     def snapshot(self) -> dict[str, float]:
         """A copy of the totals, for differences between two points in time."""
@@ -100,3 +149,11 @@ class Timeline:
     @staticmethod
     def delta(after: dict[str, float], before: dict[str, float]) -> dict[str, float]:
         return {k: v - before.get(k, 0.0) for k, v in after.items()}
+
+
+def chrome_trace(lanes: Sequence[list[dict[str, Any]]], metadata: dict[str, Any] | None = None
+                 ) -> dict[str, Any]:
+    """One Chrome trace (JSON object format) from every rank's :meth:`Timeline.chrome_events`."""
+    events = [e for lane in lanes for e in lane]
+    return {"traceEvents": events, "displayTimeUnit": "ms", "otherData": metadata or {}}
+

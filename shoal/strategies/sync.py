@@ -4,6 +4,11 @@ DDP buckets the gradients and all-reduces each bucket while backward is still co
 rest. shoal adds nothing to that path but a timing wrapper around the communication hook,
 which books the bytes sent and the part of the all-reduce that backward had to wait for.
 Compression uses DDP's own hooks (fp16, bf16, PowerSGD).
+
+That exposed tail is split into ``wait`` (for the slowest rank to finish its backward) and
+``comm`` (the transfer itself): every rank shares, in a tiny asynchronous all-reduce settled
+one step later, how long after the previous step's all-reduce its last gradient bucket was
+ready. The slowest rank's lead over this one is time this one spent waiting, not sending.
 """
 
 from __future__ import annotations
@@ -13,6 +18,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_hook
 from torch.nn.parallel import DistributedDataParallel
@@ -74,6 +80,8 @@ class Synchronous(Strategy):
         super().__init__(model, optimizer, comm, options)
         self.ddp: DistributedDataParallel | None = None
         self._last_ready: float | None = None
+        self._released: float | None = None  # when the previous step's all-reduce ended
+        self._pending: tuple[Any, torch.Tensor, float, float, Any] | None = None
         if not comm.active:
             return
         opts: SyncOptions = self.options
@@ -118,9 +126,31 @@ class Synchronous(Strategy):
         return n_local * self.comm.world_size / n_global
 
     def backward(self, loss: torch.Tensor) -> None:
+        self._settle_wait()
         self._last_ready = None
         loss.backward()
-        if self._last_ready is not None:
-            # Backward returns only when every bucket's all-reduce is done; the time since the
-            # last bucket became ready is communication that compute did not hide.
-            self.comm.timeline.record("comm", "allreduce", self._last_ready, time.perf_counter())
+        if self._last_ready is None:
+            return
+        # Backward returns only when every bucket's all-reduce is done; the time since the
+        # last bucket became ready is communication that compute did not hide.
+        end = time.perf_counter()
+        event = self.comm.timeline.record("comm", "allreduce", self._last_ready, end)
+        if self._released is not None:
+            ready = torch.tensor([self._last_ready - self._released], dtype=torch.float64)
+            work = dist.all_reduce(ready, op=dist.ReduceOp.MAX, async_op=True)
+            self._pending = (work, ready, self._last_ready - self._released,
+                             end - self._last_ready, event)
+        self._released = end
+
+    def _settle_wait(self) -> None:
+        """Book the previous step's wait for the slowest rank (its exchange is done by now)."""
+        if self._pending is None:
+            return
+        work, slowest, mine, exposed, event = self._pending
+        self._pending = None
+        work.wait()
+        waited = min(slowest.item() - mine, exposed)
+        self.comm.timeline.reassign(waited, "comm", "wait", event, "wait for slowest rank")
+
+    def end_epoch(self, epoch: int) -> None:
+        self._settle_wait()

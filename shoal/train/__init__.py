@@ -20,7 +20,7 @@ def run_worker(cfg: TrainConfig, data: Dataset | None = None) -> dict[str, Any] 
     """Train as this process's rank of the job its environment describes."""
     env = detect_environment() or Environment()
     threads = cfg.threads_per_worker or default_threads(env.local_world_size)
-    comm = init_comm(env, cfg.device, cfg.timeout, threads, Timeline())
+    comm = init_comm(env, cfg.device, cfg.timeout, threads, Timeline(keep_events=cfg.trace))
     try:
         summary = Trainer(cfg, comm, data).run()
     except BaseException as exc:

@@ -1,4 +1,5 @@
-"""Machine-readable run records: ``metrics.jsonl`` (one JSON object a line) and summaries."""
+"""Machine-readable run records: ``metrics.jsonl`` (one JSON object a line), summaries, the
+Chrome trace, and (optionally) the same records as TensorBoard scalars."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ import math
 from pathlib import Path
 from typing import Any
 
+from shoal.errors import ShoalError
 from shoal.train.checkpoint import atomic_write
 
 #: Where a training step's time goes; they add up to the step's wall time ("other" is the
@@ -24,11 +26,52 @@ def _clean(value: Any) -> Any:
     return value
 
 
+def require_tensorboard() -> Any:
+    """``torch.utils.tensorboard.SummaryWriter``, or a one-line error naming the package."""
+    try:
+        from torch.utils.tensorboard import SummaryWriter
+    except ImportError:
+        raise ShoalError("--tensorboard needs the 'tensorboard' package "
+                         "(pip install tensorboard, or shoal[tensorboard])") from None
+    return SummaryWriter
+
+
+class TensorBoardLog:
+    """Writes step and epoch records as TensorBoard scalars (x axis: the training step)."""
+
+    #: record key -> scalar tag, for each kind of record
+    TAGS = {
+        "step": {"loss": "train/loss", "accuracy": "train/accuracy", "lr": "train/lr",
+                 "samples_per_s": "perf/samples_per_s", "comm_fraction": "perf/comm_fraction"},
+        "epoch": {"train_loss": "epoch/train_loss", "train_accuracy": "epoch/train_accuracy",
+                  "test_loss": "test/loss", "test_accuracy": "test/accuracy"},
+    }
+
+    def __init__(self, logdir: Path, purge_step: int | None = None) -> None:
+        self.writer = require_tensorboard()(log_dir=str(logdir), purge_step=purge_step)
+
+    def write(self, record: dict[str, Any]) -> None:
+        tags = self.TAGS.get(record.get("event", ""), {})
+        step = record["step"]
+        for key, tag in tags.items():
+            value = record.get(key)
+            if isinstance(value, (int, float)) and math.isfinite(value):
+                self.writer.add_scalar(tag, value, step)
+        if record.get("event") == "step":
+            for cat, seconds in (record.get("time_s") or {}).items():
+                self.writer.add_scalar(f"time_s/{cat}", seconds, step)
+
+    def close(self) -> None:
+        self.writer.close()
+
+
 class MetricsLog:
     """Appends records to ``metrics.jsonl``; each line is flushed as it is written."""
 
-    def __init__(self, path: Path, keep_until_step: int | None = None) -> None:
+    def __init__(self, path: Path, keep_until_step: int | None = None,
+                 tensorboard: TensorBoardLog | None = None) -> None:
         self.path = path
+        self.tensorboard = tensorboard
         path.parent.mkdir(parents=True, exist_ok=True)
         if keep_until_step is None:
             path.write_text("")
@@ -42,14 +85,24 @@ class MetricsLog:
     def write(self, record: dict[str, Any]) -> None:
         self._file.write(json.dumps(_clean(record)) + "\n")
         self._file.flush()
+        if self.tensorboard is not None:
+            self.tensorboard.write(record)
 
     def close(self) -> None:
         self._file.close()
+        if self.tensorboard is not None:
+            self.tensorboard.close()
 
 
 def write_json(path: Path, data: dict[str, Any]) -> None:
     """Write ``data`` as indented JSON, atomically."""
     text = json.dumps(_clean(data), indent=2) + "\n"
+    atomic_write(path, lambda f: f.write(text.encode()))
+
+
+def write_trace(path: Path, trace: dict[str, Any]) -> None:
+    """Write a Chrome trace (see :func:`shoal.timeline.chrome_trace`) compactly, atomically."""
+    text = json.dumps(trace, separators=(",", ":"))
     atomic_write(path, lambda f: f.write(text.encode()))
 
 
@@ -61,3 +114,10 @@ def time_split(totals: dict[str, float]) -> dict[str, float]:
 def comm_fraction(totals: dict[str, float]) -> float:
     step_time = sum(totals.get(k, 0.0) for k in TIME_CATEGORIES)
     return totals.get("comm", 0.0) / step_time if step_time > 0 else 0.0
+
+
+def time_fractions(totals: dict[str, float]) -> dict[str, float]:
+    """Each time category's share of the step time."""
+    step_time = sum(totals.get(k, 0.0) for k in TIME_CATEGORIES)
+    return {k: round(totals.get(k, 0.0) / step_time, 6) if step_time > 0 else 0.0
+            for k in TIME_CATEGORIES}

@@ -25,14 +25,24 @@ from shoal.data.augment import flip_and_crop
 from shoal.errors import ShoalError
 from shoal.models import build_model, count_parameters
 from shoal.strategies import Strategy, get_strategy, make_options
-from shoal.timeline import Timeline
+from shoal.timeline import Timeline, chrome_trace
 from shoal.train.checkpoint import (
     load_checkpoint,
     remove_stale_temporaries,
     save_checkpoint,
     to_cpu,
 )
-from shoal.train.metrics import TIME_CATEGORIES, MetricsLog, comm_fraction, time_split, write_json
+from shoal.train.metrics import (
+    TIME_CATEGORIES,
+    MetricsLog,
+    TensorBoardLog,
+    comm_fraction,
+    require_tensorboard,
+    time_fractions,
+    time_split,
+    write_json,
+    write_trace,
+)
 from shoal.train.optim import build_optimizer, build_schedule
 from shoal.train.progress import Progress
 
@@ -67,6 +77,8 @@ def preflight(cfg: TrainConfig, world: int) -> Dataset:
     options, output directory and resume file. Returns the loaded dataset."""
     strategy_cls = get_strategy(cfg.strategy)
     make_options(strategy_cls, cfg.strategy_options)
+    if cfg.tensorboard:
+        require_tensorboard()
     data = load_dataset(cfg.dataset, data_options(cfg))
     build_model(cfg.model, data.input_shape, data.num_classes)
     EpochPlan(len(data.train), cfg.global_batch(world), world, cfg.seed)
@@ -295,12 +307,15 @@ class Trainer:
             remove_stale_temporaries(self.out)
             (self.out / "summary.json").unlink(missing_ok=True)  # rewritten at the end
             write_json(self.out / "config.json", {**cfg.to_dict(), "world_size": self.world})
-            self.log = MetricsLog(self.out / "metrics.jsonl",
-                                  keep_until_step=st.step if cfg.resume_path else None)
+            resumed_at = st.step if cfg.resume_path else None
+            board = TensorBoardLog(self.out / "tensorboard", resumed_at) if cfg.tensorboard else None
+            self.log = MetricsLog(self.out / "metrics.jsonl", keep_until_step=resumed_at,
+                                  tensorboard=board)
             self.progress.line(
                 f"shoal: {cfg.model} on {self.data.describe()}; {self.world} worker(s), "
                 f"strategy {cfg.strategy}, global batch {plan.global_batch}, "
                 f"{plan.steps_per_epoch} steps/epoch")
+        self._profiler: Any = None
         stopped = False
         saved_at = -1
         test_loss = test_acc = float("nan")
@@ -312,6 +327,8 @@ class Trainer:
             interval = torch.zeros(3, dtype=torch.float64, device=self.device)
             interval_samples = epoch_samples = 0
             while st.epoch_step < plan.steps_per_epoch:
+                if cfg.profile is not None and st.step + 1 == cfg.profile[0]:
+                    self._start_profiler()
                 t_step = time.perf_counter()
                 with tl.span("other", "step"):
                     loss_sum, correct, n, n_global = self.train_step(perm)
@@ -323,6 +340,10 @@ class Trainer:
                 st.train_time_s += time.perf_counter() - t_step
                 st.step += 1
                 st.epoch_step += 1
+                if self._profiler is not None:
+                    self._profiler.step()
+                    if st.step >= cfg.profile[1]:
+                        self._stop_profiler()
                 st.samples += n_global
                 interval_samples += n_global
                 epoch_samples += n_global
@@ -358,11 +379,45 @@ class Trainer:
             if not cfg.checkpoint_every:
                 self.save()
                 saved_at = st.step
+        self._stop_profiler()
         if saved_at != st.step:
             self.save()
         if not stopped and math.isnan(test_acc):
             test_loss, test_acc = self.evaluate()
         return self._finish(stopped, test_loss, test_acc)
+
+    # -- profiling and tracing ----------------------------------------------------------------
+    def _start_profiler(self) -> None:
+        """Hand the steps of ``--profile FIRST:LAST`` to torch.profiler (every rank)."""
+        from torch.profiler import ProfilerActivity, profile
+
+        activities = [ProfilerActivity.CPU]
+        if self.device.type == "cuda":
+            activities.append(ProfilerActivity.CUDA)
+        self._profiler = profile(activities=activities, record_shapes=True)
+        self._profiler.__enter__()
+        self._profiled_from = self.state.step + 1
+
+    def _stop_profiler(self) -> None:
+        if self._profiler is None:
+            return
+        prof, self._profiler = self._profiler, None
+        prof.__exit__(None, None, None)
+        path = self.out / "profile" / f"rank{self.rank}.json"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        prof.export_chrome_trace(str(path))
+        if self.is_main:
+            self.progress.line(f"profiled steps {self._profiled_from}-{self.state.step} into "
+                               f"{path.parent}/rank*.json")
+
+    def _write_trace(self) -> None:
+        """Gather every rank's spans to rank 0 and write ``trace.json`` (one lane per rank)."""
+        lanes = self.comm.gather_objects(self.tl.chrome_events(self.rank))
+        if self.is_main:
+            assert lanes is not None
+            write_trace(self.out / "trace.json", chrome_trace(lanes, {
+                "model": self.cfg.model, "strategy": self.cfg.strategy,
+                "workers": self.world, "steps": self.state.step}))
 
     @staticmethod
     def _step_times(times: dict[str, float]) -> dict[str, float]:
@@ -404,6 +459,8 @@ class Trainer:
                                          + [float(self.comm.bytes_sent)])
         times = {k: v / self.world for k, v in zip(keys, summed[:-1], strict=False)}
         total_bytes = summed[-1]
+        if self.cfg.trace:
+            self._write_trace()
         if self.log is not None:
             self.log.close()
         if not self.is_main:
@@ -420,7 +477,10 @@ class Trainer:
             "train_loss": train_loss, "train_accuracy": train_acc,
             "wall_time_s": wall, "train_time_s": st.train_time_s, "samples": st.samples,
             "samples_per_s": st.samples / st.train_time_s if st.train_time_s > 0 else None,
-            "comm_fraction": comm_fraction(times), "time_s": time_split(times),
+            "comm_fraction": comm_fraction(times),
+            "wait_fraction": time_fractions(times)["wait"],
+            "time_s": time_split(times), "time_fraction": time_fractions(times),
+            "step_time_s": sum(times.values()) / st.step if st.step else None,
             "bytes_sent": total_bytes,
             "bytes_per_sample": total_bytes / st.samples if st.samples else None,
             "parameters": count_parameters(self.model),
