@@ -1,4 +1,4 @@
-"""The ``shoal`` command: ``shoal train``, ``shoal list``.
+"""The ``shoal`` command: ``shoal train``, ``shoal bench``, ``shoal report``, ``shoal list``.
 
 Errors a user can fix print one line (``shoal: error: ...``) and exit with status 2; with
 ``--debug`` the traceback follows. Unexpected errors exit with status 1.
@@ -142,8 +142,128 @@ def _train_parser(sub: Any) -> argparse.ArgumentParser:
     g.add_argument("--log-every", type=int, default=S, metavar="STEPS")
     g.add_argument("--eval-every", type=int, default=S, metavar="EPOCHS")
     g.add_argument("--progress", default=S, choices=("auto", "bar", "plain", "none"))
+
+    g = p.add_argument_group("observability (see docs/observability.md)")
+    g.add_argument("--trace", action="store_true", default=S,
+                   help="write OUT/trace.json: every step's spans, one lane per rank "
+                        "(Chrome trace format; open in https://ui.perfetto.dev)")
+    g.add_argument("--profile", default=S, metavar="FIRST:LAST",
+                   help="hand steps FIRST to LAST to torch.profiler; writes "
+                        "OUT/profile/rank*.json")
+    g.add_argument("--tensorboard", action="store_true", default=S,
+                   help="also log scalars to OUT/tensorboard (needs the tensorboard package)")
     _show_defaults(p)
     return p
+
+
+def _ints(text: str) -> list[int]:
+    try:
+        values = [int(v) for v in text.split(",") if v.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected numbers like 1,2,4, got {text!r}") from None
+    if not values:
+        raise argparse.ArgumentTypeError(f"expected numbers like 1,2,4, got {text!r}")
+    return values
+
+
+def _threads(text: str) -> list[int | None]:
+    out: list[int | None] = []
+    for v in (t.strip() for t in text.split(",") if t.strip()):
+        if v == "auto":
+            out.append(None)
+        elif v.isdigit():
+            out.append(int(v))
+        else:
+            raise argparse.ArgumentTypeError(f"expected auto or numbers like 1,2, got {text!r}")
+    return out or [None]
+
+
+def _names(text: str) -> list[str]:
+    return [v.strip() for v in text.split(",") if v.strip()]
+
+
+def _bench_parser(sub: Any) -> argparse.ArgumentParser:
+    p = sub.add_parser(
+        "bench", help="scaling study: throughput, efficiency, communication share",
+        description="Run `shoal train` for a fixed number of steps after warm-up for every "
+                    "combination of models x strategies x workers (x threads per worker), plus "
+                    "a hand-written PyTorch DDP loop, each repeated; write bench.csv, bench.md "
+                    "and bench.png to --out.")
+    p.add_argument("--models", type=_names, default=["lenet5"], metavar="M1,M2",
+                   help="models to train (default lenet5)")
+    p.add_argument("--strategies", default="sync", metavar="SPEC",
+                   help="comma-separated strategies, each with its options: "
+                        "sync,local-sgd:tau=4,easgd:tau=16,alpha=0.5 (default sync)")
+    p.add_argument("--strategy-options", default="", metavar="K=V,...",
+                   help="options for every strategy that takes them, e.g. tau=4")
+    p.add_argument("--workers", type=_ints, default=[1, 2], metavar="N1,N2",
+                   help="worker counts (default 1,2)")
+    p.add_argument("--threads-per-worker", type=_threads, default=[None], metavar="T1,T2",
+                   help="intra-op threads per worker; auto = cores // workers (default auto)")
+    p.add_argument("--scaling", default="weak,strong", metavar="weak,strong",
+                   help="weak: --batch-size per worker; strong: the global batch fixed "
+                        "(default both)")
+    p.add_argument("--batch-size", type=int, default=32,
+                   help="per worker, for weak scaling (default 32)")
+    p.add_argument("--global-batch-size", type=int, default=None,
+                   help="for strong scaling (default: --batch-size x the most workers)")
+    p.add_argument("--steps", type=int, default=40, help="timed steps (default 40)")
+    p.add_argument("--warmup", type=int, default=10, help="untimed steps first (default 10)")
+    p.add_argument("--repeats", type=int, default=3, help="runs per point (default 3)")
+    p.add_argument("--dataset", default="synthetic", help="(default synthetic)")
+    p.add_argument("--synthetic-shape", type=_shape, default=(3, 32, 32), metavar="CxHxW",
+                   help="(default 3x32x32)")
+    p.add_argument("--lr", type=float, default=0.02, help="(default 0.02)")
+    p.add_argument("--no-reference", dest="reference", action="store_false",
+                   help="leave out the hand-written DDP loop")
+    p.add_argument("--emulate-bandwidth", default=None, metavar="RATE",
+                   help="run multi-worker points across emulated hosts (network namespaces, "
+                        "needs root) joined by links of RATE, e.g. 100mbit or 1gbit")
+    p.add_argument("--timeout", type=float, default=900.0, help="seconds per run (default 900)")
+    p.add_argument("--out", default="bench", help="output directory (default bench)")
+    p.add_argument("--quiet", action="store_true", help="print nothing but errors")
+    p.add_argument("--debug", action="store_true", default=argparse.SUPPRESS)
+    return p
+
+
+def _report_parser(sub: Any) -> argparse.ArgumentParser:
+    p = sub.add_parser(
+        "report", help="plot and tabulate runs",
+        description="Plot loss and accuracy of runs against wall time and samples seen "
+                    "(report.png) and tabulate their summary.json (report.md).")
+    p.add_argument("runs", nargs="+", metavar="RUN_DIR", help="directories of shoal train runs")
+    p.add_argument("--out", default="report", help="output directory (default report)")
+    p.add_argument("--debug", action="store_true", default=argparse.SUPPRESS)
+    return p
+
+
+def _bench(args: argparse.Namespace, argv: Sequence[str]) -> None:
+    from pathlib import Path
+
+    from shoal.bench.sweep import BenchConfig, parse_strategies, run_bench
+
+    cfg = BenchConfig(
+        models=args.models, strategies=parse_strategies(args.strategies, args.strategy_options),
+        workers=args.workers, threads=args.threads_per_worker, scaling=_names(args.scaling),
+        batch_size=args.batch_size, global_batch_size=args.global_batch_size,
+        steps=args.steps, warmup=args.warmup, repeats=args.repeats, dataset=args.dataset,
+        synthetic_shape=tuple(args.synthetic_shape), reference=args.reference,
+        emulate_bandwidth=args.emulate_bandwidth, out=Path(args.out), lr=args.lr,
+        timeout=args.timeout, quiet=args.quiet)
+    if cfg.reference and cfg.dataset != "synthetic":
+        raise ShoalError("the DDP reference row trains on synthetic data; use --dataset "
+                         "synthetic or --no-reference")
+    run_bench(cfg, "shoal " + " ".join(argv))
+
+
+def _report(args: argparse.Namespace) -> None:
+    from pathlib import Path
+
+    from shoal.bench.report import report
+
+    files = report([Path(r) for r in args.runs], Path(args.out))
+    print(files["md"].read_text())
+    print(f"wrote {files['png']} and {files['md']}")
 
 
 def _show_defaults(parser: argparse.ArgumentParser) -> None:
@@ -171,6 +291,8 @@ def build_parser() -> argparse.ArgumentParser:
     train = _train_parser(sub)
     train.add_argument("--debug", action="store_true", default=argparse.SUPPRESS,
                        help="show tracebacks of errors")
+    _bench_parser(sub)
+    _report_parser(sub)
     sub.add_parser("list", help="list models, datasets and strategies")
     return parser
 
@@ -228,6 +350,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             from shoal.train import train
 
             train(config_from_args(args))
+        elif args.command == "bench":
+            _bench(args, argv)
+        elif args.command == "report":
+            _report(args)
         elif args.command == "list":
             _list()
         else:

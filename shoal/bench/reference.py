@@ -4,12 +4,17 @@ Only ``torch`` is used in the timed part: ``init_process_group``, ``DistributedD
 SGD, cross-entropy. The model architecture and the data come from shoal so that both sides
 train exactly the same thing. Throughput is measured on rank 0 between two barriers, after
 ``warmup`` steps.
+
+Local workers: :func:`run_reference`. Under torchrun (e.g. across the hosts of an emulated
+cluster): ``torchrun ... -m shoal.bench.reference --model lenet5 --out result.json``.
 """
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
+import sys
 import time
 from dataclasses import asdict, dataclass
 
@@ -45,12 +50,11 @@ def _load(w: Workload, workers: int):
                                                synthetic_samples=w.samples(workers)))
 
 
-def _worker(rank: int, workers: int, port: int, w: Workload, threads: int, out: str) -> None:
+def _train(rank: int, workers: int, w: Workload, threads: int, out: str) -> None:
+    """The timed loop, in a process that has joined a Gloo process group of ``workers``."""
     from shoal.models import build_model
 
     torch.set_num_threads(threads)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
-                            world_size=workers)
     data = _load(w, workers).train
     torch.manual_seed(0)
     model = build_model(w.model, w.shape, w.classes)
@@ -75,6 +79,12 @@ def _worker(rank: int, workers: int, port: int, w: Workload, threads: int, out: 
         timed = (w.steps - w.warmup) * w.batch * workers
         with open(out, "w") as f:
             json.dump({"samples_per_s": timed / elapsed, "seconds": elapsed}, f)
+
+
+def _worker(rank: int, workers: int, port: int, w: Workload, threads: int, out: str) -> None:
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                            world_size=workers)
+    _train(rank, workers, w, threads, out)
     dist.destroy_process_group()
 
 
@@ -87,3 +97,30 @@ def run_reference(w: Workload, workers: int, threads: int, out: str) -> dict:
         result = json.load(f)
     os.unlink(out)
     return {**result, "workload": asdict(w)}
+
+
+def main(argv: list[str] | None = None) -> int:
+    """One rank of the reference loop under torchrun; rank 0 writes ``--out``."""
+    p = argparse.ArgumentParser(prog="python -m shoal.bench.reference", description=__doc__)
+    d = Workload()
+    p.add_argument("--model", default=d.model)
+    p.add_argument("--shape", default="x".join(map(str, d.shape)))
+    p.add_argument("--classes", type=int, default=d.classes)
+    p.add_argument("--batch", type=int, default=d.batch, help="per worker")
+    p.add_argument("--steps", type=int, default=d.steps)
+    p.add_argument("--warmup", type=int, default=d.warmup)
+    p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--out", required=True)
+    a = p.parse_args(argv)
+    w = Workload(model=a.model, shape=tuple(int(v) for v in a.shape.split("x")),
+                 classes=a.classes, batch=a.batch, steps=a.steps, warmup=a.warmup)
+    dist.init_process_group("gloo")
+    try:
+        _train(dist.get_rank(), dist.get_world_size(), w, a.threads, a.out)
+    finally:
+        dist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

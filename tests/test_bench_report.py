@@ -1,0 +1,106 @@
+"""`shoal bench` and `shoal report` produce their files from short runs; bad input is one line."""
+
+import csv
+import json
+import sys
+
+import pytest
+
+from shoal.bench.report import load_run, summary_table
+from shoal.bench.sweep import REFERENCE, StrategySpec, add_efficiency, markdown_table, parse_strategies
+from shoal.cli import main
+from shoal.errors import ShoalError
+
+from conftest import one_error_line, shoal
+
+PNG = b"\x89PNG\r\n\x1a\n"
+
+
+def test_bench_and_report_write_their_files(tmp_path):
+    out = tmp_path / "bench"
+    res = shoal("bench", "--models", "mlp", "--workers", "2", "--scaling", "weak",
+                "--steps", "4", "--warmup", "2", "--repeats", "1", "--batch-size", "8",
+                "--synthetic-shape", "1x8x8", "--strategies", "sync:bucket_mb=1",
+                "--out", str(out), timeout=240)
+    assert res.returncode == 0, res.stdout + res.stderr
+    rows = list(csv.DictReader((out / "bench.csv").open()))
+    got = {(r["strategy"], int(r["workers"])) for r in rows}
+    assert got == {("sync:bucket_mb=1", 2), (REFERENCE, 2)}
+    for r in rows:
+        assert float(r["samples_per_s"]) > 0
+        assert float(r["samples_per_s_min"]) <= float(r["samples_per_s"]) <= float(r["samples_per_s_max"])
+        assert r["efficiency"] == ""  # no one-worker row to compare with (see test_efficiency...)
+        assert int(r["global_batch"]) == 8 * int(r["workers"])  # weak scaling
+    sync2 = next(r for r in rows if r["strategy"].startswith("sync") and r["workers"] == "2")
+    assert 0 < float(sync2["comm_fraction"]) < 1
+    table = (out / "bench.md").read_text()
+    assert "| mlp | sync:bucket_mb=1 | weak | 2 |" in table and REFERENCE in table
+    assert (out / "bench.png").read_bytes().startswith(PNG)
+
+    # The bench's runs (stopped after a few steps) next to a finished one with test records.
+    runs = sorted(p for p in (out / "runs").iterdir() if "ddp-reference" not in p.name)
+    assert len(runs) == 1
+    done = tmp_path / "finished"
+    res = shoal("train", "--model", "mlp", "--epochs", "1", "--log-every", "10",
+                "--progress", "none", "--out", str(done))
+    assert res.returncode == 0, res.stderr
+    run = load_run(done)
+    assert run["epochs"][-1]["test_accuracy"] > 0.5
+    assert run["steps"][0]["samples"] == 10 * 16  # step 10 at a global batch of 16
+    res = shoal("report", *map(str, runs), str(done), "--out", str(tmp_path / "report"))
+    assert res.returncode == 0, res.stdout + res.stderr
+    assert (tmp_path / "report" / "report.png").read_bytes().startswith(PNG)
+    md = (tmp_path / "report" / "report.md").read_text()
+    assert all(p.name in md for p in runs) and "samples/s" in md
+    assert any(line.startswith("| finished | mlp | sync | 1 |") for line in md.splitlines())
+
+
+def test_parse_strategies():
+    specs = parse_strategies("sync,sync:bucket_mb=1,compress=fp16", common="bucket-mb=5")
+    assert specs == [StrategySpec("sync", (("bucket_mb", "5"),)),
+                     StrategySpec("sync", (("bucket_mb", "1"), ("compress", "fp16")))]
+    assert specs[1].label == "sync:bucket_mb=1,compress=fp16"
+    assert specs[1].flags() == ["--strategy", "sync", "--bucket-mb", "1", "--compress", "fp16"]
+    for bad, message in (("nosuch", "unknown strategy"), ("sync:tau=4", "does not take"),
+                         ("bucket_mb=1", "before any strategy"), ("", "empty"),
+                         (REFERENCE, "added by shoal bench")):
+        with pytest.raises(ShoalError, match=message):
+            parse_strategies(bad)
+
+
+def test_efficiency_and_tables():
+    rows = [{"model": "m", "strategy": "sync", "scaling": "weak", "threads_label": "1",
+             "threads": 1, "workers": w, "global_batch": 8 * w, "samples_per_s": s,
+             "samples_per_s_min": s, "samples_per_s_max": s, "comm_fraction": c,
+             "wait_fraction": 0.0} for w, s, c in ((1, 100.0, 0.0), (2, 150.0, 0.3))]
+    add_efficiency(rows)
+    assert [r["efficiency"] for r in rows] == [1.0, 0.75]
+    assert "| m | sync | weak | 2 | 1 | 16 | 150 | 150–150 | 0.75 | 30% | 0% |" in markdown_table(rows)
+    run = {"summary": {"label": "r", "model": "m", "test_accuracy": 0.5, "comm_fraction": None}}
+    assert "| r | m |" in summary_table([run]) and "50.00%" in summary_table([run])
+
+
+def error_of(capsys, *args: str) -> str:
+    """Run the CLI in this process; it must fail with one ``shoal: error:`` line."""
+    assert main(list(args)) == 2
+    return one_error_line(capsys.readouterr().err)
+
+
+def test_errors_are_one_line(tmp_path, capsys):
+    assert "does not take option 'tau'" in error_of(capsys, "bench", "--strategies", "sync:tau=4")
+    assert "--workers" in error_of(capsys, "bench", "--workers", "0")
+    assert "--scaling" in error_of(capsys, "bench", "--scaling", "diagonal")
+    assert "100 mbit" in error_of(capsys, "bench", "--emulate-bandwidth", "100 mbit")
+    assert "not a run directory" in error_of(capsys, "report", str(tmp_path / "nothing"))
+    (tmp_path / "empty").mkdir()
+    assert "no metrics.jsonl" in error_of(capsys, "report", str(tmp_path / "empty"))
+
+
+def test_without_matplotlib_is_one_line(tmp_path, capsys, monkeypatch):
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # `import matplotlib` fails
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "metrics.jsonl").write_text(json.dumps({"event": "step", "step": 1, "loss": 1.0}) + "\n")
+    assert "'matplotlib' package" in error_of(capsys, "report", str(run))
+    assert "'matplotlib' package" in error_of(capsys, "bench", "--out", str(tmp_path / "b"))
+    assert not (tmp_path / "b").exists()  # refused before running anything
