@@ -1,0 +1,306 @@
+"""An emulated slow cluster on one machine: K network-namespace "hosts" behind a rate-limited switch.
+
+Each host is a Linux network namespace with one veth link to a "switch" namespace holding a
+bridge. Both ends of every link get a ``tbf`` (token bucket) qdisc, so each host sends and
+receives at most ``rate`` (e.g. ``100mbit``); nothing else about the machine changes: the
+namespaces share its CPUs, memory, file system and host name, and traffic never leaves it
+(private addresses ``10.77.0.0/24`` inside namespaces this module creates). A multi-node job
+runs across them with ``torchrun``, one node per namespace, through c10d rendezvous::
+
+    sudo python -m shoal.emulate --hosts 2 --rate 100mbit -- -m shoal train --model lenet5 ...
+
+Everything carries a unique name prefix and is torn down on exit, on errors and on
+SIGINT/SIGTERM; ``python -m shoal.emulate --cleanup`` removes what a killed run left behind.
+Needs root (``CAP_NET_ADMIN``). netem (latency, loss) is not used: only ``tbf``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import time
+import uuid
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from types import FrameType
+from typing import Any
+
+from shoal.errors import ShoalError
+
+#: Every namespace this module creates starts with this.
+PREFIX = "shoalemu"
+SUBNET = "10.77.0"
+RENDEZVOUS_PORT = 29400
+_RATE = re.compile(r"^(\d+(?:\.\d+)?)(bit|kbit|mbit|gbit)$", re.IGNORECASE)
+_UNITS = {"bit": 1, "kbit": 1e3, "mbit": 1e6, "gbit": 1e9}
+
+
+def rate_bits(rate: str) -> float:
+    """Bits per second of a tc rate like ``100mbit`` or ``1gbit``; a one-line error otherwise."""
+    m = _RATE.match(rate.strip())
+    if not m or float(m.group(1)) <= 0:
+        raise ShoalError(f"bandwidth {rate!r}: expected a rate like 100mbit, 1gbit or 500kbit")
+    return float(m.group(1)) * _UNITS[m.group(2).lower()]
+
+
+def _ip(*args: str, netns: str | None = None, check: bool = True) -> subprocess.CompletedProcess:
+    cmd = ["ip", *(["-n", netns] if netns else []), *args]
+    res = subprocess.run(cmd, capture_output=True, text=True)
+    if check and res.returncode != 0:
+        raise ShoalError(f"`{' '.join(cmd)}` failed: {res.stderr.strip() or res.returncode}")
+    return res
+
+
+def _tc(netns: str, *args: str) -> None:
+    cmd = ["ip", "netns", "exec", netns, "tc", *args]
+    res = subprocess.run(cmd, capture_output=True, text=True)
+    if res.returncode != 0:
+        raise ShoalError(f"`{' '.join(cmd)}` failed: {res.stderr.strip() or res.returncode}")
+
+
+def namespaces(prefix: str = PREFIX) -> list[str]:
+    """Network namespaces whose names start with ``prefix``."""
+    if shutil.which("ip") is None:
+        return []
+    res = _ip("netns", "list", check=False)
+    return [line.split()[0] for line in res.stdout.splitlines()
+            if line.strip() and line.split()[0].startswith(prefix)]
+
+
+def can_emulate() -> str | None:
+    """``None`` when namespaces can be made here; otherwise why not (one line)."""
+    if not sys.platform.startswith("linux"):
+        return "network namespaces need Linux"
+    if shutil.which("ip") is None or shutil.which("tc") is None:
+        return "the `ip` and `tc` commands (iproute2) are not installed"
+    if os.geteuid() != 0:
+        return "creating network namespaces needs root"
+    name = f"{PREFIX}-probe-{uuid.uuid4().hex[:6]}"
+    res = _ip("netns", "add", name, check=False)
+    if res.returncode != 0:
+        return f"`ip netns add` is not permitted here: {res.stderr.strip()}"
+    _ip("netns", "del", name, check=False)
+    return None
+
+
+def cleanup(prefix: str = PREFIX) -> list[str]:
+    """Kill what runs in, and delete, every namespace starting with ``prefix``; return them."""
+    found = namespaces(prefix)
+    for ns in found:
+        _kill_namespace(ns)
+        _ip("netns", "del", ns, check=False)
+    return found
+
+
+def _kill_namespace(ns: str) -> None:
+    """SIGKILL the processes inside namespace ``ns`` (only ours: we made the namespace)."""
+    res = _ip("netns", "pids", ns, check=False)
+    for pid in res.stdout.split():
+        with contextlib.suppress(ProcessLookupError, ValueError):
+            os.kill(int(pid), signal.SIGKILL)
+
+
+@dataclass
+class Cluster:
+    """``hosts`` namespaces joined through a bridge, each link limited to ``rate`` both ways.
+
+    Use as a context manager; :meth:`torchrun` runs a job with one node per host.
+    """
+
+    hosts: int = 2
+    rate: str = "1gbit"
+    tag: str = field(default_factory=lambda: uuid.uuid4().hex[:6])
+    _made: list[str] = field(default_factory=list, init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        if not 1 <= self.hosts <= 200:
+            raise ShoalError(f"--hosts must be between 1 and 200, got {self.hosts}")
+        self.bits = rate_bits(self.rate)
+
+    # -- names --------------------------------------------------------------------------------
+    @property
+    def prefix(self) -> str:
+        return f"{PREFIX}-{self.tag}"
+
+    @property
+    def switch(self) -> str:
+        return f"{self.prefix}-sw"
+
+    def host(self, i: int) -> str:
+        """The namespace of host ``i``."""
+        return f"{self.prefix}-h{i}"
+
+    def ifname(self, i: int) -> str:
+        """Host ``i``'s interface (at most 15 characters, as Linux requires)."""
+        return f"se{self.tag}h{i}"
+
+    def address(self, i: int) -> str:
+        return f"{SUBNET}.{i + 1}"
+
+    # -- life cycle ---------------------------------------------------------------------------
+    def __enter__(self) -> Cluster:
+        self.setup()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.teardown()
+
+    def setup(self) -> None:
+        """Create the switch, the hosts and their rate-limited links (tears down on failure)."""
+        why = can_emulate()
+        if why is not None:
+            raise ShoalError(f"cannot emulate a cluster: {why}")
+        try:
+            self._add_netns(self.switch)
+            _ip("link", "add", "br0", "type", "bridge", netns=self.switch)
+            _ip("link", "set", "br0", "up", netns=self.switch)
+            burst = max(15_000, int(self.bits / 8 / 100))  # 10 ms worth of bytes
+            for i in range(self.hosts):
+                ns, mine, port = self.host(i), self.ifname(i), f"se{self.tag}s{i}"
+                self._add_netns(ns)
+                _ip("link", "add", mine, "netns", ns, "type", "veth", "peer", "name", port,
+                    "netns", self.switch)
+                _ip("link", "set", port, "master", "br0", netns=self.switch)
+                _ip("addr", "add", f"{self.address(i)}/24", "dev", mine, netns=ns)
+                for where, dev in ((ns, mine), (self.switch, port)):
+                    _ip("link", "set", dev, "up", netns=where)
+                    _tc(where, "qdisc", "add", "dev", dev, "root", "tbf", "rate", self.rate,
+                        "burst", str(burst), "latency", "50ms")
+                _ip("link", "set", "lo", "up", netns=ns)
+        except BaseException:
+            self.teardown()
+            raise
+
+    def _add_netns(self, name: str) -> None:
+        _ip("netns", "add", name)
+        self._made.append(name)
+
+    def teardown(self) -> None:
+        """Kill everything inside this cluster's namespaces and delete them."""
+        for ns in reversed(self._made):
+            _kill_namespace(ns)
+            _ip("netns", "del", ns, check=False)
+        self._made.clear()
+        cleanup(self.prefix)  # whatever a failed set-up made before it was booked
+
+    # -- running jobs -------------------------------------------------------------------------
+    def exec_args(self, i: int, env: dict[str, str] | None = None) -> list[str]:
+        """The command prefix that runs a program on host ``i``."""
+        pairs = [f"{k}={v}" for k, v in (env or {}).items()]
+        return ["ip", "netns", "exec", self.host(i), "env", *pairs]
+
+    def torchrun_args(self, i: int, nproc_per_node: int = 1, run_id: str | None = None
+                      ) -> list[str]:
+        """``torchrun`` as node ``i`` of a job with one node per host (c10d rendezvous on host 0).
+
+        The namespaces share the machine's host name, so the node holding the rendezvous
+        says ``is_host=1`` and every node names its own address (``--local-addr``).
+        """
+        torchrun = shutil.which("torchrun", path=str(Path(sys.executable).parent)) or "torchrun"
+        return [
+            torchrun, "--nnodes", str(self.hosts), "--nproc-per-node", str(nproc_per_node),
+            "--rdzv-backend", "c10d", "--rdzv-endpoint", f"{self.address(0)}:{RENDEZVOUS_PORT}",
+            "--rdzv-id", run_id or self.tag, "--rdzv-conf", f"is_host={int(i == 0)}",
+            "--local-addr", self.address(i), "--max-restarts", "0",
+            "--monitor-interval", "0.5",
+        ]
+
+    def torchrun(self, program: Sequence[str], nproc_per_node: int = 1, timeout: float = 600,
+                 env: dict[str, str] | None = None, quiet: bool = False) -> int:
+        """Run ``torchrun ... PROGRAM`` on every host; return the first non-zero exit status.
+
+        ``program`` is what follows torchrun's own options (``-m shoal train ...``). When a
+        node fails, the others are stopped; nothing outlives this call.
+        """
+        run_id = uuid.uuid4().hex[:8]
+        procs: list[subprocess.Popen] = []
+        out = subprocess.DEVNULL if quiet else None
+        try:
+            for i in range(self.hosts):
+                node_env = {"GLOO_SOCKET_IFNAME": self.ifname(i), **(env or {})}
+                cmd = [*self.exec_args(i, node_env), *self.torchrun_args(i, nproc_per_node, run_id),
+                       *program]
+                procs.append(subprocess.Popen(cmd, start_new_session=True, stdout=out,
+                                              stderr=subprocess.STDOUT if quiet else None))
+            deadline = time.monotonic() + timeout
+            while True:
+                codes = [p.poll() for p in procs]
+                failed = [c for c in codes if c not in (None, 0)]
+                if failed:
+                    return failed[0]
+                if all(c == 0 for c in codes):
+                    return 0
+                if time.monotonic() > deadline:
+                    raise ShoalError(f"the emulated job did not finish in {timeout:.0f} s")
+                time.sleep(0.2)
+        finally:
+            for p in procs:
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(p.pid, signal.SIGKILL)
+                p.wait()
+
+
+@contextlib.contextmanager
+def _terminate_as_exception() -> Iterator[None]:
+    """Turn SIGTERM/SIGHUP into an exception so ``finally`` blocks tear down namespaces."""
+    def handler(signum: int, frame: FrameType | None) -> None:
+        raise KeyboardInterrupt(f"signal {signum}")
+
+    old: dict[int, Any] = {}
+    for sig in (signal.SIGTERM, signal.SIGHUP):
+        old[sig] = signal.signal(sig, handler)
+    try:
+        yield
+    finally:
+        for sig, h in old.items():
+            signal.signal(sig, h)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """``python -m shoal.emulate [--hosts K] [--rate R] -- PROGRAM...`` (see module docstring)."""
+    p = argparse.ArgumentParser(
+        prog="python -m shoal.emulate",
+        description="Run a torchrun job across K emulated hosts (network namespaces) joined by "
+                    "rate-limited links. Needs root.")
+    p.add_argument("--hosts", type=int, default=2, help="emulated machines (default 2)")
+    p.add_argument("--rate", default="1gbit", help="per-link bandwidth, each way (default 1gbit)")
+    p.add_argument("--nproc-per-node", type=int, default=1, help="workers per host (default 1)")
+    p.add_argument("--timeout", type=float, default=3600, help="seconds before giving up")
+    p.add_argument("--cleanup", action="store_true",
+                   help=f"only remove namespaces named {PREFIX}-* left by killed runs")
+    p.add_argument("--check", action="store_true", help="only say whether emulation works here")
+    p.add_argument("program", nargs=argparse.REMAINDER,
+                   help="after --: torchrun's program, e.g. -m shoal train --model lenet5")
+    args = p.parse_args(argv)
+    try:
+        if args.cleanup:
+            removed = cleanup()
+            print(f"removed {len(removed)} namespace(s)" + (": " + ", ".join(removed) if removed else ""))
+            return 0
+        if args.check:
+            why = can_emulate()
+            print("emulation works here" if why is None else f"cannot emulate: {why}")
+            return 0 if why is None else 1
+        program = args.program[1:] if args.program[:1] == ["--"] else args.program
+        if not program:
+            raise ShoalError("nothing to run: give torchrun's program after --, "
+                             "e.g. -- -m shoal train --model lenet5")
+        with _terminate_as_exception(), Cluster(args.hosts, args.rate) as cluster:
+            return cluster.torchrun(program, args.nproc_per_node, args.timeout)
+    except ShoalError as exc:
+        print(f"shoal: error: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("shoal: interrupted; emulated cluster torn down", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,88 @@
+"""The emulated cluster: namespaces, rate-limited links, a torchrun job across them, teardown."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from shoal import emulate
+from shoal.emulate import Cluster, can_emulate, namespaces, rate_bits
+from shoal.errors import ShoalError
+
+from conftest import REPO, run
+
+WHY_NOT = can_emulate()
+SERVER = """import socket, sys
+s = socket.create_server((sys.argv[1], 29555)); print("listening", flush=True)
+conn, _ = s.accept(); print(conn.recv(100).decode(), flush=True)"""
+CLIENT = """import socket, sys
+socket.create_connection((sys.argv[1], 29555), timeout=10).sendall(b"hello from host 0")"""
+needs_namespaces = pytest.mark.skipif(WHY_NOT is not None, reason=f"cannot emulate: {WHY_NOT}")
+
+
+def test_rates():
+    assert rate_bits("100mbit") == 100e6 and rate_bits("1Gbit") == 1e9 and rate_bits("500kbit") == 5e5
+    for bad in ("100", "fast", "0mbit", "100 mb"):
+        with pytest.raises(ShoalError, match="bandwidth"):
+            rate_bits(bad)
+
+
+@needs_namespaces
+def test_cluster_sets_up_links_and_tears_down():
+    cluster = Cluster(hosts=2, rate="100mbit")
+    try:
+        cluster.setup()
+        assert set(namespaces(cluster.prefix)) == {cluster.switch, cluster.host(0), cluster.host(1)}
+        qdisc = subprocess.run(["ip", "netns", "exec", cluster.host(0), "tc", "qdisc", "show",
+                                "dev", cluster.ifname(0)], capture_output=True, text=True).stdout
+        assert "tbf" in qdisc and "100Mbit" in qdisc
+        # A TCP message from host 0 to host 1, across the switch.
+        server = subprocess.Popen([*cluster.exec_args(1), sys.executable, "-c", SERVER,
+                                   cluster.address(1)], stdout=subprocess.PIPE, text=True)
+        try:
+            assert server.stdout.readline().strip() == "listening"
+            client = subprocess.run([*cluster.exec_args(0), sys.executable, "-c", CLIENT,
+                                     cluster.address(1)], capture_output=True, text=True, timeout=30)
+            assert client.returncode == 0, client.stderr
+            assert server.stdout.readline().strip() == "hello from host 0"
+        finally:
+            server.kill()
+            server.wait()
+    finally:
+        cluster.teardown()
+    assert namespaces(cluster.prefix) == []
+
+
+@needs_namespaces
+def test_failed_setup_leaves_nothing(monkeypatch):
+    cluster = Cluster(hosts=2, rate="1gbit")
+
+    def broken_tc(netns, *args):
+        raise ShoalError("tc exploded")
+
+    monkeypatch.setattr(emulate, "_tc", broken_tc)
+    with pytest.raises(ShoalError, match="tc exploded"):
+        cluster.setup()
+    assert namespaces(cluster.prefix) == []
+
+
+@needs_namespaces
+def test_torchrun_job_across_two_hosts(tmp_path):
+    """`python -m shoal.emulate` runs a two-node torchrun job of `shoal train` and cleans up."""
+    before = set(namespaces())
+    res = run([sys.executable, "-m", "shoal.emulate", "--hosts", "2", "--rate", "1gbit", "--",
+               "-m", "shoal", "train", "--model", "mlp", "--epochs", "1", "--stop-at-step", "5",
+               "--threads-per-worker", "1", "--progress", "none", "--out", str(tmp_path)],
+              timeout=180, cwd=REPO)
+    assert res.returncode == 0, res.stdout + res.stderr
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert summary["workers"] == 2 and summary["steps"] == 5 and summary["bytes_sent"] > 0
+    assert set(namespaces()) == before
+
+
+def test_cli_errors(capsys):
+    assert emulate.main(["--rate", "fast", "--", "-m", "shoal"]) == 2
+    assert capsys.readouterr().err.startswith("shoal: error: bandwidth 'fast'")
+    assert emulate.main(["--hosts", "2"]) == 2
+    assert "nothing to run" in capsys.readouterr().err
