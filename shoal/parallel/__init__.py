@@ -20,10 +20,10 @@ Write a serial program; run chosen functions data-parallel on every process::
 See ``docs/parallel.md`` for the semantics and the limits.
 """
 
+from shoal.parallel.arrays import SharedArray, shared
 from shoal.parallel.collectives import all_gather, all_reduce, broadcast, gather, reduce, scatter
-from shoal.parallel.function import MODES, Function, function
+from shoal.parallel.functions import MODES, Function, function
 from shoal.parallel.session import RemoteTraceback, Session, close, current, fork
-from shoal.parallel.shared import SharedArray, shared
 
 
 def replicate(*objects: object) -> None:

@@ -26,9 +26,9 @@ import torch.distributed as dist
 from torch import nn
 
 from shoal.errors import ShoalError
-from shoal.parallel.function import Function, split_sizes
+from shoal.parallel.arrays import SharedArray
+from shoal.parallel.functions import Function, split_sizes
 from shoal.parallel.session import current, in_function
-from shoal.parallel.shared import SharedArray
 
 Target = torch.Tensor | nn.Module | Iterable[Any]
 _OPS = {"sum": dist.ReduceOp.SUM, "avg": dist.ReduceOp.SUM, "prod": dist.ReduceOp.PRODUCT,

@@ -5,7 +5,7 @@ One call runs in three steps, the same on the controller (rank 0) and on every w
 1. *Arguments.* The controller sends one small command per worker (function id, row count,
    slices, the ``batch`` indices, and the pickled plain arguments only when they changed
    since the last call). Scatter tensors go out with one ``dist.scatter`` each, broadcast
-   tensors with one ``dist.broadcast``; :class:`~shoal.parallel.shared.SharedArray` arguments are
+   tensors with one ``dist.broadcast``; :class:`~shoal.parallel.arrays.SharedArray` arguments are
    already on every worker and cost nothing.
 2. *Compute.* Each rank runs ``fn`` on its share, in ``num_slices`` pieces, and accumulates
    the outputs (``avg`` weighted by rows, so uneven shares and slices give the serial answer).
@@ -31,8 +31,8 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from shoal.errors import ShoalError, WorkerError
 from shoal.parallel import session as _session
+from shoal.parallel.arrays import SharedArray
 from shoal.parallel.session import GO, OP_CALL, SKIP, RemoteTraceback, current, in_function
-from shoal.parallel.shared import SharedArray
 
 MODES = ("avg", "sum", "prod", "min", "max", "gather", None)
 _REDUCE_OPS = {"avg": dist.ReduceOp.SUM, "sum": dist.ReduceOp.SUM, "prod": dist.ReduceOp.PRODUCT,

@@ -30,7 +30,7 @@ from torch import nn
 
 from shoal.errors import ShoalError, WorkerError
 from shoal.launch import _stop
-from shoal.parallel.shared import SharedArray
+from shoal.parallel.arrays import SharedArray
 
 try:  # by-value pickling of lambdas, closures and functions defined in __main__
     import cloudpickle

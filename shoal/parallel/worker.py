@@ -15,9 +15,9 @@ from torch import nn
 
 from shoal.launch import die_with_parent
 from shoal.parallel import session as _session
-from shoal.parallel.function import Function, _Call, worker_call
+from shoal.parallel.arrays import SharedArray
+from shoal.parallel.functions import Function, _Call, worker_call
 from shoal.parallel.session import OP_CALL, OP_CLOSE, module_tensors
-from shoal.parallel.shared import SharedArray
 
 
 class _Unpickler(pickle.Unpickler):

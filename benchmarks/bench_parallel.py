@@ -1,0 +1,131 @@
+"""Parallel functions: per-call overhead against a bare collective, and speedup on a CPU-bound
+function. Prints markdown tables. Run:
+
+    .venv/bin/python benchmarks/bench_parallel.py --workers 2
+
+*Overhead*: a parallel function that returns an ``avg``-reduced tensor of S floats (its input
+is a ``shoal.shared`` array, so no argument moves) against ``dist.all_reduce`` of S floats in
+the same process group, timed in the same processes. The difference is what a call costs
+beyond the one collective it needs: the command, running the function, the status round and
+the bookkeeping. A second row per size uses ``reduce=None`` (no tensor moves at all).
+
+*Speedup*: a CPU-bound function (a stack of matrix products over the rows it gets) called
+on 1 process and on ``--workers`` processes, one torch thread per process, so the speedup is
+what the extra processes add. The serial call with all cores' threads is listed too.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import time
+
+import torch
+import torch.distributed as dist
+
+import shoal
+
+
+def echo(w):
+    return w
+
+
+def nothing(w):
+    return None
+
+
+def bare_all_reduce(w, reps):
+    """Time ``reps`` all-reduces of ``w`` on every rank; rank 0's median per op."""
+    times = []
+    buf = w.clone()
+    for _ in range(reps):
+        start = time.perf_counter()
+        dist.all_reduce(buf)
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def crunch(x, w, depth):
+    for _ in range(depth):
+        x = torch.tanh(x @ w)
+    return x.sum(0)
+
+
+def timed(fn, reps: int) -> float:
+    times = []
+    for _ in range(reps):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def overhead(workers: int, sizes: list[int], reps: int) -> list[dict]:
+    f_echo = shoal.function(echo, broadcast=["w"], reduce="avg")
+    f_none = shoal.function(nothing, broadcast=["w"], reduce=None)
+    f_bare = shoal.function(bare_all_reduce, broadcast=["w"], reduce=None)
+    rows = []
+    with shoal.fork(workers, threads=1):
+        for size in sizes:
+            w = shoal.shared(torch.ones(size))
+            f_echo(w), f_none(w), f_bare(w, 5)  # warm up: functions and data reach the workers
+            bare = f_bare(w, reps)
+            call = timed(lambda w=w: f_echo(w), reps)
+            control = timed(lambda w=w: f_none(w), reps)
+            rows.append({"floats": size, "bare_ms": bare * 1e3, "call_ms": call * 1e3,
+                         "overhead_ms": (call - bare) * 1e3, "none_ms": control * 1e3})
+    return rows
+
+
+def speedup(workers: int, rows: int, dim: int, depth: int, reps: int) -> list[dict]:
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(rows, dim, generator=g)
+    w = torch.randn(dim, dim, generator=g) / dim ** 0.5
+    f = shoal.function(crunch, scatter=["x"], broadcast=["w"], reduce="sum")
+    out = []
+    cores = len(os.sched_getaffinity(0))
+    threads_before = torch.get_num_threads()
+    torch.set_num_threads(cores)
+    serial = timed(lambda: crunch(x, w, depth), reps)
+    torch.set_num_threads(threads_before)
+    out.append({"setup": f"serial call, {cores} threads", "s": serial})
+    for n in (1, workers):
+        with shoal.fork(n, threads=1):
+            f(x, w, depth)  # warm up
+            out.append({"setup": f"shoal.fork({n}), 1 thread each", "s": timed(lambda: f(x, w, depth), reps)})
+    base = out[1]["s"]
+    for r in out:
+        r["speedup"] = base / r["s"]
+    return out
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--workers", type=int, default=2)
+    p.add_argument("--sizes", type=int, nargs="+", default=[1, 1000, 100_000, 1_000_000])
+    p.add_argument("--reps", type=int, default=200, help="calls per overhead measurement")
+    p.add_argument("--rows", type=int, default=4096)
+    p.add_argument("--dim", type=int, default=256)
+    p.add_argument("--depth", type=int, default=16)
+    p.add_argument("--speed-reps", type=int, default=5)
+    a = p.parse_args()
+    print(f"load average before: {os.getloadavg()[0]:.2f} on {len(os.sched_getaffinity(0))} cores\n")
+    print(f"### Per-call overhead, {a.workers} processes (median of {a.reps} calls)\n")
+    print("| floats reduced | bare all_reduce (ms) | shoal call, avg (ms) | overhead (ms) "
+          "| shoal call, reduce=None (ms) |")
+    print("| ---: | ---: | ---: | ---: | ---: |")
+    for r in overhead(a.workers, a.sizes, a.reps):
+        print(f"| {r['floats']:,} | {r['bare_ms']:.3f} | {r['call_ms']:.3f} | {r['overhead_ms']:.3f} "
+              f"| {r['none_ms']:.3f} |")
+    print(f"\n### Speedup of a CPU-bound function ({a.rows}x{a.dim} rows, {a.depth} matmul+tanh "
+          f"layers, median of {a.speed_reps})\n")
+    print("| setup | seconds per call | speedup vs 1 process |")
+    print("| --- | ---: | ---: |")
+    for r in speedup(a.workers, a.rows, a.dim, a.depth, a.speed_reps):
+        print(f"| {r['setup']} | {r['s']:.3f} | {r['speedup']:.2f}x |")
+    print(f"\nload average after: {os.getloadavg()[0]:.2f}")
+
+
+if __name__ == "__main__":
+    main()
