@@ -139,3 +139,16 @@ def test_ctrl_c_stops_every_worker(tmp_path, where):
     finally:
         with contextlib.suppress(ProcessLookupError):
             os.killpg(proc.pid, signal.SIGKILL)
+
+
+def test_function_a_worker_cannot_import_is_an_error(tmp_path, monkeypatch):
+    (tmp_path / "ghostmod.py").write_text("def total(x):\n    return x.sum()\n")
+    with marked_fork(2, timeout=60) as session:
+        monkeypatch.syspath_prepend(str(tmp_path))  # after the fork: importable here only
+        import ghostmod
+
+        f = shoal.function(ghostmod.total, scatter=["x"], reduce="sum")
+        with pytest.raises(WorkerError, match="rank 1: could not load total .*No module named 'ghostmod'"):
+            f(torch.ones(4))
+        assert not session.closed
+        assert shoal.function(total, scatter=["x"], reduce="sum")(torch.ones(4)).item() == 4

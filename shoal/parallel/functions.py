@@ -260,7 +260,10 @@ class _Result:
                 for t in o.leaves:
                     groups.setdefault((o.mode, t.dtype), []).append(t)
         for (mode, _), ts in groups.items():
-            flat = torch.cat([t.reshape(-1) for t in ts]) if len(ts) > 1 else ts[0].reshape(-1).clone()
+            if len(ts) == 1 and ts[0].is_contiguous():
+                dist.reduce(ts[0], dst=0, op=_REDUCE_OPS[mode])  # the accumulator is ours: in place
+                continue
+            flat = torch.cat([t.reshape(-1) for t in ts])
             dist.reduce(flat, dst=0, op=_REDUCE_OPS[mode])
             if rank == 0:
                 offset = 0
@@ -292,7 +295,7 @@ class _Result:
                         t = torch.cat([part[:d[g]] for part, d in zip(self._parts[g], dims, strict=False)])
                     g += 1
                 elif o.mode == "avg":
-                    t = t / total
+                    t = t.div_(total)  # the accumulator is ours
                 if o.numbers[i] and o.mode != "gather" and t.numel() == 1:
                     leaves.append(t.item())
                 else:
@@ -394,7 +397,7 @@ class _Call:
             _session._state.in_function = previous
 
 
-def _error_info(exc: BaseException) -> tuple[str, str, str, bool]:
+def error_info(exc: BaseException) -> tuple[str, str, str, bool]:
     return (type(exc).__name__, str(exc), "".join(traceback.format_exception(exc)),
             isinstance(exc, ShoalError))
 
@@ -410,7 +413,7 @@ def worker_call(f: Function, call: _Call, conn: Any) -> None:
         except Exception as e:  # e.g. an output that is not a tensor
             exc = e
     if exc is not None:
-        status = (False, None, [], _error_info(exc))
+        status = (False, None, [], error_info(exc))
     conn.send_bytes(pickle.dumps(status))
     verdict = conn.recv_bytes()
     if verdict[:1] == GO:
@@ -505,9 +508,11 @@ def _controller_call(f: Function, args: tuple[Any, ...], kwargs: dict[str, Any],
         result.signature()
         return result.value(rows, None)
 
-    message = _command(session, f, call)
+    message, fresh = _command(session, f, call)
     try:
         session.send_all(message)
+        if fresh:
+            _check_loaded(session, f)
         result, exc = call.run(call.exchange(tensors))
         mine: tuple[Any, ...] = (exc is None, None, [], None)
         if exc is None:
@@ -547,7 +552,22 @@ def _controller_call(f: Function, args: tuple[Any, ...], kwargs: dict[str, Any],
     return result.value(rows, dims)
 
 
-def _command(session: Any, f: Function, call: _Call) -> bytes:
+def _check_loaded(session: Any, f: Function) -> None:
+    """Every worker's word that the new function, arguments and objects loaded."""
+    failed = [(r, pickle.loads(m)) for r, m in enumerate(session.recv_all(session.timeout, "load"), 1)]
+    failed = [(r, e) for r, e in failed if e is not None]
+    session.send_all(SKIP if failed else GO)
+    if failed:
+        session.defined.discard(f.id)
+        session.last_payload.pop(f.id, None)
+        rank, (etype, emsg, tb, user) = failed[0]
+        hint = (" (a function must be importable on the workers by its module name, or live in "
+                "__main__ or a closure to be sent by value)" if etype == "ModuleNotFoundError" else "")
+        raise WorkerError(rank, f"could not load {f.name} or its arguments: {etype}: {emsg}{hint}",
+                          tb, user) from RemoteTraceback(tb)
+
+
+def _command(session: Any, f: Function, call: _Call) -> tuple[bytes, bool]:
     """The pickled command for one call (plain arguments only when they changed)."""
     session.check_open()
     registry = session.registry
@@ -564,4 +584,4 @@ def _command(session: Any, f: Function, call: _Call) -> bytes:
                        protocol=pickle.HIGHEST_PROTOCOL)
     session.defined.add(f.id)
     session.last_payload[f.id] = payload
-    return msg
+    return msg, bool(defs) or fn_bytes is not None or payload_out is not None

@@ -16,8 +16,8 @@ from torch import nn
 from shoal.launch import die_with_parent
 from shoal.parallel import session as _session
 from shoal.parallel.arrays import SharedArray
-from shoal.parallel.functions import Function, _Call, worker_call
-from shoal.parallel.session import OP_CALL, OP_CLOSE, module_tensors
+from shoal.parallel.functions import Function, _Call, error_info, worker_call
+from shoal.parallel.session import GO, OP_CALL, OP_CLOSE, module_tensors
 
 
 class _Unpickler(pickle.Unpickler):
@@ -70,12 +70,23 @@ class Worker:
 
     def call(self, fid: int, rows: int, slices: int, batch: bytes | None,
              defs: list[tuple[int, str, bytes]], fn_bytes: bytes | None, payload: bytes | None) -> None:
-        for oid, kind, data in defs:
-            self.define(oid, kind, data)
-        if fn_bytes is not None:
-            self.functions[fid] = self.loads(fn_bytes)
-        if payload is not None:
-            self.payloads[fid] = self.loads(payload)
+        if defs or fn_bytes is not None or payload is not None:
+            # Something new arrived: say whether it loaded before any tensor moves, so that a
+            # function this worker cannot import is an error in the caller, not a hang.
+            try:
+                for oid, kind, data in defs:
+                    self.define(oid, kind, data)
+                if fn_bytes is not None:
+                    self.functions[fid] = self.loads(fn_bytes)
+                if payload is not None:
+                    self.payloads[fid] = self.loads(payload)
+            except Exception as exc:
+                self.conn.send_bytes(pickle.dumps(error_info(exc)))
+                self.conn.recv_bytes()  # the controller's SKIP
+                return
+            self.conn.send_bytes(pickle.dumps(None))
+            if self.conn.recv_bytes()[:1] != GO:
+                return  # another worker could not load it
         f = self.functions[fid]
         roles, values = self.payloads[fid]
         idx = torch.frombuffer(bytearray(batch), dtype=torch.int64) if batch is not None else None
