@@ -337,3 +337,30 @@ def test_serial_without_a_session():
     f = shoal.function(mean_rows, scatter=["x"], reduce="avg")
     if shoal.parallel.current() is None:
         torch.testing.assert_close(f(x, num_slices=3), x.mean(0), **TOL)
+
+
+def optimizer_step(model, opt, x, y, n):
+    opt.zero_grad()
+    F.cross_entropy(model.fc(x), y, reduction="sum").div(n).backward()
+    shoal.all_reduce([p.grad for p in model.parameters()], op="sum")
+    opt.step()
+
+
+def test_optimizer_replicas_keep_their_state(session):
+    g = torch.Generator().manual_seed(1)
+    x, y = torch.randn(30, 4, generator=g), torch.randint(0, 3, (30,), generator=g)
+    parallel, serial = Net(), Net()
+    popt = torch.optim.SGD(parallel.parameters(), lr=0.3, momentum=0.9)
+    sopt = torch.optim.SGD(serial.parameters(), lr=0.3, momentum=0.9)
+    with pytest.raises(ShoalError, match="before its model"):
+        shoal.replicate(popt)
+    step = shoal.function(optimizer_step, scatter=["x", "y"], reduce=None)
+    for idx in torch.arange(30).split(10) * 2:
+        step(parallel, popt, x, y, len(idx), batch=idx)
+        sopt.zero_grad()
+        F.cross_entropy(serial.fc(x[idx]), y[idx]).backward()
+        sopt.step()
+    for a, b in zip(parallel.parameters(), serial.parameters(), strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
+    both = shoal.gather(parallel.fc.weight)
+    torch.testing.assert_close(both[:3], both[3:])

@@ -463,10 +463,10 @@ def _controller_call(f: Function, args: tuple[Any, ...], kwargs: dict[str, Any],
     for name, value in arguments.items():
         if name in f.scatter:
             value = _to_tensor(value, name, f.name)
-            if value.dim() == 0 if isinstance(value, torch.Tensor) else False:
+            if isinstance(value, torch.Tensor) and value.dim() == 0:
                 raise ShoalError(f"{f.name}: scatter argument {name!r} has no rows (0-dim tensor)")
             length = len(value)
-            if idx is not None and len(idx) and (int(idx.min()) < -length or int(idx.max()) >= length):
+            if idx is not None and len(idx) and (int(idx.min()) < 0 or int(idx.max()) >= length):
                 raise ShoalError(f"{f.name}: batch indices out of range for {name!r} with {length} rows")
             n = len(idx) if idx is not None else length
             if rows is not None and n != rows:
