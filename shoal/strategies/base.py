@@ -30,6 +30,17 @@ class NoOptions:
     """A strategy without options."""
 
 
+@dataclasses.dataclass
+class PeriodicOptions:
+    """Options of the strategies that exchange models every ``tau`` local steps."""
+
+    tau: int = dataclasses.field(default=4, metadata={"help": "local steps between two exchanges"})
+
+    def validate(self) -> None:
+        if self.tau < 1:
+            raise ShoalError(f"--tau must be at least 1, got {self.tau}")
+
+
 class Strategy:
     """Base class: plain local SGD steps with no communication at all.
 

@@ -23,20 +23,18 @@ from torch import nn
 from shoal.comm import FlatParams
 from shoal.comm.averaging import ModelCopy, average_buffers
 from shoal.errors import ShoalError
-from shoal.strategies.base import Strategy
+from shoal.strategies.base import PeriodicOptions, Strategy
 from shoal.strategies.registry import register
 
 
 @dataclass
-class DiLoCoOptions:
-    tau: int = field(default=4, metadata={"help": "local steps between two averagings"})
+class DiLoCoOptions(PeriodicOptions):
     outer_lr: float = field(default=0.7, metadata={"help": "outer (Nesterov SGD) learning rate"})
     outer_momentum: float = field(default=0.5, metadata={
         "help": "outer Nesterov momentum (the paper: 0.9, with inner AdamW)"})
 
     def validate(self) -> None:
-        if self.tau < 1:
-            raise ShoalError(f"--tau must be at least 1, got {self.tau}")
+        super().validate()
         if not self.outer_lr > 0:
             raise ShoalError(f"--outer-lr must be positive, got {self.outer_lr}")
         if not 0 <= self.outer_momentum < 1:

@@ -28,21 +28,19 @@ from torch import nn
 from shoal.comm import FlatParams, Handle
 from shoal.comm.averaging import ModelCopy, average_buffers
 from shoal.errors import ShoalError
-from shoal.strategies.base import Strategy
+from shoal.strategies.base import PeriodicOptions, Strategy
 from shoal.strategies.registry import register
 
 
 @dataclass
-class ElasticOptions:
-    tau: int = field(default=4, metadata={"help": "local steps between two averagings"})
+class ElasticOptions(PeriodicOptions):
     alpha: float | None = field(default=None, metadata={
         "help": "elastic moving rate (default 0.9 / workers)"})
     overlap: bool = field(default=True, metadata={
         "help": "hide the center's all-reduce behind the next local steps"})
 
     def validate(self) -> None:
-        if self.tau < 1:
-            raise ShoalError(f"--tau must be at least 1, got {self.tau}")
+        super().validate()
         if self.alpha is not None and not 0 <= self.alpha <= 1:
             raise ShoalError(f"--alpha must be in [0, 1], got {self.alpha}")
 

@@ -13,25 +13,13 @@ are averaged once more, so the model evaluated and saved is the consensus.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-
 import torch
 from torch import nn
 
 from shoal.comm import FlatParams
 from shoal.comm.averaging import average_buffers, average_into
-from shoal.errors import ShoalError
-from shoal.strategies.base import Strategy
+from shoal.strategies.base import PeriodicOptions, Strategy
 from shoal.strategies.registry import register
-
-
-@dataclass
-class LocalSGDOptions:
-    tau: int = field(default=4, metadata={"help": "local steps between two averagings"})
-
-    def validate(self) -> None:
-        if self.tau < 1:
-            raise ShoalError(f"--tau must be at least 1, got {self.tau}")
 
 
 @register
@@ -39,11 +27,11 @@ class LocalSGD(Strategy):
     """Local steps; every --tau steps the models are averaged (one packed all-reduce)."""
 
     name = "local-sgd"
-    Options = LocalSGDOptions
+    Options = PeriodicOptions
     replicas_in_sync = False
 
     def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, comm,
-                 options: LocalSGDOptions | None = None) -> None:
+                 options: PeriodicOptions | None = None) -> None:
         super().__init__(model, optimizer, comm, options)
         self.flat = FlatParams(model.parameters())
 
