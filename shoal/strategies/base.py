@@ -111,11 +111,15 @@ def option_fields(cls: type[Strategy]) -> list[dataclasses.Field]:
 
 
 def make_options(cls: type[Strategy], values: dict[str, Any]) -> Any:
-    """Build ``cls.Options`` from ``values``, naming any option the strategy does not take."""
+    """Build and check ``cls.Options`` from ``values``, naming any option it does not take."""
     known = {f.name for f in option_fields(cls)}
     unknown = sorted(set(values) - known)
     if unknown:
         flags = ", ".join("--" + u.replace("_", "-") for u in unknown)
         takes = ", ".join("--" + k.replace("_", "-") for k in sorted(known)) or "no options"
         raise ShoalError(f"strategy {cls.name} does not take {flags} (it takes {takes})")
-    return cls.Options(**values)
+    options = cls.Options(**values)
+    validate = getattr(options, "validate", None)
+    if validate is not None:
+        validate()  # here too, so that a bad value is caught before any worker starts
+    return options
