@@ -10,8 +10,9 @@ beyond the one collective it needs: the command, running the function, the statu
 the bookkeeping. A second row per size uses ``reduce=None`` (no tensor moves at all).
 
 *Speedup*: a CPU-bound function (a stack of matrix products over the rows it gets) called
-on 1 process and on ``--workers`` processes, one torch thread per process, so the speedup is
-what the extra processes add. The serial call with all cores' threads is listed too.
+directly in one process and as a parallel function on ``--workers`` processes, one torch
+thread per process, so the speedup is what the extra processes add; the direct call with
+all cores' threads is listed too.
 """
 
 from __future__ import annotations
@@ -79,25 +80,29 @@ def overhead(workers: int, sizes: list[int], reps: int) -> list[dict]:
 
 
 def speedup(workers: int, rows: int, dim: int, depth: int, reps: int) -> list[dict]:
+    """Alternate, ``reps`` times: the function called directly (1 process, 1 thread), the
+    parallel call (``workers`` processes, 1 thread each) and the direct call with every core's
+    threads; medians. Alternating keeps a change in the machine's load from favouring one."""
     g = torch.Generator().manual_seed(0)
     x = torch.randn(rows, dim, generator=g)
     w = torch.randn(dim, dim, generator=g) / dim ** 0.5
     f = shoal.function(crunch, scatter=["x"], broadcast=["w"], reduce="sum")
-    out = []
     cores = len(os.sched_getaffinity(0))
-    threads_before = torch.get_num_threads()
-    torch.set_num_threads(cores)
-    serial = timed(lambda: crunch(x, w, depth), reps)
-    torch.set_num_threads(threads_before)
-    out.append({"setup": f"serial call, {cores} threads", "s": serial})
-    for n in (1, workers):
-        with shoal.fork(n, threads=1):
-            f(x, w, depth)  # warm up
-            out.append({"setup": f"shoal.fork({n}), 1 thread each", "s": timed(lambda: f(x, w, depth), reps)})
-    base = out[1]["s"]
-    for r in out:
-        r["speedup"] = base / r["s"]
-    return out
+    one, many, threaded = [], [], []
+    with shoal.fork(workers, threads=1):
+        torch.testing.assert_close(f(x, w, depth), crunch(x, w, depth), rtol=1e-4, atol=1e-3)
+        for _ in range(reps):
+            one.append(timed(lambda: crunch(x, w, depth), 1))
+            many.append(timed(lambda: f(x, w, depth), 1))
+            torch.set_num_threads(cores)
+            threaded.append(timed(lambda: crunch(x, w, depth), 1))
+            torch.set_num_threads(1)
+    base = statistics.median(one)
+    return [{"setup": "1 process, 1 thread (direct call)", "s": base, "speedup": 1.0},
+            {"setup": f"shoal.fork({workers}), 1 thread each", "s": statistics.median(many),
+             "speedup": base / statistics.median(many)},
+            {"setup": f"1 process, {cores} threads (direct call)", "s": statistics.median(threaded),
+             "speedup": base / statistics.median(threaded)}]
 
 
 def main() -> None:
@@ -108,7 +113,7 @@ def main() -> None:
     p.add_argument("--rows", type=int, default=4096)
     p.add_argument("--dim", type=int, default=256)
     p.add_argument("--depth", type=int, default=16)
-    p.add_argument("--speed-reps", type=int, default=5)
+    p.add_argument("--speed-reps", type=int, default=7)
     a = p.parse_args()
     print(f"load average before: {os.getloadavg()[0]:.2f} on {len(os.sched_getaffinity(0))} cores\n")
     print(f"### Per-call overhead, {a.workers} processes (median of {a.reps} calls)\n")
