@@ -147,7 +147,7 @@ class _Output:
         self.leaves: list[Any] = []
         self.numbers: list[bool] = []
 
-    def add(self, value: Any, weight: int, fname: str) -> None:
+    def add(self, value: Any, weight: float, fname: str) -> None:
         if self.mode is None:
             self.value = value
             return
@@ -163,14 +163,14 @@ class _Output:
         for i, (t, _) in enumerate(pairs):
             self.leaves[i] = self._combine(i, t, weight, where)
 
-    def _first(self, t: torch.Tensor, weight: int) -> Any:
+    def _first(self, t: torch.Tensor, weight: float) -> Any:
         if self.mode == "avg":
             return (t if t.is_floating_point() or t.is_complex() else t.double()) * weight
         if self.mode == "gather":
             return [t.reshape(1) if t.dim() == 0 else t]
         return t.clone()
 
-    def _combine(self, i: int, t: torch.Tensor, weight: int, where: str) -> Any:
+    def _combine(self, i: int, t: torch.Tensor, weight: float, where: str) -> Any:
         acc = self.leaves[i]
         if self.mode == "gather":
             t = t.reshape(1) if t.dim() == 0 else t
@@ -180,13 +180,14 @@ class _Output:
             return acc
         if t.shape != acc.shape:
             raise ShoalError(f"{where}: slices return shapes {list(acc.shape)} and {list(t.shape)}")
+        # The accumulator is ours (made by _first): update it in place.
         if self.mode == "avg":
-            return acc + t * weight
+            return acc.add_(t, alpha=weight)
         if self.mode == "sum":
-            return acc + t
+            return acc.add_(t)
         if self.mode == "prod":
-            return acc * t
-        return torch.minimum(acc, t) if self.mode == "min" else torch.maximum(acc, t)
+            return acc.mul_(t)
+        return torch.minimum(acc, t, out=acc) if self.mode == "min" else torch.maximum(acc, t, out=acc)
 
     def finish_local(self) -> None:
         if self.mode == "gather" and self.spec is not None:
@@ -222,7 +223,7 @@ class _Result:
         self.kind: Any = None
         self.outputs: list[_Output] = []
 
-    def add(self, out: Any, weight: int) -> None:
+    def add(self, out: Any, weight: float) -> None:
         if isinstance(out, tuple):
             kind: Any = type(out)
             items = list(enumerate(out))
@@ -280,7 +281,7 @@ class _Result:
             if bufs is not None:
                 self._parts.append(bufs)
 
-    def value(self, total: int, dims: list[list[int]] | None) -> Any:
+    def value(self, dims: list[list[int]] | None) -> Any:
         """The combined result on rank 0 (after :meth:`communicate`, or alone)."""
         g = 0
         values = []
@@ -294,8 +295,6 @@ class _Result:
                     if dims is not None:
                         t = torch.cat([part[:d[g]] for part, d in zip(self._parts[g], dims, strict=False)])
                     g += 1
-                elif o.mode == "avg":
-                    t = t.div_(total)  # the accumulator is ours
                 if o.numbers[i] and o.mode != "gather" and t.numel() == 1:
                     leaves.append(t.item())
                 else:
@@ -388,7 +387,7 @@ class _Call:
                             args[name] = local[name][lo:lo + size]
                 bound = inspect.BoundArguments(self.f.signature, args)  # type: ignore[arg-type]
                 out = self.f.fn(*bound.args, **bound.kwargs)
-                result.add(out, size)
+                result.add(out, size / self.rows)  # avg: this slice's share of all rows
                 offset += size
             return result, None
         except Exception as exc:
@@ -506,7 +505,7 @@ def _controller_call(f: Function, args: tuple[Any, ...], kwargs: dict[str, Any],
         if exc is not None:
             raise exc
         result.signature()
-        return result.value(rows, None)
+        return result.value(None)
 
     message, fresh = _command(session, f, call)
     try:
@@ -549,7 +548,7 @@ def _controller_call(f: Function, args: tuple[Any, ...], kwargs: dict[str, Any],
         lines = "; ".join(f"rank {r}: {_describe(s[1])}" for r, s in enumerate(statuses))
         raise ShoalError(f"{f.name}: outputs differ in shape or type across workers "
                          f"(nothing was reduced): {lines}")
-    return result.value(rows, dims)
+    return result.value(dims)
 
 
 def _check_loaded(session: Any, f: Function) -> None:
