@@ -213,22 +213,23 @@ class Cluster:
         ]
 
     def torchrun(self, program: Sequence[str], nproc_per_node: int = 1, timeout: float = 600,
-                 env: dict[str, str] | None = None, quiet: bool = False) -> int:
+                 env: dict[str, str] | None = None, log: Path | None = None) -> int:
         """Run ``torchrun ... PROGRAM`` on every host; return the first non-zero exit status.
 
-        ``program`` is what follows torchrun's own options (``-m shoal train ...``). When a
-        node fails, the others are stopped; nothing outlives this call.
+        ``program`` is what follows torchrun's own options (``-m shoal train ...``). Output
+        goes to ``log`` when given (else to this process's). When a node fails, the others
+        are stopped; nothing outlives this call.
         """
         run_id = uuid.uuid4().hex[:8]
         procs: list[subprocess.Popen] = []
-        out = subprocess.DEVNULL if quiet else None
+        out = log.open("ab") if log is not None else None
         try:
             for i in range(self.hosts):
                 node_env = {"GLOO_SOCKET_IFNAME": self.ifname(i), **(env or {})}
                 cmd = [*self.exec_args(i, node_env), *self.torchrun_args(i, nproc_per_node, run_id),
                        *program]
                 procs.append(subprocess.Popen(cmd, start_new_session=True, stdout=out,
-                                              stderr=subprocess.STDOUT if quiet else None))
+                                              stderr=subprocess.STDOUT if out else None))
             deadline = time.monotonic() + timeout
             while True:
                 codes = [p.poll() for p in procs]
@@ -245,10 +246,12 @@ class Cluster:
                 with contextlib.suppress(ProcessLookupError):
                     os.killpg(p.pid, signal.SIGKILL)
                 p.wait()
+            if out is not None:
+                out.close()
 
 
 @contextlib.contextmanager
-def _terminate_as_exception() -> Iterator[None]:
+def terminate_as_exception() -> Iterator[None]:
     """Turn SIGTERM/SIGHUP into an exception so ``finally`` blocks tear down namespaces."""
     def handler(signum: int, frame: FrameType | None) -> None:
         raise KeyboardInterrupt(f"signal {signum}")
@@ -292,7 +295,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         if not program:
             raise ShoalError("nothing to run: give torchrun's program after --, "
                              "e.g. -- -m shoal train --model lenet5")
-        with _terminate_as_exception(), Cluster(args.hosts, args.rate) as cluster:
+        with terminate_as_exception(), Cluster(args.hosts, args.rate) as cluster:
             return cluster.torchrun(program, args.nproc_per_node, args.timeout)
     except ShoalError as exc:
         print(f"shoal: error: {exc}", file=sys.stderr)

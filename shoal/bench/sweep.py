@@ -275,11 +275,12 @@ class Runner:
         if p.strategy is None:
             return self._reference(p, out)
         if self._emulated(p):
+            out.mkdir(parents=True, exist_ok=True)
             code = self._cluster(p.workers).torchrun(_shoal_cmd(self.cfg, p, out, False),
-                                                     timeout=self.cfg.timeout, quiet=self.cfg.quiet)
+                                                     timeout=self.cfg.timeout, log=out / "torchrun.log")
             if code:
                 raise ShoalError(f"benchmark run {p.name(repeat)} failed on the emulated "
-                                 f"cluster (exit {code}); rerun it alone to see why")
+                                 f"cluster (exit {code}); see {out / 'torchrun.log'}")
         else:
             self._subprocess([sys.executable, *_shoal_cmd(self.cfg, p, out, True)], p, repeat)
         result = measure_run(out, self.cfg.warmup)
@@ -310,9 +311,11 @@ class Runner:
                     "--shape", "x".join(map(str, w.shape)), "--batch", str(batch),
                     "--steps", str(w.steps), "--warmup", str(w.warmup),
                     "--threads", str(p.threads_for()), "--out", str(result_file)]
-            code = self._cluster(p.workers).torchrun(args, timeout=cfg.timeout, quiet=cfg.quiet)
+            code = self._cluster(p.workers).torchrun(args, timeout=cfg.timeout,
+                                                     log=out / "torchrun.log")
             if code:
-                raise ShoalError(f"the DDP reference loop failed on the emulated cluster (exit {code})")
+                raise ShoalError(f"the DDP reference loop failed on the emulated cluster (exit {code}); "
+                                 f"see {out / 'torchrun.log'}")
             result = json.loads(result_file.read_text())
         else:
             result = run_reference(w, p.workers, p.threads_for(), str(result_file))
@@ -423,7 +426,10 @@ def run_bench(cfg: BenchConfig, command: str = "shoal bench") -> list[dict[str, 
     todo = points(cfg)
     results: dict[Point, list[dict[str, float]]] = {p: [] for p in todo}
     n, total = 0, len(todo) * cfg.repeats
-    with Runner(cfg) as runner:
+    from shoal.emulate import terminate_as_exception
+
+    # SIGTERM too unwinds through the runner, which tears down any emulated cluster.
+    with terminate_as_exception(), Runner(cfg) as runner:
         # Repeats in the outer loop: a drift in the machine's speed hits every point alike.
         for repeat in range(cfg.repeats):
             for p in todo:
