@@ -18,6 +18,7 @@ all cores' threads is listed too.
 from __future__ import annotations
 
 import argparse
+import multiprocessing as mp
 import os
 import statistics
 import time
@@ -79,6 +80,32 @@ def overhead(workers: int, sizes: list[int], reps: int) -> list[dict]:
     return rows
 
 
+def _independent(rows: int, dim: int, depth: int, reps: int, start, out) -> None:
+    torch.set_num_threads(1)
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(rows, dim, generator=g)
+    w = torch.randn(dim, dim, generator=g) / dim ** 0.5
+    start.wait()
+    out.put(timed(lambda: crunch(x, w, depth), reps))
+
+
+def ceiling(workers: int, rows: int, dim: int, depth: int, reps: int) -> float:
+    """Seconds for ``workers`` plain processes, no shoal and no communication, each doing its
+    share at the same time: what the machine allows at this moment (other jobs included)."""
+    ctx = mp.get_context("spawn")
+    start, out = ctx.Event(), ctx.Queue()
+    procs = [ctx.Process(target=_independent, args=(rows // workers, dim, depth, reps, start, out))
+             for _ in range(workers)]
+    for p in procs:
+        p.start()
+    time.sleep(3.0)  # let them import torch and build their data
+    start.set()
+    times = [out.get(timeout=600) for _ in procs]
+    for p in procs:
+        p.join()
+    return max(times)
+
+
 def speedup(workers: int, rows: int, dim: int, depth: int, reps: int) -> list[dict]:
     """Alternate, ``reps`` times: the function called directly (1 process, 1 thread), the
     parallel call (``workers`` processes, 1 thread each) and the direct call with every core's
@@ -98,7 +125,10 @@ def speedup(workers: int, rows: int, dim: int, depth: int, reps: int) -> list[di
             threaded.append(timed(lambda: crunch(x, w, depth), 1))
             torch.set_num_threads(1)
     base = statistics.median(one)
+    bound = ceiling(workers, rows, dim, depth, reps)
     return [{"setup": "1 process, 1 thread (direct call)", "s": base, "speedup": 1.0},
+            {"setup": f"{workers} independent processes, no shoal (the machine's ceiling now)",
+             "s": bound, "speedup": base / bound},
             {"setup": f"shoal.fork({workers}), 1 thread each", "s": statistics.median(many),
              "speedup": base / statistics.median(many)},
             {"setup": f"1 process, {cores} threads (direct call)", "s": statistics.median(threaded),
