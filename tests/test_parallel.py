@@ -330,15 +330,6 @@ def test_argument_errors(session):
         shoal.function(weighted_loss, reduce="median")
 
 
-def test_serial_without_a_session():
-    """Without shoal.fork a parallel function is the serial function (the reference)."""
-    assert shoal.parallel.current() is None or shoal.parallel.current().world > 1
-    x = data(7)
-    f = shoal.function(mean_rows, scatter=["x"], reduce="avg")
-    if shoal.parallel.current() is None:
-        torch.testing.assert_close(f(x, num_slices=3), x.mean(0), **TOL)
-
-
 def optimizer_step(model, opt, x, y, n):
     opt.zero_grad()
     F.cross_entropy(model.fc(x), y, reduction="sum").div(n).backward()

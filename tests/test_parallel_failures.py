@@ -152,3 +152,15 @@ def test_function_a_worker_cannot_import_is_an_error(tmp_path, monkeypatch):
             f(torch.ones(4))
         assert not session.closed
         assert shoal.function(total, scatter=["x"], reduce="sum")(torch.ones(4)).item() == 4
+
+
+def test_without_a_session_a_call_is_the_serial_function():
+    assert shoal.parallel.current() is None
+    x = torch.arange(21.0).reshape(7, 3)
+    f = shoal.function(lambda x: (x.mean(0), x.shape[0]), scatter=["x"], reduce=["avg", "sum"])
+    mean, rows = f(x, num_slices=3)
+    torch.testing.assert_close(mean, x.mean(0))
+    assert rows == 7
+    with shoal.fork(1) as session:  # a session of one: no workers, same answers
+        assert session.procs == []
+        torch.testing.assert_close(f(x)[0], x.mean(0))
