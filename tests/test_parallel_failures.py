@@ -19,7 +19,7 @@ import torch.distributed as dist
 import shoal
 from shoal.errors import WorkerError
 
-from conftest import REPO, marked_processes, shoal_env
+from conftest import REPO, marked_processes, run, shoal_env
 
 pytestmark = pytest.mark.timeout(90)
 
@@ -164,3 +164,24 @@ def test_without_a_session_a_call_is_the_serial_function():
     with shoal.fork(1) as session:  # a session of one: no workers, same answers
         assert session.procs == []
         torch.testing.assert_close(f(x)[0], x.mean(0))
+
+
+NO_CLOSE = textwrap.dedent("""
+    import torch, shoal
+
+    def total(x):
+        return x.sum()
+
+    if __name__ == "__main__":
+        shoal.fork(2)
+        print(shoal.function(total, scatter=["x"], reduce="sum")(torch.ones(4)).item())
+""")
+
+
+def test_program_that_never_closes_exits_cleanly(tmp_path):
+    script = tmp_path / "no_close.py"
+    script.write_text(NO_CLOSE)
+    marker = uuid.uuid4().hex
+    res = run([sys.executable, str(script)], timeout=60, env=shoal_env(marker))
+    assert res.returncode == 0 and res.stdout.strip() == "4.0", res.stderr
+    assert marked_processes(marker) == []

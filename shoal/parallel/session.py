@@ -209,9 +209,11 @@ class Session:
         self._store = dist.TCPStore("127.0.0.1", 0, self.world, True, timeout=start,
                                     wait_for_workers=False)
         ctx = mp.get_context("spawn")
+        # Not daemonic, so a function may start processes of its own (a DataLoader's workers);
+        # close() runs at exit and PR_SET_PDEATHSIG covers a controller that dies outright.
         for rank in range(1, self.world):
             ours, theirs = ctx.Pipe()
-            p = ctx.Process(target=worker_main, name=f"shoal-worker-{rank}", daemon=True,
+            p = ctx.Process(target=worker_main, name=f"shoal-worker-{rank}", daemon=False,
                             args=(rank, self.world, self._store.port, device, theirs, self.timeout,
                                   self.threads))
             p.start()
