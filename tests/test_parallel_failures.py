@@ -19,7 +19,7 @@ import torch.distributed as dist
 import shoal
 from shoal.errors import WorkerError
 
-from conftest import REPO, marked_processes, run, shoal_env
+from conftest import REPO, marked_processes, shoal_env
 
 pytestmark = pytest.mark.timeout(90)
 
@@ -182,6 +182,12 @@ def test_program_that_never_closes_exits_cleanly(tmp_path):
     script = tmp_path / "no_close.py"
     script.write_text(NO_CLOSE)
     marker = uuid.uuid4().hex
-    res = run([sys.executable, str(script)], timeout=60, env=shoal_env(marker))
-    assert res.returncode == 0 and res.stdout.strip() == "4.0", res.stderr
-    assert marked_processes(marker) == []
+    try:
+        res = subprocess.run([sys.executable, str(script)], cwd=REPO, env=shoal_env(marker),
+                             capture_output=True, text=True, timeout=60)
+        assert res.returncode == 0 and res.stdout.strip() == "4.0", res.stderr
+        assert marked_processes(marker) == []  # not killed for us: they exited with it
+    finally:
+        for pid in marked_processes(marker):
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
