@@ -429,6 +429,12 @@ def _to_tensor(value: Any, name: str, fname: str) -> torch.Tensor | SharedArray:
                      f"got {type(value).__name__}")
 
 
+def _unreplicated(session: Any, value: Any) -> bool:
+    if session is None or session.world == 1:
+        return False
+    return not (isinstance(value, torch.Tensor) and session.registry.knows(value))
+
+
 def _controller_call(f: Function, args: tuple[Any, ...], kwargs: dict[str, Any], num_slices: int,
                      batch: Any) -> Any:
     if in_function():
@@ -481,7 +487,11 @@ def _controller_call(f: Function, args: tuple[Any, ...], kwargs: dict[str, Any],
                 value = value.to(device).contiguous()
                 roles.append((name, "scatter", value.dtype, tuple(value.shape[1:])))
                 tensors[name] = value
-        elif name in f.broadcast and isinstance(value, (torch.Tensor, np.ndarray)):
+        elif isinstance(value, (torch.Tensor, np.ndarray)) and (
+                name in f.broadcast or _unreplicated(session, value)):
+            # Tensors not listed anywhere are broadcast too: dist.broadcast moves them, where
+            # pickling would copy them into every command (parameters of replicated modules
+            # stay references to each worker's replica).
             value = _to_tensor(value, name, f.name).to(device).contiguous()  # type: ignore[union-attr]
             roles.append((name, "broadcast", value.dtype, tuple(value.shape)))
             tensors[name] = value

@@ -148,6 +148,10 @@ class Registry:
                 return ("tensor", *ref)
         return None
 
+    def knows(self, t: torch.Tensor) -> bool:
+        """Whether ``t`` is (as of registration) a parameter or buffer of a replicated module."""
+        return id(t) in self._tensors
+
     def is_replicated_tensor(self, t: torch.Tensor) -> bool:
         return self._tensor_ref(t) is not None
 
