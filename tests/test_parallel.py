@@ -156,6 +156,8 @@ def test_broadcast_and_plain_arguments(session):
     x, w = data(6, 3), data(3, 2, seed=5)
     torch.testing.assert_close(f(x, w, 1.5, shift=2.0), x @ w + 3.5, **TOL)
     torch.testing.assert_close(f(x, w, 0.5), x @ w + 0.5, **TOL)  # changed plain argument
+    unlisted = shoal.function(affine, scatter=["x"], reduce="gather")  # w goes as a broadcast too
+    torch.testing.assert_close(unlisted(x, w, torch.tensor(0.5, dtype=x.dtype)), x @ w + 0.5, **TOL)
 
 
 # -- collectives inside a function -----------------------------------------------------------
