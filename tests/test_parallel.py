@@ -268,6 +268,13 @@ def test_collectives_on_module_replicas_from_controller(session):
     shoal.broadcast(model)  # rank 0's values everywhere
     for b, c in zip(base, shoal.gather(model.parameters()), strict=True):
         torch.testing.assert_close(c, torch.cat([b + 3.5, b + 3.5]))
+    bump(model)
+    shoal.all_reduce(model.parameters(), op="avg")  # the issue's spelling: a generator of parameters
+    for b, c in zip(base, shoal.gather(model.parameters()), strict=True):
+        torch.testing.assert_close(c, torch.cat([b + 5, b + 5]))
+    for p in model.parameters():
+        p.data.sub_(1.5)  # rank 0 only: back to base + 3.5, then pushed to the replicas
+    shoal.broadcast(model)
     everywhere = shoal.all_gather(model.fc.bias)
     torch.testing.assert_close(everywhere, torch.cat([base[1] + 3.5] * 2))
     assert shoal.scatter(model.fc.weight).shape == (2, 4)  # rank 0's share of 3 rows
