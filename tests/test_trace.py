@@ -37,7 +37,7 @@ def check_chrome_trace(trace: dict) -> list[dict]:
 
 def test_two_rank_trace_and_breakdown(tmp_path):
     summary = train(tmp_path, "--workers", "2", "--epochs", "1", "--stop-at-step", "25",
-                    "--log-every", "5", "--trace")
+                    "--log-every", "5", "--trace", "--measure-wait")
     trace = json.loads((tmp_path / "trace.json").read_text())
     spans = check_chrome_trace(trace)
     lanes = {e["pid"] for e in spans}
@@ -68,6 +68,9 @@ def test_two_rank_trace_and_breakdown(tmp_path):
     assert summary["comm_fraction"] == pytest.approx(split["comm"] / sum(split.values()), rel=1e-3)
     assert sum(summary["time_fraction"].values()) == pytest.approx(1.0, abs=1e-3)
     assert summary["comm_fraction"] > 0 and summary["wait_fraction"] >= 0
+    # Each step one of the two ranks finished backward first and waited for the other.
+    waits = [e for e in spans if e["cat"] == "wait"]
+    assert waits and {e["name"] for e in waits} == {"wait for slowest rank"}
     for r in [json.loads(line) for line in (tmp_path / "metrics.jsonl").open()]:
         assert set(r["time_s"]) == set(TIME_CATEGORIES)
 
