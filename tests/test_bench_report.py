@@ -72,10 +72,12 @@ def test_efficiency_and_tables():
     rows = [{"model": "m", "strategy": "sync", "scaling": "weak", "threads_label": "1",
              "threads": 1, "workers": w, "global_batch": 8 * w, "samples_per_s": s,
              "samples_per_s_min": s, "samples_per_s_max": s, "comm_fraction": c,
-             "wait_fraction": 0.0} for w, s, c in ((1, 100.0, 0.0), (2, 150.0, 0.3))]
+             "wait_fraction": 0.0, "bytes_per_sample": 1000.0 * (w - 1)}
+            for w, s, c in ((1, 100.0, 0.0), (2, 150.0, 0.3))]
     add_efficiency(rows)
     assert [r["efficiency"] for r in rows] == [1.0, 0.75]
-    assert "| m | sync | weak | 2 | 1 | 16 | 150 | 150–150 | 0.75 | 30% | 0% |" in markdown_table(rows)
+    row = "| m | sync | weak | 2 | 1 | 16 | 150 | 150–150 | 0.75 | 30% | 0% | 1,000 |"
+    assert row in markdown_table(rows)
     run = {"summary": {"label": "r", "model": "m", "test_accuracy": 0.5, "comm_fraction": None}}
     assert "| r | m |" in summary_table([run]) and "50.00%" in summary_table([run])
 

@@ -58,10 +58,17 @@ def bench_figure(rows: Sequence[dict[str, Any]], path: Path, title: str = "") ->
         ax.grid(alpha=0.3)
         if key != "samples_per_s":
             ax.set_ylim(0, max(1.05, *(r.get(key) or 0 for r in rows)))
-    axes[0].legend(fontsize=7, loc="best")
+        elif max(r[key] for r in rows) > 20 * min(r[key] for r in rows):
+            ax.set_yscale("log")  # models of very different speeds on one panel
+    handles, labels = axes[0].get_legend_handles_labels()
+    columns = min(4, max(1, len(labels)))
+    rows_of_legend = -(-len(labels) // columns)
+    fig.set_figheight(3.6 + 0.3 * rows_of_legend)
+    fig.legend(handles, labels, loc="lower center", bbox_to_anchor=(0.5, 0.01), ncol=columns,
+               fontsize=8, frameon=False)
     if title:
         fig.suptitle(title, fontsize=10)
-    fig.tight_layout()
+    fig.tight_layout(rect=(0, 0.03 + 0.3 * rows_of_legend / fig.get_figheight(), 1, 1))
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path)
     plt.close(fig)

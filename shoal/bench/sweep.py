@@ -32,7 +32,8 @@ REFERENCE = "ddp-reference"
 SCALINGS = ("weak", "strong")
 CSV_FIELDS = ("model", "strategy", "scaling", "workers", "threads", "threads_label",
               "global_batch", "repeats", "samples_per_s", "samples_per_s_min",
-              "samples_per_s_max", "efficiency", "comm_fraction", "wait_fraction", "runs")
+              "samples_per_s_max", "efficiency", "comm_fraction", "wait_fraction", "bytes_per_sample",
+              "runs")
 
 
 @dataclass(frozen=True)
@@ -241,6 +242,7 @@ def measure_run(out: Path, warmup: int) -> dict[str, float]:
     return {"samples_per_s": samples / (last["elapsed_s"] - first["elapsed_s"]),
             "comm_fraction": split.get("comm", 0.0) / total,
             "wait_fraction": split.get("wait", 0.0) / total,
+            "bytes_per_sample": summary.get("bytes_per_sample") or 0.0,
             "global_batch": summary["global_batch"]}
 
 
@@ -340,6 +342,7 @@ def summarize(p: Point, results: Sequence[dict[str, float]]) -> dict[str, Any]:
     thr = [r["samples_per_s"] for r in results]
     comm = [r["comm_fraction"] for r in results if "comm_fraction" in r]
     wait = [r["wait_fraction"] for r in results if "wait_fraction" in r]
+    sent = [r["bytes_per_sample"] for r in results if "bytes_per_sample" in r]
     return {
         "model": p.model, "strategy": p.strategy_label, "scaling": p.scaling,
         "workers": p.workers, "threads": p.threads_for(),
@@ -349,6 +352,7 @@ def summarize(p: Point, results: Sequence[dict[str, float]]) -> dict[str, Any]:
         "samples_per_s_max": max(thr),
         "comm_fraction": statistics.median(comm) if comm else None,
         "wait_fraction": statistics.median(wait) if wait else None,
+        "bytes_per_sample": statistics.median(sent) if sent else None,
         "runs": ";".join(f"{v:.1f}" for v in thr),
     }
 
@@ -367,18 +371,23 @@ def _pct(v: float | None) -> str:
     return "" if v is None else f"{100 * v:.0f}%"
 
 
+def _bytes(v: float | None) -> str:
+    return "" if v is None else f"{v:,.0f}"
+
+
 def markdown_table(rows: Sequence[dict[str, Any]]) -> str:
     """The results as a markdown table (throughput median with the repeats' range)."""
     lines = ["| model | strategy | scaling | workers | threads/worker | global batch | "
-             "samples/s (median) | range | efficiency | comm | wait |",
-             "|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
+             "samples/s (median) | range | efficiency | comm | wait | bytes/sample |",
+             "|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for r in rows:
         eff = "" if r["efficiency"] is None else f"{r['efficiency']:.2f}"
         lines.append(
             f"| {r['model']} | {r['strategy']} | {r['scaling']} | {r['workers']} | "
             f"{r['threads']} | {r['global_batch']} | {r['samples_per_s']:,.0f} | "
             f"{r['samples_per_s_min']:,.0f}–{r['samples_per_s_max']:,.0f} | {eff} | "
-            f"{_pct(r['comm_fraction'])} | {_pct(r['wait_fraction'])} |")
+            f"{_pct(r['comm_fraction'])} | {_pct(r['wait_fraction'])} | "
+            f"{_bytes(r.get('bytes_per_sample'))} |")
     return "\n".join(lines) + "\n"
 
 
