@@ -81,6 +81,15 @@ def test_torchrun_job_across_two_hosts(tmp_path):
     assert set(namespaces()) == before
 
 
+@needs_namespaces
+def test_failing_job_is_torn_down(tmp_path):
+    before = set(namespaces())
+    res = run([sys.executable, "-m", "shoal.emulate", "--hosts", "2", "--", "-m",
+               "shoal.no_such_module"], timeout=120, cwd=REPO)
+    assert res.returncode not in (0, 2), res.stdout + res.stderr  # torchrun's failure, passed on
+    assert set(namespaces()) == before
+
+
 def test_cli_errors(capsys):
     assert emulate.main(["--rate", "fast", "--", "-m", "shoal"]) == 2
     assert capsys.readouterr().err.startswith("shoal: error: bandwidth 'fast'")
