@@ -220,7 +220,7 @@ def _bench_parser(sub: Any) -> argparse.ArgumentParser:
                    help="run multi-worker points across emulated hosts (network namespaces, "
                         "needs root) joined by links of RATE, e.g. 100mbit or 1gbit")
     p.add_argument("--timeout", type=float, default=900.0, help="seconds per run (default 900)")
-    p.add_argument("--out", default="bench", help="output directory (default bench)")
+    p.add_argument("--out", default="runs/bench", help="output directory (default runs/bench)")
     p.add_argument("--quiet", action="store_true", help="print nothing but errors")
     p.add_argument("--debug", action="store_true", default=argparse.SUPPRESS)
     return p
@@ -232,7 +232,7 @@ def _report_parser(sub: Any) -> argparse.ArgumentParser:
         description="Plot loss and accuracy of runs against wall time and samples seen "
                     "(report.png) and tabulate their summary.json (report.md).")
     p.add_argument("runs", nargs="+", metavar="RUN_DIR", help="directories of shoal train runs")
-    p.add_argument("--out", default="report", help="output directory (default report)")
+    p.add_argument("--out", default="runs/report", help="output directory (default runs/report)")
     p.add_argument("--debug", action="store_true", default=argparse.SUPPRESS)
     return p
 

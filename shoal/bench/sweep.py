@@ -135,7 +135,7 @@ class BenchConfig:
     synthetic_shape: tuple[int, ...] = (3, 32, 32)
     reference: bool = True
     emulate_bandwidth: str | None = None
-    out: Path = Path("bench")
+    out: Path = Path("runs/bench")
     lr: float = 0.02
     timeout: float = 900.0
     train_args: list[str] = field(default_factory=list)
