@@ -144,15 +144,19 @@ def main() -> None:
     p.add_argument("--dim", type=int, default=256)
     p.add_argument("--depth", type=int, default=16)
     p.add_argument("--speed-reps", type=int, default=7)
+    p.add_argument("--only", choices=["overhead", "speedup"], help="run one of the two parts")
     a = p.parse_args()
     print(f"load average before: {os.getloadavg()[0]:.2f} on {len(os.sched_getaffinity(0))} cores\n")
-    print(f"### Per-call overhead, {a.workers} processes (median of {a.reps} calls)\n")
-    print("| floats reduced | bare all_reduce (ms) | shoal call, avg (ms) | overhead (ms) "
-          "| shoal call, reduce=None (ms) |")
-    print("| ---: | ---: | ---: | ---: | ---: |")
-    for r in overhead(a.workers, a.sizes, a.reps):
-        print(f"| {r['floats']:,} | {r['bare_ms']:.3f} | {r['call_ms']:.3f} | {r['overhead_ms']:.3f} "
-              f"| {r['none_ms']:.3f} |")
+    if a.only != "speedup":
+        print(f"### Per-call overhead, {a.workers} processes (median of {a.reps} calls)\n")
+        print("| floats reduced | bare all_reduce (ms) | shoal call, avg (ms) | overhead (ms) "
+              "| shoal call, reduce=None (ms) |")
+        print("| ---: | ---: | ---: | ---: | ---: |")
+        for r in overhead(a.workers, a.sizes, a.reps):
+            print(f"| {r['floats']:,} | {r['bare_ms']:.3f} | {r['call_ms']:.3f} | "
+                  f"{r['overhead_ms']:.3f} | {r['none_ms']:.3f} |")
+    if a.only == "overhead":
+        return
     print(f"\n### Speedup of a CPU-bound function ({a.rows}x{a.dim} rows, {a.depth} matmul+tanh "
           f"layers, median of {a.speed_reps})\n")
     print("| setup | seconds per call | speedup vs 1 process |")
