@@ -43,10 +43,20 @@ def test_learns_digits_and_resumes_exactly(tmp_path, strategy):
     (["--strategy", "local-sgd", "--tau", "0"], "--tau must be at least 1, got 0"),
     (["--strategy", "easgd", "--alpha", "1.5"], "--alpha must be in [0, 1], got 1.5"),
     (["--strategy", "eamsgd", "--momentum", "0"], "eamsgd needs --momentum > 0"),
+    (["--strategy", "eamsgd", "--optimizer", "adam"], "eamsgd takes local steps with SGD, not Adam"),
     (["--strategy", "diloco", "--outer-momentum", "1"], "--outer-momentum must be in [0, 1)"),
     (["--strategy", "sync", "--tau", "4"], "strategy sync does not take --tau"),
 ])
 def test_bad_strategy_options_are_one_line(tmp_path, args, expected):
     res = shoal("train", "--out", str(tmp_path), "--workers", "2", "--epochs", "1", *args)
     assert res.returncode == 2
-    assert expected in one_error_line(res.stderr)
+    line = one_error_line(res.stderr)
+    assert expected in line and "rank 0:" not in line, "caught before any worker started"
+
+
+def test_resume_with_other_strategy_options_is_refused(tmp_path):
+    train(tmp_path, "--strategy", "easgd", "--workers", "2", "--epochs", "1", "--stop-at-step", "3")
+    res = shoal("train", "--out", str(tmp_path), "--strategy", "easgd", "--workers", "2",
+                "--epochs", "1", "--resume", "--tau", "8")
+    assert res.returncode == 2
+    assert "checkpoint was made with --tau 4, this run has --tau 8" in one_error_line(res.stderr)

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import math
 import time
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -23,6 +23,7 @@ from shoal.config import TrainConfig
 from shoal.data import DataOptions, Dataset, EpochPlan, Split, load_dataset, shard_range
 from shoal.data.augment import flip_and_crop
 from shoal.errors import ShoalError
+from shoal.launch import Environment
 from shoal.models import build_model, count_parameters
 from shoal.strategies import Strategy, get_strategy, make_options
 from shoal.timeline import Timeline, chrome_trace
@@ -67,6 +68,12 @@ def check_resume(payload: dict[str, Any], cfg: TrainConfig, world: int,
     if payload["global_batch"] != cfg.global_batch(world):
         raise ShoalError(f"checkpoint was made with a global batch of {payload['global_batch']}, "
                          f"this run has {cfg.global_batch(world)}")
+    saved_opts = asdict(make_options(strategy_cls, saved.get("strategy_options") or {}))
+    for key, value in asdict(make_options(strategy_cls, cfg.strategy_options)).items():
+        if saved_opts.get(key) != value:
+            flag = "--" + key.replace("_", "-")
+            raise ShoalError(f"checkpoint was made with {flag} {saved_opts.get(key)}, "
+                             f"this run has {flag} {value}")
     if not strategy_cls.replicas_in_sync and len(payload["ranks"]) != world:
         raise ShoalError(f"checkpoint holds {len(payload['ranks'])} workers' state; strategy "
                          f"{cfg.strategy} must resume on as many, not {world}")
@@ -76,11 +83,14 @@ def preflight(cfg: TrainConfig, world: int) -> Dataset:
     """Everything that can be checked before workers start: data, model fit, strategy
     options, output directory and resume file. Returns the loaded dataset."""
     strategy_cls = get_strategy(cfg.strategy)
-    make_options(strategy_cls, cfg.strategy_options)
+    options = make_options(strategy_cls, cfg.strategy_options)
     if cfg.tensorboard:
         require_tensorboard()
     data = load_dataset(cfg.dataset, data_options(cfg))
-    build_model(cfg.model, data.input_shape, data.num_classes)
+    model = build_model(cfg.model, data.input_shape, data.num_classes)
+    # A strategy alone (no other ranks) checks how it fits the model and optimizer.
+    strategy_cls(model, build_optimizer(cfg, model.parameters(), cfg.base_lr(world)),
+                 Comm(Environment(), torch.device("cpu")), options)
     EpochPlan(len(data.train), cfg.global_batch(world), world, cfg.seed)
     out = Path(cfg.out)
     if out.exists() and not out.is_dir():
