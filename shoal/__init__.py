@@ -21,7 +21,7 @@ __version__ = "0.1.0"
 
 from shoal.errors import ShoalError, WorkerError  # noqa: E402
 from shoal.runtime import init, shutdown  # noqa: E402
-from shoal.strategies import STRATEGIES, Strategy, register, strategy  # noqa: E402
+from shoal.strategies import STRATEGIES, Strategy, get_strategy, register, strategy  # noqa: E402
 
 # The single-controller API (shoal.parallel), imported on first use.
 _PARALLEL = ("all_gather", "all_reduce", "broadcast", "close", "fork", "function", "gather", "reduce",
@@ -37,5 +37,5 @@ def __getattr__(name: str) -> object:
 
 
 __all__ = ["STRATEGIES", "ShoalError", "Strategy", "WorkerError", "__version__", "all_gather",
-           "all_reduce", "broadcast", "close", "fork", "function", "gather", "init", "reduce",
+           "all_reduce", "broadcast", "close", "fork", "function", "gather", "get_strategy", "init", "reduce",
            "register", "replicate", "scatter", "shared", "shutdown", "strategy"]
