@@ -28,6 +28,7 @@ CASES = {
     "local-sgd-t1-plain": ("local-sgd", {"tau": 1}, 0.0),
     "local-sgd-t1": ("local-sgd", {"tau": 1}, 0.9),
     "local-sgd-t3": ("local-sgd", {"tau": 3}, 0.9),
+    "local-sgd-t3-measure-wait": ("local-sgd", {"tau": 3, "measure_wait": True}, 0.9),
     "easgd-t1": ("easgd", {"tau": 1}, 0.0),
     "easgd-t3": ("easgd", {"tau": 3, "alpha": 0.3}, 0.0),
     "easgd-t2-no-overlap": ("easgd", {"tau": 2, "overlap": False}, 0.0),
@@ -63,6 +64,7 @@ def run_case(name: str, comm: Comm) -> dict[str, list[float]]:
         model.bias.copy_(init[DIM:])
     optimizer = torch.optim.SGD(model.parameters(), lr=LR, momentum=momentum)
     strategy = shoal.strategy(kind, model, optimizer, comm=comm, **options)
+    waited = comm.timeline.totals.get("wait", 0.0)
     for step in range(STEPS):
         batch = rows(step, comm.rank, comm.world_size)
         loss = torch.nn.functional.mse_loss(strategy.module(x[batch]).squeeze(1), y[batch])
@@ -70,7 +72,8 @@ def run_case(name: str, comm: Comm) -> dict[str, list[float]]:
         strategy.step()
         strategy.zero_grad()
     flat = lambda m: torch.cat([p.detach().reshape(-1) for p in m.parameters()]).tolist()  # noqa: E731
-    return {"x": flat(model), "eval": flat(strategy.eval_module)}
+    return {"x": flat(model), "eval": flat(strategy.eval_module),
+            "waited": comm.timeline.totals.get("wait", 0.0) > waited}
 
 
 def run_all(out_dir: str) -> None:
@@ -160,6 +163,8 @@ def test_limiting_cases(shoal_results, world):
     # EASGD with alpha = 0: the center stays where it started
     torch.testing.assert_close(torch.tensor(res["easgd-alpha0"]["eval"], dtype=torch.float64),
                                problem()[2])
+    # --measure-wait books time as waiting for peers and changes nothing else
+    assert res["local-sgd-t3-measure-wait"]["waited"] and not res["local-sgd-t3"]["waited"]
     # DiLoCo with outer lr 1 and no momentum == local SGD with the same tau
     torch.testing.assert_close(torch.tensor(res["diloco-as-local-sgd"]["x"], dtype=torch.float64),
                                torch.tensor(res["local-sgd-t3"]["x"], dtype=torch.float64))

@@ -43,15 +43,6 @@ def average_buffers(module: nn.Module, comm: Comm) -> None:
         average_into(FlatParams(buffers), comm, "average-buffers")
 
 
-@torch.no_grad()
-def broadcast_into(flat: FlatParams, comm: Comm, src: int = 0, name: str = "broadcast") -> None:
-    """Overwrite ``flat``'s tensors on every rank with rank ``src``'s (one message)."""
-    if not comm.active:
-        return
-    comm.broadcast(flat.pack(), src=src, name=name)
-    flat.unpack()
-
-
 class ModelCopy:
     """A frozen copy of a model whose parameters are views into one flat vector.
 

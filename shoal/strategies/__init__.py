@@ -13,7 +13,13 @@ from torch import nn
 
 from shoal.comm import Comm
 from shoal.strategies import diloco, easgd, local_sgd, sync  # noqa: F401 - importing registers
-from shoal.strategies.base import Strategy, make_options, option_fields
+from shoal.strategies.base import (
+    PeriodicOptions,
+    PeriodicStrategy,
+    Strategy,
+    make_options,
+    option_fields,
+)
 from shoal.strategies.registry import STRATEGIES, get_strategy, register
 
 
@@ -31,5 +37,5 @@ def strategy(name: str, model: nn.Module, optimizer: torch.optim.Optimizer,
     return cls(model, optimizer, comm, make_options(cls, options))
 
 
-__all__ = ["STRATEGIES", "Strategy", "get_strategy", "make_options", "option_fields",
-           "register", "strategy"]
+__all__ = ["STRATEGIES", "PeriodicOptions", "PeriodicStrategy", "Strategy", "get_strategy",
+           "make_options", "option_fields", "register", "strategy"]

@@ -35,6 +35,9 @@ class PeriodicOptions:
     """Options of the strategies that exchange models every ``tau`` local steps."""
 
     tau: int = dataclasses.field(default=4, metadata={"help": "local steps between two exchanges"})
+    measure_wait: bool = dataclasses.field(default=False, metadata={
+        "help": "book the time spent waiting for the slowest rank as wait, not comm "
+                "(one tiny extra message per exchange)"})
 
     def validate(self) -> None:
         if self.tau < 1:
@@ -123,3 +126,21 @@ def make_options(cls: type[Strategy], values: dict[str, Any]) -> Any:
     if validate is not None:
         validate()  # here too, so that a bad value is caught before any worker starts
     return options
+
+
+class PeriodicStrategy(Strategy):
+    """Base of the strategies that step alone and :meth:`exchange` every ``tau`` steps."""
+
+    Options: ClassVar[type] = PeriodicOptions
+    replicas_in_sync: ClassVar[bool] = False
+
+    def step(self) -> None:
+        super().step()
+        if self.steps % self.options.tau == 0:
+            if self.options.measure_wait:
+                self.comm.barrier()  # a straggler's lead is booked as wait, not as transfer
+            self.exchange()
+
+    def exchange(self) -> None:
+        """Communicate: called after every ``tau``-th local step."""
+        raise NotImplementedError

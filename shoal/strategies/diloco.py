@@ -23,7 +23,7 @@ from torch import nn
 from shoal.comm import FlatParams
 from shoal.comm.averaging import ModelCopy, average_buffers
 from shoal.errors import ShoalError
-from shoal.strategies.base import PeriodicOptions, Strategy
+from shoal.strategies.base import PeriodicOptions, PeriodicStrategy
 from shoal.strategies.registry import register
 
 
@@ -42,12 +42,11 @@ class DiLoCoOptions(PeriodicOptions):
 
 
 @register
-class DiLoCo(Strategy):
+class DiLoCo(PeriodicStrategy):
     """DiLoCo: --tau inner steps, then an outer Nesterov step on the averaged pseudo-gradient."""
 
     name = "diloco"
     Options = DiLoCoOptions
-    replicas_in_sync = False
 
     def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, comm,
                  options: DiLoCoOptions | None = None) -> None:
@@ -67,13 +66,9 @@ class DiLoCo(Strategy):
     def eval_module(self) -> nn.Module:
         return self.theta.with_buffers_of(self.model)
 
-    def step(self) -> None:
-        super().step()
-        if self.steps % self.options.tau == 0:
-            self._outer_step()
-
     @torch.no_grad()
-    def _outer_step(self) -> None:
+    def exchange(self) -> None:
+        """The outer step."""
         delta = self._outer_param.grad
         torch.sub(self.theta.vector, self.flat.pack(), out=delta)
         self.comm.all_reduce(delta, "avg", "pseudo-gradient")
@@ -81,8 +76,8 @@ class DiLoCo(Strategy):
         self.flat.unpack(self.theta.vector)
 
     def end_epoch(self, epoch: int) -> None:
-        if self.steps % self.options.tau != 0:
-            self._outer_step()
+        if self.steps % self.options.tau != 0:  # close the round in progress
+            self.exchange()
         average_buffers(self.model, self.comm)
 
     def state_dict(self) -> dict:

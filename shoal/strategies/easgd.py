@@ -28,7 +28,7 @@ from torch import nn
 from shoal.comm import FlatParams, Handle
 from shoal.comm.averaging import ModelCopy, average_buffers
 from shoal.errors import ShoalError
-from shoal.strategies.base import PeriodicOptions, Strategy
+from shoal.strategies.base import PeriodicOptions, PeriodicStrategy
 from shoal.strategies.registry import register
 
 
@@ -46,12 +46,11 @@ class ElasticOptions(PeriodicOptions):
 
 
 @register
-class ElasticAveraging(Strategy):
+class ElasticAveraging(PeriodicStrategy):
     """Sync EASGD: every --tau steps, an elastic pull between each worker and the center."""
 
     name = "easgd"
     Options = ElasticOptions
-    replicas_in_sync = False
 
     def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, comm,
                  options: ElasticOptions | None = None) -> None:
@@ -68,13 +67,8 @@ class ElasticAveraging(Strategy):
         self._finish()
         return self.center.with_buffers_of(self.model)
 
-    def step(self) -> None:
-        super().step()
-        if self.steps % self.options.tau == 0:
-            self._exchange()
-
     @torch.no_grad()
-    def _exchange(self) -> None:
+    def exchange(self) -> None:
         self._finish()
         x = self.flat.pack()
         torch.sub(x, self.center.vector, out=self._delta).mul_(self.alpha)

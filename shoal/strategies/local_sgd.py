@@ -18,29 +18,25 @@ from torch import nn
 
 from shoal.comm import FlatParams
 from shoal.comm.averaging import average_buffers, average_into
-from shoal.strategies.base import PeriodicOptions, Strategy
+from shoal.strategies.base import PeriodicOptions, PeriodicStrategy
 from shoal.strategies.registry import register
 
 
 @register
-class LocalSGD(Strategy):
+class LocalSGD(PeriodicStrategy):
     """Local steps; every --tau steps the models are averaged (one packed all-reduce)."""
 
     name = "local-sgd"
-    Options = PeriodicOptions
-    replicas_in_sync = False
 
     def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, comm,
                  options: PeriodicOptions | None = None) -> None:
         super().__init__(model, optimizer, comm, options)
         self.flat = FlatParams(model.parameters())
 
-    def step(self) -> None:
-        super().step()
-        if self.steps % self.options.tau == 0:
-            average_into(self.flat, self.comm, "average")
+    def exchange(self) -> None:
+        average_into(self.flat, self.comm, "average")
 
     def end_epoch(self, epoch: int) -> None:
         if self.steps % self.options.tau != 0:  # else the last step has just averaged
-            average_into(self.flat, self.comm, "average")
+            self.exchange()
         average_buffers(self.model, self.comm)
