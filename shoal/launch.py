@@ -267,7 +267,7 @@ def _wait_all(procs: list[Any], timeout: float) -> list[Any]:
         mp.connection.wait([p.sentinel for p in alive], timeout=remaining)
 
 
-def _stop(procs: list[Any], grace: float) -> None:
+def stop_processes(procs: list[Any], grace: float) -> None:
     """Give workers ``grace`` seconds to exit by themselves, then SIGTERM, then SIGKILL."""
     alive = _wait_all(procs, grace)
     for p in alive:
@@ -315,8 +315,8 @@ def spawn(
             return
         # Exit codes now, before shoal's own SIGTERMs blur who died first.
         exits = {r: p.exitcode for r, p in enumerate(procs) if p.exitcode not in (None, 0)}
-        _stop(procs, grace)
+        stop_processes(procs, grace)
         raise _root_cause(errdir, exits)
     finally:
-        _stop(procs, 0.0)
+        stop_processes(procs, 0.0)
         shutil.rmtree(errdir, ignore_errors=True)

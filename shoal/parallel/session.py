@@ -24,20 +24,14 @@ import time
 from datetime import timedelta
 from typing import Any
 
+import cloudpickle
 import torch
 import torch.distributed as dist
 from torch import nn
 
 from shoal.errors import ShoalError, WorkerError
-from shoal.launch import _stop
+from shoal.launch import stop_processes
 from shoal.parallel.arrays import SharedArray
-
-try:  # by-value pickling of lambdas, closures and functions defined in __main__
-    import cloudpickle
-
-    _Pickler: type[pickle.Pickler] = cloudpickle.Pickler
-except ImportError:  # pragma: no cover - cloudpickle comes with scikit-learn (joblib)
-    _Pickler = pickle.Pickler
 
 # Command opcodes (first element of every pickled message to a worker).
 OP_CALL, OP_CLOSE = 1, 2
@@ -66,7 +60,7 @@ def module_tensors(module: nn.Module) -> dict[str, torch.Tensor]:
     return out
 
 
-class _RefPickler(_Pickler):  # type: ignore[misc, valid-type]
+class _RefPickler(cloudpickle.Pickler):  # by value: lambdas, closures, __main__ functions
     """Pickles registered objects (and their parameters and buffers) as references."""
 
     def __init__(self, file: io.BytesIO, registry: Registry, exempt: Any = None) -> None:
@@ -234,31 +228,26 @@ class Session:
 
     def close(self) -> None:
         """Stop the workers (they finish their current command first) and leave the group."""
-        if self.closed:
-            return
-        self.closed = True
-        with contextlib.suppress(ValueError):
-            atexit.unregister(self.close)
-        try:
-            for conn in self.conns:
-                with contextlib.suppress(OSError):
-                    conn.send_bytes(pickle.dumps((OP_CLOSE,)))
-            _stop(self.procs, 10.0)
-        finally:
-            self._teardown()
+        self._end(grace=10.0)
 
     def abort(self) -> None:
         """Stop the workers now (terminate, then kill): after Ctrl-C or a broken protocol."""
+        self._end(grace=0.0)
+
+    def _end(self, grace: float) -> None:
+        """Ask the workers to exit (when ``grace``), give them ``grace`` seconds, then
+        terminate and kill what is left."""
         if self.closed:
             return
         self.closed = True
         with contextlib.suppress(ValueError):
             atexit.unregister(self.close)
         try:
-            for p in self.procs:
-                if p.exitcode is None:
-                    p.terminate()
-            _stop(self.procs, 0.0)
+            if grace:
+                for conn in self.conns:
+                    with contextlib.suppress(OSError):
+                        conn.send_bytes(pickle.dumps((OP_CLOSE,)))
+            stop_processes(self.procs, grace)
         finally:
             self._teardown()
 
