@@ -16,7 +16,7 @@ $(STAMP): pyproject.toml constraints-cpu.txt
 install: $(STAMP)
 
 demo: $(STAMP)
-	$(BIN)/shoal train --model lenet5 --dataset digits --workers 2 --epochs 10 --out runs/demo
+	$(BIN)/shoal train --model lenet5 --dataset digits --workers 2 --epochs 10 --out runs/demo --overwrite
 
 test: $(STAMP)
 	$(BIN)/ruff check shoal tests benchmarks examples
