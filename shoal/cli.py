@@ -62,17 +62,19 @@ def _add_strategy_options(group: argparse._ArgumentGroup) -> None:
             users = [c.name for c in STRATEGIES.values()
                      if f.name in {g.name for g in option_fields(c)}]
             default = f.default if f.default is not dataclasses.MISSING else None
+            shown = "" if default is None else f"; default {default}"  # None: the help says
+            help_text = f"{help_text} [{', '.join(users)}{shown}]"
             if kind in ("bool", bool):
                 group.add_argument(f"--{f.name.replace('_', '-')}", dest=f"opt_{f.name}",
                                    action=argparse.BooleanOptionalAction,
                                    default=argparse.SUPPRESS,
-                                   help=f"{help_text} [{', '.join(users)}; default {default}]")
+                                   help=help_text)
             else:
                 group.add_argument(f"--{f.name.replace('_', '-')}", dest=f"opt_{f.name}",
                                    type=_TYPES.get(kind, str), default=argparse.SUPPRESS,
                                    choices=f.metadata.get("choices"),
                                    metavar=None if f.metadata.get("choices") else f.name.upper(),
-                                   help=f"{help_text} [{', '.join(users)}; default {default}]")
+                                   help=help_text)
 
 
 def _train_parser(sub: Any) -> argparse.ArgumentParser:
