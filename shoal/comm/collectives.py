@@ -176,15 +176,24 @@ class Comm:
 
     def close(self) -> None:
         """Wait for every rank, stop the watchdog and leave the process group."""
+        finished = False
         try:
             if self.active:
                 dist.barrier()
+            finished = True
         finally:
             self._stop.set()
             if self._watchdog is not None:
                 self._watchdog.join(timeout=5.0)
-            if dist.is_initialized():
-                dist.destroy_process_group()
+            try:
+                if finished and self.active:
+                    # Rank 0 hosts the store: it must not exit while another rank's watchdog
+                    # may still be asking it. A store call cut off while the interpreter
+                    # shuts down ends the process in std::terminate (signal 6).
+                    dist.barrier()
+            finally:
+                if dist.is_initialized():
+                    dist.destroy_process_group()
 
 
 def pick_device(device: str, local_rank: int) -> torch.device:
