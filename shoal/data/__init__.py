@@ -9,7 +9,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from shoal.data import cifar, digits, idx, imagefolder, npz, synthetic
-from shoal.data.base import DataOptions, Dataset, Split, TensorSplit
+from shoal.data.base import DataOptions, Dataset, Split, TensorSplit, num_rows, take_rows
 from shoal.data.sharding import EpochPlan, shard_range, split_sizes
 from shoal.errors import ShoalError
 
@@ -53,5 +53,6 @@ def load_dataset(spec: str, opts: DataOptions | None = None) -> Dataset:
 
 __all__ = [
     "DATASETS", "DataOptions", "Dataset", "EpochPlan", "Split", "TensorSplit",
-    "dataset_names", "load_dataset", "register_dataset", "shard_range", "split_sizes",
+    "dataset_names", "load_dataset", "num_rows", "register_dataset", "shard_range", "split_sizes",
+    "take_rows",
 ]

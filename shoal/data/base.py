@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
@@ -34,6 +35,36 @@ class TensorSplit(Split):
 
     def get_batch(self, idx: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         return self.x.index_select(0, idx), self.y.index_select(0, idx)
+
+
+def num_rows(data: Any) -> int:
+    """How many samples ``data`` holds (see :func:`take_rows` for what ``data`` may be)."""
+    if isinstance(data, (tuple, list)) and data and all(isinstance(t, torch.Tensor) for t in data):
+        sizes = {len(t) for t in data}
+        if len(sizes) != 1:
+            raise ShoalError(f"tensors of one dataset must have as many rows, got {sorted(sizes)}")
+        return sizes.pop()
+    try:
+        return len(data)
+    except TypeError:
+        raise ShoalError(f"cannot take batches from a {type(data).__name__}: give a shoal Split, "
+                         "a tuple of tensors or a map-style torch Dataset") from None
+
+
+def take_rows(data: Any, idx: torch.Tensor) -> Any:
+    """Rows ``idx`` of ``data`` as one batch.
+
+    ``data`` is a :class:`Split` (its ``get_batch``), a tuple of tensors of equal length (each
+    indexed) or a map-style ``torch.utils.data.Dataset`` (items collated with PyTorch's
+    ``default_collate``).
+    """
+    if hasattr(data, "get_batch"):
+        return data.get_batch(idx)
+    if isinstance(data, (tuple, list)) and data and all(isinstance(t, torch.Tensor) for t in data):
+        return tuple(t.index_select(0, idx) for t in data)
+    from torch.utils.data import default_collate
+
+    return default_collate([data[i] for i in idx.tolist()])
 
 
 @dataclass

@@ -1,27 +1,34 @@
 """The Strategy interface: how workers couple.
 
-A strategy owns everything that crosses between workers during training. The trainer (or
-a user's own loop) calls it in a fixed order each step::
+A strategy owns everything that crosses between workers during training. In a loop of your
+own, the calls you would write anyway are all it needs::
 
-    out = strategy.module(x)                  # forward (DDP-wrapped for ``sync``)
-    strategy.backward(loss * strategy.loss_weight(n_local, n_global))
-    strategy.step()                           # instead of optimizer.step()
-    strategy.zero_grad()
+    for x, y in strategy.batches(data.train, batch_size=16, epoch=epoch):  # this worker's share
+        loss = loss_fn(strategy.module(x), y)   # forward (DDP-wrapped for ``sync``)
+        strategy.backward(loss)                 # weighted for uneven shares of a batch
+        strategy.step()                         # instead of optimizer.step()
+        strategy.zero_grad()
 
-and ``strategy.end_epoch()`` after each epoch. :attr:`Strategy.eval_module` is the model to
-evaluate and save (the elastic center for EASGD). Options are a dataclass; its fields become
-command-line flags (``tau`` becomes ``--tau``), so a new strategy needs nothing but its file.
+:meth:`Strategy.batches` hands out this worker's rows of every global batch, in the order
+``shoal train`` reads them, tells :meth:`Strategy.backward` how to weigh uneven last batches
+and calls :meth:`Strategy.end_epoch` after the epoch's last batch. :attr:`Strategy.eval_module`
+is the model to evaluate and save (the elastic center for EASGD). Options are a dataclass;
+its fields become command-line flags (``tau`` becomes ``--tau``), so a new strategy needs
+nothing but its file.
 """
 
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Iterator
 from typing import Any, ClassVar
 
 import torch
 from torch import nn
 
 from shoal.comm import Comm
+from shoal.data.base import num_rows, take_rows
+from shoal.data.sharding import EpochPlan
 from shoal.errors import ShoalError
 
 
@@ -44,6 +51,17 @@ class PeriodicOptions:
             raise ShoalError(f"--tau must be at least 1, got {self.tau}")
 
 
+def check_options(options: Any, workers: int | None) -> None:
+    """Run the options' own checks: ``validate()``, and ``check_workers(n)`` once the number
+    of workers is known (e.g. a rate that must shrink as workers are added)."""
+    validate = getattr(options, "validate", None)
+    if validate is not None:
+        validate()
+    check_workers = getattr(options, "check_workers", None)
+    if check_workers is not None and workers is not None:
+        check_workers(workers)
+
+
 class Strategy:
     """Base class: plain local SGD steps with no communication at all.
 
@@ -63,10 +81,40 @@ class Strategy:
         self.optimizer = optimizer
         self.comm = comm
         self.options = options if options is not None else self.Options()
-        validate = getattr(self.options, "validate", None)
-        if validate is not None:
-            validate()
+        check_options(self.options, comm.world_size)
         self.steps = 0  # optimizer steps taken through this strategy
+        #: (rows on this worker, rows in the global batch) of the batch being trained on;
+        #: set by :meth:`batches` (or by you, when your own shards of a batch differ in size).
+        self.batch_share: tuple[int, int] | None = None
+
+    # -- the data -------------------------------------------------------------------------
+    def batches(self, data: Any, batch_size: int, epoch: int = 0, *, seed: int = 0,
+                global_batch: int | None = None) -> Iterator[Any]:
+        """This worker's rows of every global batch of epoch ``epoch``, as ``shoal train``
+        reads them; after the last one, :meth:`end_epoch`.
+
+        Every worker draws the same seeded permutation of ``data`` and takes its contiguous
+        slice of each global batch (``batch_size`` x workers rows, or ``global_batch``);
+        nothing is dropped, so the last batch may be smaller and split unevenly, which
+        :meth:`backward` weighs. ``data`` is a shoal ``Split`` (``dataset.train``), a tuple
+        of tensors or a map-style ``torch.utils.data.Dataset``; batches arrive on the
+        strategy's device.
+        """
+        world, rank = self.comm.world_size, self.comm.rank
+        plan = EpochPlan(num_rows(data), global_batch or batch_size * world, world, seed)
+        perm = plan.permutation(epoch)
+        device = self.comm.device
+        try:
+            for step in range(plan.steps_per_epoch):
+                idx, n_global = plan.local(perm, step, rank)
+                batch = take_rows(data, idx)
+                if device.type != "cpu":
+                    batch = type(batch)(t.to(device, non_blocking=True) for t in batch)
+                self.batch_share = (len(idx), n_global)
+                yield batch
+        finally:
+            self.batch_share = None
+        self.end_epoch(epoch)
 
     # -- the training step ------------------------------------------------------------------
     @property
@@ -83,13 +131,25 @@ class Strategy:
         """Factor applied to this rank's mean loss before backward (1 by default)."""
         return 1.0
 
+    def weighted(self, loss: torch.Tensor) -> torch.Tensor:
+        """``loss`` times :meth:`loss_weight` of the current :attr:`batch_share`, if any."""
+        if self.batch_share is None:
+            return loss
+        weight = self.loss_weight(*self.batch_share)
+        return loss if weight == 1.0 else loss * weight
+
     def backward(self, loss: torch.Tensor) -> None:
-        loss.backward()
+        """Backpropagate this worker's mean loss over its share of the batch."""
+        self.weighted(loss).backward()
 
     def step(self) -> None:
         """Update the parameters (and communicate, when this strategy's schedule says so)."""
-        self.optimizer.step()
+        self.local_step()
         self.steps += 1
+
+    def local_step(self) -> None:
+        """This worker's own update, from its own gradients: the optimizer's step."""
+        self.optimizer.step()
 
     def zero_grad(self) -> None:
         self.optimizer.zero_grad(set_to_none=True)
@@ -113,8 +173,12 @@ def option_fields(cls: type[Strategy]) -> list[dataclasses.Field]:
     return list(dataclasses.fields(cls.Options))
 
 
-def make_options(cls: type[Strategy], values: dict[str, Any]) -> Any:
-    """Build and check ``cls.Options`` from ``values``, naming any option it does not take."""
+def make_options(cls: type[Strategy], values: dict[str, Any], workers: int | None = None) -> Any:
+    """Build and check ``cls.Options`` from ``values``, naming any option it does not take.
+
+    With ``workers``, the checks that depend on the number of workers run too, so that a bad
+    combination is caught before any worker starts.
+    """
     known = {f.name for f in option_fields(cls)}
     unknown = sorted(set(values) - known)
     if unknown:
@@ -122,9 +186,7 @@ def make_options(cls: type[Strategy], values: dict[str, Any]) -> Any:
         takes = ", ".join("--" + k.replace("_", "-") for k in sorted(known)) or "no options"
         raise ShoalError(f"strategy {cls.name} does not take {flags} (it takes {takes})")
     options = cls.Options(**values)
-    validate = getattr(options, "validate", None)
-    if validate is not None:
-        validate()  # here too, so that a bad value is caught before any worker starts
+    check_options(options, workers)
     return options
 
 

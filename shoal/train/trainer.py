@@ -83,7 +83,7 @@ def preflight(cfg: TrainConfig, world: int) -> Dataset:
     """Everything that can be checked before workers start: data, model fit, strategy
     options, output directory and resume file. Returns the loaded dataset."""
     strategy_cls = get_strategy(cfg.strategy)
-    options = make_options(strategy_cls, cfg.strategy_options)
+    options = make_options(strategy_cls, cfg.strategy_options, world)
     if cfg.tensorboard:
         require_tensorboard()
     data = load_dataset(cfg.dataset, data_options(cfg))
@@ -252,7 +252,8 @@ class Trainer:
         with tl.span("compute"):
             out = strategy.module(x)
             loss = F.cross_entropy(out, y)
-            strategy.backward(loss * strategy.loss_weight(len(idx), n_global))
+            strategy.batch_share = (len(idx), n_global)
+            strategy.backward(loss)
         with tl.span("optim"):
             self._lr = self.optimizer.param_groups[0]["lr"]  # the rate this step used
             strategy.step()
