@@ -1,12 +1,18 @@
-"""Each low-communication strategy equals a reference written straight from its equations.
+"""Each low-communication strategy equals its paper's algorithm, written in the paper's own
+variables.
 
-A least-squares problem in float64 is trained for a few steps by 1, 2 and 3 real Gloo
-workers through ``shoal.strategy(...)``; the reference simulates the same workers serially
-with analytic gradients and the update rules written out by hand (no torch.optim, no
-autograd, no collectives). Every worker's parameters and the center (EASGD) or global model
-(DiLoCo) must match to float tolerance. Limiting cases: local SGD with tau=1 and plain SGD
-is synchronous gradient averaging; EASGD with alpha=0 never moves the center; DiLoCo with
-outer lr 1 and no outer momentum is local SGD.
+A least-squares problem in float64 is trained for STEPS steps by 1, 2 and 3 real Gloo workers
+through ``shoal.strategy(...)``. The references below simulate the same workers serially with
+analytic gradients, straight from the published update rules: no torch.optim, no autograd,
+no collectives, and no PyTorch conventions (momentum is the classic ``v <- mu v - eta g;
+x <- x + v``; Nesterov is Sutskever's, with the gradient taken at the look-ahead point).
+Every worker's parameters and the center (EASGD) or global model (DiLoCo) must match to 1e-10.
+
+- local SGD: Stich (2019) eq. 2 / Lin et al. (2020): local steps, the average every tau.
+- EASGD: Zhang, Choromanska & LeCun (2015) Algorithm 1, synchronous (eqs. 5-6 at tau = 1).
+- EAMSGD: the same paper's Algorithm 2 (Nesterov momentum in x and v), with a constant and a
+  non-monotone learning-rate schedule.
+- DiLoCo: Douillard et al. (2023) Algorithm 1 with a Nesterov outer step.
 """
 
 from __future__ import annotations
@@ -19,25 +25,43 @@ import torch
 
 import shoal
 from shoal.comm import Comm
+from shoal.errors import ShoalError
 from shoal.launch import Environment, spawn
 
-DIM, BATCH, STEPS, LR = 5, 12, 7, 0.05
+DIM, BATCH, STEPS, LR = 5, 12, 12, 0.05
+#: A non-monotone schedule (factors of LR by step): the relation between Nesterov's look-ahead
+#: point and x depends on the learning rate of the step that made it.
+SCHEDULE = (1.0, 0.6, 1.4, 0.3, 1.0, 2.0, 0.5, 0.8, 1.2, 0.4, 1.0, 0.7)
 
-# name, strategy, options, optimizer momentum, nesterov
+# name: (strategy, options, momentum of the local steps, learning-rate schedule?). Where the
+# local step is your optimizer's (all but eamsgd), schedules go with plain SGD only: classic
+# momentum and PyTorch's agree only at a constant learning rate, and that is the optimizer's
+# business, not the strategy's.
 CASES = {
-    "local-sgd-t1-plain": ("local-sgd", {"tau": 1}, 0.0),
-    "local-sgd-t1": ("local-sgd", {"tau": 1}, 0.9),
-    "local-sgd-t3": ("local-sgd", {"tau": 3}, 0.9),
-    "local-sgd-t3-measure-wait": ("local-sgd", {"tau": 3, "measure_wait": True}, 0.9),
-    "easgd-t1": ("easgd", {"tau": 1}, 0.0),
-    "easgd-t3": ("easgd", {"tau": 3, "alpha": 0.3}, 0.0),
-    "easgd-t2-no-overlap": ("easgd", {"tau": 2, "overlap": False}, 0.0),
-    "easgd-alpha0": ("easgd", {"tau": 2, "alpha": 0.0}, 0.0),
-    "eamsgd-t2": ("eamsgd", {"tau": 2}, 0.9),
-    "diloco-t2": ("diloco", {"tau": 2, "outer_lr": 0.7, "outer_momentum": 0.9}, 0.0),
-    "diloco-t3": ("diloco", {"tau": 3, "outer_lr": 0.5, "outer_momentum": 0.5}, 0.9),
-    "diloco-as-local-sgd": ("diloco", {"tau": 3, "outer_lr": 1.0, "outer_momentum": 0.0}, 0.9),
+    "local-sgd-t1-plain": ("local-sgd", {"tau": 1}, 0.0, False),
+    "local-sgd-t1": ("local-sgd", {"tau": 1}, 0.9, False),
+    "local-sgd-t3": ("local-sgd", {"tau": 3}, 0.9, False),
+    "local-sgd-t3-measure-wait": ("local-sgd", {"tau": 3, "measure_wait": True}, 0.9, False),
+    "easgd-t1": ("easgd", {"tau": 1}, 0.0, False),
+    "easgd-t3": ("easgd", {"tau": 3, "alpha": 0.3}, 0.0, False),
+    "easgd-t5-schedule": ("easgd", {"tau": 5, "alpha": 0.5}, 0.0, True),
+    "easgd-t2-no-overlap": ("easgd", {"tau": 2, "overlap": False}, 0.0, False),
+    "easgd-t2-momentum": ("easgd", {"tau": 2, "alpha": 0.4}, 0.9, False),  # shoal's default
+    "easgd-alpha0": ("easgd", {"tau": 2, "alpha": 0.0}, 0.0, False),
+    "eamsgd-t1": ("eamsgd", {"tau": 1, "alpha": 0.5}, 0.9, False),
+    "eamsgd-t3": ("eamsgd", {"tau": 3, "alpha": 0.5}, 0.9, False),
+    "eamsgd-t2-schedule": ("eamsgd", {"tau": 2, "alpha": 0.3}, 0.9, True),
+    "eamsgd-t5-schedule": ("eamsgd", {"tau": 5}, 0.8, True),
+    "eamsgd-alpha0-schedule": ("eamsgd", {"tau": 2, "alpha": 0.0}, 0.9, True),
+    "diloco-t2": ("diloco", {"tau": 2, "outer_lr": 0.7, "outer_momentum": 0.9}, 0.0, False),
+    "diloco-t3": ("diloco", {"tau": 3, "outer_lr": 0.5, "outer_momentum": 0.5}, 0.9, False),
+    "diloco-t5-schedule": ("diloco", {"tau": 5, "outer_lr": 0.7, "outer_momentum": 0.9}, 0.0, True),
+    "diloco-as-local-sgd": ("diloco", {"tau": 3, "outer_lr": 1.0, "outer_momentum": 0.0}, 0.9, False),
 }
+
+
+def lr_at(t: int, schedule: bool) -> float:
+    return LR * SCHEDULE[t] if schedule else LR
 
 
 def problem() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -56,13 +80,14 @@ def rows(step: int, rank: int, world: int) -> slice:
 
 # -- through shoal -------------------------------------------------------------------------
 def run_case(name: str, comm: Comm) -> dict[str, list[float]]:
-    kind, options, momentum = CASES[name]
+    kind, options, momentum, schedule = CASES[name]
     x, y, init = problem()
     model = torch.nn.Linear(DIM, 1).double()
     with torch.no_grad():
         model.weight.copy_(init[:DIM].view(1, DIM))
         model.bias.copy_(init[DIM:])
     optimizer = torch.optim.SGD(model.parameters(), lr=LR, momentum=momentum)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda t: SCHEDULE[min(t, STEPS - 1)])
     strategy = shoal.strategy(kind, model, optimizer, comm=comm, **options)
     waited = comm.timeline.totals.get("wait", 0.0)
     for step in range(STEPS):
@@ -70,15 +95,29 @@ def run_case(name: str, comm: Comm) -> dict[str, list[float]]:
         loss = torch.nn.functional.mse_loss(strategy.module(x[batch]).squeeze(1), y[batch])
         strategy.backward(loss)
         strategy.step()
+        if schedule:
+            scheduler.step()
         strategy.zero_grad()
     flat = lambda m: torch.cat([p.detach().reshape(-1) for p in m.parameters()]).tolist()  # noqa: E731
     return {"x": flat(model), "eval": flat(strategy.eval_module),
             "waited": comm.timeline.totals.get("wait", 0.0) > waited}
 
 
+def elastic_stability(comm: Comm) -> str:
+    """What shoal.strategy says to alpha = 0.9 on this many workers (beta = 0.9 x workers)."""
+    model = torch.nn.Linear(DIM, 1)
+    try:
+        shoal.strategy("easgd", model, torch.optim.SGD(model.parameters(), lr=LR), comm=comm,
+                       alpha=0.9)
+    except ShoalError as exc:
+        return str(exc)
+    return "ok"
+
+
 def run_all(out_dir: str) -> None:
     comm = shoal.init(device="cpu")
     results = {name: run_case(name, comm) for name in CASES}
+    results["stability"] = elastic_stability(comm)
     Path(out_dir, f"rank{comm.rank}.json").write_text(json.dumps(results))
     shoal.shutdown()
 
@@ -89,6 +128,7 @@ def shoal_results(tmp_path_factory) -> dict[int, list[dict]]:
     found = {}
     single = Comm(Environment(), torch.device("cpu"))
     found[1] = [{name: run_case(name, single) for name in CASES}]
+    found[1][0]["stability"] = elastic_stability(single)
     for world in (2, 3):
         out = tmp_path_factory.mktemp(f"world{world}")
         spawn(world, run_all, (str(out),))
@@ -96,60 +136,112 @@ def shoal_results(tmp_path_factory) -> dict[int, list[dict]]:
     return found
 
 
-# -- the reference, from the equations ---------------------------------------------------------
-def grad(p: torch.Tensor, xb: torch.Tensor, yb: torch.Tensor) -> torch.Tensor:
-    """Gradient of mean((xb w + b - yb)^2) with respect to [w, b]."""
+# -- the references, from the papers ---------------------------------------------------------
+def grad(p: torch.Tensor, step: int, worker: int, world: int) -> torch.Tensor:
+    """Gradient of worker ``worker``'s mean((xb w + b - yb)^2) at ``p = [w, b]``."""
+    x, y, _ = problem()
+    xb, yb = x[rows(step, worker, world)], y[rows(step, worker, world)]
     r = xb @ p[:DIM] + p[DIM] - yb
     return torch.cat([2 * xb.T @ r, (2 * r.sum()).view(1)]) / len(yb)
 
 
-def reference(name: str, world: int) -> tuple[list[torch.Tensor], torch.Tensor | None]:
-    """Every worker's parameters and the model to evaluate (None: each worker's own)."""
-    kind, options, mu = CASES[name]
-    x, y, init = problem()
+def reference_local_sgd(name: str, world: int) -> tuple[list[torch.Tensor], None]:
+    """Stich (2019) eq. 2: x^k <- x^k - eta g^k (here with classic momentum v^k, kept local,
+    when mu > 0); after every tau-th step every x^k <- (1/K) sum_k x^k."""
+    _, options, mu, schedule = CASES[name]
+    init = problem()[2]
+    x = [init.clone() for _ in range(world)]
+    v = [torch.zeros_like(init) for _ in range(world)]
+    for t in range(STEPS):
+        for k in range(world):
+            v[k] = mu * v[k] - lr_at(t, schedule) * grad(x[k], t, k, world)
+            x[k] = x[k] + v[k]
+        if (t + 1) % options["tau"] == 0:
+            mean = sum(x) / world
+            x = [mean.clone() for _ in range(world)]
+    return x, None
+
+
+def reference_elastic(name: str, world: int) -> tuple[list[torch.Tensor], torch.Tensor]:
+    """Algorithms 1 (delta = 0) and 2 of Zhang, Choromanska & LeCun (2015), every worker
+    communicating at the same step against the same center (the synchronous form):
+
+        x = x^i
+        if tau divides t:  a) x^i <- x^i - alpha (x - x~)    b) x~ <- x~ + alpha (x - x~)
+        v^i <- delta v^i - eta g(x + delta v^i)       (EAMSGD; EASGD: the gradient at x)
+        x^i <- x^i + v^i
+
+    Returns what the workers' models hold (EAMSGD: the look-ahead x + delta v, where the next
+    gradient is taken) and the center. shoal starts step t's communication at the end of
+    step t - 1, so after STEPS steps the center has b) of t = STEPS and a) is still to come.
+    """
+    kind, options, delta, schedule = CASES[name]
     tau = options["tau"]
-    ps = [init.clone() for _ in range(world)]
-    vs = [torch.zeros_like(init) for _ in range(world)]
-    center = init.clone()  # EASGD's x~, DiLoCo's theta
-    outer_buf: torch.Tensor | None = None
-    nesterov = kind == "eamsgd"
     alpha = options.get("alpha", 0.9 / world)
-    for step in range(STEPS):
+    nesterov = kind == "eamsgd"
+    init = problem()[2]
+    xs = [init.clone() for _ in range(world)]
+    vs = [torch.zeros_like(init) for _ in range(world)]
+    center = init.clone()
+    for t in range(STEPS + 1):
+        x = [xi.clone() for xi in xs]
+        if t % tau == 0:
+            pulls = [alpha * (x[i] - center) for i in range(world)]
+            if t < STEPS:
+                xs = [xs[i] - pulls[i] for i in range(world)]
+            center = center + sum(pulls)
+        if t == STEPS:
+            break
         for i in range(world):
-            g = grad(ps[i], x[rows(step, i, world)], y[rows(step, i, world)])
-            if mu:  # torch.optim.SGD's momentum: v = mu v + g; step along v (or g + mu v)
-                vs[i] = mu * vs[i] + g if step else g.clone()
-                g = g + mu * vs[i] if nesterov else vs[i]
-            ps[i] = ps[i] - LR * g
-        if (step + 1) % tau:
-            continue
-        if kind == "local-sgd":
-            mean = sum(ps) / world
-            ps = [mean.clone() for _ in range(world)]
-        elif kind in ("easgd", "eamsgd"):
-            diffs = [alpha * (p - center) for p in ps]
-            ps = [p - d for p, d in zip(ps, diffs, strict=True)]
-            center = center + sum(diffs)
-        else:  # diloco: outer Nesterov SGD on the mean pseudo-gradient
-            delta = sum(center - p for p in ps) / world
-            m, lr_out = options["outer_momentum"], options["outer_lr"]
-            outer_buf = delta if outer_buf is None else m * outer_buf + delta
-            center = center - lr_out * (delta + m * outer_buf if m else delta)
-            ps = [center.clone() for _ in range(world)]
-    return ps, (None if kind == "local-sgd" else center)
+            at = x[i] + delta * vs[i] if nesterov else x[i]
+            vs[i] = delta * vs[i] - lr_at(t, schedule) * grad(at, t, i, world)
+            xs[i] = xs[i] + vs[i]
+    models = [xs[i] + delta * vs[i] for i in range(world)] if nesterov else xs
+    return models, center
+
+
+def reference_diloco(name: str, world: int) -> tuple[list[torch.Tensor], torch.Tensor]:
+    """Douillard et al. (2023) Algorithm 1. Each round every worker starts from theta
+    (line 3) and takes tau inner steps (line 7; classic momentum, its velocity kept across
+    rounds as an inner optimizer's state is); Delta = mean(theta - theta_i) (lines 9, 11);
+    the outer step (line 12) is Sutskever's Nesterov momentum with Delta as the gradient at
+    the look-ahead point: v <- mu v - lr Delta, theta_S <- theta_S + v, theta = theta_S + mu v.
+    """
+    _, options, mu, schedule = CASES[name]
+    tau, outer_lr, outer_mu = options["tau"], options["outer_lr"], options["outer_momentum"]
+    init = problem()[2]
+    theta_s, outer_v = init.clone(), torch.zeros_like(init)
+    theta = theta_s + outer_mu * outer_v
+    xs = [theta.clone() for _ in range(world)]
+    vs = [torch.zeros_like(init) for _ in range(world)]
+    for t in range(STEPS):
+        for i in range(world):
+            vs[i] = mu * vs[i] - lr_at(t, schedule) * grad(xs[i], t, i, world)
+            xs[i] = xs[i] + vs[i]
+        if (t + 1) % tau == 0:
+            outer_grad = sum(theta - xi for xi in xs) / world
+            outer_v = outer_mu * outer_v - outer_lr * outer_grad
+            theta_s = theta_s + outer_v
+            theta = theta_s + outer_mu * outer_v
+            xs = [theta.clone() for _ in range(world)]
+    return xs, theta
+
+
+REFERENCES = {"local-sgd": reference_local_sgd, "easgd": reference_elastic,
+              "eamsgd": reference_elastic, "diloco": reference_diloco}
 
 
 @pytest.mark.parametrize("world", [1, 2, 3])
 @pytest.mark.parametrize("name", list(CASES))
-def test_strategy_matches_its_equations(shoal_results, name, world):
-    ps, evaluated = reference(name, world)
+def test_strategy_matches_its_paper(shoal_results, name, world):
+    models, evaluated = REFERENCES[CASES[name][0]](name, world)
     for rank in range(world):
         got = shoal_results[world][rank][name]
-        torch.testing.assert_close(torch.tensor(got["x"], dtype=torch.float64), ps[rank],
-                                   atol=1e-10, rtol=1e-9, msg=f"rank {rank}'s parameters")
+        torch.testing.assert_close(torch.tensor(got["x"], dtype=torch.float64), models[rank],
+                                   atol=1e-10, rtol=0, msg=f"rank {rank}'s parameters")
         torch.testing.assert_close(torch.tensor(got["eval"], dtype=torch.float64),
-                                   ps[rank] if evaluated is None else evaluated,
-                                   atol=1e-10, rtol=1e-9, msg=f"rank {rank}'s evaluated model")
+                                   models[rank] if evaluated is None else evaluated,
+                                   atol=1e-10, rtol=0, msg=f"rank {rank}'s evaluated model")
 
 
 @pytest.mark.parametrize("world", [2, 3])
@@ -158,7 +250,7 @@ def test_limiting_cases(shoal_results, world):
     # local SGD, tau=1, plain SGD == synchronous SGD on the global batch
     x, y, p = problem()
     for step in range(STEPS):
-        p = p - LR * grad(p, x[step * BATCH:(step + 1) * BATCH], y[step * BATCH:(step + 1) * BATCH])
+        p = p - LR * grad(p, step, 0, 1)
     torch.testing.assert_close(torch.tensor(res["local-sgd-t1-plain"]["x"], dtype=torch.float64), p)
     # EASGD with alpha = 0: the center stays where it started
     torch.testing.assert_close(torch.tensor(res["easgd-alpha0"]["eval"], dtype=torch.float64),
@@ -168,3 +260,28 @@ def test_limiting_cases(shoal_results, world):
     # DiLoCo with outer lr 1 and no momentum == local SGD with the same tau
     torch.testing.assert_close(torch.tensor(res["diloco-as-local-sgd"]["x"], dtype=torch.float64),
                                torch.tensor(res["local-sgd-t3"]["x"], dtype=torch.float64))
+
+
+def test_eamsgd_with_alpha0_is_nesterov_sgd(shoal_results):
+    """With no coupling, every EAMSGD worker is Sutskever's Nesterov momentum alone, under a
+    schedule too: v <- mu v - eta_t g(x + mu v), x <- x + v (the model holds x + mu v)."""
+    _, _, mu, _ = CASES["eamsgd-alpha0-schedule"]
+    for world in (1, 2):
+        for rank in range(world):
+            x, v = problem()[2], torch.zeros(DIM + 1, dtype=torch.float64)
+            for t in range(STEPS):
+                v = mu * v - lr_at(t, True) * grad(x + mu * v, t, rank, world)
+                x = x + v
+            got = shoal_results[world][rank]["eamsgd-alpha0-schedule"]["x"]
+            torch.testing.assert_close(torch.tensor(got, dtype=torch.float64), x + mu * v,
+                                       atol=1e-10, rtol=0)
+
+
+@pytest.mark.parametrize("world, expected", [
+    (1, "ok"), (2, "ok"),  # beta = 0.9, 1.8
+    (3, "--alpha 0.9 with 3 workers gives beta = 2.7; the center update needs alpha * workers <= 2"),
+])
+def test_unstable_elastic_center_is_refused_at_run_time(shoal_results, world, expected):
+    """Through shoal.strategy the number of workers is known only when the job runs: every
+    rank refuses, with the arithmetic, before training starts."""
+    assert {r["stability"] for r in shoal_results[world]} == {expected}

@@ -9,6 +9,7 @@ lives here, once.
 from __future__ import annotations
 
 import copy
+from collections.abc import Sequence
 
 import torch
 from torch import nn
@@ -48,16 +49,21 @@ class ModelCopy:
 
     The elastic center of EASGD and the global model of DiLoCo are such copies: strategies
     update :attr:`vector` with a handful of tensor operations and one message, and
-    :attr:`module` (for evaluating and saving) reflects it without any copying.
+    :attr:`module` (for evaluating and saving) reflects it without any copying. The vector
+    holds the parameters in the order of ``params`` (default ``model.parameters()``), so it
+    lines up with a :class:`FlatParams` of the same list.
     """
 
-    def __init__(self, model: nn.Module) -> None:
+    def __init__(self, model: nn.Module, params: Sequence[nn.Parameter] | None = None) -> None:
         self.module = copy.deepcopy(model)
         self.module.requires_grad_(False)
-        flat = FlatParams(self.module.parameters())
+        index = {id(p): i for i, p in enumerate(model.parameters())}
+        copies = list(self.module.parameters())
+        order = [copies[index[id(p)]] for p in params] if params is not None else copies
+        flat = FlatParams(order)
         self.vector = flat.pack()
         with torch.no_grad():
-            for param, view in zip(self.module.parameters(), flat.views(), strict=True):
+            for param, view in zip(order, flat.views(), strict=True):
                 param.data = view
 
     @torch.no_grad()

@@ -1,16 +1,23 @@
 """DiLoCo: local inner steps, then an outer Nesterov step on the averaged pseudo-gradient.
 
-Douillard et al. (2023), "DiLoCo: Distributed Low-Communication Training of Language Models".
-Every worker starts a round from the global model theta and takes ``tau`` steps with its own
-inner optimizer (the one you configured: AdamW in the paper). Then::
+Douillard et al. (2023), "DiLoCo: Distributed Low-Communication Training of Language Models",
+Algorithm 1, with ``H = tau`` inner steps per round ``t``::
 
-    delta  = mean over workers of (theta - x)      # the pseudo-gradient, one all-reduce
-    theta  = outer_sgd_nesterov(theta, delta)      # --outer-lr, --outer-momentum
-    x      = theta                                 # every worker starts the next round there
+    3:  theta_i <- theta^(t-1)                          every worker starts from the global model
+    7:  theta_i <- InnerOpt(theta_i, grad L)  (H times)  the optimizer you configured (AdamW in the paper)
+    9:  delta_i  = theta^(t-1) - theta_i
+    11: Delta    = (1/k) sum_i delta_i                  the outer gradient: one all-reduce
+    12: theta^(t) = OuterOpt(theta^(t-1), Delta)         Nesterov momentum (--outer-lr, --outer-momentum)
 
+OuterOpt is Nesterov momentum (Sutskever et al. 2013: ``v <- mu v - lr grad(theta_S + mu v)``,
+``theta_S <- theta_S + v``), with the gradient taken at the look-ahead point
+``theta_S + mu v``; that point is the paper's ``theta`` (where every round starts, and the
+model evaluated and saved). shoal steps it with ``torch.optim.SGD(nesterov=True)``, which
+stores exactly that look-ahead point and, at the constant outer learning rate, moves it as
+Sutskever's form does (tests/test_strategy_reference.py checks it against the form above).
 With ``--outer-lr 1 --outer-momentum 0`` this is local SGD. Every worker needs theta at the
 start of the next round, so the all-reduce cannot be hidden. An epoch's end closes the round
-in progress, so the model evaluated and saved (theta) has seen every step of the epoch.
+in progress, so the model evaluated and saved has seen every step of the epoch.
 """
 
 from __future__ import annotations
@@ -68,7 +75,7 @@ class DiLoCo(PeriodicStrategy):
 
     @torch.no_grad()
     def exchange(self) -> None:
-        """The outer step."""
+        """Lines 9-12 (the outer step) and line 3 of the next round."""
         delta = self._outer_param.grad
         torch.sub(self.theta.vector, self.flat.pack(), out=delta)
         self.comm.all_reduce(delta, "avg", "pseudo-gradient")

@@ -1,21 +1,32 @@
-"""Synchronous Elastic Averaging SGD (Zhang, Choromanska & LeCun 2015; You et al. 2017).
+"""Synchronous Elastic Averaging SGD and its momentum form, as published.
 
-Every worker explores on its own and is pulled, every ``tau`` steps, towards a center
-variable x~ that is in turn pulled towards all workers. Each worker keeps its own copy of
-the center, and one packed all-reduce keeps the copies equal::
+Zhang, Choromanska & LeCun (2015), "Deep learning with Elastic Averaging SGD". Algorithm 1
+(EASGD) is run by every worker ``i``, ``t`` counting its local steps::
 
-    d  = alpha * (x - x~)      # this worker's elastic difference
-    x -= d                     # the worker moves towards the center
-    x~ += allreduce_sum(d)     # the center moves towards every worker
+    x = x^i
+    if tau divides t:
+        a)  x^i <- x^i - alpha (x - x~)        # the worker is pulled towards the center
+        b)  x~  <- x~  + alpha (x - x~)        # the center is pulled towards the worker
+    x^i <- x^i - eta g(x)                      # the gradient is taken at x, before the pull
 
-The worker's own move needs nothing from the others, and the center is next read ``tau``
-steps later: so the all-reduce is started asynchronously and finished only when the center
-is needed (the next exchange, evaluation or a checkpoint). Its communication hides behind
-``tau`` steps of compute (``--no-overlap`` waits for it at once, to measure the difference).
+In the synchronous form (the paper's equations 5-6 for ``tau = 1``; Sync EASGD in You, Buluc
+& Demmel 2017) every worker does a) and b) at the same moment against the same ``x~``, so
+the center moves by the sum of all pulls, ``x~ <- x~ + sum_i alpha (x^i - x~)``, which is
+``x~ <- (1 - beta) x~ + beta mean_i(x^i)`` with ``beta = p alpha``: stable only for
+``beta <= 2`` (the paper uses ``beta = 0.9``, shoal's default ``alpha = 0.9 / p``).
 
-The center copies are broadcast from rank 0 at each epoch's end, so rounding cannot make
-them drift apart; the model evaluated and saved is the center. ``eamsgd`` is the same with
-Nesterov momentum on the local steps.
+How that maps onto shoal's steps: the ``tau``-th local step ends with :meth:`exchange`,
+which computes every pull ``d = alpha (x - x~)`` and starts one packed all-reduce of them
+for b). The worker's own pull a) waits for the next local step, whose gradient backward has
+already taken at ``x``: it is subtracted right after that step's update. The center is next
+read ``tau`` steps later, so the all-reduce travels behind those steps' compute and is added
+to the center only when the center is needed (the next exchange, evaluation or a
+checkpoint); ``--no-overlap`` waits for it at once. Each worker keeps its own copy of the
+center; the copies are broadcast from rank 0 at each epoch's end so rounding cannot make
+them drift apart. The model evaluated and saved is the center.
+
+``eamsgd`` is Algorithm 2 (EAMSGD): the same coupling with Nesterov momentum ``delta`` on
+the local steps, written in the paper's own variables (see :class:`ElasticAveragingMomentum`).
 """
 
 from __future__ import annotations
@@ -31,6 +42,9 @@ from shoal.errors import ShoalError
 from shoal.strategies.base import PeriodicOptions, PeriodicStrategy
 from shoal.strategies.registry import register
 
+#: The center update ``x~ <- (1 - beta) x~ + beta mean(x)`` diverges for ``beta > 2``.
+MAX_BETA = 2.0
+
 
 @dataclass
 class ElasticOptions(PeriodicOptions):
@@ -44,6 +58,31 @@ class ElasticOptions(PeriodicOptions):
         if self.alpha is not None and not 0 <= self.alpha <= 1:
             raise ShoalError(f"--alpha must be in [0, 1], got {self.alpha}")
 
+    def moving_rate(self, workers: int) -> float:
+        """``alpha``: as given, or the paper's ``beta = 0.9`` spread over the workers."""
+        return self.alpha if self.alpha is not None else 0.9 / workers
+
+    def check_workers(self, workers: int) -> None:
+        beta = self.moving_rate(workers) * workers
+        if beta > MAX_BETA:
+            raise ShoalError(f"--alpha {self.alpha:g} with {workers} workers gives beta = "
+                             f"{round(beta, 6)}; the center update needs alpha * workers <= 2")
+
+
+def parameter_order(model: nn.Module, optimizer: torch.optim.Optimizer) -> list[nn.Parameter]:
+    """The model's parameters, those of each optimizer group together and in group order,
+    then any the optimizer does not step: each group is one contiguous slice of a flat
+    vector in this order."""
+    mine = {id(p) for p in model.parameters()}
+    order: list[nn.Parameter] = []
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            if id(p) not in mine:
+                raise ShoalError("the optimizer steps a tensor that is not a parameter of the model")
+            order.append(p)
+    stepped = {id(p) for p in order}
+    return order + [p for p in model.parameters() if id(p) not in stepped]
+
 
 @register
 class ElasticAveraging(PeriodicStrategy):
@@ -55,11 +94,14 @@ class ElasticAveraging(PeriodicStrategy):
     def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, comm,
                  options: ElasticOptions | None = None) -> None:
         super().__init__(model, optimizer, comm, options)
-        self.alpha = self.options.alpha if self.options.alpha is not None else 0.9 / comm.world_size
-        self.flat = FlatParams(model.parameters())
-        self.center = ModelCopy(model)
+        self.alpha = self.options.moving_rate(comm.world_size)
+        order = parameter_order(model, optimizer)
+        self.flat = FlatParams(order)
+        self.center = ModelCopy(model, order)  # x~, laid out as self.flat
         comm.broadcast(self.center.vector, src=0, name="center")  # one center to start from
-        self._delta = torch.zeros_like(self.center.vector)
+        self._pull = torch.zeros_like(self.center.vector)  # d = alpha (x - x~): line a), pending
+        self._pull_due = False
+        self._sum = torch.zeros_like(self.center.vector)  # every worker's d, being summed: b)
         self._pending: Handle | None = None
 
     @property
@@ -67,20 +109,40 @@ class ElasticAveraging(PeriodicStrategy):
         self._finish()
         return self.center.with_buffers_of(self.model)
 
+    def worker_vector(self) -> torch.Tensor:
+        """``x^i`` as one flat vector (laid out as :attr:`flat`)."""
+        return self.flat.pack()
+
+    @torch.no_grad()
+    def local_step(self) -> None:
+        """``x^i <- x^i - eta g(x)`` (your optimizer's step), then line a) if it is due."""
+        super().local_step()
+        pull = self._take_pull()
+        if pull is not None:
+            for x, d in zip(self.flat.tensors, self.flat.views(pull), strict=True):
+                x.sub_(d)
+
+    def _take_pull(self) -> torch.Tensor | None:
+        """Line a)'s ``d``, decided at the last exchange, if it has not been applied yet."""
+        if not self._pull_due:
+            return None
+        self._pull_due = False
+        return self._pull
+
     @torch.no_grad()
     def exchange(self) -> None:
+        """Lines a) and b) of the next step, from the worker's x after this one."""
         self._finish()
-        x = self.flat.pack()
-        torch.sub(x, self.center.vector, out=self._delta).mul_(self.alpha)
-        x.sub_(self._delta)
-        self.flat.unpack()
-        self._pending = self.comm.all_reduce_async(self._delta, "sum", "elastic")
+        torch.sub(self.worker_vector(), self.center.vector, out=self._pull).mul_(self.alpha)
+        self._pull_due = True
+        self._sum.copy_(self._pull)
+        self._pending = self.comm.all_reduce_async(self._sum, "sum", "elastic")
         if not self.options.overlap:
             self._finish()
 
     @torch.no_grad()
     def _finish(self) -> None:
-        """Complete the exchange in flight: add every worker's pull to the center."""
+        """Line b) for every worker: add the sum of their pulls to the center."""
         if self._pending is not None:
             self.center.vector.add_(self._pending.wait())
             self._pending = None
@@ -92,11 +154,15 @@ class ElasticAveraging(PeriodicStrategy):
 
     def state_dict(self) -> dict:
         self._finish()
-        return {**super().state_dict(), "center": self.center.vector.clone()}
+        return {**super().state_dict(), "center": self.center.vector.clone(),
+                "pull": self._pull.clone(), "pull_due": self._pull_due}
 
     def load_state_dict(self, state: dict) -> None:
         super().load_state_dict(state)
         self.center.vector.copy_(state["center"])
+        if "pull" in state:
+            self._pull.copy_(state["pull"])
+            self._pull_due = bool(state["pull_due"])
 
 
 @register
@@ -105,6 +171,18 @@ class ElasticAveragingMomentum(ElasticAveraging):
 
     name = "eamsgd"
 
+    # Algorithm 2 of the paper, for worker i (as Algorithm 1, with a velocity v^i):
+    #
+    #     x = x^i
+    #     if tau divides t:  a) x^i <- x^i - alpha (x - x~)   b) x~ <- x~ + alpha (x - x~)
+    #     v^i <- delta v^i - eta g(x + delta v^i)
+    #     x^i <- x^i + v^i
+    #
+    # The gradient is taken at the look-ahead point x + delta v, so the model's parameters
+    # hold that point, and this strategy keeps x and v themselves. PyTorch's Nesterov SGD
+    # cannot stand in for it: it stores only the look-ahead point, whose relation to x depends
+    # on the learning rate of the step that made it, and the pull must move x, not it.
+
     def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, comm,
                  options: ElasticOptions | None = None) -> None:
         if not isinstance(optimizer, torch.optim.SGD):
@@ -112,5 +190,56 @@ class ElasticAveragingMomentum(ElasticAveraging):
         for group in optimizer.param_groups:
             if group["momentum"] <= 0 or group["dampening"] != 0:
                 raise ShoalError("eamsgd needs --momentum > 0 (and no dampening)")
-            group["nesterov"] = True
+            if group.get("maximize"):
+                raise ShoalError("eamsgd minimizes; SGD(maximize=True) is not supported")
         super().__init__(model, optimizer, comm, options)
+        self.x = self.flat.pack().clone()  # x^i; the parameters hold x^i + delta v^i
+        self.v = torch.zeros_like(self.x)  # v^i
+        self._grad = torch.zeros_like(self.x)
+        self._grad_views = self.flat.views(self._grad)
+        bounds, start = [], 0
+        for group in optimizer.param_groups:
+            size = sum(p.numel() for p in group["params"])
+            bounds.append((start, start + size))
+            start += size
+        self._groups = bounds  # each optimizer group's slice of x, v and the gradient
+
+    def worker_vector(self) -> torch.Tensor:
+        return self.x
+
+    @torch.no_grad()
+    def local_step(self) -> None:
+        """``v <- delta v - eta g(x + delta v)``; line a) if due; ``x <- x + v``; then the
+        parameters move to the next look-ahead point ``x + delta v``. ``eta``, ``delta`` and
+        weight decay are read from the optimizer's groups at every step, so learning-rate
+        schedules apply exactly."""
+        for view, p in zip(self._grad_views, self.flat.tensors, strict=True):
+            if p.grad is None:
+                view.zero_()
+            else:
+                view.copy_(p.grad)
+        look_ahead = self.flat.pack()
+        for (lo, hi), group in zip(self._groups, self.optimizer.param_groups, strict=True):
+            g, v = self._grad[lo:hi], self.v[lo:hi]
+            if group["weight_decay"]:
+                g.add_(look_ahead[lo:hi], alpha=group["weight_decay"])
+            v.mul_(group["momentum"]).add_(g, alpha=-float(group["lr"]))
+        pull = self._take_pull()
+        if pull is not None:
+            self.x.sub_(pull)
+        self.x.add_(self.v)
+        look_ahead.copy_(self.x)
+        for (lo, hi), group in zip(self._groups, self.optimizer.param_groups, strict=True):
+            look_ahead[lo:hi].add_(self.v[lo:hi], alpha=group["momentum"])
+        self.flat.unpack(look_ahead)
+        # This step is the optimizer's step: tell a learning-rate scheduler watching for
+        # optimizer.step() that it happened, or it warns that the schedule is off by one.
+        self.optimizer._opt_called = True  # type: ignore[attr-defined]
+
+    def state_dict(self) -> dict:
+        return {**super().state_dict(), "x": self.x.clone(), "v": self.v.clone()}
+
+    def load_state_dict(self, state: dict) -> None:
+        super().load_state_dict(state)
+        self.x.copy_(state["x"])
+        self.v.copy_(state["v"])

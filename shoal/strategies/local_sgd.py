@@ -1,9 +1,17 @@
 """Local SGD (periodic model averaging): step alone, average the models every ``tau`` steps.
 
-Each worker runs its own optimizer on its own shard; every ``tau`` steps all parameters are
-packed into one buffer and averaged in a single all-reduce. With ``tau = 1`` and plain SGD
-this is exactly synchronous gradient averaging; larger ``tau`` sends ``tau`` times less.
-Optimizer state (momentum, Adam moments) stays local, as in Lin et al. (2020) and
+Stich (2019), "Local SGD converges fast and simply", equation (2); Lin, Stich, Patel & Jaggi
+(2020) with ``H = tau`` local steps. For worker ``k`` and the set ``I`` of averaging steps
+(here the multiples of ``tau``)::
+
+    x^k_{t+1} = x^k_t - eta g^k_t                               if t+1 is not in I
+    x^k_{t+1} = (1/K) sum_k (x^k_t - eta g^k_t)                 if t+1 is in I
+
+:meth:`LocalSGD.exchange` is the second line: after every ``tau``-th local step all
+parameters are packed into one buffer and averaged in a single all-reduce. With ``tau = 1``
+and plain SGD this is exactly synchronous gradient averaging; larger ``tau`` sends ``tau``
+times less. The local step is the optimizer you configure (``eta g`` above is plain SGD's);
+its state (momentum, Adam moments) stays local, as in Lin et al. (2020) and
 torch.distributed's ``PeriodicModelAverager``.
 
 The average is needed by the very next step, so there is nothing to hide it behind: its
