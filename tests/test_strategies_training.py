@@ -61,6 +61,8 @@ def test_stopped_run_resumes_exactly(tmp_path, full_run, strategy):
 @pytest.mark.parametrize("args, expected", [
     (["--strategy", "local-sgd", "--tau", "0"], "--tau must be at least 1, got 0"),
     (["--strategy", "easgd", "--alpha", "1.5"], "--alpha must be in [0, 1], got 1.5"),
+    (["--strategy", "easgd", "--alpha", "0.5", "--workers", "8"],
+     "--alpha 0.5 with 8 workers gives beta = 4.0; the center update needs alpha * workers <= 2"),
     (["--strategy", "eamsgd", "--momentum", "0"], "eamsgd needs --momentum > 0"),
     (["--strategy", "eamsgd", "--optimizer", "adam"], "eamsgd takes local steps with SGD, not Adam"),
     (["--strategy", "diloco", "--outer-momentum", "1"], "--outer-momentum must be in [0, 1)"),
