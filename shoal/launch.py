@@ -5,7 +5,9 @@ outside launcher that already started one process per rank: torchrun (``RANK`` .
 Slurm's ``srun`` (``SLURM_PROCID`` ...) or mpirun (OpenMPI's ``OMPI_COMM_WORLD_*``,
 MPICH/Hydra's ``PMI_*``). :func:`detect_environment` reads those variables;
 :func:`spawn` starts and supervises local workers so that one failing worker brings the
-whole job down within seconds and its error is reported as one line.
+whole job down within seconds and its error is reported as one line. :func:`spawn` and
+``shoal.fork`` start their processes with :func:`start_process`, which never re-runs the
+caller's main program.
 """
 
 from __future__ import annotations
@@ -23,9 +25,13 @@ import sys
 import tempfile
 import time
 import traceback
+import types
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
+from multiprocessing.process import BaseProcess
 from typing import Any
+
+import cloudpickle
 
 from shoal.errors import ShoalError, WorkerError
 
@@ -207,19 +213,57 @@ def record_failure(errdir: str, rank: int, exc: BaseException) -> None:
     os.replace(tmp, os.path.join(errdir, f"rank{rank}.json"))
 
 
-def _worker_main(
-    env: Environment, errdir: str, target: Callable[..., Any], args: tuple[Any, ...]
-) -> None:
+def start_process(target: Callable[..., Any], args: tuple[Any, ...] = (), *,
+                  name: str | None = None) -> BaseProcess:
+    """Start ``target(*args)`` in a fresh interpreter ("spawn") that does not re-run ``__main__``.
+
+    Python's "spawn" makes every child import the parent's main module again: that fails when
+    it is no file (``python -``, ``-c``, a REPL, a notebook), and re-runs an unguarded script's
+    top level. Here the child never sees it. ``target`` and ``args`` are pickled by
+    multiprocessing (so a Connection may be among them), which names functions by import
+    path: functions of ``__main__`` must travel by value instead, as :func:`spawn` sends them
+    (cloudpickled bytes). The process is not daemonic, so it may start processes itself.
+    """
+    process = mp.get_context("spawn").Process(target=target, args=args, name=name, daemon=False)
+    # The spawn Popen reads sys.modules["__main__"] (to tell the child what to re-import) and
+    # pickles the process object inside start(), and nowhere else: an empty __main__ for
+    # that moment tells the child there is nothing to import. The window is the few ms of
+    # start(); a thread pickling a __main__ object by reference meanwhile would fail.
+    main = sys.modules["__main__"]
+    sys.modules["__main__"] = types.ModuleType("__main__")
+    try:
+        process.start()
+    finally:
+        sys.modules["__main__"] = main
+    return process
+
+
+def _result_path(jobdir: str, rank: int) -> str:
+    return os.path.join(jobdir, f"result{rank}.pkl")
+
+
+def _worker_main(env: Environment, errdir: str, job: bytes) -> None:
     die_with_parent()
     env.export()
     os.environ["SHOAL_ERROR_DIR"] = errdir
     try:
-        target(*args)
+        target, args = cloudpickle.loads(job)
+        result = target(*args)
+        if result is not None:
+            tmp = _result_path(errdir, env.rank) + ".tmp"
+            with open(tmp, "wb") as f:
+                cloudpickle.dump(result, f)
+            os.replace(tmp, _result_path(errdir, env.rank))
     except KeyboardInterrupt:
         sys.exit(130)
-    except BaseException as exc:  # reported by the parent, one line
-        if isinstance(exc, SystemExit) and not exc.code:
+    except SystemExit as exc:
+        # sys.exit(0) / sys.exit() is success; sys.exit(3) leaves with status 3, which the
+        # parent reports as that exit code; sys.exit("text") is Python's "print, exit 1".
+        if exc.code is None or isinstance(exc.code, int):
             raise
+        record_failure(errdir, env.rank, exc)
+        sys.exit(1)
+    except BaseException as exc:  # reported by the parent, one line
         record_failure(errdir, env.rank, exc)
         sys.exit(1)
 
@@ -285,26 +329,35 @@ def spawn(
     args: tuple[Any, ...] = (),
     *,
     grace: float = 2.0,
-) -> None:
+) -> list[Any]:
     """Run ``target(*args)`` in ``nprocs`` fresh processes joined as one job on this machine.
 
-    Each process gets ``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``, ``MASTER_ADDR`` and
-    ``MASTER_PORT`` (a free port) in its environment. Returns when all exit cleanly. When one
-    fails, the others get ``grace`` seconds to notice and are then terminated, and a
-    :class:`WorkerError` describing the root-cause failure is raised. Ctrl-C stops them all.
+    Each process gets ``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``, ``LOCAL_WORLD_SIZE``,
+    ``MASTER_ADDR`` and ``MASTER_PORT`` (a free port) in its environment. ``target`` and
+    ``args`` travel pickled with cloudpickle (by value when not importable, e.g. from
+    ``__main__``); the main program is not run again in the workers.
+
+    Returns the ranks' return values in rank order (``None`` for a rank that returned
+    nothing or left with ``sys.exit(0)``) once all exit cleanly. When one fails (an
+    exception, a non-zero exit status, a signal), the others get ``grace`` seconds to notice
+    and are then terminated, and a :class:`WorkerError` describing the root-cause failure is
+    raised. Ctrl-C stops them all.
     """
     if nprocs < 1:
         raise ShoalError(f"need at least 1 worker, got {nprocs}")
-    ctx = mp.get_context("spawn")
+    try:
+        job = cloudpickle.dumps((target, args))
+    except Exception as exc:
+        name = getattr(target, "__qualname__", repr(target))
+        raise ShoalError(f"cannot send {name} and its arguments to the workers: "
+                         f"{_first_line(exc)}") from exc
     port = free_port()
     errdir = tempfile.mkdtemp(prefix="shoal-errors-")
     procs = []
     try:
         for rank in range(nprocs):
             env = Environment(rank, nprocs, rank, nprocs, "127.0.0.1", port, "local")
-            p = ctx.Process(target=_worker_main, args=(env, errdir, target, args), daemon=False)
-            p.start()
-            procs.append(p)
+            procs.append(start_process(_worker_main, (env, errdir, job)))
         failed = None
         pending = list(procs)
         while pending and failed is None:
@@ -312,7 +365,7 @@ def spawn(
             failed = next((p for p in pending if p.exitcode not in (None, 0)), None)
             pending = [p for p in pending if p.exitcode is None]
         if failed is None:
-            return
+            return [_read_result(errdir, rank) for rank in range(nprocs)]
         # Exit codes now, before shoal's own SIGTERMs blur who died first.
         exits = {r: p.exitcode for r, p in enumerate(procs) if p.exitcode not in (None, 0)}
         stop_processes(procs, grace)
@@ -320,3 +373,15 @@ def spawn(
     finally:
         stop_processes(procs, 0.0)
         shutil.rmtree(errdir, ignore_errors=True)
+
+
+def _read_result(jobdir: str, rank: int) -> Any:
+    path = _result_path(jobdir, rank)
+    if not os.path.exists(path):
+        return None
+    try:
+        with open(path, "rb") as f:
+            return cloudpickle.load(f)
+    except Exception as exc:
+        raise WorkerError(rank, f"could not read its return value here: {_first_line(exc)}",
+                          traceback="".join(traceback.format_exception(exc))) from exc

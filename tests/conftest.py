@@ -8,6 +8,7 @@ import os
 import signal
 import subprocess
 import sys
+import time
 import uuid
 from pathlib import Path
 from typing import Any
@@ -29,11 +30,20 @@ def shoal_env(marker: str | None = None) -> dict[str, str]:
 
 def run(args: list[str], timeout: float = 120, env: dict[str, str] | None = None,
         cwd: Path | None = None) -> subprocess.CompletedProcess:
-    """Run ``args`` in a new session; kill the whole session if it outlives ``timeout``."""
+    """Run ``args`` in a new session; kill the whole session if it outlives ``timeout``.
+
+    The result's ``stray`` lists the processes carrying the run's ``SHOAL_TEST_MARKER`` that
+    were still alive 5 s after the program ended. They are killed then, so
+    ``marked_processes`` called after ``run`` finds none, whatever the program left behind.
+    """
+    env = env or shoal_env()
     proc = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            env=env or shoal_env(), cwd=cwd or REPO, start_new_session=True)
+                            env=env, cwd=cwd or REPO, start_new_session=True)
+    stray: list[int] = []
     try:
         out, err = proc.communicate(timeout=timeout)
+        if "SHOAL_TEST_MARKER" in env:
+            stray = wait_gone(env["SHOAL_TEST_MARKER"], 5.0)
     except subprocess.TimeoutExpired:
         os.killpg(proc.pid, signal.SIGKILL)
         out, err = proc.communicate()
@@ -41,7 +51,9 @@ def run(args: list[str], timeout: float = 120, env: dict[str, str] | None = None
     finally:
         with contextlib.suppress(ProcessLookupError):
             os.killpg(proc.pid, signal.SIGKILL)  # nothing of it may outlive the test
-    return subprocess.CompletedProcess(args, proc.returncode, out, err)
+    res = subprocess.CompletedProcess(args, proc.returncode, out, err)
+    res.stray = stray
+    return res
 
 
 def shoal(*args: str, timeout: float = 120, env: dict[str, str] | None = None
@@ -78,6 +90,14 @@ def marked_processes(marker: str) -> list[int]:
         except OSError:
             continue
     return pids
+
+
+def wait_gone(marker: str, timeout: float) -> list[int]:
+    """Wait up to ``timeout`` s for the processes carrying ``marker`` to end; those left."""
+    deadline = time.monotonic() + timeout
+    while (left := marked_processes(marker)) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    return left
 
 
 def one_error_line(stderr: str) -> str:

@@ -30,7 +30,7 @@ import torch.distributed as dist
 from torch import nn
 
 from shoal.errors import ShoalError, WorkerError
-from shoal.launch import stop_processes
+from shoal.launch import start_process, stop_processes
 from shoal.parallel.arrays import SharedArray
 
 # Command opcodes (first element of every pickled message to a worker).
@@ -206,15 +206,14 @@ class Session:
         start = timedelta(seconds=max(self.timeout, 60.0))
         self._store = dist.TCPStore("127.0.0.1", 0, self.world, True, timeout=start,
                                     wait_for_workers=False)
-        ctx = mp.get_context("spawn")
         # Not daemonic, so a function may start processes of its own (a DataLoader's workers);
         # close() runs at exit and PR_SET_PDEATHSIG covers a controller that dies outright.
+        # Workers never run the caller's main program: functions reach them by value.
         for rank in range(1, self.world):
-            ours, theirs = ctx.Pipe()
-            p = ctx.Process(target=worker_main, name=f"shoal-worker-{rank}", daemon=False,
-                            args=(rank, self.world, self._store.port, device, theirs, self.timeout,
-                                  self.threads))
-            p.start()
+            ours, theirs = mp.Pipe()
+            p = start_process(worker_main, (rank, self.world, self._store.port, device, theirs,
+                                            self.timeout, self.threads),
+                              name=f"shoal-worker-{rank}")
             theirs.close()
             self.procs.append(p)
             self.conns.append(ours)
@@ -336,8 +335,9 @@ def fork(n: int, device: str = "cpu", *, timeout: float = 600.0, threads: int | 
     ``device``: ``cpu`` (Gloo) or ``cuda`` (rank r on GPU r; NCCL for tensors). ``timeout``
     bounds every wait in the session, including a call waiting for the slowest worker.
     ``threads`` sets each process's torch threads (default: cores divided by ``n``). Use it
-    as a context manager, or end it with :func:`close`. A script that forks must guard its
-    top level with ``if __name__ == "__main__":`` (workers are started with "spawn").
+    as a context manager, or end it with :func:`close`. Workers never run the main program
+    (a script needs no ``if __name__ == "__main__":`` guard; stdin, ``-c`` and a REPL work):
+    functions reach them by value.
     """
     global _CURRENT
     if in_function():
