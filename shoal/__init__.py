@@ -10,6 +10,10 @@ Quick use in your own loop (run it under ``torchrun``)::
         strategy.step()
         strategy.zero_grad()
 
+Or start the processes from Python, no torchrun (``shoal run script.py`` from a shell)::
+
+    results = shoal.launch(train, cfg, workers=4)    # train(cfg) on 4 ranks; their returns
+
 Or keep a serial program and run chosen functions data-parallel (``docs/parallel.md``)::
 
     step = shoal.function(grad_step, scatter=["x", "y"], reduce="avg")
@@ -19,8 +23,10 @@ Or keep a serial program and run chosen functions data-parallel (``docs/parallel
 
 __version__ = "0.1.0"
 
+# `launch` below rebinds shoal.launch from the module to the function; the module is still
+# reached with `from shoal.launch import spawn` (but `import shoal.launch as m` gives the function).
 from shoal.errors import ShoalError, WorkerError  # noqa: E402
-from shoal.runtime import init, shutdown  # noqa: E402
+from shoal.runtime import init, launch, shutdown  # noqa: E402
 from shoal.strategies import STRATEGIES, Strategy, get_strategy, register, strategy  # noqa: E402
 
 # The single-controller API (shoal.parallel), imported on first use.
@@ -37,5 +43,5 @@ def __getattr__(name: str) -> object:
 
 
 __all__ = ["STRATEGIES", "ShoalError", "Strategy", "WorkerError", "__version__", "all_gather",
-           "all_reduce", "broadcast", "close", "fork", "function", "gather", "get_strategy", "init", "reduce",
-           "register", "replicate", "scatter", "shared", "shutdown", "strategy"]
+           "all_reduce", "broadcast", "close", "fork", "function", "gather", "get_strategy", "init",
+           "launch", "reduce", "register", "replicate", "scatter", "shared", "shutdown", "strategy"]

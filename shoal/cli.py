@@ -1,4 +1,5 @@
-"""The ``shoal`` command: ``shoal train``, ``shoal bench``, ``shoal report``, ``shoal list``.
+"""The ``shoal`` command: ``shoal train``, ``shoal run``, ``shoal bench``, ``shoal report``,
+``shoal list``.
 
 Errors a user can fix print one line (``shoal: error: ...``) and exit with status 2; with
 ``--debug`` the traceback follows. Unexpected errors exit with status 1.
@@ -239,6 +240,58 @@ def _report_parser(sub: Any) -> argparse.ArgumentParser:
     return p
 
 
+def _run_parser(sub: Any) -> argparse.ArgumentParser:
+    p = sub.add_parser(
+        "run", help="run your own script on N local processes (no torchrun)",
+        usage="shoal run [-h] [--workers N] [--threads-per-worker T] [--debug] "
+              "(SCRIPT | -m MODULE) [ARGS ...]",
+        description="Run SCRIPT (or -m MODULE) as __main__ in N local processes joined as one "
+                    "job, as torchrun would: inside, shoal.init() and shoal.strategy(...) join "
+                    "it. Everything after SCRIPT goes to the script. When a rank fails, all "
+                    "stop and its error is printed as one line.")
+    p.add_argument("--workers", type=int, default=1, metavar="N",
+                   help="processes to start (default 1)")
+    p.add_argument("--threads-per-worker", type=int, default=None, metavar="T",
+                   help="intra-op threads per worker (default: cores // workers)")
+    p.add_argument("-m", dest="module", action="store_true",
+                   help="the target is a module, run as `python -m MODULE` would")
+    p.add_argument("--debug", action="store_true", default=argparse.SUPPRESS,
+                   help="show tracebacks of errors")
+    # REMAINDER: the script's own flags (even --workers or --debug) are the script's.
+    p.add_argument("target", nargs=argparse.REMAINDER, metavar="SCRIPT | MODULE [ARGS ...]")
+    return p
+
+
+def _run(args: argparse.Namespace) -> None:
+    import importlib.util
+    import os
+
+    from shoal.runtime import launch, run_main
+
+    if not args.target:
+        raise ShoalError("shoal run: give a SCRIPT or -m MODULE to run (see shoal run --help)")
+    target, script_args = args.target[0], args.target[1:]
+    if args.workers < 1:
+        raise ShoalError(f"shoal run: --workers must be at least 1, got {args.workers}")
+    if args.threads_per_worker is not None and args.threads_per_worker < 1:
+        raise ShoalError("shoal run: --threads-per-worker must be at least 1, "
+                         f"got {args.threads_per_worker}")
+    if args.module:
+        sys.path.insert(0, os.getcwd())  # where `python -m` looks first, as the workers will
+        try:
+            found = importlib.util.find_spec(target) is not None
+        except (ImportError, ValueError):
+            found = False
+        finally:
+            sys.path.pop(0)
+        if not found:
+            raise ShoalError(f"shoal run: no module named {target!r}")
+    elif not os.path.isfile(target):
+        raise ShoalError(f"shoal run: no such file: {target}")
+    launch(run_main, target, script_args, module=args.module, threads=args.threads_per_worker,
+           workers=args.workers)
+
+
 def _bench(args: argparse.Namespace, argv: Sequence[str]) -> None:
     from pathlib import Path
 
@@ -293,6 +346,7 @@ def build_parser() -> argparse.ArgumentParser:
     train = _train_parser(sub)
     train.add_argument("--debug", action="store_true", default=argparse.SUPPRESS,
                        help="show tracebacks of errors")
+    _run_parser(sub)
     _bench_parser(sub)
     _report_parser(sub)
     sub.add_parser("list", help="list models, datasets and strategies")
@@ -345,13 +399,16 @@ def _where() -> str:
 
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    debug = "--debug" in argv
+    debug = "--debug" in argv  # until parsed: `shoal run x.py --debug` is the script's flag
     try:
         args = build_parser().parse_args(argv)
+        debug = bool(getattr(args, "debug", False))
         if args.command == "train":
             from shoal.train import train
 
             train(config_from_args(args))
+        elif args.command == "run":
+            _run(args)
         elif args.command == "bench":
             _bench(args, argv)
         elif args.command == "report":

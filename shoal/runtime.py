@@ -1,27 +1,51 @@
-"""Joining a job from a user's own script (the Fabric-style entry point)."""
+"""Joining a job from a user's own code (the Fabric-style entry points).
+
+:func:`init` joins the job an outside launcher started (torchrun, Slurm, mpirun) or the one
+:func:`launch` starts: ``launch(fn, workers=N)`` runs ``fn`` on N local processes and returns
+their results. ``shoal run`` is :func:`launch` of :func:`run_main`.
+"""
 
 from __future__ import annotations
 
+import atexit
+import os
+import runpy
+import sys
+from collections.abc import Callable
+from types import TracebackType
+from typing import Any, TypeVar
+
 from shoal.comm import Comm, init_comm
 from shoal.config import default_threads
-from shoal.launch import Environment, detect_environment
+from shoal.errors import ShoalError
+from shoal.launch import Environment, detect_environment, spawn
+
+T = TypeVar("T")
 
 _COMM: Comm | None = None
+_THREADS: int | None = None  # set by `shoal run --threads-per-worker` before the script runs
+_previous_excepthook: Callable[..., Any] | None = None
 
 
 def init(device: str = "auto", timeout_s: float = 300.0, threads: int | None = None) -> Comm:
     """Join the job this process was launched into and return its :class:`~shoal.comm.Comm`.
 
-    Reads torchrun's, Slurm's or mpirun's environment; a process started on its own is a
-    job of one. Calling it again returns the same ``Comm``. ``threads`` defaults to the
-    machine's cores divided by the processes on this node.
+    Reads torchrun's, Slurm's or mpirun's environment (or the one :func:`launch` gives); a
+    process started on its own is a job of one. Calling it again returns the same ``Comm``.
+    ``threads`` defaults to the machine's cores divided by the processes on this node.
+
+    A program need not call :func:`shutdown`: at exit the job is left in order, and an
+    uncaught exception first tells the other ranks, which then stop within seconds.
     """
     global _COMM
     if _COMM is None:
         env = detect_environment() or Environment()
         if threads is None:
-            threads = default_threads(env.local_world_size)
+            threads = _THREADS or default_threads(env.local_world_size)
         _COMM = init_comm(env, device=device, timeout_s=timeout_s, threads=threads)
+        atexit.unregister(_leave_at_exit)  # once, however often init/shutdown alternate
+        atexit.register(_leave_at_exit)
+        _chain_excepthook()
     return _COMM
 
 
@@ -29,5 +53,127 @@ def shutdown() -> None:
     """Leave the job joined by :func:`init` (waits for every rank first)."""
     global _COMM
     if _COMM is not None:
-        _COMM.close()
-        _COMM = None
+        comm, _COMM = _COMM, None
+        comm.close()
+
+
+def _abort(message: str) -> None:
+    """Tell the other ranks of the joined job, if any, that this one failed."""
+    if _COMM is not None:
+        _COMM.abort(message)
+
+
+def _leave_at_exit() -> None:
+    # Without this, a script that never calls shutdown() leaves the process group to the
+    # interpreter's teardown, where rank 0 (the store's host) may exit while another rank's
+    # watchdog is asking the store, which ends that rank in std::terminate. After an
+    # uncaught exception the Comm is aborted, and close() then does not wait for anyone.
+    comm = _COMM
+    if comm is None:
+        return
+    try:
+        shutdown()
+    except Exception as exc:
+        # The barrier failed: another rank died. An exception here would be printed and the
+        # exit status left at 0, so say it in one line and leave with a failure.
+        print(f"shoal: rank {comm.rank}: could not leave the job cleanly: "
+              f"{type(exc).__name__}: {_first_line(exc)}", file=sys.stderr)
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(1)
+
+
+def _chain_excepthook() -> None:
+    global _previous_excepthook
+    if _previous_excepthook is None:
+        _previous_excepthook = sys.excepthook
+        sys.excepthook = _excepthook
+
+
+def _excepthook(kind: type[BaseException], exc: BaseException, tb: TracebackType | None) -> None:
+    # First the other ranks, which may be waiting in a collective for this one; then the
+    # usual traceback. The atexit handler that follows finds the Comm aborted.
+    _abort(_describe(exc))
+    assert _previous_excepthook is not None
+    _previous_excepthook(kind, exc, tb)
+
+
+def _first_line(exc: BaseException) -> str:
+    return next((ln.strip() for ln in str(exc).splitlines() if ln.strip()), "")
+
+
+def _describe(exc: BaseException) -> str:
+    if isinstance(exc, SystemExit):
+        return f"exited with code {exc.code}"
+    first = _first_line(exc)
+    return f"{type(exc).__name__}: {first}" if first else type(exc).__name__
+
+
+def _launched(fn: Callable[..., T], args: tuple[Any, ...], kwargs: dict[str, Any]) -> T | None:
+    """One rank of :func:`launch`: run ``fn``, then leave the job (or tell the others)."""
+    import torch
+
+    env = detect_environment() or Environment()
+    torch.set_num_threads(_THREADS or default_threads(env.local_world_size))
+    try:
+        result = fn(*args, **kwargs)
+    except SystemExit as exc:
+        if exc.code not in (None, 0):
+            _abort(_describe(exc))
+            raise
+        result = None
+    except BaseException as exc:
+        _abort(_describe(exc))
+        raise
+    shutdown()
+    return result
+
+
+def launch(fn: Callable[..., T], *args: Any, workers: int, **kwargs: Any) -> list[T]:
+    """Run ``fn(*args, **kwargs)`` in ``workers`` new local processes joined as one job.
+
+    Each process is one rank: ``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``, ``LOCAL_WORLD_SIZE``,
+    ``MASTER_ADDR`` and ``MASTER_PORT`` are set, so :func:`init` and :func:`shoal.strategy`
+    inside ``fn`` join it (Gloo on CPU, one GPU per rank with NCCL under ``device="cuda"``).
+    ``fn`` and the arguments are sent by value where they are not importable (functions of a
+    script, of stdin, of a notebook), and the main program is not run again in the workers,
+    so no ``if __name__ == "__main__":`` guard is needed. Each rank gets cores // workers
+    torch threads.
+
+    Returns the ranks' return values in rank order (picklable with cloudpickle; ``None`` for
+    a rank that ended with ``sys.exit(0)``). ``fn`` need not call :func:`shutdown`.
+
+    When a rank raises or exits with a non-zero status, the other ranks are stopped within
+    seconds (even those blocked in a collective) and :class:`shoal.WorkerError` is raised,
+    naming the rank and the first line of its error, with its traceback in ``.traceback``.
+    """
+    if isinstance(workers, bool) or not isinstance(workers, int) or workers < 1:
+        raise ShoalError(f"shoal.launch needs workers=N with N >= 1, got {workers!r}")
+    outer = detect_environment()
+    if outer is not None and outer.distributed:
+        raise ShoalError(f"shoal.launch starts a job of its own, but this process is already rank "
+                         f"{outer.rank} of {outer.world_size} ({outer.launcher}); call the "
+                         "function directly")
+    return spawn(workers, _launched, (fn, args, kwargs))
+
+
+def run_main(target: str, argv: list[str], module: bool = False,
+             threads: int | None = None) -> None:
+    """Run the script ``target`` (or the module, with ``module=True``) as ``__main__``, as
+    ``python SCRIPT ARGS...`` / ``python -m MODULE ARGS...`` would: ``sys.argv`` is
+    ``[target, *argv]`` and the script's directory (for a module, the current directory)
+    comes first on ``sys.path``. ``threads``: the default of :func:`init` in this process.
+    """
+    global _THREADS
+    if threads is not None:
+        import torch
+
+        _THREADS = threads
+        torch.set_num_threads(threads)
+    sys.argv = [target, *argv]
+    if module:
+        sys.path.insert(0, os.getcwd())
+        runpy.run_module(target, run_name="__main__", alter_sys=True)
+    else:
+        sys.path.insert(0, os.path.dirname(os.path.abspath(target)))
+        runpy.run_path(target, run_name="__main__")

@@ -74,6 +74,7 @@ class Comm:
         self.calls = 0
         self._store = dist.PrefixStore("shoal/", store) if store is not None else None
         self._stop = threading.Event()
+        self.aborted = False  # this rank called abort(): nobody will wait for it at close()
         self._watchdog: threading.Thread | None = None
         if self._store is not None and self.world_size > 1:
             self._watchdog = threading.Thread(target=self._watch, name="shoal-abort", daemon=True)
@@ -147,6 +148,7 @@ class Comm:
     # -- failure handling -------------------------------------------------------------------
     def abort(self, message: str) -> None:
         """Tell every other rank that this one failed, so they exit instead of waiting."""
+        self.aborted = True
         if self._store is not None:
             try:
                 first = (message.strip().splitlines() or ["failed"])[0][:300]
@@ -175,12 +177,16 @@ class Comm:
                 os._exit(EXIT_ABORTED)
 
     def close(self) -> None:
-        """Wait for every rank, stop the watchdog and leave the process group."""
+        """Wait for every rank, stop the watchdog and leave the process group.
+
+        After :meth:`abort` it does not wait: the other ranks are on their way out, and a
+        barrier would only hold this one until the timeout.
+        """
         finished = False
         try:
-            if self.active:
+            if self.active and not self.aborted:
                 dist.barrier()
-            finished = True
+                finished = True
         finally:
             self._stop.set()
             if self._watchdog is not None:
