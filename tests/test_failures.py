@@ -28,7 +28,7 @@ def test_failing_rank_stops_the_job(tmp_path, model, expected):
     assert res.returncode == 1
     assert expected in one_error_line(res.stderr)
     assert elapsed < 40, f"job took {elapsed:.0f}s to notice the failure (timeout is 120s)"
-    assert marked_processes(marker) == [], "worker processes outlived the job"
+    assert res.stray == [], "worker processes outlived the job"
 
 
 def test_failure_under_torchrun_stops_every_rank(tmp_path):
@@ -41,7 +41,7 @@ def test_failure_under_torchrun_stops_every_rank(tmp_path):
     assert res.returncode != 0
     assert "rank 1" in res.stderr and "injected failure" in res.stderr
     assert time.monotonic() - start < 60
-    assert marked_processes(marker) == []
+    assert res.stray == []
 
 
 def test_debug_shows_the_workers_traceback(tmp_path):
