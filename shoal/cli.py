@@ -217,6 +217,9 @@ def _bench_parser(sub: Any) -> argparse.ArgumentParser:
     p.add_argument("--synthetic-shape", type=_shape, default=(3, 32, 32), metavar="CxHxW",
                    help="(default 3x32x32)")
     p.add_argument("--lr", type=float, default=0.02, help="(default 0.02)")
+    p.add_argument("--momentum", type=float, default=0.9,
+                   help="SGD momentum of every run and of the reference (default 0.9; 0 for "
+                        "the EASGD paper's plain local steps)")
     p.add_argument("--no-reference", dest="reference", action="store_false",
                    help="leave out the hand-written DDP loop")
     p.add_argument("--emulate-bandwidth", default=None, metavar="RATE",
@@ -304,6 +307,7 @@ def _bench(args: argparse.Namespace, argv: Sequence[str]) -> None:
         steps=args.steps, warmup=args.warmup, repeats=args.repeats, dataset=args.dataset,
         synthetic_shape=tuple(args.synthetic_shape), reference=args.reference,
         emulate_bandwidth=args.emulate_bandwidth, out=Path(args.out), lr=args.lr,
+        momentum=args.momentum,
         timeout=args.timeout, quiet=args.quiet)
     if cfg.reference and cfg.dataset != "synthetic":
         raise ShoalError("the DDP reference row trains on synthetic data; use --dataset "

@@ -109,11 +109,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--batch", type=int, default=d.batch, help="per worker")
     p.add_argument("--steps", type=int, default=d.steps)
     p.add_argument("--warmup", type=int, default=d.warmup)
+    p.add_argument("--lr", type=float, default=d.lr)
+    p.add_argument("--momentum", type=float, default=d.momentum)
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--out", required=True)
     a = p.parse_args(argv)
     w = Workload(model=a.model, shape=tuple(int(v) for v in a.shape.split("x")),
-                 classes=a.classes, batch=a.batch, steps=a.steps, warmup=a.warmup)
+                 classes=a.classes, batch=a.batch, steps=a.steps, warmup=a.warmup, lr=a.lr,
+                 momentum=a.momentum)
     dist.init_process_group("gloo")
     try:
         _train(dist.get_rank(), dist.get_world_size(), w, a.threads, a.out)

@@ -137,6 +137,7 @@ class BenchConfig:
     emulate_bandwidth: str | None = None
     out: Path = Path("runs/bench")
     lr: float = 0.02
+    momentum: float = 0.9
     timeout: float = 900.0
     train_args: list[str] = field(default_factory=list)
     quiet: bool = False
@@ -209,6 +210,7 @@ def _shoal_cmd(cfg: BenchConfig, p: Point, out: Path, local_workers: bool) -> li
            "--threads-per-worker", str(p.threads_for()), "--epochs", "1000",
            "--stop-at-step", str(total), "--checkpoint-every", str(total),
            "--eval-every", "1000", "--schedule", "constant", "--lr", str(cfg.lr),
+           "--momentum", str(cfg.momentum),
            "--log-every", str(math.gcd(cfg.warmup, cfg.steps)), "--progress", "none",
            "--out", str(out), "--overwrite", "--device", "cpu"]
     if cfg.dataset == "synthetic":
@@ -305,14 +307,16 @@ class Runner:
         cfg = self.cfg
         batch = cfg.per_worker_batch(p.scaling, p.workers)
         w = Workload(model=p.model, shape=tuple(cfg.synthetic_shape), batch=batch,
-                     steps=cfg.warmup + cfg.steps, warmup=cfg.warmup, lr=cfg.lr)
+                     steps=cfg.warmup + cfg.steps, warmup=cfg.warmup, lr=cfg.lr,
+                     momentum=cfg.momentum)
         out.mkdir(parents=True, exist_ok=True)
         result_file = out / "reference.json"
         if self._emulated(p):
             args = ["-m", "shoal.bench.reference", "--model", p.model,
                     "--shape", "x".join(map(str, w.shape)), "--batch", str(batch),
-                    "--steps", str(w.steps), "--warmup", str(w.warmup),
-                    "--threads", str(p.threads_for()), "--out", str(result_file)]
+                    "--steps", str(w.steps), "--warmup", str(w.warmup), "--lr", str(w.lr),
+                    "--momentum", str(w.momentum), "--threads", str(p.threads_for()),
+                    "--out", str(result_file)]
             code = self._cluster(p.workers).torchrun(args, timeout=cfg.timeout,
                                                      log=out / "torchrun.log")
             if code:
