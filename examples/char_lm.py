@@ -1,0 +1,137 @@
+"""A character-level language model trained with DiLoCo, in your own loop.
+
+    shoal run --workers 2 examples/char_lm.py                   # DiLoCo: workers meet every --tau steps
+    shoal run --workers 2 examples/char_lm.py --strategy sync   # gradients averaged every step
+    torchrun --nproc-per-node 2 examples/char_lm.py             # the same, under torchrun
+    python examples/char_lm.py                                  # one process
+
+The text is the Python reference manual's help topics, which ship with Python itself
+(``pydoc_data.topics``, about 465k characters): nothing to download. The model is a small
+causal transformer. With DiLoCo (Douillard et al. 2023) every worker takes --tau AdamW steps
+from the global model, then the workers average how far they moved (one message) and the
+global model takes an outer Nesterov step along it (lr 0.7, momentum 0.9, as in the paper).
+Rank 0 prints the validation bits per character of the global model (``strategy.eval_module``)
+as it trains, and at the end a sample from it.
+"""
+
+import argparse
+import math
+import time
+from pydoc_data.topics import topics
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import shoal
+
+parser = argparse.ArgumentParser(description="a character-level language model, data-parallel")
+parser.add_argument("--strategy", default="diloco", help="diloco, sync, local-sgd or easgd")
+parser.add_argument("--steps", type=int, default=800, help="training steps on every worker")
+parser.add_argument("--tau", type=int, default=50, help="local steps between two exchanges")
+parser.add_argument("--batch-size", type=int, default=32, help="windows per worker and step")
+parser.add_argument("--context", type=int, default=64, help="characters the model sees")
+parser.add_argument("--lr", type=float, default=1e-2, help="AdamW learning rate")
+parser.add_argument("--eval-every", type=int, default=100, help="steps between evaluations")
+parser.add_argument("--seed", type=int, default=0)
+args = parser.parse_args()
+
+text = "".join(topics[name] for name in sorted(topics))  # sorted: the same text everywhere
+chars = sorted(set(text))
+code = {c: i for i, c in enumerate(chars)}
+tokens = torch.tensor([code[c] for c in text])
+split = int(0.9 * len(tokens))  # the last 10% is held out
+
+
+class Windows:
+    """Window ``i``: the ``context`` characters from ``i`` on, and the same shifted by one.
+
+    ``strategy.batches`` takes anything with ``len`` and ``get_batch(idx)``; indexing the text
+    with an offset grid makes a batch without ever storing the ~420k overlapping windows.
+    """
+
+    def __init__(self, tokens: torch.Tensor, context: int) -> None:
+        self.tokens, self.offsets = tokens, torch.arange(context)
+
+    def __len__(self) -> int:
+        return len(self.tokens) - len(self.offsets)
+
+    def get_batch(self, idx: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        rows = idx[:, None] + self.offsets
+        return self.tokens[rows], self.tokens[rows + 1]
+
+
+class CharTransformer(nn.Module):
+    """A small causal transformer: the logits at position ``t`` see characters ``0..t`` only."""
+
+    def __init__(self, vocab: int, context: int, width: int = 64, layers: int = 2) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(vocab, width)
+        self.position = nn.Embedding(context, width)
+        # No dropout (a short run does not overfit 420k characters), so train and eval mode agree.
+        block = nn.TransformerEncoderLayer(width, nhead=4, dim_feedforward=4 * width, dropout=0.0,
+                                           batch_first=True, norm_first=True)
+        self.blocks = nn.TransformerEncoder(block, layers, enable_nested_tensor=False)
+        self.norm = nn.LayerNorm(width)
+        self.head = nn.Linear(width, vocab)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        n = x.shape[1]
+        # Made here rather than kept as a buffer: DDP (sync) would broadcast a buffer every step.
+        mask = nn.Transformer.generate_square_subsequent_mask(n)
+        h = self.embed(x) + self.position(torch.arange(n))
+        return self.head(self.norm(self.blocks(h, mask=mask, is_causal=True)))
+
+
+@torch.no_grad()
+def bits_per_char(model: nn.Module, data: Windows) -> float:
+    x, y = data.get_batch(torch.arange(0, len(data), args.context))  # every character once
+    return F.cross_entropy(model(x).flatten(0, 1), y.flatten()).item() / math.log(2)
+
+
+@torch.no_grad()
+def sample(model: nn.Module, prompt: str, length: int) -> str:
+    generator = torch.Generator().manual_seed(args.seed)  # the same sample on every run
+    out = torch.tensor([[code[c] for c in prompt]])
+    for _ in range(length):
+        logits = model(out[:, -args.context:])[0, -1]
+        out = torch.cat([out, torch.multinomial(logits.softmax(-1), 1, generator=generator)[None]], 1)
+    return "".join(chars[i] for i in out[0, len(prompt):].tolist())
+
+
+train, val = Windows(tokens[:split], args.context), Windows(tokens[split:], args.context)
+torch.manual_seed(args.seed)  # every worker starts from the same weights
+model = CharTransformer(len(chars), args.context)
+optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr)  # DiLoCo's inner optimizer
+if args.strategy == "diloco":
+    strategy = shoal.strategy("diloco", model, optimizer, tau=args.tau, outer_lr=0.7, outer_momentum=0.9)
+elif args.strategy == "sync":
+    strategy = shoal.strategy("sync", model, optimizer)
+else:
+    strategy = shoal.strategy(args.strategy, model, optimizer, tau=args.tau)
+rank, workers = strategy.comm.rank, strategy.comm.world_size
+
+history: list[tuple[int, float]] = []  # (step, validation bits/char of the global model)
+step, epoch, start = 0, 0, time.perf_counter()
+while step < args.steps:  # an epoch (~6.5k steps on 2 workers) is longer than a usual run
+    for x, y in strategy.batches(train, batch_size=args.batch_size, epoch=epoch, seed=args.seed):
+        loss = F.cross_entropy(strategy.module(x).flatten(0, 1), y.flatten())
+        strategy.backward(loss)
+        strategy.step()
+        strategy.zero_grad()
+        step += 1
+        if step % args.eval_every == 0 or step == args.steps:
+            # DiLoCo's global model holds the rounds closed so far (all of them when tau divides step).
+            history.append((step, bits_per_char(strategy.eval_module, val)))
+            if rank == 0:
+                print(f"step {step:5d}  val {history[-1][1]:.3f} bits/char  "
+                      f"{time.perf_counter() - start:5.1f} s", flush=True)
+        if step == args.steps:
+            break
+    epoch += 1
+
+seconds, bpc = time.perf_counter() - start, history[-1][1]
+continuation = "The " + sample(strategy.eval_module, "The ", 120)
+if rank == 0:
+    print(f"{args.strategy}, {workers} worker{'s' * (workers > 1)}: {bpc:.3f} bits/char after {step} steps, "
+          f"{seconds:.1f} s, rank 0 sent {strategy.comm.bytes_sent / 1e6:.1f} MB | {continuation!r}")
