@@ -23,8 +23,6 @@ Or keep a serial program and run chosen functions data-parallel (``docs/parallel
 
 __version__ = "0.1.0"
 
-# `launch` below rebinds shoal.launch from the module to the function; the module is still
-# reached with `from shoal.launch import spawn` (but `import shoal.launch as m` gives the function).
 from shoal.errors import ShoalError, WorkerError  # noqa: E402
 from shoal.runtime import init, launch, shutdown  # noqa: E402
 from shoal.strategies import STRATEGIES, Strategy, get_strategy, register, strategy  # noqa: E402

@@ -18,7 +18,7 @@ from typing import Any, TypeVar
 from shoal.comm import Comm, init_comm
 from shoal.config import default_threads
 from shoal.errors import ShoalError
-from shoal.launch import Environment, detect_environment, spawn
+from shoal.processes import Environment, detect_environment, spawn
 
 T = TypeVar("T")
 

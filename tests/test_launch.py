@@ -1,7 +1,7 @@
 import pytest
 
 from shoal.errors import ShoalError
-from shoal.launch import detect_environment, expand_hostlist
+from shoal.processes import detect_environment, expand_hostlist
 
 
 def test_plain_process_is_not_in_a_job():

@@ -10,7 +10,7 @@ import sys
 
 import pytest
 
-from shoal.launch import free_port
+from shoal.processes import free_port
 
 from conftest import REPO, checkpoint_params, max_param_diff, shoal_env, train
 

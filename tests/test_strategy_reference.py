@@ -26,7 +26,7 @@ import torch
 import shoal
 from shoal.comm import Comm
 from shoal.errors import ShoalError
-from shoal.launch import Environment, spawn
+from shoal.processes import Environment, spawn
 
 DIM, BATCH, STEPS, LR = 5, 12, 12, 0.05
 #: A non-monotone schedule (factors of LR by step): the relation between Nesterov's look-ahead

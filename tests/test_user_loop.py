@@ -3,7 +3,7 @@
 import torch
 
 import shoal
-from shoal.launch import spawn
+from shoal.processes import spawn
 
 STEPS, BATCH = 8, 12
 

@@ -13,7 +13,7 @@ import torch
 import torch.distributed as dist
 
 from shoal.errors import ShoalError
-from shoal.launch import EXIT_ABORTED, Environment
+from shoal.processes import EXIT_ABORTED, Environment
 from shoal.timeline import Timeline
 
 _OPS = {

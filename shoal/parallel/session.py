@@ -30,8 +30,8 @@ import torch.distributed as dist
 from torch import nn
 
 from shoal.errors import ShoalError, WorkerError
-from shoal.launch import start_process, stop_processes
 from shoal.parallel.arrays import SharedArray
+from shoal.processes import start_process, stop_processes
 
 # Command opcodes (first element of every pickled message to a worker).
 OP_CALL, OP_CLOSE = 1, 2

@@ -13,11 +13,11 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from shoal.launch import die_with_parent
 from shoal.parallel import session as _session
 from shoal.parallel.arrays import SharedArray
 from shoal.parallel.functions import Function, _Call, error_info, worker_call
 from shoal.parallel.session import GO, OP_CALL, OP_CLOSE, module_tensors
+from shoal.processes import die_with_parent
 
 
 class _Unpickler(pickle.Unpickler):

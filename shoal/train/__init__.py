@@ -11,7 +11,7 @@ from shoal.comm import init_comm
 from shoal.config import TrainConfig, default_threads
 from shoal.data import Dataset
 from shoal.errors import ShoalError
-from shoal.launch import Environment, detect_environment, spawn
+from shoal.processes import Environment, detect_environment, spawn
 from shoal.timeline import Timeline
 from shoal.train.trainer import Trainer, preflight
 

@@ -23,8 +23,8 @@ from shoal.config import TrainConfig
 from shoal.data import DataOptions, Dataset, EpochPlan, Split, load_dataset, shard_range
 from shoal.data.augment import flip_and_crop
 from shoal.errors import ShoalError
-from shoal.launch import Environment
 from shoal.models import build_model, count_parameters
+from shoal.processes import Environment
 from shoal.strategies import Strategy, get_strategy, make_options
 from shoal.timeline import Timeline, chrome_trace
 from shoal.train.checkpoint import (
