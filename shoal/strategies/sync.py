@@ -1,14 +1,20 @@
 """Synchronous data parallelism: gradient averaging with PyTorch DistributedDataParallel.
 
 DDP buckets the gradients and all-reduces each bucket while backward is still computing the
-rest. shoal adds nothing to that path but a timing wrapper around the communication hook,
-which books the bytes sent and the part of the all-reduce that backward had to wait for.
-Compression uses DDP's own hooks (fp16, bf16, PowerSGD).
+rest. shoal leaves that path exactly as PyTorch runs it: without compression it registers no
+communication hook at all, because any Python hook (even PyTorch's own ``allreduce_hook``)
+replaces DDP's fused "divide by the world size while copying into the bucket" with a copy
+and a separate division pass over every gradient, which cost 4-5% of the step's CPU time
+on a communication-bound MLP (docs/ddp-parity.md). The bytes sent are counted from the gradients'
+sizes, and a timestamp hook on each parameter's gradient accumulation marks when the last
+gradient became ready: the time from there to the end of backward is the all-reduce that
+compute did not hide (the ``comm`` part of the step). Compression uses DDP's own hooks
+(fp16, bf16, PowerSGD), wrapped to count what they send.
 
 With ``--measure-wait`` that exposed tail is split into ``wait`` (for the slowest rank to
 finish its backward) and ``comm`` (the transfer itself): every rank shares, in a tiny
 asynchronous all-reduce settled one step later, how long after the previous step's
-all-reduce its last gradient bucket was ready. The slowest rank's lead over this one is time
+all-reduce its last gradient was ready. The slowest rank's lead over this one is time
 this one spent waiting, not sending. It is off by default: on a 100 Mbit/s link the extra
 message per step cost about 8% of the throughput.
 """
@@ -87,6 +93,7 @@ class Synchronous(Strategy):
         self._last_ready: float | None = None
         self._released: float | None = None  # when the previous step's all-reduce ended
         self._pending: tuple[Any, torch.Tensor, float, float, Any] | None = None
+        self._step_bytes = 0  # sent by the all-reduce of one step, when no hook counts it
         if not comm.active:
             return
         opts: SyncOptions = self.options
@@ -96,6 +103,14 @@ class Synchronous(Strategy):
             bucket_cap_mb=opts.bucket_mb,
             gradient_as_bucket_view=True,
         )
+        params = [p for p in model.parameters() if p.requires_grad]
+        for p in params:
+            p.register_post_accumulate_grad_hook(self._gradient_ready)
+        # Without compression DDP sends every gradient once a step, as is.
+        self._step_bytes = sum(p.numel() * p.element_size() for p in params)
+        if opts.compress == "none":
+            return
+        self._step_bytes = 0  # the hook counts what the compression actually sends
         if opts.compress == "powersgd":
             state: Any = powerSGD_hook.PowerSGDState(
                 process_group=None,
@@ -105,21 +120,19 @@ class Synchronous(Strategy):
             inner, nbytes = powerSGD_hook.powerSGD_hook, lambda b: _powersgd_bytes(state, b)
         else:
             state = None
-            inner = {
-                "none": default_hooks.allreduce_hook,
-                "fp16": default_hooks.fp16_compress_hook,
-                "bf16": default_hooks.bf16_compress_hook,
-            }[opts.compress]
-            size = {"none": None, "fp16": 2, "bf16": 2}[opts.compress]
-            nbytes = lambda b: b.buffer().numel() * (size or b.buffer().element_size())  # noqa: E731
+            inner = {"fp16": default_hooks.fp16_compress_hook,
+                     "bf16": default_hooks.bf16_compress_hook}[opts.compress]
+            nbytes = lambda b: b.buffer().numel() * 2  # noqa: E731
 
         # No annotations: DDP checks them at run time against the real classes.
-        def timed_hook(hook_state, bucket):  # noqa: ANN001, ANN202
-            self._last_ready = time.perf_counter()
+        def counting_hook(hook_state, bucket):  # noqa: ANN001, ANN202
             comm.count(nbytes(bucket))
             return inner(hook_state, bucket)
 
-        self.ddp.register_comm_hook(state, timed_hook)
+        self.ddp.register_comm_hook(state, counting_hook)
+
+    def _gradient_ready(self, param: torch.Tensor) -> None:
+        self._last_ready = time.perf_counter()
 
     @property
     def module(self) -> nn.Module:
@@ -133,11 +146,15 @@ class Synchronous(Strategy):
     def backward(self, loss: torch.Tensor) -> None:
         self._settle_wait()
         self._last_ready = None
-        loss.backward()
-        if self._last_ready is None:
+        syncs = self.ddp is not None and self.ddp.require_backward_grad_sync
+        self.weighted(loss).backward()
+        if not syncs or self._last_ready is None:
             return
+        if self._step_bytes:
+            self.comm.count(self._step_bytes)
         # Backward returns only when every bucket's all-reduce is done; the time since the
-        # last bucket became ready is communication that compute did not hide.
+        # last gradient (and so the last bucket) became ready is communication that compute
+        # did not hide.
         end = time.perf_counter()
         event = self.comm.timeline.record("comm", "allreduce", self._last_ready, end)
         if self._released is not None and self.options.measure_wait:
