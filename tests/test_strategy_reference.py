@@ -114,10 +114,23 @@ def elastic_stability(comm: Comm) -> str:
     return "ok"
 
 
+def starting_points(comm: Comm) -> dict[str, list[float]]:
+    """Each strategy's model right after it is made from a model that differs by rank."""
+    found = {}
+    for name in sorted(shoal.STRATEGIES):
+        torch.manual_seed(100 + comm.rank)
+        model = torch.nn.Linear(DIM, 1)
+        shoal.strategy(name, model, torch.optim.SGD(model.parameters(), lr=LR, momentum=0.9),
+                       comm=comm)
+        found[name] = torch.cat([p.detach().reshape(-1) for p in model.parameters()]).tolist()
+    return found
+
+
 def run_all(out_dir: str) -> None:
     comm = shoal.init(device="cpu")
     results = {name: run_case(name, comm) for name in CASES}
     results["stability"] = elastic_stability(comm)
+    results["start"] = starting_points(comm)
     Path(out_dir, f"rank{comm.rank}.json").write_text(json.dumps(results))
     shoal.shutdown()
 
@@ -129,6 +142,7 @@ def shoal_results(tmp_path_factory) -> dict[int, list[dict]]:
     single = Comm(Environment(), torch.device("cpu"))
     found[1] = [{name: run_case(name, single) for name in CASES}]
     found[1][0]["stability"] = elastic_stability(single)
+    found[1][0]["start"] = starting_points(single)
     for world in (2, 3):
         out = tmp_path_factory.mktemp(f"world{world}")
         spawn(world, run_all, (str(out),))
@@ -285,3 +299,15 @@ def test_unstable_elastic_center_is_refused_at_run_time(shoal_results, world, ex
     """Through shoal.strategy the number of workers is known only when the job runs: every
     rank refuses, with the arithmetic, before training starts."""
     assert {r["stability"] for r in shoal_results[world]} == {expected}
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_every_worker_starts_from_rank_0s_model(shoal_results, world):
+    """x^i = x~ (EASGD's initialization), theta_i = theta (DiLoCo's line 3), one x_0 (local
+    SGD, and DDP for sync), even when the workers' own models start apart."""
+    torch.manual_seed(100)
+    rank0 = torch.cat([p.detach().reshape(-1) for p in torch.nn.Linear(DIM, 1).parameters()])
+    for name in shoal.STRATEGIES:
+        for rank in range(world):
+            got = torch.tensor(shoal_results[world][rank]["start"][name])
+            torch.testing.assert_close(got, rank0, atol=0, rtol=0, msg=f"{name}, rank {rank}")

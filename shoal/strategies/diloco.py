@@ -62,6 +62,7 @@ class DiLoCo(PeriodicStrategy):
         self.flat = FlatParams(model.parameters())
         self.theta = ModelCopy(model)
         comm.broadcast(self.theta.vector, src=0, name="global-model")
+        self.flat.unpack(self.theta.vector)  # line 3: every worker starts from theta
         # The outer optimizer steps theta in place; its gradient is the pseudo-gradient.
         self._outer_param = nn.Parameter(self.theta.vector, requires_grad=False)
         self._outer_param.grad = torch.zeros_like(self.theta.vector)

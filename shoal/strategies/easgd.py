@@ -99,6 +99,7 @@ class ElasticAveraging(PeriodicStrategy):
         self.flat = FlatParams(order)
         self.center = ModelCopy(model, order)  # x~, laid out as self.flat
         comm.broadcast(self.center.vector, src=0, name="center")  # one center to start from
+        self.flat.unpack(self.center.vector)  # and x^i = x~ (the algorithms' initialization)
         self._pull = torch.zeros_like(self.center.vector)  # d = alpha (x - x~): line a), pending
         self._pull_due = False
         self._sum = torch.zeros_like(self.center.vector)  # every worker's d, being summed: b)

@@ -40,6 +40,8 @@ class LocalSGD(PeriodicStrategy):
                  options: PeriodicOptions | None = None) -> None:
         super().__init__(model, optimizer, comm, options)
         self.flat = FlatParams(model.parameters())
+        comm.broadcast(self.flat.pack(), src=0, name="start")  # every worker starts from x_0
+        self.flat.unpack()
 
     def exchange(self) -> None:
         average_into(self.flat, self.comm, "average")

@@ -142,11 +142,12 @@ class Trainer:
         self.aug_gen = torch.Generator().manual_seed(cfg.seed + 10_007 * (self.rank + 1))
         self.state = RunState()
         strategy_cls = get_strategy(cfg.strategy)
-        payload = self._load_resume(strategy_cls) if cfg.resume_path is not None else None
+        # Every strategy starts all workers from rank 0's model; a resumed run then puts back
+        # what each worker had.
         self.strategy = strategy_cls(self.model, self.optimizer, comm,
                                      make_options(strategy_cls, cfg.strategy_options))
-        if payload is not None:
-            self._restore(payload)
+        if cfg.resume_path is not None:
+            self._restore(self._load_resume(strategy_cls))
         self.progress = Progress(cfg.progress, enabled=self.is_main)
         self.log: MetricsLog | None = None
 
@@ -163,7 +164,6 @@ class Trainer:
         payload, error = self.comm.broadcast_object((payload, error))
         if error:
             raise ShoalError(error)
-        # Model and optimizer before the strategy is built: DDP and friends start from them.
         mine = payload["ranks"][self.rank] if self.rank < len(payload["ranks"]) else None
         in_sync = strategy_cls.replicas_in_sync
         self.model.load_state_dict(payload["model"] if in_sync else mine["model"])
