@@ -28,16 +28,13 @@ import tempfile
 import time
 from collections.abc import Callable
 
-import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
-from torch.nn.parallel import DistributedDataParallel
 
 import shoal
+from shoal.bench.reference import Workload, ddp_step
 from shoal.config import TrainConfig
 from shoal.data import DataOptions, load_dataset
-from shoal.models import build_model
 from shoal.processes import spawn
 from shoal.train.trainer import Trainer
 
@@ -56,23 +53,9 @@ def timed(run_step: Callable[[int], None], steps: int, warmup: int) -> tuple[flo
 
 
 def plain_ddp(a: argparse.Namespace, data, view: bool, hook: bool) -> Callable[[int], None]:
-    rank, world = dist.get_rank(), dist.get_world_size()
-    torch.manual_seed(0)
-    model = build_model(a.model, a.shape, 10)
-    ddp = DistributedDataParallel(model, gradient_as_bucket_view=view)
-    if hook:
-        ddp.register_comm_hook(None, default_hooks.allreduce_hook)
-    opt = torch.optim.SGD(ddp.parameters(), lr=0.02, momentum=0.9)
-    perm = torch.randperm(len(data), generator=torch.Generator().manual_seed(0))
-
-    def run_step(step: int) -> None:
-        start = (step * world + rank) * a.batch
-        x, y = data.get_batch(perm[start:start + a.batch])
-        loss = F.cross_entropy(ddp(x), y)
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        opt.step()
-    return run_step
+    w = Workload(model=a.model, shape=a.shape, batch=a.batch, lr=0.02)
+    return ddp_step(w, data, dist.get_rank(), dist.get_world_size(), bucket_view=view,
+                    comm_hook=default_hooks.allreduce_hook if hook else None)
 
 
 def shoal_step(a: argparse.Namespace, comm, out: str, hook: bool = False) -> Callable[[int], None]:

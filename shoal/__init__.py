@@ -1,14 +1,16 @@
 """shoal: data-parallel training on PyTorch with a choice of how workers couple.
 
-Quick use in your own loop (run it under ``torchrun``)::
+Quick use in your own loop (start it with ``shoal run --workers 2 my_loop.py`` or under
+``torchrun``; ``examples/own_loop.py`` is a whole one)::
 
     import shoal
-    strategy = shoal.strategy("sync", model, optimizer)
-    for x, y in my_shard:
-        loss = loss_fn(strategy.module(x), y)
-        strategy.backward(loss)
-        strategy.step()
-        strategy.zero_grad()
+    strategy = shoal.strategy("sync", model, optimizer)     # or "easgd", tau=4, ...
+    for epoch in range(epochs):
+        for x, y in strategy.batches(dataset, batch_size=16, epoch=epoch):  # this worker's rows
+            loss = loss_fn(strategy.module(x), y)
+            strategy.backward(loss)
+            strategy.step()
+            strategy.zero_grad()
 
 Or start the processes from Python, no torchrun (``shoal run script.py`` from a shell)::
 

@@ -173,6 +173,24 @@ def test_image_folder(tmp_path):
         load_dataset(f"imagefolder:{tmp_path}")
 
 
+def test_digits_are_scikit_learns_digits_and_split():
+    """Read without importing scikit-learn, but exactly what its loader and split give."""
+    from sklearn.datasets import load_digits
+    from sklearn.model_selection import train_test_split
+
+    bunch = load_digits()
+    x_train, x_test, y_train, y_test = train_test_split(
+        bunch.images.astype("float32") / 16, bunch.target, test_size=0.2, random_state=0,
+        stratify=bunch.target)
+    raw = load_dataset("digits", DataOptions())
+    for split, y in ((raw.train, y_train), (raw.test, y_test)):
+        assert torch.equal(split.y, torch.from_numpy(y.astype("int64")))
+    # the inputs are standardized with the training statistics, as every dataset's are
+    mean, std = x_train.mean(), x_train.std(ddof=1)
+    for split, x in ((raw.train, x_train), (raw.test, x_test)):
+        torch.testing.assert_close(split.x.squeeze(1), torch.from_numpy((x - mean) / std))
+
+
 def test_digits_and_synthetic():
     digits = load_dataset("digits")
     assert (len(digits.train), len(digits.test), digits.input_shape) == (1437, 360, (1, 8, 8))

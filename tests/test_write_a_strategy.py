@@ -30,8 +30,8 @@ def run_both(out_dir: str) -> None:
         torch.manual_seed(0)
         model = torch.nn.Linear(8, 1)
         optimizer = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
-        before = comm.bytes_sent
         strategy = cls(model, optimizer, comm, cls.Options(tau=TAU))
+        before = comm.bytes_sent  # the exchanges' bytes, not local SGD's starting broadcast
         for step in range(STEPS):
             lo = step * BATCH + comm.rank * BATCH // 2
             batch = slice(lo, lo + BATCH // 2)

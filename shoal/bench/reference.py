@@ -16,7 +16,9 @@ import json
 import os
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -50,29 +52,42 @@ def _load(w: Workload, workers: int):
                                                synthetic_samples=w.samples(workers)))
 
 
-def _train(rank: int, workers: int, w: Workload, threads: int, out: str) -> None:
-    """The timed loop, in a process that has joined a Gloo process group of ``workers``."""
+def ddp_step(w: Workload, data: Any, rank: int, workers: int, *, bucket_view: bool = False,
+             comm_hook: Callable[..., Any] | None = None) -> Callable[[int], None]:
+    """The reference's training step ``step -> None``: DDP with its defaults (or with
+    ``gradient_as_bucket_view`` / a communication hook, to measure what they cost), SGD,
+    cross-entropy, this rank's slice of the step's global batch of a fixed permutation."""
     from shoal.models import build_model
 
-    torch.set_num_threads(threads)
-    data = _load(w, workers).train
     torch.manual_seed(0)
     model = build_model(w.model, w.shape, w.classes)
-    ddp = DistributedDataParallel(model)
+    ddp = DistributedDataParallel(model, gradient_as_bucket_view=bucket_view)
+    if comm_hook is not None:
+        ddp.register_comm_hook(None, comm_hook)
     opt = torch.optim.SGD(ddp.parameters(), lr=w.lr, momentum=w.momentum)
     gen = torch.Generator().manual_seed(0)
     perm = torch.randperm(len(data), generator=gen)
-    t0 = 0.0
-    for step in range(w.steps):
-        if step == w.warmup:
-            dist.barrier()
-            t0 = time.perf_counter()
-        start = (step * workers + rank) * w.batch
+
+    def step(i: int) -> None:
+        start = (i * workers + rank) * w.batch
         x, y = data.get_batch(perm[start : start + w.batch])
         loss = F.cross_entropy(ddp(x), y)
         opt.zero_grad(set_to_none=True)
         loss.backward()
         opt.step()
+    return step
+
+
+def _train(rank: int, workers: int, w: Workload, threads: int, out: str) -> None:
+    """The timed loop, in a process that has joined a Gloo process group of ``workers``."""
+    torch.set_num_threads(threads)
+    step = ddp_step(w, _load(w, workers).train, rank, workers)
+    t0 = 0.0
+    for i in range(w.steps):
+        if i == w.warmup:
+            dist.barrier()
+            t0 = time.perf_counter()
+        step(i)
     dist.barrier()
     elapsed = time.perf_counter() - t0
     if rank == 0:
