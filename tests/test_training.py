@@ -40,18 +40,27 @@ def test_demo_reaches_95_percent_on_digits(tmp_path):
     assert (tmp_path / "checkpoint.pt").stat().st_size > 0
 
 
+COMPRESS_BASE = ["--workers", "2", "--epochs", "1", "--stop-at-step", "20", "--log-every", "5"]
+
+
+@pytest.fixture(scope="module")
+def uncompressed(tmp_path_factory):
+    """The uncompressed run every compression is compared with (made once)."""
+    out = tmp_path_factory.mktemp("none")
+    return out, train(out, *COMPRESS_BASE)
+
+
 @pytest.mark.parametrize("compress", ["fp16", "bf16", "powersgd"])
-def test_ddp_compression_hooks(tmp_path, compress):
-    base = ["--workers", "2", "--epochs", "1", "--stop-at-step", "20", "--log-every", "5"]
-    plain = train(tmp_path / "none", *base)
-    packed = train(tmp_path / compress, *base, "--compress", compress, "--powersgd-warmup", "5")
+def test_ddp_compression_hooks(tmp_path, uncompressed, compress):
+    plain_dir, plain = uncompressed
+    packed = train(tmp_path, *COMPRESS_BASE, "--compress", compress, "--powersgd-warmup", "5")
     ratio = packed["bytes_per_sample"] / plain["bytes_per_sample"]
     if compress == "powersgd":
         assert ratio < 0.6  # rank-1 factors after 5 plain steps
     else:
         assert ratio == pytest.approx(0.5, rel=0.01)
-    diff = max_param_diff(checkpoint_params(tmp_path / "none" / "checkpoint.pt"),
-                          checkpoint_params(tmp_path / compress / "checkpoint.pt"))
+    diff = max_param_diff(checkpoint_params(plain_dir / "checkpoint.pt"),
+                          checkpoint_params(tmp_path / "checkpoint.pt"))
     assert 0 < diff < (0.5 if compress == "powersgd" else 0.05)
 
 
