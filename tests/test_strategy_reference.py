@@ -17,6 +17,7 @@ Every worker's parameters and the center (EASGD) or global model (DiLoCo) must m
 
 from __future__ import annotations
 
+import copy
 import json
 from pathlib import Path
 
@@ -79,18 +80,31 @@ def rows(step: int, rank: int, world: int) -> slice:
 
 
 # -- through shoal -------------------------------------------------------------------------
-def run_case(name: str, comm: Comm) -> dict[str, list[float]]:
+def run_case(name: str, comm: Comm, restart_at: int | None = None) -> dict[str, list[float]]:
+    """Train case ``name``; with ``restart_at``, stop after that many steps, make everything
+    anew from the saved states (as a resumed run does) and go on."""
     kind, options, momentum, schedule = CASES[name]
     x, y, init = problem()
-    model = torch.nn.Linear(DIM, 1).double()
-    with torch.no_grad():
-        model.weight.copy_(init[:DIM].view(1, DIM))
-        model.bias.copy_(init[DIM:])
-    optimizer = torch.optim.SGD(model.parameters(), lr=LR, momentum=momentum)
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda t: SCHEDULE[min(t, STEPS - 1)])
-    strategy = shoal.strategy(kind, model, optimizer, comm=comm, **options)
+
+    def make() -> tuple:
+        model = torch.nn.Linear(DIM, 1).double()
+        with torch.no_grad():
+            model.weight.copy_(init[:DIM].view(1, DIM))
+            model.bias.copy_(init[DIM:])
+        optimizer = torch.optim.SGD(model.parameters(), lr=LR, momentum=momentum)
+        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer,
+                                                      lambda t: SCHEDULE[min(t, STEPS - 1)])
+        return model, optimizer, scheduler, shoal.strategy(kind, model, optimizer, comm=comm,
+                                                           **options)
+
+    model, optimizer, scheduler, strategy = make()
     waited = comm.timeline.totals.get("wait", 0.0)
     for step in range(STEPS):
+        if step == restart_at:
+            saved = [copy.deepcopy(o.state_dict()) for o in (model, optimizer, scheduler, strategy)]
+            model, optimizer, scheduler, strategy = make()
+            for o, state in zip((model, optimizer, scheduler, strategy), saved, strict=True):
+                o.load_state_dict(state)
         batch = rows(step, comm.rank, comm.world_size)
         loss = torch.nn.functional.mse_loss(strategy.module(x[batch]).squeeze(1), y[batch])
         strategy.backward(loss)
@@ -101,6 +115,20 @@ def run_case(name: str, comm: Comm) -> dict[str, list[float]]:
     flat = lambda m: torch.cat([p.detach().reshape(-1) for p in m.parameters()]).tolist()  # noqa: E731
     return {"x": flat(model), "eval": flat(strategy.eval_module),
             "waited": comm.timeline.totals.get("wait", 0.0) > waited}
+
+
+#: Cases restarted from saved state mid-run: at a step where EASGD's pull is still to be
+#: applied (6 = 2 x 3), mid-round, and under a schedule.
+RESTARTS = {"local-sgd-t3": 4, "easgd-t3": 6, "easgd-t2-momentum": 4, "eamsgd-t3": 6,
+            "eamsgd-t2-schedule": 4, "eamsgd-t5-schedule": 7, "diloco-t3": 4}
+
+
+def run_cases(comm: Comm) -> dict:
+    results: dict = {name: run_case(name, comm) for name in CASES}
+    results["restarted"] = {name: run_case(name, comm, at) for name, at in RESTARTS.items()}
+    results["stability"] = elastic_stability(comm)
+    results["start"] = starting_points(comm)
+    return results
 
 
 def elastic_stability(comm: Comm) -> str:
@@ -128,21 +156,14 @@ def starting_points(comm: Comm) -> dict[str, list[float]]:
 
 def run_all(out_dir: str) -> None:
     comm = shoal.init(device="cpu")
-    results = {name: run_case(name, comm) for name in CASES}
-    results["stability"] = elastic_stability(comm)
-    results["start"] = starting_points(comm)
-    Path(out_dir, f"rank{comm.rank}.json").write_text(json.dumps(results))
+    Path(out_dir, f"rank{comm.rank}.json").write_text(json.dumps(run_cases(comm)))
     shoal.shutdown()
 
 
 @pytest.fixture(scope="module")
 def shoal_results(tmp_path_factory) -> dict[int, list[dict]]:
     """world size -> each rank's results for every case."""
-    found = {}
-    single = Comm(Environment(), torch.device("cpu"))
-    found[1] = [{name: run_case(name, single) for name in CASES}]
-    found[1][0]["stability"] = elastic_stability(single)
-    found[1][0]["start"] = starting_points(single)
+    found = {1: [run_cases(Comm(Environment(), torch.device("cpu")))]}
     for world in (2, 3):
         out = tmp_path_factory.mktemp(f"world{world}")
         spawn(world, run_all, (str(out),))
@@ -311,3 +332,12 @@ def test_every_worker_starts_from_rank_0s_model(shoal_results, world):
         for rank in range(world):
             got = torch.tensor(shoal_results[world][rank]["start"][name])
             torch.testing.assert_close(got, rank0, atol=0, rtol=0, msg=f"{name}, rank {rank}")
+
+
+@pytest.mark.parametrize("world", [1, 2, 3])
+@pytest.mark.parametrize("name", list(RESTARTS))
+def test_restart_from_saved_state_changes_nothing(shoal_results, name, world):
+    """What a checkpoint keeps (model, optimizer, scheduler, strategy state) is all there is:
+    EASGD's pending pull, EAMSGD's x and v, DiLoCo's outer momentum."""
+    for rank in range(world):
+        assert shoal_results[world][rank]["restarted"][name] == shoal_results[world][rank][name]
