@@ -249,23 +249,30 @@ def _worker_main(env: Environment, errdir: str, job: bytes) -> None:
     try:
         target, args = cloudpickle.loads(job)
         result = target(*args)
-        if result is not None:
-            tmp = _result_path(errdir, env.rank) + ".tmp"
-            with open(tmp, "wb") as f:
-                cloudpickle.dump(result, f)
-            os.replace(tmp, _result_path(errdir, env.rank))
     except KeyboardInterrupt:
         sys.exit(130)
     except SystemExit as exc:
         # sys.exit(0) / sys.exit() is success; sys.exit(3) leaves with status 3, which the
         # parent reports as that exit code; sys.exit("text") is Python's "print, exit 1".
-        if exc.code is None or isinstance(exc.code, int):
-            raise
-        record_failure(errdir, env.rank, exc)
-        sys.exit(1)
+        if exc.code not in (None, 0):
+            if isinstance(exc.code, int):
+                raise
+            record_failure(errdir, env.rank, exc)
+            sys.exit(1)
+        result = None
     except BaseException as exc:  # reported by the parent, one line
         record_failure(errdir, env.rank, exc)
         sys.exit(1)
+    # Written whatever the value: it also tells the parent that this rank finished its work.
+    tmp = _result_path(errdir, env.rank) + ".tmp"
+    with open(tmp, "wb") as f:
+        cloudpickle.dump(result, f)
+    os.replace(tmp, _result_path(errdir, env.rank))
+
+
+def exit_status(code: int) -> str:
+    """``killed by signal 9`` or ``exited with code 3``: how a process ended."""
+    return f"killed by signal {-code}" if code < 0 else f"exited with code {code}"
 
 
 def _read_errors(errdir: str) -> dict[int, dict[str, Any]]:
@@ -288,9 +295,7 @@ def _root_cause(errdir: str, exits: dict[int, int]) -> WorkerError:
                     if rank not in errors and code not in (0, EXIT_ABORTED))
     if not primary and silent:
         rank = silent[0][1]
-        code = exits[rank]
-        how = f"killed by signal {-code}" if code < 0 else f"exited with code {code}"
-        return WorkerError(rank, f"worker process {how}")
+        return WorkerError(rank, f"worker process {exit_status(exits[rank])}")
     echoes = sorted(errors.values(), key=lambda e: e["time"])
     if primary or echoes:
         err = (primary or echoes)[0]
@@ -362,12 +367,20 @@ def spawn(
         pending = list(procs)
         while pending and failed is None:
             mp.connection.wait([p.sentinel for p in pending], timeout=1.0)
-            failed = next((p for p in pending if p.exitcode not in (None, 0)), None)
+            failed = next((p for p in pending if p.exitcode not in (None, 0)
+                           and not _finished(errdir, procs.index(p))), None)
             pending = [p for p in pending if p.exitcode is None]
         if failed is None:
+            for rank, p in enumerate(procs):
+                if p.exitcode != 0:
+                    # Its work is done and its results written; only the interpreter's own
+                    # teardown failed. Losing the job for that would lose good results.
+                    print(f"shoal: warning: rank {rank} finished its work, then its process died "
+                          f"while exiting ({exit_status(p.exitcode)})", file=sys.stderr, flush=True)
             return [_read_result(errdir, rank) for rank in range(nprocs)]
         # Exit codes now, before shoal's own SIGTERMs blur who died first.
-        exits = {r: p.exitcode for r, p in enumerate(procs) if p.exitcode not in (None, 0)}
+        exits = {r: p.exitcode for r, p in enumerate(procs)
+                 if p.exitcode not in (None, 0) and not _finished(errdir, r)}
         stop_processes(procs, grace)
         raise _root_cause(errdir, exits)
     finally:
@@ -375,10 +388,13 @@ def spawn(
         shutil.rmtree(errdir, ignore_errors=True)
 
 
+def _finished(jobdir: str, rank: int) -> bool:
+    """Whether rank ``rank`` returned from its target (and wrote what it returned)."""
+    return os.path.exists(_result_path(jobdir, rank))
+
+
 def _read_result(jobdir: str, rank: int) -> Any:
     path = _result_path(jobdir, rank)
-    if not os.path.exists(path):
-        return None
     try:
         with open(path, "rb") as f:
             return cloudpickle.load(f)

@@ -1,7 +1,7 @@
 import pytest
 
-from shoal.errors import ShoalError
-from shoal.processes import detect_environment, expand_hostlist
+from shoal.errors import ShoalError, WorkerError
+from shoal.processes import detect_environment, expand_hostlist, spawn
 
 
 def test_plain_process_is_not_in_a_job():
@@ -56,3 +56,34 @@ def test_bad_rank_variable_is_named():
 ])
 def test_expand_hostlist(nodelist, hosts):
     assert expand_hostlist(nodelist) == hosts
+
+
+# -- spawn: a rank that crashes after finishing is a warning, before finishing an error ------
+def _value_then_abort_at_exit(value: int) -> int:
+    import atexit
+    import os
+    import signal
+
+    # As torch's C++ teardown sometimes does at interpreter exit (std::terminate, signal 6).
+    atexit.register(os.kill, os.getpid(), signal.SIGABRT)
+    return value
+
+
+def _abort_on_rank_1() -> int:
+    import os
+    import signal
+
+    if os.environ["RANK"] == "1":
+        os.kill(os.getpid(), signal.SIGABRT)
+    return 0
+
+
+def test_crash_after_finishing_keeps_the_results(capfd):
+    assert spawn(2, _value_then_abort_at_exit, (7,)) == [7, 7]
+    err = capfd.readouterr().err
+    assert "rank 1 finished its work, then its process died while exiting (killed by signal 6)" in err
+
+
+def test_crash_before_finishing_is_an_error():
+    with pytest.raises(WorkerError, match="rank 1: worker process killed by signal 6"):
+        spawn(2, _abort_on_rank_1)

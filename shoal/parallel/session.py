@@ -31,7 +31,7 @@ from torch import nn
 
 from shoal.errors import ShoalError, WorkerError
 from shoal.parallel.arrays import SharedArray
-from shoal.processes import start_process, stop_processes
+from shoal.processes import exit_status, start_process, stop_processes
 
 # Command opcodes (first element of every pickled message to a worker).
 OP_CALL, OP_CLOSE = 1, 2
@@ -316,8 +316,8 @@ class Session:
         self.abort()
         if dead:
             rank, code = dead[0]
-            how = f"killed by signal {-code}" if code < 0 else f"exited with code {code}"
-            return WorkerError(rank, f"worker process {how}; the parallel session is closed")
+            return WorkerError(rank, f"worker process {exit_status(code)}; the parallel session "
+                                     "is closed")
         return WorkerError(0, f"{fallback}; the parallel session is closed")
 
 
