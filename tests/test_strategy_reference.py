@@ -180,6 +180,15 @@ def grad(p: torch.Tensor, step: int, worker: int, world: int) -> torch.Tensor:
     return torch.cat([2 * xb.T @ r, (2 * r.sum()).view(1)]) / len(yb)
 
 
+def local_steps(xs: list[torch.Tensor], vs: list[torch.Tensor], t: int, mu: float,
+                schedule: bool) -> None:
+    """Step t of every worker k alone, classic momentum: v^k <- mu v^k - eta_t g^k(x^k),
+    x^k <- x^k + v^k (plain SGD for mu = 0)."""
+    for k in range(len(xs)):
+        vs[k] = mu * vs[k] - lr_at(t, schedule) * grad(xs[k], t, k, len(xs))
+        xs[k] = xs[k] + vs[k]
+
+
 def reference_local_sgd(name: str, world: int) -> tuple[list[torch.Tensor], None]:
     """Stich (2019) eq. 2: x^k <- x^k - eta g^k (here with classic momentum v^k, kept local,
     when mu > 0); after every tau-th step every x^k <- (1/K) sum_k x^k."""
@@ -188,9 +197,7 @@ def reference_local_sgd(name: str, world: int) -> tuple[list[torch.Tensor], None
     x = [init.clone() for _ in range(world)]
     v = [torch.zeros_like(init) for _ in range(world)]
     for t in range(STEPS):
-        for k in range(world):
-            v[k] = mu * v[k] - lr_at(t, schedule) * grad(x[k], t, k, world)
-            x[k] = x[k] + v[k]
+        local_steps(x, v, t, mu, schedule)
         if (t + 1) % options["tau"] == 0:
             mean = sum(x) / world
             x = [mean.clone() for _ in range(world)]
@@ -250,9 +257,7 @@ def reference_diloco(name: str, world: int) -> tuple[list[torch.Tensor], torch.T
     xs = [theta.clone() for _ in range(world)]
     vs = [torch.zeros_like(init) for _ in range(world)]
     for t in range(STEPS):
-        for i in range(world):
-            vs[i] = mu * vs[i] - lr_at(t, schedule) * grad(xs[i], t, i, world)
-            xs[i] = xs[i] + vs[i]
+        local_steps(xs, vs, t, mu, schedule)
         if (t + 1) % tau == 0:
             outer_grad = sum(theta - xi for xi in xs) / world
             outer_v = outer_mu * outer_v - outer_lr * outer_grad
