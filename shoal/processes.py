@@ -367,9 +367,12 @@ def spawn(
         pending = list(procs)
         while pending and failed is None:
             mp.connection.wait([p.sentinel for p in pending], timeout=1.0)
-            failed = next((p for p in pending if p.exitcode not in (None, 0)
+            # One snapshot of the exit codes: a rank that dies between two reads of
+            # ``exitcode`` must not leave ``pending`` without having been judged.
+            codes = {p: p.exitcode for p in pending}
+            failed = next((p for p, code in codes.items() if code not in (None, 0)
                            and not _finished(errdir, procs.index(p))), None)
-            pending = [p for p in pending if p.exitcode is None]
+            pending = [p for p, code in codes.items() if code is None]
         if failed is None:
             for rank, p in enumerate(procs):
                 if p.exitcode != 0:
