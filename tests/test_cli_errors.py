@@ -1,6 +1,8 @@
 """Bad input: one line naming the problem, a non-zero exit, no traceback, nothing damaged."""
 
+import contextlib
 import hashlib
+import io
 
 import numpy as np
 import pytest
@@ -12,9 +14,13 @@ from test_data import make_mnist
 
 
 def fails(*args: str, code: int = 2) -> str:
-    res = shoal(*args, timeout=90)
-    assert res.returncode == code, (res.stdout, res.stderr)
-    return one_error_line(res.stderr)
+    """``shoal ARGS`` run in this process (the command's own code path, minus an interpreter
+    start-up): it must exit with ``code`` and print one error line."""
+    err = io.StringIO()
+    with contextlib.redirect_stderr(err):
+        returned = main(list(args))
+    assert returned == code, err.getvalue()
+    return one_error_line(err.getvalue())
 
 
 @pytest.mark.parametrize("args, message", [
@@ -44,7 +50,9 @@ def test_bad_arguments(tmp_path, capsys, args, message):
 
 
 def test_bad_argument_from_the_real_command(tmp_path):
-    assert "unknown model 'lenet7'" in fails("train", "--model", "lenet7", "--out", str(tmp_path))
+    res = shoal("train", "--model", "lenet7", "--out", str(tmp_path), timeout=90)
+    assert res.returncode == 2
+    assert "unknown model 'lenet7'" in one_error_line(res.stderr)
 
 
 def test_missing_and_corrupt_data_files(tmp_path):
