@@ -191,7 +191,8 @@ def is_comm_failure(exc: BaseException) -> bool:
     )
 
 
-def _first_line(exc: BaseException, limit: int = 400) -> str:
+def first_line(exc: BaseException, limit: int = 400) -> str:
+    """The first non-blank line of ``exc``'s message (its type's name if none), cut at ``limit``."""
     line = next((ln.strip() for ln in str(exc).splitlines() if ln.strip()), type(exc).__name__)
     return line if len(line) <= limit else line[: limit - 3] + "..."
 
@@ -202,7 +203,7 @@ def record_failure(errdir: str, rank: int, exc: BaseException) -> None:
         "rank": rank,
         "time": time.time(),
         "type": type(exc).__name__,
-        "message": _first_line(exc),
+        "message": first_line(exc),
         "primary": isinstance(exc, ShoalError) or not is_comm_failure(exc),
         "user_error": isinstance(exc, ShoalError),
         "traceback": "".join(traceback.format_exception(exc)),
@@ -355,7 +356,7 @@ def spawn(
     except Exception as exc:
         name = getattr(target, "__qualname__", repr(target))
         raise ShoalError(f"cannot send {name} and its arguments to the workers: "
-                         f"{_first_line(exc)}") from exc
+                         f"{first_line(exc)}") from exc
     port = free_port()
     errdir = tempfile.mkdtemp(prefix="shoal-errors-")
     procs = []
@@ -402,5 +403,5 @@ def _read_result(jobdir: str, rank: int) -> Any:
         with open(path, "rb") as f:
             return cloudpickle.load(f)
     except Exception as exc:
-        raise WorkerError(rank, f"could not read its return value here: {_first_line(exc)}",
+        raise WorkerError(rank, f"could not read its return value here: {first_line(exc)}",
                           traceback="".join(traceback.format_exception(exc))) from exc

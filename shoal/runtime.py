@@ -18,7 +18,7 @@ from typing import Any, TypeVar
 from shoal.comm import Comm, init_comm
 from shoal.config import default_threads
 from shoal.errors import ShoalError
-from shoal.processes import Environment, detect_environment, spawn
+from shoal.processes import Environment, detect_environment, first_line, spawn
 
 T = TypeVar("T")
 
@@ -77,7 +77,7 @@ def _leave_at_exit() -> None:
         # The barrier failed: another rank died. An exception here would be printed and the
         # exit status left at 0, so say it in one line and leave with a failure.
         print(f"shoal: rank {comm.rank}: could not leave the job cleanly: "
-              f"{type(exc).__name__}: {_first_line(exc)}", file=sys.stderr)
+              f"{type(exc).__name__}: {first_line(exc)}", file=sys.stderr)
         sys.stdout.flush()
         sys.stderr.flush()
         os._exit(1)
@@ -98,15 +98,12 @@ def _excepthook(kind: type[BaseException], exc: BaseException, tb: TracebackType
     _previous_excepthook(kind, exc, tb)
 
 
-def _first_line(exc: BaseException) -> str:
-    return next((ln.strip() for ln in str(exc).splitlines() if ln.strip()), "")
-
-
 def _describe(exc: BaseException) -> str:
     if isinstance(exc, SystemExit):
         return f"exited with code {exc.code}"
-    first = _first_line(exc)
-    return f"{type(exc).__name__}: {first}" if first else type(exc).__name__
+    if not str(exc).strip():
+        return type(exc).__name__
+    return f"{type(exc).__name__}: {first_line(exc)}"
 
 
 def _launched(fn: Callable[..., T], args: tuple[Any, ...], kwargs: dict[str, Any]) -> T | None:
