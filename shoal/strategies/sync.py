@@ -106,11 +106,11 @@ class Synchronous(Strategy):
         params = [p for p in model.parameters() if p.requires_grad]
         for p in params:
             p.register_post_accumulate_grad_hook(self._gradient_ready)
-        # Without compression DDP sends every gradient once a step, as is.
-        self._step_bytes = sum(p.numel() * p.element_size() for p in params)
         if opts.compress == "none":
+            # DDP sends every gradient once a step, as is; with compression, the hook below
+            # counts what is actually sent.
+            self._step_bytes = sum(p.numel() * p.element_size() for p in params)
             return
-        self._step_bytes = 0  # the hook counts what the compression actually sends
         if opts.compress == "powersgd":
             state: Any = powerSGD_hook.PowerSGDState(
                 process_group=None,
