@@ -37,9 +37,15 @@ class TensorSplit(Split):
         return self.x.index_select(0, idx), self.y.index_select(0, idx)
 
 
+def _is_tensor_columns(data: Any) -> bool:
+    """Whether ``data`` is a non-empty tuple or list of tensors, one per column."""
+    return isinstance(data, (tuple, list)) and bool(data) and all(
+        isinstance(t, torch.Tensor) for t in data)
+
+
 def num_rows(data: Any) -> int:
     """How many samples ``data`` holds (see :func:`take_rows` for what ``data`` may be)."""
-    if isinstance(data, (tuple, list)) and data and all(isinstance(t, torch.Tensor) for t in data):
+    if _is_tensor_columns(data):
         sizes = {len(t) for t in data}
         if len(sizes) != 1:
             raise ShoalError(f"tensors of one dataset must have as many rows, got {sorted(sizes)}")
@@ -60,7 +66,7 @@ def take_rows(data: Any, idx: torch.Tensor) -> Any:
     """
     if hasattr(data, "get_batch"):
         return data.get_batch(idx)
-    if isinstance(data, (tuple, list)) and data and all(isinstance(t, torch.Tensor) for t in data):
+    if _is_tensor_columns(data):
         return tuple(t.index_select(0, idx) for t in data)
     from torch.utils.data import default_collate
 
