@@ -111,6 +111,12 @@ def _train_parser(sub: Any) -> argparse.ArgumentParser:
                    help="how workers couple (default sync); see `shoal list`")
     g.add_argument("--timeout", type=float, default=S, metavar="S",
                    help="seconds any collective may wait for a peer (default 300)")
+    g.add_argument("--heartbeat-timeout", type=float, default=S, metavar="S",
+                   help="seconds a worker may go without a heartbeat before the job stops "
+                        "and names it as hung (stopped, deadlocked)")
+    g.add_argument("--max-restarts", type=int, default=S, metavar="N",
+                   help="when a worker fails, restart the job from its last checkpoint, up to "
+                        "N times")
     _add_strategy_options(p.add_argument_group("strategy options"))
 
     g = p.add_argument_group("optimization")

@@ -43,6 +43,8 @@ class TrainConfig:
     strategy: str = "sync"
     strategy_options: dict[str, Any] = field(default_factory=dict)
     timeout: float = 300.0
+    heartbeat_timeout: float = 10.0  # seconds a silent worker may go unheard before it is hung
+    max_restarts: int = 0  # restart the job from its last checkpoint this often on failure
     # optimization
     epochs: int = 10
     batch_size: int = 16
@@ -124,10 +126,10 @@ class TrainConfig:
             value = getattr(self, name)
             if value not in choices:
                 raise ShoalError(f"--{name} must be one of {', '.join(choices)}, got {value!r}")
-        for name in ("lr", "timeout"):
+        for name in ("lr", "timeout", "heartbeat_timeout"):
             value = getattr(self, name)
             if not (math.isfinite(value) and value > 0):
-                raise ShoalError(f"--{name} must be a positive number, got {value}")
+                raise ShoalError(f"--{name.replace('_', '-')} must be a positive number, got {value}")
         for name in ("momentum", "weight_decay", "warmup_epochs"):
             value = getattr(self, name)
             if not (math.isfinite(value) and value >= 0):
@@ -140,6 +142,8 @@ class TrainConfig:
             raise ShoalError(f"--lr-gamma must be in (0, 1], got {self.lr_gamma}")
         if any(m <= 0 for m in self.lr_milestones):
             raise ShoalError(f"--lr-milestones must be positive epochs, got {self.lr_milestones}")
+        if self.max_restarts < 0:
+            raise ShoalError(f"--max-restarts must be >= 0, got {self.max_restarts}")
         if self.checkpoint_every < 0:
             raise ShoalError(f"--checkpoint-every must be >= 0, got {self.checkpoint_every}")
         if len(self.synthetic_shape) == 0 or any(d < 1 for d in self.synthetic_shape):

@@ -167,6 +167,43 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def loopback_store(timeout_s: float) -> Any:
+    """A TCPStore served by this process that listens on 127.0.0.1 only.
+
+    ``torch.distributed.TCPStore`` binds its server to every interface whatever host name it
+    is given, so a job on one machine would take commands (``shoal/abort``) from anyone who
+    can reach it. Here the listening socket is bound to loopback first and handed over
+    (``master_listen_fd``); the store owns and closes it.
+    """
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    try:
+        sock.bind(("127.0.0.1", 0))
+        sock.listen(socket.SOMAXCONN)
+    except BaseException:
+        sock.close()
+        raise
+    return dist.TCPStore("127.0.0.1", 0, None, True, timeout=timedelta(seconds=timeout_s),
+                         wait_for_workers=False, master_listen_fd=sock.detach())
+
+
+def loopback_only_environment() -> dict[str, str]:
+    """Variables that keep a one-machine job's process group on the loopback interface.
+
+    Gloo listens on the address the host name resolves to (often the machine's network
+    address) unless ``GLOO_SOCKET_IFNAME`` names an interface. ``TORCHELASTIC_USE_AGENT_STORE``
+    makes every rank a client of the store the launcher serves (as under torchrun), so no
+    rank opens a store of its own.
+    """
+    env = {"TORCHELASTIC_USE_AGENT_STORE": "True"}
+    if sys.platform.startswith("linux") and "lo" in {name for _, name in socket.if_nameindex()}:
+        env["GLOO_SOCKET_IFNAME"] = "lo"
+    return env
+
+
 def die_with_parent() -> None:
     """Ask Linux to SIGTERM this process when its parent dies (no orphaned workers)."""
     if sys.platform.startswith("linux"):
@@ -246,6 +283,7 @@ def _result_path(jobdir: str, rank: int) -> str:
 def _worker_main(env: Environment, errdir: str, job: bytes) -> None:
     die_with_parent()
     env.export()
+    os.environ.update(loopback_only_environment())
     os.environ["SHOAL_ERROR_DIR"] = errdir
     try:
         target, args = cloudpickle.loads(job)
@@ -357,7 +395,10 @@ def spawn(
         name = getattr(target, "__qualname__", repr(target))
         raise ShoalError(f"cannot send {name} and its arguments to the workers: "
                          f"{first_line(exc)}") from exc
-    port = free_port()
+    # The launcher serves the job's store (on loopback only, see loopback_store): it
+    # outlives any worker, so a dead or stopped rank 0 cannot take the rendezvous with it.
+    store = loopback_store(timeout_s=60.0)
+    port = store.port
     errdir = tempfile.mkdtemp(prefix="shoal-errors-")
     procs = []
     try:
@@ -390,6 +431,7 @@ def spawn(
     finally:
         stop_processes(procs, 0.0)
         shutil.rmtree(errdir, ignore_errors=True)
+        del store
 
 
 def _finished(jobdir: str, rank: int) -> bool:

@@ -107,3 +107,57 @@ def one_error_line(stderr: str) -> str:
     errors = [ln for ln in lines if ln.startswith("shoal: error:")]
     assert len(errors) == 1, stderr
     return errors[0]
+
+
+def _listening_inodes() -> dict[str, tuple[str, int]]:
+    """Inode -> (address, port) of every listening TCP socket (IPv4 and IPv6)."""
+    found = {}
+    for table, width in (("/proc/net/tcp", 8), ("/proc/net/tcp6", 32)):
+        try:
+            lines = Path(table).read_text().splitlines()[1:]
+        except OSError:
+            continue
+        for line in lines:
+            fields = line.split()
+            local, state, inode = fields[1], fields[3], fields[9]
+            if state != "0A":  # TCP_LISTEN
+                continue
+            addr_hex, port_hex = local.split(":")
+            raw = bytes.fromhex(addr_hex)
+            # /proc prints each 32-bit word in host (little-endian) order.
+            words = b"".join(raw[i:i + 4][::-1] for i in range(0, len(raw), 4))
+            if width == 8:
+                addr = ".".join(str(b) for b in words)
+            else:
+                import ipaddress
+
+                addr = str(ipaddress.IPv6Address(words))
+            found[inode] = (addr, int(port_hex, 16))
+    return found
+
+
+def listening_sockets(pids: list[int]) -> list[tuple[int, str, int]]:
+    """(pid, address, port) of every TCP socket the processes ``pids`` listen on."""
+    inodes = _listening_inodes()
+    out = []
+    for pid in pids:
+        try:
+            fds = list(Path(f"/proc/{pid}/fd").iterdir())
+        except OSError:
+            continue
+        for fd in fds:
+            try:
+                target = os.readlink(fd)
+            except OSError:
+                continue
+            if target.startswith("socket:[") and target[8:-1] in inodes:
+                out.append((pid, *inodes[target[8:-1]]))
+    return out
+
+
+def is_loopback(address: str) -> bool:
+    import ipaddress
+
+    ip = ipaddress.ip_address(address)
+    return ip.is_loopback or (ip.version == 6 and ip.ipv4_mapped is not None
+                              and ip.ipv4_mapped.is_loopback)

@@ -9,6 +9,7 @@ only, never arbitrary pickled objects.
 from __future__ import annotations
 
 import os
+import re
 import tempfile
 from pathlib import Path
 from typing import Any
@@ -18,6 +19,9 @@ import torch
 from shoal.errors import ShoalError
 
 FORMAT = "shoal-checkpoint"
+#: How :func:`atomic_write` names its temporary files (``mkstemp`` adds 8 random characters).
+TMP_PREFIX = ".shoal-tmp-"
+_OWN_TEMPORARY = re.compile(re.escape(TMP_PREFIX) + r"[^/]+\.[A-Za-z0-9_]{8}\.tmp")
 VERSION = 1
 
 
@@ -35,7 +39,7 @@ def to_cpu(obj: Any) -> Any:
 def atomic_write(path: Path, write: Any) -> None:
     """Call ``write(file_object)`` on a temporary file, fsync it, rename it to ``path``."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    fd, tmp = tempfile.mkstemp(prefix=f"{TMP_PREFIX}{path.name}.", suffix=".tmp", dir=path.parent)
     try:
         with os.fdopen(fd, "wb") as f:
             write(f)
@@ -75,7 +79,13 @@ def load_checkpoint(path: Path) -> dict[str, Any]:
 
 
 def remove_stale_temporaries(directory: Path) -> None:
-    """Delete temporary files left by a writer that was killed mid-write."""
+    """Delete the temporary files :func:`atomic_write` left behind when killed mid-write.
+
+    Only shoal's own names (``.shoal-tmp-<file>.<random>.tmp``, as :func:`atomic_write`
+    makes them) are touched: an output directory may be a user's home or working directory,
+    and their ``.something.tmp`` files are theirs.
+    """
     if directory.is_dir():
-        for tmp in directory.glob(".*.tmp"):
-            tmp.unlink(missing_ok=True)
+        for tmp in directory.iterdir():
+            if _OWN_TEMPORARY.fullmatch(tmp.name) and tmp.is_file():
+                tmp.unlink(missing_ok=True)
