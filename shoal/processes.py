@@ -12,6 +12,7 @@ caller's main program.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import json
 import multiprocessing as mp
@@ -360,6 +361,10 @@ def stop_processes(procs: list[Any], grace: float) -> None:
     alive = _wait_all(procs, grace)
     for p in alive:
         p.terminate()
+        # A stopped process (SIGSTOP, a debugger) holds SIGTERM until it runs again.
+        if p.pid is not None:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(p.pid, signal.SIGCONT)
     for p in _wait_all(alive, 5.0):
         p.kill()
     _wait_all(procs, 5.0)
