@@ -69,15 +69,18 @@ class MetricsLog:
     """Appends records to ``metrics.jsonl``; each line is flushed as it is written."""
 
     def __init__(self, path: Path, keep_until_step: int | None = None,
-                 tensorboard: TensorBoardLog | None = None) -> None:
+                 tensorboard: TensorBoardLog | None = None, history: Path | None = None) -> None:
+        """``keep_until_step``: resuming at that step; the records after it are dropped
+        (they are about to be redone). ``history``: the resumed run's own log when it lives
+        in another directory; its records up to the step start this one."""
         self.path = path
         self.tensorboard = tensorboard
         path.parent.mkdir(parents=True, exist_ok=True)
+        source = history if history is not None and history.is_file() else path
         if keep_until_step is None:
             path.write_text("")
-        elif path.exists():
-            # Resuming: drop what was logged after the checkpoint, it is about to be redone.
-            kept = [line for line in path.read_text().splitlines()
+        elif source.exists():
+            kept = [line for line in source.read_text().splitlines()
                     if line.strip() and json.loads(line).get("step", 0) <= keep_until_step]
             atomic_write(path, lambda f: f.write("".join(k + "\n" for k in kept).encode()))
         self._file = path.open("a")

@@ -49,7 +49,8 @@ from shoal.train.progress import Progress
 
 #: Configuration keys that must match between a checkpoint and the run resuming it.
 RESUME_KEYS = ("model", "dataset", "strategy", "seed", "optimizer", "lr", "momentum",
-               "nesterov", "weight_decay", "scale_lr")
+               "nesterov", "weight_decay", "scale_lr", "schedule", "warmup_epochs",
+               "lr_milestones", "lr_gamma", "augment")
 
 
 def data_options(cfg: TrainConfig) -> DataOptions:
@@ -60,11 +61,16 @@ def data_options(cfg: TrainConfig) -> DataOptions:
 def check_resume(payload: dict[str, Any], cfg: TrainConfig, world: int,
                  strategy_cls: type[Strategy]) -> None:
     """Raise a one-line error if ``payload`` cannot continue under ``cfg`` on ``world`` ranks."""
-    saved = payload["config"]
+    saved, now = payload["config"], cfg.to_dict()
     for key in RESUME_KEYS:
-        if saved.get(key) != getattr(cfg, key):
-            raise ShoalError(f"checkpoint was made with {key}={saved.get(key)!r}, "
-                             f"this run has {key}={getattr(cfg, key)!r}")
+        if saved.get(key) != now[key]:
+            flag = "--" + key.replace("_", "-")
+            raise ShoalError(f"checkpoint was made with {flag} {saved.get(key)!r}, "
+                             f"this run has {flag} {now[key]!r}")
+    step = payload["progress"]["step"]
+    if cfg.stop_at_step is not None and cfg.stop_at_step <= step:
+        raise ShoalError(f"--stop-at-step {cfg.stop_at_step} is not after the checkpoint's step "
+                         f"{step}; nothing would be trained")
     if payload["global_batch"] != cfg.global_batch(world):
         raise ShoalError(f"checkpoint was made with a global batch of {payload['global_batch']}, "
                          f"this run has {cfg.global_batch(world)}")
@@ -95,12 +101,22 @@ def preflight(cfg: TrainConfig, world: int) -> Dataset:
     out = Path(cfg.out)
     if out.exists() and not out.is_dir():
         raise ShoalError(f"--out {out} exists and is not a directory")
+    holds_run = any((out / f).exists() for f in ("checkpoint.pt", "metrics.jsonl"))
     if cfg.resume_path is not None:
         check_resume(load_checkpoint(cfg.resume_path), cfg, world, strategy_cls)
-    elif not cfg.overwrite and any((out / f).exists() for f in ("checkpoint.pt", "metrics.jsonl")):
+        if holds_run and not resumes_in_place(cfg):
+            raise ShoalError(f"--out {out} already holds another run; resuming "
+                             f"{cfg.resume_path} there would replace it: choose a new --out")
+    elif not cfg.overwrite and holds_run:
         raise ShoalError(f"{out} already holds a run; pass --resume to continue it or "
                          "--overwrite to start over")
     return data
+
+
+def resumes_in_place(cfg: TrainConfig) -> bool:
+    """Whether ``cfg`` resumes the run in its own ``--out`` (not a checkpoint from elsewhere)."""
+    resume = cfg.resume_path
+    return resume is not None and resume.resolve() == cfg.checkpoint_path.resolve()
 
 
 @dataclass
@@ -141,6 +157,7 @@ class Trainer:
         torch.manual_seed(cfg.seed + 1 + self.rank)  # dropout differs between ranks
         self.aug_gen = torch.Generator().manual_seed(cfg.seed + 10_007 * (self.rank + 1))
         self.state = RunState()
+        self._lr = self.optimizer.param_groups[0]["lr"]  # the rate the last step used
         strategy_cls = get_strategy(cfg.strategy)
         # Every strategy starts all workers from rank 0's model; a resumed run then puts back
         # what each worker had.
@@ -177,6 +194,9 @@ class Trainer:
             epoch=p["epoch"], epoch_step=p["epoch_step"], step=p["step"], samples=p["samples"],
             train_time_s=p["train_time_s"], wall_time_s=p["wall_time_s"],
         )
+        # The rate of the step before the checkpoint: the epoch record that may follow at
+        # once (a checkpoint at an epoch's last step) reports it.
+        self._lr = p.get("lr", self.optimizer.param_groups[0]["lr"])
         if self.rank < len(payload["ranks"]):
             mine = payload["ranks"][self.rank]
             torch.set_rng_state(mine["rng"])
@@ -225,6 +245,7 @@ class Trainer:
                         "epoch": s.epoch, "epoch_step": s.epoch_step, "step": s.step,
                         "samples": s.samples, "train_time_s": s.train_time_s,
                         "wall_time_s": s.wall_time_s + (time.perf_counter() - self._t0),
+                        "lr": self._lr,
                     },
                     "model": to_cpu(self.strategy.eval_module.state_dict()),
                     "optimizer": to_cpu(self.optimizer.state_dict()),
@@ -320,8 +341,10 @@ class Trainer:
             write_json(self.out / "config.json", {**cfg.to_dict(), "world_size": self.world})
             resumed_at = st.step if cfg.resume_path else None
             board = TensorBoardLog(self.out / "tensorboard", resumed_at) if cfg.tensorboard else None
+            seed = None if resumed_at is None or resumes_in_place(cfg) else \
+                cfg.resume_path.parent / "metrics.jsonl"
             self.log = MetricsLog(self.out / "metrics.jsonl", keep_until_step=resumed_at,
-                                  tensorboard=board)
+                                  tensorboard=board, history=seed)
             self.progress.line(
                 f"shoal: {cfg.model} on {self.data.describe()}; {self.world} worker(s), "
                 f"strategy {cfg.strategy}, global batch {plan.global_batch}, "
