@@ -19,6 +19,8 @@ from shoal.errors import ShoalError, WorkerError
 EXIT_USER_ERROR = 2
 EXIT_FAILURE = 1
 EXIT_INTERRUPTED = 130
+#: ``shoal train`` stopped by SIGTERM (Slurm's preemption notice) after writing a checkpoint.
+EXIT_TERMINATED = 143
 
 
 class _Parser(argparse.ArgumentParser):
@@ -143,7 +145,9 @@ def _train_parser(sub: Any) -> argparse.ArgumentParser:
     g.add_argument("--overwrite", action="store_true", default=S,
                    help="start over in an --out that holds a run")
     g.add_argument("--resume", nargs="?", const="", default=S, metavar="CHECKPOINT",
-                   help="continue from CHECKPOINT (default <out>/checkpoint.pt)")
+                   help="continue from CHECKPOINT (default <out>/checkpoint.pt); `auto`: "
+                        "from <out>/checkpoint.pt if it exists, else start over (for jobs "
+                        "a scheduler or torchrun --max-restarts starts again)")
     g.add_argument("--checkpoint-every", type=int, default=S, metavar="STEPS",
                    help="also checkpoint every STEPS steps (default: at each epoch end)")
     g.add_argument("--stop-at-step", type=int, default=S, metavar="STEP",
@@ -399,6 +403,18 @@ def _list() -> None:
         print(f"  {name:<12} {doc}")
 
 
+def _stopped_by_sigterm(summary: dict[str, Any] | None) -> bool:
+    """Say how to go on when SIGTERM stopped the run (rank 0 has the summary, others only
+    the request) and whether it did."""
+    from shoal.processes import stop_requested
+
+    if summary is not None and summary.get("stopped_by") == "SIGTERM":
+        print(f"shoal: stopped by SIGTERM at step {summary['steps']}; the checkpoint is saved, "
+              "continue with the same command and --resume", file=sys.stderr, flush=True)
+        return True
+    return summary is None and stop_requested()
+
+
 def _where() -> str:
     """``rank N: `` when this process is one rank of a job started by an outside launcher."""
     import os
@@ -416,7 +432,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.command == "train":
             from shoal.train import train
 
-            train(config_from_args(args))
+            summary = train(config_from_args(args))
+            if _stopped_by_sigterm(summary):
+                return EXIT_TERMINATED
         elif args.command == "run":
             _run(args)
         elif args.command == "bench":

@@ -24,6 +24,7 @@ import signal
 import socket
 import sys
 import tempfile
+import threading
 import time
 import traceback
 import types
@@ -38,6 +39,27 @@ from shoal.errors import ShoalError, WorkerError
 
 #: Exit status of a rank that stopped because another rank failed (not a root cause).
 EXIT_ABORTED = 75
+
+_STOP = threading.Event()  # SIGTERM arrived: finish the step, checkpoint, stop
+
+
+def stop_requested() -> bool:
+    """Whether this process was asked to stop (SIGTERM, as Slurm sends before preemption)."""
+    return _STOP.is_set()
+
+
+def request_stop() -> None:
+    """Ask this process to stop as :func:`stop_requested` reports (what SIGTERM does)."""
+    _STOP.set()
+
+
+def stop_on_sigterm() -> Any:
+    """From now on SIGTERM asks this process to stop at the next safe point instead of
+    killing it: training finishes its step, writes a checkpoint and exits. Returns the
+    handler it replaced (for ``signal.signal``); does nothing off the main thread."""
+    if threading.current_thread() is not threading.main_thread():
+        return None
+    return signal.signal(signal.SIGTERM, lambda signum, frame: _STOP.set())
 
 
 @dataclass(frozen=True)
@@ -206,11 +228,15 @@ def loopback_only_environment() -> dict[str, str]:
 
 
 def die_with_parent() -> None:
-    """Ask Linux to SIGTERM this process when its parent dies (no orphaned workers)."""
+    """Ask Linux to kill this process when its parent dies (no orphaned workers).
+
+    SIGKILL, not SIGTERM: a training worker takes SIGTERM as "checkpoint and stop", which
+    needs its launcher and its peers, and an orphan has neither.
+    """
     if sys.platform.startswith("linux"):
         try:
             libc = ctypes.CDLL("libc.so.6", use_errno=True)
-            libc.prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+            libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
         except OSError:
             pass
 
@@ -390,7 +416,9 @@ def spawn(
     nothing or left with ``sys.exit(0)``) once all exit cleanly. When one fails (an
     exception, a non-zero exit status, a signal), the others get ``grace`` seconds to notice
     and are then terminated, and a :class:`WorkerError` describing the root-cause failure is
-    raised. Ctrl-C stops them all.
+    raised. Ctrl-C stops them all. SIGTERM to this process (called from the main thread) is
+    passed on to the workers and sets :func:`stop_requested`; the workers decide what it
+    means (training checkpoints and stops; other functions end as SIGTERM ends them).
     """
     if nprocs < 1:
         raise ShoalError(f"need at least 1 worker, got {nprocs}")
@@ -405,11 +433,23 @@ def spawn(
     store = loopback_store(timeout_s=60.0)
     port = store.port
     errdir = tempfile.mkdtemp(prefix="shoal-errors-")
-    procs = []
+    procs: list[BaseProcess] = []
+
+    def forward_sigterm(signum: int, frame: Any) -> None:
+        _STOP.set()
+        for p in procs:
+            if p.exitcode is None and p.pid is not None:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(p.pid, signal.SIGTERM)
+
+    on_main = threading.current_thread() is threading.main_thread()
+    previous = signal.signal(signal.SIGTERM, forward_sigterm) if on_main else None
     try:
         for rank in range(nprocs):
             env = Environment(rank, nprocs, rank, nprocs, "127.0.0.1", port, "local")
             procs.append(start_process(_worker_main, (env, errdir, job)))
+        if _STOP.is_set():  # a SIGTERM that came while they were starting
+            forward_sigterm(signal.SIGTERM, None)
         failed = None
         pending = list(procs)
         while pending and failed is None:
@@ -437,6 +477,8 @@ def spawn(
         stop_processes(procs, 0.0)
         shutil.rmtree(errdir, ignore_errors=True)
         del store
+        if on_main:
+            signal.signal(signal.SIGTERM, previous if previous is not None else signal.SIG_DFL)
 
 
 def _finished(jobdir: str, rank: int) -> bool:

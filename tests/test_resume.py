@@ -1,11 +1,13 @@
 """A run that stops (asked to, or killed) and resumes ends exactly where an uninterrupted one does."""
 
+import contextlib
 import json
 import os
 import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -67,3 +69,90 @@ def test_torchrun_runs_the_same_command(tmp_path, reference):
     summary = json.loads((tmp_path / "summary.json").read_text())
     assert summary["workers"] == 2
     assert max_param_diff(checkpoint_params(tmp_path / "checkpoint.pt"), reference[1]) < 1e-6
+
+
+def _workers_of(launcher: int) -> list[int]:
+    """Pids of the worker processes ``launcher`` started (multiprocessing's spawn children)."""
+    pids = []
+    for task in Path(f"/proc/{launcher}/task").iterdir():
+        with contextlib.suppress(OSError):
+            pids += [int(p) for p in (task / "children").read_text().split()]
+    return [p for p in pids if b"spawn_main" in _cmdline(p)]
+
+
+def _cmdline(pid: int) -> bytes:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes()
+    except OSError:
+        return b""
+
+
+def _start(tmp_path, *extra, env=None):
+    """Start ``shoal train`` with CONFIG in the background; returns the Popen."""
+    args = [sys.executable, "-m", "shoal", "train", "--out", str(tmp_path / "run"),
+            "--progress", "none", *CONFIG, "--log-every", "1", *extra]
+    return subprocess.Popen(args, env=env or shoal_env(), cwd=REPO, start_new_session=True,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def _wait_for_step(run_dir: Path, proc, step: int, timeout: float = 60) -> None:
+    metrics = run_dir / "metrics.jsonl"
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline and proc.poll() is None:
+        if metrics.exists() and metrics.read_text().count('"event": "step"') >= step:
+            return
+        time.sleep(0.01)
+    pytest.fail(f"the run never reached step {step}")
+
+
+def test_sigterm_to_the_launcher_checkpoints_and_says_how_to_resume(tmp_path, reference):
+    tmp = tmp_path / "tmp"
+    tmp.mkdir()
+    env = shoal_env()
+    env["TMPDIR"] = str(tmp)
+    proc = _start(tmp_path, env=env)
+    try:
+        _wait_for_step(tmp_path / "run", proc, 20)
+        proc.send_signal(signal.SIGTERM)  # the launcher only, as Slurm's notice reaches it
+        out, err = proc.communicate(timeout=60)
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+    assert proc.returncode == 143, err
+    summary = json.loads((tmp_path / "run" / "summary.json").read_text())
+    assert summary["stopped_by"] == "SIGTERM" and not summary["completed"]
+    saved = torch.load(tmp_path / "run" / "checkpoint.pt", weights_only=True)["progress"]["step"]
+    assert saved == summary["steps"] >= 20
+    assert f"stopped by SIGTERM at step {saved}" in err and "--resume" in err
+    assert not list(tmp.glob("shoal-errors-*")), "the launcher left its error folder behind"
+    resumed = train(tmp_path / "run", *CONFIG, "--resume")
+    assert resumed["completed"]
+    assert max_param_diff(checkpoint_params(tmp_path / "run" / "checkpoint.pt"),
+                          reference[1]) < 1e-6
+
+
+def test_max_restarts_recovers_a_killed_worker_without_losing_a_step(tmp_path, reference):
+    proc = _start(tmp_path, "--checkpoint-every", "10", "--max-restarts", "2")
+    try:
+        _wait_for_step(tmp_path / "run", proc, 25)
+        workers = _workers_of(proc.pid)
+        assert len(workers) == 2, workers
+        os.kill(workers[1], signal.SIGKILL)
+        out, err = proc.communicate(timeout=120)
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+    assert proc.returncode == 0, err
+    assert "rank 1: worker process killed by signal 9; restarting from the checkpoint at step" \
+        in err
+    summary = json.loads((tmp_path / "run" / "summary.json").read_text())
+    assert summary["completed"] and summary["steps"] == reference[0]["steps"]
+    (restart,) = summary["restarts"]
+    assert restart["resumed_from_step"] % 10 == 0 and restart["resumed_from_step"] >= 20
+    assert restart["failed_at_step"] >= restart["resumed_from_step"]
+    assert summary["samples"] == reference[0]["samples"], "samples lost or counted twice"
+    assert max_param_diff(checkpoint_params(tmp_path / "run" / "checkpoint.pt"),
+                          reference[1]) < 1e-6
+    steps = [json.loads(line)["step"] for line in (tmp_path / "run" / "metrics.jsonl").open()
+             if json.loads(line)["event"] == "step"]
+    assert steps == list(range(1, reference[0]["steps"] + 1)), "steps lost or logged twice"

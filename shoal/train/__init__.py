@@ -2,7 +2,13 @@
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import json
+import signal
+import sys
+import time
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -10,9 +16,17 @@ import torch
 from shoal.comm import init_comm
 from shoal.config import TrainConfig, default_threads
 from shoal.data import Dataset
-from shoal.errors import ShoalError
-from shoal.processes import Environment, detect_environment, spawn
+from shoal.errors import ShoalError, WorkerError
+from shoal.processes import (
+    Environment,
+    detect_environment,
+    spawn,
+    stop_on_sigterm,
+    stop_requested,
+)
 from shoal.timeline import Timeline
+from shoal.train.metrics import write_json
+from shoal.train.outdir import OutputLock
 from shoal.train.trainer import Trainer, preflight
 
 
@@ -20,14 +34,19 @@ def run_worker(cfg: TrainConfig, data: Dataset | None = None) -> dict[str, Any] 
     """Train as this process's rank of the job its environment describes."""
     env = detect_environment() or Environment()
     threads = cfg.threads_per_worker or default_threads(env.local_world_size)
-    comm = init_comm(env, cfg.device, cfg.timeout, threads, Timeline(keep_events=cfg.trace))
+    previous = stop_on_sigterm()
     try:
-        summary = Trainer(cfg, comm, data).run()
-    except BaseException as exc:
-        comm.abort(str(exc) or type(exc).__name__)
-        raise
-    comm.close()
-    return summary
+        comm = init_comm(env, cfg.device, cfg.timeout, threads, Timeline(keep_events=cfg.trace))
+        try:
+            summary = Trainer(cfg, comm, data).run()
+        except BaseException as exc:
+            comm.abort(str(exc) or type(exc).__name__)
+            raise
+        comm.close()
+        return summary
+    finally:
+        if previous is not None:
+            signal.signal(signal.SIGTERM, previous)
 
 
 def _default_workers(cfg: TrainConfig) -> int:
@@ -37,11 +56,72 @@ def _default_workers(cfg: TrainConfig) -> int:
     return max(1, torch.cuda.device_count()) if cuda else 1
 
 
+def resolve_auto_resume(cfg: TrainConfig) -> TrainConfig:
+    """``--resume auto``: continue from ``<out>/checkpoint.pt`` when it exists, else start
+    over in ``--out`` (a restarted job that failed before its first checkpoint)."""
+    if cfg.resume != "auto":
+        return cfg
+    if cfg.checkpoint_path.is_file():
+        return dataclasses.replace(cfg, resume="")
+    return dataclasses.replace(cfg, resume=None, overwrite=True)
+
+
+def _last_logged_step(out: Path) -> int:
+    """The last step recorded in ``out/metrics.jsonl`` (0 if none)."""
+    last = 0
+    with contextlib.suppress(OSError):
+        for line in (out / "metrics.jsonl").read_text().splitlines():
+            with contextlib.suppress(ValueError):
+                last = max(last, int(json.loads(line).get("step", 0)))
+    return last
+
+
+def _checkpoint_step(path: Path) -> int | None:
+    from shoal.train.checkpoint import load_checkpoint
+
+    try:
+        return int(load_checkpoint(path)["progress"]["step"])
+    except ShoalError:
+        return None
+
+
+def _run_with_restarts(cfg: TrainConfig, world: int) -> list[dict[str, Any]]:
+    """Spawn the job; when a worker fails, start it again from the last checkpoint, up to
+    ``cfg.max_restarts`` times. Returns what each restart redid (for summary.json)."""
+    attempt_cfg, restarts = cfg, []
+    while True:
+        started = time.monotonic()
+        try:
+            spawn(world, run_worker, (attempt_cfg,))
+            return restarts
+        except WorkerError as exc:
+            if exc.user_error or len(restarts) >= cfg.max_restarts or stop_requested():
+                raise
+            out = Path(cfg.out)
+            failed_at = _last_logged_step(out)
+            step = _checkpoint_step(cfg.checkpoint_path)
+            if step is not None:
+                attempt_cfg = dataclasses.replace(cfg, resume="", overwrite=False)
+            elif cfg.resume is None:  # no checkpoint of this run yet: start over
+                attempt_cfg = dataclasses.replace(cfg, overwrite=True)
+            restarts.append({"error": str(exc), "failed_at_step": failed_at,
+                             "resumed_from_step": step or 0,
+                             "attempt_time_s": time.monotonic() - started})
+            print(f"shoal: {exc}; restarting from "
+                  + (f"the checkpoint at step {step}" if step is not None else "the start")
+                  + f" (restart {len(restarts)} of {cfg.max_restarts})",
+                  file=sys.stderr, flush=True)
+
+
 def train(cfg: TrainConfig) -> dict[str, Any] | None:
     """Run the training job ``cfg`` describes; returns rank 0's summary (``None`` elsewhere).
 
     Under torchrun, Slurm or mpirun this process is one rank of that job. Otherwise
-    ``cfg.workers`` local processes are spawned (none for a single worker).
+    ``cfg.workers`` local processes are spawned (none for a single worker without
+    ``--max-restarts``) and restarted from the last checkpoint when one fails, up to
+    ``cfg.max_restarts`` times. The process that runs the job holds ``--out`` for its life
+    (:class:`~shoal.train.outdir.OutputLock`). After SIGTERM the job stops at the next
+    step all ranks reach, checkpoints, and the summary says ``"stopped_by": "SIGTERM"``.
     """
     cfg.validate()
     env = detect_environment()
@@ -49,14 +129,24 @@ def train(cfg: TrainConfig) -> dict[str, Any] | None:
         if cfg.workers is not None and cfg.workers != env.world_size:
             raise ShoalError(f"--workers {cfg.workers} contradicts the launcher's world size "
                              f"{env.world_size} ({env.launcher}); leave --workers out")
-        return run_worker(cfg, preflight(cfg, env.world_size))
+        cfg = resolve_auto_resume(cfg)
+        data = preflight(cfg, env.world_size)
+        with OutputLock(Path(cfg.out)) if env.rank == 0 else contextlib.nullcontext():
+            return run_worker(cfg, data)
+    cfg = resolve_auto_resume(cfg)
     world = _default_workers(cfg)
     data = preflight(cfg, world)
-    if world == 1:
-        return run_worker(cfg, data)
-    spawn(world, run_worker, (cfg,))
-    with open(cfg.out + "/summary.json") as f:
-        return json.load(f)
+    with OutputLock(Path(cfg.out)):
+        if world == 1 and cfg.max_restarts == 0:
+            return run_worker(cfg, data)
+        restarts = _run_with_restarts(cfg, world)
+        path = Path(cfg.out) / "summary.json"
+        with open(path) as f:
+            summary = json.load(f)
+        if restarts:
+            summary["restarts"] = restarts
+            write_json(path, summary)
+        return summary
 
 
-__all__ = ["Trainer", "preflight", "run_worker", "train"]
+__all__ = ["Trainer", "preflight", "resolve_auto_resume", "run_worker", "train"]

@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
@@ -24,7 +25,7 @@ from shoal.data import DataOptions, Dataset, EpochPlan, Split, load_dataset, sha
 from shoal.data.augment import flip_and_crop
 from shoal.errors import ShoalError
 from shoal.models import build_model, count_parameters
-from shoal.processes import Environment
+from shoal.processes import Environment, stop_requested
 from shoal.strategies import Strategy, get_strategy, make_options
 from shoal.timeline import Timeline, chrome_trace
 from shoal.train.checkpoint import (
@@ -167,6 +168,14 @@ class Trainer:
             self._restore(self._load_resume(strategy_cls))
         self.progress = Progress(cfg.progress, enabled=self.is_main)
         self.log: MetricsLog | None = None
+        # SIGTERM (processes.stop_requested) stops every rank after the same step: they vote
+        # in a tiny all-reduce on a Gloo group of its own, at the strategy's own meeting
+        # points (every tau steps for the periodic ones, so it adds no coupling), and act on
+        # a vote one meeting later, so nobody waits for it.
+        self.stop_reason: str | None = None
+        self._vote_every = int(getattr(self.strategy.options, "tau", 1) or 1)
+        self._vote: tuple[Any, torch.Tensor] | None = None
+        self._vote_group = dist.new_group(backend="gloo") if comm.active else None
 
     # -- checkpoints --------------------------------------------------------------------------
     def _load_resume(self, strategy_cls: type[Strategy]) -> dict[str, Any]:
@@ -325,6 +334,28 @@ class Trainer:
             "elapsed_s": self.state.wall_time_s + time.perf_counter() - self._t0,
         })
 
+    def _stop_agreed(self) -> bool:
+        """Whether all ranks stop after this step (SIGTERM reached one of them)."""
+        if self._vote_group is None:
+            return stop_requested()
+        if self.state.step % self._vote_every:
+            return False
+        agreed = False
+        if self._vote is not None:
+            work, flag = self._vote
+            work.wait()
+            agreed = flag.item() > 0
+        flag = torch.tensor([1.0 if stop_requested() else 0.0])
+        work = dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self._vote_group, async_op=True)
+        self._vote = (work, flag)
+        return agreed
+
+    def _settle_vote(self) -> None:
+        """Finish the vote in flight (every rank started the same ones) before leaving."""
+        if self._vote is not None:
+            self._vote[0].wait()
+            self._vote = None
+
     def _epoch_sums(self) -> list[float]:
         """This rank's (loss sum, correct, samples) of the epoch so far."""
         return [a + b for a, b in zip(self.state.epoch_sums, self._epoch_acc.tolist(), strict=False)]
@@ -394,6 +425,9 @@ class Trainer:
                 if cfg.stop_at_step is not None and st.step >= cfg.stop_at_step:
                     stopped = True
                     break
+                if self._stop_agreed():
+                    stopped, self.stop_reason = True, "SIGTERM"
+                    break
                 if cfg.checkpoint_every and st.step % cfg.checkpoint_every == 0:
                     self.save()
                     saved_at = st.step
@@ -414,6 +448,7 @@ class Trainer:
                 self.save()
                 saved_at = st.step
         self._stop_profiler()
+        self._settle_vote()
         if saved_at != st.step:
             self.save()
         if not stopped and math.isnan(test_acc):
@@ -507,6 +542,7 @@ class Trainer:
             "workers": self.world, "device": str(self.device),
             "global_batch": self.plan.global_batch, "epochs": st.epoch, "steps": st.step,
             "completed": not stopped and st.epoch >= self.cfg.epochs,
+            "stopped_by": self.stop_reason,
             "test_accuracy": test_acc, "test_loss": test_loss,
             "train_loss": train_loss, "train_accuracy": train_acc,
             "wall_time_s": wall, "train_time_s": st.train_time_s, "samples": st.samples,
@@ -521,7 +557,10 @@ class Trainer:
             "torch_version": torch.__version__, "shoal_version": shoal.__version__,
         }
         write_json(self.out / "summary.json", summary)
-        if stopped:
+        if self.stop_reason:
+            self.progress.line(f"stopped by {self.stop_reason} at step {st.step}; checkpoint in "
+                               f"{self.cfg.checkpoint_path} (continue with --resume)")
+        elif stopped:
             self.progress.line(f"stopped at step {st.step} as asked; checkpoint in "
                                f"{self.cfg.checkpoint_path} (continue with --resume)")
         else:
