@@ -13,7 +13,7 @@ from pathlib import Path
 
 import numpy as np
 
-from shoal.data.base import DataOptions, Dataset, to_splits
+from shoal.data.base import DataOptions, Dataset, label_vector, to_splits
 from shoal.errors import ShoalError
 
 # numpy's array and scalar rebuilders live in numpy.core (1.x) or numpy._core (2.x); take them
@@ -56,7 +56,7 @@ def read_batch(path: Path) -> tuple[np.ndarray, np.ndarray]:
                          f"{data.dtype} {data.shape}")
     if labels.shape != (len(data),):
         raise ShoalError(f"{path}: {len(data)} images but {labels.size} labels")
-    return data.reshape(-1, 3, 32, 32), labels.astype(np.int64)
+    return data.reshape(-1, 3, 32, 32), label_vector(str(path), labels)
 
 
 def load(opts: DataOptions) -> Dataset:
@@ -70,4 +70,5 @@ def load(opts: DataOptions) -> Dataset:
     parts = [read_batch(root / n) for n in names]
     x_train = np.concatenate([p[0] for p in parts[:5]])
     y_train = np.concatenate([p[1] for p in parts[:5]])
-    return to_splits("cifar10", x_train, y_train, parts[5][0], parts[5][1], scale=1 / 255)
+    return to_splits("cifar10", x_train, y_train, parts[5][0], parts[5][1], scale=1 / 255,
+                     label_sources=(f"{root / 'data_batch_1'}..5", str(root / "test_batch")))

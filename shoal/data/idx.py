@@ -55,15 +55,17 @@ def _find(root: Path, subdir: str, stem: str) -> Path:
 def _loader(name: str, subdir: str):
     def load(opts: DataOptions) -> Dataset:
         root = opts.require_dir(name)
-        arrays = {key: read_idx(_find(root, subdir, stem)) for key, stem in _FILES.items()}
+        paths = {key: _find(root, subdir, stem) for key, stem in _FILES.items()}
+        arrays = {key: read_idx(path) for key, path in paths.items()}
         for split in ("train", "test"):
             x, y = arrays[f"x_{split}"], arrays[f"y_{split}"]
             if x.ndim != 3:
                 raise ShoalError(f"{name}: {split} images must be 3-D (N, H, W), got {x.shape}")
             if len(x) != len(y):
                 raise ShoalError(f"{name}: {len(x)} {split} images but {len(y)} labels")
-        return to_splits(name, arrays["x_train"], arrays["y_train"].astype(np.int64),
-                         arrays["x_test"], arrays["y_test"].astype(np.int64), scale=1 / 255)
+        return to_splits(name, arrays["x_train"], arrays["y_train"], arrays["x_test"],
+                         arrays["y_test"], scale=1 / 255,
+                         label_sources=(str(paths["y_train"]), str(paths["y_test"])))
 
     load.__doc__ = f"{name} from IDX files in --data-dir."
     return load

@@ -14,7 +14,10 @@ KEYS = ("x_train", "y_train", "x_test", "y_test")
 
 
 def load_path(path: str, opts: DataOptions) -> Dataset:
-    """Integer (uint8) images are scaled by 1/255 and standardized; float arrays are used as is."""
+    """Integer (uint8) images are scaled by 1/255 and standardized; float arrays are used as is.
+
+    Labels follow :func:`shoal.data.base.count_classes`; errors name the file and the array.
+    """
     p = Path(path)
     if not p.is_file():
         raise ShoalError(f"npz file {p} does not exist")
@@ -30,4 +33,5 @@ def load_path(path: str, opts: DataOptions) -> Dataset:
     x = arrays["x_train"]
     integer = np.issubdtype(x.dtype, np.integer)
     return to_splits(f"npz:{p.name}", arrays["x_train"], arrays["y_train"], arrays["x_test"],
-                     arrays["y_test"], scale=1 / 255 if integer else None, standardize=integer)
+                     arrays["y_test"], scale=1 / 255 if integer else None, standardize=integer,
+                     label_sources=(f"{p} (y_train)", f"{p} (y_test)"))
