@@ -1,11 +1,15 @@
-"""A parallel session fails loudly and never hangs: dead workers, stuck workers, Ctrl-C."""
+"""A parallel session fails loudly and never hangs: dead workers, stuck workers, Ctrl-C; a
+broken session stays broken until a new fork; a session listens on loopback only."""
 
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import multiprocessing.resource_tracker
 import os
 import signal
+import socket
+import struct
 import subprocess
 import sys
 import textwrap
@@ -15,11 +19,12 @@ import uuid
 import pytest
 import torch
 import torch.distributed as dist
+from torch import nn
 
 import shoal
 from shoal.errors import WorkerError
 
-from conftest import REPO, marked_processes, shoal_env
+from conftest import REPO, is_loopback, listening_sockets, marked_processes, shoal_env
 
 pytestmark = pytest.mark.timeout(90)
 
@@ -58,6 +63,27 @@ def total(x):
     return x.sum()
 
 
+def rank_sum():
+    return dist.get_rank() if dist.is_initialized() else 0
+
+
+def sleep_while_rank1_is_killed(x):
+    if dist.get_rank() == 1:
+        os.kill(os.getpid(), signal.SIGKILL)
+    time.sleep(20)
+    return x.sum()
+
+
+def wait_on_rank2_while_rank1_is_killed(x):
+    if dist.get_rank() == 1:
+        os.kill(os.getpid(), signal.SIGKILL)
+    if dist.get_rank() == 2:
+        time.sleep(60)
+    t = torch.zeros(1)
+    dist.broadcast(t, src=2)  # rank 0 waits here for rank 2, which is alive but busy
+    return x.sum()
+
+
 def test_dead_worker_raises_with_its_rank():
     with marked_fork(2, timeout=60) as session:
         f = shoal.function(exit_on_rank1, scatter=["x"], reduce="sum")
@@ -67,7 +93,7 @@ def test_dead_worker_raises_with_its_rank():
         assert info.value.rank == 1
         assert time.monotonic() - start < 10, "noticing a dead worker took too long"
         assert session.closed
-        with pytest.raises(shoal.ShoalError, match="closed"):
+        with pytest.raises(shoal.ShoalError, match="broken by rank 1's failure"):
             session.check_open()
 
 
@@ -79,6 +105,76 @@ def test_worker_killed_between_calls_is_noticed_at_the_next_call():
         session.procs[0].join(5)
         with pytest.raises(WorkerError, match="rank 1: worker process killed by signal 9"):
             f(torch.ones(4))
+
+
+def test_calls_after_a_worker_failure_raise_until_a_new_fork():
+    model = nn.Linear(2, 1)
+    fail = shoal.function(exit_on_rank1, scatter=["x"], reduce="sum")
+    ranks = shoal.function(rank_sum, reduce="sum")
+    broken = r"rank 1: the parallel session is broken by rank 1's failure \(worker process exited " \
+             r"with code 3\); call shoal.fork\(\) again"
+    with marked_fork(2, timeout=60):
+        assert ranks() == 1
+        with pytest.raises(WorkerError, match="rank 1: worker process exited with code 3"):
+            fail(torch.ones(4))
+        for later in (ranks, lambda: fail(torch.ones(4)), lambda: shoal.all_reduce(model),
+                      lambda: shoal.broadcast(model), lambda: shoal.replicate(model), ranks):
+            with pytest.raises(WorkerError, match=broken) as info:
+                later()  # not silently serial
+            assert info.value.rank == 1 and "\n" not in str(info.value)
+        with marked_fork(2, timeout=60):  # a new session starts afresh
+            assert ranks() == 1
+    assert ranks() == 0  # closed: calls are serial again
+
+
+def test_worker_killed_mid_call_is_noticed_while_rank_0_sleeps():
+    with marked_fork(2, timeout=60) as session:
+        f = shoal.function(sleep_while_rank1_is_killed, scatter=["x"], reduce="sum")
+        start = time.monotonic()
+        with pytest.raises(WorkerError, match="rank 1: worker process killed by signal 9") as info:
+            f(torch.ones(4))
+        assert info.value.rank == 1
+        assert time.monotonic() - start < 8, "rank 0 noticed only when its own 20 s share ended"
+        assert session.closed
+
+
+def test_worker_killed_mid_call_releases_rank_0_from_a_collective():
+    with marked_fork(3, timeout=60):
+        f = shoal.function(wait_on_rank2_while_rank1_is_killed, scatter=["x"], reduce="sum")
+        start = time.monotonic()
+        with pytest.raises(WorkerError, match="rank 1: worker process killed by signal 9"):
+            f(torch.ones(6))
+        assert time.monotonic() - start < 8, "rank 0 stayed in the collective"
+
+
+def _other_interface() -> str | None:
+    """A network interface other than loopback that has an IPv4 address, if any."""
+    for _, name in socket.if_nameindex():
+        if name == "lo":
+            continue
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+            try:
+                fcntl.ioctl(s.fileno(), 0x8915, struct.pack("256s", name.encode()[:15]))  # SIOCGIFADDR
+            except OSError:
+                continue
+        return name
+    return None
+
+
+def test_session_listens_on_loopback_only(monkeypatch):
+    # Even a user's GLOO_SOCKET_IFNAME naming the network (kept for their own jobs) must not
+    # put the session's process group on it; the variable is theirs again afterwards.
+    other = _other_interface()
+    if other is not None:
+        monkeypatch.setenv("GLOO_SOCKET_IFNAME", other)
+    before = os.environ.get("GLOO_SOCKET_IFNAME")
+    with marked_fork(2, timeout=60) as session:
+        pids = [os.getpid()] + [p.pid for p in session.procs]
+        sockets = listening_sockets(pids)
+        assert {pid for pid, _, _ in sockets} == set(pids)  # the store and every rank's Gloo
+        assert [s for s in sockets if not is_loopback(s[1])] == []
+        assert os.environ.get("GLOO_SOCKET_IFNAME") == before
+        assert shoal.function(total, scatter=["x"], reduce="sum")(torch.ones(4)).item() == 4
 
 
 def test_stuck_worker_times_out():

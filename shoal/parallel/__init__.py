@@ -23,7 +23,7 @@ See ``docs/parallel.md`` for the semantics and the limits.
 from shoal.parallel.arrays import SharedArray, shared
 from shoal.parallel.collectives import all_gather, all_reduce, broadcast, gather, reduce, scatter
 from shoal.parallel.functions import MODES, Function, function
-from shoal.parallel.session import RemoteTraceback, Session, close, current, fork
+from shoal.parallel.session import RemoteTraceback, Session, active, close, current, fork
 
 
 def replicate(*objects: object) -> None:
@@ -31,7 +31,7 @@ def replicate(*objects: object) -> None:
     afterwards they are passed by reference to each worker's replica. Modules, optimizers and
     :func:`shared` arrays are replicated automatically the first time a call needs them; for a
     module, do it before its optimizer. Without an open session this does nothing."""
-    session = current()
+    session = active()  # raises while a broken session is current
     if session is not None and session.world > 1:
         for obj in objects:
             session.registry.register(obj)

@@ -28,7 +28,7 @@ from torch import nn
 from shoal.errors import ShoalError
 from shoal.parallel.arrays import SharedArray
 from shoal.parallel.functions import Function, split_sizes
-from shoal.parallel.session import current, in_function
+from shoal.parallel.session import active, in_function
 
 Target = torch.Tensor | nn.Module | Iterable[Any]
 _OPS = {"sum": dist.ReduceOp.SUM, "avg": dist.ReduceOp.SUM, "prod": dist.ReduceOp.PRODUCT,
@@ -127,7 +127,7 @@ def _op(op: str, name: str, tensors: list[torch.Tensor]) -> Any:
 
 def _controller(name: str, target: Any, **options: Any) -> Any:
     """Run collective ``name`` on every rank of the open session, on the replicas of ``target``."""
-    session = current()
+    session = active()
     assert session is not None
     if not isinstance(target, (torch.Tensor, nn.Module)):
         target = [t for t in target] if not isinstance(target, SharedArray) else target
@@ -153,8 +153,10 @@ _RUN = Function(_run_collective, reduce=None, name="shoal collective")
 
 
 def _dispatch(name: str, target: Any, **options: Any) -> Any:
-    if not in_function() and current() is not None and current().world > 1:  # type: ignore[union-attr]
-        return _controller(name, target, **options)
+    if not in_function():
+        session = active()  # raises while a broken session is current
+        if session is not None and session.world > 1:
+            return _controller(name, target, **options)
     return _SPMD[name](target, **options)
 
 

@@ -32,7 +32,8 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 from shoal.errors import ShoalError, WorkerError
 from shoal.parallel import session as _session
 from shoal.parallel.arrays import SharedArray
-from shoal.parallel.session import GO, OP_CALL, SKIP, RemoteTraceback, current, in_function
+from shoal.parallel.session import GO, OP_CALL, SKIP, Interrupted, RemoteTraceback, active, in_function
+from shoal.processes import first_line
 
 MODES = ("avg", "sum", "prod", "min", "max", "gather", None)
 _REDUCE_OPS = {"avg": dist.ReduceOp.SUM, "sum": dist.ReduceOp.SUM, "prod": dist.ReduceOp.PRODUCT,
@@ -319,6 +320,7 @@ class _Call:
         self.rank, self.world, self.device = rank, world, device
         self.counts = split_sizes(rows, world)
         self.start = sum(self.counts[:rank])
+        self.watch: Callable[[], None] | None = None  # rank 0: raises once a worker died
 
     def exchange(self, tensors: dict[str, torch.Tensor] | None) -> dict[str, Any]:
         """Receive (or, on rank 0, send) the tensor arguments; in the order of ``roles``."""
@@ -375,6 +377,8 @@ class _Call:
         try:
             offset = 0
             for size in split_sizes(n, self.slices):
+                if self.watch is not None:
+                    self.watch()
                 args = dict(local)
                 for name, kind in kinds.items():
                     if kind == "scatter":
@@ -439,7 +443,7 @@ def _controller_call(f: Function, args: tuple[Any, ...], kwargs: dict[str, Any],
                      batch: Any) -> Any:
     if in_function():
         raise ShoalError(f"{f.name}: a parallel function cannot be called inside another one")
-    session = current()
+    session = active()  # raises while a broken session is current
     world = session.world if session is not None else 1
     device = session.device if session is not None else torch.device("cpu")
     try:
@@ -518,6 +522,8 @@ def _controller_call(f: Function, args: tuple[Any, ...], kwargs: dict[str, Any],
         return result.value(None)
 
     message, fresh = _command(session, f, call)
+    call.watch = session.check_alive
+    session.begin_call()  # from here a worker's death interrupts rank 0's share at once
     try:
         session.send_all(message)
         if fresh:
@@ -540,13 +546,19 @@ def _controller_call(f: Function, args: tuple[Any, ...], kwargs: dict[str, Any],
             session.send_all(GO + pickle.dumps(max_dims))
             result.communicate(0, world, max_dims)
     except BaseException as exc2:
-        # Ctrl-C or a broken exchange: the workers cannot be trusted to be in step any more.
+        # A dead worker, Ctrl-C or a broken exchange: the workers cannot be trusted to be in
+        # step any more. (An interruption may have come before run() reset the flag.)
+        _session._state.in_function = False
+        if isinstance(exc2, Interrupted):
+            raise session.failure() from None
         if session.closed or isinstance(exc2, WorkerError):
             raise
         if isinstance(exc2, (KeyboardInterrupt, SystemExit)):
-            session.abort()
+            session.abort((None, f"interrupted by {type(exc2).__name__}"))
             raise
-        raise session.failure(f"{type(exc2).__name__}: {exc2}") from exc2
+        raise session.failure(f"{type(exc2).__name__}: {first_line(exc2)}") from exc2
+    finally:
+        session.end_call()
     if exc is not None:
         raise exc
     for rank, s in enumerate(statuses):

@@ -8,6 +8,14 @@ over one ``multiprocessing`` pipe per worker: a worker may wait for its next com
 hours (a pipe has no timeout to trip), a dead worker shows up at once as its process
 sentinel, and a small message on a pipe costs tens of microseconds where a Gloo collective
 costs hundreds on a busy machine.
+
+A watcher thread waits on the workers' sentinels for the whole session. When a worker dies
+during a call it kills the other workers (which releases rank 0 from any Gloo collective: its
+peers' connections close) and, when the call runs on the main thread, wakes it with a signal
+whose handler raises inside rank 0's share; the caller gets a :class:`WorkerError` naming the
+dead rank at once instead of when its own share ends. A session that failed stays the
+current one, *broken*: every later call raises until :func:`fork` starts a new session (or
+:func:`close` ends it). Everything the session listens on is bound to loopback.
 """
 
 from __future__ import annotations
@@ -19,8 +27,10 @@ import multiprocessing as mp
 import multiprocessing.connection
 import os
 import pickle
+import signal
 import threading
 import time
+from collections.abc import Iterator
 from datetime import timedelta
 from typing import Any
 
@@ -31,7 +41,14 @@ from torch import nn
 
 from shoal.errors import ShoalError, WorkerError
 from shoal.parallel.arrays import SharedArray
-from shoal.processes import exit_status, start_process, stop_processes
+from shoal.processes import (
+    exit_status,
+    first_line,
+    loopback_only_environment,
+    loopback_store,
+    start_process,
+    stop_processes,
+)
 
 # Command opcodes (first element of every pickled message to a worker).
 OP_CALL, OP_CLOSE = 1, 2
@@ -39,6 +56,56 @@ OP_CALL, OP_CLOSE = 1, 2
 GO, SKIP = b"\x01", b"\x00"
 
 _state = threading.local()
+
+# The signal the watcher sends the main thread when a worker dies mid-call: a real-time one,
+# which nothing else uses (its default action would end the process, so its handler is
+# installed once and left in place; it does nothing outside an interrupted call).
+_WAKE = signal.SIGRTMAX - 3 if hasattr(signal, "SIGRTMAX") else signal.SIGUSR2
+
+
+class Interrupted(BaseException):
+    """Raised inside rank 0's share when a worker died during the call (never escapes a call:
+    it becomes the :class:`WorkerError` naming that worker). A BaseException, so that a
+    function's ``except Exception`` does not swallow it."""
+
+
+def _on_wake(signum: int, frame: Any) -> None:
+    session = _CURRENT
+    if session is not None and session._wake_pending and in_function():
+        session._wake_pending = False
+        raise Interrupted
+
+
+def _wake_handler_ready() -> bool:
+    """Whether this thread can be woken: it is the main thread and the wake-up handler is
+    installed (here, the first time, unless the program handles that signal itself)."""
+    if threading.current_thread() is not threading.main_thread():
+        return False
+    try:
+        handler = signal.getsignal(_WAKE)
+        if handler == signal.SIG_DFL:
+            signal.signal(_WAKE, _on_wake)
+            handler = _on_wake
+    except (ValueError, OSError):
+        return False
+    return handler is _on_wake
+
+
+@contextlib.contextmanager
+def _loopback_gloo() -> Iterator[None]:
+    """Pin the Gloo devices created inside to loopback (``GLOO_SOCKET_IFNAME=lo``) and give the
+    caller's environment back afterwards: the controller is the user's own process."""
+    values = {k: v for k, v in loopback_only_environment().items() if k == "GLOO_SOCKET_IFNAME"}
+    old = {k: os.environ.get(k) for k in values}
+    os.environ.update(values)
+    try:
+        yield
+    finally:
+        for k, v in old.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
 
 
 def in_function() -> bool:
@@ -187,6 +254,17 @@ class Session:
         self.procs: list[Any] = []
         self.conns: list[Any] = []
         self._store: Any = None
+        # Why the session broke (rank, or None for the controller's own abort; one line).
+        self.broken: tuple[int | None, str] | None = None
+        # The watcher's state, guarded by _lock: the first dead workers seen (rank -> exit
+        # code, taken before anyone kills the rest), the thread inside a call, if any.
+        self._lock = threading.Lock()
+        self._dead: dict[int, int] | None = None
+        self._call_thread: int | None = None
+        self._wake_ok = False  # the calling thread can be woken by a signal
+        self._wake_pending = False
+        self._watcher: threading.Thread | None = None
+        self._stop_r, self._stop_w = -1, -1
         torch.set_num_threads(threads)
         if device == "cuda":
             torch.cuda.set_device(0)
@@ -203,9 +281,8 @@ class Session:
         from shoal.parallel.worker import worker_main
 
         td = timedelta(seconds=self.timeout)
-        start = timedelta(seconds=max(self.timeout, 60.0))
-        self._store = dist.TCPStore("127.0.0.1", 0, self.world, True, timeout=start,
-                                    wait_for_workers=False)
+        # Bound to 127.0.0.1: a plain TCPStore listens on every interface, unauthenticated.
+        self._store = loopback_store(max(self.timeout, 60.0))
         # Not daemonic, so a function may start processes of its own (a DataLoader's workers);
         # close() runs at exit and PR_SET_PDEATHSIG covers a controller that dies outright.
         # Workers never run the caller's main program: functions reach them by value.
@@ -222,16 +299,85 @@ class Session:
         # can take that long to import torch in n processes.
         self.recv_all(max(self.timeout, 60.0), what="start")
         backend = "cpu:gloo,cuda:nccl" if device == "cuda" else "gloo"
-        dist.init_process_group(backend, store=self._store, rank=0, world_size=self.world, timeout=td)
+        with _loopback_gloo():
+            dist.init_process_group(backend, store=self._store, rank=0, world_size=self.world,
+                                    timeout=td)
         self.recv_all(max(self.timeout, 60.0), what="join the process group")
+        self._stop_r, self._stop_w = os.pipe()
+        self._watcher = threading.Thread(target=self._watch, name="shoal-watcher", daemon=True)
+        self._watcher.start()
+
+    # -- the watcher ------------------------------------------------------------------------
+    def _watch(self) -> None:
+        """Wait for a worker to die; during a call, stop the rest and interrupt rank 0."""
+        sentinels = [p.sentinel for p in self.procs]
+        while not self.closed:
+            ready = mp.connection.wait([self._stop_r, *sentinels], timeout=5.0)
+            if self._stop_r in ready or not ready:
+                continue
+            with self._lock:
+                if self._deaths() is None:
+                    continue  # exit code not readable yet (another thread is reaping it)
+                if self._call_thread is not None:
+                    for p in self.procs:  # closes rank 0's connections: no collective waits on
+                        if p.exitcode is None:
+                            p.kill()
+                    if self._wake_ok:
+                        self._wake_pending = True
+                        signal.pthread_kill(self._call_thread, _WAKE)
+            return  # one death breaks the session; the rest is the caller's to handle
+
+    def _deaths(self) -> dict[int, int] | None:
+        """The first dead workers (rank -> exit code); recorded the first time any is seen,
+        before the others are killed. Called with ``_lock`` held."""
+        if self._dead is None:
+            dead = {r: p.exitcode for r, p in enumerate(self.procs, start=1) if p.exitcode is not None}
+            self._dead = dead or None
+        return self._dead
+
+    def begin_call(self) -> None:
+        """Enter a call: from here until :meth:`end_call` a dead worker interrupts it."""
+        wake = _wake_handler_ready()
+        with self._lock:
+            dead = self._dead  # the watcher records a death between calls
+            if dead is None:
+                self._call_thread = threading.get_ident()
+                self._wake_ok = wake
+        if dead is not None:  # died between calls
+            raise self.failure()
+
+    def end_call(self) -> None:
+        with self._lock:
+            self._call_thread = None
+            self._wake_ok = self._wake_pending = False
+
+    def check_alive(self) -> None:
+        """Before each slice of rank 0's share: stop if a worker died meanwhile."""
+        if self._dead is not None:
+            self._wake_pending = False
+            raise Interrupted
 
     def close(self) -> None:
-        """Stop the workers (they finish their current command first) and leave the group."""
+        """Stop the workers (they finish their current command first) and leave the group.
+        Closing a broken session ends it too: calls run serially again."""
         self._end(grace=10.0)
+        self._release()
 
-    def abort(self) -> None:
-        """Stop the workers now (terminate, then kill): after Ctrl-C or a broken protocol."""
+    def abort(self, broken: tuple[int | None, str] | None = None) -> None:
+        """Stop the workers now (terminate, then kill): after Ctrl-C or a broken protocol.
+        ``broken``: (rank, why) of the failure; later calls raise until a new fork."""
+        if not self.closed and self.broken is None:
+            self.broken = broken or (None, "aborted")
         self._end(grace=0.0)
+
+    def broken_error(self) -> ShoalError:
+        """The error every use of a broken session raises (one line)."""
+        rank, why = self.broken or (None, "closed")
+        again = "call shoal.fork() again"
+        if rank is None:
+            return ShoalError(f"the parallel session was {why}; {again}")
+        return WorkerError(rank, f"the parallel session is broken by rank {rank}'s failure ({why}); "
+                                 f"{again}")
 
     def _end(self, grace: float) -> None:
         """Ask the workers to exit (when ``grace``), give them ``grace`` seconds, then
@@ -251,6 +397,14 @@ class Session:
             self._teardown()
 
     def _teardown(self) -> None:
+        if self._watcher is not None:
+            with contextlib.suppress(OSError):
+                os.write(self._stop_w, b"x")
+            if self._watcher is not threading.current_thread():
+                self._watcher.join(timeout=10.0)
+            os.close(self._stop_r)
+            os.close(self._stop_w)
+            self._watcher = None
         for conn in self.conns:
             conn.close()
         if dist.is_initialized():
@@ -258,6 +412,10 @@ class Session:
                 dist.destroy_process_group()
         self._store = None
         torch.set_num_threads(self._threads_before)
+        if self.broken is None:
+            self._release()  # a broken session stays current, so that later calls raise
+
+    def _release(self) -> None:
         global _CURRENT
         if _CURRENT is self:
             _CURRENT = None
@@ -269,10 +427,13 @@ class Session:
         if exc_type is None:
             self.close()
         else:
-            self.abort()
+            self.abort((None, f"left by {exc_type.__name__}"))
+            self._release()
 
     # -- messages ---------------------------------------------------------------------------
     def check_open(self) -> None:
+        if self.broken is not None:
+            raise self.broken_error()
         if self.closed:
             raise ShoalError("this parallel session is closed; call shoal.fork() again")
 
@@ -294,9 +455,9 @@ class Session:
             left = deadline - time.monotonic()
             if left <= 0:
                 missing = sorted(r for r in index.values() if r not in got)
-                self.abort()
-                raise WorkerError(missing[0], f"did not {what} within {timeout:g} s "
-                                  "(raise shoal.fork(timeout=...) for longer calls)")
+                why = f"did not {what} within {timeout:g} s"
+                self.abort((missing[0], why))
+                raise WorkerError(missing[0], f"{why} (raise shoal.fork(timeout=...) for longer calls)")
             ready = mp.connection.wait(waiting + list(sentinels), timeout=left)
             for obj in ready:
                 if obj in sentinels:
@@ -310,15 +471,19 @@ class Session:
     def failure(self, fallback: str = "the parallel session broke") -> WorkerError:
         """Abort the session and describe why: the first worker that died, if any did."""
         deadline = time.monotonic() + 2.0
-        while time.monotonic() < deadline and all(p.exitcode is None for p in self.procs):
+        while True:
+            with self._lock:
+                dead = self._deaths()
+            if dead is not None or time.monotonic() >= deadline:
+                break
             mp.connection.wait([p.sentinel for p in self.procs], timeout=0.1)
-        dead = [(r, p.exitcode) for r, p in enumerate(self.procs, start=1) if p.exitcode is not None]
-        self.abort()
         if dead:
-            rank, code = dead[0]
-            return WorkerError(rank, f"worker process {exit_status(code)}; the parallel session "
-                                     "is closed")
-        return WorkerError(0, f"{fallback}; the parallel session is closed")
+            rank = min(dead)
+            why = f"worker process {exit_status(dead[rank])}"
+        else:
+            rank, why = 0, first_line(ShoalError(fallback))
+        self.abort((rank, why))
+        return WorkerError(rank, f"{why}; the parallel session is closed")
 
 
 _CURRENT: Session | None = None
@@ -329,6 +494,15 @@ def current() -> Session | None:
     return _CURRENT if _CURRENT is not None and not _CURRENT.closed else None
 
 
+def active() -> Session | None:
+    """The session a call should use: the open one, or None (the call runs serially). A
+    session that broke raises until :func:`fork` starts a new one or :func:`close` ends it."""
+    session = _CURRENT
+    if session is not None and session.broken is not None:
+        raise session.broken_error()
+    return session if session is not None and not session.closed else None
+
+
 def fork(n: int, device: str = "cpu", *, timeout: float = 600.0, threads: int | None = None) -> Session:
     """Start ``n - 1`` workers; this process is rank 0 and computes its share too.
 
@@ -337,7 +511,9 @@ def fork(n: int, device: str = "cpu", *, timeout: float = 600.0, threads: int | 
     ``threads`` sets each process's torch threads (default: cores divided by ``n``). Use it
     as a context manager, or end it with :func:`close`. Workers never run the main program
     (a script needs no ``if __name__ == "__main__":`` guard; stdin, ``-c`` and a REPL work):
-    functions reach them by value.
+    functions reach them by value. A worker that dies ends the call it is in at once; the
+    session is then broken: later calls raise until ``fork`` is called again (or
+    :func:`close`). The session listens on loopback only.
     """
     global _CURRENT
     if in_function():
@@ -349,7 +525,8 @@ def fork(n: int, device: str = "cpu", *, timeout: float = 600.0, threads: int | 
 
 
 def close() -> None:
-    """End the open parallel session, if any: workers exit, the process group is left."""
-    session = current()
+    """End the open parallel session, if any: workers exit, the process group is left. A
+    broken session is ended too (calls run serially again)."""
+    session = _CURRENT
     if session is not None:
         session.close()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import io
+import os
 import pickle
 import signal
 import sys
@@ -17,7 +18,7 @@ from shoal.parallel import session as _session
 from shoal.parallel.arrays import SharedArray
 from shoal.parallel.functions import Function, _Call, error_info, worker_call
 from shoal.parallel.session import GO, OP_CALL, OP_CLOSE, module_tensors
-from shoal.processes import die_with_parent
+from shoal.processes import die_with_parent, loopback_only_environment
 
 
 class _Unpickler(pickle.Unpickler):
@@ -109,6 +110,10 @@ def worker_main(rank: int, world: int, port: int, device: str, conn: Any, timeou
     td = timedelta(seconds=timeout)
     store = dist.TCPStore("127.0.0.1", port, world, False, timeout=timedelta(seconds=max(timeout, 60.0)))
     backend = "cpu:gloo,cuda:nccl" if device == "cuda" else "gloo"
+    # This process is ours: Gloo listens on loopback only, whatever the controller's user set.
+    gloo = loopback_only_environment().get("GLOO_SOCKET_IFNAME")
+    if gloo is not None:
+        os.environ["GLOO_SOCKET_IFNAME"] = gloo
     dist.init_process_group(backend, store=store, rank=rank, world_size=world, timeout=td)
     conn.send_bytes(b"joined")
     try:
