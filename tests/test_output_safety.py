@@ -135,3 +135,14 @@ def _session(sid: int) -> list[int]:
                 if os.getsid(int(entry.name)) == sid:
                     pids.append(int(entry.name))
     return pids
+
+
+def test_resume_auto_starts_fresh_then_continues(tmp_path, capsys):
+    code, err = _train(capsys, tmp_path, "--resume", "auto", "--stop-at-step", "4")
+    assert code == 0, err  # nothing to resume: a fresh start
+    code, err = _train(capsys, tmp_path, "--resume", "auto", "--log-every", "1")
+    assert code == 0, err
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    steps = [json.loads(line)["step"] for line in (tmp_path / "metrics.jsonl").open()
+             if json.loads(line)["event"] == "step"]
+    assert summary["completed"] and steps == list(range(5, 24))  # continued after step 4
