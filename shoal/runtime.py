@@ -27,12 +27,16 @@ _THREADS: int | None = None  # set by `shoal run --threads-per-worker` before th
 _previous_excepthook: Callable[..., Any] | None = None
 
 
-def init(device: str = "auto", timeout_s: float = 300.0, threads: int | None = None) -> Comm:
+def init(device: str = "auto", timeout_s: float = 300.0, threads: int | None = None, *,
+         heartbeat_timeout: float | None = 10.0) -> Comm:
     """Join the job this process was launched into and return its :class:`~shoal.comm.Comm`.
 
     Reads torchrun's, Slurm's or mpirun's environment (or the one :func:`launch` gives); a
     process started on its own is a job of one. Calling it again returns the same ``Comm``.
     ``threads`` defaults to the machine's cores divided by the processes on this node.
+    ``timeout_s`` bounds every collective; a rank that sends no heartbeat for
+    ``heartbeat_timeout`` seconds (stopped, swapped out: not merely slow) stops the job
+    sooner, named as hung (``None``: never).
 
     A program need not call :func:`shutdown`: at exit the job is left in order, and an
     uncaught exception first tells the other ranks, which then stop within seconds.
@@ -42,7 +46,8 @@ def init(device: str = "auto", timeout_s: float = 300.0, threads: int | None = N
         env = detect_environment() or Environment()
         if threads is None:
             threads = _THREADS or default_threads(env.local_world_size)
-        _COMM = init_comm(env, device=device, timeout_s=timeout_s, threads=threads)
+        _COMM = init_comm(env, device=device, timeout_s=timeout_s, threads=threads,
+                          heartbeat_timeout=heartbeat_timeout)
         atexit.unregister(_leave_at_exit)  # once, however often init/shutdown alternate
         atexit.register(_leave_at_exit)
         _chain_excepthook()

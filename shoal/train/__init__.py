@@ -36,7 +36,8 @@ def run_worker(cfg: TrainConfig, data: Dataset | None = None) -> dict[str, Any] 
     threads = cfg.threads_per_worker or default_threads(env.local_world_size)
     previous = stop_on_sigterm()
     try:
-        comm = init_comm(env, cfg.device, cfg.timeout, threads, Timeline(keep_events=cfg.trace))
+        comm = init_comm(env, cfg.device, cfg.timeout, threads, Timeline(keep_events=cfg.trace),
+                         heartbeat_timeout=cfg.heartbeat_timeout)
         try:
             summary = Trainer(cfg, comm, data).run()
         except BaseException as exc:
