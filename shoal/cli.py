@@ -368,26 +368,84 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def config_from_args(args: argparse.Namespace) -> Any:
-    """Merge defaults, ``--config`` file and flags into a validated TrainConfig."""
-    from shoal.config import TrainConfig, load_config_file
-    from shoal.strategies import STRATEGIES, option_fields
+    """Merge defaults, ``--config`` file and flags into a validated TrainConfig.
+
+    A config file's values are checked as the flags are, strategy options by the chosen
+    strategy's ``Options``; an error about a value from the file names the file and the key.
+    """
+    from shoal.config import TrainConfig
+    from shoal.strategies import get_strategy, make_options
 
     values: dict[str, Any] = {}
+    options: dict[str, Any] = {}
     given = vars(args)
+    source, from_file = "", set()
     if "config" in given:
-        values.update(load_config_file(given["config"]))
-    options = dict(values.pop("strategy_options", None) or {})
+        source = f"config file {given['config']}"
+        values, options = _config_file(given["config"], given)
+        from_file = set(values) | set(options)
+    for key, value in given.items():
+        if key.startswith("opt_"):
+            options[key[4:]] = value
+            from_file.discard(key[4:])
+        elif key not in ("command", "config"):
+            values[key] = value
+            from_file.discard(key)
+    values["strategy_options"] = options
+    try:
+        cfg = TrainConfig.from_dict(values).validate()
+        if from_file & set(options):  # the flags' are checked before workers start
+            make_options(get_strategy(cfg.strategy), cfg.strategy_options, cfg.workers)
+    except ShoalError as exc:
+        raise _blame(exc, source, from_file) from exc
+    return cfg
+
+
+def _blame(exc: ShoalError, source: str, keys: set[str]) -> ShoalError:
+    """``exc``, naming ``source`` and the key when it is about a value of one of ``keys``
+    (``--seed must be ...`` -> ``config file run.yaml: seed must be ...``)."""
+    message = str(exc)
+    for key in sorted(keys):
+        flag = "--" + key.replace("_", "-")
+        if message.startswith(flag + " "):
+            return ShoalError(f"{source}: {key}{message[len(flag):]}")
+    return exc
+
+
+def _config_file(path: str, flags: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
+    """A ``--config`` file's settings and strategy options, each value type-checked."""
+    import typing
+
+    from shoal.config import TrainConfig, check_value, load_config_file, show_value
+    from shoal.strategies import STRATEGIES, get_strategy, option_fields
+
+    source = f"config file {path}"
+    values = load_config_file(path)
+    options = values.pop("strategy_options", None)
+    if options is None:
+        options = {}
+    if not isinstance(options, dict):
+        raise ShoalError(f"{source}: strategy_options must be a mapping of options, "
+                         f"got {show_value(options)}")
+    options = {str(k).replace("-", "_"): v for k, v in options.items()}
     # A file may give strategy options at the top level, as the flags do.
     option_names = {f.name for cls in STRATEGIES.values() for f in option_fields(cls)}
     for key in [k for k in values if k in option_names]:
         options[key] = values.pop(key)
-    for key, value in given.items():
-        if key.startswith("opt_"):
-            options[key[4:]] = value
-        elif key not in ("command", "config"):
-            values[key] = value
-    values["strategy_options"] = options
-    return TrainConfig.from_dict(values).validate()
+    TrainConfig.from_dict(values, source)  # unknown keys, types of the settings
+    # The options' types, by the strategy that will take them (a flag may choose it).
+    from_file = {k: v for k, v in options.items() if f"opt_{k}" not in flags}
+    if from_file:
+        strategy = flags.get("strategy", values.get("strategy", TrainConfig.strategy))
+        cls = get_strategy(strategy)
+        try:
+            hints = typing.get_type_hints(cls.Options)
+        except Exception:  # annotations it cannot resolve: the Options check their own values
+            hints = {}
+        for key, value in from_file.items():
+            if key in hints:  # the ranges: make_options, then naming the file
+                check_value(value, hints[key], f"{source}: {key}", bounds=False)
+    return values, options
 
 
 def _list() -> None:
@@ -421,6 +479,11 @@ def _where() -> str:
 
     world, rank = os.environ.get("WORLD_SIZE", "1"), os.environ.get("RANK")
     return f"rank {rank}: " if rank is not None and world.isdigit() and int(world) > 1 else ""
+
+
+def _one_line(message: str) -> str:
+    """``message`` on one line: a path or value holding a line break is shown escaped."""
+    return message.strip().replace("\r", "\\r").replace("\n", "\\n")
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -458,9 +521,9 @@ def main(argv: Sequence[str] | None = None) -> int:
                 print(f"--- traceback on rank {exc.rank} ---\n{exc.traceback}", file=sys.stderr)
         if isinstance(exc, WorkerError) and not exc.user_error:
             hint = "" if debug else " (run with --debug for the traceback)"
-            print(f"shoal: error: {exc}{hint}", file=sys.stderr)
+            print(f"shoal: error: {_one_line(str(exc))}{hint}", file=sys.stderr)
             return EXIT_FAILURE
-        print(f"shoal: error: {where}{exc}", file=sys.stderr)
+        print(f"shoal: error: {where}{_one_line(str(exc))}", file=sys.stderr)
         return EXIT_USER_ERROR
     except Exception as exc:
         if debug:

@@ -8,9 +8,14 @@ directory.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import math
+import numbers
 import os
+import re
+import types
+import typing
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -21,6 +26,24 @@ OPTIMIZERS = ("sgd", "adam", "adamw")
 SCHEDULES = ("constant", "step", "cosine")
 DEVICES = ("auto", "cpu", "cuda")
 PROGRESS = ("auto", "bar", "plain", "none")
+
+#: ``--seed`` is at most this (NumPy's range): seeds derived from it (``seed * 1_000_003 +
+#: epoch`` for the data order, ``seed + 10_007 * (rank + 1)`` for augmentation) must still fit
+#: the 64 bits ``torch.manual_seed`` takes.
+MAX_SEED = 2**32 - 1
+#: ``--timeout`` and ``--heartbeat-timeout`` are at most a week, in seconds: far beyond any
+#: sane wait, and far below what ``timedelta`` (about 8.6e13 s) and Gloo's rendezvous (which
+#: fails at once from about 1e10 s) can hold.
+MAX_TIMEOUT_S = 7 * 24 * 3600.0
+#: Every integer setting is at most this (what a C ``int64`` holds), so no count overflows
+#: the tensors and C++ code it reaches.
+MAX_INT = 2**63 - 1
+#: Every float setting is at most this in magnitude (the largest float32): learning rates,
+#: weight decay and strategy rates multiply float32 tensors, which cannot hold more.
+MAX_FLOAT = 3.4028234663852886e38
+#: Numbers YAML 1.1 reads as strings (an exponent without a dot, or one without a sign:
+#: ``1e-3``, ``1.0e3``), which ``float()`` and the command-line flags read as numbers.
+_YAML_MISSED_FLOAT = re.compile(r"[-+]?(\d+(\.\d*)?|\.\d+)[eE][-+]?\d+")
 
 
 @dataclass
@@ -98,11 +121,26 @@ class TrainConfig:
 
     # -- validation -----------------------------------------------------------------------
     def validate(self) -> TrainConfig:
-        """Raise :class:`ShoalError` naming the first bad value; return ``self``."""
+        """Raise :class:`ShoalError` naming the first bad value; return ``self``.
+
+        Every field is first checked against its annotation (an ``int`` field takes no float,
+        string or bool; a ``float`` field takes ints; tuples take lists) and normalized
+        (``float`` fields hold floats, sequences tuples); then each setting's own range;
+        last what :func:`check_bounds` asks of every field (floats finite and within
+        float32, ints within int64, no NUL in text).
+        """
+        hints = {k: v for k, v in field_types().items()
+                 if k != "profile" or self.profile is None}  # parse_step_window checks it
+        for name, hint in hints.items():
+            value = check_value(getattr(self, name), hint, _flag(name), bounds=False)
+            if name == "strategy_options":
+                value = {str(k).replace("-", "_"): v for k, v in value.items()}
+            setattr(self, name, value)
+
         def positive(name: str, value: float | None, allow_none: bool = False) -> None:
             if value is None and allow_none:
                 return
-            if value is None or not math.isfinite(value) or value < 1:
+            if value is None or value < 1 or (isinstance(value, float) and not math.isfinite(value)):
                 flag = "--" + name.replace("_", "-")
                 raise ShoalError(f"{flag} must be at least 1, got {value}")
 
@@ -134,6 +172,15 @@ class TrainConfig:
             value = getattr(self, name)
             if not (math.isfinite(value) and value >= 0):
                 raise ShoalError(f"--{name.replace('_', '-')} must be >= 0, got {value}")
+        for name in ("timeout", "heartbeat_timeout"):
+            value = getattr(self, name)
+            if value > MAX_TIMEOUT_S:
+                raise ShoalError(f"--{name.replace('_', '-')} must be at most "
+                                 f"{MAX_TIMEOUT_S:.0f} seconds (a week), got {value:g}")
+        if not 0 <= self.seed <= MAX_SEED:
+            raise ShoalError(f"--seed must be from 0 to {MAX_SEED}, got {show_value(self.seed)}")
+        if not self.out:
+            raise ShoalError("--out must name a directory, got ''")
         if self.momentum >= 1:
             raise ShoalError(f"--momentum must be below 1, got {self.momentum}")
         if self.nesterov and self.momentum == 0:
@@ -152,6 +199,11 @@ class TrainConfig:
             raise ShoalError("--resume and --overwrite contradict each other")
         if self.profile is not None:
             self.profile = parse_step_window(self.profile)
+        for name in hints:  # what the checks above leave: floats finite float32, ints int64
+            check_bounds(getattr(self, name), _flag(name))
+        if self.scale_lr and self.workers is not None and self.base_lr(self.workers) > MAX_FLOAT:
+            raise ShoalError(f"--lr {self.lr:g} --scale-lr with {self.workers} workers is "
+                             f"beyond float32 ({MAX_FLOAT:.3g})")
         return self
 
     # -- (de)serialization ----------------------------------------------------------------
@@ -163,15 +215,155 @@ class TrainConfig:
         return d
 
     @classmethod
-    def from_dict(cls, values: dict[str, Any]) -> TrainConfig:
+    def from_dict(cls, values: dict[str, Any], source: str | None = None) -> TrainConfig:
+        """A configuration from ``values``; :meth:`validate` checks it. With ``source`` (say
+        ``"config file run.yaml"``), the values' types are checked here, errors naming the
+        source and the key."""
         names = {f.name: f for f in dataclasses.fields(cls)}
         unknown = sorted(set(values) - set(names))
         if unknown:
-            raise ShoalError(f"unknown configuration keys: {', '.join(unknown)}")
+            shown = ", ".join(show_value(u) if not u.isidentifier() else u for u in unknown)
+            raise ShoalError(f"{source + ': ' if source else ''}unknown configuration keys: "
+                             f"{shown}")
+        if source is not None:
+            check_values(values, source)
         clean = {}
         for k, v in values.items():
             clean[k] = tuple(v) if isinstance(v, list) and k != "strategy_options" else v
         return cls(**clean)
+
+
+def _flag(name: str) -> str:
+    return "--" + name.replace("_", "-")
+
+
+@functools.cache
+def field_types() -> dict[str, Any]:
+    """Every :class:`TrainConfig` field's annotation, resolved (``int | None``, ...)."""
+    return typing.get_type_hints(TrainConfig)
+
+
+def check_values(values: dict[str, Any], source: str) -> None:
+    """Check the types of configuration ``values`` read from ``source`` (a config file),
+    naming the source and the key of the first wrong one."""
+    hints = field_types()
+    for key, value in values.items():
+        if key == "profile" and value is not None:
+            try:
+                parse_step_window(value)
+            except ShoalError as exc:
+                raise ShoalError(f"{source}: profile: {exc}") from None
+        elif key in hints:  # the ranges: validate(), whose errors the caller may rename
+            check_value(value, hints[key], f"{source}: {key}", bounds=False)
+
+
+def show_value(value: Any) -> str:
+    """``repr(value)``, cut short: error lines stay one readable line."""
+    text = repr(value)
+    return text if len(text) <= 60 else text[:45] + "..." + text[-10:]
+
+
+def _describe(hint: Any) -> str:
+    """What a value of type ``hint`` is, in words: ``an integer``, ``a list of numbers``."""
+    origin, args = typing.get_origin(hint), typing.get_args(hint)
+    if origin in (typing.Union, types.UnionType):
+        return " or ".join(_describe(a) for a in args if a is not type(None))
+    if origin in (tuple, list):
+        item = args[0] if args else Any
+        return "a list of " + {int: "integers", float: "numbers", str: "strings",
+                               bool: "true/false values"}.get(item, "values")
+    if origin is dict or hint is dict:
+        return "a mapping"
+    return {bool: "true or false", int: "an integer", float: "a number",
+            str: "a string"}.get(hint, getattr(hint, "__name__", str(hint)))
+
+
+_INVALID = object()
+
+
+def _convert(value: Any, hint: Any) -> Any:
+    """``value`` as a ``hint`` (ints become floats for ``float``, lists tuples for ``tuple``),
+    or ``_INVALID``. Annotations it does not know pass any value."""
+    origin, args = typing.get_origin(hint), typing.get_args(hint)
+    if hint is Any:
+        return value
+    if origin in (typing.Union, types.UnionType):
+        if value is None and type(None) in args:
+            return None
+        for arg in args:
+            if arg is not type(None) and (out := _convert(value, arg)) is not _INVALID:
+                return out
+        return _INVALID
+    if hint is bool:
+        return value if isinstance(value, bool) else _INVALID
+    if hint is int:  # Integral: NumPy's integers too (from Python code)
+        ok = isinstance(value, numbers.Integral) and not isinstance(value, bool)
+        return int(value) if ok else _INVALID
+    if hint is float:
+        if isinstance(value, str) and _YAML_MISSED_FLOAT.fullmatch(value.strip()):
+            value = float(value)
+        if isinstance(value, bool) or not isinstance(value, numbers.Real):
+            return _INVALID
+        try:
+            return float(value)
+        except OverflowError:  # an int beyond any float
+            return _INVALID
+    if hint is str:
+        return value if isinstance(value, str) else _INVALID
+    if origin in (tuple, list):
+        if not isinstance(value, (list, tuple)):
+            return _INVALID
+        item = args[0] if args else Any
+        items = [_convert(v, item) for v in value]
+        if any(v is _INVALID for v in items):
+            return _INVALID
+        return tuple(items) if origin is tuple else items
+    if origin is dict or hint is dict:
+        return dict(value) if isinstance(value, dict) else _INVALID
+    return value
+
+
+def _numbers(value: Any) -> list[int | float]:
+    """The numbers in ``value`` (itself, or the items of a tuple/list)."""
+    items = value if isinstance(value, (list, tuple)) else [value]
+    return [float(v) if isinstance(v, float) else int(v) for v in items
+            if isinstance(v, (numbers.Integral, float)) and not isinstance(v, bool)]
+
+
+def check_value(value: Any, hint: Any, name: str, bounds: bool = True) -> Any:
+    """``value`` checked against the annotation ``hint`` and normalized; otherwise a
+    one-line :class:`ShoalError` that begins with ``name`` (a flag, or ``file: key``).
+
+    With ``bounds``, also :func:`check_bounds`.
+    """
+    out = _convert(value, hint)
+    if out is _INVALID:
+        raise ShoalError(f"{name} must be {_describe(hint)}, got {show_value(value)}")
+    _check_text(out, name)
+    if bounds:
+        check_bounds(out, name)
+    return out
+
+
+def _check_text(value: Any, name: str) -> None:
+    if isinstance(value, str) and "\x00" in value:  # a file may hold one, no path or argv can
+        raise ShoalError(f"{name} must not contain a NUL character, got {show_value(value)}")
+
+
+def check_bounds(value: Any, name: str) -> None:
+    """Floats must be finite and within float32's range, integers fit in 64 bits (also
+    inside lists), strings hold no NUL (no path can: a file may hold one, a command line
+    cannot); otherwise a one-line :class:`ShoalError` beginning with ``name``."""
+    _check_text(value, name)
+    for number in _numbers(value):
+        if isinstance(number, float) and not math.isfinite(number):
+            what = "finite" if isinstance(value, (list, tuple)) else "a finite number"
+            raise ShoalError(f"{name} must be {what}, got {show_value(value)}")
+        if isinstance(number, float) and abs(number) > MAX_FLOAT:
+            raise ShoalError(f"{name} must be at most {MAX_FLOAT:.3g} in magnitude (float32), "
+                             f"got {number:g}")
+        if isinstance(number, int) and abs(number) > MAX_INT:
+            raise ShoalError(f"{name} must be at most {MAX_INT}, got {show_value(number)}")
 
 
 def parse_step_window(value: Any) -> tuple[int, int]:
@@ -179,6 +371,8 @@ def parse_step_window(value: Any) -> tuple[int, int]:
     try:
         if isinstance(value, str):
             parts = [int(v) for v in value.split(":")]
+        elif isinstance(value, bool):
+            parts = []
         elif isinstance(value, int):
             parts = [value]
         else:

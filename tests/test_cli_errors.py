@@ -39,6 +39,24 @@ def fails(*args: str, code: int = 2) -> str:
      "needs images of at least 4x4"),
     (["--global-batch-size", "2", "--workers", "3"], "--global-batch-size 2 is smaller"),
     (["--config", "/nonexistent.yaml"], "config file /nonexistent.yaml does not exist"),
+    # every float option of every strategy must be finite (nan passes `x <= 0` checks)
+    (["--bucket-mb", "nan"], "--bucket-mb must be a finite number, got nan"),
+    (["--bucket-mb", "inf"], "--bucket-mb must be a finite number, got inf"),
+    (["--strategy", "diloco", "--outer-lr", "inf"], "--outer-lr must be a finite number"),
+    # numbers that no seed, timedelta or Gloo timeout can hold
+    (["--seed", "100000000000000000000000"], "--seed must be from 0 to 4294967295"),
+    (["--seed", "-1"], "--seed must be from 0 to 4294967295"),
+    (["--timeout", "1e18"], "--timeout must be at most 604800 seconds (a week)"),
+    (["--heartbeat-timeout", "1e18"], "--heartbeat-timeout must be at most 604800 seconds"),
+    (["--epochs", "1" + "0" * 400], "--epochs must be at most"),
+    (["--lr-milestones", "nan"], "--lr-milestones must be finite"),
+    # float settings multiply float32 tensors: beyond float32, torch raises an overflow
+    (["--lr", "1e39"], "--lr must be at most 3.4e+38 in magnitude (float32), got 1e+39"),
+    (["--weight-decay", "1e300"], "--weight-decay must be at most 3.4e+38"),
+    (["--warmup-epochs", "1e308"], "--warmup-epochs must be at most 3.4e+38"),
+    (["--strategy", "diloco", "--outer-lr", "1e39"], "--outer-lr must be at most 3.4e+38"),
+    (["--lr", "1e38", "--scale-lr", "--workers", "4"], "--scale-lr with 4 workers is beyond"),
+    (["--out", ""], "--out must name a directory"),
 ])
 def test_bad_arguments(tmp_path, capsys, args, message):
     # In-process (the same code path as the command, minus the interpreter start-up).
@@ -99,7 +117,7 @@ def test_non_finite_loss_stops_and_keeps_the_good_checkpoint(tmp_path):
 def test_resume_problems(tmp_path):
     assert "no checkpoint at" in fails("train", "--out", str(tmp_path), "--resume")
     train(tmp_path, "--epochs", "1", "--stop-at-step", "3")
-    assert "checkpoint was made with model='lenet5'" in fails(
+    assert "checkpoint was made with --model 'lenet5'" in fails(
         "train", "--out", str(tmp_path), "--resume", "--model", "mlp")
     bad = tmp_path / "bad.pt"
     bad.write_bytes(b"\x00garbage")
@@ -110,3 +128,129 @@ def test_resume_problems(tmp_path):
 def test_debug_flag_shows_traceback(tmp_path):
     res = shoal("train", "--model", "lenet7", "--out", str(tmp_path), "--debug")
     assert res.returncode == 2 and "Traceback" in res.stderr
+
+
+@pytest.mark.parametrize("text, message", [
+    ("epochs: ten", "epochs must be an integer, got 'ten'"),
+    ("batch_size: 16.5", "batch_size must be an integer, got 16.5"),
+    ("epochs: 1.5", "epochs must be an integer, got 1.5"),  # was: 2 epochs, silently
+    ("epochs: true", "epochs must be an integer, got True"),
+    ("augment: 1", "augment must be true or false, got 1"),
+    ("lr: fast", "lr must be a number, got 'fast'"),
+    ("model: 5", "model must be a string, got 5"),
+    ("lr-milestones: [30, x]", "lr_milestones must be a list of numbers, got [30, 'x']"),
+    ("synthetic_shape: 3", "synthetic_shape must be a list of integers, got 3"),
+    ("strategy_options: 3", "strategy_options must be a mapping"),
+    ("bucket_mb: big", "bucket_mb must be a number, got 'big'"),
+    ("strategy: local-sgd\ntau: 2.5", "tau must be an integer, got 2.5"),
+    ("strategy_options: {measure_wait: 2}", "measure_wait must be true or false, got 2"),
+    ("bucket_mb: .nan", "bucket_mb must be a finite number, got nan"),
+    # the ranges of the flags, naming the file's key
+    ("seed: 100000000000000000000000", "seed must be from 0 to 4294967295"),
+    ("timeout: 1.0e+18", "timeout must be at most 604800 seconds (a week)"),
+    ("heartbeat-timeout: 0", "heartbeat_timeout must be a positive number, got 0"),
+    ('data_dir: "\\0"', r"data_dir must not contain a NUL character, got '\x00'"),
+    ("strategy: diloco\nstrategy_options: {outer-lr: -1}", "outer_lr must be positive"),
+])
+def test_config_file_values_are_type_checked(tmp_path, capsys, text, message):
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text(text + "\n")
+    assert main(["train", "--config", str(cfg), "--out", str(tmp_path / "r")]) == 2
+    line = one_error_line(capsys.readouterr().err)
+    assert f"config file {cfg}: {message}" in line
+    assert not (tmp_path / "r").exists()
+
+
+def test_config_file_numbers_as_the_flags_read_them(tmp_path):
+    from shoal.cli import build_parser, config_from_args
+
+    cfg = tmp_path / "c.json"
+    # JSON and YAML numbers; YAML 1.1 reads 1e-3 (no dot) as a string, shoal as the number
+    cfg.write_text('{"lr": 1, "weight_decay": 0, "lr_milestones": [3, 4.5], "epochs": 3}')
+    args = build_parser().parse_args(["train", "--config", str(cfg)])
+    c = config_from_args(args)
+    assert (c.lr, c.weight_decay, c.lr_milestones, c.epochs) == (1.0, 0.0, (3.0, 4.5), 3)
+    assert isinstance(c.lr, float)
+    yml = tmp_path / "c.yaml"
+    yml.write_text("lr: 1e-3\nsynthetic-shape: [1, 8, 8]\nprofile: '2:3'\nworkers: null\n")
+    c = config_from_args(build_parser().parse_args(["train", "--config", str(yml)]))
+    assert (c.lr, c.synthetic_shape, c.profile, c.workers) == (1e-3, (1, 8, 8), (2, 3), None)
+
+
+def test_every_strategy_float_option_must_be_finite():
+    import dataclasses
+
+    from shoal.errors import ShoalError
+    from shoal.strategies import Strategy, make_options
+
+    @dataclasses.dataclass
+    class Options:
+        rate: float = 0.5
+        steps: int = 2
+
+    class NewStrategy(Strategy):  # a strategy with no checks of its own
+        name = "new"
+
+    NewStrategy.Options = Options
+    assert make_options(NewStrategy, {"rate": 2}).rate == 2.0
+    for values, message in (({"rate": float("nan")}, "--rate must be a finite number, got nan"),
+                            ({"rate": "x"}, "--rate must be a number, got 'x'"),
+                            ({"steps": 1.5}, "--steps must be an integer, got 1.5")):
+        with pytest.raises(ShoalError) as info:
+            make_options(NewStrategy, values)
+        assert str(info.value) == message
+
+
+@pytest.mark.parametrize("body, message", [
+    ("def make(shape, n):\n    import sys\n    sys.exit(3)\n", "called sys.exit(3)"),
+    ("import sys\nsys.exit(4)\ndef make(shape, n): pass\n", "called sys.exit(4)"),
+    ("raise ValueError('broken module')\n", "ValueError: broken module"),
+])
+def test_model_factory_that_exits(tmp_path, capsys, body, message):
+    name = f"exiting_{abs(hash(body))}"
+    (tmp_path / f"{name}.py").write_text(body)
+    spec = f"{tmp_path / name}.py:make"
+    assert main(["train", "--model", spec, "--out", str(tmp_path / "r")]) == 2
+    line = one_error_line(capsys.readouterr().err)
+    assert f"model '{spec}'" in line and message in line
+
+
+FULL_DISK = """
+import resource, signal, sys
+from shoal.cli import main
+signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # writing past the limit: EFBIG, not a signal
+resource.setrlimit(resource.RLIMIT_FSIZE, (64 * 1024, resource.RLIM_INFINITY))
+sys.exit(main(sys.argv[1:]))
+"""
+
+
+def test_full_disk_while_checkpointing_keeps_the_previous_checkpoint(tmp_path):
+    import subprocess
+    import sys
+
+    from conftest import shoal_env
+
+    out = tmp_path / "run"
+    args = ["train", "--model", "mlp", "--out", str(out), "--progress", "none"]
+    assert main([*args, "--epochs", "1", "--stop-at-step", "3"]) == 0
+    ckpt = out / "checkpoint.pt"
+    assert ckpt.stat().st_size > 64 * 1024  # so that the next one cannot be written
+    before = hashlib.sha256(ckpt.read_bytes()).hexdigest()
+    # The real torch.save under a file-size limit (what a full disk looks like to a writer).
+    res = subprocess.run([sys.executable, "-c", FULL_DISK, *args, "--resume", "--epochs", "1"],
+                         capture_output=True, text=True, timeout=120, env=shoal_env())
+    assert res.returncode == 2, res.stderr
+    line = one_error_line(res.stderr)
+    assert f"no space left on device writing {ckpt}" in line
+    assert "the previous checkpoint is kept" in line
+    assert hashlib.sha256(ckpt.read_bytes()).hexdigest() == before
+    assert sorted(p.name for p in out.iterdir()) == ["checkpoint.pt", "config.json",
+                                                      "metrics.jsonl"]
+
+
+def test_error_naming_a_path_with_a_line_break_stays_one_line(tmp_path, capsys):
+    odd = tmp_path / "a\nb"
+    assert main(["train", "--dataset", "mnist", "--data-dir", str(odd),
+                 "--out", str(tmp_path / "r")]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "a\\nb is not a directory" in one_error_line(err)

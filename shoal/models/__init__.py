@@ -60,10 +60,28 @@ def load_object(spec: str, what: str) -> object:
             module = importlib.import_module(module_name)
     except ImportError as exc:
         raise ShoalError(f"{what} {spec!r}: cannot import {module_name} ({exc})") from None
+    except ShoalError:
+        raise
+    except SystemExit as exc:
+        raise ShoalError(f"{what} {spec!r}: importing {module_name} {_exited(exc)}") from exc
+    except Exception as exc:
+        raise ShoalError(f"{what} {spec!r}: importing {module_name} failed: "
+                         f"{_first_line(exc)}") from exc
     try:
         return getattr(module, attr)
     except AttributeError:
         raise ShoalError(f"{what} {spec!r}: {module_name} has no attribute {attr!r}") from None
+
+
+def _first_line(exc: BaseException) -> str:
+    """``Type: first line of the message``: an exception as one line."""
+    lines = str(exc).strip().splitlines()
+    return f"{type(exc).__name__}: {lines[0]}" if lines else type(exc).__name__
+
+
+def _exited(exc: SystemExit) -> str:
+    """What a user's code did that raised ``exc``: ``called sys.exit(3)``."""
+    return f"called sys.exit({exc.code!r})" if exc.code is not None else "called sys.exit()"
 
 
 def _factory(spec: str) -> Factory:
@@ -89,8 +107,10 @@ def build_model(spec: str, input_shape: tuple[int, ...], num_classes: int) -> nn
             model = factory()  # type: ignore[call-arg]
     except ShoalError:
         raise
+    except SystemExit as exc:  # a factory that exits must not end shoal without a word
+        raise ShoalError(f"model {spec!r} {_exited(exc)} while being built") from exc
     except Exception as exc:
-        raise ShoalError(f"model {spec!r} could not be built: {type(exc).__name__}: {exc}") from exc
+        raise ShoalError(f"model {spec!r} could not be built: {_first_line(exc)}") from exc
     if not isinstance(model, nn.Module):
         raise ShoalError(f"model {spec!r} returned {type(model).__name__}, not a torch.nn.Module")
     check_model(model, spec, input_shape, num_classes)
@@ -104,10 +124,12 @@ def check_model(model: nn.Module, spec: str, input_shape: tuple[int, ...], num_c
     try:
         with torch.no_grad():
             out = model(torch.zeros(2, *input_shape))
+    except SystemExit as exc:
+        raise ShoalError(f"model {spec!r} {_exited(exc)} in its forward pass") from exc
     except Exception as exc:
         shape = "x".join(map(str, input_shape))
         raise ShoalError(f"model {spec!r} cannot take inputs of shape {shape}: "
-                         f"{type(exc).__name__}: {str(exc).splitlines()[0]}") from exc
+                         f"{_first_line(exc)}") from exc
     finally:
         model.train(was_training)
     if not isinstance(out, torch.Tensor) or tuple(out.shape) != (2, num_classes):

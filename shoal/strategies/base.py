@@ -20,6 +20,7 @@ nothing but its file.
 from __future__ import annotations
 
 import dataclasses
+import typing
 from collections.abc import Iterator
 from typing import Any, ClassVar
 
@@ -27,6 +28,7 @@ import torch
 from torch import nn
 
 from shoal.comm import Comm
+from shoal.config import check_bounds, check_value
 from shoal.data.base import num_rows, take_rows
 from shoal.data.sharding import EpochPlan
 from shoal.errors import ShoalError
@@ -52,8 +54,14 @@ class PeriodicOptions:
 
 
 def check_options(options: Any, workers: int | None) -> None:
-    """Run the options' own checks: ``validate()``, and ``check_workers(n)`` once the number
-    of workers is known (e.g. a rate that must shrink as workers are added)."""
+    """Check every number option is in range, for every strategy, new ones too (floats
+    finite, as ``nan`` slips through checks such as ``x <= 0``, and within float32; ints
+    within int64), then run the options' own checks: ``validate()``, and
+    ``check_workers(n)`` once the number of workers is known (e.g. a rate that must shrink
+    as workers are added)."""
+    if dataclasses.is_dataclass(options):
+        for f in dataclasses.fields(options):
+            check_bounds(getattr(options, f.name, None), "--" + f.name.replace("_", "-"))
     validate = getattr(options, "validate", None)
     if validate is not None:
         validate()
@@ -176,8 +184,10 @@ def option_fields(cls: type[Strategy]) -> list[dataclasses.Field]:
 def make_options(cls: type[Strategy], values: dict[str, Any], workers: int | None = None) -> Any:
     """Build and check ``cls.Options`` from ``values``, naming any option it does not take.
 
-    With ``workers``, the checks that depend on the number of workers run too, so that a bad
-    combination is caught before any worker starts.
+    Each value must fit its field's annotation, as :class:`~shoal.config.TrainConfig`'s
+    fields must (an ``int`` option takes no float, a ``float`` one takes ints and must be
+    finite). With ``workers``, the checks that depend on the number of workers run too, so
+    that a bad combination is caught before any worker starts.
     """
     known = {f.name for f in option_fields(cls)}
     unknown = sorted(set(values) - known)
@@ -185,6 +195,12 @@ def make_options(cls: type[Strategy], values: dict[str, Any], workers: int | Non
         flags = ", ".join("--" + u.replace("_", "-") for u in unknown)
         takes = ", ".join("--" + k.replace("_", "-") for k in sorted(known)) or "no options"
         raise ShoalError(f"strategy {cls.name} does not take {flags} (it takes {takes})")
+    try:
+        hints = typing.get_type_hints(cls.Options)
+    except Exception:  # annotations that do not resolve here: the options' own checks remain
+        hints = {}
+    values = {k: check_value(v, hints[k], "--" + k.replace("_", "-")) if k in hints else v
+              for k, v in values.items()}
     options = cls.Options(**values)
     check_options(options, workers)
     return options

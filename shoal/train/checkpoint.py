@@ -8,6 +8,7 @@ only, never arbitrary pickled objects.
 
 from __future__ import annotations
 
+import errno
 import os
 import re
 import tempfile
@@ -36,19 +37,77 @@ def to_cpu(obj: Any) -> Any:
     return obj
 
 
-def atomic_write(path: Path, write: Any) -> None:
-    """Call ``write(file_object)`` on a temporary file, fsync it, rename it to ``path``."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f"{TMP_PREFIX}{path.name}.", suffix=".tmp", dir=path.parent)
+#: Write errors that mean "no room": a full disk, the file-size limit, the disk quota.
+_NO_SPACE = {errno.ENOSPC: "", errno.EFBIG: " (file size limit reached)",
+             errno.EDQUOT: " (disk quota exceeded)"}
+
+
+class _Recorder:
+    """A file object that remembers the OSError its ``write`` raised: ``torch.save`` turns
+    it into ``RuntimeError: [enforce fail at inline_container.cc] unexpected pos``."""
+
+    def __init__(self, file: Any) -> None:
+        self._file = file
+        self.error: OSError | None = None
+
+    def write(self, data: Any) -> int:
+        try:
+            return self._file.write(data)
+        except OSError as exc:
+            self.error = exc
+            raise
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._file, name)
+
+
+def _os_error(exc: BaseException, recorded: OSError | None) -> OSError | None:
+    """The OSError behind ``exc``: recorded by the writer, ``exc`` itself, or its cause."""
+    if recorded is not None:
+        return recorded
+    seen: set[int] = set()
+    cur: BaseException | None = exc
+    while cur is not None and id(cur) not in seen:
+        if isinstance(cur, OSError) and cur.errno is not None:
+            return cur
+        seen.add(id(cur))
+        cur = cur.__cause__ or cur.__context__
+    return None
+
+
+def atomic_write(path: Path, write: Any, what: str = "file") -> None:
+    """Call ``write(file_object)`` on a temporary file, fsync it, rename it to ``path``.
+
+    A failed write (a full disk, a file-size limit or quota, no permission) removes the
+    temporary, keeps any previous ``path`` and raises a one-line :class:`ShoalError` that
+    says so; ``what`` names the file in it (``checkpoint``).
+    """
+    existed = path.exists()
+    tmp: str | None = None
+    recorder: _Recorder | None = None
     try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(prefix=f"{TMP_PREFIX}{path.name}.", suffix=".tmp",
+                                   dir=path.parent)
         with os.fdopen(fd, "wb") as f:
-            write(f)
+            recorder = _Recorder(f)
+            write(recorder)
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+    except BaseException as exc:
+        if tmp is not None:
+            Path(tmp).unlink(missing_ok=True)
+        error = _os_error(exc, recorder.error if recorder is not None else None)
+        if error is None or not isinstance(exc, Exception):
+            raise
+        kept = (f"; the previous {what} is kept" if existed and path.exists()
+                else f"; no {what} was written")
+        if error.errno in _NO_SPACE:
+            raise ShoalError(f"no space left on device writing {path}{_NO_SPACE[error.errno]}"
+                             f"{kept}") from exc
+        reason = error.strerror or type(error).__name__
+        raise ShoalError(f"cannot write {path}: {reason}{kept}") from exc
     dirfd = os.open(path.parent, os.O_RDONLY)
     try:
         os.fsync(dirfd)
@@ -57,8 +116,10 @@ def atomic_write(path: Path, write: Any) -> None:
 
 
 def save_checkpoint(path: Path, payload: dict[str, Any]) -> None:
+    """Write ``payload`` as a checkpoint at ``path`` (see :func:`atomic_write`): a full disk
+    is one line, ``no space left on device writing PATH; the previous checkpoint is kept``."""
     payload = {"format": FORMAT, "version": VERSION, **payload}
-    atomic_write(path, lambda f: torch.save(payload, f))
+    atomic_write(path, lambda f: torch.save(payload, f), what="checkpoint")
 
 
 def load_checkpoint(path: Path) -> dict[str, Any]:
