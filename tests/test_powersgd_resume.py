@@ -23,8 +23,8 @@ from shoal.strategies.sync import PowerSGDMemory, Synchronous, SyncOptions
 from conftest import checkpoint_params, max_param_diff, train
 
 CONFIG = ["--model", "lenet5", "--dataset", "digits", "--epochs", "2", "--workers", "2",
-          "--compress", "powersgd", "--powersgd-warmup", "3"]
-STEPS = 90  # 45 an epoch
+          "--batch-size", "64", "--compress", "powersgd", "--powersgd-warmup", "3"]
+STEPS = 24  # 12 an epoch
 
 
 def test_stopped_during_and_after_warmup_resumes_exactly(tmp_path):
@@ -36,10 +36,10 @@ def test_stopped_during_and_after_warmup_resumes_exactly(tmp_path):
     assert train(out, *CONFIG, "--stop-at-step", "2")["steps"] == 2
     state = torch.load(out / "checkpoint.pt", weights_only=True)["ranks"][1]["strategy"]
     assert state["powersgd"]["iter"] == 2 and not state["powersgd"]["memory"]
-    assert train(out, *CONFIG, "--resume", "--stop-at-step", "60")["steps"] == 60
+    assert train(out, *CONFIG, "--resume", "--stop-at-step", "18")["steps"] == 18
     state = torch.load(out / "checkpoint.pt", weights_only=True)["ranks"][1]["strategy"]
     memory = state["powersgd"]["memory"]
-    assert state["powersgd"]["iter"] == 60 and memory["classifier.1.weight"]["error"].any()
+    assert state["powersgd"]["iter"] == 18 and memory["classifier.1.weight"]["error"].any()
     assert memory["classifier.1.weight"]["q"].shape == (64,)  # rank 1: one column of Q
     resumed = train(out, *CONFIG, "--resume")
     assert resumed["completed"] and resumed["steps"] == STEPS

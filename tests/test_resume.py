@@ -14,7 +14,8 @@ import torch
 
 from conftest import REPO, checkpoint_params, max_param_diff, run, shoal_env, train
 
-CONFIG = ["--model", "lenet5", "--dataset", "digits", "--epochs", "4", "--workers", "2"]
+CONFIG = ["--model", "lenet5", "--dataset", "digits", "--epochs", "4", "--workers", "2",
+          "--batch-size", "32"]  # 23 steps an epoch
 
 
 @pytest.fixture(scope="module")
@@ -25,8 +26,8 @@ def reference(tmp_path_factory):
 
 
 def test_stop_and_resume_matches_uninterrupted(tmp_path, reference):
-    first = train(tmp_path, *CONFIG, "--stop-at-step", "70")  # mid-way through epoch 2
-    assert first["steps"] == 70 and not first["completed"]
+    first = train(tmp_path, *CONFIG, "--stop-at-step", "35")  # mid-way through epoch 2
+    assert first["steps"] == 35 and not first["completed"]
     second = train(tmp_path, *CONFIG, "--resume")
     assert second["completed"] and second["steps"] == reference[0]["steps"]
     assert max_param_diff(checkpoint_params(tmp_path / "checkpoint.pt"), reference[1]) < 1e-6

@@ -22,6 +22,11 @@ STRATEGIES = ["sync", "local-sgd", "easgd", "eamsgd", "diloco"]
 STEPS_PER_EPOCH = 12  # digits: 1437 training samples, global batch 2 x 64
 
 
+def _all_cases(root: str) -> dict[str, dict[str, float]]:
+    """Every strategy's resume cases on this rank (one process pair for all of them)."""
+    return {s: _cases(s, f"{root}/{s}") for s in STRATEGIES}
+
+
 def _cases(strategy: str, root: str) -> dict[str, float]:
     """Every resume case of ``strategy`` on this rank; rank 0 returns max |param diff| each."""
     from shoal.train.trainer import Trainer
@@ -50,14 +55,21 @@ def _cases(strategy: str, root: str) -> dict[str, float]:
     return diffs
 
 
+@pytest.fixture(scope="module")
+def results(tmp_path_factory) -> tuple[Path, dict[str, dict[str, float]]]:
+    root = tmp_path_factory.mktemp("resume")
+    return root, shoal.launch(_all_cases, str(root), workers=2)[0]
+
+
 @pytest.mark.parametrize("strategy", STRATEGIES)
-def test_resume_from_any_step_matches_uninterrupted(tmp_path, strategy):
-    diffs = shoal.launch(_cases, strategy, str(tmp_path), workers=2)[0]
+def test_resume_from_any_step_matches_uninterrupted(results, strategy):
+    root, all_diffs = results
+    diffs, run_dir = all_diffs[strategy], root / strategy
     assert diffs and all(d < 1e-6 for d in diffs.values()), diffs
     for case in ("stop1", f"stop{STEPS_PER_EPOCH}", "extend"):
-        records = [json.loads(line) for line in (tmp_path / case / "metrics.jsonl").open()]
+        records = [json.loads(line) for line in (run_dir / case / "metrics.jsonl").open()]
         steps = [r["step"] for r in records if r["event"] == "step"]
         assert steps == list(range(1, 3 * STEPS_PER_EPOCH + 1)), f"{case}: steps lost or doubled"
         epochs = [r["epoch"] for r in records if r["event"] == "epoch"]
         assert epochs == [1, 2, 3], f"{case}: epoch records {epochs}"
-        assert json.loads(Path(tmp_path / case / "summary.json").read_text())["completed"]
+        assert json.loads((run_dir / case / "summary.json").read_text())["completed"]
