@@ -195,7 +195,8 @@ def test_context_manager_closes_cleanly():
 
 
 CTRL_C = textwrap.dedent("""
-    import sys, time
+    import faulthandler, signal, sys, time
+    faulthandler.register(signal.SIGUSR1, all_threads=True)  # the test's diagnostics on a hang
     import torch, torch.distributed as dist
     import shoal
 
@@ -225,7 +226,14 @@ def test_ctrl_c_stops_every_worker(tmp_path, where):
         time.sleep(1.0)
         start = time.monotonic()
         os.killpg(proc.pid, signal.SIGINT)  # what a terminal's Ctrl-C does
-        _, err = proc.communicate(timeout=30)
+        try:
+            _, err = proc.communicate(timeout=30)
+        except subprocess.TimeoutExpired:
+            os.kill(proc.pid, signal.SIGUSR1)  # every thread's stack, on stderr
+            time.sleep(1.0)
+            os.killpg(proc.pid, signal.SIGKILL)
+            _, err = proc.communicate(timeout=30)
+            pytest.fail(f"the controller outlived Ctrl-C by 30 s; its stderr:\n{err}")
         assert time.monotonic() - start < 10
         assert proc.returncode != 0 and "KeyboardInterrupt" in err
         deadline = time.monotonic() + 10

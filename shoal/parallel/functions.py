@@ -554,6 +554,9 @@ def _controller_call(f: Function, args: tuple[Any, ...], kwargs: dict[str, Any],
         if session.closed or isinstance(exc2, WorkerError):
             raise
         if isinstance(exc2, (KeyboardInterrupt, SystemExit)):
+            # Leave the call first: the workers this abort stops are not deaths for the
+            # watcher to act on, so no wake-up signal lands on this thread during teardown.
+            session.end_call()
             session.abort((None, f"interrupted by {type(exc2).__name__}"))
             raise
         raise session.failure(f"{type(exc2).__name__}: {first_line(exc2)}") from exc2
