@@ -218,9 +218,12 @@ def test_ctrl_c_stops_every_worker(tmp_path, where):
     script = tmp_path / "ctrl_c.py"
     script.write_text(CTRL_C)
     marker = uuid.uuid4().hex
+    # As from a terminal: a suite started in the background by a non-interactive shell has
+    # SIGINT ignored, which children inherit, and Python then installs no Ctrl-C handler.
     proc = subprocess.Popen([sys.executable, str(script), where], cwd=REPO, env=shoal_env(marker),
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            start_new_session=True)
+                            start_new_session=True,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     try:
         assert proc.stdout.readline().strip() == "running"
         time.sleep(1.0)

@@ -14,7 +14,7 @@ import torch
 
 from conftest import REPO, checkpoint_params, max_param_diff, run, shoal_env, train
 
-CONFIG = ["--model", "lenet5", "--dataset", "digits", "--epochs", "4", "--workers", "2",
+CONFIG = ["--model", "lenet5", "--dataset", "digits", "--epochs", "3", "--workers", "2",
           "--batch-size", "32"]  # 23 steps an epoch
 
 
