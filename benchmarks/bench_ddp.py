@@ -19,7 +19,7 @@ import tempfile
 from pathlib import Path
 
 from shoal.bench.reference import Workload, run_reference
-from shoal.config import default_threads
+from shoal.core.env import default_threads
 
 REPO = Path(__file__).resolve().parent.parent
 

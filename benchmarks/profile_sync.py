@@ -34,8 +34,8 @@ from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 import shoal
 from shoal.bench.reference import Workload, ddp_step
 from shoal.config import TrainConfig
+from shoal.core.processes import spawn
 from shoal.data import DataOptions, load_dataset
-from shoal.processes import spawn
 from shoal.train.trainer import Trainer
 
 

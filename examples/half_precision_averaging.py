@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 import torch
 
 from shoal import Strategy
-from shoal.comm import FlatParams
+from shoal.core import FlatParams
 from shoal.errors import ShoalError
 
 

@@ -12,7 +12,6 @@ import functools
 import json
 import math
 import numbers
-import os
 import re
 import types
 import typing
@@ -404,8 +403,3 @@ def load_config_file(path: str) -> dict[str, Any]:
     if not isinstance(data, dict):
         raise ShoalError(f"config file {p}: expected a mapping of keys to values")
     return {str(k).replace("-", "_"): v for k, v in data.items()}
-
-
-def default_threads(local_workers: int) -> int:
-    """Cores available to this process divided among the workers on this node."""
-    return max(1, len(os.sched_getaffinity(0)) // max(1, local_workers))

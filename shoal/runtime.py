@@ -15,10 +15,10 @@ from collections.abc import Callable
 from types import TracebackType
 from typing import Any, TypeVar
 
-from shoal.comm import Comm, init_comm
-from shoal.config import default_threads
+from shoal.core.comm import Comm, init_comm
+from shoal.core.env import Environment, default_threads, detect_environment
+from shoal.core.processes import first_line, spawn
 from shoal.errors import ShoalError
-from shoal.processes import Environment, detect_environment, first_line, spawn
 
 T = TypeVar("T")
 
@@ -27,14 +27,14 @@ _THREADS: int | None = None  # set by `shoal run --threads-per-worker` before th
 _previous_excepthook: Callable[..., Any] | None = None
 
 
-def init(device: str = "auto", timeout_s: float = 300.0, threads: int | None = None, *,
+def init(device: str = "auto", timeout: float = 300.0, threads: int | None = None, *,
          heartbeat_timeout: float | None = 10.0) -> Comm:
-    """Join the job this process was launched into and return its :class:`~shoal.comm.Comm`.
+    """Join the job this process was launched into and return its :class:`~shoal.core.comm.Comm`.
 
     Reads torchrun's, Slurm's or mpirun's environment (or the one :func:`launch` gives); a
     process started on its own is a job of one. Calling it again returns the same ``Comm``.
     ``threads`` defaults to the machine's cores divided by the processes on this node.
-    ``timeout_s`` bounds every collective; a rank that sends no heartbeat for
+    ``timeout`` (seconds) bounds every collective; a rank that sends no heartbeat for
     ``heartbeat_timeout`` seconds (stopped, swapped out: not merely slow) stops the job
     sooner, named as hung (``None``: never).
 
@@ -46,7 +46,7 @@ def init(device: str = "auto", timeout_s: float = 300.0, threads: int | None = N
         env = detect_environment() or Environment()
         if threads is None:
             threads = _THREADS or default_threads(env.local_world_size)
-        _COMM = init_comm(env, device=device, timeout_s=timeout_s, threads=threads,
+        _COMM = init_comm(env, device=device, timeout=timeout, threads=threads,
                           heartbeat_timeout=heartbeat_timeout)
         atexit.unregister(_leave_at_exit)  # once, however often init/shutdown alternate
         atexit.register(_leave_at_exit)
@@ -152,7 +152,7 @@ def launch(fn: Callable[..., T], *args: Any, workers: int, **kwargs: Any) -> lis
     if isinstance(workers, bool) or not isinstance(workers, int) or workers < 1:
         raise ShoalError(f"shoal.launch needs workers=N with N >= 1, got {workers!r}")
     outer = detect_environment()
-    if outer is not None and outer.distributed:
+    if outer is not None and outer.world_size > 1:
         raise ShoalError(f"shoal.launch starts a job of its own, but this process is already rank "
                          f"{outer.rank} of {outer.world_size} ({outer.launcher}); call the "
                          "function directly")

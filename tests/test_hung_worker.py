@@ -17,7 +17,8 @@ import pytest
 import torch
 
 import shoal
-from shoal.processes import EXIT_ABORTED, free_port
+from shoal.core.env import free_port
+from shoal.core.processes import EXIT_ABORTED
 
 from conftest import REPO, marked_processes, one_error_line, shoal_env, wait_gone
 

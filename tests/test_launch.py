@@ -1,7 +1,8 @@
 import pytest
 
+from shoal.core.env import detect_environment, expand_hostlist
+from shoal.core.processes import spawn
 from shoal.errors import ShoalError, WorkerError
-from shoal.processes import detect_environment, expand_hostlist, spawn
 
 
 def test_plain_process_is_not_in_a_job():

@@ -10,7 +10,7 @@ import sys
 
 import pytest
 
-from shoal.processes import free_port
+from shoal.core.env import free_port
 
 from conftest import REPO, checkpoint_params, max_param_diff, shoal_env, train
 

@@ -15,7 +15,7 @@ import torch
 
 import shoal
 from shoal.config import TrainConfig
-from shoal.processes import spawn
+from shoal.core.processes import spawn
 from shoal.strategies import STRATEGIES
 from shoal.train.trainer import Trainer
 

@@ -15,9 +15,9 @@ from torch import nn
 from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook
 from torch.distributed.distributed_c10d import ProcessGroupGloo
 
-from shoal.comm import Comm
+from shoal.core.comm import Comm
+from shoal.core.env import Environment
 from shoal.errors import ShoalError
-from shoal.processes import Environment
 from shoal.strategies.sync import PowerSGDMemory, Synchronous, SyncOptions
 
 from conftest import checkpoint_params, max_param_diff, train

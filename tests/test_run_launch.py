@@ -17,7 +17,7 @@ import pytest
 import torch
 
 import shoal
-from shoal.processes import free_port
+from shoal.core.env import free_port
 
 from conftest import marked_processes, one_error_line, run, shoal_env
 from conftest import shoal as shoal_cli  # `python -m shoal ARGS`

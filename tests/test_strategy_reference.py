@@ -25,9 +25,10 @@ import pytest
 import torch
 
 import shoal
-from shoal.comm import Comm
+from shoal.core.comm import Comm
+from shoal.core.env import Environment
+from shoal.core.processes import spawn
 from shoal.errors import ShoalError
-from shoal.processes import Environment, spawn
 
 DIM, BATCH, STEPS, LR = 5, 12, 12, 0.05
 #: A non-monotone schedule (factors of LR by step): the relation between Nesterov's look-ahead

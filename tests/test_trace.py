@@ -8,9 +8,9 @@ import pytest
 
 from shoal.cli import main
 from shoal.config import TrainConfig, parse_step_window
+from shoal.core.timeline import CATEGORIES as TIME_CATEGORIES
+from shoal.core.timeline import Timeline, chrome_trace
 from shoal.errors import ShoalError
-from shoal.timeline import Timeline, chrome_trace
-from shoal.train.metrics import TIME_CATEGORIES
 
 from conftest import one_error_line, train
 

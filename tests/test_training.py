@@ -5,7 +5,7 @@ import json
 import pytest
 import yaml
 
-from shoal.train.metrics import TIME_CATEGORIES
+from shoal.core.timeline import CATEGORIES as TIME_CATEGORIES
 
 from conftest import checkpoint_params, max_param_diff, shoal, train
 

@@ -3,7 +3,7 @@
 import torch
 
 import shoal
-from shoal.processes import spawn
+from shoal.core.processes import spawn
 
 STEPS, BATCH = 8, 12
 

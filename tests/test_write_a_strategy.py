@@ -8,8 +8,8 @@ import pytest
 import torch
 
 import shoal
+from shoal.core.processes import spawn
 from shoal.models import load_object
-from shoal.processes import spawn
 from shoal.strategies import get_strategy
 
 from conftest import REPO, train

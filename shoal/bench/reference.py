@@ -105,7 +105,7 @@ def _worker(rank: int, workers: int, port: int, w: Workload, threads: int, out: 
 
 def run_reference(w: Workload, workers: int, threads: int, out: str) -> dict:
     """Run the plain DDP loop on ``workers`` local processes; return its throughput."""
-    from shoal.processes import free_port
+    from shoal.core.env import free_port
 
     mp.spawn(_worker, args=(workers, free_port(), w, threads, out), nprocs=workers)
     with open(out) as f:

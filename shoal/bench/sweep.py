@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from shoal.config import default_threads
+from shoal.core.env import default_threads
 from shoal.errors import ShoalError
 
 REFERENCE = "ddp-reference"

@@ -29,11 +29,11 @@ import torch
 import torch.distributed as dist
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
+from shoal.core.processes import first_line
 from shoal.errors import ShoalError, WorkerError
 from shoal.parallel import session as _session
 from shoal.parallel.arrays import SharedArray
 from shoal.parallel.session import GO, OP_CALL, SKIP, Interrupted, RemoteTraceback, active, in_function
-from shoal.processes import first_line
 
 MODES = ("avg", "sum", "prod", "min", "max", "gather", None)
 _REDUCE_OPS = {"avg": dist.ReduceOp.SUM, "sum": dist.ReduceOp.SUM, "prod": dist.ReduceOp.PRODUCT,

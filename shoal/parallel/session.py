@@ -39,16 +39,16 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from shoal.errors import ShoalError, WorkerError
-from shoal.parallel.arrays import SharedArray
-from shoal.processes import (
+from shoal.core.processes import (
     exit_status,
     first_line,
-    loopback_only_environment,
+    loopback_gloo_interface,
     loopback_store,
     start_process,
     stop_processes,
 )
+from shoal.errors import ShoalError, WorkerError
+from shoal.parallel.arrays import SharedArray
 
 # Command opcodes (first element of every pickled message to a worker).
 OP_CALL, OP_CLOSE = 1, 2
@@ -95,7 +95,8 @@ def _wake_handler_ready() -> bool:
 def _loopback_gloo() -> Iterator[None]:
     """Pin the Gloo devices created inside to loopback (``GLOO_SOCKET_IFNAME=lo``) and give the
     caller's environment back afterwards: the controller is the user's own process."""
-    values = {k: v for k, v in loopback_only_environment().items() if k == "GLOO_SOCKET_IFNAME"}
+    interface = loopback_gloo_interface()
+    values = {"GLOO_SOCKET_IFNAME": interface} if interface is not None else {}
     old = {k: os.environ.get(k) for k in values}
     os.environ.update(values)
     try:

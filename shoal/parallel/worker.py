@@ -14,11 +14,11 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from shoal.core.processes import die_with_parent, loopback_gloo_interface
 from shoal.parallel import session as _session
 from shoal.parallel.arrays import SharedArray
 from shoal.parallel.functions import Function, _Call, error_info, worker_call
 from shoal.parallel.session import GO, OP_CALL, OP_CLOSE, module_tensors
-from shoal.processes import die_with_parent, loopback_only_environment
 
 
 class _Unpickler(pickle.Unpickler):
@@ -111,7 +111,7 @@ def worker_main(rank: int, world: int, port: int, device: str, conn: Any, timeou
     store = dist.TCPStore("127.0.0.1", port, world, False, timeout=timedelta(seconds=max(timeout, 60.0)))
     backend = "cpu:gloo,cuda:nccl" if device == "cuda" else "gloo"
     # This process is ours: Gloo listens on loopback only, whatever the controller's user set.
-    gloo = loopback_only_environment().get("GLOO_SOCKET_IFNAME")
+    gloo = loopback_gloo_interface()
     if gloo is not None:
         os.environ["GLOO_SOCKET_IFNAME"] = gloo
     dist.init_process_group(backend, store=store, rank=rank, world_size=world, timeout=td)

@@ -11,7 +11,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from shoal.comm import Comm
+from shoal.core.comm import Comm
 from shoal.strategies import diloco, easgd, local_sgd, sync  # noqa: F401 - importing registers
 from shoal.strategies.base import (
     PeriodicOptions,

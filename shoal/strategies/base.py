@@ -27,8 +27,8 @@ from typing import Any, ClassVar
 import torch
 from torch import nn
 
-from shoal.comm import Comm
 from shoal.config import check_bounds, check_value
+from shoal.core.comm import Comm
 from shoal.data.base import num_rows, take_rows
 from shoal.data.sharding import EpochPlan
 from shoal.errors import ShoalError

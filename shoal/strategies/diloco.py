@@ -27,9 +27,9 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from shoal.comm import FlatParams
-from shoal.comm.averaging import ModelCopy, average_buffers
+from shoal.core import FlatParams
 from shoal.errors import ShoalError
+from shoal.strategies.averaging import ModelCopy, average_buffers
 from shoal.strategies.base import PeriodicOptions, PeriodicStrategy
 from shoal.strategies.registry import register
 

@@ -36,9 +36,9 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from shoal.comm import FlatParams, Handle
-from shoal.comm.averaging import ModelCopy, average_buffers
+from shoal.core import FlatParams, Handle
 from shoal.errors import ShoalError
+from shoal.strategies.averaging import ModelCopy, average_buffers
 from shoal.strategies.base import PeriodicOptions, PeriodicStrategy
 from shoal.strategies.registry import register
 

@@ -24,8 +24,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from shoal.comm import FlatParams
-from shoal.comm.averaging import average_buffers, average_into
+from shoal.core import FlatParams
+from shoal.strategies.averaging import average_buffers, average_into
 from shoal.strategies.base import PeriodicOptions, PeriodicStrategy
 from shoal.strategies.registry import register
 

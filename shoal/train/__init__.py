@@ -13,18 +13,13 @@ from typing import Any
 
 import torch
 
-from shoal.comm import init_comm
-from shoal.config import TrainConfig, default_threads
+from shoal.config import TrainConfig
+from shoal.core.comm import init_comm
+from shoal.core.env import Environment, default_threads, detect_environment
+from shoal.core.processes import spawn, stop_on_sigterm, stop_requested
+from shoal.core.timeline import Timeline
 from shoal.data import Dataset
 from shoal.errors import ShoalError, WorkerError
-from shoal.processes import (
-    Environment,
-    detect_environment,
-    spawn,
-    stop_on_sigterm,
-    stop_requested,
-)
-from shoal.timeline import Timeline
 from shoal.train.metrics import write_json
 from shoal.train.outdir import OutputLock
 from shoal.train.trainer import Trainer, preflight

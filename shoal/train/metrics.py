@@ -11,10 +11,6 @@ from typing import Any
 from shoal.errors import ShoalError
 from shoal.train.checkpoint import atomic_write
 
-#: Where a training step's time goes; they add up to the step's wall time ("other" is the
-#: loop's own bookkeeping).
-TIME_CATEGORIES = ("data", "compute", "comm", "wait", "optim", "other")
-
 
 def _clean(value: Any) -> Any:
     if isinstance(value, float):
@@ -104,23 +100,6 @@ def write_json(path: Path, data: dict[str, Any]) -> None:
 
 
 def write_trace(path: Path, trace: dict[str, Any]) -> None:
-    """Write a Chrome trace (see :func:`shoal.timeline.chrome_trace`) compactly, atomically."""
+    """Write a Chrome trace (see :func:`shoal.core.timeline.chrome_trace`) compactly, atomically."""
     text = json.dumps(trace, separators=(",", ":"))
     atomic_write(path, lambda f: f.write(text.encode()))
-
-
-def time_split(totals: dict[str, float]) -> dict[str, float]:
-    """Seconds per time category, zeros included, rounded for logs."""
-    return {k: round(totals.get(k, 0.0), 6) for k in TIME_CATEGORIES}
-
-
-def comm_fraction(totals: dict[str, float]) -> float:
-    step_time = sum(totals.get(k, 0.0) for k in TIME_CATEGORIES)
-    return totals.get("comm", 0.0) / step_time if step_time > 0 else 0.0
-
-
-def time_fractions(totals: dict[str, float]) -> dict[str, float]:
-    """Each time category's share of the step time."""
-    step_time = sum(totals.get(k, 0.0) for k in TIME_CATEGORIES)
-    return {k: round(totals.get(k, 0.0) / step_time, 6) if step_time > 0 else 0.0
-            for k in TIME_CATEGORIES}

@@ -19,32 +19,24 @@ import torch.nn.functional as F
 from torch import nn
 
 import shoal
-from shoal.comm import Comm
 from shoal.config import TrainConfig
+from shoal.core.comm import Comm
+from shoal.core.env import Environment
+from shoal.core.processes import stop_requested
+from shoal.core.timeline import CATEGORIES as TIME_CATEGORIES
+from shoal.core.timeline import Timeline, chrome_trace, comm_fraction, time_fractions, time_split
 from shoal.data import DataOptions, Dataset, EpochPlan, Split, load_dataset, shard_range
 from shoal.data.augment import flip_and_crop
 from shoal.errors import ShoalError
 from shoal.models import build_model, count_parameters
-from shoal.processes import Environment, stop_requested
 from shoal.strategies import Strategy, get_strategy, make_options
-from shoal.timeline import Timeline, chrome_trace
 from shoal.train.checkpoint import (
     load_checkpoint,
     remove_stale_temporaries,
     save_checkpoint,
     to_cpu,
 )
-from shoal.train.metrics import (
-    TIME_CATEGORIES,
-    MetricsLog,
-    TensorBoardLog,
-    comm_fraction,
-    require_tensorboard,
-    time_fractions,
-    time_split,
-    write_json,
-    write_trace,
-)
+from shoal.train.metrics import MetricsLog, TensorBoardLog, require_tensorboard, write_json, write_trace
 from shoal.train.optim import build_optimizer, build_schedule
 from shoal.train.progress import Progress
 

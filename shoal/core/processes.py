@@ -1,9 +1,5 @@
-"""Where this process sits in a job, and how to start local workers.
+"""Starting and supervising local processes.
 
-A job is either started by shoal itself (``--workers N`` spawns N local processes) or by an
-outside launcher that already started one process per rank: torchrun (``RANK`` ...),
-Slurm's ``srun`` (``SLURM_PROCID`` ...) or mpirun (OpenMPI's ``OMPI_COMM_WORLD_*``,
-MPICH/Hydra's ``PMI_*``). :func:`detect_environment` reads those variables;
 :func:`spawn` starts and supervises local workers so that one failing worker brings the
 whole job down within seconds and its error is reported as one line. :func:`spawn` and
 ``shoal.fork`` start their processes with :func:`start_process`, which never re-runs the
@@ -18,7 +14,6 @@ import json
 import multiprocessing as mp
 import multiprocessing.connection
 import os
-import re
 import shutil
 import signal
 import socket
@@ -28,13 +23,14 @@ import threading
 import time
 import traceback
 import types
-from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import replace
 from multiprocessing.process import BaseProcess
 from typing import Any
 
 import cloudpickle
 
+from shoal.core.env import Environment, set_environment
 from shoal.errors import ShoalError, WorkerError
 
 #: Exit status of a rank that stopped because another rank failed (not a root cause).
@@ -62,135 +58,7 @@ def stop_on_sigterm() -> Any:
     return signal.signal(signal.SIGTERM, lambda signum, frame: _STOP.set())
 
 
-@dataclass(frozen=True)
-class Environment:
-    """This process's place in the job."""
-
-    rank: int = 0
-    world_size: int = 1
-    local_rank: int = 0
-    local_world_size: int = 1
-    master_addr: str = "127.0.0.1"
-    master_port: int = 29500
-    launcher: str = "none"  # none | local | torchrun | slurm | mpi
-
-    @property
-    def distributed(self) -> bool:
-        return self.world_size > 1
-
-    def export(self) -> None:
-        """Set the variables torch.distributed's ``env://`` rendezvous reads."""
-        os.environ.update(
-            RANK=str(self.rank),
-            WORLD_SIZE=str(self.world_size),
-            LOCAL_RANK=str(self.local_rank),
-            LOCAL_WORLD_SIZE=str(self.local_world_size),
-            MASTER_ADDR=self.master_addr,
-            MASTER_PORT=str(self.master_port),
-        )
-
-
-def _int(env: Mapping[str, str], *names: str, default: int | None = None) -> int:
-    for name in names:
-        if name in env:
-            try:
-                return int(env[name])
-            except ValueError:
-                raise ShoalError(f"environment variable {name}={env[name]!r} is not an integer") from None
-    if default is None:
-        raise ShoalError(f"environment variable {names[0]} is not set")
-    return default
-
-
-def expand_hostlist(nodelist: str) -> list[str]:
-    """Expand a Slurm node list such as ``gpu[01-03,7],login1`` into host names."""
-    hosts: list[str] = []
-    for part in re.findall(r"[^,\[]+(?:\[[^\]]*\])?[^,]*", nodelist):
-        m = re.fullmatch(r"([^\[]*)\[([^\]]*)\](.*)", part)
-        if not m:
-            hosts.append(part)
-            continue
-        prefix, ranges, suffix = m.groups()
-        for item in ranges.split(","):
-            lo, _, hi = item.partition("-")
-            if not hi:
-                hosts.append(f"{prefix}{lo}{suffix}")
-                continue
-            width = len(lo) if lo.startswith("0") else 0
-            for i in range(int(lo), int(hi) + 1):
-                hosts.append(f"{prefix}{i:0{width}d}{suffix}")
-    return hosts
-
-
-def detect_environment(env: Mapping[str, str] | None = None) -> Environment | None:
-    """The job this process belongs to, if an outside launcher started it; else ``None``.
-
-    Checked in order: torchrun (or any launcher that sets ``RANK``/``WORLD_SIZE``), Slurm
-    (``srun`` with more than one task), OpenMPI, MPICH/Hydra.
-    """
-    env = os.environ if env is None else env
-    if "RANK" in env and "WORLD_SIZE" in env:
-        world = _int(env, "WORLD_SIZE")
-        return Environment(
-            rank=_int(env, "RANK"),
-            world_size=world,
-            local_rank=_int(env, "LOCAL_RANK", default=0),
-            local_world_size=_int(env, "LOCAL_WORLD_SIZE", default=world),
-            master_addr=env.get("MASTER_ADDR", "127.0.0.1"),
-            master_port=_int(env, "MASTER_PORT", default=29500),
-            launcher="torchrun",
-        )
-    if "SLURM_PROCID" in env and _int(env, "SLURM_NTASKS", default=1) > 1:
-        addr = env.get("MASTER_ADDR")
-        if addr is None:
-            nodes = env.get("SLURM_STEP_NODELIST") or env.get("SLURM_JOB_NODELIST")
-            if not nodes:
-                raise ShoalError("under Slurm, set MASTER_ADDR or SLURM_JOB_NODELIST")
-            addr = expand_hostlist(nodes)[0]
-        job = _int(env, "SLURM_JOB_ID", default=0)
-        return Environment(
-            rank=_int(env, "SLURM_PROCID"),
-            world_size=_int(env, "SLURM_NTASKS"),
-            local_rank=_int(env, "SLURM_LOCALID", default=0),
-            local_world_size=_int(env, "SLURM_NTASKS_PER_NODE", default=1)
-            if env.get("SLURM_NTASKS_PER_NODE", "").isdigit()
-            else 1,
-            master_addr=addr,
-            master_port=_int(env, "MASTER_PORT", default=10000 + job % 20000),
-            launcher="slurm",
-        )
-    for size, rank, local, local_size in (
-        ("OMPI_COMM_WORLD_SIZE", "OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_LOCAL_RANK",
-         "OMPI_COMM_WORLD_LOCAL_SIZE"),
-        ("PMI_SIZE", "PMI_RANK", "MPI_LOCALRANKID", "MPI_LOCALNRANKS"),
-    ):
-        if size in env and _int(env, size) > 1:
-            if "MASTER_ADDR" not in env:
-                raise ShoalError(
-                    "under mpirun, set MASTER_ADDR (and MASTER_PORT) to the address of rank 0's "
-                    "host, e.g. mpirun -x MASTER_ADDR=node1 ..."
-                )
-            world = _int(env, size)
-            return Environment(
-                rank=_int(env, rank),
-                world_size=world,
-                local_rank=_int(env, local, default=0),
-                local_world_size=_int(env, local_size, default=world),
-                master_addr=env["MASTER_ADDR"],
-                master_port=_int(env, "MASTER_PORT", default=29500),
-                launcher="mpi",
-            )
-    return None
-
-
-def free_port() -> int:
-    """A TCP port on the loopback interface that was free a moment ago."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def loopback_store(timeout_s: float) -> Any:
+def loopback_store(timeout: float) -> Any:
     """A TCPStore served by this process that listens on 127.0.0.1 only.
 
     ``torch.distributed.TCPStore`` binds its server to every interface whatever host name it
@@ -209,22 +77,17 @@ def loopback_store(timeout_s: float) -> Any:
     except BaseException:
         sock.close()
         raise
-    return dist.TCPStore("127.0.0.1", 0, None, True, timeout=timedelta(seconds=timeout_s),
+    return dist.TCPStore("127.0.0.1", 0, None, True, timeout=timedelta(seconds=timeout),
                          wait_for_workers=False, master_listen_fd=sock.detach())
 
 
-def loopback_only_environment() -> dict[str, str]:
-    """Variables that keep a one-machine job's process group on the loopback interface.
-
-    Gloo listens on the address the host name resolves to (often the machine's network
-    address) unless ``GLOO_SOCKET_IFNAME`` names an interface. ``TORCHELASTIC_USE_AGENT_STORE``
-    makes every rank a client of the store the launcher serves (as under torchrun), so no
-    rank opens a store of its own.
-    """
-    env = {"TORCHELASTIC_USE_AGENT_STORE": "True"}
+def loopback_gloo_interface() -> str | None:
+    """``lo`` where this machine has it: the interface that keeps a one-machine job's Gloo
+    connections on loopback (Gloo otherwise listens on the address the host name resolves
+    to, often the machine's network address). Gloo reads it from ``GLOO_SOCKET_IFNAME``."""
     if sys.platform.startswith("linux") and "lo" in {name for _, name in socket.if_nameindex()}:
-        env["GLOO_SOCKET_IFNAME"] = "lo"
-    return env
+        return "lo"
+    return None
 
 
 def die_with_parent() -> None:
@@ -307,11 +170,15 @@ def _result_path(jobdir: str, rank: int) -> str:
     return os.path.join(jobdir, f"result{rank}.pkl")
 
 
-def _worker_main(env: Environment, errdir: str, job: bytes) -> None:
+def _worker_main(env: Environment, job: bytes) -> None:
     die_with_parent()
-    env.export()
-    os.environ.update(loopback_only_environment())
-    os.environ["SHOAL_ERROR_DIR"] = errdir
+    set_environment(env)  # shoal's own code takes it as this object
+    env.export()  # for user code that calls torch.distributed itself
+    interface = loopback_gloo_interface()
+    if interface is not None:
+        os.environ["GLOO_SOCKET_IFNAME"] = interface  # only Gloo's variable says it
+    errdir = env.error_dir
+    assert errdir is not None
     try:
         target, args = cloudpickle.loads(job)
         result = target(*args)
@@ -399,18 +266,21 @@ def stop_processes(procs: list[Any], grace: float) -> None:
 
 
 def spawn(
-    nprocs: int,
+    world_size: int,
     target: Callable[..., Any],
     args: tuple[Any, ...] = (),
     *,
     grace: float = 2.0,
 ) -> list[Any]:
-    """Run ``target(*args)`` in ``nprocs`` fresh processes joined as one job on this machine.
+    """Run ``target(*args)`` in ``world_size`` fresh processes joined as one job on this machine.
 
     Each process gets ``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``, ``LOCAL_WORLD_SIZE``,
     ``MASTER_ADDR`` and ``MASTER_PORT`` (a free port) in its environment. ``target`` and
     ``args`` travel pickled with cloudpickle (by value when not importable, e.g. from
     ``__main__``); the main program is not run again in the workers.
+
+    Each process also gets its :class:`~shoal.core.env.Environment` as an object
+    (:func:`~shoal.core.env.detect_environment` returns it there).
 
     Returns the ranks' return values in rank order (``None`` for a rank that returned
     nothing or left with ``sys.exit(0)``) once all exit cleanly. When one fails (an
@@ -420,8 +290,8 @@ def spawn(
     passed on to the workers and sets :func:`stop_requested`; the workers decide what it
     means (training checkpoints and stops; other functions end as SIGTERM ends them).
     """
-    if nprocs < 1:
-        raise ShoalError(f"need at least 1 worker, got {nprocs}")
+    if world_size < 1:
+        raise ShoalError(f"need at least 1 worker, got {world_size}")
     try:
         job = cloudpickle.dumps((target, args))
     except Exception as exc:
@@ -430,7 +300,7 @@ def spawn(
                          f"{first_line(exc)}") from exc
     # The launcher serves the job's store (on loopback only, see loopback_store): it
     # outlives any worker, so a dead or stopped rank 0 cannot take the rendezvous with it.
-    store = loopback_store(timeout_s=60.0)
+    store = loopback_store(timeout=60.0)
     port = store.port
     errdir = tempfile.mkdtemp(prefix="shoal-errors-")
     procs: list[BaseProcess] = []
@@ -445,9 +315,11 @@ def spawn(
     on_main = threading.current_thread() is threading.main_thread()
     previous = signal.signal(signal.SIGTERM, forward_sigterm) if on_main else None
     try:
-        for rank in range(nprocs):
-            env = Environment(rank, nprocs, rank, nprocs, "127.0.0.1", port, "local")
-            procs.append(start_process(_worker_main, (env, errdir, job)))
+        job_env = Environment(0, world_size, 0, world_size, "127.0.0.1", port, "local",
+                              agent_store=True, error_dir=errdir)
+        for rank in range(world_size):
+            env = replace(job_env, rank=rank, local_rank=rank)
+            procs.append(start_process(_worker_main, (env, job)))
         if _STOP.is_set():  # a SIGTERM that came while they were starting
             forward_sigterm(signal.SIGTERM, None)
         failed = None
@@ -467,7 +339,7 @@ def spawn(
                     # teardown failed. Losing the job for that would lose good results.
                     print(f"shoal: warning: rank {rank} finished its work, then its process died "
                           f"while exiting ({exit_status(p.exitcode)})", file=sys.stderr, flush=True)
-            return [_read_result(errdir, rank) for rank in range(nprocs)]
+            return [_read_result(errdir, rank) for rank in range(world_size)]
         # Exit codes now, before shoal's own SIGTERMs blur who died first.
         exits = {r: p.exitcode for r, p in enumerate(procs)
                  if p.exitcode not in (None, 0) and not _finished(errdir, r)}

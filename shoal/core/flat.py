@@ -1,7 +1,9 @@
-"""All of a model's parameters as one flat buffer: one message per exchange, not one per layer.
+"""Many tensors as one flat buffer: one message per collective, not one per tensor.
 
 The EASGD work on HPC clusters gets much of its speed-up from packing every layer into a
-single message; :class:`FlatParams` gives strategies that packing once.
+single message. :class:`FlatParams` keeps a fixed list (a model's parameters) packed into a
+buffer of its own; :func:`by_dtype`, :func:`flatten` and :func:`unflatten_into` pack any
+list of tensors for one collective per dtype (parallel functions and collectives).
 """
 
 from __future__ import annotations
@@ -28,10 +30,6 @@ class FlatParams:
         self.numel = sum(t.numel() for t in self.tensors)
         self.buffer = torch.empty(self.numel, dtype=self.tensors[0].dtype, device=self.tensors[0].device)
 
-    @property
-    def nbytes(self) -> int:
-        return self.buffer.numel() * self.buffer.element_size()
-
     def views(self, buffer: torch.Tensor | None = None) -> list[torch.Tensor]:
         """Views into ``buffer`` (default :attr:`buffer`) shaped like the tensors."""
         buf = self.buffer if buffer is None else buffer
@@ -55,5 +53,24 @@ class FlatParams:
         for t, view in zip(self.tensors, self.views(buffer), strict=False):
             t.copy_(view)
 
-    def zeros_like(self) -> torch.Tensor:
-        return torch.zeros_like(self.buffer)
+
+def by_dtype(tensors: Iterable[torch.Tensor]) -> list[list[torch.Tensor]]:
+    """``tensors`` grouped by (dtype, device), in first-seen order: one flat buffer each."""
+    groups: dict[tuple[torch.dtype, torch.device], list[torch.Tensor]] = {}
+    for t in tensors:
+        groups.setdefault((t.dtype, t.device), []).append(t)
+    return list(groups.values())
+
+
+def flatten(tensors: list[torch.Tensor]) -> torch.Tensor:
+    """A new 1-D tensor holding ``tensors`` one after the other (one dtype and device)."""
+    return torch.cat([t.detach().reshape(-1) for t in tensors])
+
+
+@torch.no_grad()
+def unflatten_into(flat: torch.Tensor, tensors: list[torch.Tensor]) -> None:
+    """Copy consecutive pieces of ``flat`` back into ``tensors`` (the inverse of :func:`flatten`)."""
+    offset = 0
+    for t in tensors:
+        t.copy_(flat[offset:offset + t.numel()].view_as(t))
+        offset += t.numel()

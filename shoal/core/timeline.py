@@ -1,10 +1,12 @@
-"""Where the time goes: named spans grouped into categories.
+"""Where the time goes: named spans grouped into categories, and the arithmetic on them.
 
-Every phase of a training step (``data``, ``compute``, ``comm``, ``optim``, ...) runs inside
-a :meth:`Timeline.span`. Totals are *exclusive*: a span nested in another moves its time from
-the parent's category to its own, so the categories add up to the wall time of the outermost
-spans. With ``keep_events`` the spans are also kept, for a Chrome/Perfetto trace
-(:func:`chrome_trace`): one lane per rank, one ``X`` event per span.
+The categories (:data:`CATEGORIES`) are defined here and nowhere else. Every phase of a
+training step, and of a parallel function's call, runs inside a :meth:`Timeline.span` of
+one of them; strategies only say "this is communication" (``span(COMM)``). Totals are
+*exclusive*: a span nested in another moves its time from the parent's category to its
+own, so the categories add up to the wall time of the outermost spans. With
+``keep_events`` the spans are also kept, for a Chrome/Perfetto trace (:func:`chrome_trace`):
+one lane per rank, one ``X`` event per span.
 """
 
 from __future__ import annotations
@@ -16,6 +18,17 @@ from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
+
+DATA = "data"  #: reading and moving the batch
+COMPUTE = "compute"  #: forward and backward
+COMM = "comm"  #: collectives: sending, receiving, reducing
+WAIT = "wait"  #: waiting for a slower rank (measured where a strategy can tell it apart)
+OPTIM = "optim"  #: the optimizer's step and the strategy's local updates
+OTHER = "other"  #: the loop's own bookkeeping
+#: Where a step's time goes; exclusive, so they add up to the step's wall time.
+CATEGORIES = (DATA, COMPUTE, COMM, WAIT, OPTIM, OTHER)
+#: Spans outside the steps (not part of a step's time).
+EVAL, CHECKPOINT = "eval", "checkpoint"
 
 
 @dataclass
@@ -117,7 +130,7 @@ class Timeline:
         self.events.append(event)
         return event
 
-    def chrome_events(self, rank: int, step_offset: int = 0) -> list[dict[str, Any]]:
+    def chrome_events(self, rank: int) -> list[dict[str, Any]]:
         """The kept spans as Chrome trace ``X`` events in lane (``pid``) ``rank``.
 
         Times are microseconds of wall-clock time, so lanes of different ranks line up.
@@ -157,3 +170,25 @@ def chrome_trace(lanes: Sequence[list[dict[str, Any]]], metadata: dict[str, Any]
     events = [e for lane in lanes for e in lane]
     return {"traceEvents": events, "displayTimeUnit": "ms", "otherData": metadata or {}}
 
+
+def step_times(totals: dict[str, float]) -> dict[str, float]:
+    """Only the step categories of ``totals`` (no eval, checkpoint)."""
+    return {k: v for k, v in totals.items() if k in CATEGORIES}
+
+
+def time_split(totals: dict[str, float]) -> dict[str, float]:
+    """Seconds per step category, zeros included, rounded for logs."""
+    return {k: round(totals.get(k, 0.0), 6) for k in CATEGORIES}
+
+
+def time_fractions(totals: dict[str, float]) -> dict[str, float]:
+    """Each step category's share of the step time."""
+    step_time = sum(totals.get(k, 0.0) for k in CATEGORIES)
+    return {k: round(totals.get(k, 0.0) / step_time, 6) if step_time > 0 else 0.0
+            for k in CATEGORIES}
+
+
+def comm_fraction(totals: dict[str, float]) -> float:
+    """Communication's share of the step time (unrounded)."""
+    step_time = sum(totals.get(k, 0.0) for k in CATEGORIES)
+    return totals.get(COMM, 0.0) / step_time if step_time > 0 else 0.0

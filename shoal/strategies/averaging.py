@@ -1,7 +1,7 @@
 """Parameter averaging shared by the low-communication strategies.
 
 Local SGD, elastic averaging and DiLoCo all move whole models, not gradients: each packs
-every parameter into one flat buffer (:class:`~shoal.comm.FlatParams`) and sends it as a
+every parameter into one flat buffer (:class:`~shoal.core.flat.FlatParams`) and sends it as a
 single message, the trick that cut the EASGD paper's communication most. What they share
 lives here, once.
 """
@@ -14,8 +14,8 @@ from collections.abc import Sequence
 import torch
 from torch import nn
 
-from shoal.comm.collectives import Comm
-from shoal.comm.flat import FlatParams
+from shoal.core.comm import Comm
+from shoal.core.flat import FlatParams
 
 
 def float_buffers(module: nn.Module) -> list[torch.Tensor]:

@@ -1,0 +1,22 @@
+"""shoal's core: what every front end (training, parallel functions, the parameter server)
+stands on, and the only place each of these exists.
+
+- :mod:`~shoal.core.env`: where this process sits (local spawn, torchrun, Slurm, MPI), its
+  device and its threads;
+- :mod:`~shoal.core.processes`: starting and supervising local processes, the root-cause
+  report, SIGTERM as "stop at the next safe point";
+- :mod:`~shoal.core.group`: the job's store and process group, with timeouts;
+- :mod:`~shoal.core.watchdog`: a failing or hung rank ends the job within seconds;
+- :mod:`~shoal.core.comm`: timed, byte-counted collectives (:class:`Comm`);
+- :mod:`~shoal.core.ops`: the reduce-op table and even splits;
+- :mod:`~shoal.core.flat`: flat packing of many tensors into one message;
+- :mod:`~shoal.core.timeline`: the time categories and the spans booked into them.
+"""
+
+from shoal.core.comm import Comm, Handle, init_comm
+from shoal.core.env import Environment, default_threads, detect_environment, pick_device
+from shoal.core.flat import FlatParams
+from shoal.core.timeline import Timeline
+
+__all__ = ["Comm", "Environment", "FlatParams", "Handle", "Timeline", "default_threads",
+           "detect_environment", "init_comm", "pick_device"]

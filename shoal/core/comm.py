@@ -1,0 +1,210 @@
+"""Timed, byte-counted collectives: the :class:`Comm` every strategy talks through, and
+:func:`init_comm`, which joins a job and returns it.
+
+Every rank of a job of several processes also runs a :class:`~shoal.core.watchdog.Watchdog`
+on the job's store: a failing or hung rank ends the job within seconds.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from shoal.core.env import Environment, pick_device
+from shoal.core.group import job_store, join_group
+from shoal.core.ops import reduce_op
+from shoal.core.processes import EXIT_ABORTED
+from shoal.core.timeline import COMM, WAIT, Timeline
+from shoal.core.watchdog import ABORT_KEY, HUNG, Watchdog, key_prefix
+from shoal.errors import ShoalError
+
+
+class Handle:
+    """A collective in flight. :meth:`wait` blocks and books the waiting as communication."""
+
+    def __init__(self, comm: Comm, work: Any, tensor: torch.Tensor, op: str, name: str) -> None:
+        self._comm, self._work, self._tensor, self._op, self._name = comm, work, tensor, op, name
+
+    def wait(self) -> torch.Tensor:
+        if self._work is not None:
+            with self._comm.timeline.span(COMM, self._name):
+                self._work.wait()
+            self._work = None
+            if self._op == "avg":
+                self._tensor.div_(self._comm.world_size)
+        return self._tensor
+
+
+class Comm:
+    """This process's view of the job: rank, world size, device and timed collectives.
+
+    With ``world_size == 1`` and no process group every collective returns its input, so
+    strategies need no special case for a single process. With more ranks and a ``store``
+    (the job's rendezvous store), a :class:`~shoal.core.watchdog.Watchdog` ends this process when another rank
+    fails or stops responding; ``heartbeat_timeout`` (seconds, ``None``: never) is how long
+    a rank may go without a heartbeat before it is reported as hung.
+    """
+
+    def __init__(
+        self,
+        env: Environment,
+        device: torch.device,
+        timeline: Timeline | None = None,
+        store: dist.Store | None = None,
+        heartbeat_timeout: float | None = 10.0,
+    ) -> None:
+        self.rank = env.rank
+        self.world_size = env.world_size
+        self.local_rank = env.local_rank
+        self.device = device
+        self.timeline = timeline or Timeline()
+        self.bytes_sent = 0  # payload handed to collectives by this rank during training
+        self._store = dist.PrefixStore(key_prefix(env.attempt), store) if store is not None else None
+        self.aborted = False  # this rank called abort(): nobody will wait for it at close()
+        self._watchdog: Watchdog | None = None
+        if store is not None and self.world_size > 1:
+            self._watchdog = Watchdog(env, store, heartbeat_timeout, lambda: self.aborted)
+
+    @property
+    def active(self) -> bool:
+        """True when there are other ranks to talk to."""
+        return self.world_size > 1 and dist.is_initialized()
+
+    # -- accounting -------------------------------------------------------------------------
+    def count(self, nbytes: int) -> None:
+        """Book ``nbytes`` of payload sent by a collective issued outside this class."""
+        self.bytes_sent += int(nbytes)
+
+    # -- collectives ------------------------------------------------------------------------
+    def all_reduce(self, tensor: torch.Tensor, op: str = "sum", name: str = "allreduce") -> torch.Tensor:
+        """Reduce ``tensor`` in place across ranks (``avg`` divides by the world size)."""
+        return self.all_reduce_async(tensor, op, name).wait()
+
+    def all_reduce_async(self, tensor: torch.Tensor, op: str = "sum", name: str = "allreduce") -> Handle:
+        """Start an in-place all-reduce; the returned handle's ``wait()`` finishes it."""
+        red = reduce_op(op)
+        if not self.active:
+            return Handle(self, None, tensor, op, name)
+        self.count(tensor.numel() * tensor.element_size())
+        with self.timeline.span(COMM, name):
+            work = dist.all_reduce(tensor, op=red, async_op=True)
+        return Handle(self, work, tensor, op, name)
+
+    def broadcast(self, tensor: torch.Tensor, src: int = 0, name: str = "broadcast") -> torch.Tensor:
+        """Overwrite ``tensor`` on every rank with rank ``src``'s."""
+        if self.active:
+            self.count(tensor.numel() * tensor.element_size())
+            with self.timeline.span(COMM, name):
+                dist.broadcast(tensor, src=src)
+        return tensor
+
+    def barrier(self) -> None:
+        if self.active:
+            with self.timeline.span(WAIT, "barrier"):
+                dist.barrier()
+
+    # -- bookkeeping collectives (metrics, checkpoints): not booked as training traffic -----
+    def reduce_values(self, values: Sequence[float], op: str = "sum") -> list[float]:
+        """All-reduce a few Python numbers (metrics); returns the reduced list."""
+        t = torch.tensor(list(values), dtype=torch.float64, device=self.device)
+        if self.active:
+            dist.all_reduce(t, op=reduce_op(op))
+            if op == "avg":
+                t /= self.world_size
+        return t.tolist()
+
+    def gather_objects(self, obj: Any, dst: int = 0) -> list[Any] | None:
+        """Pickle-gather ``obj`` from every rank to ``dst`` (others get ``None``)."""
+        if not self.active:
+            return [obj]
+        out = [None] * self.world_size if self.rank == dst else None
+        dist.gather_object(obj, out, dst=dst)
+        return out
+
+    def broadcast_object(self, obj: Any, src: int = 0) -> Any:
+        """Send a picklable object from ``src`` to every rank and return it."""
+        if not self.active:
+            return obj
+        box = [obj]
+        dist.broadcast_object_list(box, src=src)
+        return box[0]
+
+    # -- failure handling -------------------------------------------------------------------
+    def abort(self, message: str) -> None:
+        """Tell every other rank that this one failed, so they exit instead of waiting.
+
+        The first report stands (a later one is most likely its echo). A rank that the job
+        declared hung while it did not run leaves here at once, without a report of its own:
+        what it raises on waking up is the echo of being left behind.
+        """
+        self.aborted = True  # first: this rank's watchdog must not take the report for another's
+        if self._store is None:
+            return
+        first = (message.strip().splitlines() or ["failed"])[0][:300]
+        report = f"rank {self.rank}: {first}"
+        try:
+            standing = self._store.compare_set(ABORT_KEY, "", report).decode()
+        except Exception:  # the store may be gone already; the launcher still reaps us
+            return
+        if standing != report and standing.startswith(f"rank {self.rank}: {HUNG}"):
+            os._exit(EXIT_ABORTED)
+
+    def close(self) -> None:
+        """Wait for every rank, stop the watchdog and leave the process group.
+
+        After :meth:`abort` it does not wait: the other ranks are on their way out, and a
+        barrier would only hold this one until the timeout.
+        """
+        finished = False
+        try:
+            if self.active and not self.aborted:
+                dist.barrier()
+                finished = True
+        finally:
+            if self._watchdog is not None:
+                self._watchdog.stop(timeout=5.0)
+            try:
+                if finished and self.active:
+                    # Rank 0 may host the store: it must not exit while another rank's
+                    # watchdog may still be asking it. A store call cut off while the
+                    # interpreter shuts down ends the process in std::terminate (signal 6).
+                    dist.barrier()
+            finally:
+                if dist.is_initialized():
+                    dist.destroy_process_group()
+
+
+def init_comm(
+    env: Environment,
+    device: str = "auto",
+    timeout: float = 300.0,
+    threads: int | None = None,
+    timeline: Timeline | None = None,
+    heartbeat_timeout: float | None = 10.0,
+) -> Comm:
+    """Join the job described by ``env`` and return its :class:`Comm`.
+
+    Gloo on CPU, NCCL on CUDA. ``timeout`` (seconds) bounds every collective and the
+    rendezvous, so a lost peer is an error, never a hang. ``heartbeat_timeout`` (seconds;
+    ``None``: never) is how long a rank may send no heartbeat (stopped, swapped out) before
+    the job stops and names it; a rank that only computes or waits keeps beating.
+    ``threads`` sets this process's intra-op threads.
+    """
+    if heartbeat_timeout is not None and not (math.isfinite(heartbeat_timeout)
+                                              and heartbeat_timeout > 0):
+        raise ShoalError(f"heartbeat timeout must be a positive number of seconds (or None), "
+                         f"got {heartbeat_timeout}")
+    if threads is not None:
+        torch.set_num_threads(max(1, threads))
+    dev = pick_device(device, env.local_rank)
+    store = None
+    if env.world_size > 1 and not dist.is_initialized():
+        store = job_store(env, timeout)
+        join_group(store, env.rank, env.world_size, dev.type, timeout,
+                   where=f"the job at {env.master_addr}:{env.master_port}")
+    return Comm(env, dev, timeline, store, heartbeat_timeout)

@@ -1,0 +1,196 @@
+"""Where this process sits in a job: rank, world size, the job's address, its device and
+its threads.
+
+A job is either started by shoal itself (``--workers N`` spawns N local processes; each gets
+its :class:`Environment` as an object) or by an outside launcher that already started one
+process per rank: torchrun (``RANK`` ...), Slurm's ``srun`` (``SLURM_PROCID`` ...) or mpirun
+(OpenMPI's ``OMPI_COMM_WORLD_*``, MPICH/Hydra's ``PMI_*``), read by
+:func:`detect_environment`.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import socket
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+import torch
+
+from shoal.errors import ShoalError
+
+
+@dataclass(frozen=True)
+class Environment:
+    """This process's place in the job. It travels as this object from the launcher to the
+    code that joins the job; only user code that calls ``torch.distributed`` itself reads
+    the variables :meth:`export` sets."""
+
+    rank: int = 0
+    world_size: int = 1
+    local_rank: int = 0
+    local_world_size: int = 1
+    master_addr: str = "127.0.0.1"
+    master_port: int = 29500
+    launcher: str = "none"  # none | local | torchrun | slurm | mpi
+    #: The store at master_addr:master_port is served by the launcher (shoal's, or the
+    #: torchrun agent), so every rank is its client; otherwise rank 0 serves it.
+    agent_store: bool = False
+    #: torchrun's restart count: keeps an earlier attempt's keys in the store apart.
+    attempt: int = 0
+    #: Where shoal's own launcher reads the ranks' failure reports (``None``: no such launcher).
+    error_dir: str | None = None
+
+    def export(self) -> None:
+        """Set the variables torch.distributed's ``env://`` rendezvous reads (for user code
+        that initializes a process group itself)."""
+        os.environ.update(
+            RANK=str(self.rank),
+            WORLD_SIZE=str(self.world_size),
+            LOCAL_RANK=str(self.local_rank),
+            LOCAL_WORLD_SIZE=str(self.local_world_size),
+            MASTER_ADDR=self.master_addr,
+            MASTER_PORT=str(self.master_port),
+        )
+        if self.agent_store:
+            os.environ["TORCHELASTIC_USE_AGENT_STORE"] = "True"
+
+
+def _int(env: Mapping[str, str], *names: str, default: int | None = None) -> int:
+    for name in names:
+        if name in env:
+            try:
+                return int(env[name])
+            except ValueError:
+                raise ShoalError(f"environment variable {name}={env[name]!r} is not an integer") from None
+    if default is None:
+        raise ShoalError(f"environment variable {names[0]} is not set")
+    return default
+
+
+def expand_hostlist(nodelist: str) -> list[str]:
+    """Expand a Slurm node list such as ``gpu[01-03,7],login1`` into host names."""
+    hosts: list[str] = []
+    for part in re.findall(r"[^,\[]+(?:\[[^\]]*\])?[^,]*", nodelist):
+        m = re.fullmatch(r"([^\[]*)\[([^\]]*)\](.*)", part)
+        if not m:
+            hosts.append(part)
+            continue
+        prefix, ranges, suffix = m.groups()
+        for item in ranges.split(","):
+            lo, _, hi = item.partition("-")
+            if not hi:
+                hosts.append(f"{prefix}{lo}{suffix}")
+                continue
+            width = len(lo) if lo.startswith("0") else 0
+            for i in range(int(lo), int(hi) + 1):
+                hosts.append(f"{prefix}{i:0{width}d}{suffix}")
+    return hosts
+
+
+def detect_environment(env: Mapping[str, str] | None = None) -> Environment | None:
+    """The job this process belongs to, if a launcher started it; else ``None``.
+
+    A process shoal's own launcher started gets its :class:`Environment` handed over as an
+    object (:func:`set_environment`). Otherwise the variables are read, in order: torchrun
+    (or any launcher that sets ``RANK``/``WORLD_SIZE``), Slurm (``srun`` with more than one
+    task), OpenMPI, MPICH/Hydra.
+    """
+    if env is None:
+        if _GIVEN is not None:
+            return _GIVEN
+        env = os.environ
+    if "RANK" in env and "WORLD_SIZE" in env:
+        world = _int(env, "WORLD_SIZE")
+        return Environment(
+            rank=_int(env, "RANK"),
+            world_size=world,
+            local_rank=_int(env, "LOCAL_RANK", default=0),
+            local_world_size=_int(env, "LOCAL_WORLD_SIZE", default=world),
+            master_addr=env.get("MASTER_ADDR", "127.0.0.1"),
+            master_port=_int(env, "MASTER_PORT", default=29500),
+            launcher="torchrun",
+            agent_store=env.get("TORCHELASTIC_USE_AGENT_STORE") == "True",
+            attempt=_int(env, "TORCHELASTIC_RESTART_COUNT", default=0),
+        )
+    if "SLURM_PROCID" in env and _int(env, "SLURM_NTASKS", default=1) > 1:
+        addr = env.get("MASTER_ADDR")
+        if addr is None:
+            nodes = env.get("SLURM_STEP_NODELIST") or env.get("SLURM_JOB_NODELIST")
+            if not nodes:
+                raise ShoalError("under Slurm, set MASTER_ADDR or SLURM_JOB_NODELIST")
+            addr = expand_hostlist(nodes)[0]
+        job = _int(env, "SLURM_JOB_ID", default=0)
+        return Environment(
+            rank=_int(env, "SLURM_PROCID"),
+            world_size=_int(env, "SLURM_NTASKS"),
+            local_rank=_int(env, "SLURM_LOCALID", default=0),
+            local_world_size=_int(env, "SLURM_NTASKS_PER_NODE", default=1)
+            if env.get("SLURM_NTASKS_PER_NODE", "").isdigit()
+            else 1,
+            master_addr=addr,
+            master_port=_int(env, "MASTER_PORT", default=10000 + job % 20000),
+            launcher="slurm",
+        )
+    for size, rank, local, local_size in (
+        ("OMPI_COMM_WORLD_SIZE", "OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_LOCAL_RANK",
+         "OMPI_COMM_WORLD_LOCAL_SIZE"),
+        ("PMI_SIZE", "PMI_RANK", "MPI_LOCALRANKID", "MPI_LOCALNRANKS"),
+    ):
+        if size in env and _int(env, size) > 1:
+            if "MASTER_ADDR" not in env:
+                raise ShoalError(
+                    "under mpirun, set MASTER_ADDR (and MASTER_PORT) to the address of rank 0's "
+                    "host, e.g. mpirun -x MASTER_ADDR=node1 ..."
+                )
+            world = _int(env, size)
+            return Environment(
+                rank=_int(env, rank),
+                world_size=world,
+                local_rank=_int(env, local, default=0),
+                local_world_size=_int(env, local_size, default=world),
+                master_addr=env["MASTER_ADDR"],
+                master_port=_int(env, "MASTER_PORT", default=29500),
+                launcher="mpi",
+            )
+    return None
+
+
+def free_port() -> int:
+    """A TCP port on the loopback interface that was free a moment ago."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+_GIVEN: Environment | None = None  # handed over by shoal's launcher (set_environment)
+
+
+def set_environment(env: Environment | None) -> None:
+    """Make ``env`` what :func:`detect_environment` returns in this process (shoal's launcher
+    calls it in each worker it starts; ``None`` reads the variables again)."""
+    global _GIVEN
+    _GIVEN = env
+
+
+def default_threads(local_workers: int) -> int:
+    """Cores available to this process divided among the workers on this node."""
+    return max(1, len(os.sched_getaffinity(0)) // max(1, local_workers))
+
+
+def pick_device(device: str, local_rank: int) -> torch.device:
+    """``cpu``, ``cuda`` (one GPU per local rank) or ``auto`` (cuda when available)."""
+    if device == "auto":
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    if device == "cpu":
+        return torch.device("cpu")
+    if device == "cuda":
+        if not torch.cuda.is_available():
+            raise ShoalError("--device cuda, but torch sees no CUDA GPU")
+        count = torch.cuda.device_count()
+        if local_rank >= count:
+            raise ShoalError(f"local rank {local_rank} needs a GPU, but only {count} are visible")
+        torch.cuda.set_device(local_rank)
+        return torch.device("cuda", local_rank)
+    raise ShoalError(f"unknown device {device!r}; choose cpu, cuda or auto")

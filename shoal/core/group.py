@@ -1,0 +1,66 @@
+"""Joining a job's process group: its rendezvous store and ``init_process_group``, both
+bounded by a timeout, with one-line errors. Every front end joins through here: training
+ranks (:func:`shoal.core.comm.init_comm`), the ranks of a parallel session, and the
+controller that starts them."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from collections.abc import Iterator
+from datetime import timedelta
+
+import torch.distributed as dist
+
+from shoal.core.env import Environment
+from shoal.core.processes import loopback_gloo_interface
+from shoal.errors import ShoalError
+
+
+def job_store(env: Environment, timeout: float) -> dist.Store:
+    """The job's store as ``env`` describes it, as torch's ``env://`` rendezvous makes it: a
+    client of the store the launcher serves (``env.agent_store``), else rank 0 serves it and
+    the others are its clients."""
+    serve = env.rank == 0 and not env.agent_store
+    try:
+        return dist.TCPStore(env.master_addr, env.master_port, env.world_size, serve,
+                             timeout=timedelta(seconds=timeout), multi_tenant=not env.agent_store)
+    except (RuntimeError, ValueError) as exc:
+        raise ShoalError(f"could not reach the job's store at {env.master_addr}:{env.master_port} "
+                         f"as rank {env.rank} of {env.world_size}: {exc}") from exc
+
+
+def backend_for(device_type: str) -> str:
+    """Gloo on CPU; NCCL for CUDA tensors (and Gloo for the CPU ones a job also sends)."""
+    return "cpu:gloo,cuda:nccl" if device_type == "cuda" else "gloo"
+
+
+@contextlib.contextmanager
+def loopback_gloo(enabled: bool = True) -> Iterator[None]:
+    """Pin the Gloo connections made inside to loopback (``GLOO_SOCKET_IFNAME=lo``), then give
+    the previous value back: a process of the user's (a parallel session's controller) keeps
+    its own setting for other jobs."""
+    interface = loopback_gloo_interface() if enabled else None
+    if interface is None:
+        yield
+        return
+    old = os.environ.get("GLOO_SOCKET_IFNAME")
+    os.environ["GLOO_SOCKET_IFNAME"] = interface
+    try:
+        yield
+    finally:
+        if old is None:
+            os.environ.pop("GLOO_SOCKET_IFNAME", None)
+        else:
+            os.environ["GLOO_SOCKET_IFNAME"] = old
+
+
+def join_group(store: dist.Store, rank: int, world_size: int, device_type: str,
+               timeout: float, where: str = "the job") -> None:
+    """``init_process_group`` over ``store``; ``timeout`` (seconds) bounds every collective,
+    so a lost peer is an error, never a hang. A failure is one line naming ``where``."""
+    try:
+        dist.init_process_group(backend_for(device_type), store=store, rank=rank,
+                                world_size=world_size, timeout=timedelta(seconds=timeout))
+    except (RuntimeError, ValueError) as exc:
+        raise ShoalError(f"could not join {where} as rank {rank} of {world_size}: {exc}") from exc

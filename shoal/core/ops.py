@@ -1,0 +1,31 @@
+"""The reduce operations every front end offers, and the even split of rows over ranks."""
+
+from __future__ import annotations
+
+import torch.distributed as dist
+
+from shoal.errors import ShoalError
+
+#: Reduce ops by name. ``avg`` is a sum divided afterwards by the number of ranks (Gloo has
+#: no AVG), or weighted by rows where the caller says so.
+REDUCE_OPS: dict[str, dist.ReduceOp] = {
+    "sum": dist.ReduceOp.SUM,
+    "avg": dist.ReduceOp.SUM,
+    "prod": dist.ReduceOp.PRODUCT,
+    "min": dist.ReduceOp.MIN,
+    "max": dist.ReduceOp.MAX,
+}
+
+
+def reduce_op(op: str, where: str = "") -> dist.ReduceOp:
+    """The ``torch.distributed`` op named ``op``; an unknown name is a one-line error
+    (prefixed by ``where``, e.g. ``"shoal.all_reduce: "``)."""
+    try:
+        return REDUCE_OPS[op]
+    except (KeyError, TypeError):
+        raise ShoalError(f"{where}unknown reduce op {op!r}; choose from {', '.join(REDUCE_OPS)}") from None
+
+
+def split_sizes(n: int, parts: int) -> list[int]:
+    """``n`` rows in ``parts`` shares, the first ``n % parts`` one row larger (rank order)."""
+    return [n // parts + (1 if i < n % parts else 0) for i in range(parts)]

@@ -1,0 +1,236 @@
+"""The watchdog every rank of a job of several processes runs on the job's store.
+
+It ends the rank within a second when another rank reports a failure (``abort``), and names
+a rank that stopped responding (no heartbeat for ``heartbeat_timeout`` seconds) instead of
+letting the job wait out the collectives' timeout. See :class:`Watchdog`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import json
+import os
+import sys
+import threading
+import time
+from collections.abc import Callable
+from datetime import timedelta
+from typing import Any, TypeVar
+
+import torch.distributed as dist
+
+from shoal.core.env import Environment
+from shoal.core.processes import EXIT_ABORTED, first_line
+
+ABORT_KEY = "abort"
+HUNG = "stopped responding"  # how a hung rank's report begins
+
+_T = TypeVar("_T")
+
+
+def key_prefix(attempt: int) -> str:
+    """Where shoal's keys live in the job's store: ``shoal/<attempt>``.
+
+    torchrun restarts a failed job (``--max-restarts``) with the same agent and, possibly, the
+    same store; the attempt number (``TORCHELASTIC_RESTART_COUNT``) keeps an old attempt's
+    abort report and heartbeats from ending the new attempt.
+    """
+    return f"shoal/{attempt}"
+
+
+def _name_os_thread(name: str) -> None:
+    """Name the calling thread where ``ps -L``, ``top -H`` and ``/proc/PID/task`` show it."""
+    if sys.platform.startswith("linux"):
+        with contextlib.suppress(OSError, AttributeError):
+            ctypes.CDLL("libc.so.6").prctl(15, name.encode()[:15])  # PR_SET_NAME
+
+
+def record_hung(errdir: str, rank: int, message: str, noticed_by: int) -> None:
+    """Write rank ``rank``'s failure report for shoal's launcher (it cannot write its own).
+
+    The same fields as :func:`shoal.core.processes.record_failure`, as the root cause (primary).
+    A report the rank wrote itself is kept.
+    """
+    info = {
+        "rank": rank,
+        "time": time.time(),
+        "type": "TimeoutError",
+        "message": message,
+        "primary": True,
+        "user_error": False,
+        "traceback": f"(no traceback: rank {rank} did not run; rank {noticed_by}'s watchdog "
+                     f"saw its heartbeat stop)\n",
+    }
+    final = os.path.join(errdir, f"rank{rank}.json")
+    tmp = os.path.join(errdir, f".hung{rank}.by{noticed_by}.tmp")
+    try:
+        with open(tmp, "w") as f:
+            json.dump(info, f)
+        try:
+            os.link(tmp, final)  # atomic, and never over the rank's own report
+        except FileExistsError:
+            pass
+        except OSError:  # a file system without hard links
+            if not os.path.exists(final):
+                os.replace(tmp, final)
+    finally:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+
+
+class Watchdog:
+    """Two daemon threads that end this process when the job cannot go on.
+
+    The *watch* thread asks the job's store every ``tick`` seconds, over a connection of its
+    own: whether a rank reported a failure (``abort``; this process then exits with
+    :data:`EXIT_ABORTED`), and, with a ``heartbeat_timeout``, bumps this rank's counter
+    ``hb/<rank>`` about every second and reads the next rank's (a ring: every rank is watched
+    by exactly one other, so the store sees a few calls a second per rank). A counter that did
+    not move for ``heartbeat_timeout`` seconds means that rank stopped running (``kill
+    -STOP``, swapped out, a deadlock holding the GIL): the watchdog reports it under that
+    rank's name, to the other ranks through ``abort`` and to shoal's launcher through the
+    rank's failure file, and exits. A rank that is only slow (computing, sleeping, waiting in
+    a collective) keeps beating: its main thread is not needed for that, only the GIL now
+    and then. Collectives stay bounded by the process group's own timeout.
+
+    The *guard* thread times the watch thread's store calls: a call to a host that stopped
+    (rather than died) never returns, so one that is not back within ``heartbeat_timeout``
+    means the store's host (shoal's launcher, the torchrun agent, or rank 0) stopped
+    responding, and this process exits saying so.
+
+    Both discount time in which this process itself did not run (a whole job stopped with
+    Ctrl-Z and resumed): nobody can be judged over a time nobody was watching.
+    """
+
+    def __init__(self, env: Environment, store: dist.Store, heartbeat_timeout: float | None,
+                 leaving: Callable[[], bool]) -> None:
+        self._env = env
+        self._leaving = leaving  # whether this rank itself reported a failure and is leaving
+        self._rank, self._world = env.rank, env.world_size
+        self._limit = heartbeat_timeout
+        self._store = store
+        if isinstance(store, dist.TCPStore):
+            self._address = f"{store.host}:{store.port}"
+        else:
+            self._address = f"{env.master_addr}:{env.master_port}"
+        self._tick = 0.5 if heartbeat_timeout is None else min(0.5, heartbeat_timeout / 6)
+        # A longer gap than this between two looks means this process did not run meanwhile.
+        self._gap = max(1.0, (heartbeat_timeout or 0.0) / 2)
+        self._stop = threading.Event()
+        self._lock = threading.Lock()
+        self._call_since: float | None = None  # when the store call in flight began
+        self._threads = [threading.Thread(target=self._watch, name="shoal-watchdog", daemon=True)]
+        if heartbeat_timeout is not None:
+            self._threads.append(threading.Thread(target=self._guard, name="shoal-store-guard",
+                                                  daemon=True))
+        for thread in self._threads:
+            thread.start()
+
+    def stop(self, timeout: float) -> None:
+        """Stop both threads; wait up to ``timeout`` seconds for each."""
+        self._stop.set()
+        for thread in self._threads:
+            thread.join(timeout=timeout)
+
+    # -- the watch thread --------------------------------------------------------------------
+    def _call(self, fn: Callable[..., _T], *args: Any) -> _T:
+        """``fn(*args)``, timed by the guard thread."""
+        with self._lock:
+            self._call_since = time.monotonic()
+        try:
+            return fn(*args)
+        finally:
+            with self._lock:
+                self._call_since = None
+
+    def _connect(self) -> dist.Store:
+        """A store client of the watch thread's own, so that it never queues behind another."""
+        store = self._store
+        if isinstance(store, dist.TCPStore):
+            store = dist.TCPStore(store.host, store.port, None, False,
+                                  timeout=timedelta(seconds=30), wait_for_workers=False)
+        return dist.PrefixStore(key_prefix(self._env.attempt), store)
+
+    def _watch(self) -> None:
+        _name_os_thread(f"shoal-hb-r{self._rank}")
+        try:
+            self._watch_store(self._call(self._connect))
+        except Exception as exc:
+            # The store is gone, and with it the job, unless we are shutting down normally.
+            if not self._stop.wait(2.0):
+                self._exit(self._lost_contact(f"{type(exc).__name__}: {first_line(exc, 200)}"))
+
+    def _watch_store(self, store: dist.Store) -> None:
+        limit = self._limit
+        me, peer = f"hb/{self._rank}", f"hb/{(self._rank + 1) % self._world}"
+        beat_every = 1.0 if limit is None else min(1.0, limit / 4)
+        seen = -1  # the peer's count, and when it last changed by this process's clock
+        seen_at = looked_at = next_beat = time.monotonic()
+        while not self._stop.wait(self._tick):
+            if self._call(store.check, [ABORT_KEY]):
+                reason = self._call(store.get, ABORT_KEY).decode()
+                if self._leaving():
+                    return  # this rank's own report, or one that crossed it: it is leaving
+                self._exit(reason)
+            if limit is None:
+                continue
+            if time.monotonic() < next_beat:
+                continue
+            self._call(store.add, me, 1)
+            count = self._call(store.add, peer, 0)  # adding 0 reads it (and never waits)
+            now = time.monotonic()
+            next_beat = now + beat_every
+            if count != seen or now - looked_at > self._gap:
+                seen, seen_at = count, now
+            elif now - seen_at > limit:
+                self._hung(store, (self._rank + 1) % self._world)
+            looked_at = now
+
+    def _hung(self, store: dist.Store, rank: int) -> None:
+        assert self._limit is not None
+        message = f"{HUNG}: no heartbeat for {self._limit:g} s (hung, stopped or swapped out)"
+        reason = first = f"rank {rank}: {message}"
+        with contextlib.suppress(Exception):
+            # The first report stands: a rank that failed just before names the real cause.
+            first = self._call(store.compare_set, ABORT_KEY, "", reason).decode()
+        if first != reason:
+            self._exit(first)
+        errdir = self._env.error_dir
+        if errdir:
+            with contextlib.suppress(OSError):
+                record_hung(errdir, rank, message, self._rank)
+        self._exit(reason)
+
+    # -- the guard thread --------------------------------------------------------------------
+    def _guard(self) -> None:
+        assert self._limit is not None
+        last = time.monotonic()
+        while not self._stop.wait(0.5):
+            now = time.monotonic()
+            with self._lock:
+                if self._call_since is not None and now - last > self._gap:
+                    self._call_since = now  # this process was not running: start again
+                waited = 0.0 if self._call_since is None else now - self._call_since
+            last = now
+            if waited > self._limit:
+                self._exit(self._lost_contact(f"no answer for {self._limit:g} s"))
+
+    # -- leaving -----------------------------------------------------------------------------
+    def _lost_contact(self, detail: str) -> str:
+        host = {"local": "shoal's launcher", "torchrun": "the torchrun agent"}.get(
+            self._env.launcher, "rank 0")
+        return f"lost contact with the job's store at {self._address} (served by {host}): {detail}"
+
+    def _exit(self, reason: str) -> None:
+        if self._env.error_dir is None:  # shoal's own launcher reports it
+            print(f"shoal: rank {self._rank} stopping: {reason}", file=sys.stderr, flush=True)
+        errfile = os.environ.get("TORCHELASTIC_ERROR_FILE")
+        if errfile:
+            # torchrun's summary takes the first rank to exit for the root cause: this one
+            # when it stops for another's failure. Its error file says whose it is.
+            with contextlib.suppress(OSError), open(errfile, "w") as f:
+                json.dump({"message": {"message": reason, "extraInfo": {
+                    "py_callstack": f"rank {self._rank} stopped because {reason}",
+                    "timestamp": str(int(time.time()))}}}, f)
+        os._exit(EXIT_ABORTED)
