@@ -20,10 +20,12 @@ demo: $(STAMP)
 
 test: $(STAMP)
 	$(BIN)/ruff check shoal tests benchmarks examples
+	$(BIN)/lint-imports
 	$(BIN)/python -m pytest -q
 
 lint: $(STAMP)
 	$(BIN)/ruff check shoal tests benchmarks examples
+	$(BIN)/lint-imports
 
 clean:
 	rm -rf $(VENV) runs build *.egg-info
