@@ -308,7 +308,9 @@ def _run(args: argparse.Namespace) -> None:
 def _bench(args: argparse.Namespace, argv: Sequence[str]) -> None:
     from pathlib import Path
 
-    from shoal.bench.sweep import BenchConfig, parse_strategies, run_bench
+    from shoal.sweep.config import BenchConfig
+    from shoal.sweep.runner import run_bench
+    from shoal.sweep.spec import parse_strategies
 
     cfg = BenchConfig(
         models=args.models, strategies=parse_strategies(args.strategies, args.strategy_options),
@@ -328,7 +330,7 @@ def _bench(args: argparse.Namespace, argv: Sequence[str]) -> None:
 def _report(args: argparse.Namespace) -> None:
     from pathlib import Path
 
-    from shoal.bench.report import report
+    from shoal.report import report
 
     files = report([Path(r) for r in args.runs], Path(args.out))
     print(files["md"].read_text())
