@@ -11,40 +11,35 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
 import subprocess
 import sys
 import tempfile
 from pathlib import Path
 
-from shoal.bench.reference import Workload, run_reference
 from shoal.core.env import default_threads
+from shoal.sweep.measure import measure_run
+from shoal.sweep.reference import Workload, run_reference
 
 REPO = Path(__file__).resolve().parent.parent
 
 
-def run_shoal(w: Workload, workers: int, threads: int, log_every: int = 5) -> dict:
+def run_shoal(w: Workload, world_size: int, threads: int, log_every: int = 5) -> dict:
     """`shoal train --strategy sync`; throughput from rank 0's wall clock between the step
-    records after warm-up (everything the loop does counts: logging, bookkeeping)."""
+    records after warm-up (everything the loop does counts: logging, bookkeeping), measured
+    as `shoal bench` measures it."""
     with tempfile.TemporaryDirectory() as out:
         shape = "x".join(map(str, w.shape))
         cmd = [sys.executable, "-m", "shoal", "train", "--strategy", "sync", "--model", w.model,
                "--dataset", "synthetic", "--synthetic-shape", shape,
                "--synthetic-classes", str(w.classes),
-               "--synthetic-samples", str(w.samples(workers)), "--epochs", "1",
-               "--batch-size", str(w.batch), "--workers", str(workers),
+               "--synthetic-samples", str(w.samples(world_size)), "--epochs", "1",
+               "--batch-size", str(w.batch), "--workers", str(world_size),
                "--threads-per-worker", str(threads), "--lr", str(w.lr),
                "--momentum", str(w.momentum), "--schedule", "constant",
                "--log-every", str(log_every), "--progress", "none", "--out", out]
         subprocess.run(cmd, check=True, cwd=REPO)
-        with open(os.path.join(out, "metrics.jsonl")) as f:
-            steps = [json.loads(line) for line in f]
-        steps = [r for r in steps if r["event"] == "step"]
-        first = next(r for r in steps if r["step"] >= w.warmup)
-        last = steps[-1]
-        samples = (last["step"] - first["step"]) * w.batch * workers
-        return {"samples_per_s": samples / (last["elapsed_s"] - first["elapsed_s"])}
+        return {"samples_per_s": measure_run(Path(out), w.warmup)["samples_per_s"]}
 
 
 def main() -> None:
@@ -61,14 +56,14 @@ def main() -> None:
     shape = tuple(int(d) for d in a.shape.split("x"))
     w = Workload(model=a.model, shape=shape, batch=a.batch, steps=a.steps, warmup=a.warmup)
     rows = []
-    for workers in a.workers:
-        threads = default_threads(workers)
+    for world_size in a.workers:
+        threads = default_threads(world_size)
         ours, ref = [], []
         for _ in range(a.repeats):  # alternate, so drifts in machine speed hit both alike
-            ours.append(run_shoal(w, workers, threads)["samples_per_s"])
+            ours.append(run_shoal(w, world_size, threads)["samples_per_s"])
             with tempfile.NamedTemporaryFile(suffix=".json", delete=False) as f:
-                ref.append(run_reference(w, workers, threads, f.name)["samples_per_s"])
-        rows.append({"workers": workers, "threads": threads,
+                ref.append(run_reference(w, world_size, threads, f.name)["samples_per_s"])
+        rows.append({"workers": world_size, "threads": threads,
                      "shoal": statistics.median(ours), "ddp": statistics.median(ref),
                      "shoal_all": ours, "ddp_all": ref})
     print(f"\n{a.model}, batch {a.batch}/worker, {a.steps} steps ({a.warmup} warm-up), "

@@ -6,10 +6,13 @@ import sys
 
 import pytest
 
-from shoal.bench.report import load_run, summary_table
-from shoal.bench.sweep import REFERENCE, StrategySpec, add_efficiency, markdown_table, parse_strategies
 from shoal.cli import main
 from shoal.errors import ShoalError
+from shoal.report import load_run, summary_table
+from shoal.sweep.measure import add_efficiency
+from shoal.sweep.reference import Workload, parse_workload
+from shoal.sweep.spec import REFERENCE, StrategySpec, parse_strategies
+from shoal.sweep.tables import markdown_table
 
 from conftest import one_error_line, shoal
 
@@ -80,6 +83,18 @@ def test_efficiency_and_tables():
     assert row in markdown_table(rows)
     run = {"summary": {"label": "r", "model": "m", "test_accuracy": 0.5, "comm_fraction": None}}
     assert "| r | m |" in summary_table([run]) and "50.00%" in summary_table([run])
+
+
+def test_reference_under_torchrun_trains_the_workload_it_is_given():
+    """The emulated reference runs from flags: every field must survive them (it once lost
+    --lr and --momentum, training the default learning rate instead of the sweep's)."""
+    changed = {"model": "mlp", "shape": (1, 8, 8), "classes": 3, "batch": 5, "steps": 7,
+               "warmup": 2, "lr": 0.125, "momentum": 0.0}
+    assert set(changed) == set(vars(Workload())), "a new Workload field: add it here"
+    assert all(vars(Workload())[k] != v for k, v in changed.items())
+    w = Workload(**changed)
+    got, flags = parse_workload([*w.flags(), "--out", "r.json"])
+    assert got == w and flags.out == "r.json"
 
 
 def error_of(capsys, *args: str) -> str:

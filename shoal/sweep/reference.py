@@ -6,7 +6,8 @@ train exactly the same thing. Throughput is measured on rank 0 between two barri
 ``warmup`` steps.
 
 Local workers: :func:`run_reference`. Under torchrun (e.g. across the hosts of an emulated
-cluster): ``torchrun ... -m shoal.bench.reference --model lenet5 --out result.json``.
+cluster): ``torchrun ... -m shoal.sweep.reference --model lenet5 --out result.json``, with
+the flags of :meth:`Workload.flags`.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ import json
 import os
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -40,19 +41,52 @@ class Workload:
     lr: float = 0.05
     momentum: float = 0.9
 
-    def samples(self, workers: int) -> int:
-        return self.steps * self.batch * workers
+    def samples(self, world_size: int) -> int:
+        return self.steps * self.batch * world_size
+
+    def flags(self) -> list[str]:
+        """This workload as flags of ``python -m shoal.sweep.reference`` (:func:`parse_workload`
+        reads them back): the loop started under torchrun trains exactly this."""
+        return ["--model", self.model, "--shape", "x".join(map(str, self.shape)),
+                "--classes", str(self.classes), "--batch", str(self.batch),
+                "--steps", str(self.steps), "--warmup", str(self.warmup), "--lr", str(self.lr),
+                "--momentum", str(self.momentum)]
 
 
-def _load(w: Workload, workers: int):
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m shoal.sweep.reference", description=__doc__)
+    d = Workload()
+    p.add_argument("--model", default=d.model)
+    p.add_argument("--shape", default="x".join(map(str, d.shape)))
+    p.add_argument("--classes", type=int, default=d.classes)
+    p.add_argument("--batch", type=int, default=d.batch, help="per worker")
+    p.add_argument("--steps", type=int, default=d.steps)
+    p.add_argument("--warmup", type=int, default=d.warmup)
+    p.add_argument("--lr", type=float, default=d.lr)
+    p.add_argument("--momentum", type=float, default=d.momentum)
+    p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--out", required=True)
+    return p
+
+
+def parse_workload(argv: Sequence[str]) -> tuple[Workload, argparse.Namespace]:
+    """The workload of ``python -m shoal.sweep.reference``'s flags, and all the flags."""
+    a = _parser().parse_args(argv)
+    w = Workload(model=a.model, shape=tuple(int(v) for v in a.shape.split("x")),
+                 classes=a.classes, batch=a.batch, steps=a.steps, warmup=a.warmup, lr=a.lr,
+                 momentum=a.momentum)
+    return w, a
+
+
+def _load(w: Workload, world_size: int):
     from shoal.data import DataOptions, load_dataset
 
     return load_dataset("synthetic", DataOptions(synthetic_shape=w.shape,
                                                synthetic_classes=w.classes,
-                                               synthetic_samples=w.samples(workers)))
+                                               synthetic_samples=w.samples(world_size)))
 
 
-def ddp_step(w: Workload, data: Any, rank: int, workers: int, *, bucket_view: bool = False,
+def ddp_step(w: Workload, data: Any, rank: int, world_size: int, *, bucket_view: bool = False,
              comm_hook: Callable[..., Any] | None = None) -> Callable[[int], None]:
     """The reference's training step ``step -> None``: DDP with its defaults (or with
     ``gradient_as_bucket_view`` / a communication hook, to measure what they cost), SGD,
@@ -69,7 +103,7 @@ def ddp_step(w: Workload, data: Any, rank: int, workers: int, *, bucket_view: bo
     perm = torch.randperm(len(data), generator=gen)
 
     def step(i: int) -> None:
-        start = (i * workers + rank) * w.batch
+        start = (i * world_size + rank) * w.batch
         x, y = data.get_batch(perm[start : start + w.batch])
         loss = F.cross_entropy(ddp(x), y)
         opt.zero_grad(set_to_none=True)
@@ -78,10 +112,10 @@ def ddp_step(w: Workload, data: Any, rank: int, workers: int, *, bucket_view: bo
     return step
 
 
-def _train(rank: int, workers: int, w: Workload, threads: int, out: str) -> None:
-    """The timed loop, in a process that has joined a Gloo process group of ``workers``."""
+def _train(rank: int, world_size: int, w: Workload, threads: int, out: str) -> None:
+    """The timed loop, in a process that has joined a Gloo process group of ``world_size``."""
     torch.set_num_threads(threads)
-    step = ddp_step(w, _load(w, workers).train, rank, workers)
+    step = ddp_step(w, _load(w, world_size).train, rank, world_size)
     t0 = 0.0
     for i in range(w.steps):
         if i == w.warmup:
@@ -91,23 +125,23 @@ def _train(rank: int, workers: int, w: Workload, threads: int, out: str) -> None
     dist.barrier()
     elapsed = time.perf_counter() - t0
     if rank == 0:
-        timed = (w.steps - w.warmup) * w.batch * workers
+        timed = (w.steps - w.warmup) * w.batch * world_size
         with open(out, "w") as f:
             json.dump({"samples_per_s": timed / elapsed, "seconds": elapsed}, f)
 
 
-def _worker(rank: int, workers: int, port: int, w: Workload, threads: int, out: str) -> None:
+def _worker(rank: int, world_size: int, port: int, w: Workload, threads: int, out: str) -> None:
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
-                            world_size=workers)
-    _train(rank, workers, w, threads, out)
+                            world_size=world_size)
+    _train(rank, world_size, w, threads, out)
     dist.destroy_process_group()
 
 
-def run_reference(w: Workload, workers: int, threads: int, out: str) -> dict:
-    """Run the plain DDP loop on ``workers`` local processes; return its throughput."""
+def run_reference(w: Workload, world_size: int, threads: int, out: str) -> dict:
+    """Run the plain DDP loop on ``world_size`` local processes; return its throughput."""
     from shoal.core.env import free_port
 
-    mp.spawn(_worker, args=(workers, free_port(), w, threads, out), nprocs=workers)
+    mp.spawn(_worker, args=(world_size, free_port(), w, threads, out), nprocs=world_size)
     with open(out) as f:
         result = json.load(f)
     os.unlink(out)
@@ -116,22 +150,7 @@ def run_reference(w: Workload, workers: int, threads: int, out: str) -> dict:
 
 def main(argv: list[str] | None = None) -> int:
     """One rank of the reference loop under torchrun; rank 0 writes ``--out``."""
-    p = argparse.ArgumentParser(prog="python -m shoal.bench.reference", description=__doc__)
-    d = Workload()
-    p.add_argument("--model", default=d.model)
-    p.add_argument("--shape", default="x".join(map(str, d.shape)))
-    p.add_argument("--classes", type=int, default=d.classes)
-    p.add_argument("--batch", type=int, default=d.batch, help="per worker")
-    p.add_argument("--steps", type=int, default=d.steps)
-    p.add_argument("--warmup", type=int, default=d.warmup)
-    p.add_argument("--lr", type=float, default=d.lr)
-    p.add_argument("--momentum", type=float, default=d.momentum)
-    p.add_argument("--threads", type=int, default=1)
-    p.add_argument("--out", required=True)
-    a = p.parse_args(argv)
-    w = Workload(model=a.model, shape=tuple(int(v) for v in a.shape.split("x")),
-                 classes=a.classes, batch=a.batch, steps=a.steps, warmup=a.warmup, lr=a.lr,
-                 momentum=a.momentum)
+    w, a = parse_workload(sys.argv[1:] if argv is None else argv)
     dist.init_process_group("gloo")
     try:
         _train(dist.get_rank(), dist.get_world_size(), w, a.threads, a.out)

@@ -89,7 +89,7 @@ def _labels(paths: Sequence[Path]) -> list[str]:
 
 def report(paths: Sequence[Path], out: Path) -> dict[str, Path]:
     """Write ``report.png`` and ``report.md`` for the runs in ``paths`` into ``out``."""
-    from shoal.bench.plots import report_figure, require_matplotlib
+    from shoal.plots import report_figure, require_matplotlib
 
     if not paths:
         raise ShoalError("give at least one run directory")

@@ -23,11 +23,12 @@ def require_matplotlib() -> Any:
     return plt
 
 
-def bench_figure(rows: Sequence[dict[str, Any]], path: Path, title: str = "") -> None:
+def bench_figure(rows: Sequence[dict[str, Any]], path: Path, title: str = "",
+                 dashed: str = "") -> None:
     """Throughput, scaling efficiency and communication fraction against workers.
 
-    One line per (model, strategy, scaling, threads); the hand-written DDP reference dashed.
-    Error bars span the repeats' minimum to maximum.
+    One line per (model, strategy, scaling, threads); the strategy labelled ``dashed`` (the
+    hand-written DDP reference) dashed. Error bars span the repeats' minimum to maximum.
     """
     plt = require_matplotlib()
     series: dict[str, list[dict[str, Any]]] = defaultdict(list)
@@ -44,7 +45,7 @@ def bench_figure(rows: Sequence[dict[str, Any]], path: Path, title: str = "") ->
                 continue
             xs = [p["workers"] for p in pts]
             ys = [p[key] for p in pts]
-            style = "--" if pts[0]["strategy"] == "ddp-reference" else "-"
+            style = "--" if pts[0]["strategy"] == dashed else "-"
             if key == "samples_per_s":
                 lo = [y - p["samples_per_s_min"] for y, p in zip(ys, pts, strict=True)]
                 hi = [p["samples_per_s_max"] - y for y, p in zip(ys, pts, strict=True)]

@@ -1,1 +1,0 @@
-"""Benchmarks: shoal measured side by side with plain PyTorch in the same run."""

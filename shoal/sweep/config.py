@@ -1,0 +1,110 @@
+"""What one ``shoal bench`` sweep runs: its settings (:class:`BenchConfig`) and its points."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from shoal.core.env import default_threads
+from shoal.errors import ShoalError
+from shoal.sweep.spec import REFERENCE, StrategySpec
+
+SCALINGS = ("weak", "strong")
+
+
+@dataclass
+class BenchConfig:
+    """One sweep, as ``shoal bench``'s flags give it (``workers``: the ``--workers`` list of
+    world sizes). ``batch_size`` is per worker for weak scaling; strong scaling keeps the
+    global batch at ``global_batch_size`` (default: ``batch_size`` x the largest world size)."""
+
+    models: list[str] = field(default_factory=lambda: ["lenet5"])
+    strategies: list[StrategySpec] = field(default_factory=lambda: [StrategySpec("sync")])
+    workers: list[int] = field(default_factory=lambda: [1, 2])
+    threads: list[int | None] = field(default_factory=lambda: [None])  # None: cores // workers
+    scaling: list[str] = field(default_factory=lambda: ["weak", "strong"])
+    batch_size: int = 32
+    global_batch_size: int | None = None
+    steps: int = 40
+    warmup: int = 10
+    repeats: int = 3
+    dataset: str = "synthetic"
+    synthetic_shape: tuple[int, ...] = (3, 32, 32)
+    reference: bool = True
+    emulate_bandwidth: str | None = None
+    out: Path = Path("runs/bench")
+    lr: float = 0.02
+    momentum: float = 0.9
+    timeout: float = 900.0
+    quiet: bool = False
+
+    def validate(self) -> BenchConfig:
+        for name in ("batch_size", "steps", "warmup", "repeats"):
+            value = getattr(self, name)
+            if value < 1:
+                raise ShoalError(f"--{name.replace('_', '-')} must be at least 1, got {value}")
+        if not self.workers or any(w < 1 for w in self.workers):
+            raise ShoalError(f"--workers must be positive numbers, got {self.workers}")
+        if any(t is not None and t < 1 for t in self.threads):
+            raise ShoalError(f"--threads-per-worker must be positive or auto, got {self.threads}")
+        bad = [s for s in self.scaling if s not in SCALINGS]
+        if bad or not self.scaling:
+            raise ShoalError(f"--scaling must be weak, strong or both, got {','.join(self.scaling)}")
+        if not self.models:
+            raise ShoalError("--models is empty")
+        if self.emulate_bandwidth is not None:
+            from shoal.emulate import can_emulate, rate_bits
+
+            rate_bits(self.emulate_bandwidth)
+            why = can_emulate()
+            if why is not None:
+                raise ShoalError(f"--emulate-bandwidth: cannot emulate a cluster here: {why}")
+        if "strong" in self.scaling:
+            g = self.strong_global_batch()
+            for world_size in self.workers:
+                if g % world_size:
+                    raise ShoalError(f"strong scaling: the global batch {g} does not divide "
+                                     f"among {world_size} workers; set --global-batch-size")
+        return self
+
+    def strong_global_batch(self) -> int:
+        return self.global_batch_size or self.batch_size * max(self.workers)
+
+    def per_worker_batch(self, scaling: str, world_size: int) -> int:
+        return self.batch_size if scaling == "weak" else self.strong_global_batch() // world_size
+
+
+@dataclass(frozen=True)
+class Point:
+    """One configuration of the sweep."""
+
+    model: str
+    strategy: StrategySpec | None  # None: the DDP reference loop
+    scaling: str
+    world_size: int
+    threads: int | None
+
+    @property
+    def strategy_label(self) -> str:
+        return self.strategy.label if self.strategy is not None else REFERENCE
+
+    def threads_for(self) -> int:
+        return self.threads or default_threads(self.world_size)
+
+    def name(self, repeat: int) -> str:
+        label = self.strategy_label.replace(":", "_").replace(",", "_").replace("=", "")
+        return (f"{self.model}-{label}-{self.scaling}-w{self.world_size}-t{self.threads_for()}"
+                f"-r{repeat}")
+
+
+def points(cfg: BenchConfig) -> list[Point]:
+    """The sweep's configurations: shoal's strategies, then the reference, per setting."""
+    out = []
+    for model in cfg.models:
+        for scaling in cfg.scaling:
+            for threads in cfg.threads:
+                for world_size in cfg.workers:
+                    out += [Point(model, s, scaling, world_size, threads) for s in cfg.strategies]
+                    if cfg.reference:
+                        out.append(Point(model, None, scaling, world_size, threads))
+    return out

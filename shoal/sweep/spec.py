@@ -1,0 +1,90 @@
+"""The ``--strategies`` mini-language of ``shoal bench``: ``sync,local-sgd:tau=4,lr_outer=0.7``."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from shoal.errors import ShoalError
+
+#: The label of the hand-written DDP loop's rows; not a strategy one can name.
+REFERENCE = "ddp-reference"
+
+
+@dataclass(frozen=True)
+class StrategySpec:
+    """A strategy and the options it runs with in the benchmark (``local-sgd:tau=4``)."""
+
+    name: str
+    options: tuple[tuple[str, str], ...] = ()
+
+    @property
+    def label(self) -> str:
+        opts = ",".join(f"{k}={v}" for k, v in self.options)
+        return f"{self.name}:{opts}" if opts else self.name
+
+    def flags(self) -> list[str]:
+        """``shoal train`` flags for the options (``tau=4`` -> ``--tau 4``)."""
+        out = ["--strategy", self.name]
+        for key, value in self.options:
+            flag = "--" + key.replace("_", "-")
+            if value.lower() in ("true", "false"):
+                out.append(flag if value.lower() == "true" else "--no-" + flag[2:])
+            else:
+                out += [flag, value]
+        return out
+
+
+def parse_strategies(text: str, common: str = "") -> list[StrategySpec]:
+    """``sync,local-sgd:tau=4,lr_outer=0.7,easgd:tau=16`` -> three specs.
+
+    A comma-separated item without ``=`` starts a new strategy; ``name:key=value`` starts one
+    with an option; a bare ``key=value`` adds an option to the strategy before it.
+    ``common`` options (``tau=4``) go to every strategy that takes them.
+    """
+    from shoal.strategies import get_strategy, option_fields
+
+    specs: list[tuple[str, dict[str, str]]] = []
+    for item in (t.strip() for t in text.split(",")):
+        if not item:
+            continue
+        name, colon, rest = item.partition(":")
+        if colon or "=" not in item:
+            if "=" in name:
+                raise ShoalError(f"--strategies: {item!r} must start with a strategy name")
+            specs.append((name, {}))
+            item = rest
+            if not item:
+                continue
+        if not specs:
+            raise ShoalError(f"--strategies: option {item!r} comes before any strategy")
+        key, eq, value = item.partition("=")
+        if not eq or not key:
+            raise ShoalError(f"--strategies: expected key=value, got {item!r}")
+        specs[-1][1][key.replace("-", "_")] = value
+    if not specs:
+        raise ShoalError("--strategies is empty")
+    shared = _options(common, "--strategy-options")
+    out = []
+    for name, opts in specs:
+        if name == REFERENCE:
+            raise ShoalError(f"{REFERENCE} is added by shoal bench itself (--no-reference "
+                             "leaves it out)")
+        cls = get_strategy(name)
+        takes = {f.name for f in option_fields(cls)}
+        for key in opts:
+            if key not in takes:
+                raise ShoalError(f"strategy {name} does not take option {key!r} "
+                                 f"(it takes {', '.join(sorted(takes)) or 'none'})")
+        merged = {k: v for k, v in shared.items() if k in takes} | opts
+        out.append(StrategySpec(name, tuple(sorted(merged.items()))))
+    return out
+
+
+def _options(text: str, what: str) -> dict[str, str]:
+    opts = {}
+    for item in (t.strip() for t in text.split(",") if t.strip()):
+        key, eq, value = item.partition("=")
+        if not eq or not key:
+            raise ShoalError(f"{what}: expected key=value, got {item!r}")
+        opts[key.replace("-", "_")] = value
+    return opts
