@@ -22,8 +22,11 @@ See ``docs/parallel.md`` for the semantics and the limits.
 
 from shoal.parallel.arrays import SharedArray, shared
 from shoal.parallel.collectives import all_gather, all_reduce, broadcast, gather, reduce, scatter
-from shoal.parallel.functions import MODES, Function, function
-from shoal.parallel.session import RemoteTraceback, Session, active, close, current, fork
+from shoal.parallel.functions import Function, function
+from shoal.parallel.protocol import RemoteTraceback
+from shoal.parallel.session import Session, active, close, current
+from shoal.parallel.spec import MODES
+from shoal.parallel.start import fork
 
 
 def replicate(*objects: object) -> None:
@@ -32,7 +35,7 @@ def replicate(*objects: object) -> None:
     :func:`shared` arrays are replicated automatically the first time a call needs them; for a
     module, do it before its optimizer. Without an open session this does nothing."""
     session = active()  # raises while a broken session is current
-    if session is not None and session.world > 1:
+    if session is not None and session.world_size > 1:
         for obj in objects:
             session.registry.register(obj)
 

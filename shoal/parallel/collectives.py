@@ -17,6 +17,7 @@ over ranks. ``gather``, ``all_gather`` and ``scatter`` concatenate or split alon
 
 from __future__ import annotations
 
+import math
 import zlib
 from collections.abc import Iterable
 from typing import Any
@@ -25,14 +26,16 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from shoal.core.flat import by_dtype, flatten, unflatten_into
+from shoal.core.ops import reduce_op, split_sizes
+from shoal.core.timeline import COMM
 from shoal.errors import ShoalError
 from shoal.parallel.arrays import SharedArray
-from shoal.parallel.functions import Function, split_sizes
-from shoal.parallel.session import active, in_function
+from shoal.parallel.context import booked, in_function
+from shoal.parallel.functions import Function
+from shoal.parallel.session import active
 
 Target = torch.Tensor | nn.Module | Iterable[Any]
-_OPS = {"sum": dist.ReduceOp.SUM, "avg": dist.ReduceOp.SUM, "prod": dist.ReduceOp.PRODUCT,
-        "min": dist.ReduceOp.MIN, "max": dist.ReduceOp.MAX}
 
 
 def _tensors(target: Any, name: str) -> tuple[list[torch.Tensor], bool]:
@@ -58,7 +61,7 @@ def _bad(item: Any, name: str) -> list[torch.Tensor]:
     raise ShoalError(f"shoal.{name}: expected tensors or modules, got a {type(item).__name__}")
 
 
-def _rank_world() -> tuple[int, int]:
+def _rank_and_size() -> tuple[int, int]:
     if dist.is_initialized():
         return dist.get_rank(), dist.get_world_size()
     return 0, 1
@@ -71,16 +74,16 @@ def _fmt(desc: tuple[Any, ...], cat: bool) -> str:
         (", ..." if len(parts) > 6 else "")
 
 
-def _agree(name: str, tensors: list[torch.Tensor], world: int, cat: bool,
+def _agree(name: str, tensors: list[torch.Tensor], world_size: int, cat: bool,
            extra: Any = None) -> list[list[int]] | None:
     """Check that every rank holds matching tensors; for ``cat``, return each rank's dim 0s."""
     desc = tuple((str(t.dtype), tuple(t.shape[1:]) if cat else tuple(t.shape)) for t in tensors)
     crc = zlib.crc32(repr((name, extra, desc)).encode())
     vec = torch.tensor([len(tensors), crc], dtype=torch.int64)
-    got = [torch.empty_like(vec) for _ in range(world)]
+    got = [torch.empty_like(vec) for _ in range(world_size)]
     dist.all_gather(got, vec)
     if any(not torch.equal(g, vec) for g in got):
-        descs: list[Any] = [None] * world
+        descs: list[Any] = [None] * world_size
         dist.all_gather_object(descs, (name, extra, desc))
         ranks = "; ".join(f"rank {r}: {d[0]}({d[1] or ''}) on {_fmt(d[2], cat)}"
                           for r, d in enumerate(descs))
@@ -89,40 +92,32 @@ def _agree(name: str, tensors: list[torch.Tensor], world: int, cat: bool,
     if not cat or not tensors:
         return None
     dims = torch.tensor([t.shape[0] if t.dim() else 1 for t in tensors], dtype=torch.int64)
-    all_dims = [torch.empty_like(dims) for _ in range(world)]
+    all_dims = [torch.empty_like(dims) for _ in range(world_size)]
     dist.all_gather(all_dims, dims)
     return [d.tolist() for d in all_dims]
 
 
-def _flat_groups(tensors: list[torch.Tensor]) -> list[list[torch.Tensor]]:
-    groups: dict[tuple[torch.dtype, torch.device], list[torch.Tensor]] = {}
-    for t in tensors:
-        groups.setdefault((t.dtype, t.device), []).append(t)
-    return list(groups.values())
+def _nbytes(tensors: Iterable[torch.Tensor]) -> int:
+    return sum(t.numel() * t.element_size() for t in tensors)
 
 
 def _in_place(tensors: list[torch.Tensor], op: Any) -> None:
     """Run ``op(flat)`` on one flat buffer per dtype and copy the result back."""
-    for group in _flat_groups(tensors):
+    for group in by_dtype(tensors):
         if len(group) == 1 and group[0].is_contiguous():
             with torch.no_grad():
                 op(group[0])
             continue
-        flat = torch.cat([t.detach().reshape(-1) for t in group])
+        flat = flatten(group)
         op(flat)
-        offset = 0
-        with torch.no_grad():
-            for t in group:
-                t.copy_(flat[offset:offset + t.numel()].view_as(t))
-                offset += t.numel()
+        unflatten_into(flat, group)
 
 
 def _op(op: str, name: str, tensors: list[torch.Tensor]) -> Any:
-    if op not in _OPS:
-        raise ShoalError(f"shoal.{name}: unknown op {op!r}; choose from {', '.join(_OPS)}")
+    red = reduce_op(op, f"shoal.{name}: ")
     if op == "avg" and any(not (t.is_floating_point() or t.is_complex()) for t in tensors):
         raise ShoalError(f"shoal.{name}: op 'avg' needs floating-point tensors")
-    return _OPS[op]
+    return red
 
 
 def _controller(name: str, target: Any, **options: Any) -> Any:
@@ -155,53 +150,54 @@ _RUN = Function(_run_collective, reduce=None, name="shoal collective")
 def _dispatch(name: str, target: Any, **options: Any) -> Any:
     if not in_function():
         session = active()  # raises while a broken session is current
-        if session is not None and session.world > 1:
+        if session is not None and session.world_size > 1:
             return _controller(name, target, **options)
     return _SPMD[name](target, **options)
 
 
 # -- the collectives on one rank (inside a function, or in a job of one) ---------------------
+# Each is booked as communication on the running function's meter, with the bytes this rank
+# sends: at the source of a broadcast or scatter, at every rank but the destination of a
+# reduce or gather, everywhere for an all-reduce or all-gather.
 def _broadcast(target: Target, src: int = 0) -> Any:
     tensors, single = _tensors(target, "broadcast")
-    rank, world = _rank_world()
-    if world > 1:
-        _agree("broadcast", tensors, world, False, src)
-        _in_place(tensors, lambda flat: dist.broadcast(flat, src=src))
+    rank, world_size = _rank_and_size()
+    if world_size > 1:
+        with booked(COMM, "broadcast", _nbytes(tensors) if rank == src else 0):
+            _agree("broadcast", tensors, world_size, False, src)
+            _in_place(tensors, lambda flat: dist.broadcast(flat, src=src))
     return tensors[0] if single else target
 
 
 def _all_reduce(target: Target, op: str = "sum") -> Any:
     tensors, single = _tensors(target, "all_reduce")
     red = _op(op, "all_reduce", tensors)
-    rank, world = _rank_world()
-    if world > 1:
-        _agree("all_reduce", tensors, world, False, op)
-
+    rank, world_size = _rank_and_size()
+    if world_size > 1:
         def run(flat: torch.Tensor) -> None:
             dist.all_reduce(flat, op=red)
             if op == "avg":
-                flat.div_(world)
-        _in_place(tensors, run)
+                flat.div_(world_size)
+        with booked(COMM, "all_reduce", _nbytes(tensors)):
+            _agree("all_reduce", tensors, world_size, False, op)
+            _in_place(tensors, run)
     return tensors[0] if single else target
 
 
 def _reduce(target: Target, op: str = "sum", dst: int = 0) -> Any:
     tensors, single = _tensors(target, "reduce")
     red = _op(op, "reduce", tensors)
-    rank, world = _rank_world()
-    if world > 1:
-        _agree("reduce", tensors, world, False, (op, dst))
-        for group in _flat_groups(tensors):
-            flat = torch.cat([t.detach().reshape(-1) for t in group])  # a copy: others keep theirs
-            dist.reduce(flat, dst=dst, op=red)
-            if rank == dst:
-                if op == "avg":
-                    flat.div_(world)
-                offset = 0
-                with torch.no_grad():
-                    for t in group:
-                        t.copy_(flat[offset:offset + t.numel()].view_as(t))
-                        offset += t.numel()
+    rank, world_size = _rank_and_size()
+    if world_size > 1:
+        with booked(COMM, "reduce", _nbytes(tensors) if rank != dst else 0):
+            _agree("reduce", tensors, world_size, False, (op, dst))
+            for group in by_dtype(tensors):
+                flat = flatten(group)  # a copy: the other ranks keep their tensors
+                dist.reduce(flat, dst=dst, op=red)
+                if rank == dst:
+                    if op == "avg":
+                        flat.div_(world_size)
+                    unflatten_into(flat, group)
     return tensors[0] if single else target
 
 
@@ -212,21 +208,27 @@ def _padded(t: torch.Tensor, rows: int) -> torch.Tensor:
     return t.contiguous()
 
 
+def _alone(tensors: list[torch.Tensor], single: bool) -> Any:
+    """What a gather returns in a job of one: copies, 0-dim tensors as one row."""
+    out = [t.detach().reshape(1) if t.dim() == 0 else t.detach().clone() for t in tensors]
+    return out[0] if single else out
+
+
 def _gather(target: Target, dst: int = 0) -> Any:
     tensors, single = _tensors(target, "gather")
-    rank, world = _rank_world()
-    if world == 1:
-        out = [t.detach().reshape(1) if t.dim() == 0 else t.detach().clone() for t in tensors]
-        return out[0] if single else out
-    dims = _agree("gather", tensors, world, True, dst)
-    assert dims is not None or not tensors
+    rank, world_size = _rank_and_size()
+    if world_size == 1:
+        return _alone(tensors, single)
     out = []
-    for i, t in enumerate(tensors):
-        rows = max(d[i] for d in dims)  # type: ignore[union-attr]
-        bufs = [torch.empty_like(_padded(t, rows)) for _ in range(world)] if rank == dst else None
-        dist.gather(_padded(t, rows), bufs, dst=dst)
-        if bufs is not None:
-            out.append(torch.cat([b[:d[i]] for b, d in zip(bufs, dims, strict=False)]))  # type: ignore[arg-type]
+    with booked(COMM, "gather", _nbytes(tensors) if rank != dst else 0):
+        dims = _agree("gather", tensors, world_size, True, dst)
+        assert dims is not None or not tensors
+        for i, t in enumerate(tensors):
+            rows = max(d[i] for d in dims)  # type: ignore[union-attr]
+            bufs = [torch.empty_like(_padded(t, rows)) for _ in range(world_size)] if rank == dst else None
+            dist.gather(_padded(t, rows), bufs, dst=dst)
+            if bufs is not None:
+                out.append(torch.cat([b[:d[i]] for b, d in zip(bufs, dims, strict=False)]))  # type: ignore[arg-type]
     if rank != dst:
         return None
     return out[0] if single else out
@@ -234,18 +236,18 @@ def _gather(target: Target, dst: int = 0) -> Any:
 
 def _all_gather(target: Target) -> Any:
     tensors, single = _tensors(target, "all_gather")
-    rank, world = _rank_world()
-    if world == 1:
-        out = [t.detach().reshape(1) if t.dim() == 0 else t.detach().clone() for t in tensors]
-        return out[0] if single else out
-    dims = _agree("all_gather", tensors, world, True)
+    rank, world_size = _rank_and_size()
+    if world_size == 1:
+        return _alone(tensors, single)
     out = []
-    for i, t in enumerate(tensors):
-        rows = max(d[i] for d in dims)  # type: ignore[union-attr]
-        mine = _padded(t, rows)
-        bufs = [torch.empty_like(mine) for _ in range(world)]
-        dist.all_gather(bufs, mine)
-        out.append(torch.cat([b[:d[i]] for b, d in zip(bufs, dims, strict=False)]))  # type: ignore[index]
+    with booked(COMM, "all_gather", _nbytes(tensors)):
+        dims = _agree("all_gather", tensors, world_size, True)
+        for i, t in enumerate(tensors):
+            rows = max(d[i] for d in dims)  # type: ignore[union-attr]
+            mine = _padded(t, rows)
+            bufs = [torch.empty_like(mine) for _ in range(world_size)]
+            dist.all_gather(bufs, mine)
+            out.append(torch.cat([b[:d[i]] for b, d in zip(bufs, dims, strict=False)]))  # type: ignore[index]
     return out[0] if single else out
 
 
@@ -253,21 +255,25 @@ def _scatter(target: Target, src: int = 0) -> Any:
     tensors, single = _tensors(target, "scatter")
     if any(t.dim() == 0 for t in tensors):
         raise ShoalError("shoal.scatter: 0-dim tensors have no rows to split")
-    rank, world = _rank_world()
-    if world == 1:
+    rank, world_size = _rank_and_size()
+    if world_size == 1:
         out = [t.detach().clone() for t in tensors]
         return out[0] if single else out
-    _agree("scatter", tensors, world, False, src)
     out = []
-    for t in tensors:
-        counts = split_sizes(t.shape[0], world)
-        rows = max(counts)
-        chunks = None
-        if rank == src:
-            chunks = [_padded(c, rows) for c in torch.split(t.detach(), counts)]
-        recv = torch.empty((rows, *t.shape[1:]), dtype=t.dtype, device=t.device)
-        dist.scatter(recv, chunks, src=src)
-        out.append(recv[:counts[rank]])
+    # The source sends every share but its own, each padded to the largest.
+    sent = sum((world_size - 1) * max(split_sizes(t.shape[0], world_size)) * math.prod(t.shape[1:])
+               * t.element_size() for t in tensors) if rank == src else 0
+    with booked(COMM, "scatter", sent):
+        _agree("scatter", tensors, world_size, False, src)
+        for t in tensors:
+            counts = split_sizes(t.shape[0], world_size)
+            rows = max(counts)
+            chunks = None
+            if rank == src:
+                chunks = [_padded(c, rows) for c in torch.split(t.detach(), counts)]
+            recv = torch.empty((rows, *t.shape[1:]), dtype=t.dtype, device=t.device)
+            dist.scatter(recv, chunks, src=src)
+            out.append(recv[:counts[rank]])
     return out[0] if single else out
 
 
@@ -303,7 +309,7 @@ def all_gather(target: Target) -> Any:
 
 
 def scatter(target: Target, src: int = 0) -> Any:
-    """Split rank ``src``'s tensors along dimension 0 (rank order, the first ``n % world``
+    """Split rank ``src``'s tensors along dimension 0 (rank order, the first ``n % world_size``
     shares one row larger); every rank gets its share as new tensors. All ranks pass tensors
     of the same shape (only ``src``'s values are read)."""
     return _dispatch("scatter", target, src=src)

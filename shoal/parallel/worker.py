@@ -3,22 +3,25 @@
 from __future__ import annotations
 
 import io
-import os
 import pickle
 import signal
 import sys
-from datetime import timedelta
 from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
-from shoal.core.processes import die_with_parent, loopback_gloo_interface
-from shoal.parallel import session as _session
+from shoal.core.env import Environment
+from shoal.core.group import job_store, join_group, loopback_gloo
+from shoal.core.processes import die_with_parent
+from shoal.core.timeline import DATA
 from shoal.parallel.arrays import SharedArray
-from shoal.parallel.functions import Function, _Call, error_info, worker_call
-from shoal.parallel.session import GO, OP_CALL, OP_CLOSE, module_tensors
+from shoal.parallel.call import Call, worker_call
+from shoal.parallel.context import Meter, enter_function
+from shoal.parallel.protocol import GO, OP_CALL, OP_CLOSE, error_info
+from shoal.parallel.registry import module_tensors
+from shoal.parallel.spec import FunctionSpec
 
 
 class _Unpickler(pickle.Unpickler):
@@ -31,12 +34,14 @@ class _Unpickler(pickle.Unpickler):
 
 
 class Worker:
-    """The objects, functions and last arguments this worker holds for the controller."""
+    """The objects, functions and last arguments this worker holds for the controller, and
+    its books."""
 
-    def __init__(self, rank: int, world: int, device: torch.device, conn: Any) -> None:
-        self.rank, self.world, self.device, self.conn = rank, world, device, conn
+    def __init__(self, rank: int, world_size: int, device: torch.device, conn: Any, meter: Meter) -> None:
+        self.rank, self.world_size, self.device, self.conn = rank, world_size, device, conn
+        self.meter = meter
         self.objects: dict[int, Any] = {}
-        self.functions: dict[int, Function] = {}
+        self.functions: dict[int, FunctionSpec] = {}
         self.payloads: dict[int, tuple[list[Any], dict[str, Any]]] = {}
 
     def loads(self, data: bytes) -> Any:
@@ -65,15 +70,30 @@ class Worker:
                 return  # the controller is gone
             command = pickle.loads(message)
             if command[0] == OP_CLOSE:
+                if self.meter.timeline.keep_events:  # the controller writes the trace
+                    self.conn.send_bytes(pickle.dumps(
+                        (self.meter.timeline.chrome_events(self.rank), self.meter.bytes_sent)))
                 return
             if command[0] == OP_CALL:
                 self.call(*command[1:])
 
     def call(self, fid: int, rows: int, slices: int, batch: bytes | None,
              defs: list[tuple[int, str, bytes]], fn_bytes: bytes | None, payload: bytes | None) -> None:
-        if defs or fn_bytes is not None or payload is not None:
-            # Something new arrived: say whether it loaded before any tensor moves, so that a
-            # function this worker cannot import is an error in the caller, not a hang.
+        fresh = bool(defs) or fn_bytes is not None or payload is not None
+        if fresh and not self._load(fid, defs, fn_bytes, payload):
+            return
+        f = self.functions[fid]
+        roles, values = self.payloads[fid]
+        idx = torch.frombuffer(bytearray(batch), dtype=torch.int64) if batch is not None else None
+        worker_call(Call(f, roles, values, rows, slices, idx, self.rank, self.world_size, self.device,
+                         self.meter), self.conn)
+
+    def _load(self, fid: int, defs: list[tuple[int, str, bytes]], fn_bytes: bytes | None,
+              payload: bytes | None) -> bool:
+        """Load what is new and say whether it loaded before any tensor moves, so that a
+        function this worker cannot import is an error in the caller, not a hang. False:
+        this call does not run (here or on another worker, something failed to load)."""
+        with self.meter.span(DATA, "load"):
             try:
                 for oid, kind, data in defs:
                     self.define(oid, kind, data)
@@ -84,20 +104,15 @@ class Worker:
             except Exception as exc:
                 self.conn.send_bytes(pickle.dumps(error_info(exc)))
                 self.conn.recv_bytes()  # the controller's SKIP
-                return
+                return False
             self.conn.send_bytes(pickle.dumps(None))
-            if self.conn.recv_bytes()[:1] != GO:
-                return  # another worker could not load it
-        f = self.functions[fid]
-        roles, values = self.payloads[fid]
-        idx = torch.frombuffer(bytearray(batch), dtype=torch.int64) if batch is not None else None
-        call = _Call(f, roles, values, rows, slices, idx, self.rank, self.world, self.device)
-        worker_call(f, call, self.conn)
+            return self.conn.recv_bytes()[:1] == GO
 
 
-def worker_main(rank: int, world: int, port: int, device: str, conn: Any, timeout: float,
-                threads: int) -> None:
-    """Entry point of a spawned worker (rank >= 1)."""
+def worker_main(rank: int, world_size: int, port: int, device: str, conn: Any, timeout: float,
+                threads: int, trace: bool) -> None:
+    """Entry point of a spawned worker (rank >= 1); with ``trace`` it keeps its spans and
+    sends them to the controller when told to close."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the controller's to handle
     die_with_parent()
     torch.set_num_threads(threads)
@@ -105,19 +120,18 @@ def worker_main(rank: int, world: int, port: int, device: str, conn: Any, timeou
     if device == "cuda":
         torch.cuda.set_device(rank)
         dev = torch.device("cuda", rank)
-    _session._state.in_function = True  # collectives called here are the SPMD kind
+    meter = Meter(keep_events=trace)
+    enter_function(meter)  # for good: collectives called here are the SPMD kind
     conn.send_bytes(b"ready")
-    td = timedelta(seconds=timeout)
-    store = dist.TCPStore("127.0.0.1", port, world, False, timeout=timedelta(seconds=max(timeout, 60.0)))
-    backend = "cpu:gloo,cuda:nccl" if device == "cuda" else "gloo"
+    # A client of the store the controller serves on loopback.
+    store = job_store(Environment(rank=rank, world_size=world_size, master_addr="127.0.0.1",
+                                  master_port=port), max(timeout, 60.0))
     # This process is ours: Gloo listens on loopback only, whatever the controller's user set.
-    gloo = loopback_gloo_interface()
-    if gloo is not None:
-        os.environ["GLOO_SOCKET_IFNAME"] = gloo
-    dist.init_process_group(backend, store=store, rank=rank, world_size=world, timeout=td)
-    conn.send_bytes(b"joined")
-    try:
-        Worker(rank, world, dev, conn).serve()
-    finally:
-        dist.destroy_process_group()
-        sys.stdout.flush()
+    with loopback_gloo():
+        join_group(store, rank, world_size, device, timeout, where="the parallel session")
+        conn.send_bytes(b"joined")
+        try:
+            Worker(rank, world_size, dev, conn, meter).serve()
+        finally:
+            dist.destroy_process_group()
+            sys.stdout.flush()
