@@ -6,7 +6,7 @@ alike; each variant reports the median over rounds of rank 0's wall-clock and CP
 step (CPU time: all threads of the process, Gloo's included; it barely moves when another
 job shares the machine, so small differences in work show where wall time is too noisy):
 
-- ``ddp``: the hand-written loop of ``shoal/bench/reference.py`` (DDP's defaults);
+- ``ddp``: the hand-written loop of ``shoal/sweep/reference.py`` (DDP's defaults);
 - ``ddp+bucket-view``: the same with ``gradient_as_bucket_view=True``;
 - ``ddp+python-hook``: the same with PyTorch's own ``allreduce_hook`` registered as a
   communication hook (what shoal's ``sync`` did before: a Python hook, however thin);
@@ -32,7 +32,7 @@ import torch.distributed as dist
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 
 import shoal
-from shoal.bench.reference import Workload, ddp_step
+from shoal.sweep.reference import Workload, ddp_step
 from shoal.config import TrainConfig
 from shoal.core.processes import spawn
 from shoal.data import DataOptions, load_dataset
