@@ -1,10 +1,12 @@
 """A parallel session fails loudly and never hangs: dead workers, stuck workers, Ctrl-C; a
-broken session stays broken until a new fork; a session listens on loopback only."""
+broken session stays broken until a new fork; a session listens on loopback only; its
+trace shows every rank's calls."""
 
 from __future__ import annotations
 
 import contextlib
 import fcntl
+import json
 import multiprocessing.resource_tracker
 import os
 import signal
@@ -22,6 +24,7 @@ import torch.distributed as dist
 from torch import nn
 
 import shoal
+from shoal.core.timeline import COMM, COMPUTE
 from shoal.errors import WorkerError
 
 from conftest import REPO, is_loopback, listening_sockets, marked_processes, shoal_env
@@ -259,6 +262,38 @@ def test_function_a_worker_cannot_import_is_an_error(tmp_path, monkeypatch):
             f(torch.ones(4))
         assert not session.closed
         assert shoal.function(total, scatter=["x"], reduce="sum")(torch.ones(4)).item() == 4
+
+
+def summed_after_all_reduce(x):
+    shoal.all_reduce(x.sum(0), op="sum")
+    return x.sum()
+
+
+def test_trace_has_every_ranks_calls(tmp_path):
+    path = tmp_path / "trace.json"
+    with marked_fork(2, timeout=60, trace=path) as session:
+        f = shoal.function(summed_after_all_reduce, scatter=["x"], reduce="sum")
+        assert f(torch.ones(8, 3)).item() == 24
+        assert f(torch.ones(6, 3)).item() == 18
+        totals = session.timeline.totals
+        assert totals[COMPUTE] > 0 and totals[COMM] > 0 and session.bytes_sent > 0
+        assert not path.exists()  # written when the session closes
+    trace = json.loads(path.read_text())
+    lanes = {e["pid"]: e["args"]["name"] for e in trace["traceEvents"] if e["name"] == "process_name"}
+    assert lanes == {0: "rank 0", 1: "rank 1"}
+    spans = [e for e in trace["traceEvents"] if e["ph"] == "X"]
+    for rank in (0, 1):
+        mine = [e for e in spans if e["pid"] == rank]
+        assert {"data", "compute", "comm"} <= {e["cat"] for e in mine}, mine
+        bodies = [e for e in mine if e["name"] == "summed_after_all_reduce"]
+        assert len(bodies) == 2 and all(e["cat"] == "compute" for e in bodies)
+        assert [e["cat"] for e in mine if e["name"] == "all_reduce"] == ["comm", "comm"]
+    assert trace["otherData"]["world_size"] == 2
+    assert all(trace["otherData"]["bytes_sent"][r] > 0 for r in ("0", "1"))
+    assert list(tmp_path.iterdir()) == [path]  # written in place, no temporary file left
+    with pytest.raises(shoal.ShoalError, match="trace's directory .* does not exist"):
+        shoal.fork(2, trace=tmp_path / "missing" / "trace.json")  # before any worker starts
+    assert shoal.parallel.current() is None
 
 
 def test_without_a_session_a_call_is_the_serial_function():

@@ -43,7 +43,7 @@ class Call:
 
     def transfer_arguments(self, tensors: dict[str, torch.Tensor] | None) -> dict[str, Any]:
         """Receive (or, on rank 0, send) the tensor arguments; in the order of ``roles``."""
-        with self.meter.span(DATA, "arguments"):
+        with self.meter.leaf(DATA, "arguments"):
             return self._transfer(tensors)
 
     def _transfer(self, tensors: dict[str, torch.Tensor] | None) -> dict[str, Any]:
@@ -138,7 +138,7 @@ def worker_call(call: Call, conn: Any) -> None:
             exc = e
     if exc is not None:
         status = (False, None, [], error_info(exc))
-    with call.meter.span(COMM, "status"):
+    with call.meter.leaf(COMM, "status"):
         conn.send_bytes(pickle.dumps(status))
         verdict = conn.recv_bytes()
     if verdict[:1] == GO:

@@ -8,6 +8,7 @@ act on the workers' replicas. A worker is inside a function for its whole life.
 from __future__ import annotations
 
 import threading
+import time
 from contextlib import AbstractContextManager, nullcontext
 
 from shoal.core.timeline import Timeline
@@ -24,10 +25,29 @@ class Meter:
         self.bytes_sent = 0
 
     def span(self, cat: str, name: str | None = None) -> AbstractContextManager[None]:
+        """Time the body as ``cat``; spans booked inside it take their time out of it."""
         return self.timeline.span(cat, name)
+
+    def leaf(self, cat: str, name: str) -> _Leaf:
+        """Time the body as ``cat``, where nothing else is booked inside it: a fraction of
+        :meth:`span`'s cost (no generator), for the few phases of every call."""
+        return _Leaf(self.timeline, cat, name)
 
     def count(self, nbytes: int) -> None:
         self.bytes_sent += int(nbytes)
+
+
+class _Leaf:
+    __slots__ = ("_timeline", "_cat", "_name", "_start")
+
+    def __init__(self, timeline: Timeline, cat: str, name: str) -> None:
+        self._timeline, self._cat, self._name = timeline, cat, name
+
+    def __enter__(self) -> None:
+        self._start = time.perf_counter()
+
+    def __exit__(self, *exc: object) -> None:
+        self._timeline.record(self._cat, self._name, self._start, time.perf_counter())
 
 
 _state = threading.local()
@@ -65,4 +85,4 @@ def booked(cat: str, name: str, nbytes: int = 0) -> AbstractContextManager[None]
     if meter is None:
         return nullcontext()
     meter.count(nbytes)
-    return meter.span(cat, name)
+    return meter.leaf(cat, name)

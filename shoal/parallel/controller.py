@@ -134,7 +134,7 @@ def _parallel_call(session: Session, f: FunctionSpec, call: Call, tensors: dict[
     call.watch = session.watcher.check_alive
     session.begin_call()  # from here a worker's death interrupts rank 0's share at once
     try:
-        with session.meter.span(COMM, "command"):
+        with session.meter.leaf(COMM, "command"):
             session.send_all(message)
             if fresh:
                 _check_loaded(session, f)
@@ -146,7 +146,7 @@ def _parallel_call(session: Session, f: FunctionSpec, call: Call, tensors: dict[
             except Exception as e:
                 exc = e
                 mine = (False, None, [], None)
-        with session.meter.span(COMM, "status"):
+        with session.meter.leaf(COMM, "status"):
             statuses = [mine] + [pickle.loads(m) for m in session.recv_all(session.timeout, "answer")]
             ok = all(s[0] for s in statuses) and all(s[1] == statuses[0][1] for s in statuses)
             if not ok:

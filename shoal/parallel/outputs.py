@@ -156,7 +156,7 @@ class Result:
                 gathered.extend(o.leaves)
             else:
                 by_mode.setdefault(o.mode, []).extend(o.leaves)
-        with meter.span(COMM, "reduce"):
+        with meter.leaf(COMM, "reduce"):
             for mode, tensors in by_mode.items():
                 for group in by_dtype(tensors):
                     if len(group) == 1 and group[0].is_contiguous():

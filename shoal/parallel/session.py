@@ -209,6 +209,8 @@ class Session:
         try:
             with os.fdopen(fd, "w") as f:
                 f.write(text)
+                f.flush()
+                os.fsync(f.fileno())
             os.replace(tmp, self.trace)
         except BaseException:
             with contextlib.suppress(OSError):

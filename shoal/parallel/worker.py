@@ -93,7 +93,7 @@ class Worker:
         """Load what is new and say whether it loaded before any tensor moves, so that a
         function this worker cannot import is an error in the caller, not a hang. False:
         this call does not run (here or on another worker, something failed to load)."""
-        with self.meter.span(DATA, "load"):
+        with self.meter.leaf(DATA, "load"):
             try:
                 for oid, kind, data in defs:
                     self.define(oid, kind, data)
