@@ -37,7 +37,7 @@ def check_chrome_trace(trace: dict) -> list[dict]:
 
 def test_two_rank_trace_and_breakdown(tmp_path):
     summary = train(tmp_path, "--workers", "2", "--epochs", "1", "--stop-at-step", "25",
-                    "--log-every", "5", "--trace", "--measure-wait")
+                    "--log-every", "5", "--trace", "--split-wait")
     trace = json.loads((tmp_path / "trace.json").read_text())
     spans = check_chrome_trace(trace)
     lanes = {e["pid"] for e in spans}

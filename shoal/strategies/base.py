@@ -173,6 +173,36 @@ class Strategy:
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.steps = int(state.get("steps", 0))
 
+    def checkpoint_shared(self) -> dict[str, Any]:
+        """What a checkpoint keeps once, from rank 0: ``"model"`` (:attr:`eval_module`'s
+        parameters, what users load from ``checkpoint.pt``) and ``"optimizer"``.
+
+        Called on rank 0 only, after :meth:`checkpoint_own`.
+        """
+        return {"model": self.eval_module.state_dict(), "optimizer": self.optimizer.state_dict()}
+
+    def checkpoint_own(self) -> dict[str, Any]:
+        """What a checkpoint keeps of this rank: :meth:`state_dict` as ``"strategy"``, and
+        where replicas drift (not :attr:`replicas_in_sync`) this rank's ``"model"`` and
+        ``"optimizer"``. Called on every rank; keys ``rng``, ``aug_rng``, ``cuda_rng``,
+        ``times``, ``bytes_sent`` and ``epoch_sums`` are the trainer's own.
+        """
+        own = {"strategy": self.state_dict()}
+        if not self.replicas_in_sync:
+            own["model"] = self.model.state_dict()
+            own["optimizer"] = self.optimizer.state_dict()
+        return own
+
+    def restore_checkpoint(self, shared: dict[str, Any], own: dict[str, Any] | None) -> None:
+        """Put back what :meth:`checkpoint_shared` and :meth:`checkpoint_own` saved; ``own``
+        is ``None`` on a rank the checkpoint has no state of (in-sync replicas resumed on
+        more workers: they all start from the shared model)."""
+        in_sync = self.replicas_in_sync
+        self.model.load_state_dict(shared["model"] if in_sync else own["model"])
+        self.optimizer.load_state_dict(shared["optimizer"] if in_sync else own["optimizer"])
+        if own is not None:
+            self.load_state_dict(own["strategy"])
+
 
 def option_fields(cls: type[Strategy]) -> list[dataclasses.Field]:
     """The dataclass fields of a strategy's options."""

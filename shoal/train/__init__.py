@@ -20,8 +20,9 @@ from shoal.core.processes import spawn, stop_on_sigterm, stop_requested
 from shoal.core.timeline import Timeline
 from shoal.data import Dataset
 from shoal.errors import ShoalError, WorkerError
-from shoal.train.metrics import write_json
+from shoal.train.checkpoint import checkpoint_step
 from shoal.train.outdir import OutputLock
+from shoal.train.records import write_json
 from shoal.train.trainer import Trainer, preflight
 
 
@@ -72,15 +73,6 @@ def _last_logged_step(out: Path) -> int:
     return last
 
 
-def _checkpoint_step(path: Path) -> int | None:
-    from shoal.train.checkpoint import load_checkpoint
-
-    try:
-        return int(load_checkpoint(path)["progress"]["step"])
-    except ShoalError:
-        return None
-
-
 def _run_with_restarts(cfg: TrainConfig, world: int) -> list[dict[str, Any]]:
     """Spawn the job; when a worker fails, start it again from the last checkpoint, up to
     ``cfg.max_restarts`` times. Returns what each restart redid (for summary.json)."""
@@ -95,7 +87,7 @@ def _run_with_restarts(cfg: TrainConfig, world: int) -> list[dict[str, Any]]:
                 raise
             out = Path(cfg.out)
             failed_at = _last_logged_step(out)
-            step = _checkpoint_step(cfg.checkpoint_path)
+            step = checkpoint_step(cfg.checkpoint_path)
             if step is not None:
                 attempt_cfg = dataclasses.replace(cfg, resume="", overwrite=False)
             elif cfg.resume is None:  # no checkpoint of this run yet: start over

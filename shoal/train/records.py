@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from shoal.errors import ShoalError
-from shoal.train.checkpoint import atomic_write
+from shoal.train.files import atomic_write
 
 
 def _clean(value: Any) -> Any:

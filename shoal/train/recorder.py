@@ -1,0 +1,262 @@
+"""What a run shows and leaves behind: :class:`Recorder`.
+
+The trainer tells the recorder what happened (a step, an epoch, the end); the recorder keeps
+the running sums, writes ``metrics.jsonl`` (and TensorBoard), the progress lines or bar,
+``summary.json``, the Chrome trace (``--trace``) and the ``torch.profiler`` window
+(``--profile``), so the loop itself reads as the story of a run.
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+from typing import Any
+
+import torch
+
+import shoal
+from shoal.config import TrainConfig
+from shoal.core.comm import Comm
+from shoal.core.timeline import (
+    CATEGORIES,
+    WAIT,
+    Timeline,
+    chrome_trace,
+    comm_fraction,
+    step_times,
+    time_fractions,
+    time_split,
+)
+from shoal.data import EpochPlan
+from shoal.errors import ShoalError
+from shoal.train.checkpoint import resumes_in_place
+from shoal.train.files import remove_stale_temporaries
+from shoal.train.progress import Progress
+from shoal.train.records import MetricsLog, TensorBoardLog, write_json, write_trace
+from shoal.train.state import RunState
+
+
+class Recorder:
+    """One worker's records: every rank keeps sums and checks the loss; rank 0 writes."""
+
+    def __init__(self, cfg: TrainConfig, comm: Comm, plan: EpochPlan) -> None:
+        self.cfg, self.comm, self.plan = cfg, comm, plan
+        self.tl = comm.timeline
+        self.is_main = comm.rank == 0
+        self.out = Path(cfg.out)
+        self.progress = Progress(cfg.progress, enabled=self.is_main)
+        self.log: MetricsLog | None = None  # rank 0's, from :meth:`begin`
+        # This rank's (loss sum, correct, samples): of the epoch (checkpointed, see
+        # :meth:`state_dict`), and since the last step record.
+        self._epoch_sums = torch.zeros(3, dtype=torch.float64, device=comm.device)
+        self._interval_sums = torch.zeros(3, dtype=torch.float64, device=comm.device)
+        # All ranks' samples and the timeline's totals at the start of each, this invocation.
+        self._epoch_samples = self._interval_samples = 0
+        self._epoch_start: dict[str, float] = {}
+        self._interval_start: dict[str, float] = {}
+        self.last_train = (float("nan"), float("nan"))  # the last epoch's loss and accuracy
+        self._profiler: Any = None  # torch.profiler.profile, inside the --profile window
+        self._profiled_from = 0
+
+    # -- checkpoints: the epoch's sums so far -------------------------------------------------
+    def state_dict(self) -> dict[str, Any]:
+        return {"epoch_sums": self._epoch_sums.tolist()}
+
+    def load_state_dict(self, own: dict[str, Any] | None) -> None:
+        """``own``: this rank's part of a checkpoint, ``None`` where it has none."""
+        if own is not None:
+            self._epoch_sums = torch.tensor(own["epoch_sums"], dtype=torch.float64,
+                                            device=self.comm.device)
+
+    # -- the run ------------------------------------------------------------------------------
+    def begin(self, st: RunState, data: str) -> None:
+        """Open the output directory and ``metrics.jsonl`` (resumed: cut at the checkpoint's
+        step) and say what runs; ``data`` describes the data set."""
+        if not self.is_main:
+            return
+        cfg = self.cfg
+        self.out.mkdir(parents=True, exist_ok=True)
+        remove_stale_temporaries(self.out)
+        (self.out / "summary.json").unlink(missing_ok=True)  # rewritten at the end
+        write_json(self.out / "config.json", {**cfg.to_dict(), "world_size": self.comm.world_size})
+        resumed_at = st.step if cfg.resume_path else None
+        board = TensorBoardLog(self.out / "tensorboard", resumed_at) if cfg.tensorboard else None
+        history = None if resumed_at is None or resumes_in_place(cfg) else \
+            cfg.resume_path.parent / "metrics.jsonl"
+        self.log = MetricsLog(self.out / "metrics.jsonl", keep_until_step=resumed_at,
+                              tensorboard=board, history=history)
+        self.progress.line(
+            f"shoal: {cfg.model} on {data}; {self.comm.world_size} worker(s), "
+            f"strategy {cfg.strategy}, global batch {self.plan.global_batch}, "
+            f"{self.plan.steps_per_epoch} steps/epoch")
+
+    def start_epoch(self, st: RunState) -> None:
+        self.progress.start_epoch(st.epoch + 1, self.cfg.epochs, self.plan.steps_per_epoch,
+                                  st.epoch_step)
+        self._epoch_start = self._interval_start = self.tl.snapshot()
+        self._interval_sums.zero_()
+        self._epoch_samples = self._interval_samples = 0
+
+    def before_step(self, st: RunState) -> None:
+        """Open the profiler when the next step is the first of ``--profile``."""
+        if self.cfg.profile is not None and st.step + 1 == self.cfg.profile[0]:
+            self._start_profiler(st.step + 1)
+
+    def add(self, loss_sum: torch.Tensor, correct: torch.Tensor, n: int) -> None:
+        """Count a step's loss sum, correct predictions and samples (this rank's)."""
+        sums = torch.stack([loss_sum.double(), correct.double(),
+                            torch.tensor(float(n), dtype=torch.float64, device=self.comm.device)])
+        self._interval_sums += sums
+        self._epoch_sums += sums
+
+    def step(self, st: RunState, samples: int) -> None:
+        """After a step of ``samples`` (all ranks): the profiler, the step record every
+        ``--log-every`` steps and at the epoch's end, the progress bar."""
+        if self._profiler is not None:
+            self._profiler.step()
+            if st.step >= self.cfg.profile[1]:
+                self.stop_profiler(st)
+        self._interval_samples += samples
+        self._epoch_samples += samples
+        due = st.step % self.cfg.log_every == 0 or st.epoch_step == self.plan.steps_per_epoch
+        if not due:
+            self.progress.step()
+            return
+        now = self.tl.snapshot()
+        loss_sum, correct, count = self._interval_sums.tolist()
+        n = int(count)
+        if not math.isfinite(loss_sum):
+            raise ShoalError(f"training loss became {loss_sum / max(n, 1)} by step {st.step} "
+                             f"(epoch {st.epoch + 1}); lower --lr or check the data")
+        if self.log is not None:
+            self.log.write(self._record(
+                "step", st.epoch + 1, st, {"loss": loss_sum / n, "accuracy": correct / n},
+                self._interval_samples, Timeline.delta(now, self._interval_start)))
+        self.progress.step(loss_sum / count)
+        self._interval_sums.zero_()
+        self._interval_samples, self._interval_start = 0, now
+
+    def end_steps(self) -> None:
+        """The epoch's steps are over (or the run stops): close its progress bar."""
+        self.progress.end_epoch()
+
+    def epoch(self, st: RunState, test: tuple[float, float]) -> None:
+        """After epoch ``st.epoch`` (and its evaluation, ``test`` loss and accuracy): the
+        training loss and accuracy over all ranks, the epoch record and line."""
+        loss_sum, correct, n = self.comm.reduce_values(self._epoch_sums.tolist())
+        self._epoch_sums.zero_()
+        train_loss, train_acc = self.last_train = (loss_sum / n, correct / n)
+        if not math.isfinite(train_loss):
+            raise ShoalError(f"training loss became {train_loss} in epoch {st.epoch}; "
+                             "lower --lr or check the data")
+        if not self.is_main:
+            return
+        test_loss, test_acc = test
+        times = step_times(Timeline.delta(self.tl.snapshot(), self._epoch_start))
+        assert self.log is not None
+        self.log.write(self._record(
+            "epoch", st.epoch, st, {"train_loss": train_loss, "train_accuracy": train_acc,
+                                    "test_loss": test_loss, "test_accuracy": test_acc},
+            self._epoch_samples, times))
+        shown = f"  test loss {test_loss:.4f} acc {100 * test_acc:.1f}%" \
+            if math.isfinite(test_acc) else ""
+        self.progress.line(
+            f"epoch {st.epoch:>3}/{self.cfg.epochs}  train loss {train_loss:.4f} "
+            f"acc {100 * train_acc:.1f}%{shown}  "
+            f"{self._epoch_samples / max(sum(times.values()), 1e-9):,.0f} samples/s"
+            f"  comm {100 * comm_fraction(times):.0f}%")
+
+    def _record(self, event: str, epoch: int, st: RunState, metrics: dict[str, float],
+                samples: int, totals: dict[str, float]) -> dict[str, Any]:
+        """A step or epoch record: where the run is, ``metrics``, then what both kinds share
+        (throughput of ``samples`` over the step time in ``totals``, its split, bytes)."""
+        times = step_times(totals)
+        step_time = sum(times.values())
+        return {"event": event, "epoch": epoch, "step": st.step, **metrics, "lr": st.lr,
+                "samples_per_s": samples / step_time if step_time > 0 else None,
+                "time_s": time_split(times), "comm_fraction": comm_fraction(times),
+                "bytes_sent": self.comm.bytes_sent, "elapsed_s": st.elapsed_s()}
+
+    def finish(self, st: RunState, stopped: bool, stop_reason: str | None,
+               test: tuple[float, float], parameters: int) -> dict[str, Any] | None:
+        """The end: the time split and bytes over all ranks, the trace, ``summary.json`` and
+        the last line. Rank 0 returns the summary."""
+        totals = self.tl.totals
+        summed = self.comm.reduce_values([totals.get(k, 0.0) for k in CATEGORIES]
+                                         + [float(self.comm.bytes_sent)])
+        world = self.comm.world_size
+        times = {k: v / world for k, v in zip(CATEGORIES, summed[:-1], strict=False)}
+        total_bytes = summed[-1]
+        if self.cfg.trace:
+            self._write_trace(st)
+        if self.log is not None:
+            self.log.close()
+        if not self.is_main:
+            return None
+        cfg, (test_loss, test_acc), (train_loss, train_acc) = self.cfg, test, self.last_train
+        wall = st.elapsed_s()
+        summary = {
+            "model": cfg.model, "dataset": cfg.dataset, "strategy": cfg.strategy,
+            "strategy_options": cfg.strategy_options,
+            "workers": world, "device": str(self.comm.device),
+            "global_batch": self.plan.global_batch, "epochs": st.epoch, "steps": st.step,
+            "completed": not stopped and st.epoch >= cfg.epochs,
+            "stopped_by": stop_reason,
+            "test_accuracy": test_acc, "test_loss": test_loss,
+            "train_loss": train_loss, "train_accuracy": train_acc,
+            "wall_time_s": wall, "train_time_s": st.train_time_s, "samples": st.samples,
+            "samples_per_s": st.samples / st.train_time_s if st.train_time_s > 0 else None,
+            "comm_fraction": comm_fraction(times),
+            "wait_fraction": time_fractions(times)[WAIT],
+            "time_s": time_split(times), "time_fraction": time_fractions(times),
+            "step_time_s": sum(times.values()) / st.step if st.step else None,
+            "bytes_sent": total_bytes,
+            "bytes_per_sample": total_bytes / st.samples if st.samples else None,
+            "parameters": parameters,
+            "torch_version": torch.__version__, "shoal_version": shoal.__version__,
+        }
+        write_json(self.out / "summary.json", summary)
+        if stop_reason:
+            self.progress.line(f"stopped by {stop_reason} at step {st.step}; checkpoint in "
+                               f"{cfg.checkpoint_path} (continue with --resume)")
+        elif stopped:
+            self.progress.line(f"stopped at step {st.step} as asked; checkpoint in "
+                               f"{cfg.checkpoint_path} (continue with --resume)")
+        else:
+            self.progress.line(f"done: test accuracy {100 * test_acc:.2f}% after {st.epoch} "
+                               f"epochs in {wall:.1f} s; results in {self.out}")
+        return summary
+
+    # -- profiling and tracing ----------------------------------------------------------------
+    def _start_profiler(self, first: int) -> None:
+        """Hand the steps of ``--profile FIRST:LAST`` to torch.profiler (every rank)."""
+        from torch.profiler import ProfilerActivity, profile
+
+        activities = [ProfilerActivity.CPU]
+        if self.comm.device.type == "cuda":
+            activities.append(ProfilerActivity.CUDA)
+        self._profiler = profile(activities=activities, record_shapes=True)
+        self._profiler.__enter__()
+        self._profiled_from = first
+
+    def stop_profiler(self, st: RunState) -> None:
+        """Close the ``--profile`` window, if open, and write ``profile/rank<N>.json``."""
+        if self._profiler is None:
+            return
+        prof, self._profiler = self._profiler, None
+        prof.__exit__(None, None, None)
+        path = self.out / "profile" / f"rank{self.comm.rank}.json"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        prof.export_chrome_trace(str(path))
+        if self.is_main:
+            self.progress.line(f"profiled steps {self._profiled_from}-{st.step} into "
+                               f"{path.parent}/rank*.json")
+
+    def _write_trace(self, st: RunState) -> None:
+        """Gather every rank's spans to rank 0 and write ``trace.json`` (one lane per rank)."""
+        lanes = self.comm.gather_objects(self.tl.chrome_events(self.comm.rank))
+        if self.is_main:
+            assert lanes is not None
+            write_trace(self.out / "trace.json", chrome_trace(lanes, {
+                "model": self.cfg.model, "strategy": self.cfg.strategy,
+                "workers": self.comm.world_size, "steps": st.step}))

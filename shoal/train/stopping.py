@@ -1,0 +1,47 @@
+"""Stopping every rank after the same step when SIGTERM reaches one of them."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from shoal.core.comm import Comm
+from shoal.core.processes import stop_requested
+
+
+class StopVote:
+    """Whether all ranks stop after this step (``processes.stop_requested`` on any of them).
+
+    They vote in a tiny all-reduce on a Gloo group of its own, at the strategy's own meeting
+    points (every ``every`` steps: ``tau`` for the periodic strategies, so it adds no
+    coupling), and act on a vote one meeting later, so nobody waits for it.
+    """
+
+    def __init__(self, comm: Comm, every: int) -> None:
+        self.every = every
+        self._group = dist.new_group(backend="gloo") if comm.active else None
+        self._vote: tuple[Any, torch.Tensor] | None = None
+
+    def agreed(self, step: int) -> bool:
+        """Whether every rank stops after ``step`` (call after each step, on every rank)."""
+        if self._group is None:
+            return stop_requested()
+        if step % self.every:
+            return False
+        agreed = False
+        if self._vote is not None:
+            work, flag = self._vote
+            work.wait()
+            agreed = flag.item() > 0
+        flag = torch.tensor([1.0 if stop_requested() else 0.0])
+        work = dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self._group, async_op=True)
+        self._vote = (work, flag)
+        return agreed
+
+    def settle(self) -> None:
+        """Finish the vote in flight (every rank started the same ones) before leaving."""
+        if self._vote is not None:
+            self._vote[0].wait()
+            self._vote = None
