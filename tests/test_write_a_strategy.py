@@ -9,7 +9,7 @@ import torch
 
 import shoal
 from shoal.core.processes import spawn
-from shoal.models import load_object
+from shoal.loading import load_object
 from shoal.strategies import get_strategy
 
 from conftest import REPO, train

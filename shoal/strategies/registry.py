@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from shoal.errors import ShoalError
+from shoal.loading import load_object
 
 if TYPE_CHECKING:
     from shoal.strategies.base import Strategy
@@ -30,8 +31,6 @@ def get_strategy(spec: str) -> type[Strategy]:
     if spec in STRATEGIES:
         return STRATEGIES[spec]
     if ":" in spec:
-        from shoal.models import load_object
-
         cls = load_object(spec, "strategy")
         if not (isinstance(cls, type) and issubclass(cls, Strategy)):
             raise ShoalError(f"strategy {spec!r} is not a subclass of shoal.Strategy")
