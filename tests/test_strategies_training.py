@@ -1,5 +1,6 @@
-"""The low-communication strategies through `shoal train`: they learn, they record what they
-sent, and a stopped run resumes exactly (every worker's own model, the center, outer momentum)."""
+"""The strategies through `shoal train`: they record what they sent (sync's gradients too),
+the low-communication ones learn, and a stopped run resumes exactly (every worker's own
+model, the center, outer momentum)."""
 
 import pytest
 import torch
@@ -40,6 +41,19 @@ def test_learns_digits(full_run, strategy):
     params_bytes = 4 * summary["parameters"]
     assert summary["bytes_per_sample"] == pytest.approx(2 * params_bytes / (4 * 32), rel=0.15)
     assert 0 < summary["comm_fraction"] < 1
+
+
+@pytest.mark.parametrize("options, bytes_per_value, extra_per_step", [
+    ([], 4, 0),  # DDP's own all-reduce, no hook: float32 gradients
+    (["--compress", "fp16"], 2, 0),  # shoal's fp16 hook: half as many bytes
+    (["--split-wait"], 4, 8),  # and one float64 a step (from the second) to split the wait
+])
+def test_sync_counts_the_gradients_it_sends(tmp_path, options, bytes_per_value, extra_per_step):
+    summary = train(tmp_path, "--model", "mlp", "--dataset", "digits", "--workers", "2",
+                    "--epochs", "1", "--strategy", "sync", *options)
+    steps, workers = summary["steps"], 2
+    grads = workers * steps * bytes_per_value * summary["parameters"]
+    assert summary["bytes_sent"] == grads + workers * (steps - 1) * extra_per_step
 
 
 # EASGD (center, exchange in flight) and DiLoCo (global model, outer momentum) hold the most

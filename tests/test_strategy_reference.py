@@ -28,6 +28,7 @@ import shoal
 from shoal.core.comm import Comm
 from shoal.core.env import Environment
 from shoal.core.processes import spawn
+from shoal.core.timeline import WAIT
 from shoal.errors import ShoalError
 
 DIM, BATCH, STEPS, LR = 5, 12, 12, 0.05
@@ -99,7 +100,7 @@ def run_case(name: str, comm: Comm, restart_at: int | None = None) -> dict[str, 
                                                            **options)
 
     model, optimizer, scheduler, strategy = make()
-    waited = comm.timeline.totals.get("wait", 0.0)
+    waited = comm.timeline.totals.get(WAIT, 0.0)
     for step in range(STEPS):
         if step == restart_at:
             saved = [copy.deepcopy(o.state_dict()) for o in (model, optimizer, scheduler, strategy)]
@@ -115,7 +116,7 @@ def run_case(name: str, comm: Comm, restart_at: int | None = None) -> dict[str, 
         strategy.zero_grad()
     flat = lambda m: torch.cat([p.detach().reshape(-1) for p in m.parameters()]).tolist()  # noqa: E731
     return {"x": flat(model), "eval": flat(strategy.eval_module),
-            "waited": comm.timeline.totals.get("wait", 0.0) > waited}
+            "waited": comm.timeline.totals.get(WAIT, 0.0) > waited}
 
 
 #: Cases restarted from saved state mid-run: at a step where EASGD's pull is still to be

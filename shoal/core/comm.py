@@ -19,7 +19,7 @@ from shoal.core.env import Environment, pick_device
 from shoal.core.group import job_store, join_group
 from shoal.core.ops import reduce_op
 from shoal.core.processes import EXIT_ABORTED
-from shoal.core.timeline import COMM, WAIT, Timeline
+from shoal.core.timeline import COMM, WAIT, Event, Timeline
 from shoal.core.watchdog import ABORT_KEY, HUNG, Watchdog, key_prefix
 from shoal.errors import ShoalError
 
@@ -95,6 +95,21 @@ class Comm:
             work = dist.all_reduce(tensor, op=red, async_op=True)
         return Handle(self, work, tensor, op, name)
 
+    def all_reduce_future(self, tensor: torch.Tensor) -> torch.futures.Future:
+        """Start an in-place sum of ``tensor`` for a DDP communication hook; returns the
+        future DDP waits on (its value: ``[tensor]``).
+
+        The bytes are counted; no time is booked here: DDP calls its hooks inside backward,
+        on autograd's threads, where the all-reduce runs behind the rest of backward. What
+        backward did not hide is booked afterwards with :meth:`book_exposed`.
+        """
+        if not self.active:
+            done: torch.futures.Future = torch.futures.Future()
+            done.set_result([tensor])
+            return done
+        self.count(tensor.numel() * tensor.element_size())
+        return dist.all_reduce(tensor, op=dist.ReduceOp.SUM, async_op=True).get_future()
+
     def broadcast(self, tensor: torch.Tensor, src: int = 0, name: str = "broadcast") -> torch.Tensor:
         """Overwrite ``tensor`` on every rank with rank ``src``'s."""
         if self.active:
@@ -107,6 +122,21 @@ class Comm:
         if self.active:
             with self.timeline.span(WAIT, "barrier"):
                 dist.barrier()
+
+    # -- time learnt later: collectives timed from outside (DDP's, in backward) -------------
+    def book_exposed(self, start: float, end: float, name: str = "allreduce") -> Event | None:
+        """Book ``start`` to ``end`` (``perf_counter`` times, inside the open span) as
+        communication that compute did not hide: e.g. DDP's all-reduce from the moment the
+        last gradient was ready to the end of backward. Returns the kept trace event, if
+        any, for :meth:`book_wait`."""
+        return self.timeline.record(COMM, name, start, end)
+
+    def book_wait(self, seconds: float, exposed: Event | None,
+                  name: str = "wait for slowest rank") -> None:
+        """The first ``seconds`` of communication booked by :meth:`book_exposed` (its event
+        ``exposed``, if kept) turn out to have been waiting for a slower rank: book them as
+        wait."""
+        self.timeline.reassign(seconds, COMM, WAIT, exposed, name)
 
     # -- bookkeeping collectives (metrics, checkpoints): not booked as training traffic -----
     def reduce_values(self, values: Sequence[float], op: str = "sum") -> list[float]:
