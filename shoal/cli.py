@@ -3,6 +3,11 @@
 
 Errors a user can fix print one line (``shoal: error: ...``) and exit with status 2; with
 ``--debug`` the traceback follows. Unexpected errors exit with status 1.
+
+``shoal train``'s flags are made from :class:`~shoal.config.TrainConfig`'s fields and the
+strategies' ``Options`` (:func:`shoal.schema.add_flag`). The file is about 400 lines because
+it holds every subcommand's parser and hand-off, and the merging of a ``--config`` file with
+the flags: each short, and read best next to :func:`main`, which maps errors to exit codes.
 """
 
 from __future__ import annotations
@@ -15,6 +20,16 @@ from collections.abc import Sequence
 from typing import Any, NoReturn
 
 from shoal.errors import ShoalError, WorkerError
+from shoal.schema import (
+    add_flag,
+    check_value,
+    field_types,
+    flag_name,
+    parse_ints,
+    parse_names,
+    parse_threads,
+    show_value,
+)
 
 EXIT_USER_ERROR = 2
 EXIT_FAILURE = 1
@@ -30,205 +45,85 @@ class _Parser(argparse.ArgumentParser):
         raise ShoalError(f"{self.prog}: {message} (see {self.prog} --help)")
 
 
-def _shape(text: str) -> tuple[int, ...]:
-    try:
-        dims = tuple(int(d) for d in text.replace("x", ",").split(",") if d)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a shape like 3x32x32, got {text!r}") from None
-    if not dims:
-        raise argparse.ArgumentTypeError(f"expected a shape like 3x32x32, got {text!r}")
-    return dims
-
-
-def _floats(text: str) -> tuple[float, ...]:
-    try:
-        return tuple(float(v) for v in text.split(",") if v)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected numbers like 30,60, got {text!r}") from None
-
-
-_TYPES = {"int": int, "float": float, "str": str, int: int, float: float, str: str}
-
-
 def _add_strategy_options(group: argparse._ArgumentGroup) -> None:
-    """One flag per field of every registered strategy's options (``tau`` -> ``--tau``)."""
+    """One flag per field of every registered strategy's options (``tau`` -> ``--tau``),
+    noting the strategies that take it."""
     from shoal.strategies import STRATEGIES, option_fields
 
-    seen: dict[str, str] = {}
+    users: dict[str, list[str]] = {}
+    first: dict[str, tuple[Any, type]] = {}
     for cls in STRATEGIES.values():
         for f in option_fields(cls):
-            if f.name in seen:
-                continue
-            seen[f.name] = cls.name
-            kind = f.type if not isinstance(f.type, str) else f.type.split("|")[0].strip()
-            help_text = f.metadata.get("help", "")
-            users = [c.name for c in STRATEGIES.values()
-                     if f.name in {g.name for g in option_fields(c)}]
-            default = f.default if f.default is not dataclasses.MISSING else None
-            shown = "" if default is None else f"; default {default}"  # None: the help says
-            help_text = f"{help_text} [{', '.join(users)}{shown}]"
-            if kind in ("bool", bool):
-                group.add_argument(f"--{f.name.replace('_', '-')}", dest=f"opt_{f.name}",
-                                   action=argparse.BooleanOptionalAction,
-                                   default=argparse.SUPPRESS,
-                                   help=help_text)
-            else:
-                group.add_argument(f"--{f.name.replace('_', '-')}", dest=f"opt_{f.name}",
-                                   type=_TYPES.get(kind, str), default=argparse.SUPPRESS,
-                                   choices=f.metadata.get("choices"),
-                                   metavar=None if f.metadata.get("choices") else f.name.upper(),
-                                   help=help_text)
+            users.setdefault(f.name, []).append(cls.name)
+            first.setdefault(f.name, (f, cls.Options))
+    for name, (f, options) in first.items():
+        add_flag(group, f, field_types(options)[name], dest=f"opt_{name}", negatable=True,
+                 note=f"[{', '.join(users[name])}]")
 
 
 def _train_parser(sub: Any) -> argparse.ArgumentParser:
+    """``shoal train``: a flag per TrainConfig field, under the field's section heading."""
+    from shoal.config import TrainConfig
+
     p = sub.add_parser("train", help="train a model data-parallel",
                        description="Train a model data-parallel on local workers or under "
                                    "torchrun / Slurm / mpirun.")
-    S = argparse.SUPPRESS
-    g = p.add_argument_group("what to train")
-    g.add_argument("--config", default=S, help="YAML or JSON file of settings (flags override)")
-    g.add_argument("--model", default=S, help="mlp, lenet5, alexnet, vgg11, resnet20, resnet56, "
-                   "resnet18, resnet50, or pkg.module:factory (default lenet5)")
-    g.add_argument("--dataset", default=S, help="digits, synthetic, mnist, fashion-mnist, cifar10, "
-                   "npz:PATH, imagefolder:PATH (default digits)")
-    g.add_argument("--data-dir", default=S, help="directory holding the dataset's files")
-    g.add_argument("--synthetic-shape", type=_shape, default=S, metavar="CxHxW",
-                   help="input shape of --dataset synthetic (default 3x32x32)")
-    g.add_argument("--synthetic-classes", type=int, default=S, metavar="N")
-    g.add_argument("--synthetic-samples", type=int, default=S, metavar="N",
-                   help="training samples of --dataset synthetic (test: a fifth as many)")
-    g.add_argument("--image-size", type=int, default=S, metavar="PX",
-                   help="resize imagefolder images to PX x PX")
-    g.add_argument("--augment", action="store_true", default=S,
-                   help="random flips and padded crops (an eighth of the height) of training images")
-
-    g = p.add_argument_group("where and how")
-    g.add_argument("--workers", type=int, default=S,
-                   help="local worker processes to spawn (default: one per GPU with "
-                        "--device cuda, else 1); not used under torchrun/Slurm/mpirun")
-    g.add_argument("--threads-per-worker", type=int, default=S,
-                   help="intra-op threads per worker (default: cores // workers)")
-    g.add_argument("--device", default=S, choices=("auto", "cpu", "cuda"))
-    g.add_argument("--strategy", default=S,
-                   help="how workers couple (default sync); see `shoal list`")
-    g.add_argument("--timeout", type=float, default=S, metavar="S",
-                   help="seconds any collective may wait for a peer (default 300)")
-    g.add_argument("--heartbeat-timeout", type=float, default=S, metavar="S",
-                   help="seconds a worker may go without a heartbeat before the job stops "
-                        "and names it as hung (stopped, deadlocked)")
-    g.add_argument("--max-restarts", type=int, default=S, metavar="N",
-                   help="when a worker fails, restart the job from its last checkpoint, up to "
-                        "N times")
-    _add_strategy_options(p.add_argument_group("strategy options"))
-
-    g = p.add_argument_group("optimization")
-    g.add_argument("--epochs", type=int, default=S)
-    g.add_argument("--batch-size", type=int, default=S, help="per worker (default 16)")
-    g.add_argument("--global-batch-size", type=int, default=S,
-                   help="total over workers; overrides --batch-size")
-    g.add_argument("--optimizer", default=S, choices=("sgd", "adam", "adamw"))
-    g.add_argument("--lr", type=float, default=S, help="peak learning rate (default 0.05)")
-    g.add_argument("--momentum", type=float, default=S)
-    g.add_argument("--nesterov", action="store_true", default=S)
-    g.add_argument("--weight-decay", type=float, default=S)
-    g.add_argument("--schedule", default=S, choices=("constant", "step", "cosine"))
-    g.add_argument("--warmup-epochs", type=float, default=S)
-    g.add_argument("--lr-milestones", type=_floats, default=S, metavar="E1,E2",
-                   help="epochs at which --schedule step multiplies the lr by --lr-gamma")
-    g.add_argument("--lr-gamma", type=float, default=S)
-    g.add_argument("--scale-lr", action="store_true", default=S,
-                   help="multiply the lr by the number of workers (linear scaling rule)")
-    g.add_argument("--seed", type=int, default=S)
-
-    g = p.add_argument_group("outputs")
-    g.add_argument("--out", default=S, help="run directory (default runs/latest)")
-    g.add_argument("--overwrite", action="store_true", default=S,
-                   help="start over in an --out that holds a run")
-    g.add_argument("--resume", nargs="?", const="", default=S, metavar="CHECKPOINT",
-                   help="continue from CHECKPOINT (default <out>/checkpoint.pt); `auto`: "
-                        "from <out>/checkpoint.pt if it exists, else start over (for jobs "
-                        "a scheduler or torchrun --max-restarts starts again)")
-    g.add_argument("--checkpoint-every", type=int, default=S, metavar="STEPS",
-                   help="also checkpoint every STEPS steps (default: at each epoch end)")
-    g.add_argument("--stop-at-step", type=int, default=S, metavar="STEP",
-                   help="checkpoint and stop after STEP steps (split a run into jobs)")
-    g.add_argument("--log-every", type=int, default=S, metavar="STEPS")
-    g.add_argument("--eval-every", type=int, default=S, metavar="EPOCHS")
-    g.add_argument("--progress", default=S, choices=("auto", "bar", "plain", "none"))
-
-    g = p.add_argument_group("observability (see docs/observability.md)")
-    g.add_argument("--trace", action="store_true", default=S,
-                   help="write OUT/trace.json: every step's spans, one lane per rank "
-                        "(Chrome trace format; open in https://ui.perfetto.dev)")
-    g.add_argument("--profile", default=S, metavar="FIRST:LAST",
-                   help="hand steps FIRST to LAST to torch.profiler; writes "
-                        "OUT/profile/rank*.json")
-    g.add_argument("--tensorboard", action="store_true", default=S,
-                   help="also log scalars to OUT/tensorboard (needs the tensorboard package)")
-    _show_defaults(p)
+    hints = field_types(TrainConfig)
+    group: Any = p
+    for f in dataclasses.fields(TrainConfig):
+        if "section" in f.metadata:
+            first, group = group is p, p.add_argument_group(f.metadata["section"])
+            if first:
+                group.add_argument("--config", default=argparse.SUPPRESS,
+                                   help="YAML or JSON file of settings (flags override)")
+        if f.name == "strategy_options":
+            _add_strategy_options(group)
+        elif f.metadata.get("flag", True):
+            add_flag(group, f, hints[f.name])
+    p.add_argument("--debug", action="store_true", default=argparse.SUPPRESS,
+                   help="show tracebacks of errors")
     return p
 
 
-def _ints(text: str) -> list[int]:
-    try:
-        values = [int(v) for v in text.split(",") if v.strip()]
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected numbers like 1,2,4, got {text!r}") from None
-    if not values:
-        raise argparse.ArgumentTypeError(f"expected numbers like 1,2,4, got {text!r}")
-    return values
-
-
-def _threads(text: str) -> list[int | None]:
-    out: list[int | None] = []
-    for v in (t.strip() for t in text.split(",") if t.strip()):
-        if v == "auto":
-            out.append(None)
-        elif v.isdigit():
-            out.append(int(v))
-        else:
-            raise argparse.ArgumentTypeError(f"expected auto or numbers like 1,2, got {text!r}")
-    return out or [None]
-
-
-def _names(text: str) -> list[str]:
-    return [v.strip() for v in text.split(",") if v.strip()]
-
-
 def _bench_parser(sub: Any) -> argparse.ArgumentParser:
+    from shoal.config import TrainConfig
+    from shoal.sweep.config import BenchConfig
+
+    settings, hints = {f.name: f for f in dataclasses.fields(TrainConfig)}, field_types(TrainConfig)
+
+    def setting(name: str, help: str | None = None) -> None:
+        """``shoal train``'s flag ``name`` (its type, checks, help), with the sweep's default."""
+        add_flag(p, settings[name], hints[name], default=getattr(BenchConfig, name), help=help)
+
     p = sub.add_parser(
         "bench", help="scaling study: throughput, efficiency, communication share",
         description="Run `shoal train` for a fixed number of steps after warm-up for every "
                     "combination of models x strategies x workers (x threads per worker), plus "
                     "a hand-written PyTorch DDP loop, each repeated; write bench.csv, bench.md "
                     "and bench.png to --out.")
-    p.add_argument("--models", type=_names, default=["lenet5"], metavar="M1,M2",
+    p.add_argument("--models", type=parse_names, default=["lenet5"], metavar="M1,M2",
                    help="models to train (default lenet5)")
     p.add_argument("--strategies", default="sync", metavar="SPEC",
                    help="comma-separated strategies, each with its options: "
                         "sync,local-sgd:tau=4,easgd:tau=16,alpha=0.5 (default sync)")
     p.add_argument("--strategy-options", default="", metavar="K=V,...",
                    help="options for every strategy that takes them, e.g. tau=4")
-    p.add_argument("--workers", type=_ints, default=[1, 2], metavar="N1,N2",
+    p.add_argument("--workers", type=parse_ints, default=[1, 2], metavar="N1,N2",
                    help="worker counts (default 1,2)")
-    p.add_argument("--threads-per-worker", type=_threads, default=[None], metavar="T1,T2",
+    p.add_argument("--threads-per-worker", type=parse_threads, default=[None], metavar="T1,T2",
                    help="intra-op threads per worker; auto = cores // workers (default auto)")
     p.add_argument("--scaling", default="weak,strong", metavar="weak,strong",
                    help="weak: --batch-size per worker; strong: the global batch fixed "
                         "(default both)")
-    p.add_argument("--batch-size", type=int, default=32,
-                   help="per worker, for weak scaling (default 32)")
-    p.add_argument("--global-batch-size", type=int, default=None,
-                   help="for strong scaling (default: --batch-size x the most workers)")
+    setting("batch_size", "per worker, for weak scaling")
+    setting("global_batch_size", "for strong scaling (default: --batch-size x the most workers)")
     p.add_argument("--steps", type=int, default=40, help="timed steps (default 40)")
     p.add_argument("--warmup", type=int, default=10, help="untimed steps first (default 10)")
     p.add_argument("--repeats", type=int, default=3, help="runs per point (default 3)")
-    p.add_argument("--dataset", default="synthetic", help="(default synthetic)")
-    p.add_argument("--synthetic-shape", type=_shape, default=(3, 32, 32), metavar="CxHxW",
-                   help="(default 3x32x32)")
-    p.add_argument("--lr", type=float, default=0.02, help="(default 0.02)")
-    p.add_argument("--momentum", type=float, default=0.9,
-                   help="SGD momentum of every run and of the reference (default 0.9; 0 for "
+    setting("dataset")
+    setting("synthetic_shape")
+    setting("lr")
+    setting("momentum", "SGD momentum of every run and of the reference (default 0.9; 0 for "
                         "the EASGD paper's plain local steps)")
     p.add_argument("--no-reference", dest="reference", action="store_false",
                    help="leave out the hand-written DDP loop")
@@ -314,7 +209,7 @@ def _bench(args: argparse.Namespace, argv: Sequence[str]) -> None:
 
     cfg = BenchConfig(
         models=args.models, strategies=parse_strategies(args.strategies, args.strategy_options),
-        workers=args.workers, threads=args.threads_per_worker, scaling=_names(args.scaling),
+        workers=args.workers, threads=args.threads_per_worker, scaling=parse_names(args.scaling),
         batch_size=args.batch_size, global_batch_size=args.global_batch_size,
         steps=args.steps, warmup=args.warmup, repeats=args.repeats, dataset=args.dataset,
         synthetic_shape=tuple(args.synthetic_shape), reference=args.reference,
@@ -337,21 +232,6 @@ def _report(args: argparse.Namespace) -> None:
     print(f"wrote {files['png']} and {files['md']}")
 
 
-def _show_defaults(parser: argparse.ArgumentParser) -> None:
-    """Append TrainConfig's default to every flag's help that does not state one."""
-    from shoal.config import TrainConfig
-
-    defaults = TrainConfig()
-    for action in parser._actions:
-        if not hasattr(defaults, action.dest) or "default" in (action.help or ""):
-            continue
-        value = getattr(defaults, action.dest)
-        if isinstance(value, bool) or value in (None, (), ""):
-            continue
-        shown = "x".join(map(str, value)) if isinstance(value, tuple) else value
-        action.help = f"{action.help or ''} (default {shown})".strip()
-
-
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="shoal", description="Data-parallel training on PyTorch.")
     parser.add_argument("--debug", action="store_true", help="show tracebacks of errors")
@@ -359,9 +239,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     parser.add_argument("--version", action="version", version=f"shoal {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
-    train = _train_parser(sub)
-    train.add_argument("--debug", action="store_true", default=argparse.SUPPRESS,
-                       help="show tracebacks of errors")
+    _train_parser(sub)
     _run_parser(sub)
     _bench_parser(sub)
     _report_parser(sub)
@@ -390,7 +268,7 @@ def config_from_args(args: argparse.Namespace) -> Any:
         if key.startswith("opt_"):
             options[key[4:]] = value
             from_file.discard(key[4:])
-        elif key not in ("command", "config"):
+        elif key not in ("command", "config", "debug"):
             values[key] = value
             from_file.discard(key)
     values["strategy_options"] = options
@@ -408,7 +286,7 @@ def _blame(exc: ShoalError, source: str, keys: set[str]) -> ShoalError:
     (``--seed must be ...`` -> ``config file run.yaml: seed must be ...``)."""
     message = str(exc)
     for key in sorted(keys):
-        flag = "--" + key.replace("_", "-")
+        flag = flag_name(key)
         if message.startswith(flag + " "):
             return ShoalError(f"{source}: {key}{message[len(flag):]}")
     return exc
@@ -416,9 +294,7 @@ def _blame(exc: ShoalError, source: str, keys: set[str]) -> ShoalError:
 
 def _config_file(path: str, flags: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
     """A ``--config`` file's settings and strategy options, each value type-checked."""
-    import typing
-
-    from shoal.config import TrainConfig, check_value, load_config_file, show_value
+    from shoal.config import TrainConfig, load_config_file
     from shoal.strategies import STRATEGIES, get_strategy, option_fields
 
     source = f"config file {path}"
@@ -439,11 +315,7 @@ def _config_file(path: str, flags: dict[str, Any]) -> tuple[dict[str, Any], dict
     from_file = {k: v for k, v in options.items() if f"opt_{k}" not in flags}
     if from_file:
         strategy = flags.get("strategy", values.get("strategy", TrainConfig.strategy))
-        cls = get_strategy(strategy)
-        try:
-            hints = typing.get_type_hints(cls.Options)
-        except Exception:  # annotations it cannot resolve: the Options check their own values
-            hints = {}
+        hints = field_types(get_strategy(strategy).Options)
         for key, value in from_file.items():
             if key in hints:  # the ranges: make_options, then naming the file
                 check_value(value, hints[key], f"{source}: {key}", bounds=False)

@@ -143,7 +143,7 @@ def test_debug_flag_shows_traceback(tmp_path):
     ("strategy_options: 3", "strategy_options must be a mapping"),
     ("bucket_mb: big", "bucket_mb must be a number, got 'big'"),
     ("strategy: local-sgd\ntau: 2.5", "tau must be an integer, got 2.5"),
-    ("strategy_options: {measure_wait: 2}", "measure_wait must be true or false, got 2"),
+    ("strategy: easgd\nstrategy_options: {overlap: 2}", "overlap must be true or false, got 2"),
     ("bucket_mb: .nan", "bucket_mb must be a finite number, got nan"),
     # the ranges of the flags, naming the file's key
     ("seed: 100000000000000000000000", "seed must be from 0 to 4294967295"),
@@ -175,6 +175,28 @@ def test_config_file_numbers_as_the_flags_read_them(tmp_path):
     yml.write_text("lr: 1e-3\nsynthetic-shape: [1, 8, 8]\nprofile: '2:3'\nworkers: null\n")
     c = config_from_args(build_parser().parse_args(["train", "--config", str(yml)]))
     assert (c.lr, c.synthetic_shape, c.profile, c.workers) == (1e-3, (1, 8, 8), (2, 3), None)
+
+
+def test_every_setting_is_a_flag_and_the_help_names_what_the_registries_hold(monkeypatch):
+    import dataclasses
+
+    from torch import nn
+
+    from shoal.cli import build_parser
+    from shoal.config import TrainConfig
+    from shoal.data import dataset_names
+    from shoal.models import MODELS
+
+    monkeypatch.setitem(MODELS, "my-net", lambda shape, classes: nn.Flatten())
+    monkeypatch.setenv("COLUMNS", "10000")  # no line break inside a name (fashion-mnist)
+    parser = build_parser()
+    sub = next(a for a in parser._actions if getattr(a, "choices", None) and "train" in a.choices)
+    train = sub.choices["train"]
+    flags = {o for a in train._actions for o in a.option_strings}
+    settings = {f.name for f in dataclasses.fields(TrainConfig)} - {"strategy_options"}
+    assert {"--" + s.replace("_", "-") for s in settings} <= flags
+    help_text = train.format_help()
+    assert all(name in help_text for name in [*MODELS, *dataset_names()])
 
 
 def test_every_strategy_float_option_must_be_finite():

@@ -142,13 +142,14 @@ def _key_types() -> dict[str, object]:
     """Every configuration key and strategy option -> its annotation."""
     import typing
 
-    from shoal.config import field_types
+    from shoal.config import TrainConfig
+    from shoal.schema import field_types
     from shoal.strategies import STRATEGIES
 
     types = {}
     for cls in STRATEGIES.values():
         types.update(typing.get_type_hints(cls.Options))
-    types.update(field_types())
+    types.update(field_types(TrainConfig))
     return types
 
 
