@@ -2,7 +2,8 @@
 
 :func:`init` joins the job an outside launcher started (torchrun, Slurm, mpirun) or the one
 :func:`launch` starts: ``launch(fn, workers=N)`` runs ``fn`` on N local processes and returns
-their results. ``shoal run`` is :func:`launch` of :func:`run_main`.
+their results. :func:`strategy` couples a model and optimizer through the joined job.
+``shoal run`` is :func:`launch` of :func:`run_main`.
 """
 
 from __future__ import annotations
@@ -13,12 +14,19 @@ import runpy
 import sys
 from collections.abc import Callable
 from types import TracebackType
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from shoal.core.comm import Comm, init_comm
 from shoal.core.env import Environment, default_threads, detect_environment
 from shoal.core.processes import first_line, spawn
 from shoal.errors import ShoalError
+from shoal.strategies import get_strategy, make_options
+
+if TYPE_CHECKING:
+    import torch
+    from torch import nn
+
+    from shoal.strategies import Strategy
 
 T = TypeVar("T")
 
@@ -52,6 +60,18 @@ def init(device: str = "auto", timeout: float = 300.0, threads: int | None = Non
         atexit.register(_leave_at_exit)
         _chain_excepthook()
     return _COMM
+
+
+def strategy(name: str, model: nn.Module, optimizer: torch.optim.Optimizer,
+             comm: Comm | None = None, **options: Any) -> Strategy:
+    """Make ``model`` and ``optimizer`` train data-parallel with the strategy ``name``.
+
+    Without ``comm`` the process joins the job its launcher describes (torchrun, Slurm,
+    mpirun: see :func:`init`), or runs alone. Options are the strategy's (``tau=4``).
+    """
+    cls = get_strategy(name)
+    comm = comm if comm is not None else init()
+    return cls(model, optimizer, comm, make_options(cls, options))
 
 
 def shutdown() -> None:
