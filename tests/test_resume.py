@@ -12,6 +12,9 @@ from pathlib import Path
 import pytest
 import torch
 
+from shoal.config import TrainConfig
+from shoal.errors import ShoalError
+
 from conftest import REPO, checkpoint_params, max_param_diff, run, shoal_env, train
 
 CONFIG = ["--model", "lenet5", "--dataset", "digits", "--epochs", "3", "--workers", "2",
@@ -157,3 +160,53 @@ def test_max_restarts_recovers_a_killed_worker_without_losing_a_step(tmp_path, r
     steps = [json.loads(line)["step"] for line in (tmp_path / "run" / "metrics.jsonl").open()
              if json.loads(line)["event"] == "step"]
     assert steps == list(range(1, reference[0]["steps"] + 1)), "steps lost or logged twice"
+
+
+NOTING = '''
+import torch
+from shoal.strategies import Strategy
+
+
+class Noting(Strategy):
+    """Keeps a note of every rank's own in checkpoints, and one for all ranks."""
+
+    restored = None
+
+    def checkpoint_shared(self):
+        return {**super().checkpoint_shared(), "shared_note": torch.tensor(float(self.steps))}
+
+    def checkpoint_own(self):
+        return {**super().checkpoint_own(), "own_note": self.steps}
+
+    def restore_checkpoint(self, shared, own):
+        super().restore_checkpoint(shared, own)
+        self.restored = (shared["shared_note"].item(), own["own_note"])
+
+
+class Clashing(Strategy):
+    def checkpoint_own(self):
+        return {**super().checkpoint_own(), "rng": 0}
+'''
+
+
+def test_the_strategy_decides_what_a_checkpoint_keeps(tmp_path):
+    """What a strategy puts in a checkpoint (once, and per rank) comes back on resume; a part
+    that would overwrite the trainer's own is refused in one line."""
+    from shoal.core.comm import Comm
+    from shoal.core.env import Environment
+    from shoal.train.trainer import Trainer
+
+    (tmp_path / "noting.py").write_text(NOTING)
+    comm = Comm(Environment(), torch.device("cpu"))
+
+    def config(name: str, **changes) -> TrainConfig:
+        return TrainConfig(model="mlp", dataset="digits", strategy=f"{tmp_path}/noting.py:{name}",
+                           epochs=1, batch_size=64, progress="none", out=str(tmp_path / name),
+                           **changes).validate()
+
+    Trainer(config("Noting", stop_at_step=3), comm).run()
+    saved = torch.load(tmp_path / "Noting" / "checkpoint.pt", weights_only=True)
+    assert saved["shared_note"].item() == 3 and saved["ranks"][0]["own_note"] == 3
+    assert Trainer(config("Noting", resume=""), comm).strategy.restored == (3.0, 3)
+    with pytest.raises(ShoalError, match=r"Clashing: checkpoint_own\(\) returns 'rng'"):
+        Trainer(config("Clashing", stop_at_step=1), comm).run()

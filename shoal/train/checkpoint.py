@@ -26,6 +26,8 @@ from shoal.train.files import atomic_write
 
 FORMAT = "shoal-checkpoint"
 VERSION = 1
+#: The keys :func:`save_checkpoint` adds to every checkpoint.
+CHECKPOINT_HEADER = ("format", "version")
 
 #: Configuration keys that must match between a checkpoint and the run resuming it.
 RESUME_KEYS = ("model", "dataset", "strategy", "seed", "optimizer", "lr", "momentum",

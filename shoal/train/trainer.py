@@ -28,6 +28,7 @@ from shoal.errors import ShoalError
 from shoal.models import build_model, count_parameters
 from shoal.strategies import Strategy, get_strategy, make_options
 from shoal.train.checkpoint import (
+    CHECKPOINT_HEADER,
     check_resume,
     load_checkpoint,
     resumes_in_place,
@@ -94,8 +95,8 @@ class Trainer:
         self.optimizer = build_optimizer(cfg, self.model.parameters(), cfg.base_lr(self.world))
         self.scheduler = build_schedule(cfg, self.optimizer, self.plan.steps_per_epoch)
         torch.manual_seed(cfg.seed + 1 + self.rank)  # dropout differs between ranks
-        self.state = RunState(comm, torch.Generator().manual_seed(cfg.seed + 10_007 * (self.rank + 1)),
-                              lr=self.optimizer.param_groups[0]["lr"])
+        augment = torch.Generator().manual_seed(cfg.seed + 10_007 * (self.rank + 1))
+        self.state = RunState(comm, augment, lr=self.optimizer.param_groups[0]["lr"])
         self.recorder = Recorder(cfg, comm, self.plan)
         strategy_cls = get_strategy(cfg.strategy)
         # Every strategy starts all workers from rank 0's model; a resumed run then puts back
@@ -114,21 +115,21 @@ class Trainer:
         """Train to ``cfg.epochs`` (or ``cfg.stop_at_step``); rank 0 returns the summary."""
         cfg, st, rec = self.cfg, self.state, self.recorder
         st.start()
-        rec.begin(st, self.data.describe())
+        rec.begin(st, self.data.describe())  # output directory, metrics.jsonl, first line
         stopped = False
         test = (float("nan"), float("nan"))  # the last evaluation's loss and accuracy
-        while st.epoch < cfg.epochs and not stopped:
+        while st.epoch < cfg.epochs:
             perm = self.plan.permutation(st.epoch)
             self.strategy.module.train()
             rec.start_epoch(st)
             while st.epoch_step < self.plan.steps_per_epoch and not stopped:
-                rec.before_step(st)
+                rec.before_step(st)  # --profile's window may open here
                 started = time.perf_counter()
                 with self.tl.span(OTHER, "step"):
                     loss_sum, correct, n, n_global = self.train_step(perm)
                     rec.add(loss_sum, correct, n)
                 st.step_done(n_global, time.perf_counter() - started)
-                rec.step(st, n_global)
+                rec.step(st, n_global)  # step record, progress
                 stopped = self._stop_now()
                 if not stopped and cfg.checkpoint_every and st.step % cfg.checkpoint_every == 0:
                     self.save()
@@ -143,9 +144,9 @@ class Trainer:
             rec.epoch(st, test)
             if not cfg.checkpoint_every:
                 self.save()
-        rec.stop_profiler(st)
+        rec.stop_profiler(st)  # a --profile window past the last step
         self.stop_vote.settle()
-        if self.saved_at != st.step:
+        if self.saved_at != st.step:  # stopped, or the last checkpoint was before the end
             self.save()
         if not stopped and math.isnan(test[1]):
             test = self.evaluate()
@@ -215,23 +216,26 @@ class Trainer:
         self._check_finite("checkpoint not written, the last good one is kept")
         with self.tl.span(CHECKPOINT):
             run = self.state.state_dict()
-            own = {**run["rank"], **self.recorder.state_dict()}
-            strategy_own = self.strategy.checkpoint_own()
-            if clash := sorted(own.keys() & strategy_own.keys()):
-                raise ShoalError(f"strategy {self.cfg.strategy}'s checkpoint_own() uses the "
-                                 f"trainer's key {clash[0]!r}; rename it")
-            ranks = self.comm.gather_objects(to_cpu({**own, **strategy_own}))
+            own = self._with_strategy({**run["rank"], **self.recorder.state_dict()},
+                                      self.strategy.checkpoint_own(), "checkpoint_own")
+            ranks = self.comm.gather_objects(to_cpu(own))
             if self.is_main:
-                save_checkpoint(self.cfg.checkpoint_path, {
-                    "config": self.cfg.to_dict(),
-                    "global_batch": self.plan.global_batch,
-                    "world_size": self.world,
-                    "progress": run["progress"],
-                    **to_cpu(self.strategy.checkpoint_shared()),
-                    "scheduler": self.scheduler.state_dict(),
-                    "ranks": ranks,
-                })
+                payload = {"config": self.cfg.to_dict(), "global_batch": self.plan.global_batch,
+                           "world_size": self.world, "progress": run["progress"],
+                           "scheduler": self.scheduler.state_dict(), "ranks": ranks}
+                shared = to_cpu(self.strategy.checkpoint_shared())
+                save_checkpoint(self.cfg.checkpoint_path, self._with_strategy(
+                    payload, shared, "checkpoint_shared", reserved=CHECKPOINT_HEADER))
         self.saved_at = self.state.step
+
+    def _with_strategy(self, ours: dict[str, Any], theirs: dict[str, Any], hook: str,
+                       reserved: tuple[str, ...] = ()) -> dict[str, Any]:
+        """The trainer's part of a checkpoint and the strategy's, which must not overwrite it
+        (nor the ``reserved`` keys)."""
+        if clash := sorted((ours.keys() | set(reserved)) & theirs.keys()):
+            raise ShoalError(f"strategy {self.cfg.strategy}: {hook}() returns {clash[0]!r}, "
+                             "a checkpoint key of the trainer's; rename it")
+        return {**ours, **theirs}
 
     def _resume(self, strategy_cls: type[Strategy]) -> None:
         """Rank 0 reads the checkpoint and sends it to all (errors reach every rank); each
