@@ -27,11 +27,11 @@ from typing import Any, ClassVar
 import torch
 from torch import nn
 
-from shoal.config import check_bounds, check_value
 from shoal.core.comm import Comm
 from shoal.data.base import num_rows, take_rows
 from shoal.data.sharding import EpochPlan
 from shoal.errors import ShoalError
+from shoal.schema import check_bounds, check_value
 
 
 @dataclasses.dataclass
