@@ -18,7 +18,8 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 from shoal.core.comm import Comm, init_comm
 from shoal.core.env import Environment, default_threads, detect_environment
-from shoal.core.processes import first_line, spawn
+from shoal.core.failures import first_line
+from shoal.core.processes import spawn
 from shoal.errors import ShoalError
 from shoal.strategies import get_strategy, make_options
 

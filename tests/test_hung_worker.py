@@ -18,7 +18,7 @@ import torch
 
 import shoal
 from shoal.core.env import free_port
-from shoal.core.processes import EXIT_ABORTED
+from shoal.core.failures import EXIT_ABORTED
 
 from conftest import REPO, marked_processes, one_error_line, shoal_env, wait_gone
 

@@ -3,8 +3,9 @@ stands on, and the only place each of these exists.
 
 - :mod:`~shoal.core.env`: where this process sits (local spawn, torchrun, Slurm, MPI), its
   device and its threads;
-- :mod:`~shoal.core.processes`: starting and supervising local processes, the root-cause
-  report, SIGTERM as "stop at the next safe point";
+- :mod:`~shoal.core.processes`: starting and supervising local processes, SIGTERM as
+  "stop at the next safe point";
+- :mod:`~shoal.core.failures`: each rank's failure report and the root cause among them;
 - :mod:`~shoal.core.group`: the job's store and process group, with timeouts;
 - :mod:`~shoal.core.watchdog`: a failing or hung rank ends the job within seconds;
 - :mod:`~shoal.core.comm`: timed, byte-counted collectives (:class:`Comm`);

@@ -16,9 +16,9 @@ import torch
 import torch.distributed as dist
 
 from shoal.core.env import Environment, pick_device
+from shoal.core.failures import EXIT_ABORTED
 from shoal.core.group import job_store, join_group
 from shoal.core.ops import reduce_op
-from shoal.core.processes import EXIT_ABORTED
 from shoal.core.timeline import COMM, WAIT, Event, Timeline
 from shoal.core.watchdog import ABORT_KEY, HUNG, Watchdog, key_prefix
 from shoal.errors import ShoalError

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
-import json
 import multiprocessing as mp
 import multiprocessing.connection
 import os
@@ -31,10 +30,8 @@ from typing import Any
 import cloudpickle
 
 from shoal.core.env import Environment, set_environment
+from shoal.core.failures import exit_status, first_line, record_failure, root_cause
 from shoal.errors import ShoalError, WorkerError
-
-#: Exit status of a rank that stopped because another rank failed (not a root cause).
-EXIT_ABORTED = 75
 
 _STOP = threading.Event()  # SIGTERM arrived: finish the step, checkpoint, stop
 
@@ -104,43 +101,6 @@ def die_with_parent() -> None:
             pass
 
 
-def is_comm_failure(exc: BaseException) -> bool:
-    """Whether ``exc`` looks like the echo of another rank's failure (peer closed, timeout)."""
-    import torch.distributed as dist
-
-    if isinstance(exc, dist.DistError):
-        return True
-    text = str(exc).lower()
-    return any(
-        s in text
-        for s in ("connection closed", "connection reset", "gloo", "nccl", "broken pipe",
-                  "socket", "timed out", "timeout")
-    )
-
-
-def first_line(exc: BaseException, limit: int = 400) -> str:
-    """The first non-blank line of ``exc``'s message (its type's name if none), cut at ``limit``."""
-    line = next((ln.strip() for ln in str(exc).splitlines() if ln.strip()), type(exc).__name__)
-    return line if len(line) <= limit else line[: limit - 3] + "..."
-
-
-def record_failure(errdir: str, rank: int, exc: BaseException) -> None:
-    """Write what went wrong on this rank where the supervising parent will read it."""
-    info = {
-        "rank": rank,
-        "time": time.time(),
-        "type": type(exc).__name__,
-        "message": first_line(exc),
-        "primary": isinstance(exc, ShoalError) or not is_comm_failure(exc),
-        "user_error": isinstance(exc, ShoalError),
-        "traceback": "".join(traceback.format_exception(exc)),
-    }
-    tmp = os.path.join(errdir, f".rank{rank}.tmp")
-    with open(tmp, "w") as f:
-        json.dump(info, f)
-    os.replace(tmp, os.path.join(errdir, f"rank{rank}.json"))
-
-
 def start_process(target: Callable[..., Any], args: tuple[Any, ...] = (), *,
                   name: str | None = None) -> BaseProcess:
     """Start ``target(*args)`` in a fresh interpreter ("spawn") that does not re-run ``__main__``.
@@ -201,41 +161,6 @@ def _worker_main(env: Environment, job: bytes) -> None:
     with open(tmp, "wb") as f:
         cloudpickle.dump(result, f)
     os.replace(tmp, _result_path(errdir, env.rank))
-
-
-def exit_status(code: int) -> str:
-    """``killed by signal 9`` or ``exited with code 3``: how a process ended."""
-    return f"killed by signal {-code}" if code < 0 else f"exited with code {code}"
-
-
-def _read_errors(errdir: str) -> dict[int, dict[str, Any]]:
-    found = {}
-    for name in os.listdir(errdir):
-        if name.startswith("rank") and name.endswith(".json"):
-            with open(os.path.join(errdir, name)) as f:
-                info = json.load(f)
-            found[info["rank"]] = info
-    return found
-
-
-def _root_cause(errdir: str, exits: dict[int, int]) -> WorkerError:
-    """The failure that started it, from the error files and the exit codes of ranks that
-    ended before shoal stopped the rest: a real error first; then a rank that died without a
-    word (killed, crashed); only then the "peer closed the connection" echoes of it."""
-    errors = _read_errors(errdir)
-    primary = sorted((e for e in errors.values() if e["primary"]), key=lambda e: e["time"])
-    silent = sorted((code >= 0, rank) for rank, code in exits.items()
-                    if rank not in errors and code not in (0, EXIT_ABORTED))
-    if not primary and silent:
-        rank = silent[0][1]
-        return WorkerError(rank, f"worker process {exit_status(exits[rank])}")
-    echoes = sorted(errors.values(), key=lambda e: e["time"])
-    if primary or echoes:
-        err = (primary or echoes)[0]
-        message = err["message"] if err["user_error"] else f"{err['type']}: {err['message']}"
-        return WorkerError(err["rank"], message, err["traceback"], err["user_error"])
-    rank = min(exits)
-    return WorkerError(rank, f"worker process exited with code {exits[rank]}")
 
 
 def _wait_all(procs: list[Any], timeout: float) -> list[Any]:
@@ -344,7 +269,7 @@ def spawn(
         exits = {r: p.exitcode for r, p in enumerate(procs)
                  if p.exitcode not in (None, 0) and not _finished(errdir, r)}
         stop_processes(procs, grace)
-        raise _root_cause(errdir, exits)
+        raise root_cause(errdir, exits)
     finally:
         stop_processes(procs, 0.0)
         shutil.rmtree(errdir, ignore_errors=True)

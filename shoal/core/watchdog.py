@@ -21,7 +21,7 @@ from typing import Any, TypeVar
 import torch.distributed as dist
 
 from shoal.core.env import Environment
-from shoal.core.processes import EXIT_ABORTED, first_line
+from shoal.core.failures import EXIT_ABORTED, first_line, record_hung
 
 ABORT_KEY = "abort"
 HUNG = "stopped responding"  # how a hung rank's report begins
@@ -44,39 +44,6 @@ def _name_os_thread(name: str) -> None:
     if sys.platform.startswith("linux"):
         with contextlib.suppress(OSError, AttributeError):
             ctypes.CDLL("libc.so.6").prctl(15, name.encode()[:15])  # PR_SET_NAME
-
-
-def record_hung(errdir: str, rank: int, message: str, noticed_by: int) -> None:
-    """Write rank ``rank``'s failure report for shoal's launcher (it cannot write its own).
-
-    The same fields as :func:`shoal.core.processes.record_failure`, as the root cause (primary).
-    A report the rank wrote itself is kept.
-    """
-    info = {
-        "rank": rank,
-        "time": time.time(),
-        "type": "TimeoutError",
-        "message": message,
-        "primary": True,
-        "user_error": False,
-        "traceback": f"(no traceback: rank {rank} did not run; rank {noticed_by}'s watchdog "
-                     f"saw its heartbeat stop)\n",
-    }
-    final = os.path.join(errdir, f"rank{rank}.json")
-    tmp = os.path.join(errdir, f".hung{rank}.by{noticed_by}.tmp")
-    try:
-        with open(tmp, "w") as f:
-            json.dump(info, f)
-        try:
-            os.link(tmp, final)  # atomic, and never over the rank's own report
-        except FileExistsError:
-            pass
-        except OSError:  # a file system without hard links
-            if not os.path.exists(final):
-                os.replace(tmp, final)
-    finally:
-        with contextlib.suppress(OSError):
-            os.unlink(tmp)
 
 
 class Watchdog:

@@ -11,7 +11,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from shoal.core.processes import first_line
+from shoal.core.failures import first_line
 from shoal.core.timeline import COMM
 from shoal.errors import ShoalError, WorkerError
 from shoal.parallel.arrays import SharedArray

@@ -34,8 +34,9 @@ import torch
 import torch.distributed as dist
 
 from shoal.core.env import default_threads
+from shoal.core.failures import exit_status, first_line
 from shoal.core.group import join_group, loopback_gloo
-from shoal.core.processes import exit_status, first_line, loopback_store, start_process, stop_processes
+from shoal.core.processes import loopback_store, start_process, stop_processes
 from shoal.core.timeline import Timeline, chrome_trace
 from shoal.errors import ShoalError, WorkerError
 from shoal.parallel.context import Meter

@@ -1,0 +1,125 @@
+"""How a rank's failure is reported, and how the launcher finds the one that started it.
+
+Each failing rank writes ``rank<N>.json`` into the job's error folder (the launcher's
+``Environment.error_dir``): its first line, type and traceback, and whether it is a root
+cause or the echo of another rank's failure. :func:`root_cause` picks the one to report.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import time
+import traceback
+from typing import Any
+
+from shoal.errors import ShoalError, WorkerError
+
+#: Exit status of a rank that stopped because another rank failed (not a root cause).
+EXIT_ABORTED = 75
+
+
+def is_comm_failure(exc: BaseException) -> bool:
+    """Whether ``exc`` looks like the echo of another rank's failure (peer closed, timeout)."""
+    import torch.distributed as dist
+
+    if isinstance(exc, dist.DistError):
+        return True
+    text = str(exc).lower()
+    return any(
+        s in text
+        for s in ("connection closed", "connection reset", "gloo", "nccl", "broken pipe",
+                  "socket", "timed out", "timeout")
+    )
+
+
+def first_line(exc: BaseException, limit: int = 400) -> str:
+    """The first non-blank line of ``exc``'s message (its type's name if none), cut at ``limit``."""
+    line = next((ln.strip() for ln in str(exc).splitlines() if ln.strip()), type(exc).__name__)
+    return line if len(line) <= limit else line[: limit - 3] + "..."
+
+
+def record_failure(errdir: str, rank: int, exc: BaseException) -> None:
+    """Write what went wrong on this rank where the supervising parent will read it."""
+    info = {
+        "rank": rank,
+        "time": time.time(),
+        "type": type(exc).__name__,
+        "message": first_line(exc),
+        "primary": isinstance(exc, ShoalError) or not is_comm_failure(exc),
+        "user_error": isinstance(exc, ShoalError),
+        "traceback": "".join(traceback.format_exception(exc)),
+    }
+    tmp = os.path.join(errdir, f".rank{rank}.tmp")
+    with open(tmp, "w") as f:
+        json.dump(info, f)
+    os.replace(tmp, os.path.join(errdir, f"rank{rank}.json"))
+
+
+def exit_status(code: int) -> str:
+    """``killed by signal 9`` or ``exited with code 3``: how a process ended."""
+    return f"killed by signal {-code}" if code < 0 else f"exited with code {code}"
+
+
+def read_errors(errdir: str) -> dict[int, dict[str, Any]]:
+    found = {}
+    for name in os.listdir(errdir):
+        if name.startswith("rank") and name.endswith(".json"):
+            with open(os.path.join(errdir, name)) as f:
+                info = json.load(f)
+            found[info["rank"]] = info
+    return found
+
+
+def root_cause(errdir: str, exits: dict[int, int]) -> WorkerError:
+    """The failure that started it, from the error files and the exit codes of ranks that
+    ended before shoal stopped the rest: a real error first; then a rank that died without a
+    word (killed, crashed); only then the "peer closed the connection" echoes of it."""
+    errors = read_errors(errdir)
+    primary = sorted((e for e in errors.values() if e["primary"]), key=lambda e: e["time"])
+    silent = sorted((code >= 0, rank) for rank, code in exits.items()
+                    if rank not in errors and code not in (0, EXIT_ABORTED))
+    if not primary and silent:
+        rank = silent[0][1]
+        return WorkerError(rank, f"worker process {exit_status(exits[rank])}")
+    echoes = sorted(errors.values(), key=lambda e: e["time"])
+    if primary or echoes:
+        err = (primary or echoes)[0]
+        message = err["message"] if err["user_error"] else f"{err['type']}: {err['message']}"
+        return WorkerError(err["rank"], message, err["traceback"], err["user_error"])
+    rank = min(exits)
+    return WorkerError(rank, f"worker process exited with code {exits[rank]}")
+
+
+def record_hung(errdir: str, rank: int, message: str, noticed_by: int) -> None:
+    """Write rank ``rank``'s failure report for shoal's launcher (it cannot write its own).
+
+    The same fields as :func:`record_failure`, as the root cause (primary).
+    A report the rank wrote itself is kept.
+    """
+    info = {
+        "rank": rank,
+        "time": time.time(),
+        "type": "TimeoutError",
+        "message": message,
+        "primary": True,
+        "user_error": False,
+        "traceback": f"(no traceback: rank {rank} did not run; rank {noticed_by}'s watchdog "
+                     f"saw its heartbeat stop)\n",
+    }
+    final = os.path.join(errdir, f"rank{rank}.json")
+    tmp = os.path.join(errdir, f".hung{rank}.by{noticed_by}.tmp")
+    try:
+        with open(tmp, "w") as f:
+            json.dump(info, f)
+        try:
+            os.link(tmp, final)  # atomic, and never over the rank's own report
+        except FileExistsError:
+            pass
+        except OSError:  # a file system without hard links
+            if not os.path.exists(final):
+                os.replace(tmp, final)
+    finally:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
