@@ -32,10 +32,10 @@ import torch.distributed as dist
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 
 import shoal
-from shoal.sweep.reference import Workload, ddp_step
 from shoal.config import TrainConfig
 from shoal.core.processes import spawn
 from shoal.data import DataOptions, load_dataset
+from shoal.sweep.reference import Workload, ddp_step
 from shoal.train.trainer import Trainer
 
 
