@@ -130,7 +130,8 @@ def _bench_parser(sub: Any) -> argparse.ArgumentParser:
     p.add_argument("--emulate-bandwidth", default=None, metavar="RATE",
                    help="run multi-worker points across emulated hosts (network namespaces, "
                         "needs root) joined by links of RATE, e.g. 100mbit or 1gbit")
-    p.add_argument("--timeout", type=float, default=900.0, help="seconds per run (default 900)")
+    p.add_argument("--run-timeout", type=float, default=900.0,
+                   help="seconds one training run may take before it is stopped (default 900)")
     p.add_argument("--out", default="runs/bench", help="output directory (default runs/bench)")
     p.add_argument("--quiet", action="store_true", help="print nothing but errors")
     p.add_argument("--debug", action="store_true", default=argparse.SUPPRESS)
@@ -215,7 +216,7 @@ def _bench(args: argparse.Namespace, argv: Sequence[str]) -> None:
         synthetic_shape=tuple(args.synthetic_shape), reference=args.reference,
         emulate_bandwidth=args.emulate_bandwidth, out=Path(args.out), lr=args.lr,
         momentum=args.momentum,
-        timeout=args.timeout, quiet=args.quiet)
+        run_timeout=args.run_timeout, quiet=args.quiet)
     if cfg.reference and cfg.dataset != "synthetic":
         raise ShoalError("the DDP reference row trains on synthetic data; use --dataset "
                          "synthetic or --no-reference")

@@ -35,7 +35,7 @@ class BenchConfig:
     out: Path = Path("runs/bench")
     lr: float = 0.02
     momentum: float = 0.9
-    timeout: float = 900.0
+    run_timeout: float = 900.0  # seconds one training run may take
     quiet: bool = False
 
     def validate(self) -> BenchConfig:

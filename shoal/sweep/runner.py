@@ -80,7 +80,7 @@ class Runner:
         if self._emulated(p):
             out.mkdir(parents=True, exist_ok=True)
             code = self._cluster(p.world_size).torchrun(
-                train_command(self.cfg, p, out, False), timeout=self.cfg.timeout,
+                train_command(self.cfg, p, out, False), timeout=self.cfg.run_timeout,
                 log=out / "torchrun.log")
             if code:
                 raise ShoalError(f"benchmark run {p.name(repeat)} failed on the emulated "
@@ -93,10 +93,10 @@ class Runner:
 
     def _subprocess(self, cmd: list[str], p: Point, repeat: int) -> None:
         try:
-            res = subprocess.run(cmd, capture_output=True, text=True, timeout=self.cfg.timeout)
+            res = subprocess.run(cmd, capture_output=True, text=True, timeout=self.cfg.run_timeout)
         except subprocess.TimeoutExpired:
             raise ShoalError(f"benchmark run {p.name(repeat)} did not finish in "
-                             f"{self.cfg.timeout:.0f} s") from None
+                             f"{self.cfg.run_timeout:.0f} s") from None
         if res.returncode != 0:
             last = (res.stderr.strip().splitlines() or ["(no output)"])[-1]
             raise ShoalError(f"benchmark run {p.name(repeat)} failed: {last}")
@@ -112,7 +112,7 @@ class Runner:
         if self._emulated(p):
             args = ["-m", "shoal.sweep.reference", *w.flags(),
                     "--threads", str(p.threads_for()), "--out", str(result_file)]
-            code = self._cluster(p.world_size).torchrun(args, timeout=cfg.timeout,
+            code = self._cluster(p.world_size).torchrun(args, timeout=cfg.run_timeout,
                                                         log=out / "torchrun.log")
             if code:
                 raise ShoalError(f"the DDP reference loop failed on the emulated cluster (exit {code}); "
