@@ -9,12 +9,12 @@ the running sums, writes ``metrics.jsonl`` (and TensorBoard), the progress lines
 from __future__ import annotations
 
 import math
+from importlib.metadata import version
 from pathlib import Path
 from typing import Any
 
 import torch
 
-import shoal
 from shoal.config import TrainConfig
 from shoal.core.comm import Comm
 from shoal.core.timeline import (
@@ -213,7 +213,7 @@ class Recorder:
             "bytes_sent": total_bytes,
             "bytes_per_sample": total_bytes / st.samples if st.samples else None,
             "parameters": parameters,
-            "torch_version": torch.__version__, "shoal_version": shoal.__version__,
+            "torch_version": torch.__version__, "shoal_version": version("shoal"),
         }
         write_json(self.out / "summary.json", summary)
         if stop_reason:
