@@ -23,11 +23,10 @@ Or keep a serial program and run chosen functions data-parallel (``docs/parallel
         loss = step(model, x, y)
 """
 
-__version__ = "0.1.0"
-
 from shoal.errors import ShoalError, WorkerError  # noqa: E402
 from shoal.runtime import init, launch, shutdown, strategy  # noqa: E402
 from shoal.strategies import STRATEGIES, Strategy, get_strategy, register  # noqa: E402
+from shoal.version import __version__  # noqa: E402
 
 # The single-controller API (shoal.parallel), imported on first use.
 _PARALLEL = ("all_gather", "all_reduce", "broadcast", "close", "fork", "function", "gather", "reduce",

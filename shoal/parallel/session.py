@@ -24,7 +24,6 @@ import multiprocessing as mp
 import multiprocessing.connection
 import os
 import pickle
-import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -35,6 +34,7 @@ import torch.distributed as dist
 
 from shoal.core.env import default_threads
 from shoal.core.failures import exit_status, first_line
+from shoal.core.files import atomic_write
 from shoal.core.group import join_group, loopback_gloo
 from shoal.core.processes import loopback_store, start_process, stop_processes
 from shoal.core.timeline import Timeline, chrome_trace
@@ -183,9 +183,9 @@ class Session:
         if self.trace is not None:
             try:
                 self._write_trace(lanes)
-            except OSError as exc:
+            except ShoalError:
                 if grace:  # an abort is on its way out with the error that caused it
-                    raise ShoalError(f"could not write the trace {self.trace}: {exc}") from exc
+                    raise
 
     def _collect_books(self, grace: float) -> dict[int, tuple[list[dict[str, Any]], int]]:
         """Each closing worker's Chrome events and bytes sent, by rank (those that answer
@@ -199,24 +199,14 @@ class Session:
         return got
 
     def _write_trace(self, books: dict[int, tuple[list[dict[str, Any]], int]]) -> None:
-        """Write every rank's spans as one Chrome trace, atomically (a temporary file in the
-        same directory, then renamed over the trace)."""
+        """Write every rank's spans as one Chrome trace, atomically (a failed write is one
+        line, and leaves any earlier trace as it was)."""
         assert self.trace is not None
         lanes = [self.meter.timeline.chrome_events(0)] + [books[r][0] for r in sorted(books)]
         sent = {"0": self.meter.bytes_sent} | {str(r): books[r][1] for r in sorted(books)}
         text = json.dumps(chrome_trace(lanes, {"world_size": self.world_size, "device": str(self.device),
                                                "bytes_sent": sent}), separators=(",", ":"))
-        fd, tmp = tempfile.mkstemp(prefix=f".{self.trace.name}.", suffix=".tmp", dir=self.trace.parent)
-        try:
-            with os.fdopen(fd, "w") as f:
-                f.write(text)
-                f.flush()
-                os.fsync(f.fileno())
-            os.replace(tmp, self.trace)
-        except BaseException:
-            with contextlib.suppress(OSError):
-                os.unlink(tmp)
-            raise
+        atomic_write(self.trace, lambda f: f.write(text.encode()), what="trace")
 
     def _teardown(self) -> None:
         self.watcher.stop()

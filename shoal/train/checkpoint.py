@@ -1,6 +1,6 @@
 """Checkpoints that are never half-written and never loaded blindly.
 
-A checkpoint is written with :func:`~shoal.train.files.atomic_write`, so a crash at any
+A checkpoint is written with :func:`~shoal.core.files.atomic_write`, so a crash at any
 moment leaves either the old or the new file. It is read with
 ``torch.load(weights_only=True)``: tensors, numbers, strings and containers only, never
 arbitrary pickled objects.
@@ -20,9 +20,9 @@ from typing import Any
 import torch
 
 from shoal.config import TrainConfig
+from shoal.core.files import atomic_write
 from shoal.errors import ShoalError
 from shoal.strategies import Strategy, make_options
-from shoal.train.files import atomic_write
 
 FORMAT = "shoal-checkpoint"
 VERSION = 1

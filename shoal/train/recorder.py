@@ -9,7 +9,6 @@ the running sums, writes ``metrics.jsonl`` (and TensorBoard), the progress lines
 from __future__ import annotations
 
 import math
-from importlib.metadata import version
 from pathlib import Path
 from typing import Any
 
@@ -17,6 +16,7 @@ import torch
 
 from shoal.config import TrainConfig
 from shoal.core.comm import Comm
+from shoal.core.files import remove_stale_temporaries
 from shoal.core.timeline import (
     CATEGORIES,
     WAIT,
@@ -30,10 +30,10 @@ from shoal.core.timeline import (
 from shoal.data import EpochPlan
 from shoal.errors import ShoalError
 from shoal.train.checkpoint import resumes_in_place
-from shoal.train.files import remove_stale_temporaries
 from shoal.train.progress import Progress
 from shoal.train.records import MetricsLog, TensorBoardLog, write_json, write_trace
 from shoal.train.state import RunState
+from shoal.version import __version__
 
 
 class Recorder:
@@ -213,7 +213,7 @@ class Recorder:
             "bytes_sent": total_bytes,
             "bytes_per_sample": total_bytes / st.samples if st.samples else None,
             "parameters": parameters,
-            "torch_version": torch.__version__, "shoal_version": version("shoal"),
+            "torch_version": torch.__version__, "shoal_version": __version__,
         }
         write_json(self.out / "summary.json", summary)
         if stop_reason:

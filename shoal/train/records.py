@@ -8,8 +8,8 @@ import math
 from pathlib import Path
 from typing import Any
 
+from shoal.core.files import atomic_write
 from shoal.errors import ShoalError
-from shoal.train.files import atomic_write
 
 
 def _clean(value: Any) -> Any:
