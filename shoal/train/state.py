@@ -83,4 +83,4 @@ class RunState:
         self.aug_gen.set_state(own["aug_rng"])
         if self.comm.device.type == "cuda" and "cuda_rng" in own:
             torch.cuda.set_rng_state(own["cuda_rng"])
-        self.comm.timeline.totals.update(own["times"])
+        self.comm.timeline.carry_over(own["times"])
