@@ -1,5 +1,6 @@
 """Resume works from every step: the first, mid-epoch, an epoch's last, a finished run's last
-(extended with more epochs), for every strategy, and ends where an uninterrupted run does.
+(extended with more epochs), for every strategy, and ends where an uninterrupted run does:
+the saved model and every rank's own replica.
 
 All runs of one strategy share one pair of real Gloo worker processes (``shoal.launch``):
 each :class:`Trainer` is a whole run (its own ``--out``), so the cases cost training steps,
@@ -28,7 +29,9 @@ def _all_cases(root: str) -> dict[str, dict[str, float]]:
 
 
 def _cases(strategy: str, root: str) -> dict[str, float]:
-    """Every resume case of ``strategy`` on this rank; rank 0 returns max |param diff| each."""
+    """Every resume case of ``strategy`` on this rank: max |param diff| from the uninterrupted
+    run, of the model that is evaluated and saved (the center for EASGD, the global model for
+    DiLoCo) and of this rank's own replica (which the checkpoint keeps per rank)."""
     from shoal.train.trainer import Trainer
 
     comm = shoal.init()
@@ -39,33 +42,41 @@ def _cases(strategy: str, root: str) -> dict[str, float]:
         cfg = dataclasses.replace(base, out=f"{root}/{name}", **changes)
         trainer = Trainer(cfg, comm)
         trainer.run()
-        return {k: v.detach().clone() for k, v in trainer.strategy.eval_module.state_dict().items()}
+        models = {"": trainer.strategy.eval_module, "replica ": trainer.model}
+        return {f"{which}{k}": v.detach().clone()
+                for which, model in models.items() for k, v in model.state_dict().items()}
+
+    def diff(params: dict[str, torch.Tensor], replica: bool) -> float:
+        return max((params[k] - reference[k]).abs().max().item()
+                   for k in reference if k.startswith("replica ") == replica)
 
     reference = run("reference")
     diffs = {}
     for stop in (1, 7, STEPS_PER_EPOCH):
         run(f"stop{stop}", stop_at_step=stop)
         params = run(f"stop{stop}", resume="")
-        diffs[f"stop at {stop}"] = max((params[k] - reference[k]).abs().max().item()
-                                       for k in reference)
+        diffs[f"stop at {stop}"] = diff(params, replica=False)
+        diffs[f"stop at {stop}, replica"] = diff(params, replica=True)
     run("extend", epochs=2)
     params = run("extend", resume="")
-    diffs["extend a finished run"] = max((params[k] - reference[k]).abs().max().item()
-                                         for k in reference)
+    diffs["extend a finished run"] = diff(params, replica=False)
+    diffs["extend a finished run, replica"] = diff(params, replica=True)
     return diffs
 
 
 @pytest.fixture(scope="module")
-def results(tmp_path_factory) -> tuple[Path, dict[str, dict[str, float]]]:
+def results(tmp_path_factory) -> tuple[Path, list[dict[str, dict[str, float]]]]:
     root = tmp_path_factory.mktemp("resume")
-    return root, shoal.launch(_all_cases, str(root), workers=2)[0]
+    return root, shoal.launch(_all_cases, str(root), workers=2)
 
 
 @pytest.mark.parametrize("strategy", STRATEGIES)
 def test_resume_from_any_step_matches_uninterrupted(results, strategy):
-    root, all_diffs = results
-    diffs, run_dir = all_diffs[strategy], root / strategy
-    assert diffs and all(d < 1e-6 for d in diffs.values()), diffs
+    root, ranks = results
+    run_dir = root / strategy
+    for rank, all_diffs in enumerate(ranks):
+        diffs = all_diffs[strategy]
+        assert diffs and all(d < 1e-6 for d in diffs.values()), (rank, diffs)
     for case in ("stop1", f"stop{STEPS_PER_EPOCH}", "extend"):
         records = [json.loads(line) for line in (run_dir / case / "metrics.jsonl").open()]
         steps = [r["step"] for r in records if r["event"] == "step"]
