@@ -195,6 +195,7 @@ class Recorder:
             return None
         cfg, (test_loss, test_acc), (train_loss, train_acc) = self.cfg, test, self.last_train
         wall = st.elapsed_s()
+        fractions = time_fractions(times)
         summary = {
             "model": cfg.model, "dataset": cfg.dataset, "strategy": cfg.strategy,
             "strategy_options": cfg.strategy_options,
@@ -207,8 +208,8 @@ class Recorder:
             "wall_time_s": wall, "train_time_s": st.train_time_s, "samples": st.samples,
             "samples_per_s": st.samples / st.train_time_s if st.train_time_s > 0 else None,
             "comm_fraction": comm_fraction(times),
-            "wait_fraction": time_fractions(times)[WAIT],
-            "time_s": time_split(times), "time_fraction": time_fractions(times),
+            "wait_fraction": fractions[WAIT],
+            "time_s": time_split(times), "time_fraction": fractions,
             "step_time_s": sum(times.values()) / st.step if st.step else None,
             "bytes_sent": total_bytes,
             "bytes_per_sample": total_bytes / st.samples if st.samples else None,
