@@ -31,7 +31,7 @@ from shoal.core.comm import Comm
 from shoal.data.base import num_rows, take_rows
 from shoal.data.sharding import EpochPlan
 from shoal.errors import ShoalError
-from shoal.schema import check_bounds, check_value
+from shoal.schema import check_bounds, check_value, flag_name
 
 
 @dataclasses.dataclass
@@ -61,7 +61,7 @@ def check_options(options: Any, workers: int | None) -> None:
     as workers are added)."""
     if dataclasses.is_dataclass(options):
         for f in dataclasses.fields(options):
-            check_bounds(getattr(options, f.name, None), "--" + f.name.replace("_", "-"))
+            check_bounds(getattr(options, f.name, None), flag_name(f.name))
     validate = getattr(options, "validate", None)
     if validate is not None:
         validate()
@@ -222,14 +222,14 @@ def make_options(cls: type[Strategy], values: dict[str, Any], workers: int | Non
     known = {f.name for f in option_fields(cls)}
     unknown = sorted(set(values) - known)
     if unknown:
-        flags = ", ".join("--" + u.replace("_", "-") for u in unknown)
-        takes = ", ".join("--" + k.replace("_", "-") for k in sorted(known)) or "no options"
+        flags = ", ".join(flag_name(u) for u in unknown)
+        takes = ", ".join(flag_name(k) for k in sorted(known)) or "no options"
         raise ShoalError(f"strategy {cls.name} does not take {flags} (it takes {takes})")
     try:
         hints = typing.get_type_hints(cls.Options)
     except Exception:  # annotations that do not resolve here: the options' own checks remain
         hints = {}
-    values = {k: check_value(v, hints[k], "--" + k.replace("_", "-")) if k in hints else v
+    values = {k: check_value(v, hints[k], flag_name(k)) if k in hints else v
               for k, v in values.items()}
     options = cls.Options(**values)
     check_options(options, workers)

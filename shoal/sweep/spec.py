@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from shoal.errors import ShoalError
+from shoal.schema import flag_name
 
 #: The label of the hand-written DDP loop's rows; not a strategy one can name.
 REFERENCE = "ddp-reference"
@@ -26,7 +27,7 @@ class StrategySpec:
         """``shoal train`` flags for the options (``tau=4`` -> ``--tau 4``)."""
         out = ["--strategy", self.name]
         for key, value in self.options:
-            flag = "--" + key.replace("_", "-")
+            flag = flag_name(key)
             if value.lower() in ("true", "false"):
                 out.append(flag if value.lower() == "true" else "--no-" + flag[2:])
             else:

@@ -22,6 +22,7 @@ import torch
 from shoal.config import TrainConfig
 from shoal.core.files import atomic_write
 from shoal.errors import ShoalError
+from shoal.schema import flag_name
 from shoal.strategies import Strategy, make_options
 
 FORMAT = "shoal-checkpoint"
@@ -92,7 +93,7 @@ def check_resume(payload: dict[str, Any], cfg: TrainConfig, world: int,
     saved, now = payload["config"], cfg.to_dict()
     for key in RESUME_KEYS:
         if saved.get(key) != now[key]:
-            flag = "--" + key.replace("_", "-")
+            flag = flag_name(key)
             raise ShoalError(f"checkpoint was made with {flag} {saved.get(key)!r}, "
                              f"this run has {flag} {now[key]!r}")
     step = payload["progress"]["step"]
@@ -105,7 +106,7 @@ def check_resume(payload: dict[str, Any], cfg: TrainConfig, world: int,
     saved_opts = asdict(make_options(strategy_cls, saved.get("strategy_options") or {}))
     for key, value in asdict(make_options(strategy_cls, cfg.strategy_options)).items():
         if saved_opts.get(key) != value:
-            flag = "--" + key.replace("_", "-")
+            flag = flag_name(key)
             raise ShoalError(f"checkpoint was made with {flag} {saved_opts.get(key)}, "
                              f"this run has {flag} {value}")
     if not strategy_cls.replicas_in_sync and len(payload["ranks"]) != world:
