@@ -50,6 +50,17 @@ def marked_fork(n: int, **kwargs):
         assert [p for p in marked_processes(marker) if p != os.getpid()] == [], "stray workers"
 
 
+def fails_within(seconds: float, why: str, fn, rows: int, match: str) -> WorkerError:
+    """Call ``fn`` with ``x`` of ``rows`` rows scattered in the open session: it must raise a
+    WorkerError matching ``match`` within ``seconds``; returns the error."""
+    f = shoal.function(fn, scatter=["x"], reduce="sum")
+    start = time.monotonic()
+    with pytest.raises(WorkerError, match=match) as info:
+        f(torch.ones(rows))
+    assert time.monotonic() - start < seconds, why
+    return info.value
+
+
 def exit_on_rank1(x):
     if dist.get_rank() == 1:
         os._exit(3)
@@ -89,12 +100,9 @@ def wait_on_rank2_while_rank1_is_killed(x):
 
 def test_dead_worker_raises_with_its_rank():
     with marked_fork(2, timeout=60) as session:
-        f = shoal.function(exit_on_rank1, scatter=["x"], reduce="sum")
-        start = time.monotonic()
-        with pytest.raises(WorkerError, match="rank 1: worker process exited with code 3") as info:
-            f(torch.ones(4))
-        assert info.value.rank == 1
-        assert time.monotonic() - start < 10, "noticing a dead worker took too long"
+        error = fails_within(10, "noticing a dead worker took too long",
+                             exit_on_rank1, 4, "rank 1: worker process exited with code 3")
+        assert error.rank == 1
         assert session.closed
         with pytest.raises(shoal.ShoalError, match="broken by rank 1's failure"):
             session.check_open()
@@ -132,22 +140,16 @@ def test_calls_after_a_worker_failure_raise_until_a_new_fork():
 
 def test_worker_killed_mid_call_is_noticed_while_rank_0_sleeps():
     with marked_fork(2, timeout=60) as session:
-        f = shoal.function(sleep_while_rank1_is_killed, scatter=["x"], reduce="sum")
-        start = time.monotonic()
-        with pytest.raises(WorkerError, match="rank 1: worker process killed by signal 9") as info:
-            f(torch.ones(4))
-        assert info.value.rank == 1
-        assert time.monotonic() - start < 8, "rank 0 noticed only when its own 20 s share ended"
+        error = fails_within(8, "rank 0 noticed only when its own 20 s share ended",
+                             sleep_while_rank1_is_killed, 4, "rank 1: worker process killed by signal 9")
+        assert error.rank == 1
         assert session.closed
 
 
 def test_worker_killed_mid_call_releases_rank_0_from_a_collective():
     with marked_fork(3, timeout=60):
-        f = shoal.function(wait_on_rank2_while_rank1_is_killed, scatter=["x"], reduce="sum")
-        start = time.monotonic()
-        with pytest.raises(WorkerError, match="rank 1: worker process killed by signal 9"):
-            f(torch.ones(6))
-        assert time.monotonic() - start < 8, "rank 0 stayed in the collective"
+        fails_within(8, "rank 0 stayed in the collective",
+                     wait_on_rank2_while_rank1_is_killed, 6, "rank 1: worker process killed by signal 9")
 
 
 def _other_interface() -> str | None:
@@ -182,11 +184,8 @@ def test_session_listens_on_loopback_only(monkeypatch):
 
 def test_stuck_worker_times_out():
     with marked_fork(2, timeout=3):
-        f = shoal.function(spin_on_rank1, scatter=["x"], reduce="sum")
-        start = time.monotonic()
-        with pytest.raises(WorkerError, match="rank 1: did not answer within 3 s"):
-            f(torch.ones(4))
-        assert time.monotonic() - start < 15
+        fails_within(15, "a stuck worker took too long to time out",
+                     spin_on_rank1, 4, "rank 1: did not answer within 3 s")
 
 
 def test_context_manager_closes_cleanly():
