@@ -225,8 +225,9 @@ def _gather(target: Target, dst: int = 0) -> Any:
         assert dims is not None or not tensors
         for i, t in enumerate(tensors):
             rows = max(d[i] for d in dims)  # type: ignore[union-attr]
-            bufs = [torch.empty_like(_padded(t, rows)) for _ in range(world_size)] if rank == dst else None
-            dist.gather(_padded(t, rows), bufs, dst=dst)
+            mine = _padded(t, rows)
+            bufs = [torch.empty_like(mine) for _ in range(world_size)] if rank == dst else None
+            dist.gather(mine, bufs, dst=dst)
             if bufs is not None:
                 out.append(torch.cat([b[:d[i]] for b, d in zip(bufs, dims, strict=False)]))  # type: ignore[arg-type]
     if rank != dst:
