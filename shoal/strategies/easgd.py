@@ -166,6 +166,78 @@ class ElasticAveraging(PeriodicStrategy):
             self._pull_due = bool(state["pull_due"])
 
 
+def check_nesterov_sgd(name: str, optimizer: torch.optim.Optimizer) -> None:
+    """EAMSGD's local steps are SGD with momentum ``delta`` (the optimizer's), nothing else."""
+    if not isinstance(optimizer, torch.optim.SGD):
+        raise ShoalError(f"{name} takes local steps with SGD, not {type(optimizer).__name__}")
+    for group in optimizer.param_groups:
+        if group["momentum"] <= 0 or group["dampening"] != 0:
+            raise ShoalError(f"{name} needs --momentum > 0 (and no dampening)")
+        if group.get("maximize"):
+            raise ShoalError(f"{name} minimizes; SGD(maximize=True) is not supported")
+
+
+class NesterovLocalSteps:
+    """The local step of EAMSGD (Algorithm 2 of Zhang et al. 2015) in its own variables::
+
+        v^i <- delta v^i - eta g(x^i + delta v^i)
+        x^i <- x^i + v^i              (after the elastic pull x^i <- x^i - d, when one is due)
+
+    The gradient is taken at the look-ahead point ``x + delta v``, so the model's parameters
+    (``flat``) hold that point, and this class keeps ``x`` and ``v`` themselves. PyTorch's
+    Nesterov SGD cannot stand in for it: it stores only the look-ahead point, whose relation
+    to ``x`` depends on the learning rate of the step that made it, and the pull must move
+    ``x``, not it. ``eta``, ``delta`` and weight decay are read from the optimizer's groups
+    (laid out as ``flat``: :func:`parameter_order`) at every step, so learning-rate schedules
+    apply exactly.
+    """
+
+    def __init__(self, flat: FlatParams, optimizer: torch.optim.Optimizer) -> None:
+        self.flat, self.optimizer = flat, optimizer
+        self.x = flat.pack().clone()  # x^i; the parameters hold x^i + delta v^i
+        self.v = torch.zeros_like(self.x)  # v^i
+        self._grad = torch.zeros_like(self.x)
+        self._grad_views = flat.views(self._grad)
+        bounds, start = [], 0
+        for group in optimizer.param_groups:
+            size = sum(p.numel() for p in group["params"])
+            bounds.append((start, start + size))
+            start += size
+        self._groups = bounds  # each optimizer group's slice of x, v and the gradient
+
+    @torch.no_grad()
+    def step(self, pull: torch.Tensor | None = None) -> None:
+        """``v <- delta v - eta g(x + delta v)``; ``x <- x - pull`` if one is given;
+        ``x <- x + v``; then the parameters move to the next look-ahead point ``x + delta v``."""
+        for view, p in zip(self._grad_views, self.flat.tensors, strict=True):
+            if p.grad is None:
+                view.zero_()
+            else:
+                view.copy_(p.grad)
+        look_ahead = self.flat.pack()
+        for (lo, hi), group in zip(self._groups, self.optimizer.param_groups, strict=True):
+            g, v = self._grad[lo:hi], self.v[lo:hi]
+            if group["weight_decay"]:
+                g.add_(look_ahead[lo:hi], alpha=group["weight_decay"])
+            v.mul_(group["momentum"]).add_(g, alpha=-float(group["lr"]))
+        if pull is not None:
+            self.x.sub_(pull)
+        self.x.add_(self.v)
+        self.move_to_look_ahead()
+        # This step is the optimizer's step: tell a learning-rate scheduler watching for
+        # optimizer.step() that it happened, or it warns that the schedule is off by one.
+        self.optimizer._opt_called = True  # type: ignore[attr-defined]
+
+    @torch.no_grad()
+    def move_to_look_ahead(self) -> None:
+        """Set the parameters to ``x + delta v`` (each group's ``delta``)."""
+        look_ahead = self.flat.buffer
+        look_ahead.copy_(self.x)
+        for (lo, hi), group in zip(self._groups, self.optimizer.param_groups, strict=True):
+            look_ahead[lo:hi].add_(self.v[lo:hi], alpha=group["momentum"])
+        self.flat.unpack(look_ahead)
+
+
 @register
 class ElasticAveragingMomentum(ElasticAveraging):
     """Sync EAMSGD: EASGD whose local steps use Nesterov momentum (--momentum)."""
@@ -179,63 +251,22 @@ class ElasticAveragingMomentum(ElasticAveraging):
     #     v^i <- delta v^i - eta g(x + delta v^i)
     #     x^i <- x^i + v^i
     #
-    # The gradient is taken at the look-ahead point x + delta v, so the model's parameters
-    # hold that point, and this strategy keeps x and v themselves. PyTorch's Nesterov SGD
-    # cannot stand in for it: it stores only the look-ahead point, whose relation to x depends
-    # on the learning rate of the step that made it, and the pull must move x, not it.
+    # The local step in x and v is NesterovLocalSteps; the parameters hold x + delta v.
 
     def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, comm,
                  options: ElasticOptions | None = None) -> None:
-        if not isinstance(optimizer, torch.optim.SGD):
-            raise ShoalError(f"eamsgd takes local steps with SGD, not {type(optimizer).__name__}")
-        for group in optimizer.param_groups:
-            if group["momentum"] <= 0 or group["dampening"] != 0:
-                raise ShoalError("eamsgd needs --momentum > 0 (and no dampening)")
-            if group.get("maximize"):
-                raise ShoalError("eamsgd minimizes; SGD(maximize=True) is not supported")
+        check_nesterov_sgd("eamsgd", optimizer)
         super().__init__(model, optimizer, comm, options)
-        self.x = self.flat.pack().clone()  # x^i; the parameters hold x^i + delta v^i
-        self.v = torch.zeros_like(self.x)  # v^i
-        self._grad = torch.zeros_like(self.x)
-        self._grad_views = self.flat.views(self._grad)
-        bounds, start = [], 0
-        for group in optimizer.param_groups:
-            size = sum(p.numel() for p in group["params"])
-            bounds.append((start, start + size))
-            start += size
-        self._groups = bounds  # each optimizer group's slice of x, v and the gradient
+        self.nesterov = NesterovLocalSteps(self.flat, optimizer)
+        self.x, self.v = self.nesterov.x, self.nesterov.v  # x^i and v^i (the same tensors)
 
     def worker_vector(self) -> torch.Tensor:
         return self.x
 
     @torch.no_grad()
     def local_step(self) -> None:
-        """``v <- delta v - eta g(x + delta v)``; line a) if due; ``x <- x + v``; then the
-        parameters move to the next look-ahead point ``x + delta v``. ``eta``, ``delta`` and
-        weight decay are read from the optimizer's groups at every step, so learning-rate
-        schedules apply exactly."""
-        for view, p in zip(self._grad_views, self.flat.tensors, strict=True):
-            if p.grad is None:
-                view.zero_()
-            else:
-                view.copy_(p.grad)
-        look_ahead = self.flat.pack()
-        for (lo, hi), group in zip(self._groups, self.optimizer.param_groups, strict=True):
-            g, v = self._grad[lo:hi], self.v[lo:hi]
-            if group["weight_decay"]:
-                g.add_(look_ahead[lo:hi], alpha=group["weight_decay"])
-            v.mul_(group["momentum"]).add_(g, alpha=-float(group["lr"]))
-        pull = self._take_pull()
-        if pull is not None:
-            self.x.sub_(pull)
-        self.x.add_(self.v)
-        look_ahead.copy_(self.x)
-        for (lo, hi), group in zip(self._groups, self.optimizer.param_groups, strict=True):
-            look_ahead[lo:hi].add_(self.v[lo:hi], alpha=group["momentum"])
-        self.flat.unpack(look_ahead)
-        # This step is the optimizer's step: tell a learning-rate scheduler watching for
-        # optimizer.step() that it happened, or it warns that the schedule is off by one.
-        self.optimizer._opt_called = True  # type: ignore[attr-defined]
+        """Algorithm 2's local step (:class:`NesterovLocalSteps`), with line a) if it is due."""
+        self.nesterov.step(self._take_pull())
 
     def state_dict(self) -> dict:
         return {**super().state_dict(), "x": self.x.clone(), "v": self.v.clone()}
