@@ -66,6 +66,7 @@ class Comm:
         self.bytes_sent = 0  # payload handed to collectives by this rank during training
         self._store = dist.PrefixStore(key_prefix(env.attempt), store) if store is not None else None
         self.aborted = False  # this rank called abort(): nobody will wait for it at close()
+        self.ps: Any = None  # asynchronous jobs: a ServerClient/LoopbackClient (shoal.core.ps)
         self._watchdog: Watchdog | None = None
         if store is not None and self.world_size > 1:
             self._watchdog = Watchdog(env, store, heartbeat_timeout, lambda: self.aborted)
