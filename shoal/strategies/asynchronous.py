@@ -1,0 +1,310 @@
+"""The asynchronous strategies' common ground: workers that never wait for each other.
+
+A worker of an asynchronous strategy talks only to the parameter server(s) that hold the
+shared vector (the parameters of ``async-sgd``/``async-msgd``, the center ``x~`` of the
+elastic ones), through ``comm.ps``: a :class:`~shoal.core.ps.ServerClient` in a job started
+by ``shoal train``, a :class:`~shoal.core.ps.LoopbackClient` in one process. Every message is
+one flat vector laid out as :func:`~shoal.strategies.easgd.parameter_order` (each optimizer
+group one contiguous slice), split over the servers in contiguous ranges by the client.
+
+A strategy class says what runs where:
+
+- the worker: :meth:`AsyncStrategy.step` (its own update, and an exchange when one is due);
+- the server: :attr:`AsyncStrategy.Rule`, built by each server process as
+  ``Rule(center_shard, options)`` for its shard; it implements
+  :class:`~shoal.core.ps.ServerRule`: ``apply(header, payload, reply)`` for each EXCHANGE,
+  in the order the server takes them, under the shard's lock unless ``locked`` is False.
+
+The learning rate, momentum and weight decay a server rule applies travel in each message's
+:class:`~shoal.core.ps.Header` (the worker's optimizer group's values at that step), so
+learning-rate schedules apply on the server as they would locally; the elastic moving rate
+``alpha`` travels there too.
+
+Every strategy here can be built without a server (``comm.ps`` is ``None``: the preflight
+check, ``shoal.strategy`` in a job that has none); only :meth:`AsyncStrategy.step` then says
+that it needs one. Built with a server, a worker starts from the server's vector (a PULL);
+without one, in a job of several processes, from rank 0's model, as every shoal strategy.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any, ClassVar
+
+import torch
+from torch import nn
+
+from shoal.core import FlatParams
+from shoal.core.ps import EXCHANGE, ORDERS, PULL, REPORT, Header
+from shoal.errors import ShoalError
+from shoal.schema import flag_name
+from shoal.strategies.base import Strategy
+from shoal.strategies.easgd import parameter_order
+
+if TYPE_CHECKING:
+    from shoal.core.comm import Comm
+    from shoal.core.ps import ServerRule
+
+@dataclasses.dataclass
+class AsyncOptions:
+    """The parameter server's settings, shared by every asynchronous strategy. The server
+    processes read them; they are checked here, before any worker starts."""
+
+    servers: int = dataclasses.field(default=1, metadata={
+        "help": "parameter-server processes, each holding one contiguous shard of the vector"})
+    max_staleness: int | None = dataclasses.field(default=None, metadata={
+        "help": "hold a worker's exchange while it would leave another worker more than this "
+                "many server versions behind (at least workers - 1; default: no bound)"})
+
+    @property
+    def order(self) -> str:
+        """The order in which the server takes exchanges: arrival (first come, first served)."""
+        return "arrival"
+
+    def validate(self) -> None:
+        if self.servers < 1:
+            raise ShoalError(f"{flag_name('servers')} must be at least 1, got {self.servers}")
+        if self.max_staleness is not None and self.max_staleness < 0:
+            raise ShoalError(f"{flag_name('max_staleness')} must be at least 0, "
+                             f"got {self.max_staleness}")
+
+    def check_workers(self, workers: int) -> None:
+        """The staleness bound must let every worker through: while one worker waits, the
+        other ``workers - 1`` may each push once (round robin needs exactly that)."""
+        bound = self.max_staleness
+        if bound is not None and workers > 1 and bound < workers - 1:
+            raise ShoalError(f"{flag_name('max_staleness')} {bound} with {workers} workers: a "
+                             f"worker waits for the {workers - 1} others to push, so the bound "
+                             f"must be at least {workers - 1} (workers - 1)")
+
+
+@dataclasses.dataclass
+class AsyncElasticOptions(AsyncOptions):
+    """Options of the asynchronous elastic strategies (Zhang et al. 2015, Algorithms 1-2)."""
+
+    #: The orders this strategy's server may take exchanges in.
+    orders: ClassVar[tuple[str, ...]] = ("arrival",)
+
+    tau: int = dataclasses.field(default=4, metadata={
+        "help": "local steps between two exchanges"})
+    alpha: float | None = dataclasses.field(default=None, metadata={
+        "help": "elastic moving rate (default 0.9 / workers)"})
+    order: str = dataclasses.field(default="arrival", metadata={  # type: ignore[assignment]
+        "help": "the order the server takes exchanges in: arrival (first come, first served) "
+                "or round-robin (the original EASGD master; async-easgd only)",
+        "choices": ORDERS})
+
+    def validate(self) -> None:
+        super().validate()
+        if self.tau < 1:
+            raise ShoalError(f"{flag_name('tau')} must be at least 1, got {self.tau}")
+        if self.alpha is not None and not 0 <= self.alpha <= 1:
+            raise ShoalError(f"{flag_name('alpha')} must be in [0, 1], got {self.alpha}")
+        if self.order not in ORDERS:
+            raise ShoalError(f"{flag_name('order')} must be one of {', '.join(ORDERS)}, "
+                             f"got {self.order!r}")
+        if self.order not in self.orders:
+            raise ShoalError(f"{flag_name('order')} {self.order} is async-easgd's alone (the "
+                             "original EASGD's round-robin master); this strategy's server "
+                             "takes exchanges in arrival order")
+
+    def moving_rate(self, workers: int) -> float:
+        """``alpha``: as given, or the paper's ``beta = 0.9`` spread over the workers. Each
+        center update is one worker's, ``x~ <- (1 - alpha) x~ + alpha x^i``: a convex
+        combination for any alpha in [0, 1], so no bound on ``alpha * workers`` applies."""
+        return self.alpha if self.alpha is not None else 0.9 / workers
+
+
+class AsyncStrategy(Strategy):
+    """Base of the asynchronous strategies: a worker that exchanges with parameter servers.
+
+    Subclasses implement :meth:`update` (this worker's step ``t``, with its exchange when one
+    is due) and set :attr:`Rule` (the server's update, ``None``: no server rule).
+    """
+
+    Options: ClassVar[type] = AsyncOptions
+    #: The trainer runs such a strategy's workers detached: no process group between them, no
+    #: evaluation or records of their own; they :meth:`report` to the coordinator (server 0).
+    asynchronous: ClassVar[bool] = True
+    #: The coordinator creates a shared-memory file of the parameters (hogwild).
+    shared_memory: ClassVar[bool] = False
+    replicas_in_sync: ClassVar[bool] = False
+    #: What a server applies to its shard: ``Rule(center_shard, options)`` is a
+    #: :class:`~shoal.core.ps.ServerRule`.
+    Rule: ClassVar[Callable[[torch.Tensor, Any], ServerRule] | None] = None
+
+    def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, comm: Comm,
+                 options: Any = None) -> None:
+        super().__init__(model, optimizer, comm, options)
+        self.flat = FlatParams(parameter_order(model, optimizer))
+        self.clock = 0  # exchanges this worker has made with the servers
+        self.samples = 0  # samples this worker has trained on (its shares of the batches)
+        self._finished = False
+        self._host_buffers: dict[str, torch.Tensor] = {}  # a GPU model's messages, on the host
+        self.start()
+
+    # -- the server ---------------------------------------------------------------------------
+    @property
+    def client(self) -> Any:
+        """``comm.ps``: this worker's end of the parameter servers, or ``None``."""
+        return getattr(self.comm, "ps", None)
+
+    def server(self) -> Any:
+        """:attr:`client`, which must exist."""
+        client = self.client
+        if client is None:
+            raise ShoalError(f"strategy {self.name} trains through a parameter server, and this "
+                             "job has none: run it with shoal train (or give the Comm a "
+                             "shoal.core.ps.LoopbackClient as comm.ps)")
+        return client
+
+    def header(self, kind: int) -> Header:
+        """The header of a message: where this worker stands, and the optimizer's settings
+        of its first group (the server applies them). The client fills in ``version``."""
+        group = self.optimizer.param_groups[0]
+        return Header(kind=kind, client=self.comm.rank, clock=self.clock, step=self.steps,
+                      samples=self.samples, lr=float(group["lr"]),
+                      momentum=float(group.get("momentum", 0.0)),
+                      weight_decay=float(group.get("weight_decay", 0.0)),
+                      alpha=float(getattr(self, "alpha", 0.0)))
+
+    @torch.no_grad()
+    def start(self) -> None:
+        """Start from the server's vector (one PULL) or, without a server in a job of several
+        processes, from rank 0's model."""
+        client = self.client
+        if client is not None:
+            self.pull()
+        elif self.comm.active:
+            self.comm.broadcast(self.flat.pack(), src=0, name="start")
+            self.flat.unpack()
+
+    @torch.no_grad()
+    def pull(self) -> None:
+        """Set the parameters to the server's vector."""
+        reply = self._host(self.flat.buffer, "reply")
+        self.server().pull(reply, self.header(PULL))
+        if reply is not self.flat.buffer:
+            self.flat.buffer.copy_(reply)
+        self.flat.unpack()
+
+    @torch.no_grad()
+    def exchange(self, payload: torch.Tensor, reply: torch.Tensor) -> None:
+        """Send ``payload`` (the full flat vector) and receive the servers' ``reply``. The
+        servers hold their shards in host memory: a model on a GPU exchanges through host
+        buffers of this worker's."""
+        sent, back = self._host(payload, "payload"), self._host(reply, "reply")
+        if sent is not payload:
+            sent.copy_(payload)
+        self.server().exchange(sent, back, self.header(EXCHANGE))
+        if back is not reply:
+            reply.copy_(back)
+        self.clock += 1
+
+    def _host(self, tensor: torch.Tensor, role: str) -> torch.Tensor:
+        """``tensor`` itself on the CPU, else this worker's (pinned) host buffer for ``role``."""
+        if tensor.device.type == "cpu":
+            return tensor
+        buffer = self._host_buffers.get(role)
+        if buffer is None or buffer.numel() != tensor.numel() or buffer.dtype != tensor.dtype:
+            buffer = torch.empty(tensor.numel(), dtype=tensor.dtype,
+                                 pin_memory=torch.cuda.is_available())
+            self._host_buffers[role] = buffer
+        return buffer
+
+    def report(self, obj: Any) -> None:
+        """Send ``obj`` (the trainer's epoch records, checkpoint state, final totals) to the
+        coordinator, server 0, with this worker's header (step, samples, exchanges)."""
+        self.server().report(obj, self.header(REPORT))
+
+    def finish(self) -> None:
+        """Leave the servers cleanly (BYE): this worker is done, not lost. Idempotent."""
+        client = self.client
+        if client is not None and not self._finished:
+            client.close()
+        self._finished = True
+
+    # -- the training step --------------------------------------------------------------------
+    def step(self) -> None:
+        """This worker's step: :meth:`update` with the step's index ``t`` (0 first)."""
+        self.server()
+        t = self.steps
+        self.steps += 1
+        if self.batch_share is not None:
+            self.samples += int(self.batch_share[0])
+        self.update(t)
+
+    def update(self, t: int) -> None:
+        """This worker's update at its local step ``t``."""
+        raise NotImplementedError
+
+    # -- checkpoints --------------------------------------------------------------------------
+    def state_dict(self) -> dict[str, Any]:
+        """Steps, exchanges, samples and the server versions last seen (per server)."""
+        versions = getattr(self.client, "versions", None)
+        return {**super().state_dict(), "clock": self.clock, "samples": self.samples,
+                "versions": list(versions) if versions is not None else None}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        super().load_state_dict(state)
+        self.clock = int(state.get("clock", 0))
+        self.samples = int(state.get("samples", 0))
+        # The versions this worker's information dates from, for the staleness of its next
+        # exchange; never past what the (restored) servers told it when it was made.
+        versions, mine = state.get("versions"), getattr(self.client, "versions", None)
+        if versions is not None and mine is not None and len(mine) == len(versions):
+            mine[:] = [min(int(v), int(m)) for v, m in zip(versions, mine, strict=True)]
+
+    def restore_checkpoint(self, shared: dict[str, Any], own: dict[str, Any] | None) -> None:
+        """Put back this worker's model, optimizer and strategy state; a worker the
+        checkpoint has no state of starts from its model (the center), with a fresh
+        optimizer. Then :meth:`restored`."""
+        if own is None:
+            self.model.load_state_dict(shared["model"])
+        else:
+            self.model.load_state_dict(own["model"])
+            self.optimizer.load_state_dict(own["optimizer"])
+            self.load_state_dict(own["strategy"])
+        self.restored(own is not None)
+
+    def restored(self, own: bool) -> None:
+        """After :meth:`restore_checkpoint` (``own``: this worker's state was in it)."""
+
+
+def check_server_sgd(name: str, model: nn.Module, optimizer: torch.optim.Optimizer,
+                     momentum: bool) -> None:
+    """The optimizer a server's SGD takes its settings from: ``torch.optim.SGD`` stepping
+    every parameter, minimizing, and (``momentum``) heavy-ball momentum without dampening
+    or Nesterov."""
+    if not isinstance(optimizer, torch.optim.SGD):
+        raise ShoalError(f"{name}'s server applies SGD steps; the optimizer must be SGD, "
+                         f"not {type(optimizer).__name__}")
+    order = parameter_order(model, optimizer)
+    stepped = sum(len(g["params"]) for g in optimizer.param_groups)
+    if stepped != len(order):
+        raise ShoalError(f"{name}'s server steps every parameter; the optimizer leaves "
+                         f"{len(order) - stepped} of the model's out")
+    for group in optimizer.param_groups:
+        if group.get("maximize"):
+            raise ShoalError(f"{name} minimizes; SGD(maximize=True) is not supported")
+        if momentum and (group["nesterov"] or group["dampening"] != 0):
+            raise ShoalError(f"{name}'s server applies heavy-ball momentum: no --nesterov "
+                             "(and no dampening)")
+
+
+def one_setting(name: str, optimizer: torch.optim.Optimizer) -> None:
+    """The server applies one learning rate, momentum and weight decay to the whole vector:
+    every optimizer group must have the same (checked at each step, as schedules may part
+    them)."""
+    groups = optimizer.param_groups
+    if len(groups) == 1:
+        return
+    keys = ("lr", "momentum", "weight_decay")
+    first = tuple(float(groups[0][k]) for k in keys)
+    for group in groups[1:]:
+        other = tuple(float(group[k]) for k in keys)
+        if other != first:
+            raise ShoalError(f"{name}'s server applies one learning rate, momentum and weight "
+                             f"decay to all parameters, but the optimizer's groups differ "
+                             f"(lr, momentum, weight decay {first} and {other})")
