@@ -8,6 +8,17 @@ classes.
 from __future__ import annotations
 
 from shoal.strategies import diloco, easgd, local_sgd, sync  # noqa: F401 - importing registers
+
+# isort: split
+# The asynchronous strategies register after the synchronous ones (the flags' order in --help).
+from shoal.strategies import (  # noqa: F401 - importing registers
+    async_easgd,
+    async_measgd,
+    async_msgd,
+    async_sgd,
+    hogwild,
+    hogwild_easgd,
+)
 from shoal.strategies.base import (
     PeriodicOptions,
     PeriodicStrategy,

@@ -1,0 +1,504 @@
+"""Each asynchronous strategy equals its paper's algorithm, written in the paper's own
+variables, for workers interleaved in a fixed order.
+
+A least-squares problem in float64 is trained by one or two workers in this process, each a
+strategy of its own whose ``comm.ps`` is a :class:`~shoal.core.ps.LoopbackClient` onto one
+server state (one or two shards): the events of ``ORDER`` run worker after worker (worker 0
+steps, worker 1 steps, worker 1 steps, ...), so every exchange meets the server in a known
+order. The references below replay the same order from the published update rules with
+analytic gradients: no torch.optim, no autograd, no shoal. Momentum is the classic
+``v <- mu v - eta g; x <- x + v`` (Sutskever), at a constant rate where the local step is the
+optimizer's. Every worker's parameters and the server's vector must match to 1e-12.
+
+- async-sgd: Downpour SGD (Dean et al. 2012) / Async SGD (You et al. 2017).
+- async-msgd: the same, the server with heavy-ball momentum (Async MSGD).
+- async-easgd, hogwild-easgd: Zhang, Choromanska & LeCun (2015) Algorithm 1, asynchronous.
+- async-measgd: the same paper's Algorithm 2 (EAMSGD), with a non-monotone schedule.
+- hogwild: Niu et al. (2011) Algorithm 1, gradients read before another worker's write.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+import shoal
+from shoal.core.comm import Comm
+from shoal.core.env import Environment, set_environment
+from shoal.core.ops import split_sizes
+from shoal.core.ps import EXCHANGE, Header, LoopbackClient
+from shoal.errors import ShoalError
+from shoal.strategies import get_strategy, make_options
+from shoal.strategies.async_easgd import ElasticRule
+from shoal.strategies.async_msgd import MomentumRule
+from shoal.strategies.hogwild import PATH_KEY, create_shared_file
+from shoal.strategies.hogwild_easgd import UnlockedElasticRule
+
+DIM, BATCH, STEPS, LR = 5, 12, 8, 0.05
+SCHEDULE = (1.0, 0.6, 1.4, 0.3, 1.0, 2.0, 0.5, 0.8)  # factors of LR by a worker's own step
+#: The order of the workers' steps: each worker takes STEPS steps.
+ORDER = {1: [0] * STEPS, 2: [0, 1, 1, 0, 0, 0, 1, 0, 1, 1, 1, 0, 1, 0, 0, 1]}
+
+# name: (strategy, options, workers, servers, momentum, weight decay, schedule?)
+CASES = {
+    "async-sgd-1": ("async-sgd", {}, 1, 1, 0.0, 0.0, True),
+    "async-sgd-2": ("async-sgd", {}, 2, 1, 0.0, 0.0, True),
+    "async-sgd-2-decay-shards": ("async-sgd", {"servers": 2}, 2, 2, 0.9, 0.01, True),
+    "async-msgd-2": ("async-msgd", {}, 2, 1, 0.9, 0.0, False),
+    "async-msgd-2-decay-shards": ("async-msgd", {"servers": 2}, 2, 2, 0.8, 0.01, False),
+    "async-msgd-2-schedule": ("async-msgd", {}, 2, 1, 0.9, 0.0, True),
+    "async-easgd-1": ("async-easgd", {"tau": 1, "alpha": 0.5}, 1, 1, 0.0, 0.0, True),
+    "async-easgd-2-t1": ("async-easgd", {"tau": 1}, 2, 1, 0.0, 0.0, False),
+    "async-easgd-2-t3": ("async-easgd", {"tau": 3, "alpha": 0.3}, 2, 2, 0.0, 0.0, True),
+    "async-easgd-2-momentum": ("async-easgd", {"tau": 2, "alpha": 0.4}, 2, 1, 0.9, 0.01, False),
+    "async-measgd-2-t1": ("async-measgd", {"tau": 1, "alpha": 0.5}, 2, 1, 0.9, 0.0, False),
+    "async-measgd-2-t3": ("async-measgd", {"tau": 3}, 2, 2, 0.9, 0.01, True),
+    "async-measgd-1-t2": ("async-measgd", {"tau": 2, "alpha": 0.3}, 1, 1, 0.8, 0.0, True),
+    "hogwild-easgd-2-t2": ("hogwild-easgd", {"tau": 2, "alpha": 0.3}, 2, 2, 0.0, 0.0, True),
+}
+
+
+def lr_at(t: int, schedule: bool) -> float:
+    return LR * SCHEDULE[t] if schedule else LR
+
+
+def problem() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Data for STEPS global batches, and the initial parameter vector [w..., b]."""
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(STEPS * BATCH, DIM, generator=gen, dtype=torch.float64)
+    y = x @ torch.randn(DIM, generator=gen, dtype=torch.float64) + 0.1 * torch.randn(
+        STEPS * BATCH, generator=gen, dtype=torch.float64)
+    return x, y, 0.1 * torch.randn(DIM + 1, generator=gen, dtype=torch.float64)
+
+
+def rows(step: int, worker: int, workers: int) -> slice:
+    base = step * BATCH
+    return slice(base + worker * BATCH // workers, base + (worker + 1) * BATCH // workers)
+
+
+# -- through shoal -------------------------------------------------------------------------
+class Server:
+    """The server's state in this process: the vector in shards and one rule per shard."""
+
+    def __init__(self, name: str, options: dict, workers: int, servers: int) -> None:
+        cls = get_strategy(name)
+        init = problem()[2]
+        sizes = split_sizes(init.numel(), servers)
+        self.ranges = [(sum(sizes[:s]), sum(sizes[:s + 1])) for s in range(servers)]
+        self.centers = [init[lo:hi].clone() for lo, hi in self.ranges]
+        opts = make_options(cls, options, workers)
+        self.rules = [cls.Rule(c, opts) for c in self.centers] if cls.Rule is not None else None
+
+    def vector(self) -> torch.Tensor:
+        return torch.cat(self.centers)
+
+    def client(self, worker: int) -> LoopbackClient:
+        return LoopbackClient(self.rules, self.centers, self.ranges, client=worker)
+
+
+class Worker:
+    """One worker: its model, optimizer, schedule and strategy, on its own Comm."""
+
+    def __init__(self, case: str | tuple, worker: int, comm: Comm) -> None:
+        name, options, workers, _, momentum, decay, _ = CASES[case] if isinstance(case, str) else case
+        self.worker, self.workers = worker, workers
+        init = problem()[2]
+        self.model = torch.nn.Linear(DIM, 1).double().to(comm.device)
+        with torch.no_grad():
+            self.model.weight.copy_(init[:DIM].view(1, DIM))
+            self.model.bias.copy_(init[DIM:])
+        self.optimizer = torch.optim.SGD(self.model.parameters(), lr=LR, momentum=momentum,
+                                         weight_decay=decay)
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(
+            self.optimizer, lambda t: SCHEDULE[min(t, STEPS - 1)])
+        self.strategy = shoal.strategy(name, self.model, self.optimizer, comm=comm, **options)
+        self.t = 0
+
+    def gradient(self) -> None:
+        x, y, _ = problem()
+        batch = rows(self.t, self.worker, self.workers)
+        xb, yb = x[batch].to(self.params().device), y[batch].to(self.params().device)
+        self.strategy.zero_grad()
+        loss = torch.nn.functional.mse_loss(self.strategy.module(xb).squeeze(1), yb)
+        self.strategy.backward(loss)
+
+    def step(self, schedule: bool) -> None:
+        self.strategy.step()
+        if schedule:
+            self.scheduler.step()
+        self.t += 1
+
+    def params(self) -> torch.Tensor:
+        return torch.cat([p.detach().reshape(-1) for p in self.model.parameters()])
+
+
+def worker_comm(worker: int, workers: int, client, device: str = "cpu") -> Comm:
+    comm = Comm(Environment(rank=worker, world_size=workers, local_world_size=workers),
+                torch.device(device))
+    comm.ps = client
+    return comm
+
+
+def run_case(case: str, restart_at: int | None = None, device: str = "cpu"
+             ) -> dict[str, torch.Tensor | list[torch.Tensor]]:
+    """Run case ``case`` in the order ``ORDER`` (gradient, then step); with ``restart_at``,
+    every worker is made anew after that many events from what a checkpoint keeps of it
+    (:meth:`checkpoint_own`, the model of the center, its schedule), as a resumed worker is,
+    against the same server state."""
+    name, options, workers, servers, _, _, schedule = CASES[case]
+    server = Server(name, options, workers, servers)
+    team = [Worker(case, w, worker_comm(w, workers, server.client(w), device))
+            for w in range(workers)]
+    for event, w in enumerate(ORDER[workers]):
+        if event == restart_at:
+            center = {"weight": server.vector()[:DIM].view(1, DIM), "bias": server.vector()[DIM:]}
+            saved = [(copy.deepcopy(m.strategy.checkpoint_own()),
+                      copy.deepcopy(m.scheduler.state_dict()), m.t) for m in team]
+            team = [Worker(case, k, worker_comm(k, workers, server.client(k), device))
+                    for k in range(workers)]
+            for member, (own, sched, t) in zip(team, saved, strict=True):
+                member.strategy.restore_checkpoint({"model": center}, own)
+                member.scheduler.load_state_dict(sched)
+                member.t = t
+        team[w].gradient()
+        team[w].step(schedule)
+    return {"center": server.vector(), "workers": [m.params().cpu() for m in team],
+            "steps": [m.strategy.steps for m in team], "clock": [m.strategy.clock for m in team]}
+
+
+# -- the references, from the papers ---------------------------------------------------------
+def grad(p: torch.Tensor, step: int, worker: int, workers: int) -> torch.Tensor:
+    """Gradient of worker ``worker``'s mean((xb w + b - yb)^2) at ``p = [w, b]``."""
+    x, y, _ = problem()
+    xb, yb = x[rows(step, worker, workers)], y[rows(step, worker, workers)]
+    r = xb @ p[:DIM] + p[DIM] - yb
+    return torch.cat([2 * xb.T @ r, (2 * r.sum()).view(1)]) / len(yb)
+
+
+def reference_async_sgd(case: str) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    """Downpour SGD, one push and one fetch per step. Worker i: g <- grad at x^i (what it
+    last fetched); the server on arrival: x <- x - eta (g + lambda x); the worker: x^i <- x.
+    The worker's momentum is not the server's business."""
+    _, _, workers, _, _, lam, schedule = CASES[case]
+    x = problem()[2]
+    xi = [x.clone() for _ in range(workers)]
+    t = [0] * workers
+    for i in ORDER[workers]:
+        g = grad(xi[i], t[i], i, workers)
+        x = x - lr_at(t[i], schedule) * (g + lam * x)
+        xi[i] = x.clone()
+        t[i] += 1
+    return x, xi
+
+
+def reference_async_msgd(case: str) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    """Async MSGD: Downpour whose server keeps one velocity for all pushes. At a constant
+    rate, classic momentum on the pushed gradient (with decay): u <- mu u - eta (g + lambda x),
+    x <- x + u. Under a schedule, the documented form (torch.optim.SGD's): v <- mu v + g',
+    x <- x - eta_t v."""
+    _, _, workers, _, mu, lam, schedule = CASES[case]
+    x = problem()[2]
+    xi = [x.clone() for _ in range(workers)]
+    u = torch.zeros_like(x)
+    t = [0] * workers
+    for i in ORDER[workers]:
+        g = grad(xi[i], t[i], i, workers) + lam * x
+        if schedule:
+            u = mu * u + g
+            x = x - lr_at(t[i], schedule) * u
+        else:
+            u = mu * u - LR * g
+            x = x + u
+        xi[i] = x.clone()
+        t[i] += 1
+    return x, xi
+
+
+def reference_elastic(case: str) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    """Zhang, Choromanska & LeCun (2015), Algorithms 1 (EASGD: delta = 0, the gradient at x;
+    here with the optimizer's classic momentum mu when asked) and 2 (EAMSGD: Nesterov delta),
+    asynchronous: worker i, at its own step t^i,
+
+        x = x^i
+        if tau divides t^i:  a) x^i <- x^i - alpha (x - x~)    b) x~ <- x~ + alpha (x - x~)
+        v^i <- delta v^i - eta g(x + delta v^i)      (EASGD: v^i <- mu v^i - eta g(x))
+        x^i <- x^i + v^i
+
+    with a) and b) against the master's x~ at that moment. Returns the center and what the
+    workers' models hold (EAMSGD: the look-ahead x^i + delta v^i)."""
+    kind, options, workers, _, mu, lam, schedule = CASES[case]
+    tau, alpha = options["tau"], options.get("alpha", 0.9 / workers)
+    nesterov = kind == "async-measgd"
+    center = problem()[2]
+    xs = [center.clone() for _ in range(workers)]
+    vs = [torch.zeros_like(center) for _ in range(workers)]
+    t = [0] * workers
+    for i in ORDER[workers]:
+        x = xs[i].clone()
+        if t[i] % tau == 0:
+            read = center.clone()
+            xs[i] = xs[i] - alpha * (x - read)
+            center = center + alpha * (x - read)
+        at = x + mu * vs[i] if nesterov else x
+        vs[i] = mu * vs[i] - lr_at(t[i], schedule) * (grad(at, t[i], i, workers) + lam * at)
+        xs[i] = xs[i] + vs[i]
+        t[i] += 1
+    return center, [xs[i] + mu * vs[i] for i in range(workers)] if nesterov else xs
+
+
+REFERENCES = {"async-sgd": reference_async_sgd, "async-msgd": reference_async_msgd,
+              "async-easgd": reference_elastic, "async-measgd": reference_elastic,
+              "hogwild-easgd": reference_elastic}
+
+
+@pytest.mark.filterwarnings("error::UserWarning")  # a scheduler sees optimizer.step() as called
+@pytest.mark.parametrize("case", list(CASES))
+def test_strategy_matches_its_paper(case):
+    got = run_case(case)
+    center, workers = REFERENCES[CASES[case][0]](case)
+    torch.testing.assert_close(got["center"], center, atol=1e-12, rtol=0, msg="server's vector")
+    for i, x in enumerate(workers):
+        torch.testing.assert_close(got["workers"][i], x, atol=1e-12, rtol=0,
+                                   msg=f"worker {i}'s parameters")
+    assert got["steps"] == [STEPS] * CASES[case][2]
+    tau = CASES[case][1].get("tau", 1)
+    assert got["clock"] == [-(-STEPS // tau)] * CASES[case][2]  # one exchange per tau steps
+
+
+@pytest.mark.parametrize("case, at", [("async-sgd-2-decay-shards", 5), ("async-msgd-2", 7),
+                                      ("async-easgd-2-t3", 7), ("async-measgd-2-t3", 9),
+                                      ("async-measgd-1-t2", 3), ("hogwild-easgd-2-t2", 6)])
+def test_restart_from_checkpoint_changes_nothing(case, at):
+    """What a worker's checkpoint keeps (model, optimizer, x^i, v^i, steps, exchanges) is all
+    there is: made anew from it, against the same server, the run ends where it would have."""
+    whole, restarted = run_case(case), run_case(case, restart_at=at)
+    assert torch.equal(whole["center"], restarted["center"])
+    for a, b in zip(whole["workers"], restarted["workers"], strict=True):
+        assert torch.equal(a, b)
+    assert whole["clock"] == restarted["clock"]
+
+
+@pytest.mark.parametrize("name", ["async-sgd", "async-easgd", "async-measgd"])
+def test_a_worker_new_to_the_checkpoint_starts_from_the_center(name):
+    case = (name, {"tau": 2} if name != "async-sgd" else {}, 2, 1, 0.9, 0.0, False)
+    server = Server(name, case[1], 2, 1)
+    server.centers[0].add_(0.25)  # the center has moved since the workers' models were made
+    member = Worker(case, 1, worker_comm(1, 2, server.client(1)))
+    torch.testing.assert_close(member.params(), server.vector(), atol=0, rtol=0)  # the PULL
+    member.model.weight.data.add_(1.0)
+    center = {"weight": server.vector()[:DIM].view(1, DIM), "bias": server.vector()[DIM:]}
+    member.strategy.restore_checkpoint({"model": center}, None)
+    torch.testing.assert_close(member.params(), server.vector(), atol=0, rtol=0)
+    if name == "async-measgd":
+        torch.testing.assert_close(member.strategy.x, server.vector(), atol=0, rtol=0)
+        assert not member.strategy.v.any()
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("case", ["async-sgd-2-decay-shards", "async-msgd-2-schedule",
+                                  "async-easgd-2-t3", "async-measgd-2-t3"])
+def test_a_gpu_worker_exchanges_through_host_buffers(case):
+    """The servers' shards live in host memory; a model on a GPU sends and receives through
+    host buffers of its own, and ends where the paper's algorithm does (and a CPU run)."""
+    got = run_case(case, device="cuda")
+    center, workers = REFERENCES[CASES[case][0]](case)
+    torch.testing.assert_close(got["center"], center, atol=1e-12, rtol=0)
+    for i, x in enumerate(workers):
+        torch.testing.assert_close(got["workers"][i], x, atol=1e-12, rtol=0)
+
+
+# -- the server rules on their own -----------------------------------------------------------
+def header(**fields) -> Header:
+    return Header(kind=EXCHANGE, client=0, **fields)
+
+
+def test_momentum_rule_keeps_its_velocity_in_its_state():
+    gen = torch.Generator().manual_seed(1)
+    x0, g1, g2 = (torch.randn(7, generator=gen, dtype=torch.float64) for _ in range(3))
+    rule = MomentumRule(x0.clone())
+    reply = torch.empty_like(x0)
+    rule.apply(header(lr=0.1, momentum=0.9, weight_decay=0.01), g1, reply)
+    again = MomentumRule(rule.center.clone())
+    again.load_state_dict(copy.deepcopy(rule.state_dict()))
+    for r in (rule, again):
+        r.apply(header(lr=0.05, momentum=0.9, weight_decay=0.01), g2, reply)
+    # u <- 0.9 u + g', x <- x - lr u, by hand
+    u1 = g1 + 0.01 * x0
+    x1 = x0 - 0.1 * u1
+    u2 = 0.9 * u1 + g2 + 0.01 * x1
+    torch.testing.assert_close(rule.center, x1 - 0.05 * u2, atol=1e-12, rtol=0)
+    assert torch.equal(rule.center, again.center) and torch.equal(reply, rule.center)
+
+
+@pytest.mark.parametrize("rule_cls", [ElasticRule, UnlockedElasticRule])
+def test_elastic_rule_replies_the_center_it_used(rule_cls):
+    gen = torch.Generator().manual_seed(2)
+    center, x = torch.randn(9, generator=gen, dtype=torch.float64), torch.randn(
+        9, generator=gen, dtype=torch.float64)
+    rule, reply = rule_cls(center.clone()), torch.empty(9, dtype=torch.float64)
+    rule.apply(header(alpha=0.3), x, reply)
+    assert torch.equal(reply, center)
+    torch.testing.assert_close(rule.center, center + 0.3 * (x - center), atol=1e-15, rtol=0)
+    assert rule.locked == (rule_cls is ElasticRule)
+    assert rule.state_dict() == {}
+
+
+# -- hogwild ---------------------------------------------------------------------------------
+def test_hogwild_alone_is_sgd_on_a_shared_tensor():
+    """One process, no coordinator: an anonymous shared tensor, plain SGD steps."""
+    comm = Comm(Environment(), torch.device("cpu"))
+    member = Worker(("hogwild", {}, 1, 1, 0.0, 0.0, False), 0, comm)
+    assert member.strategy.shared.is_shared()
+    x = problem()[2]
+    for t in range(STEPS):
+        member.gradient()
+        member.step(schedule=False)
+        x = x - LR * grad(x, t, 0, 1)
+    torch.testing.assert_close(member.params(), x, atol=1e-12, rtol=0)
+    torch.testing.assert_close(member.strategy.shared, x, atol=1e-12, rtol=0)
+
+
+def test_hogwild_workers_write_one_vector_without_a_lock(tmp_path):
+    """Niu et al. (2011) Algorithm 1 for two workers on the coordinator's shared file: each
+    reads x and evaluates its gradient; the other may write x in between; each then writes
+    x_v <- x_v - gamma G(x)_v in place, with the gradient of the x it read."""
+    init, workers = problem()[2], 2
+    path = create_shared_file(init, str(tmp_path))
+    store = torch.distributed.HashStore()
+    store.set(PATH_KEY, path)
+    team = []
+    for w in range(workers):
+        comm = worker_comm(w, workers, object())  # a coordinator exists (no server rule)
+        comm.store = store
+        team.append(Worker(("hogwild", {}, workers, 1, 0.0, 0.0, True), w, comm))
+    # g0 g1 s1 s0: worker 0 reads, worker 1 reads and writes, worker 0 writes a stale step
+    events = [(0, "g"), (1, "g"), (1, "s"), (0, "s"), (0, "g"), (0, "s"), (1, "g"), (0, "g"),
+              (0, "s"), (1, "s"), (1, "g"), (1, "s")]
+    x, t, read = init.clone(), [0, 0], {}
+    for w, what in events:
+        if what == "g":
+            team[w].gradient()
+            read[w] = grad(x, t[w], w, workers)
+        else:
+            team[w].step(schedule=True)
+            x = x - lr_at(t[w], True) * read[w]
+            t[w] += 1
+    for member in team:
+        torch.testing.assert_close(member.params(), x, atol=1e-12, rtol=0)
+    on_disk = torch.from_file(path, shared=False, size=init.numel(), dtype=torch.float64)
+    torch.testing.assert_close(on_disk, x, atol=1e-12, rtol=0)
+
+
+@pytest.mark.parametrize("on_gpu", [False, True])
+def test_hogwild_refuses_cuda_in_one_line(on_gpu):
+    """The Comm's device says cuda (no GPU needed to see it), or the model is on one."""
+    if on_gpu and not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    model = torch.nn.Linear(DIM, 1).to("cuda" if on_gpu else "cpu")
+    comm = Comm(Environment(), torch.device("cpu" if on_gpu else "cuda"))
+    with pytest.raises(ShoalError) as exc:
+        shoal.strategy("hogwild", model, torch.optim.SGD(model.parameters(), lr=LR), comm=comm)
+    assert str(exc.value) == "hogwild steps parameters shared in host memory, not on cuda: " \
+                             "run it with --device cpu"
+
+
+def test_hogwild_refuses_several_hosts_in_one_line():
+    model = torch.nn.Linear(DIM, 1)
+    env = Environment(rank=0, world_size=4, local_world_size=2)
+    set_environment(env)
+    try:
+        with pytest.raises(ShoalError) as exc:
+            shoal.strategy("hogwild", model, torch.optim.SGD(model.parameters(), lr=LR),
+                           comm=Comm(env, torch.device("cpu")))
+    finally:
+        set_environment(None)
+    assert str(exc.value) == ("hogwild shares the parameters in one host's memory, but this job "
+                              "spans several hosts (4 processes, 2 on this one): run it on one "
+                              "machine")
+
+
+# -- options and misuse: one line each, before any worker starts -----------------------------
+@pytest.mark.parametrize("name, options, workers, expected", [
+    ("async-sgd", {"servers": 0}, 2, "--servers must be at least 1, got 0"),
+    ("async-msgd", {"max_staleness": -1}, 2, "--max-staleness must be at least 0, got -1"),
+    ("async-sgd", {"max_staleness": 1}, 3,
+     "--max-staleness 1 with 3 workers: a worker waits for the 2 others to push, so the bound "
+     "must be at least 2 (workers - 1)"),
+    ("async-easgd", {"max_staleness": 0}, 2,
+     "--max-staleness 0 with 2 workers: a worker waits for the 1 others to push, so the bound "
+     "must be at least 1 (workers - 1)"),
+    ("async-easgd", {"tau": 0}, 2, "--tau must be at least 1, got 0"),
+    ("async-measgd", {"alpha": 1.5}, 2, "--alpha must be in [0, 1], got 1.5"),
+    ("async-easgd", {"order": "fifo"}, 2,
+     "--order must be one of arrival, round-robin, got 'fifo'"),
+    ("async-measgd", {"order": "round-robin"}, 2,
+     "--order round-robin is async-easgd's alone (the original EASGD's round-robin master); "
+     "this strategy's server takes exchanges in arrival order"),
+    ("hogwild-easgd", {"order": "round-robin"}, 2,
+     "--order round-robin is async-easgd's alone (the original EASGD's round-robin master); "
+     "this strategy's server takes exchanges in arrival order"),
+    ("async-sgd", {"tau": 2}, 2,
+     "strategy async-sgd does not take --tau (it takes --max-staleness, --servers)"),
+    ("hogwild", {"servers": 2}, 2, "strategy hogwild does not take --servers (it takes no options)"),
+])
+def test_bad_options_are_one_line(name, options, workers, expected):
+    with pytest.raises(ShoalError) as exc:
+        make_options(get_strategy(name), options, workers)
+    assert str(exc.value) == expected
+
+
+@pytest.mark.parametrize("name, options", [
+    ("async-easgd", {"order": "round-robin", "max_staleness": 3, "servers": 3, "tau": 2}),
+    ("async-sgd", {"max_staleness": 3}), ("hogwild-easgd", {"alpha": 0.9}),
+])
+def test_good_options(name, options):
+    made = make_options(get_strategy(name), options, 4)
+    assert made.order == options.get("order", "arrival")
+
+
+@pytest.mark.parametrize("name, optimizer, expected", [
+    ("async-sgd", "adam", "async-sgd's server applies SGD steps; the optimizer must be SGD, not Adam"),
+    ("async-msgd", "nesterov", "async-msgd's server applies heavy-ball momentum: no --nesterov "
+                               "(and no dampening)"),
+    ("async-measgd", "plain", "async-measgd needs --momentum > 0 (and no dampening)"),
+    ("async-measgd", "adam", "async-measgd takes local steps with SGD, not Adam"),
+])
+def test_optimizers_a_strategy_cannot_use_are_one_line(name, optimizer, expected):
+    model = torch.nn.Linear(DIM, 1)
+    opt = {"adam": lambda p: torch.optim.Adam(p),
+           "nesterov": lambda p: torch.optim.SGD(p, lr=LR, momentum=0.9, nesterov=True),
+           "plain": lambda p: torch.optim.SGD(p, lr=LR)}[optimizer](model.parameters())
+    with pytest.raises(ShoalError) as exc:
+        shoal.strategy(name, model, opt, comm=Comm(Environment(), torch.device("cpu")))
+    assert str(exc.value) == expected
+
+
+def test_groups_with_different_rates_are_refused_at_the_step():
+    """The server applies one rate to the whole vector; a schedule may part the groups later."""
+    model = torch.nn.Linear(DIM, 1).double()
+    server = Server("async-sgd", {}, 1, 1)
+    optimizer = torch.optim.SGD([{"params": [model.weight]}, {"params": [model.bias]}], lr=LR)
+    strategy = shoal.strategy("async-sgd", model, optimizer, comm=worker_comm(0, 1, server.client(0)))
+    optimizer.param_groups[1]["lr"] = LR / 2
+    model(torch.ones(1, DIM, dtype=torch.float64)).sum().backward()
+    with pytest.raises(ShoalError, match=r"^async-sgd's server applies one learning rate"):
+        strategy.step()
+
+
+@pytest.mark.parametrize("name", ["async-sgd", "async-msgd", "async-easgd", "async-measgd",
+                                  "hogwild-easgd"])
+def test_without_a_server_only_the_step_refuses(name):
+    """The preflight builds a strategy alone (comm.ps is None); a step then needs a server."""
+    model = torch.nn.Linear(DIM, 1)
+    strategy = shoal.strategy(name, model, torch.optim.SGD(model.parameters(), lr=LR, momentum=0.9),
+                              comm=Comm(Environment(), torch.device("cpu")))
+    assert strategy.asynchronous and not strategy.replicas_in_sync
+    model(torch.ones(1, DIM)).sum().backward()
+    with pytest.raises(ShoalError) as exc:
+        strategy.step()
+    assert str(exc.value).startswith(f"strategy {name} trains through a parameter server, and "
+                                      "this job has none")
+    assert "\n" not in str(exc.value)
+
