@@ -14,7 +14,12 @@ most one payload: the client's whole shard slice (:data:`EXCHANGE`) or a pickled
 :data:`EXCHANGE`/:data:`PULL`, the pickled state for :data:`STATE`). A failure on the server
 (an update rule that raised, an exchange held back past the timeout) is answered with an
 :data:`ERROR` header and the message, and raised on the client as a one-line
-:class:`~shoal.errors.ShoalError`.
+:class:`~shoal.errors.ShoalError`. Headers, vectors and pickled bytes travel on three Gloo
+tags (:data:`TAG_HEAD`, :data:`TAG_DATA`, :data:`TAG_BYTES`), so a server posts the receive
+of a worker's next vector before its header arrives: Gloo moves a message only once its
+receive is posted, and the vector then streams in right behind the header. Measured
+(``benchmarks/bench_ps.py``), an exchange costs about what a bare Gloo round trip of the
+same vector costs.
 
 **Dead and hung peers.** Gloo fails a pending ``send``/``recv`` as soon as the connection is
 reset, so a peer killed with ``kill -9`` is detected within milliseconds, whatever the
@@ -42,8 +47,8 @@ import contextlib
 import pickle
 import threading
 import time
-from collections.abc import Callable, Iterator
-from dataclasses import astuple, dataclass, fields, replace
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, fields, replace
 from datetime import timedelta
 from typing import Any, Protocol, runtime_checkable
 
@@ -63,7 +68,9 @@ KIND_NAMES = {EXCHANGE: "exchange", PULL: "pull", REPORT: "report", STATE: "stat
 #: Orders in which a server applies exchanges.
 ORDERS = ("arrival", "round-robin")
 
-_TAG = 0  # one tag: every message of a pair is matched in order
+#: Gloo tags of a pair's messages: each tag's messages are matched in order, so a server
+#: can post the receive of a worker's next vector (``TAG_DATA``) before its header arrives.
+TAG_HEAD, TAG_DATA, TAG_BYTES = 0, 1, 2
 
 
 @dataclass
@@ -87,7 +94,8 @@ class Header:
 
     def pack(self) -> torch.Tensor:
         """This header as a float64 tensor of :data:`HEADER_SIZE` values."""
-        return torch.tensor([float(v) for v in astuple(self)], dtype=torch.float64)
+        return torch.tensor([float(getattr(self, name)) for name in _HEADER_FIELDS],
+                            dtype=torch.float64)
 
     @classmethod
     def unpack(cls, t: torch.Tensor) -> Header:
@@ -97,7 +105,8 @@ class Header:
                      for f, v in zip(fields(cls), values, strict=True)))
 
 
-HEADER_SIZE = len(fields(Header))
+_HEADER_FIELDS = tuple(f.name for f in fields(Header))
+HEADER_SIZE = len(_HEADER_FIELDS)
 
 
 class ChannelError(ShoalError):
@@ -169,22 +178,27 @@ class PairChannel:
             raise ChannelError(f"{self.name}: {self.broken}") from None
 
     # -- non-blocking halves ----------------------------------------------------------------
-    def isend(self, tensors: list[torch.Tensor]) -> _Pending:
-        """Start sending each of ``tensors`` as one message; :meth:`finish` waits."""
+    def isend(self, tensors: list[torch.Tensor], tags: Sequence[int] | None = None) -> _Pending:
+        """Start sending each of ``tensors`` as one message (with ``tags``, default
+        :data:`TAG_HEAD`); :meth:`finish` waits."""
         self._check()
+        tags = tags or [TAG_HEAD] * len(tensors)
         try:
-            works = [self._pg.send([t], self._peer_rank, _TAG) for t in tensors]
+            works = [self._pg.send([t], self._peer_rank, tag)
+                     for t, tag in zip(tensors, tags, strict=True)]
         except RuntimeError as exc:
             raise self._fail(exc, self.timeout) from None
         self.last_sent = time.monotonic()
         return _Pending(works, "send")
 
-    def irecv(self, tensors: list[torch.Tensor]) -> _Pending:
-        """Start receiving the next messages into ``tensors`` (their sizes must match the
-        sent ones'); :meth:`finish` waits."""
+    def irecv(self, tensors: list[torch.Tensor], tags: Sequence[int] | None = None) -> _Pending:
+        """Start receiving the next messages of ``tags`` (default :data:`TAG_HEAD`) into
+        ``tensors`` (their sizes must match the sent ones'); :meth:`finish` waits."""
         self._check()
+        tags = tags or [TAG_HEAD] * len(tensors)
         try:
-            works = [self._pg.recv([t], self._peer_rank, _TAG) for t in tensors]
+            works = [self._pg.recv([t], self._peer_rank, tag)
+                     for t, tag in zip(tensors, tags, strict=True)]
         except RuntimeError as exc:
             raise self._fail(exc, self.timeout) from None
         return _Pending(works, "recv")
@@ -203,22 +217,24 @@ class PairChannel:
                 raise self._fail(exc, limit) from None
 
     # -- blocking ---------------------------------------------------------------------------
-    def send(self, tensors: list[torch.Tensor], timeout: float | None = None) -> None:
+    def send(self, tensors: list[torch.Tensor], timeout: float | None = None,
+             tags: Sequence[int] | None = None) -> None:
         """Send each of ``tensors`` whole; blocks until the peer has received them (Gloo
         hands the data over when the peer's receive is posted), at most ``timeout``."""
-        self.finish(self.isend(tensors), timeout)
+        self.finish(self.isend(tensors, tags), timeout)
 
-    def recv(self, tensors: list[torch.Tensor], timeout: float | None = None) -> None:
+    def recv(self, tensors: list[torch.Tensor], timeout: float | None = None,
+             tags: Sequence[int] | None = None) -> None:
         """Receive the next messages into ``tensors``, waiting at most ``timeout`` seconds
         (default: the channel's) in all."""
-        self.finish(self.irecv(tensors), timeout)
+        self.finish(self.irecv(tensors, tags), timeout)
 
     def send_object(self, obj: Any, kind: int = REPORT, header: Header | None = None,
                     timeout: float | None = None) -> None:
         """Send ``obj`` pickled: a header (``kind``, ``nbytes``) and the bytes as uint8."""
         data = _to_bytes(obj)
         head = replace(header or Header(kind, self.client), kind=kind, nbytes=data.numel())
-        self.send([head.pack(), data], timeout)
+        self.send([head.pack(), data], timeout, [TAG_HEAD, TAG_BYTES])
 
     def recv_object(self, timeout: float | None = None) -> Any:
         """Receive what :meth:`send_object` sent; an :data:`ERROR` header raises its message
@@ -235,7 +251,7 @@ class PairChannel:
         """Receive ``nbytes`` bytes (one message) as a uint8 tensor."""
         buf = torch.empty(nbytes, dtype=torch.uint8)
         if nbytes:
-            self.recv([buf], timeout)
+            self.recv([buf], timeout, [TAG_BYTES])
         return buf
 
     def close(self) -> None:
@@ -397,8 +413,9 @@ class ShardServer:
 
     def wait(self, timeout: float | None = None) -> bool:
         """Wait until every client said BYE or was lost (``True``), at most ``timeout``
-        seconds (``False``). Raises a :class:`~shoal.errors.ShoalError` if serving failed
-        (the rule or ``on_report`` raised)."""
+        seconds (``False``); then the serving threads have left their pairs. Raises a
+        :class:`~shoal.errors.ShoalError` if serving failed (the rule or ``on_report``
+        raised)."""
         deadline = None if timeout is None else time.monotonic() + timeout
         with self._cond:
             while len(self.left) + len(self.lost) < self.clients and not self.errors:
@@ -408,7 +425,13 @@ class ShardServer:
                 self._cond.wait(1.0 if left is None else min(left, 1.0))
             if self.errors:
                 raise ShoalError(f"server {self.server}: {self.errors[0]}")
-            return len(self.left) + len(self.lost) >= self.clients
+            done = len(self.left) + len(self.lost) >= self.clients
+        if done:  # the threads are answering their last BYE: let them leave their pairs
+            limit = 5.0 if deadline is None else max(deadline - time.monotonic(), 0.0)
+            end = time.monotonic() + limit
+            for t in self._threads:
+                t.join(max(end - time.monotonic(), 0.0))
+        return done
 
     def close(self, timeout: float = 5.0) -> None:
         """Stop serving: wait up to ``timeout`` seconds for the serving threads. A thread
@@ -550,12 +573,13 @@ class ShardServer:
             self._lose(c, str(exc))
             return
         self._channels[c] = ch
-        hbuf = torch.empty(HEADER_SIZE, dtype=torch.float64)
-        shard: list[torch.Tensor] = []  # payload and reply buffers, made on first use
+        session = _Session(ch, self.center if c < self.workers else None)
         try:
             while not self._closing:
-                ch.recv([hbuf])
-                head = Header.unpack(hbuf)
+                if c < self.workers:
+                    session.expect_payload()  # before the header: no rendezvous after it
+                ch.recv([session.head], tags=[TAG_HEAD])
+                head = Header.unpack(session.head)
                 if head.kind in (EXCHANGE, PULL):  # the requests that carry progress
                     with self._cond:
                         self.clocks[c], self.steps[c], self.samples[c] = \
@@ -564,9 +588,9 @@ class ShardServer:
                     continue
                 if head.kind not in (EXCHANGE, PULL, REPORT, STATE, BYE):
                     raise ChannelError(f"{ch.name}: unknown message kind {head.kind}")
-                if head.kind in (EXCHANGE, PULL) and not shard:
-                    shard = [torch.empty_like(self.center), torch.empty_like(self.center)]
-                if self._handle(c, ch, head, shard):
+                if session.payload is None and head.kind in (EXCHANGE, PULL):
+                    session.allocate(self.center)
+                if self._handle(c, session, head):
                     break
         except ChannelError as exc:
             self._lose(c, str(exc))
@@ -578,13 +602,13 @@ class ShardServer:
             with self._cond:
                 self._cond.notify_all()
 
-    def _handle(self, c: int, ch: PairChannel, head: Header, shard: list[torch.Tensor]) -> bool:
+    def _handle(self, c: int, session: _Session, head: Header) -> bool:
         """Answer one request of client ``c``; ``True`` when the client left."""
+        ch = session.channel
         error: str | None = None
         kind = head.kind
         if kind == EXCHANGE:
-            payload, reply = shard
-            ch.recv([payload])
+            payload, reply = session.receive_payload()
             try:
                 version = self._exchange(c, head, payload, reply)
             except _Refused as exc:
@@ -592,14 +616,15 @@ class ShardServer:
             except Exception as exc:
                 error, version = f"{type(exc).__name__}: {exc}", self.version
                 self._failed(f"the update rule failed on client {c}'s exchange: {error}")
-            self._reply(ch, c, kind, version, [reply], error)
+            self._reply(ch, c, kind, version, reply, error)
         elif kind == PULL:
-            reply = shard[1]
+            reply = session.reply
+            assert reply is not None
             with self._cond:
                 reply.copy_(self.center)
                 version = self._pulled[c] = self.version
                 self._cond.notify_all()  # a fresher pull can unblock the staleness bound
-            self._reply(ch, c, kind, version, [reply], None)
+            self._reply(ch, c, kind, version, reply, None)
         elif kind == REPORT:
             obj = _from_bytes(ch.recv_bytes(head.nbytes))
             if self.on_report is None:
@@ -611,7 +636,7 @@ class ShardServer:
                 except Exception as exc:
                     error = f"{type(exc).__name__}: {exc}"
                     self._failed(f"handling client {c}'s report failed: {error}")
-            self._reply(ch, c, kind, self.version, [], error)
+            self._reply(ch, c, kind, self.version, None, error)
         elif kind == STATE:
             try:
                 data: torch.Tensor | None = _to_bytes(self.state())
@@ -619,28 +644,65 @@ class ShardServer:
                 data, error = None, f"{type(exc).__name__}: {exc}"
             if error is None and data is not None:
                 head = Header(STATE, c, version=self.version, nbytes=data.numel())
-                ch.send([head.pack(), data])
+                ch.send([head.pack(), data], tags=[TAG_HEAD, TAG_BYTES])
             else:
-                self._reply(ch, c, kind, self.version, [], error)
+                self._reply(ch, c, kind, self.version, None, error)
         else:  # BYE
             with self._cond:
                 self.left.add(c)
                 self._cond.notify_all()
             with contextlib.suppress(ChannelError):  # it may be gone already: it left
-                self._reply(ch, c, kind, self.version, [], None)
+                self._reply(ch, c, kind, self.version, None, None)
             return True
         return False
 
     def _reply(self, ch: PairChannel, c: int, kind: int, version: int,
-               payload: list[torch.Tensor], error: str | None) -> None:
-        """Header (and the payload the client expects, even with an error: the client has
+               vector: torch.Tensor | None, error: str | None) -> None:
+        """Header (and the vector the client expects, even with an error: the client has
         posted its receive), then the error message."""
-        if error is None:
-            ch.send([Header(kind, c, version=version).pack(), *payload])
-            return
-        data = _to_bytes(error.strip().splitlines()[0] if error.strip() else error)
-        head = Header(ERROR, c, version=version, nbytes=data.numel())
-        ch.send([head.pack(), *payload, data])
+        out = [Header(kind if error is None else ERROR, c, version=version).pack()]
+        tags = [TAG_HEAD]
+        if vector is not None:
+            out.append(vector)
+            tags.append(TAG_DATA)
+        if error is not None:
+            data = _to_bytes(error.strip().splitlines()[0] if error.strip() else error)
+            out[0] = Header(ERROR, c, version=version, nbytes=data.numel()).pack()
+            out.append(data)
+            tags.append(TAG_BYTES)
+        ch.send(out, tags=tags)
+
+
+class _Session:
+    """A serving thread's buffers for one client: its header, the payload and reply
+    vectors (a shard each), and the payload's receive, posted ahead of the header."""
+
+    def __init__(self, channel: PairChannel, center: torch.Tensor | None) -> None:
+        self.channel = channel
+        self.head = torch.empty(HEADER_SIZE, dtype=torch.float64)
+        self.payload: torch.Tensor | None = None
+        self.reply: torch.Tensor | None = None
+        self._posted: _Pending | None = None
+        if center is not None:
+            self.allocate(center)
+
+    def allocate(self, center: torch.Tensor) -> None:
+        self.payload, self.reply = torch.empty_like(center), torch.empty_like(center)
+
+    def expect_payload(self) -> None:
+        """Post the receive of the next payload (once): Gloo hands a message over only when
+        its receive is posted, so posting it ahead saves a round of that handshake. It is
+        matched by tag, so other requests in between leave it waiting."""
+        if self._posted is None:
+            assert self.payload is not None
+            self._posted = self.channel.irecv([self.payload], tags=[TAG_DATA])
+
+    def receive_payload(self) -> tuple[torch.Tensor, torch.Tensor]:
+        self.expect_payload()
+        assert self._posted is not None and self.reply is not None and self.payload is not None
+        pending, self._posted = self._posted, None
+        self.channel.finish(pending)
+        return self.payload, self.reply
 
 
 class ServerClient:
@@ -738,10 +800,11 @@ class ServerClient:
             out = [head.pack()] + ([self._slice(payload, i, "the payload")]
                                    if payload is not None else [])
             messages.append((out, [self._hin[i], self._slice(reply, i, "the reply")]))
+        out_tags = [TAG_HEAD] if payload is None else [TAG_HEAD, TAG_DATA]
         posted: list[tuple[int, Any, Any]] = []
         for i, (ch, (out, back)) in enumerate(zip(self._channels, messages, strict=True)):
             try:
-                posted.append((i, ch.isend(out), ch.irecv(back)))
+                posted.append((i, ch.isend(out, out_tags), ch.irecv(back, [TAG_HEAD, TAG_DATA])))
             except ChannelError as exc:
                 posted.append((i, exc, None))
         first: BaseException | None = None
