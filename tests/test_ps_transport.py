@@ -128,18 +128,6 @@ def pushing_client(port: int, client: int, ranges, pushes: int, pause: float, ti
     _send(conn, ("done", total))
 
 
-def idle_client(port: int, client: int, ranges, idle: float, timeout: float, conn) -> None:
-    """The coordinator's pattern: pull, stay silent for ``idle`` s (> the server's
-    timeout), kept alive by pings, pull again."""
-    ps = _connect(port, client, ranges, timeout, keepalive=timeout / 4)
-    n = ranges[-1][1]
-    ps.pull(torch.zeros(n), Header(0, 0))
-    time.sleep(idle)
-    ps.pull(torch.zeros(n), Header(0, 0))
-    ps.close()
-    _send(conn, ("done", None))
-
-
 def server_process(port: int, n: int, conn) -> None:
     """A server whose rule sleeps in its second exchange (the parent kills it then)."""
     store = dist.TCPStore("127.0.0.1", port, None, False, timeout=timedelta(seconds=30))
@@ -278,25 +266,43 @@ def test_round_robin_order(store):
         close_all(servers)
 
 
+def idle_client(store, ranges, timeout: float, out: list) -> None:
+    """The coordinator's pattern: pull, stay silent for longer than the servers' timeout
+    (kept alive by pings), pull again."""
+    ps = ServerClient(store, 3, ranges, timeout=timeout, keepalive=timeout / 4,
+                      connect_timeout=30.0)
+    n = ranges[-1][1]
+    ps.pull(torch.zeros(n), Header(0, 0))
+    time.sleep(1.5 * timeout)
+    ps.pull(torch.zeros(n), Header(0, 0))
+    ps.close()
+    out.append("done")
+
+
 def test_lost_clients_do_not_stop_the_others(store):
     """Client 1 is killed (kill -9) and client 2 stopped (hung) after 5 exchanges; client 0
     goes on under a staleness bound that the two held up until they were lost; client 3
-    (not a worker) stays silent longer than the timeout, kept alive by pings."""
-    n, timeout = 16, 4.0
+    (not a worker, as the coordinator; a thread here) stays silent longer than the timeout,
+    kept alive by pings."""
+    n, timeout = 16, 3.0
     servers, _ = serve(store, 4, n, workers=3, timeout=timeout, max_staleness=2,
                        connect_timeout=30.0)
     server = servers[0]
+    idled: list[str] = []
     try:
         with Children() as kids:
             ranges = ranges_of(n, 1)
-            kids.start(pushing_client, store.port, 0, ranges, 40, 0.05, timeout, 0, "")
+            kids.start(pushing_client, store.port, 0, ranges, 25, 0.05, timeout, 0, "")
             kids.start(pushing_client, store.port, 1, ranges, 40, 0.05, timeout, 5, "kill")
             kids.start(pushing_client, store.port, 2, ranges, 40, 0.05, timeout, 5, "stop")
-            kids.start(idle_client, store.port, 3, ranges, 1.5 * timeout, timeout)
+            idle = threading.Thread(target=idle_client, args=(store, ranges, timeout, idled),
+                                    daemon=True)
+            idle.start()
             _, killed_at = kids.recv(1)
             _, stopped_at = kids.recv(2)
             assert kids.recv(0, 40)[0] == "done"
-            assert kids.recv(3, 40)[0] == "done"
+            idle.join(40)
+            assert idled == ["done"]
             assert server.wait(10)
         assert sorted(server.lost) == [1, 2] and server.left == {0, 3}
         killed, stopped = server.lost[1], server.lost[2]
@@ -305,7 +311,7 @@ def test_lost_clients_do_not_stop_the_others(store):
         assert killed["step"] == 5 and killed["samples"] == 50 and killed["clock"] == 5
         assert timeout - 0.5 < stopped["time"] - stopped_at < timeout + 3.0, stopped
         assert f"sent nothing for {timeout:g} s" in stopped["error"] and stopped["step"] == 5
-        assert max(server.staleness) <= 2 and server.staleness.total() == 50
+        assert max(server.staleness) <= 2 and server.staleness.total() == 35
         assert "\n" not in killed["error"] + stopped["error"]
     finally:
         close_all(servers)
@@ -359,3 +365,39 @@ def test_loopback_client_applies_rules_in_process():
     assert client.fetch_state(1)["rule"] == {"applied": 1}
     client.report({"x": 1})
     assert client.reports == [{"x": 1}]
+
+
+class FailingRule(AddRule):
+    def apply(self, header: Header, payload: torch.Tensor, reply: torch.Tensor) -> None:
+        if header.step == 2:
+            raise ValueError("diverged\nsecond line")
+        super().apply(header, payload, reply)
+
+
+def test_server_side_failures_reach_the_client_in_one_line(store):
+    """A rule that raises, a server without a rule, a report nobody takes: the client gets
+    one line, the pair goes on; the rule's failure is the server's too (wait raises)."""
+    n = 6
+    center = torch.zeros(n)
+    failing = ShardServer(store, 0, 1, FailingRule(center), center, timeout=10.0)
+    ruleless = ShardServer(store, 1, 1, None, torch.zeros(n), timeout=10.0)
+    failing.start()
+    ruleless.start()
+    client = ServerClient(store, 0, [(0, n), (n, 2 * n)], servers=[0, 1], timeout=10.0)
+    try:
+        reply = torch.zeros(2 * n)
+        with pytest.raises(ShoalError) as err:
+            client.exchange(torch.ones(2 * n), reply, Header(0, 0, step=2))
+        assert str(err.value) == "server 0: ValueError: diverged"
+        with pytest.raises(ShoalError, match="server 0 takes no reports"):
+            client.report({"x": 1})
+        pulled = torch.zeros(2 * n)
+        client.pull(pulled, Header(0, 0))  # both pairs still work
+        assert torch.equal(pulled, torch.zeros(2 * n))
+        client.close()
+        with pytest.raises(ShoalError, match="update rule failed on client 0's exchange"):
+            failing.wait(10)
+        assert ruleless.wait(10) and ruleless.left == {0}
+    finally:
+        client.close()
+        close_all([failing, ruleless])
