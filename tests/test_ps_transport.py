@@ -33,6 +33,7 @@ from shoal.core.ps import (
     ServerClient,
     ShardServer,
 )
+from shoal.core.timeline import COMM, Timeline
 from shoal.errors import ShoalError
 
 pytestmark = pytest.mark.timeout(90)
@@ -401,3 +402,22 @@ def test_server_side_failures_reach_the_client_in_one_line(store):
     finally:
         client.close()
         close_all([failing, ruleless])
+
+
+def test_client_books_comm_time_and_counts_payload_bytes(store):
+    n = 10
+    center = torch.zeros(n)
+    server = ShardServer(store, 0, 1, AddRule(center), center, timeout=10.0)
+    server.start()
+    timeline, sent = Timeline(keep_events=True), []
+    client = ServerClient(store, 0, [(0, n)], timeout=10.0, timeline=timeline, count=sent.append)
+    try:
+        reply = torch.zeros(n)
+        client.exchange(torch.ones(n), reply, Header(0, 0))
+        client.pull(reply, Header(0, 0))
+        assert sent == [4 * n]  # the exchange's payload; a pull sends none
+        assert timeline.totals[COMM] > 0
+        assert [e.name for e in timeline.events] == ["push+pull", "pull"]
+    finally:
+        client.close()
+        close_all([server])
