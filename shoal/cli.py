@@ -36,6 +36,8 @@ EXIT_FAILURE = 1
 EXIT_INTERRUPTED = 130
 #: ``shoal train`` stopped by SIGTERM (Slurm's preemption notice) after writing a checkpoint.
 EXIT_TERMINATED = 143
+#: An asynchronous run that completed without some of its workers (see shoal.train.server).
+EXIT_DEGRADED = 3
 
 
 class _Parser(argparse.ArgumentParser):
@@ -373,6 +375,13 @@ def main(argv: Sequence[str] | None = None) -> int:
             summary = train(config_from_args(args))
             if _stopped_by_sigterm(summary):
                 return EXIT_TERMINATED
+            if summary is not None and summary.get("degraded"):
+                for lost in summary["lost_workers"]:
+                    print(f"shoal: completed without worker {lost['worker']} (lost at step "
+                          f"{lost['step']}, {lost.get('exit_status') or lost['error']}); "
+                          f"{lost['samples_not_trained']} samples of its shard were not "
+                          "trained on", file=sys.stderr)
+                return EXIT_DEGRADED
         elif args.command == "run":
             _run(args)
         elif args.command == "bench":

@@ -40,3 +40,28 @@ def killed_on_rank1(input_shape, num_classes):
 
 def wrong_output(input_shape, num_classes):
     return nn.Sequential(nn.Flatten(), nn.Linear(int(torch.tensor(input_shape).prod()), 3))
+
+
+class _KilledAt(nn.Module):
+    """`tiny`, whose process kills itself (SIGKILL, as `kill -9` does) on its
+    ``SHOAL_TEST_KILL_AT``-th forward pass (``train:N`` or ``eval:N``) in the process of rank
+    ``SHOAL_TEST_KILL_RANK``: an asynchronous job's worker mid-epoch, or its server 0 (rank
+    0) at its N-th evaluation."""
+
+    def __init__(self, input_shape, num_classes):
+        super().__init__()
+        self.net = tiny(input_shape, num_classes)
+        self.calls = {"train": 0, "eval": 0}
+
+    def forward(self, x):
+        mode = "train" if self.training else "eval"
+        self.calls[mode] += 1
+        if os.environ.get("RANK") == os.environ.get("SHOAL_TEST_KILL_RANK"):
+            when, _, count = os.environ.get("SHOAL_TEST_KILL_AT", "").partition(":")
+            if when == mode and self.calls[mode] == int(count):
+                os.kill(os.getpid(), 9)
+        return self.net(x)
+
+
+def killed_at(input_shape, num_classes):
+    return _KilledAt(input_shape, num_classes)

@@ -42,13 +42,16 @@ def first_line(exc: BaseException, limit: int = 400) -> str:
 
 def record_failure(errdir: str, rank: int, exc: BaseException) -> None:
     """Write what went wrong on this rank where the supervising parent will read it."""
+    echo = bool(getattr(exc, "echo", False))
     info = {
         "rank": rank,
         "time": time.time(),
         "type": type(exc).__name__,
         "message": first_line(exc),
-        "primary": isinstance(exc, ShoalError) or not is_comm_failure(exc),
-        "user_error": isinstance(exc, ShoalError),
+        # An error that says it is the echo of another process's failure (a parameter
+        # server's pair that broke) is never the root cause, nor the user's to fix.
+        "primary": not echo and (isinstance(exc, ShoalError) or not is_comm_failure(exc)),
+        "user_error": isinstance(exc, ShoalError) and not echo,
         "traceback": "".join(traceback.format_exception(exc)),
     }
     tmp = os.path.join(errdir, f".rank{rank}.tmp")

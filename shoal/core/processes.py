@@ -23,7 +23,7 @@ import time
 import traceback
 import types
 from collections.abc import Callable
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from multiprocessing.process import BaseProcess
 from typing import Any
 
@@ -190,12 +190,27 @@ def stop_processes(procs: list[Any], grace: float) -> None:
         p.join(timeout=0)
 
 
+@dataclass(frozen=True)
+class Lost:
+    """What :func:`spawn` returns for a rank it was told to tolerate losing and lost: killed
+    by a signal (``kill -9``, the OOM killer) before it finished."""
+
+    rank: int
+    exitcode: int
+    after_s: float  # seconds after the start
+
+    @property
+    def status(self) -> str:
+        return exit_status(self.exitcode)
+
+
 def spawn(
     world_size: int,
     target: Callable[..., Any],
     args: tuple[Any, ...] = (),
     *,
     grace: float = 2.0,
+    tolerate: Callable[[int], bool] | None = None,
 ) -> list[Any]:
     """Run ``target(*args)`` in ``world_size`` fresh processes joined as one job on this machine.
 
@@ -214,6 +229,11 @@ def spawn(
     raised. Ctrl-C stops them all. SIGTERM to this process (called from the main thread) is
     passed on to the workers and sets :func:`stop_requested`; the workers decide what it
     means (training checkpoints and stops; other functions end as SIGTERM ends them).
+
+    ``tolerate(rank)``: whether the job goes on without ``rank`` when a signal kills it (an
+    asynchronous job's workers); its result is then a :class:`Lost`. A tolerated rank that
+    fails by itself (an exception, an exit status) still fails the job, as every rank
+    runs the same code.
     """
     if world_size < 1:
         raise ShoalError(f"need at least 1 worker, got {world_size}")
@@ -249,25 +269,34 @@ def spawn(
             forward_sigterm(signal.SIGTERM, None)
         failed = None
         pending = list(procs)
+        lost: dict[int, Lost] = {}
+        started = time.monotonic()
         while pending and failed is None:
             mp.connection.wait([p.sentinel for p in pending], timeout=1.0)
             # One snapshot of the exit codes: a rank that dies between two reads of
             # ``exitcode`` must not leave ``pending`` without having been judged.
             codes = {p: p.exitcode for p in pending}
+            for p, code in codes.items():
+                rank = procs.index(p)
+                if (code is not None and code < 0 and tolerate is not None and tolerate(rank)
+                        and not _finished(errdir, rank)):
+                    lost[rank] = Lost(rank, code, time.monotonic() - started)
             failed = next((p for p, code in codes.items() if code not in (None, 0)
+                           and procs.index(p) not in lost
                            and not _finished(errdir, procs.index(p))), None)
             pending = [p for p, code in codes.items() if code is None]
         if failed is None:
             for rank, p in enumerate(procs):
-                if p.exitcode != 0:
+                if p.exitcode != 0 and rank not in lost:
                     # Its work is done and its results written; only the interpreter's own
                     # teardown failed. Losing the job for that would lose good results.
                     print(f"shoal: warning: rank {rank} finished its work, then its process died "
                           f"while exiting ({exit_status(p.exitcode)})", file=sys.stderr, flush=True)
-            return [_read_result(errdir, rank) for rank in range(world_size)]
+            return [lost[rank] if rank in lost else _read_result(errdir, rank)
+                    for rank in range(world_size)]
         # Exit codes now, before shoal's own SIGTERMs blur who died first.
         exits = {r: p.exitcode for r, p in enumerate(procs)
-                 if p.exitcode not in (None, 0) and not _finished(errdir, r)}
+                 if p.exitcode not in (None, 0) and not _finished(errdir, r) and r not in lost}
         stop_processes(procs, grace)
         raise root_cause(errdir, exits)
     finally:

@@ -113,6 +113,9 @@ class ChannelError(ShoalError):
     """The peer of a pair is gone (connection closed: killed, crashed, exited) or was silent
     past the timeout. The message names the pair and the reason, on one line."""
 
+    #: The echo of another process's failure: a launcher reports that one as the cause.
+    echo = True
+
 
 def _reason(exc: BaseException, peer: str, timeout: float) -> str:
     text = str(exc)

@@ -16,13 +16,15 @@ import torch
 from shoal.config import TrainConfig
 from shoal.core.comm import init_comm
 from shoal.core.env import Environment, default_threads, detect_environment
-from shoal.core.processes import spawn, stop_on_sigterm, stop_requested
+from shoal.core.processes import Lost, spawn, stop_on_sigterm, stop_requested
 from shoal.core.timeline import Timeline
 from shoal.data import Dataset
 from shoal.errors import ShoalError, WorkerError
+from shoal.strategies import get_strategy
 from shoal.train.checkpoint import checkpoint_step
 from shoal.train.outdir import OutputLock
 from shoal.train.records import write_json
+from shoal.train.server import is_asynchronous, run_async_rank, server_count
 from shoal.train.trainer import Trainer, preflight
 
 
@@ -73,15 +75,22 @@ def _last_logged_step(out: Path) -> int:
     return last
 
 
-def _run_with_restarts(cfg: TrainConfig, world: int) -> list[dict[str, Any]]:
-    """Spawn the job; when a worker fails, start it again from the last checkpoint, up to
-    ``cfg.max_restarts`` times. Returns what each restart redid (for summary.json)."""
+def _run_with_restarts(cfg: TrainConfig, world: int, servers: int = 0
+                       ) -> tuple[list[dict[str, Any]], list[Any]]:
+    """Spawn the job (``servers`` parameter servers first, for an asynchronous strategy);
+    when a rank fails, start it again from the last checkpoint, up to ``cfg.max_restarts``
+    times. Returns what each restart redid (for summary.json) and the ranks' results."""
     attempt_cfg, restarts = cfg, []
     while True:
         started = time.monotonic()
         try:
-            spawn(world, run_worker, (attempt_cfg,))
-            return restarts
+            if servers:
+                # A worker killed mid-run is lost, not fatal: the others go on.
+                results = spawn(world + servers, _async_rank, (attempt_cfg,),
+                                tolerate=lambda rank: rank >= servers)
+            else:
+                results = spawn(world, run_worker, (attempt_cfg,))
+            return restarts, results
         except WorkerError as exc:
             if exc.user_error or len(restarts) >= cfg.max_restarts or stop_requested():
                 raise
@@ -110,31 +119,63 @@ def train(cfg: TrainConfig) -> dict[str, Any] | None:
     ``cfg.max_restarts`` times. The process that runs the job holds ``--out`` for its life
     (:class:`~shoal.train.outdir.OutputLock`). After SIGTERM the job stops at the next
     step all ranks reach, checkpoints, and the summary says ``"stopped_by": "SIGTERM"``.
+
+    An asynchronous strategy runs ``--servers`` parameter servers as the first ranks (shoal
+    starts them too; see :mod:`shoal.train.server`); a worker killed mid-run is lost, not
+    fatal, and the summary lists it (``"degraded": true``).
     """
     cfg.validate()
     env = detect_environment()
+    asynchronous = is_asynchronous(get_strategy(cfg.strategy))
     if env is not None:
-        if cfg.workers is not None and cfg.workers != env.world_size:
-            raise ShoalError(f"--workers {cfg.workers} contradicts the launcher's world size "
-                             f"{env.world_size} ({env.launcher}); leave --workers out")
+        servers = server_count(cfg) if asynchronous else 0
+        if cfg.workers is not None and cfg.workers + servers != env.world_size:
+            raise ShoalError(f"--workers {cfg.workers}{f' and --servers {servers}' if servers else ''}"
+                             f" contradict the launcher's world size {env.world_size} "
+                             f"({env.launcher}); leave --workers out")
         cfg = resolve_auto_resume(cfg)
+        if asynchronous:  # the first --servers ranks serve, the others train
+            if env.world_size <= servers:
+                raise ShoalError(f"--servers {servers} needs at least {servers + 1} ranks; "
+                                 f"the launcher started {env.world_size}")
+            data = preflight(cfg, env.world_size - servers)
+            with OutputLock(Path(cfg.out)) if env.rank == 0 else contextlib.nullcontext():
+                return run_async_rank(cfg, env, data)
         data = preflight(cfg, env.world_size)
         with OutputLock(Path(cfg.out)) if env.rank == 0 else contextlib.nullcontext():
             return run_worker(cfg, data)
     cfg = resolve_auto_resume(cfg)
     world = _default_workers(cfg)
     data = preflight(cfg, world)
+    servers = server_count(cfg) if asynchronous else 0
     with OutputLock(Path(cfg.out)):
-        if world == 1 and cfg.max_restarts == 0:
+        if world == 1 and cfg.max_restarts == 0 and not asynchronous:
             return run_worker(cfg, data)
-        restarts = _run_with_restarts(cfg, world)
+        restarts, results = _run_with_restarts(cfg, world, servers)
         path = Path(cfg.out) / "summary.json"
         with open(path) as f:
             summary = json.load(f)
-        if restarts:
-            summary["restarts"] = restarts
+        lost = {r.rank: r for r in results if isinstance(r, Lost)}
+        for entry in summary.get("lost_workers", []):
+            if entry["rank"] in lost:
+                entry["exit_status"] = lost[entry["rank"]].status
+        if restarts or lost:
+            if restarts:
+                summary["restarts"] = restarts
             write_json(path, summary)
         return summary
+
+
+def _async_rank(cfg: TrainConfig) -> dict[str, Any] | None:
+    """A spawned rank of an asynchronous job (server or worker, by rank)."""
+    env = detect_environment()
+    assert env is not None
+    previous = stop_on_sigterm()
+    try:
+        return run_async_rank(cfg, env)
+    finally:
+        if previous is not None:
+            signal.signal(signal.SIGTERM, previous)
 
 
 __all__ = ["Trainer", "preflight", "resolve_auto_resume", "run_worker", "train"]

@@ -39,10 +39,12 @@ from shoal.version import __version__
 class Recorder:
     """One worker's records: every rank keeps sums and checks the loss; rank 0 writes."""
 
-    def __init__(self, cfg: TrainConfig, comm: Comm, plan: EpochPlan) -> None:
+    def __init__(self, cfg: TrainConfig, comm: Comm, plan: EpochPlan, writes: bool = True) -> None:
         self.cfg, self.comm, self.plan = cfg, comm, plan
         self.tl = comm.timeline
-        self.is_main = comm.rank == 0
+        #: Rank 0 writes (unless ``writes`` is False: an asynchronous job's workers, whose
+        #: coordinator writes from their reports).
+        self.is_main = comm.rank == 0 and writes
         self.out = Path(cfg.out)
         self.progress = Progress(cfg.progress, enabled=self.is_main)
         self.log: MetricsLog | None = None  # rank 0's, from :meth:`begin`
@@ -61,6 +63,10 @@ class Recorder:
     # -- checkpoints: the epoch's sums so far -------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
         return {"epoch_sums": self._epoch_sums.tolist()}
+
+    def epoch_sums(self) -> list[float]:
+        """This rank's (loss sum, correct, samples) of the epoch so far."""
+        return self._epoch_sums.tolist()
 
     def load_state_dict(self, own: dict[str, Any] | None) -> None:
         """``own``: this rank's part of a checkpoint, ``None`` where it has none."""

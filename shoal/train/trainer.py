@@ -97,8 +97,12 @@ class Trainer:
         torch.manual_seed(cfg.seed + 1 + self.rank)  # dropout differs between ranks
         augment = torch.Generator().manual_seed(cfg.seed + 10_007 * (self.rank + 1))
         self.state = RunState(comm, augment, lr=self.optimizer.param_groups[0]["lr"])
-        self.recorder = Recorder(cfg, comm, self.plan)
         strategy_cls = get_strategy(cfg.strategy)
+        #: An asynchronous strategy's workers never wait for each other: this worker writes
+        #: nothing into --out and evaluates nothing; it reports its sums, checkpoint state and
+        #: totals to the parameter server's coordinator (server 0), which keeps the records.
+        self.detached = bool(getattr(strategy_cls, "asynchronous", False))
+        self.recorder = Recorder(cfg, comm, self.plan, writes=not self.detached)
         # Every strategy starts all workers from rank 0's model; a resumed run then puts back
         # what each worker had.
         self.strategy = strategy_cls(self.model, self.optimizer, comm,
@@ -138,6 +142,9 @@ class Trainer:
                 break
             self.strategy.end_epoch(st.epoch)
             st.epoch_done()
+            if self.detached:
+                self._report("epoch", epoch=st.epoch, sums=rec.epoch_sums(),
+                             buffers=to_cpu(dict(self.model.named_buffers())))
             if st.epoch % cfg.eval_every == 0 or st.epoch == cfg.epochs:
                 with self.tl.span(EVAL):
                     test = self.evaluate()
@@ -150,7 +157,21 @@ class Trainer:
             self.save()
         if not stopped and math.isnan(test[1]):
             test = self.evaluate()
-        return rec.finish(st, stopped, self.stop_reason, test, count_parameters(self.model))
+        summary = rec.finish(st, stopped, self.stop_reason, test, count_parameters(self.model))
+        if self.detached:
+            self._report("final", stopped=stopped, stopped_by=self.stop_reason,
+                         epoch=st.epoch, train_time_s=st.train_time_s,
+                         trace=self.tl.chrome_events(self.rank) if self.cfg.trace else None)
+        return summary
+
+    def _report(self, kind: str, **fields: Any) -> None:
+        """Detached: tell the coordinator where this worker is (``kind``: epoch, checkpoint,
+        final), with what every report carries: step, samples, time totals, bytes, lr."""
+        st = self.state
+        self.strategy.report({"kind": kind, "worker": self.rank, "step": st.step,
+                              "samples": st.samples, "times": dict(self.tl.totals),
+                              "bytes": self.comm.bytes_sent, "lr": st.lr,
+                              "elapsed_s": st.elapsed_s(), **fields})
 
     def _stop_now(self) -> bool:
         """Whether to stop after this step: ``--stop-at-step``, or SIGTERM on some rank."""
@@ -191,7 +212,10 @@ class Trainer:
     # -- evaluation ---------------------------------------------------------------------------
     @torch.no_grad()
     def evaluate(self) -> tuple[float, float]:
-        """Test loss and accuracy of the strategy's evaluation model; each rank a shard."""
+        """Test loss and accuracy of the strategy's evaluation model; each rank a shard.
+        (Detached workers leave it to the coordinator: NaN.)"""
+        if self.detached:
+            return float("nan"), float("nan")
         model: nn.Module = self.strategy.eval_module
         was_training = model.training
         model.eval()
@@ -218,6 +242,11 @@ class Trainer:
             run = self.state.state_dict()
             own = self._with_strategy({**run["rank"], **self.recorder.state_dict()},
                                       self.strategy.checkpoint_own(), "checkpoint_own")
+            if self.detached:  # the coordinator writes the file once every worker sent its part
+                self._report("checkpoint", progress=run["progress"], own=to_cpu(own),
+                             scheduler=self.scheduler.state_dict())
+                self.saved_at = self.state.step
+                return
             ranks = self.comm.gather_objects(to_cpu(own))
             if self.is_main:
                 payload = {"config": self.cfg.to_dict(), "global_batch": self.plan.global_batch,
@@ -241,18 +270,20 @@ class Trainer:
         """Rank 0 reads the checkpoint and sends it to all (errors reach every rank); each
         component puts back its part."""
         payload, error = None, None
-        if self.is_main:
+        if self.is_main or self.detached:  # detached workers read it themselves
             try:
                 payload = load_checkpoint(self.cfg.resume_path)
                 check_resume(payload, self.cfg, self.world, strategy_cls)
             except ShoalError as exc:
                 payload, error = None, str(exc)
-        payload, error = self.comm.broadcast_object((payload, error))
+        if not self.detached:
+            payload, error = self.comm.broadcast_object((payload, error))
         if error:
             raise ShoalError(error)
         ranks = payload["ranks"]
         own = ranks[self.rank] if self.rank < len(ranks) else None
-        self.strategy.restore_checkpoint(payload, own)
+        if own is not None or not self.detached:  # a worker lost before its first checkpoint
+            self.strategy.restore_checkpoint(payload, own)  # starts afresh from the servers
         self.scheduler.load_state_dict(payload["scheduler"])
         self.state.load_state_dict({"progress": payload["progress"], "rank": own})
         self.recorder.load_state_dict(own)
