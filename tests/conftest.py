@@ -69,6 +69,17 @@ def train(out: Path, *args: str, timeout: float = 120) -> dict[str, Any]:
     return json.loads((out / "summary.json").read_text())
 
 
+def train_here(out: Path, *args: str) -> dict[str, Any]:
+    """``shoal train`` run in this process, as ``shoal.cli.main``: the command's own code path
+    (the same workers, spawned afresh), minus the 3 s of an interpreter start-up. It must
+    succeed; returns summary.json."""
+    from shoal.cli import main
+
+    code = main(["train", "--out", str(out), "--progress", "plain", *args])
+    assert code == 0, f"shoal train exited with status {code} (its stderr is shown below)"
+    return json.loads((out / "summary.json").read_text())
+
+
 def checkpoint_params(path: Path) -> dict[str, torch.Tensor]:
     return torch.load(path, map_location="cpu", weights_only=True)["model"]
 
