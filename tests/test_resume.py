@@ -15,7 +15,7 @@ import torch
 from shoal.config import TrainConfig
 from shoal.errors import ShoalError
 
-from conftest import REPO, checkpoint_params, max_param_diff, run, shoal_env, train
+from conftest import REPO, checkpoint_params, max_param_diff, run, shoal_env, train_here
 
 CONFIG = ["--model", "lenet5", "--dataset", "digits", "--epochs", "3", "--workers", "2",
           "--batch-size", "32"]  # 23 steps an epoch
@@ -24,14 +24,14 @@ CONFIG = ["--model", "lenet5", "--dataset", "digits", "--epochs", "3", "--worker
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory):
     out = tmp_path_factory.mktemp("reference")
-    summary = train(out, *CONFIG)
+    summary = train_here(out, *CONFIG)
     return summary, checkpoint_params(out / "checkpoint.pt")
 
 
 def test_stop_and_resume_matches_uninterrupted(tmp_path, reference):
-    first = train(tmp_path, *CONFIG, "--stop-at-step", "35")  # mid-way through epoch 2
+    first = train_here(tmp_path, *CONFIG, "--stop-at-step", "35")  # mid-way through epoch 2
     assert first["steps"] == 35 and not first["completed"]
-    second = train(tmp_path, *CONFIG, "--resume")
+    second = train_here(tmp_path, *CONFIG, "--resume")
     assert second["completed"] and second["steps"] == reference[0]["steps"]
     assert max_param_diff(checkpoint_params(tmp_path / "checkpoint.pt"), reference[1]) < 1e-6
     assert second["test_accuracy"] == pytest.approx(reference[0]["test_accuracy"], abs=1e-9)
@@ -59,7 +59,7 @@ def test_killed_run_resumes_from_its_last_checkpoint(tmp_path, reference):
     if saved >= reference[0]["steps"]:
         pytest.fail("the run finished before it could be killed; the test proves nothing")
     assert saved % 5 == 0 and saved >= 20
-    resumed = train(tmp_path, *CONFIG, "--resume")
+    resumed = train_here(tmp_path, *CONFIG, "--resume")
     assert resumed["completed"]
     assert max_param_diff(checkpoint_params(tmp_path / "checkpoint.pt"), reference[1]) < 1e-6
 
@@ -129,7 +129,7 @@ def test_sigterm_to_the_launcher_checkpoints_and_says_how_to_resume(tmp_path, re
     assert saved == summary["steps"] >= 20
     assert f"stopped by SIGTERM at step {saved}" in err and "--resume" in err
     assert not list(tmp.glob("shoal-errors-*")), "the launcher left its error folder behind"
-    resumed = train(tmp_path / "run", *CONFIG, "--resume")
+    resumed = train_here(tmp_path / "run", *CONFIG, "--resume")
     assert resumed["completed"]
     assert max_param_diff(checkpoint_params(tmp_path / "run" / "checkpoint.pt"),
                           reference[1]) < 1e-6
