@@ -9,7 +9,7 @@ import pytest
 
 from shoal.cli import main
 
-from conftest import one_error_line, shoal, train
+from conftest import one_error_line, shoal, train_here
 from test_data import make_mnist
 
 
@@ -100,12 +100,12 @@ def test_config_file_with_unknown_key(tmp_path):
 
 
 def test_existing_run_is_not_overwritten_by_accident(tmp_path):
-    train(tmp_path, "--epochs", "1", "--stop-at-step", "3")
+    train_here(tmp_path, "--epochs", "1", "--stop-at-step", "3")
     assert "already holds a run" in fails("train", "--out", str(tmp_path), "--epochs", "1")
 
 
 def test_non_finite_loss_stops_and_keeps_the_good_checkpoint(tmp_path):
-    train(tmp_path, "--epochs", "1", "--stop-at-step", "10", "--workers", "2")
+    train_here(tmp_path, "--epochs", "1", "--stop-at-step", "10", "--workers", "2")
     ckpt = tmp_path / "checkpoint.pt"
     before = hashlib.sha256(ckpt.read_bytes()).hexdigest()
     line = fails("train", "--out", str(tmp_path), "--overwrite", "--lr", "1e3", "--workers", "2",
@@ -116,7 +116,7 @@ def test_non_finite_loss_stops_and_keeps_the_good_checkpoint(tmp_path):
 
 def test_resume_problems(tmp_path):
     assert "no checkpoint at" in fails("train", "--out", str(tmp_path), "--resume")
-    train(tmp_path, "--epochs", "1", "--stop-at-step", "3")
+    train_here(tmp_path, "--epochs", "1", "--stop-at-step", "3")
     assert "checkpoint was made with --model 'lenet5'" in fails(
         "train", "--out", str(tmp_path), "--resume", "--model", "mlp")
     bad = tmp_path / "bad.pt"
@@ -125,9 +125,9 @@ def test_resume_problems(tmp_path):
         "train", "--out", str(tmp_path), "--resume", str(bad))
 
 
-def test_debug_flag_shows_traceback(tmp_path):
-    res = shoal("train", "--model", "lenet7", "--out", str(tmp_path), "--debug")
-    assert res.returncode == 2 and "Traceback" in res.stderr
+def test_debug_flag_shows_traceback(tmp_path, capsys):
+    assert main(["train", "--model", "lenet7", "--out", str(tmp_path), "--debug"]) == 2
+    assert "Traceback" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("text, message", [
