@@ -12,7 +12,7 @@ import pytest
 
 from shoal.core.env import free_port
 
-from conftest import REPO, checkpoint_params, max_param_diff, shoal_env, train
+from conftest import REPO, checkpoint_params, max_param_diff, shoal_env, train_here
 
 JOB = ["--model", "lenet5", "--dataset", "digits", "--epochs", "1", "--stop-at-step", "15"]
 
@@ -20,7 +20,7 @@ JOB = ["--model", "lenet5", "--dataset", "digits", "--epochs", "1", "--stop-at-s
 @pytest.fixture(scope="module")
 def local(tmp_path_factory):
     out = tmp_path_factory.mktemp("local")
-    train(out, *JOB, "--workers", "2")
+    train_here(out, *JOB, "--workers", "2")
     return checkpoint_params(out / "checkpoint.pt")
 
 
