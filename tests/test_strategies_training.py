@@ -7,7 +7,7 @@ import torch
 
 from shoal.cli import main
 
-from conftest import one_error_line, shoal, train
+from conftest import one_error_line, train_here
 
 COMMON = ["--model", "lenet5", "--dataset", "digits", "--workers", "2", "--epochs", "10"]
 STRATEGIES = ["local-sgd", "easgd", "eamsgd", "diloco"]
@@ -26,7 +26,7 @@ def full_run(tmp_path_factory):
     def get(strategy):
         if strategy not in runs:
             out = tmp_path_factory.mktemp(strategy)
-            runs[strategy] = out, train(out, *COMMON, "--strategy", strategy, "--tau", "4")
+            runs[strategy] = out, train_here(out, *COMMON, "--strategy", strategy, "--tau", "4")
         return runs[strategy]
     return get
 
@@ -49,8 +49,8 @@ def test_learns_digits(full_run, strategy):
     (["--split-wait"], 4, 8),  # and one float64 a step (from the second) to split the wait
 ])
 def test_sync_counts_the_gradients_it_sends(tmp_path, options, bytes_per_value, extra_per_step):
-    summary = train(tmp_path, "--model", "mlp", "--dataset", "digits", "--workers", "2",
-                    "--epochs", "1", "--strategy", "sync", *options)
+    summary = train_here(tmp_path, "--model", "mlp", "--dataset", "digits", "--workers", "2",
+                         "--epochs", "1", "--strategy", "sync", *options)
     steps, workers = summary["steps"], 2
     grads = workers * steps * bytes_per_value * summary["parameters"]
     assert summary["bytes_sent"] == grads + workers * (steps - 1) * extra_per_step
@@ -75,9 +75,12 @@ def test_bad_strategy_options_are_one_line(tmp_path, capsys, args, expected):
     assert not (tmp_path / "run").exists()
 
 
-def test_resume_with_other_strategy_options_is_refused(tmp_path):
-    train(tmp_path, "--strategy", "easgd", "--workers", "2", "--epochs", "1", "--stop-at-step", "3")
-    res = shoal("train", "--out", str(tmp_path), "--strategy", "easgd", "--workers", "2",
-                "--epochs", "1", "--resume", "--tau", "8")
-    assert res.returncode == 2
-    assert "checkpoint was made with --tau 4, this run has --tau 8" in one_error_line(res.stderr)
+def test_resume_with_other_strategy_options_is_refused(tmp_path, capsys):
+    train_here(tmp_path, "--strategy", "easgd", "--workers", "2", "--epochs", "1",
+               "--stop-at-step", "3")
+    capsys.readouterr()
+    code = main(["train", "--out", str(tmp_path), "--strategy", "easgd", "--workers", "2",
+                 "--epochs", "1", "--resume", "--tau", "8"])
+    assert code == 2
+    line = one_error_line(capsys.readouterr().err)
+    assert "checkpoint was made with --tau 4, this run has --tau 8" in line
