@@ -12,7 +12,7 @@ from shoal.core.timeline import CATEGORIES as TIME_CATEGORIES
 from shoal.core.timeline import Timeline, chrome_trace
 from shoal.errors import ShoalError
 
-from conftest import one_error_line, train
+from conftest import one_error_line, train_here
 
 #: The span names a synchronous (DDP) run must show in each rank's lane.
 SYNC_SPANS = {"step", "data", "compute", "allreduce", "optim"}
@@ -36,8 +36,8 @@ def check_chrome_trace(trace: dict) -> list[dict]:
 
 
 def test_two_rank_trace_and_breakdown(tmp_path):
-    summary = train(tmp_path, "--workers", "2", "--epochs", "1", "--stop-at-step", "25",
-                    "--log-every", "5", "--trace", "--split-wait")
+    summary = train_here(tmp_path, "--workers", "2", "--epochs", "1", "--stop-at-step", "25",
+                         "--log-every", "5", "--trace", "--split-wait")
     trace = json.loads((tmp_path / "trace.json").read_text())
     spans = check_chrome_trace(trace)
     lanes = {e["pid"] for e in spans}
@@ -76,8 +76,8 @@ def test_two_rank_trace_and_breakdown(tmp_path):
 
 
 def test_one_worker_breakdown_adds_up_to_step_time(tmp_path):
-    summary = train(tmp_path, "--model", "mlp", "--epochs", "1", "--stop-at-step", "40",
-                    "--trace", "--profile", "3:4")
+    summary = train_here(tmp_path, "--model", "mlp", "--epochs", "1", "--stop-at-step", "40",
+                         "--trace", "--profile", "3:4")
     assert sum(summary["time_s"].values()) == pytest.approx(summary["train_time_s"], rel=0.05)
     assert summary["comm_fraction"] == 0
     spans = check_chrome_trace(json.loads((tmp_path / "trace.json").read_text()))
@@ -128,5 +128,5 @@ def test_bad_flags_are_one_line(tmp_path, capsys, monkeypatch):
 
 def test_tensorboard_scalars(tmp_path):
     pytest.importorskip("tensorboard", reason="the optional tensorboard package is not installed")
-    train(tmp_path, "--model", "mlp", "--stop-at-step", "5", "--log-every", "5", "--tensorboard")
+    train_here(tmp_path, "--model", "mlp", "--stop-at-step", "5", "--log-every", "5", "--tensorboard")
     assert list((tmp_path / "tensorboard").glob("events.out.tfevents.*"))

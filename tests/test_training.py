@@ -5,9 +5,10 @@ import json
 import pytest
 import yaml
 
+from shoal.cli import main
 from shoal.core.timeline import CATEGORIES as TIME_CATEGORIES
 
-from conftest import checkpoint_params, max_param_diff, shoal, train
+from conftest import checkpoint_params, max_param_diff, train_here
 
 SUMMARY_KEYS = {"test_accuracy", "test_loss", "train_loss", "epochs", "steps", "workers",
                 "strategy", "wall_time_s", "samples_per_s", "comm_fraction", "bytes_per_sample"}
@@ -15,8 +16,8 @@ SUMMARY_KEYS = {"test_accuracy", "test_loss", "train_loss", "epochs", "steps", "
 
 def test_demo_reaches_95_percent_on_digits(tmp_path):
     """The README's `make demo` job."""
-    summary = train(tmp_path, "--model", "lenet5", "--dataset", "digits", "--workers", "2",
-                    "--epochs", "10")
+    summary = train_here(tmp_path, "--model", "lenet5", "--dataset", "digits", "--workers", "2",
+                         "--epochs", "10")
     assert summary["test_accuracy"] >= 0.95
     assert summary.keys() >= SUMMARY_KEYS
     assert summary["workers"] == 2 and summary["epochs"] == 10 and summary["completed"]
@@ -47,13 +48,13 @@ COMPRESS_BASE = ["--workers", "2", "--epochs", "1", "--stop-at-step", "20", "--l
 def uncompressed(tmp_path_factory):
     """The uncompressed run every compression is compared with (made once)."""
     out = tmp_path_factory.mktemp("none")
-    return out, train(out, *COMPRESS_BASE)
+    return out, train_here(out, *COMPRESS_BASE)
 
 
 @pytest.mark.parametrize("compress", ["fp16", "bf16", "powersgd"])
 def test_ddp_compression_hooks(tmp_path, uncompressed, compress):
     plain_dir, plain = uncompressed
-    packed = train(tmp_path, *COMPRESS_BASE, "--compress", compress, "--powersgd-warmup", "5")
+    packed = train_here(tmp_path, *COMPRESS_BASE, "--compress", compress, "--powersgd-warmup", "5")
     ratio = packed["bytes_per_sample"] / plain["bytes_per_sample"]
     if compress == "powersgd":
         assert ratio < 0.6  # rank-1 factors after 5 plain steps
@@ -68,23 +69,23 @@ def test_config_file_and_flags(tmp_path):
     cfg = tmp_path / "run.yaml"
     cfg.write_text(yaml.safe_dump({"model": "mlp", "epochs": 1, "batch-size": 50, "lr": 0.1,
                                    "bucket_mb": 1}))
-    summary = train(tmp_path / "out", "--config", str(cfg), "--lr", "0.2", "--stop-at-step", "3")
+    summary = train_here(tmp_path / "out", "--config", str(cfg), "--lr", "0.2", "--stop-at-step", "3")
     config = json.loads((tmp_path / "out" / "config.json").read_text())
     assert summary["model"] == "mlp" and config["batch_size"] == 50
     assert config["lr"] == 0.2  # the flag wins over the file
     assert config["strategy_options"] == {"bucket_mb": 1}
 
 
-def test_plain_progress_lines_and_list():
-    res = shoal("list")
-    assert res.returncode == 0
-    assert "resnet50" in res.stdout and "npz:PATH" in res.stdout and "sync" in res.stdout
+def test_plain_progress_lines_and_list(capsys):
+    assert main(["list"]) == 0
+    out = capsys.readouterr().out
+    assert "resnet50" in out and "npz:PATH" in out and "sync" in out
 
 
 def test_adam_with_warmup_and_step_schedule(tmp_path):
-    summary = train(tmp_path, "--optimizer", "adam", "--lr", "0.002", "--schedule", "step",
-                    "--lr-milestones", "2", "--warmup-epochs", "0.5", "--epochs", "3",
-                    "--workers", "2", "--log-every", "5")
+    summary = train_here(tmp_path, "--optimizer", "adam", "--lr", "0.002", "--schedule", "step",
+                         "--lr-milestones", "2", "--warmup-epochs", "0.5", "--epochs", "3",
+                         "--workers", "2", "--log-every", "5")
     lrs = [json.loads(line)["lr"] for line in (tmp_path / "metrics.jsonl").open()]
     assert lrs[0] == pytest.approx(0.002 * 5 / 22)  # step 5 of a 22-step warm-up
     assert max(lrs) == pytest.approx(0.002) and lrs[-1] == pytest.approx(0.0002)

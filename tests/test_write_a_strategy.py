@@ -12,7 +12,7 @@ from shoal.core.processes import spawn
 from shoal.loading import load_object
 from shoal.strategies import get_strategy
 
-from conftest import REPO, train
+from conftest import REPO, train_here
 
 EXAMPLE = f"{REPO / 'examples' / 'half_precision_averaging.py'}:HalfPrecisionAveraging"
 STEPS, BATCH, TAU = 12, 16, 4
@@ -61,8 +61,8 @@ def test_example_strategy_in_a_user_loop(tmp_path):
 
 
 def test_example_strategy_plugs_into_shoal_train(tmp_path):
-    summary = train(tmp_path, "--strategy", EXAMPLE, "--workers", "2", "--tau", "4",
-                    "--epochs", "5", timeout=180)
+    summary = train_here(tmp_path, "--strategy", EXAMPLE, "--workers", "2", "--tau", "4",
+                         "--epochs", "5")
     assert summary["test_accuracy"] >= 0.9
     full_precision = 2 * 4 * summary["parameters"] / (4 * 32)  # as local SGD would send
     assert summary["bytes_per_sample"] == pytest.approx(full_precision / 2, rel=0.05)
