@@ -14,18 +14,19 @@ from shoal.sweep.reference import Workload, parse_workload
 from shoal.sweep.spec import REFERENCE, StrategySpec, parse_strategies
 from shoal.sweep.tables import markdown_table
 
-from conftest import one_error_line, shoal
+from conftest import one_error_line
 
 PNG = b"\x89PNG\r\n\x1a\n"
 
 
 def test_bench_and_report_write_their_files(tmp_path):
+    # The commands run in this process (their own code path, minus an interpreter start-up);
+    # the bench's runs are real `shoal train` processes and DDP workers all the same.
     out = tmp_path / "bench"
-    res = shoal("bench", "--models", "mlp", "--workers", "2", "--scaling", "weak",
-                "--steps", "4", "--warmup", "2", "--repeats", "1", "--batch-size", "8",
-                "--synthetic-shape", "1x8x8", "--strategies", "sync:bucket_mb=1",
-                "--out", str(out), timeout=240)
-    assert res.returncode == 0, res.stdout + res.stderr
+    assert main(["bench", "--models", "mlp", "--workers", "2", "--scaling", "weak",
+                 "--steps", "4", "--warmup", "2", "--repeats", "1", "--batch-size", "8",
+                 "--synthetic-shape", "1x8x8", "--strategies", "sync:bucket_mb=1",
+                 "--out", str(out)]) == 0
     rows = list(csv.DictReader((out / "bench.csv").open()))
     got = {(r["strategy"], int(r["workers"])) for r in rows}
     assert got == {("sync:bucket_mb=1", 2), (REFERENCE, 2)}
@@ -44,14 +45,12 @@ def test_bench_and_report_write_their_files(tmp_path):
     runs = sorted(p for p in (out / "runs").iterdir() if "ddp-reference" not in p.name)
     assert len(runs) == 1
     done = tmp_path / "finished"
-    res = shoal("train", "--model", "mlp", "--epochs", "1", "--log-every", "10",
-                "--progress", "none", "--out", str(done))
-    assert res.returncode == 0, res.stderr
+    assert main(["train", "--model", "mlp", "--epochs", "1", "--log-every", "10",
+                 "--progress", "none", "--out", str(done)]) == 0
     run = load_run(done)
     assert run["epochs"][-1]["test_accuracy"] > 0.5
     assert run["steps"][0]["samples"] == 10 * 16  # step 10 at a global batch of 16
-    res = shoal("report", *map(str, runs), str(done), "--out", str(tmp_path / "report"))
-    assert res.returncode == 0, res.stdout + res.stderr
+    assert main(["report", *map(str, runs), str(done), "--out", str(tmp_path / "report")]) == 0
     assert (tmp_path / "report" / "report.png").read_bytes().startswith(PNG)
     md = (tmp_path / "report" / "report.md").read_text()
     assert all(p.name in md for p in runs) and "samples/s" in md
