@@ -1,6 +1,7 @@
 """One failing rank brings the whole job down within seconds, with one line saying why."""
 
 import contextlib
+import multiprocessing.resource_tracker
 import os
 import signal
 import subprocess
@@ -10,25 +11,42 @@ import uuid
 
 import pytest
 
-from conftest import REPO, marked_processes, one_error_line, run, shoal, shoal_env
+from shoal.cli import main
+
+from conftest import REPO, marked_processes, one_error_line, run, shoal_env, wait_gone
 
 JOB = ["train", "--dataset", "digits", "--workers", "3", "--epochs", "2", "--timeout", "120",
        "--progress", "none"]
+
+
+def shoal_here(capfd, monkeypatch, marker: str, *args: str) -> tuple[int, str, list[int]]:
+    """``shoal ARGS`` run in this process (the command's own code path, minus an interpreter
+    start-up), its workers carrying ``marker``: the exit status, everything written to
+    stderr (by this process and by the workers, at the descriptor) and the marked processes
+    still alive 5 s after it returned."""
+    multiprocessing.resource_tracker.ensure_running()  # it lives on: started unmarked
+    capfd.readouterr()
+    with monkeypatch.context() as env:
+        env.setenv("SHOAL_TEST_MARKER", marker)  # the workers inherit it
+        code = main(list(args))
+    err = capfd.readouterr().err
+    return code, err, wait_gone(marker, 5.0)
 
 
 @pytest.mark.parametrize("model, expected", [
     ("tests.fixtures_models:raises_on_rank1", "rank 1: RuntimeError: injected failure"),
     ("tests.fixtures_models:killed_on_rank1", "rank 1: worker process killed by signal 9"),
 ])
-def test_failing_rank_stops_the_job(tmp_path, model, expected):
+def test_failing_rank_stops_the_job(tmp_path, capfd, monkeypatch, model, expected):
     marker = uuid.uuid4().hex
     start = time.monotonic()
-    res = shoal(*JOB, "--model", model, "--out", str(tmp_path), env=shoal_env(marker), timeout=60)
+    code, err, stray = shoal_here(capfd, monkeypatch, marker, *JOB, "--model", model,
+                                  "--out", str(tmp_path))
     elapsed = time.monotonic() - start
-    assert res.returncode == 1
-    assert expected in one_error_line(res.stderr)
+    assert code == 1
+    assert expected in one_error_line(err)
     assert elapsed < 40, f"job took {elapsed:.0f}s to notice the failure (timeout is 120s)"
-    assert res.stray == [], "worker processes outlived the job"
+    assert stray == [], "worker processes outlived the job"
 
 
 def test_failure_under_torchrun_stops_every_rank(tmp_path):
@@ -44,11 +62,12 @@ def test_failure_under_torchrun_stops_every_rank(tmp_path):
     assert res.stray == []
 
 
-def test_debug_shows_the_workers_traceback(tmp_path):
-    res = shoal(*JOB, "--model", "tests.fixtures_models:raises_on_rank1", "--out", str(tmp_path),
-                "--debug", timeout=60)
-    assert res.returncode == 1
-    assert "traceback on rank 1" in res.stderr and "fixtures_models.py" in res.stderr
+def test_debug_shows_the_workers_traceback(tmp_path, capfd, monkeypatch):
+    code, err, _ = shoal_here(capfd, monkeypatch, uuid.uuid4().hex, *JOB, "--model",
+                              "tests.fixtures_models:raises_on_rank1", "--out", str(tmp_path),
+                              "--debug")
+    assert code == 1
+    assert "traceback on rank 1" in err and "fixtures_models.py" in err
 
 
 def test_workers_die_with_a_killed_launcher(tmp_path):
