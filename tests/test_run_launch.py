@@ -17,6 +17,7 @@ import pytest
 import torch
 
 import shoal
+from shoal.cli import main
 from shoal.core.env import free_port
 
 from conftest import marked_processes, one_error_line, run, shoal_env
@@ -199,21 +200,23 @@ def test_run_without_shutdown_ends_cleanly(tmp_path, form):
 
 
 @pytest.mark.parametrize("debug", [False, True])
-def test_failing_script_is_one_line_and_stops_the_job(tmp_path, debug):
+def test_failing_script_is_one_line_and_stops_the_job(tmp_path, capfd, debug):
+    # `shoal run` in this process (its own code path, minus an interpreter start-up; the
+    # workers are real processes), stderr read at the descriptor: the workers' output too.
     script = tmp_path / "fail.py"
     script.write_text(FAILING_SCRIPT)
     stamp = tmp_path / "raised_at"
-    marker = uuid.uuid4().hex
     flags = ["--debug"] if debug else []
-    res = shoal_cli("run", *flags, "--workers", "2", str(script), str(stamp),
-                    env=shoal_env(marker), timeout=120)
-    assert res.returncode == 1, res.stderr
+    capfd.readouterr()
+    with no_stray_workers():
+        code = main(["run", *flags, "--workers", "2", str(script), str(stamp)])
+    err = capfd.readouterr().err
+    assert code == 1, err
     assert time.time() - float(stamp.read_text()) < 10, "the job was not stopped in time"
-    assert res.stray == []
     if debug:
-        assert "traceback on rank 1" in res.stderr and 'raise ValueError("boom")' in res.stderr
+        assert "traceback on rank 1" in err and 'raise ValueError("boom")' in err
     else:
-        line = one_error_line(res.stderr)
+        line = one_error_line(err)
         assert line.startswith("shoal: error: rank 1: ValueError: boom"), line
 
 
@@ -222,10 +225,10 @@ def test_failing_script_is_one_line_and_stops_the_job(tmp_path, debug):
     (["-m", "no_such_module_here"], "shoal run: no module named 'no_such_module_here'"),
     ([], "shoal run: give a SCRIPT or -m MODULE"),
 ])
-def test_missing_script_is_one_line(target, message):
-    res = shoal_cli("run", "--workers", "2", *target, timeout=60)
-    assert res.returncode == 2
-    assert message in one_error_line(res.stderr)
+def test_missing_script_is_one_line(capsys, target, message):
+    # In-process: refused before any worker starts.
+    assert main(["run", "--workers", "2", *target]) == 2
+    assert message in one_error_line(capsys.readouterr().err)
 
 
 # -- a plain script under torchrun's variables: atexit and excepthook ----------------------------
