@@ -80,6 +80,42 @@ def train_here(out: Path, *args: str) -> dict[str, Any]:
     return json.loads((out / "summary.json").read_text())
 
 
+def _train_runs(runs: list[list[str]]) -> None:
+    """On every rank of a :func:`shoal.launch` job: each of ``runs`` (``shoal train`` flags),
+    one after the other, as that command runs on a rank of a job it is started in (torchrun's
+    path): parsed by its parser, checked by its preflight, trained by its Trainer. The
+    process group is joined once; each run gets a Comm of its own over it, so the bytes and
+    times in its summary are its own."""
+    import shoal
+    from shoal.cli import build_parser, config_from_args
+    from shoal.core.comm import init_comm
+    from shoal.core.env import detect_environment
+    from shoal.core.timeline import Timeline
+    from shoal.train.trainer import Trainer, preflight
+
+    comm = shoal.init()
+    env = detect_environment()
+    for flags in runs:
+        cfg = config_from_args(build_parser().parse_args(["train", *flags]))
+        assert cfg.workers in (None, comm.world_size), flags
+        data = preflight(cfg, comm.world_size)
+        own = init_comm(env, cfg.device, cfg.timeout, timeline=Timeline(keep_events=cfg.trace),
+                        heartbeat_timeout=None)
+        Trainer(cfg, own, data).run()
+
+
+def train_together(runs: dict[Path, list[str]], workers: int) -> dict[Path, dict[str, Any]]:
+    """Runs of ``shoal train`` (out -> flags) that check different things of ``workers``
+    workers, all in one set of worker processes (:func:`_train_runs`): each run's outputs are
+    its own, but starting the workers and joining them (about 5 s) happens once, not per run.
+    Returns each run's summary.json."""
+    import shoal
+
+    flags = [["--out", str(out), "--progress", "none", *args] for out, args in runs.items()]
+    shoal.launch(_train_runs, flags, workers=workers)
+    return {out: json.loads((out / "summary.json").read_text()) for out in runs}
+
+
 def checkpoint_params(path: Path) -> dict[str, torch.Tensor]:
     return torch.load(path, map_location="cpu", weights_only=True)["model"]
 

@@ -7,7 +7,7 @@ import torch
 
 from shoal.cli import main
 
-from conftest import one_error_line, train_here
+from conftest import one_error_line, train_here, train_together
 
 COMMON = ["--model", "lenet5", "--dataset", "digits", "--workers", "2", "--epochs", "10"]
 STRATEGIES = ["local-sgd", "easgd", "eamsgd", "diloco"]
@@ -18,22 +18,30 @@ def rank_models(path):
     return [r["model"] for r in ranks]
 
 
-@pytest.fixture(scope="module")
-def full_run(tmp_path_factory):
-    """An uninterrupted 10-epoch run per strategy, made once for the tests that need it."""
-    runs = {}
+#: sync's runs: flags, bytes a gradient value takes, extra bytes a step (from the second).
+SYNC_RUNS = {
+    "plain": ([], 4, 0),  # DDP's own all-reduce, no hook: float32 gradients
+    "fp16": (["--compress", "fp16"], 2, 0),  # shoal's fp16 hook: half as many bytes
+    "split-wait": (["--split-wait"], 4, 8),  # and one float64 a step to split the wait
+}
 
-    def get(strategy):
-        if strategy not in runs:
-            out = tmp_path_factory.mktemp(strategy)
-            runs[strategy] = out, train_here(out, *COMMON, "--strategy", strategy, "--tau", "4")
-        return runs[strategy]
-    return get
+
+@pytest.fixture(scope="module")
+def summaries(tmp_path_factory):
+    """Every uninterrupted run the tests below check (a 10-epoch run per strategy, sync's 1-epoch
+    runs), all of 2 workers, made once in one set of worker processes."""
+    runs = {tmp_path_factory.mktemp(s): [*COMMON, "--strategy", s, "--tau", "4"]
+            for s in STRATEGIES}
+    runs.update({tmp_path_factory.mktemp(f"sync-{name}"): [
+        "--model", "mlp", "--dataset", "digits", "--workers", "2", "--epochs", "1",
+        "--strategy", "sync", *options] for name, (options, _, _) in SYNC_RUNS.items()})
+    found = train_together(runs, workers=2)
+    return dict(zip([*STRATEGIES, *SYNC_RUNS], found.values(), strict=True))
 
 
 @pytest.mark.parametrize("strategy", STRATEGIES)
-def test_learns_digits(full_run, strategy):
-    _, summary = full_run(strategy)
+def test_learns_digits(summaries, strategy):
+    summary = summaries[strategy]
     assert summary["strategy"] == strategy and summary["completed"]
     assert summary["test_accuracy"] >= 0.93, summary["test_accuracy"]
     # One packed message of all parameters every 4 steps of 32 samples (16 a worker), from
@@ -43,14 +51,10 @@ def test_learns_digits(full_run, strategy):
     assert 0 < summary["comm_fraction"] < 1
 
 
-@pytest.mark.parametrize("options, bytes_per_value, extra_per_step", [
-    ([], 4, 0),  # DDP's own all-reduce, no hook: float32 gradients
-    (["--compress", "fp16"], 2, 0),  # shoal's fp16 hook: half as many bytes
-    (["--split-wait"], 4, 8),  # and one float64 a step (from the second) to split the wait
-])
-def test_sync_counts_the_gradients_it_sends(tmp_path, options, bytes_per_value, extra_per_step):
-    summary = train_here(tmp_path, "--model", "mlp", "--dataset", "digits", "--workers", "2",
-                         "--epochs", "1", "--strategy", "sync", *options)
+@pytest.mark.parametrize("run", SYNC_RUNS)
+def test_sync_counts_the_gradients_it_sends(summaries, run):
+    _, bytes_per_value, extra_per_step = SYNC_RUNS[run]
+    summary = summaries[run]
     steps, workers = summary["steps"], 2
     grads = workers * steps * bytes_per_value * summary["parameters"]
     assert summary["bytes_sent"] == grads + workers * (steps - 1) * extra_per_step
