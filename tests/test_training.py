@@ -8,7 +8,7 @@ import yaml
 from shoal.cli import main
 from shoal.core.timeline import CATEGORIES as TIME_CATEGORIES
 
-from conftest import checkpoint_params, max_param_diff, train_here
+from conftest import checkpoint_params, max_param_diff, train_here, train_together
 
 SUMMARY_KEYS = {"test_accuracy", "test_loss", "train_loss", "epochs", "steps", "workers",
                 "strategy", "wall_time_s", "samples_per_s", "comm_fraction", "bytes_per_sample"}
@@ -42,26 +42,33 @@ def test_demo_reaches_95_percent_on_digits(tmp_path):
 
 
 COMPRESS_BASE = ["--workers", "2", "--epochs", "1", "--stop-at-step", "20", "--log-every", "5"]
+COMPRESSIONS = ["fp16", "bf16", "powersgd"]
+ADAM = ["--optimizer", "adam", "--lr", "0.002", "--schedule", "step", "--lr-milestones", "2",
+        "--warmup-epochs", "0.5", "--epochs", "3", "--workers", "2", "--log-every", "5"]
 
 
 @pytest.fixture(scope="module")
-def uncompressed(tmp_path_factory):
-    """The uncompressed run every compression is compared with (made once)."""
-    out = tmp_path_factory.mktemp("none")
-    return out, train_here(out, *COMPRESS_BASE)
+def runs(tmp_path_factory):
+    """The uncompressed run every compression is compared with, each compression's run and
+    the Adam run: made once, in one set of 2 worker processes."""
+    flags = {"none": COMPRESS_BASE, "adam": ADAM,
+             **{c: [*COMPRESS_BASE, "--compress", c, "--powersgd-warmup", "5"] for c in COMPRESSIONS}}
+    dirs = {name: tmp_path_factory.mktemp(name) for name in flags}
+    summaries = train_together({dirs[name]: f for name, f in flags.items()}, workers=2)
+    return {name: (dirs[name], summaries[dirs[name]]) for name in flags}
 
 
-@pytest.mark.parametrize("compress", ["fp16", "bf16", "powersgd"])
-def test_ddp_compression_hooks(tmp_path, uncompressed, compress):
-    plain_dir, plain = uncompressed
-    packed = train_here(tmp_path, *COMPRESS_BASE, "--compress", compress, "--powersgd-warmup", "5")
+@pytest.mark.parametrize("compress", COMPRESSIONS)
+def test_ddp_compression_hooks(runs, compress):
+    plain_dir, plain = runs["none"]
+    packed_dir, packed = runs[compress]
     ratio = packed["bytes_per_sample"] / plain["bytes_per_sample"]
     if compress == "powersgd":
         assert ratio < 0.6  # rank-1 factors after 5 plain steps
     else:
         assert ratio == pytest.approx(0.5, rel=0.01)
     diff = max_param_diff(checkpoint_params(plain_dir / "checkpoint.pt"),
-                          checkpoint_params(tmp_path / "checkpoint.pt"))
+                          checkpoint_params(packed_dir / "checkpoint.pt"))
     assert 0 < diff < (0.5 if compress == "powersgd" else 0.05)
 
 
@@ -82,11 +89,9 @@ def test_plain_progress_lines_and_list(capsys):
     assert "resnet50" in out and "npz:PATH" in out and "sync" in out
 
 
-def test_adam_with_warmup_and_step_schedule(tmp_path):
-    summary = train_here(tmp_path, "--optimizer", "adam", "--lr", "0.002", "--schedule", "step",
-                         "--lr-milestones", "2", "--warmup-epochs", "0.5", "--epochs", "3",
-                         "--workers", "2", "--log-every", "5")
-    lrs = [json.loads(line)["lr"] for line in (tmp_path / "metrics.jsonl").open()]
+def test_adam_with_warmup_and_step_schedule(runs):
+    out, summary = runs["adam"]
+    lrs = [json.loads(line)["lr"] for line in (out / "metrics.jsonl").open()]
     assert lrs[0] == pytest.approx(0.002 * 5 / 22)  # step 5 of a 22-step warm-up
     assert max(lrs) == pytest.approx(0.002) and lrs[-1] == pytest.approx(0.0002)
     assert summary["test_accuracy"] > 0.8
