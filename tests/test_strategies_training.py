@@ -7,7 +7,7 @@ import torch
 
 from shoal.cli import main
 
-from conftest import one_error_line, train_here, train_together
+from conftest import one_error_line, train_together
 
 COMMON = ["--model", "lenet5", "--dataset", "digits", "--workers", "2", "--epochs", "10"]
 STRATEGIES = ["local-sgd", "easgd", "eamsgd", "diloco"]
@@ -27,21 +27,24 @@ SYNC_RUNS = {
 
 
 @pytest.fixture(scope="module")
-def summaries(tmp_path_factory):
-    """Every uninterrupted run the tests below check (a 10-epoch run per strategy, sync's 1-epoch
-    runs), all of 2 workers, made once in one set of worker processes."""
-    runs = {tmp_path_factory.mktemp(s): [*COMMON, "--strategy", s, "--tau", "4"]
-            for s in STRATEGIES}
-    runs.update({tmp_path_factory.mktemp(f"sync-{name}"): [
-        "--model", "mlp", "--dataset", "digits", "--workers", "2", "--epochs", "1",
-        "--strategy", "sync", *options] for name, (options, _, _) in SYNC_RUNS.items()})
-    found = train_together(runs, workers=2)
-    return dict(zip([*STRATEGIES, *SYNC_RUNS], found.values(), strict=True))
+def runs(tmp_path_factory):
+    """Every run the tests below read (a 10-epoch run per strategy, sync's 1-epoch runs, an
+    EASGD run stopped at step 3), all of 2 workers, made once in one set of worker processes:
+    name -> (its --out, its summary)."""
+    flags = {s: [*COMMON, "--strategy", s, "--tau", "4"] for s in STRATEGIES}
+    flags.update({name: ["--model", "mlp", "--dataset", "digits", "--workers", "2", "--epochs", "1",
+                         "--strategy", "sync", *options]
+                  for name, (options, _, _) in SYNC_RUNS.items()})
+    flags["stopped"] = ["--strategy", "easgd", "--workers", "2", "--epochs", "1",
+                        "--stop-at-step", "3"]  # with --tau 4, the default
+    dirs = {name: tmp_path_factory.mktemp(name) for name in flags}
+    summaries = train_together({dirs[name]: f for name, f in flags.items()}, workers=2)
+    return {name: (dirs[name], summaries[dirs[name]]) for name in flags}
 
 
 @pytest.mark.parametrize("strategy", STRATEGIES)
-def test_learns_digits(summaries, strategy):
-    summary = summaries[strategy]
+def test_learns_digits(runs, strategy):
+    _, summary = runs[strategy]
     assert summary["strategy"] == strategy and summary["completed"]
     assert summary["test_accuracy"] >= 0.93, summary["test_accuracy"]
     # One packed message of all parameters every 4 steps of 32 samples (16 a worker), from
@@ -52,9 +55,9 @@ def test_learns_digits(summaries, strategy):
 
 
 @pytest.mark.parametrize("run", SYNC_RUNS)
-def test_sync_counts_the_gradients_it_sends(summaries, run):
+def test_sync_counts_the_gradients_it_sends(runs, run):
     _, bytes_per_value, extra_per_step = SYNC_RUNS[run]
-    summary = summaries[run]
+    _, summary = runs[run]
     steps, workers = summary["steps"], 2
     grads = workers * steps * bytes_per_value * summary["parameters"]
     assert summary["bytes_sent"] == grads + workers * (steps - 1) * extra_per_step
@@ -79,11 +82,10 @@ def test_bad_strategy_options_are_one_line(tmp_path, capsys, args, expected):
     assert not (tmp_path / "run").exists()
 
 
-def test_resume_with_other_strategy_options_is_refused(tmp_path, capsys):
-    train_here(tmp_path, "--strategy", "easgd", "--workers", "2", "--epochs", "1",
-               "--stop-at-step", "3")
-    capsys.readouterr()
-    code = main(["train", "--out", str(tmp_path), "--strategy", "easgd", "--workers", "2",
+def test_resume_with_other_strategy_options_is_refused(runs, capsys):
+    stopped, summary = runs["stopped"]
+    assert summary["steps"] == 3 and not summary["completed"]
+    code = main(["train", "--out", str(stopped), "--strategy", "easgd", "--workers", "2",
                  "--epochs", "1", "--resume", "--tau", "8"])
     assert code == 2
     line = one_error_line(capsys.readouterr().err)
