@@ -407,7 +407,9 @@ def test_server_side_failures_reach_the_client_in_one_line(store):
 def test_client_books_comm_time_and_counts_payload_bytes(store):
     n = 10
     center = torch.zeros(n)
-    server = ShardServer(store, 0, 1, AddRule(center), center, timeout=10.0)
+    reports = []
+    server = ShardServer(store, 0, 1, AddRule(center), center, timeout=10.0,
+                         on_report=lambda c, obj: reports.append(obj))
     server.start()
     timeline, sent = Timeline(keep_events=True), []
     client = ServerClient(store, 0, [(0, n)], timeout=10.0, timeline=timeline, count=sent.append)
@@ -415,6 +417,8 @@ def test_client_books_comm_time_and_counts_payload_bytes(store):
         reply = torch.zeros(n)
         client.exchange(torch.ones(n), reply, Header(0, 0))
         client.pull(reply, Header(0, 0))
+        client.report({"epoch": 1})  # bookkeeping, as a synchronous run's metric reductions
+        assert reports == [{"epoch": 1}]
         assert sent == [4 * n]  # the exchange's payload; a pull sends none
         assert timeline.totals[COMM] > 0
         assert [e.name for e in timeline.events] == ["push+pull", "pull"]

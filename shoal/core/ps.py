@@ -777,10 +777,13 @@ class ServerClient:
 
     # -- requests ---------------------------------------------------------------------------
     @contextlib.contextmanager
-    def _transaction(self, name: str) -> Iterator[None]:
+    def _transaction(self, name: str, timed: bool = True) -> Iterator[None]:
+        """Hold every channel for one request; ``timed``: book it as a ``COMM`` span (the
+        training's exchanges; not the reports, which are bookkeeping, as a synchronous run's
+        metric reductions are)."""
         if self._closed:
             raise ShoalError(f"client {self.client}: used after close()")
-        span = self.timeline.span(COMM, name) if self.timeline is not None \
+        span = self.timeline.span(COMM, name) if self.timeline is not None and timed \
             else contextlib.nullcontext()
         with span, contextlib.ExitStack() as locks:
             for ch in self._channels:
@@ -853,7 +856,7 @@ class ServerClient:
         i = self._index(0)
         ch = self._channels[i]
         head = replace(header or Header(REPORT, self.client), client=self.client)
-        with self._transaction("report"):
+        with self._transaction("report", timed=False):
             ch.send_object(obj, REPORT, head)
             ch.recv([self._hin[i]])
             answer = Header.unpack(self._hin[i])
@@ -863,7 +866,7 @@ class ServerClient:
     def fetch_state(self, server: int) -> dict:
         """Server ``server``'s :meth:`ShardServer.state` (its shard, version, rule state)."""
         ch = self._channels[self._index(server)]
-        with self._transaction("state"):
+        with self._transaction("state", timed=False):
             ch.send([Header(STATE, self.client).pack()])
             return ch.recv_object()
 
