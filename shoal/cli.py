@@ -127,6 +127,20 @@ def _bench_parser(sub: Any) -> argparse.ArgumentParser:
     setting("lr")
     setting("momentum", "SGD momentum of every run and of the reference (default 0.9; 0 for "
                         "the EASGD paper's plain local steps)")
+    setting("schedule")
+    race = p.add_argument_group(
+        "a race: time to accuracy instead of throughput",
+        "With --epochs, every point trains that many epochs on --dataset (digits works), "
+        "tested after each epoch; the table gives the time to --target-accuracy, the test "
+        "accuracy at --budget seconds, and the speed-up over the first strategy. A strategy "
+        "may set its own run settings: async-sgd:momentum=0.")
+    race.add_argument("--epochs", type=int, default=None, metavar="E",
+                      help="race: epochs each point trains")
+    race.add_argument("--target-accuracy", type=float, default=None, metavar="A",
+                      help="race: the test accuracy to reach, in (0, 1], e.g. 0.95")
+    race.add_argument("--budget", type=float, default=None, metavar="S",
+                      help="race: compare test accuracy after S seconds of training (default: "
+                           "when the quickest point finished)")
     p.add_argument("--no-reference", dest="reference", action="store_false",
                    help="leave out the hand-written DDP loop")
     p.add_argument("--emulate-bandwidth", default=None, metavar="RATE",
@@ -217,9 +231,10 @@ def _bench(args: argparse.Namespace, argv: Sequence[str]) -> None:
         steps=args.steps, warmup=args.warmup, repeats=args.repeats, dataset=args.dataset,
         synthetic_shape=tuple(args.synthetic_shape), reference=args.reference,
         emulate_bandwidth=args.emulate_bandwidth, out=Path(args.out), lr=args.lr,
-        momentum=args.momentum,
+        momentum=args.momentum, schedule=args.schedule, epochs=args.epochs,
+        target_accuracy=args.target_accuracy, budget=args.budget,
         run_timeout=args.run_timeout, quiet=args.quiet)
-    if cfg.reference and cfg.dataset != "synthetic":
+    if cfg.reference and not cfg.race and cfg.dataset != "synthetic":
         raise ShoalError("the DDP reference row trains on synthetic data; use --dataset "
                          "synthetic or --no-reference")
     run_bench(cfg, "shoal " + " ".join(argv))

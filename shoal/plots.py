@@ -75,6 +75,56 @@ def bench_figure(rows: Sequence[dict[str, Any]], path: Path, title: str = "",
     plt.close(fig)
 
 
+def race_figure(rows: Sequence[dict[str, Any]], results: dict[Any, list[dict[str, Any]]],
+                path: Path, title: str = "", target: float | None = None) -> None:
+    """A race: test accuracy against training time (every repeat, one colour per row of
+    ``rows``, whose order is ``results``'), the target and the budget marked; beside it, each
+    row's median time to the target with the repeats' range."""
+    import math
+
+    plt = require_matplotlib()
+    fig, (ax, bars) = plt.subplots(1, 2, figsize=(13, 4.6), dpi=80,
+                                   gridspec_kw={"width_ratios": [3, 2]})
+    names = [f"{r['strategy']} ({r['workers']} workers)" for r in rows]
+    for i, (name, runs) in enumerate(zip(names, results.values(), strict=True)):
+        for k, run in enumerate(runs):
+            xs, ys = zip(*run["curve"], strict=True)
+            ax.plot(xs, ys, "o-", color=f"C{i % 10}", alpha=0.9 if k == 0 else 0.35,
+                    markersize=3, label=name if k == 0 else None)
+    if target is not None:
+        ax.axhline(target, color="gray", linestyle="--", linewidth=1)
+    if rows:
+        ax.axvline(rows[0]["budget_s"], color="gray", linestyle=":", linewidth=1)
+    ax.set_xlabel("training time (s)")
+    ax.set_ylabel("test accuracy")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=7, loc="lower right")
+    ys = list(range(len(rows)))
+    reached = [r.get("time_to_target") for r in rows]
+    width, low, high = [], [], []
+    for t, r in zip(reached, rows, strict=True):
+        finite = t is not None and math.isfinite(t)
+        width.append(t if finite else 0.0)
+        top = r.get("time_to_target_max")
+        low.append(t - r["time_to_target_min"] if finite else 0.0)
+        high.append(top - t if finite and math.isfinite(top) else 0.0)
+    bars.barh(ys, width, xerr=[low, high], color=[f"C{i % 10}" for i in ys], capsize=3)
+    for y, t in zip(ys, reached, strict=True):
+        if t is not None and not math.isfinite(t):
+            bars.text(0, y, " not reached", va="center", fontsize=8)
+    bars.set_yticks(ys, names, fontsize=8)
+    bars.invert_yaxis()
+    bars.set_xlabel("median time to " + (f"{100 * target:g}%" if target is not None
+                                          else "the target") + " (s)")
+    bars.grid(alpha=0.3, axis="x")
+    if title:
+        fig.suptitle(title, fontsize=10)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path)
+    plt.close(fig)
+
+
 def report_figure(runs: Sequence[dict[str, Any]], path: Path) -> None:
     """Loss and accuracy of several runs against wall time and against samples seen.
 

@@ -9,7 +9,7 @@ import pytest
 from shoal.cli import main
 from shoal.errors import ShoalError
 from shoal.report import load_run, summary_table
-from shoal.sweep.measure import add_efficiency
+from shoal.sweep.measure import accuracy_at, add_efficiency, add_speedup, measure_race
 from shoal.sweep.reference import Workload, parse_workload
 from shoal.sweep.spec import REFERENCE, StrategySpec, parse_strategies
 from shoal.sweep.tables import markdown_table
@@ -57,12 +57,48 @@ def test_bench_and_report_write_their_files(tmp_path):
     assert any(line.startswith("| finished | mlp | sync | 1 |") for line in md.splitlines())
 
 
+def test_race_measures_time_to_accuracy(tmp_path):
+    # A race of one asynchronous point (its records are the coordinator's): the server runs
+    # beside the workers, so the point counts 3 processes (3 hosts on an emulated cluster).
+    out = tmp_path / "race"
+    assert main(["bench", "--dataset", "digits", "--models", "mlp", "--workers", "2",
+                 "--scaling", "weak", "--batch-size", "16", "--lr", "0.1", "--epochs", "2",
+                 "--target-accuracy", "0.5", "--repeats", "1", "--quiet",
+                 "--strategies", "async-easgd:tau=2,momentum=0.5", "--out", str(out)]) == 0
+    (row,) = list(csv.DictReader((out / "bench.csv").open()))
+    assert row["strategy"] == "async-easgd:momentum=0.5,tau=2" and row["processes"] == "3"
+    config = json.loads((out / "runs" / "mlp-async-easgd_momentum0.5_tau2-weak-w2-t1-r0"
+                         / "config.json").read_text())
+    assert config["momentum"] == 0.5 and config["epochs"] == 2  # the strategy's own setting
+    result = measure_race(out / "runs" / "mlp-async-easgd_momentum0.5_tau2-weak-w2-t1-r0", 0.5)
+    assert len(result["curve"]) == 2 and result["final_accuracy"] == result["curve"][-1][1]
+    assert float(row["time_to_target"]) == result["time_to_target"] <= result["curve"][-1][0]
+    assert float(row["budget_s"]) == result["curve"][-1][0]  # the quickest point's end
+    assert float(row["accuracy_at_budget"]) == result["final_accuracy"] > 0.5
+    assert row["reached"] == "1" and float(row["speedup"]) == 1.0
+    assert "| mlp | async-easgd:momentum=0.5,tau=2 | 2 | 3 | 32 |" in (out / "bench.md").read_text()
+    assert (out / "bench.png").read_bytes().startswith(PNG)
+
+
+def test_race_arithmetic():
+    curve = [(1.0, 0.5), (2.0, 0.8), (3.0, 0.9)]
+    assert [accuracy_at(curve, t) for t in (0.5, 1.0, 2.5, 9.0)] == [None, 0.5, 0.8, 0.9]
+    rows = [{"model": "m", "scaling": "weak", "threads_label": "1", "workers": 2,
+             "strategy": s, "time_to_target": t} for s, t in
+            (("sync", 4.0), ("easgd", 1.0), ("async-sgd", float("inf")), ("auto", None))]
+    add_speedup(rows)
+    assert [r["speedup"] for r in rows] == [1.0, 4.0, None, None]
+    assert {r["baseline"] for r in rows} == {"sync"}
+
+
 def test_parse_strategies():
     specs = parse_strategies("sync,sync:bucket_mb=1,compress=fp16", common="bucket-mb=5")
     assert specs == [StrategySpec("sync", (("bucket_mb", "5"),)),
                      StrategySpec("sync", (("bucket_mb", "1"), ("compress", "fp16")))]
     assert specs[1].label == "sync:bucket_mb=1,compress=fp16"
     assert specs[1].flags() == ["--strategy", "sync", "--bucket-mb", "1", "--compress", "fp16"]
+    assert parse_strategies("async-sgd:momentum=0")[0].flags() == [
+        "--strategy", "async-sgd", "--momentum", "0"]  # a run setting of its own
     for bad, message in (("nosuch", "unknown strategy"), ("sync:tau=4", "does not take"),
                          ("bucket_mb=1", "before any strategy"), ("", "empty"),
                          (REFERENCE, "added by shoal bench")):
@@ -107,6 +143,10 @@ def test_errors_are_one_line(tmp_path, capsys):
     assert "--workers" in error_of(capsys, "bench", "--workers", "0")
     assert "--scaling" in error_of(capsys, "bench", "--scaling", "diagonal")
     assert "100 mbit" in error_of(capsys, "bench", "--emulate-bandwidth", "100 mbit")
+    assert "give --epochs too" in error_of(capsys, "bench", "--target-accuracy", "0.9")
+    assert "in (0, 1]" in error_of(capsys, "bench", "--epochs", "2", "--target-accuracy", "95")
+    assert "hogwild shares memory on one host" in error_of(
+        capsys, "bench", "--emulate-bandwidth", "1gbit", "--strategies", "hogwild")
     assert "not a run directory" in error_of(capsys, "report", str(tmp_path / "nothing"))
     (tmp_path / "empty").mkdir()
     assert "no metrics.jsonl" in error_of(capsys, "report", str(tmp_path / "empty"))

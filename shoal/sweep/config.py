@@ -7,6 +7,7 @@ from pathlib import Path
 
 from shoal.core.env import default_threads
 from shoal.errors import ShoalError
+from shoal.strategies import get_strategy
 from shoal.sweep.spec import REFERENCE, StrategySpec
 
 SCALINGS = ("weak", "strong")
@@ -37,6 +38,18 @@ class BenchConfig:
     momentum: float = 0.9
     run_timeout: float = 900.0  # seconds one training run may take
     quiet: bool = False
+    schedule: str = "constant"
+    #: A race (time to accuracy) instead of a throughput sweep: every point trains this many
+    #: epochs, tested after each; measured: time to ``target_accuracy``, test accuracy at
+    #: ``budget`` seconds (default: when the quickest point finished), final accuracy.
+    epochs: int | None = None
+    target_accuracy: float | None = None
+    budget: float | None = None
+
+    @property
+    def race(self) -> bool:
+        """Whether the sweep measures time to accuracy (``--epochs``) rather than throughput."""
+        return self.epochs is not None
 
     def validate(self) -> BenchConfig:
         for name in ("batch_size", "steps", "warmup", "repeats"):
@@ -52,10 +65,15 @@ class BenchConfig:
             raise ShoalError(f"--scaling must be weak, strong or both, got {','.join(self.scaling)}")
         if not self.models:
             raise ShoalError("--models is empty")
+        self._validate_race()
         if self.emulate_bandwidth is not None:
             from shoal.emulate import can_emulate, rate_bits
 
             rate_bits(self.emulate_bandwidth)
+            for spec in self.strategies:
+                if getattr(get_strategy(spec.name), "shared_memory", False):
+                    raise ShoalError(f"--emulate-bandwidth: {spec.name} shares memory on one "
+                                     "host; sweep it without --emulate-bandwidth")
             why = can_emulate()
             if why is not None:
                 raise ShoalError(f"--emulate-bandwidth: cannot emulate a cluster here: {why}")
@@ -66,6 +84,17 @@ class BenchConfig:
                     raise ShoalError(f"strong scaling: the global batch {g} does not divide "
                                      f"among {world_size} workers; set --global-batch-size")
         return self
+
+    def _validate_race(self) -> None:
+        if self.epochs is not None and self.epochs < 1:
+            raise ShoalError(f"--epochs must be at least 1, got {self.epochs}")
+        for name, value in (("target_accuracy", self.target_accuracy), ("budget", self.budget)):
+            if value is not None and not self.race:
+                raise ShoalError(f"--{name.replace('_', '-')} measures a race: give --epochs too")
+        if self.target_accuracy is not None and not 0 < self.target_accuracy <= 1:
+            raise ShoalError(f"--target-accuracy must be in (0, 1], got {self.target_accuracy}")
+        if self.budget is not None and not self.budget > 0:
+            raise ShoalError(f"--budget must be a positive number of seconds, got {self.budget}")
 
     def strong_global_batch(self) -> int:
         return self.global_batch_size or self.batch_size * max(self.workers)
@@ -91,6 +120,20 @@ class Point:
     def threads_for(self) -> int:
         return self.threads or default_threads(self.world_size)
 
+    @property
+    def servers(self) -> int:
+        """Parameter-server processes beside the workers (an asynchronous strategy's)."""
+        if self.strategy is None or not getattr(get_strategy(self.strategy.name),
+                                                "asynchronous", False):
+            return 0
+        return int(dict(self.strategy.options).get("servers", 1))
+
+    @property
+    def processes(self) -> int:
+        """Processes of the run, servers included; on an emulated cluster each has a host
+        of its own (a parameter server behind its own link, as on a real cluster)."""
+        return self.world_size + self.servers
+
     def name(self, repeat: int) -> str:
         label = self.strategy_label.replace(":", "_").replace(",", "_").replace("=", "")
         return (f"{self.model}-{label}-{self.scaling}-w{self.world_size}-t{self.threads_for()}"
@@ -105,6 +148,6 @@ def points(cfg: BenchConfig) -> list[Point]:
             for threads in cfg.threads:
                 for world_size in cfg.workers:
                     out += [Point(model, s, scaling, world_size, threads) for s in cfg.strategies]
-                    if cfg.reference:
+                    if cfg.reference and not cfg.race:  # the reference loop does not test
                         out.append(Point(model, None, scaling, world_size, threads))
     return out

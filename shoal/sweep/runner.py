@@ -21,31 +21,47 @@ from typing import Any
 from shoal.emulate import Cluster, terminate_as_exception
 from shoal.errors import ShoalError
 from shoal.sweep.config import BenchConfig, Point, points
-from shoal.sweep.measure import add_efficiency, measure_run, summarize
+from shoal.sweep.measure import (
+    add_efficiency,
+    add_speedup,
+    default_budget,
+    measure_race,
+    measure_run,
+    summarize,
+    summarize_race,
+)
 from shoal.sweep.reference import Workload, run_reference
 from shoal.sweep.tables import markdown_table, write_outputs
 
 
 def train_command(cfg: BenchConfig, p: Point, out: Path, local_workers: bool) -> list[str]:
     """The ``python`` arguments of point ``p``'s ``shoal train`` run, writing to ``out``;
-    ``local_workers``: it starts its own workers (``--workers``) rather than run under torchrun."""
+    ``local_workers``: it starts its own workers (``--workers``) rather than run under torchrun.
+
+    A throughput point trains ``warmup + steps`` steps; a race point ``cfg.epochs`` epochs,
+    tested after each and checkpointed only at the end (a checkpoint is not part of the race).
+    The strategy's own settings come last, so they override the sweep's.
+    """
     assert p.strategy is not None
     batch = cfg.per_worker_batch(p.scaling, p.world_size)
-    total = cfg.warmup + cfg.steps
     cmd = ["-m", "shoal", "train", "--model", p.model, "--dataset", cfg.dataset,
-           *p.strategy.flags(), "--batch-size", str(batch),
-           "--threads-per-worker", str(p.threads_for()), "--epochs", "1000",
-           "--stop-at-step", str(total), "--checkpoint-every", str(total),
-           "--eval-every", "1000", "--schedule", "constant", "--lr", str(cfg.lr),
-           "--momentum", str(cfg.momentum),
-           "--log-every", str(math.gcd(cfg.warmup, cfg.steps)), "--progress", "none",
-           "--out", str(out), "--overwrite", "--device", "cpu"]
+           "--batch-size", str(batch), "--threads-per-worker", str(p.threads_for()),
+           "--schedule", cfg.schedule, "--lr", str(cfg.lr), "--momentum", str(cfg.momentum),
+           "--progress", "none", "--out", str(out), "--overwrite", "--device", "cpu"]
+    if cfg.race:
+        cmd += ["--epochs", str(cfg.epochs), "--eval-every", "1", "--checkpoint-every",
+                str(10**9), "--log-every", "10"]
+    else:
+        total = cfg.warmup + cfg.steps
+        cmd += ["--epochs", "1000", "--stop-at-step", str(total), "--checkpoint-every", str(total),
+                "--eval-every", "1000", "--log-every", str(math.gcd(cfg.warmup, cfg.steps))]
     if cfg.dataset == "synthetic":
-        cmd += ["--synthetic-shape", "x".join(map(str, cfg.synthetic_shape)),
-                "--synthetic-samples", str((total + 1) * batch * p.world_size)]
+        cmd += ["--synthetic-shape", "x".join(map(str, cfg.synthetic_shape))]
+        if not cfg.race:  # enough samples for the timed steps, all in one epoch
+            cmd += ["--synthetic-samples", str((cfg.warmup + cfg.steps + 1) * batch * p.world_size)]
     if local_workers:
         cmd += ["--workers", str(p.world_size)]
-    return cmd
+    return cmd + p.strategy.flags()
 
 
 class Runner:
@@ -62,24 +78,25 @@ class Runner:
     def __exit__(self, *exc: object) -> None:
         self._stack.close()
 
-    def _cluster(self, world_size: int) -> Cluster:
-        if world_size not in self._clusters:
+    def _cluster(self, hosts: int) -> Cluster:
+        if hosts not in self._clusters:
             assert self.cfg.emulate_bandwidth is not None
-            self._clusters[world_size] = self._stack.enter_context(
-                Cluster(world_size, self.cfg.emulate_bandwidth))
-        return self._clusters[world_size]
+            self._clusters[hosts] = self._stack.enter_context(
+                Cluster(hosts, self.cfg.emulate_bandwidth))
+        return self._clusters[hosts]
 
     def _emulated(self, p: Point) -> bool:
         return self.cfg.emulate_bandwidth is not None and p.world_size > 1
 
-    def run(self, p: Point, repeat: int) -> dict[str, float]:
-        """Run point ``p`` once; its measurements (:func:`~shoal.sweep.measure.measure_run`)."""
+    def run(self, p: Point, repeat: int) -> dict[str, Any]:
+        """Run point ``p`` once; its measurements (:func:`~shoal.sweep.measure.measure_run`,
+        or :func:`~shoal.sweep.measure.measure_race` in a race)."""
         out = (self.cfg.out / "runs" / p.name(repeat)).resolve()
         if p.strategy is None:
             return self._reference(p, out)
         if self._emulated(p):
             out.mkdir(parents=True, exist_ok=True)
-            code = self._cluster(p.world_size).torchrun(
+            code = self._cluster(p.processes).torchrun(
                 train_command(self.cfg, p, out, False), timeout=self.cfg.run_timeout,
                 log=out / "torchrun.log")
             if code:
@@ -87,7 +104,8 @@ class Runner:
                                  f"cluster (exit {code}); see {out / 'torchrun.log'}")
         else:
             self._subprocess([sys.executable, *train_command(self.cfg, p, out, True)], p, repeat)
-        result = measure_run(out, self.cfg.warmup)
+        result = measure_race(out, self.cfg.target_accuracy) if self.cfg.race \
+            else measure_run(out, self.cfg.warmup)
         (out / "checkpoint.pt").unlink(missing_ok=True)  # only the records are worth keeping
         return result
 
@@ -112,7 +130,7 @@ class Runner:
         if self._emulated(p):
             args = ["-m", "shoal.sweep.reference", *w.flags(),
                     "--threads", str(p.threads_for()), "--out", str(result_file)]
-            code = self._cluster(p.world_size).torchrun(args, timeout=cfg.run_timeout,
+            code = self._cluster(p.processes).torchrun(args, timeout=cfg.run_timeout,
                                                         log=out / "torchrun.log")
             if code:
                 raise ShoalError(f"the DDP reference loop failed on the emulated cluster (exit {code}); "
@@ -140,7 +158,7 @@ def run_bench(cfg: BenchConfig, command: str = "shoal bench") -> list[dict[str, 
     cfg.validate()
     require_matplotlib()  # before minutes of running, not after
     todo = points(cfg)
-    results: dict[Point, list[dict[str, float]]] = {p: [] for p in todo}
+    results: dict[Point, list[dict[str, Any]]] = {p: [] for p in todo}
     n, total = 0, len(todo) * cfg.repeats
     # SIGTERM too unwinds through the runner, which tears down any emulated cluster.
     with terminate_as_exception(), Runner(cfg) as runner:
@@ -150,10 +168,15 @@ def run_bench(cfg: BenchConfig, command: str = "shoal bench") -> list[dict[str, 
                 n += 1
                 with _say(cfg.quiet, f"[{n}/{total}] {p.name(repeat)}"):
                     results[p].append(runner.run(p, repeat))
-    rows = [summarize(p, results[p]) for p in todo]
-    add_efficiency(rows)
-    paths = write_outputs(cfg, rows, command)
+    if cfg.race:
+        budget = cfg.budget or default_budget(results)
+        rows = [summarize_race(p, results[p], budget) for p in todo]
+        add_speedup(rows)
+    else:
+        rows = [summarize(p, results[p]) for p in todo]
+        add_efficiency(rows)
+    paths = write_outputs(cfg, rows, command, results)
     if not cfg.quiet:
-        print("\n" + markdown_table(rows))
+        print("\n" + markdown_table(rows, cfg))
         print(f"wrote {', '.join(str(p) for p in paths.values())}")
     return rows

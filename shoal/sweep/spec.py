@@ -9,11 +9,16 @@ from shoal.schema import flag_name
 
 #: The label of the hand-written DDP loop's rows; not a strategy one can name.
 REFERENCE = "ddp-reference"
+#: Run settings a strategy of the sweep may set for itself, as its options are set
+#: (``async-sgd:momentum=0``): each algorithm's own optimizer, the others keep the sweep's.
+RUN_SETTINGS = ("optimizer", "lr", "momentum", "nesterov", "weight_decay", "schedule",
+                "warmup_epochs", "scale_lr")
 
 
 @dataclass(frozen=True)
 class StrategySpec:
-    """A strategy and the options it runs with in the benchmark (``local-sgd:tau=4``)."""
+    """A strategy and the options it runs with in the benchmark (``local-sgd:tau=4``); its
+    options may also be :data:`RUN_SETTINGS` (``async-sgd:momentum=0``)."""
 
     name: str
     options: tuple[tuple[str, str], ...] = ()
@@ -73,9 +78,10 @@ def parse_strategies(text: str, common: str = "") -> list[StrategySpec]:
         cls = get_strategy(name)
         takes = {f.name for f in option_fields(cls)}
         for key in opts:
-            if key not in takes:
-                raise ShoalError(f"strategy {name} does not take option {key!r} "
-                                 f"(it takes {', '.join(sorted(takes)) or 'none'})")
+            if key not in takes and key not in RUN_SETTINGS:
+                raise ShoalError(f"strategy {name} does not take option {key!r} (it takes "
+                                 f"{', '.join(sorted(takes)) or 'none'}; any strategy takes the "
+                                 f"run settings {', '.join(RUN_SETTINGS)})")
         merged = {k: v for k, v in shared.items() if k in takes} | opts
         out.append(StrategySpec(name, tuple(sorted(merged.items()))))
     return out
