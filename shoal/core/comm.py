@@ -48,6 +48,10 @@ class Comm:
     (the job's rendezvous store), a :class:`~shoal.core.watchdog.Watchdog` ends this process when another rank
     fails or stops responding; ``heartbeat_timeout`` (seconds, ``None``: never) is how long
     a rank may go without a heartbeat before it is reported as hung.
+
+    ``peers=False``: a worker of an asynchronous job, whose peers are its parameter servers
+    only (``ps``): no collective goes anywhere, even once this process joins a process group
+    of its own (a compute group's, spoken for by a :meth:`child`).
     """
 
     def __init__(
@@ -57,6 +61,8 @@ class Comm:
         timeline: Timeline | None = None,
         store: dist.Store | None = None,
         heartbeat_timeout: float | None = 10.0,
+        *,
+        peers: bool = True,
     ) -> None:
         self.rank = env.rank
         self.world_size = env.world_size
@@ -67,6 +73,8 @@ class Comm:
         self._store = dist.PrefixStore(key_prefix(env.attempt), store) if store is not None else None
         self.aborted = False  # this rank called abort(): nobody will wait for it at close()
         self.ps: Any = None  # asynchronous jobs: a ServerClient/LoopbackClient (shoal.core.ps)
+        self.peers = peers
+        self._parent: Comm | None = None  # a child's bytes are its parent's too
         self._watchdog: Watchdog | None = None
         if store is not None and self.world_size > 1:
             self._watchdog = Watchdog(env, store, heartbeat_timeout, lambda: self.aborted)
@@ -74,12 +82,23 @@ class Comm:
     @property
     def active(self) -> bool:
         """True when there are other ranks to talk to."""
-        return self.world_size > 1 and dist.is_initialized()
+        return self.peers and self.world_size > 1 and dist.is_initialized()
+
+    def child(self, env: Environment) -> Comm:
+        """A Comm for the process group (the default one) that this process joined as
+        ``env.rank`` of ``env.world_size``, beside the job this Comm speaks for: a compute
+        group inside an asynchronous job. Its time goes on this Comm's timeline, its bytes
+        count here too."""
+        comm = Comm(env, self.device, self.timeline)
+        comm._parent = self
+        return comm
 
     # -- accounting -------------------------------------------------------------------------
     def count(self, nbytes: int) -> None:
         """Book ``nbytes`` of payload sent by a collective issued outside this class."""
         self.bytes_sent += int(nbytes)
+        if self._parent is not None:
+            self._parent.count(nbytes)
 
     # -- collectives ------------------------------------------------------------------------
     def all_reduce(self, tensor: torch.Tensor, op: str = "sum", name: str = "allreduce") -> torch.Tensor:

@@ -328,9 +328,12 @@ class ShardServer:
 
     Clients ``0 .. workers-1`` are workers (``workers`` defaults to ``clients``); the
     others (the coordinator) only pull, report and fetch state, and take no part in the
-    order or the staleness bound. ``timeout`` (seconds) bounds every wait for a client: a
-    client silent for longer is declared lost; ``connect_timeout`` (default: ``timeout``)
-    is how long a client may take to connect (its process starting, importing torch).
+    order or the staleness bound. ``pushers`` (default: every worker) are the workers that
+    exchange: the others (the members of a compute group other than its leader) only pull
+    and report, and take no part in the order or the bound either. ``timeout`` (seconds)
+    bounds every wait for a client: a client silent for longer is declared lost;
+    ``connect_timeout`` (default: ``timeout``) is how long a client may take to connect (its
+    process starting, importing torch).
 
     ``max_staleness=k`` applies an exchange only when, after it, the other live workers can
     still all push with a staleness of at most ``k`` (in order of their last pull: the
@@ -348,6 +351,7 @@ class ShardServer:
     def __init__(self, store: dist.Store, server: int, clients: int, rule: ServerRule | None,
                  center: torch.Tensor, *, timeout: float, max_staleness: int | None = None,
                  order: str = "arrival", workers: int | None = None,
+                 pushers: Sequence[int] | None = None,
                  on_report: Callable[[int, Any], None] | None = None,
                  extra_state: Callable[[], Any] | None = None,
                  on_lost: Callable[[int, dict], None] | None = None,
@@ -357,14 +361,20 @@ class ShardServer:
             raise ShoalError(f"server {server}: {workers} workers among {clients} clients")
         if order not in ORDERS:
             raise ShoalError(f"unknown order {order!r}; choose from {', '.join(ORDERS)}")
-        if max_staleness is not None and max_staleness < max(workers - 1, 0):
-            raise ShoalError(f"max staleness {max_staleness} is below workers - 1 = "
-                             f"{workers - 1}: with {workers} workers no exchange could proceed")
+        pushers = list(range(workers)) if pushers is None else sorted(set(pushers))
+        if any(not 0 <= p < workers for p in pushers):
+            raise ShoalError(f"server {server}: pushers {pushers} must be among the "
+                             f"{workers} workers")
+        n = len(pushers)
+        if max_staleness is not None and max_staleness < max(n - 1, 0):
+            raise ShoalError(f"max staleness {max_staleness} is below pushers - 1 = "
+                             f"{n - 1}: with {n} workers pushing no exchange could proceed")
         if center.dim() != 1 or not center.is_contiguous():
             raise ShoalError("a server's center must be a contiguous 1-D tensor")
         if not timeout > 0:
             raise ShoalError(f"timeout must be a positive number of seconds, got {timeout}")
         self.store, self.server, self.clients, self.workers = store, server, clients, workers
+        self.pushers = pushers
         self.rule, self.center, self.timeout = rule, center, float(timeout)
         self.connect_timeout = self.timeout if connect_timeout is None else float(connect_timeout)
         self.max_staleness, self.order = max_staleness, order
@@ -502,14 +512,14 @@ class ShardServer:
             self.errors.append(message.strip().splitlines()[0] if message.strip() else message)
             self._cond.notify_all()
 
-    def _live_workers(self) -> list[int]:
-        return [w for w in range(self.workers) if w not in self.lost and w not in self.left]
+    def _live_pushers(self) -> list[int]:
+        return [w for w in self.pushers if w not in self.lost and w not in self.left]
 
     def _blockers(self, c: int) -> list[int]:
         """The workers the exchange of client ``c`` must wait for now (empty: apply it)."""
-        if c >= self.workers:
+        if c not in self.pushers:
             return []
-        live = [w for w in self._live_workers() if w != c]
+        live = [w for w in self._live_pushers() if w != c]
         if self.order == "round-robin":
             n = self._counts[c]
             before = [u for u in live if (u < c and self._counts[u] <= n)
@@ -576,10 +586,11 @@ class ShardServer:
             self._lose(c, str(exc))
             return
         self._channels[c] = ch
-        session = _Session(ch, self.center if c < self.workers else None)
+        pushes = c in self.pushers
+        session = _Session(ch, self.center if pushes else None)
         try:
             while not self._closing:
-                if c < self.workers:
+                if pushes:
                     session.expect_payload()  # before the header: no rendezvous after it
                 ch.recv([session.head], tags=[TAG_HEAD])
                 head = Header.unpack(session.head)

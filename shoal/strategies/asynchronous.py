@@ -150,6 +150,13 @@ class AsyncStrategy(Strategy):
         """``comm.ps``: this worker's end of the parameter servers, or ``None``."""
         return getattr(self.comm, "ps", None)
 
+    @classmethod
+    def pushers(cls, options: Any, workers: int) -> list[int]:
+        """The workers that push exchanges to the servers (all, unless a strategy's workers
+        share one push, as a compute group does); the order and the staleness bound are
+        theirs."""
+        return list(range(workers))
+
     def server(self) -> Any:
         """:attr:`client`, which must exist."""
         client = self.client

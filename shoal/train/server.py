@@ -127,7 +127,8 @@ def _run_worker(cfg: TrainConfig, env: Environment, data: Dataset, worker: int, 
     store = job_store(env, cfg.timeout)
     mine = dataclasses.replace(env, rank=worker, world_size=workers,
                                local_rank=max(0, local_rank))
-    comm = Comm(mine, pick_device(cfg.device, max(0, local_rank)), Timeline(keep_events=cfg.trace))
+    comm = Comm(mine, pick_device(cfg.device, max(0, local_rank)), Timeline(keep_events=cfg.trace),
+                peers=False)
     model, flat = _initial_model(cfg, data, workers)
     client = ServerClient(store, worker, shard_ranges(flat.numel, servers), timeout=cfg.timeout,
                           timeline=comm.timeline, count=comm.count,
@@ -171,6 +172,7 @@ def _run_server(cfg: TrainConfig, env: Environment, data: Dataset, server: int, 
         store, server, workers + (1 if server > 0 else 0), rule, center, timeout=cfg.timeout,
         max_staleness=getattr(options, "max_staleness", None),
         order=getattr(options, "order", "arrival"), workers=workers,
+        pushers=strategy_cls.pushers(options, workers),
         on_report=coordinator.on_report if coordinator is not None else None)
     if payload is not None and shared_path is None:
         shard.load_state(payload["servers"][server])
