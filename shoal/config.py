@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -56,6 +57,15 @@ def _datasets() -> str:
     return ", ".join(dataset_names())
 
 
+def parse_momentum(text: str) -> float | str:
+    """``0.9`` -> 0.9; ``auto`` and ``auto:0.95`` stay text (:meth:`TrainConfig.validate`
+    checks them)."""
+    try:
+        return float(text)
+    except ValueError:
+        return text
+
+
 @dataclass
 class TrainConfig:
     """Everything ``shoal train`` needs (``shoal train --help`` lists the flags)."""
@@ -99,7 +109,13 @@ class TrainConfig:
                                             at_least=1)
     optimizer: str = setting("sgd", choices=OPTIMIZERS)
     lr: float = setting(0.05, "peak learning rate", positive=True)
-    momentum: float = setting(0.9, "SGD momentum, below 1", at_least=0)
+    momentum: float | str = setting(0.9, "SGD momentum, below 1; auto: Omnivore's max(0, T - "
+                                    "(1 - 1/g)) for a run of g asynchronous groups (auto:T, "
+                                    "default target T 0.9)", metavar="M|auto[:T]",
+                                    parse=parse_momentum)
+    #: What ``--momentum auto`` became (target, groups, implicit and explicit momentum); set
+    #: when the run starts (:func:`shoal.train.optim.resolve_momentum`), kept in config.json.
+    momentum_auto: dict[str, float] | None = setting(None, flag=False)
     nesterov: bool = setting(False, "Nesterov momentum (needs --momentum > 0)")
     weight_decay: float = setting(0.0, at_least=0)
     schedule: str = setting("cosine", "learning rate schedule after the warm-up",
@@ -157,6 +173,20 @@ class TrainConfig:
             return None
         return Path(self.resume) if self.resume else self.checkpoint_path
 
+    def momentum_target(self) -> float | None:
+        """The target of ``--momentum auto[:T]`` (0.9 without ``:T``); ``None`` for a number."""
+        if not isinstance(self.momentum, str):
+            return None
+        name, colon, target = self.momentum.partition(":")
+        try:
+            value = float(target) if colon else 0.9
+        except ValueError:
+            value = math.nan
+        if name.strip() != "auto" or not 0 <= value < 1:
+            raise ShoalError(f"--momentum must be a number in [0, 1), auto or auto:T with T in "
+                             f"[0, 1), got {self.momentum!r}")
+        return value
+
     # -- validation -----------------------------------------------------------------------
     def validate(self) -> TrainConfig:
         """Raise :class:`ShoalError` naming the first bad value; return ``self``.
@@ -190,8 +220,10 @@ class TrainConfig:
             raise ShoalError(f"--seed must be from 0 to {MAX_SEED}, got {show_value(self.seed)}")
         if not self.out:
             raise ShoalError("--out must name a directory, got ''")
-        if self.momentum >= 1:
-            raise ShoalError(f"--momentum must be below 1, got {self.momentum}")
+        if isinstance(self.momentum, str):
+            self.momentum_target()  # auto[:T]: checked there
+        elif not 0 <= self.momentum < 1:
+            raise ShoalError(f"--momentum must be in [0, 1), got {self.momentum}")
         if self.nesterov and self.momentum == 0:
             raise ShoalError("--nesterov needs --momentum > 0")
         if not (0 < self.lr_gamma <= 1):

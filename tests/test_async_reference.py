@@ -15,6 +15,8 @@ optimizer's. Every worker's parameters and the server's vector must match to 1e-
 - async-easgd, hogwild-easgd: Zhang, Choromanska & LeCun (2015) Algorithm 1, asynchronous.
 - async-measgd: the same paper's Algorithm 2 (EAMSGD), with a non-monotone schedule.
 - hogwild: Niu et al. (2011) Algorithm 1, gradients read before another worker's write.
+- groups: Omnivore's compute groups (Hadjis et al. 2016), one worker per group here (groups
+  of several workers meet through a process group of their own: tests/test_groups.py).
 """
 
 from __future__ import annotations
@@ -57,6 +59,8 @@ CASES = {
     "async-measgd-2-t3": ("async-measgd", {"tau": 3}, 2, 2, 0.9, 0.01, True),
     "async-measgd-1-t2": ("async-measgd", {"tau": 2, "alpha": 0.3}, 1, 1, 0.8, 0.0, True),
     "hogwild-easgd-2-t2": ("hogwild-easgd", {"tau": 2, "alpha": 0.3}, 2, 2, 0.0, 0.0, True),
+    "groups-2-of-2": ("groups", {"groups": 2}, 2, 1, 0.9, 0.01, True),
+    "groups-1-of-1-shards": ("groups", {"servers": 2}, 1, 2, 0.8, 0.0, True),
 }
 
 
@@ -248,7 +252,24 @@ def reference_elastic(case: str) -> tuple[torch.Tensor, list[torch.Tensor]]:
     return center, [xs[i] + mu * vs[i] for i in range(workers)] if nesterov else xs
 
 
-REFERENCES = {"async-sgd": reference_async_sgd, "async-msgd": reference_async_msgd,
+def reference_compute_groups(case: str) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    """Omnivore's compute groups, asynchronous across groups: group k (here worker k alone)
+    takes the gradient of its rows at x_k, the last parameters it read; the server, as each
+    group's push arrives: v <- mu v + (g_k + lambda x), x <- x - eta_t v; then x_k <- x."""
+    _, _, workers, _, mu, lam, schedule = CASES[case]
+    x = problem()[2]
+    xk = [x.clone() for _ in range(workers)]
+    v = torch.zeros_like(x)
+    t = [0] * workers
+    for k in ORDER[workers]:
+        v = mu * v + grad(xk[k], t[k], k, workers) + lam * x
+        x = x - lr_at(t[k], schedule) * v
+        xk[k] = x.clone()
+        t[k] += 1
+    return x, xk
+
+
+REFERENCES = {"groups": reference_compute_groups, "async-sgd": reference_async_sgd, "async-msgd": reference_async_msgd,
               "async-easgd": reference_elastic, "async-measgd": reference_elastic,
               "hogwild-easgd": reference_elastic}
 
@@ -268,6 +289,7 @@ def test_strategy_matches_its_paper(case):
 
 
 @pytest.mark.parametrize("case, at", [("async-sgd-2-decay-shards", 5), ("async-msgd-2", 7),
+                                      ("groups-2-of-2", 6),
                                       ("async-easgd-2-t3", 7), ("async-measgd-2-t3", 9),
                                       ("async-measgd-1-t2", 3), ("hogwild-easgd-2-t2", 6)])
 def test_restart_from_checkpoint_changes_nothing(case, at):

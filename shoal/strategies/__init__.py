@@ -16,6 +16,7 @@ from shoal.strategies import (  # noqa: F401 - importing registers
     async_measgd,
     async_msgd,
     async_sgd,
+    groups,
     hogwild,
     hogwild_easgd,
 )

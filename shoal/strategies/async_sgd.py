@@ -68,6 +68,11 @@ class AsyncSGD(AsyncStrategy):
     #: The server's rule uses the optimizer's momentum (async-msgd).
     server_momentum = False
 
+    @classmethod
+    def asynchronous_groups(cls, options: AsyncOptions, workers: int) -> int:
+        """Every worker pushes its own gradient, on its own time: ``workers`` groups."""
+        return workers
+
     def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, comm,
                  options: AsyncOptions | None = None) -> None:
         check_server_sgd(self.name, model, optimizer, self.server_momentum)

@@ -84,7 +84,7 @@ class DiLoCo(PeriodicStrategy):
         self.flat.unpack(self.theta.vector)
 
     def end_epoch(self, epoch: int) -> None:
-        if self.steps % self.options.tau != 0:  # close the round in progress
+        if self.in_round:  # close the round in progress
             self.exchange()
         average_buffers(self.model, self.comm)
 

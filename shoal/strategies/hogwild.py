@@ -84,6 +84,11 @@ class Hogwild(AsyncStrategy):
     Rule = None
     shared_memory = True
 
+    @classmethod
+    def asynchronous_groups(cls, options: NoOptions, workers: int) -> int:
+        """Every worker steps the shared parameters on its own time: ``workers`` groups."""
+        return workers
+
     def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, comm,
                  options: NoOptions | None = None) -> None:
         device = next((p.device for p in model.parameters() if p.device.type != "cpu"),

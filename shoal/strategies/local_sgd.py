@@ -47,6 +47,6 @@ class LocalSGD(PeriodicStrategy):
         average_into(self.flat, self.comm, "average")
 
     def end_epoch(self, epoch: int) -> None:
-        if self.steps % self.options.tau != 0:  # else the last step has just averaged
+        if self.in_round:  # else the last step has just averaged
             self.exchange()
         average_buffers(self.model, self.comm)

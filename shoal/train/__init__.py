@@ -22,6 +22,7 @@ from shoal.data import Dataset
 from shoal.errors import ShoalError, WorkerError
 from shoal.strategies import get_strategy
 from shoal.train.checkpoint import checkpoint_step
+from shoal.train.optim import resolve_momentum
 from shoal.train.outdir import OutputLock
 from shoal.train.records import write_json
 from shoal.train.server import is_asynchronous, run_async_rank, server_count
@@ -138,14 +139,17 @@ def train(cfg: TrainConfig) -> dict[str, Any] | None:
             if env.world_size <= servers:
                 raise ShoalError(f"--servers {servers} needs at least {servers + 1} ranks; "
                                  f"the launcher started {env.world_size}")
+            cfg = resolve_momentum(cfg, env.world_size - servers)
             data = preflight(cfg, env.world_size - servers)
             with OutputLock(Path(cfg.out)) if env.rank == 0 else contextlib.nullcontext():
                 return run_async_rank(cfg, env, data)
+        cfg = resolve_momentum(cfg, env.world_size)
         data = preflight(cfg, env.world_size)
         with OutputLock(Path(cfg.out)) if env.rank == 0 else contextlib.nullcontext():
             return run_worker(cfg, data)
     cfg = resolve_auto_resume(cfg)
     world = _default_workers(cfg)
+    cfg = resolve_momentum(cfg, world)
     data = preflight(cfg, world)
     servers = server_count(cfg) if asynchronous else 0
     with OutputLock(Path(cfg.out)):

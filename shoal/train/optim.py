@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Iterable
 
@@ -9,6 +10,7 @@ import torch
 from torch.optim.lr_scheduler import LambdaLR
 
 from shoal.config import TrainConfig
+from shoal.strategies import get_strategy, make_options
 
 
 def build_optimizer(cfg: TrainConfig, params: Iterable[torch.nn.Parameter],
@@ -19,6 +21,28 @@ def build_optimizer(cfg: TrainConfig, params: Iterable[torch.nn.Parameter],
                                weight_decay=cfg.weight_decay)
     cls = torch.optim.Adam if cfg.optimizer == "adam" else torch.optim.AdamW
     return cls(params, lr=lr, weight_decay=cfg.weight_decay)
+
+
+def resolve_momentum(cfg: TrainConfig, workers: int) -> TrainConfig:
+    """``cfg`` with ``--momentum auto[:T]`` made a number for this run's strategy on
+    ``workers`` workers, and what it became in ``momentum_auto``.
+
+    Omnivore (Hadjis et al. 2016, after Mitliagkas et al. 2016, "Asynchrony begets
+    momentum"): ``g`` groups that update the model asynchronously act as an implicit momentum
+    of about ``1 - 1/g``, so the explicit momentum is ``max(0, T - (1 - 1/g))`` for a target
+    total ``T``. ``g`` is the strategy's :meth:`~shoal.strategies.Strategy.asynchronous_groups`:
+    1 for every synchronous strategy (auto is then ``T``), the workers for async-sgd,
+    async-msgd and hogwild, ``--groups`` for groups.
+    """
+    target = cfg.momentum_target()
+    if target is None:
+        return cfg
+    cls = get_strategy(cfg.strategy)
+    groups = cls.asynchronous_groups(make_options(cls, cfg.strategy_options, workers), workers)
+    implicit = 1.0 - 1.0 / groups
+    explicit = round(max(0.0, target - implicit), 12)  # 0.45, not 0.44999999999999996
+    return dataclasses.replace(cfg, momentum=explicit, momentum_auto={
+        "target": target, "groups": groups, "implicit": implicit, "explicit": explicit})
 
 
 def lr_factor(step: int, total: int, warmup: int, schedule: str,

@@ -220,6 +220,7 @@ class Recorder:
             "bytes_sent": total_bytes,
             "bytes_per_sample": total_bytes / st.samples if st.samples else None,
             "parameters": parameters,
+            **({"momentum_auto": cfg.momentum_auto} if cfg.momentum_auto else {}),
             "torch_version": torch.__version__, "shoal_version": __version__,
         }
         write_json(self.out / "summary.json", summary)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -15,12 +16,13 @@ class StopVote:
     """Whether all ranks stop after this step (``processes.stop_requested`` on any of them).
 
     They vote in a tiny all-reduce on a Gloo group of its own, at the strategy's own meeting
-    points (every ``every`` steps: ``tau`` for the periodic strategies, so it adds no
-    coupling), and act on a vote one meeting later, so nobody waits for it.
+    points (the steps ``meets(step)`` says the workers exchanged after: every ``tau``-th for
+    the periodic strategies, so it adds no coupling), and act on a vote one meeting later,
+    so nobody waits for it.
     """
 
-    def __init__(self, comm: Comm, every: int) -> None:
-        self.every = every
+    def __init__(self, comm: Comm, meets: Callable[[int], bool]) -> None:
+        self.meets = meets
         self._group = dist.new_group(backend="gloo") if comm.active else None
         self._vote: tuple[Any, torch.Tensor] | None = None
 
@@ -28,7 +30,7 @@ class StopVote:
         """Whether every rank stops after ``step`` (call after each step, on every rank)."""
         if self._group is None:
             return stop_requested()
-        if step % self.every:
+        if not self.meets(step):
             return False
         agreed = False
         if self._vote is not None:

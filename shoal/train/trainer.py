@@ -56,9 +56,11 @@ def preflight(cfg: TrainConfig, world: int) -> Dataset:
         require_tensorboard()
     data = load_dataset(cfg.dataset, data_options(cfg))
     model = build_model(cfg.model, data.input_shape, data.num_classes)
-    # A strategy alone (no other ranks) checks how it fits the model and optimizer.
+    # A strategy alone (rank 0 of the job's size, no other rank to talk to) checks how it
+    # fits the model and optimizer.
     strategy_cls(model, build_optimizer(cfg, model.parameters(), cfg.base_lr(world)),
-                 Comm(Environment(), torch.device("cpu")), options)
+                 Comm(Environment(world_size=world, local_world_size=world), torch.device("cpu"),
+                      peers=False), options)
     EpochPlan(len(data.train), cfg.global_batch(world), world, cfg.seed)
     out = Path(cfg.out)
     if out.exists() and not out.is_dir():
@@ -110,7 +112,7 @@ class Trainer:
         if cfg.resume_path is not None:
             self._resume(strategy_cls)
         # SIGTERM stops every rank after the same step, voted at the strategy's meeting points.
-        self.stop_vote = StopVote(comm, int(getattr(self.strategy.options, "tau", 1) or 1))
+        self.stop_vote = StopVote(comm, self.strategy.meets_after)
         self.stop_reason: str | None = None  # "SIGTERM" once the ranks agreed to stop
         self.saved_at = -1  # the step of the last checkpoint this invocation wrote
 
