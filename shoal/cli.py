@@ -64,12 +64,27 @@ def _add_strategy_options(group: argparse._ArgumentGroup) -> None:
 
 
 def _train_parser(sub: Any) -> argparse.ArgumentParser:
-    """``shoal train``: a flag per TrainConfig field, under the field's section heading."""
-    from shoal.config import TrainConfig
-
     p = sub.add_parser("train", help="train a model data-parallel",
                        description="Train a model data-parallel on local workers or under "
-                                   "torchrun / Slurm / mpirun.")
+                                   "torchrun / Slurm / mpirun. --strategy auto plans first "
+                                   "(see shoal plan) and trains the winner.")
+    return _add_train_flags(p)
+
+
+def _plan_parser(sub: Any) -> argparse.ArgumentParser:
+    p = sub.add_parser(
+        "plan", help="find the fastest configuration to a target accuracy (Omnivore)",
+        description="Measure candidate configurations of a training run in short trials "
+                    "(strategy, groups or tau, momentum, learning rate, processes x threads), "
+                    "predict each one's time to --target-accuracy and rank them; write "
+                    "plan.json, plan.md and plan.png to --out. Takes shoal train's flags.")
+    return _add_train_flags(p)
+
+
+def _add_train_flags(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """A flag per TrainConfig field, under the field's section heading."""
+    from shoal.config import TrainConfig
+
     hints = field_types(TrainConfig)
     group: Any = p
     for f in dataclasses.fields(TrainConfig):
@@ -240,6 +255,14 @@ def _bench(args: argparse.Namespace, argv: Sequence[str]) -> None:
     run_bench(cfg, "shoal " + " ".join(argv))
 
 
+def _plan(args: argparse.Namespace) -> None:
+    from shoal.plan import plan
+
+    found = plan(config_from_args(args))
+    print(found.files["md"].read_text())
+    print(f"wrote {', '.join(str(p) for p in found.files.values())}")
+
+
 def _report(args: argparse.Namespace) -> None:
     from pathlib import Path
 
@@ -258,6 +281,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version", version=f"shoal {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
     _train_parser(sub)
+    _plan_parser(sub)
     _run_parser(sub)
     _bench_parser(sub)
     _report_parser(sub)
@@ -385,9 +409,15 @@ def main(argv: Sequence[str] | None = None) -> int:
         args = build_parser().parse_args(argv)
         debug = bool(getattr(args, "debug", False))
         if args.command == "train":
-            from shoal.train import train
+            cfg = config_from_args(args)
+            if cfg.strategy == "auto":
+                from shoal.plan import plan_and_train
 
-            summary = train(config_from_args(args))
+                summary = plan_and_train(cfg)
+            else:
+                from shoal.train import train
+
+                summary = train(cfg)
             if _stopped_by_sigterm(summary):
                 return EXIT_TERMINATED
             if summary is not None and summary.get("degraded"):
@@ -397,6 +427,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                           f"{lost['samples_not_trained']} samples of its shard were not "
                           "trained on", file=sys.stderr)
                 return EXIT_DEGRADED
+        elif args.command == "plan":
+            _plan(args)
         elif args.command == "run":
             _run(args)
         elif args.command == "bench":

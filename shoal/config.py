@@ -25,6 +25,7 @@ from shoal.schema import (
     field_types,
     flag_name,
     parse_floats,
+    parse_names,
     parse_shape,
     setting,
     show_value,
@@ -129,6 +130,19 @@ class TrainConfig:
                              "rule)")
     seed: int = setting(0, f"seed of the initial weights and the data order, 0 to {MAX_SEED}")
 
+    target_accuracy: float | None = setting(None, "the test accuracy to reach, in (0, 1]: "
+                                            "--strategy auto (and shoal plan) pick the "
+                                            "configuration predicted to reach it soonest",
+                                            metavar="A", section="planning (--strategy auto, "
+                                            "shoal plan; see docs/planning.md)")
+    plan_budget: str = setting("5m", "wall time the planner's trials may take (90s, 5m, 1h)",
+                               metavar="TIME")
+    plan_candidates: tuple[str, ...] = setting(("sync", "local-sgd", "easgd", "diloco", "groups"),
+                                               "strategies the planner tunes", metavar="S1,S2",
+                                               parse=parse_names)
+    trial_epochs: int | None = setting(None, "epochs each trial trains (default: a tenth of "
+                                       "--epochs, at least 1)", metavar="E", at_least=1)
+
     out: str = setting("runs/latest", "run directory", section="outputs")
     overwrite: bool = setting(False, "start over in an --out that holds a run")
     resume: str | None = setting(None, "continue from CHECKPOINT (default <out>/checkpoint.pt); "
@@ -232,6 +246,8 @@ class TrainConfig:
             raise ShoalError(f"--lr-milestones must be positive epochs, got {self.lr_milestones}")
         if len(self.synthetic_shape) == 0 or any(d < 1 for d in self.synthetic_shape):
             raise ShoalError(f"--synthetic-shape must be positive sizes, got {self.synthetic_shape}")
+        if self.target_accuracy is not None and not 0 < self.target_accuracy <= 1:
+            raise ShoalError(f"--target-accuracy must be in (0, 1], got {self.target_accuracy}")
         if self.resume is not None and self.overwrite:
             raise ShoalError("--resume and --overwrite contradict each other")
         if self.profile is not None:

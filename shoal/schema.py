@@ -130,8 +130,8 @@ def show_default(value: Any) -> str:
         return ""
     if isinstance(value, bool):
         return "on" if value else "off"
-    if isinstance(value, tuple):
-        return "x".join(map(str, value))
+    if isinstance(value, tuple):  # a shape 3x32x32, a list of names a,b
+        return ("," if any(isinstance(v, str) for v in value) else "x").join(map(str, value))
     return f"{value:g}" if isinstance(value, float) else str(value)
 
 

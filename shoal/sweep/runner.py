@@ -34,9 +34,9 @@ from shoal.sweep.reference import Workload, run_reference
 from shoal.sweep.tables import markdown_table, write_outputs
 
 
-def train_command(cfg: BenchConfig, p: Point, out: Path, local_workers: bool) -> list[str]:
-    """The ``python`` arguments of point ``p``'s ``shoal train`` run, writing to ``out``;
-    ``local_workers``: it starts its own workers (``--workers``) rather than run under torchrun.
+def train_command(cfg: BenchConfig, p: Point, out: Path) -> list[str]:
+    """The ``shoal train`` arguments of point ``p``'s run, writing to ``out`` (the launcher
+    adds ``--workers`` where the run starts its own workers).
 
     A throughput point trains ``warmup + steps`` steps; a race point ``cfg.epochs`` epochs,
     tested after each and checkpointed only at the end (a checkpoint is not part of the race).
@@ -44,7 +44,7 @@ def train_command(cfg: BenchConfig, p: Point, out: Path, local_workers: bool) ->
     """
     assert p.strategy is not None
     batch = cfg.per_worker_batch(p.scaling, p.world_size)
-    cmd = ["-m", "shoal", "train", "--model", p.model, "--dataset", cfg.dataset,
+    cmd = ["--model", p.model, "--dataset", cfg.dataset,
            "--batch-size", str(batch), "--threads-per-worker", str(p.threads_for()),
            "--schedule", cfg.schedule, "--lr", str(cfg.lr), "--momentum", str(cfg.momentum),
            "--progress", "none", "--out", str(out), "--overwrite", "--device", "cpu"]
@@ -59,20 +59,21 @@ def train_command(cfg: BenchConfig, p: Point, out: Path, local_workers: bool) ->
         cmd += ["--synthetic-shape", "x".join(map(str, cfg.synthetic_shape))]
         if not cfg.race:  # enough samples for the timed steps, all in one epoch
             cmd += ["--synthetic-samples", str((cfg.warmup + cfg.steps + 1) * batch * p.world_size)]
-    if local_workers:
-        cmd += ["--workers", str(p.world_size)]
     return cmd + p.strategy.flags()
 
 
-class Runner:
-    """Runs points locally, or across an emulated cluster kept up per world size."""
+class Launcher:
+    """Starts ``shoal train`` jobs locally (a subprocess that spawns its workers) or, with
+    ``emulate_bandwidth``, across an emulated cluster (one host per process, the cluster
+    kept up per host count); every job bounded by ``timeout`` seconds. A context manager:
+    leaving it tears the clusters down."""
 
-    def __init__(self, cfg: BenchConfig) -> None:
-        self.cfg = cfg
+    def __init__(self, emulate_bandwidth: str | None = None, timeout: float = 900.0) -> None:
+        self.emulate_bandwidth, self.timeout = emulate_bandwidth, timeout
         self._clusters: dict[int, Cluster] = {}
         self._stack = contextlib.ExitStack()
 
-    def __enter__(self) -> Runner:
+    def __enter__(self) -> Launcher:
         return self
 
     def __exit__(self, *exc: object) -> None:
@@ -80,46 +81,63 @@ class Runner:
 
     def _cluster(self, hosts: int) -> Cluster:
         if hosts not in self._clusters:
-            assert self.cfg.emulate_bandwidth is not None
+            assert self.emulate_bandwidth is not None
             self._clusters[hosts] = self._stack.enter_context(
-                Cluster(hosts, self.cfg.emulate_bandwidth))
+                Cluster(hosts, self.emulate_bandwidth))
         return self._clusters[hosts]
 
-    def _emulated(self, p: Point) -> bool:
-        return self.cfg.emulate_bandwidth is not None and p.world_size > 1
+    def emulated(self, workers: int) -> bool:
+        """Whether a job of ``workers`` workers runs on the emulated cluster (one worker
+        alone runs locally: it has no network to cross)."""
+        return self.emulate_bandwidth is not None and workers > 1
+
+    def train(self, args: list[str], processes: int, workers: int, out: Path, name: str) -> None:
+        """``python -m shoal train ARGS`` (which must write to ``out``): locally with
+        ``--workers workers``, or under torchrun across ``processes`` emulated hosts."""
+        out.mkdir(parents=True, exist_ok=True)
+        if self.emulated(workers):
+            self.torchrun(["-m", "shoal", "train", *args], processes, out, name)
+            return
+        cmd = [sys.executable, "-m", "shoal", "train", *args, "--workers", str(workers)]
+        try:
+            res = subprocess.run(cmd, capture_output=True, text=True, timeout=self.timeout)
+        except subprocess.TimeoutExpired:
+            raise ShoalError(f"benchmark run {name} did not finish in {self.timeout:.0f} s") from None
+        if res.returncode != 0:
+            last = (res.stderr.strip().splitlines() or ["(no output)"])[-1]
+            raise ShoalError(f"benchmark run {name} failed: {last}")
+
+    def torchrun(self, program: list[str], hosts: int, out: Path, name: str) -> None:
+        """``torchrun ... PROGRAM`` across ``hosts`` emulated hosts, its output in
+        ``out/torchrun.log``."""
+        code = self._cluster(hosts).torchrun(program, timeout=self.timeout,
+                                             log=out / "torchrun.log")
+        if code:
+            raise ShoalError(f"benchmark run {name} failed on the emulated cluster (exit "
+                             f"{code}); see {out / 'torchrun.log'}")
+
+
+class Runner(Launcher):
+    """Runs the points of a sweep, locally or across an emulated cluster."""
+
+    def __init__(self, cfg: BenchConfig) -> None:
+        super().__init__(cfg.emulate_bandwidth, cfg.run_timeout)
+        self.cfg = cfg
 
     def run(self, p: Point, repeat: int) -> dict[str, Any]:
         """Run point ``p`` once; its measurements (:func:`~shoal.sweep.measure.measure_run`,
         or :func:`~shoal.sweep.measure.measure_race` in a race)."""
         out = (self.cfg.out / "runs" / p.name(repeat)).resolve()
         if p.strategy is None:
-            return self._reference(p, out)
-        if self._emulated(p):
-            out.mkdir(parents=True, exist_ok=True)
-            code = self._cluster(p.processes).torchrun(
-                train_command(self.cfg, p, out, False), timeout=self.cfg.run_timeout,
-                log=out / "torchrun.log")
-            if code:
-                raise ShoalError(f"benchmark run {p.name(repeat)} failed on the emulated "
-                                 f"cluster (exit {code}); see {out / 'torchrun.log'}")
-        else:
-            self._subprocess([sys.executable, *train_command(self.cfg, p, out, True)], p, repeat)
+            return self._reference(p, out, p.name(repeat))
+        self.train(train_command(self.cfg, p, out), p.processes, p.world_size, out,
+                   p.name(repeat))
         result = measure_race(out, self.cfg.target_accuracy) if self.cfg.race \
             else measure_run(out, self.cfg.warmup)
         (out / "checkpoint.pt").unlink(missing_ok=True)  # only the records are worth keeping
         return result
 
-    def _subprocess(self, cmd: list[str], p: Point, repeat: int) -> None:
-        try:
-            res = subprocess.run(cmd, capture_output=True, text=True, timeout=self.cfg.run_timeout)
-        except subprocess.TimeoutExpired:
-            raise ShoalError(f"benchmark run {p.name(repeat)} did not finish in "
-                             f"{self.cfg.run_timeout:.0f} s") from None
-        if res.returncode != 0:
-            last = (res.stderr.strip().splitlines() or ["(no output)"])[-1]
-            raise ShoalError(f"benchmark run {p.name(repeat)} failed: {last}")
-
-    def _reference(self, p: Point, out: Path) -> dict[str, float]:
+    def _reference(self, p: Point, out: Path, name: str) -> dict[str, float]:
         cfg = self.cfg
         batch = cfg.per_worker_batch(p.scaling, p.world_size)
         w = Workload(model=p.model, shape=tuple(cfg.synthetic_shape), batch=batch,
@@ -127,14 +145,10 @@ class Runner:
                      momentum=cfg.momentum)
         out.mkdir(parents=True, exist_ok=True)
         result_file = out / "reference.json"
-        if self._emulated(p):
-            args = ["-m", "shoal.sweep.reference", *w.flags(),
-                    "--threads", str(p.threads_for()), "--out", str(result_file)]
-            code = self._cluster(p.processes).torchrun(args, timeout=cfg.run_timeout,
-                                                        log=out / "torchrun.log")
-            if code:
-                raise ShoalError(f"the DDP reference loop failed on the emulated cluster (exit {code}); "
-                                 f"see {out / 'torchrun.log'}")
+        if self.emulated(p.world_size):
+            self.torchrun(["-m", "shoal.sweep.reference", *w.flags(), "--threads",
+                           str(p.threads_for()), "--out", str(result_file)], p.processes, out,
+                          name)
             result = json.loads(result_file.read_text())
         else:
             result = run_reference(w, p.world_size, p.threads_for(), str(result_file))

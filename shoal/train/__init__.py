@@ -49,7 +49,8 @@ def run_worker(cfg: TrainConfig, data: Dataset | None = None) -> dict[str, Any] 
             signal.signal(signal.SIGTERM, previous)
 
 
-def _default_workers(cfg: TrainConfig) -> int:
+def default_workers(cfg: TrainConfig) -> int:
+    """``--workers``, else one per GPU with CUDA, else 1."""
     if cfg.workers is not None:
         return cfg.workers
     cuda = cfg.device == "cuda" or (cfg.device == "auto" and torch.cuda.is_available())
@@ -148,7 +149,7 @@ def train(cfg: TrainConfig) -> dict[str, Any] | None:
         with OutputLock(Path(cfg.out)) if env.rank == 0 else contextlib.nullcontext():
             return run_worker(cfg, data)
     cfg = resolve_auto_resume(cfg)
-    world = _default_workers(cfg)
+    world = default_workers(cfg)
     cfg = resolve_momentum(cfg, world)
     data = preflight(cfg, world)
     servers = server_count(cfg) if asynchronous else 0
@@ -182,4 +183,5 @@ def _async_rank(cfg: TrainConfig) -> dict[str, Any] | None:
             signal.signal(signal.SIGTERM, previous)
 
 
-__all__ = ["Trainer", "preflight", "resolve_auto_resume", "run_worker", "train"]
+__all__ = ["Trainer", "default_workers", "preflight", "resolve_auto_resume", "run_worker",
+           "train"]

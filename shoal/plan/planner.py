@@ -1,0 +1,220 @@
+"""``shoal plan``: run Omnivore's search (:mod:`shoal.plan.search`) with real trials, and
+write what it found: ``plan.json``, ``plan.md`` and ``plan.png``.
+
+A trial is a real ``shoal train`` job (:class:`~shoal.sweep.runner.Launcher`: local worker
+processes, or the hosts of an emulated cluster) of the user's run with one candidate's
+strategy, knob, workers and threads, momentum and learning rate. It keeps the run's global
+batch and its learning-rate schedule over the run's ``--epochs``, trains the first
+``trial_epochs`` of them (``--stop-at-step``), tests after each, and reports the test
+accuracy and elapsed time of each epoch. The trial's files live in ``OUT/trials/`` (its
+checkpoint is removed): ``shoal report OUT/trials/*`` plots them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from shoal.config import TrainConfig
+from shoal.data import EpochPlan, load_dataset
+from shoal.errors import ShoalError
+from shoal.plan.search import Candidate, Omnivore, Plan, SearchSettings, Trial, explain
+from shoal.strategies import get_strategy
+from shoal.sweep.runner import Launcher
+from shoal.train.records import write_json
+from shoal.train.trainer import data_options
+
+#: The strategies ``shoal plan`` considers unless told otherwise.
+CANDIDATES = ("sync", "local-sgd", "easgd", "diloco", "groups")
+#: Errors of a trial that mean its settings diverged, not that something is broken.
+DIVERGED = ("non-finite", "loss became")
+
+
+@dataclass
+class PlanOptions:
+    """The planner's settings, from the run's (``--target-accuracy``, ``--plan-budget``,
+    ``--plan-candidates``, ``--trial-epochs``), checked."""
+
+    target: float  #: test accuracy to reach, in (0, 1]
+    budget_s: float  #: wall time the trials may take
+    candidates: tuple[str, ...]
+    trial_epochs: int  #: epochs per trial
+
+    @classmethod
+    def of(cls, cfg: TrainConfig) -> PlanOptions:
+        if cfg.target_accuracy is None:
+            raise ShoalError("planning needs --target-accuracy A: the test accuracy to reach")
+        for name in cfg.plan_candidates:
+            if name not in ("sync", "groups") and not _periodic(name):
+                raise ShoalError(f"--plan-candidates: the planner does not tune {name} (it tunes "
+                                 f"sync, groups and the periodic strategies: "
+                                 f"{', '.join(CANDIDATES)}, eamsgd)")
+        if cfg.trial_epochs is not None and cfg.trial_epochs > cfg.epochs:
+            raise ShoalError(f"--trial-epochs {cfg.trial_epochs} is more than --epochs "
+                             f"{cfg.epochs}")
+        return cls(cfg.target_accuracy, parse_duration(cfg.plan_budget), cfg.plan_candidates,
+                   cfg.trial_epochs or max(1, min(cfg.epochs, round(cfg.epochs / 10))))
+
+
+def _periodic(name: str) -> bool:
+    from shoal.strategies import PeriodicStrategy
+
+    return issubclass(get_strategy(name), PeriodicStrategy)
+
+
+def parse_duration(text: str) -> float:
+    """``90``, ``90s``, ``5m``, ``1.5h`` -> seconds; a one-line error otherwise (naming
+    ``--plan-budget``, the one setting it reads)."""
+    units = {"s": 1.0, "m": 60.0, "h": 3600.0}
+    value = text.strip().lower()
+    scale = units.get(value[-1:])
+    try:
+        seconds = float(value[:-1] if scale is not None else value) * (scale or 1.0)
+    except ValueError:
+        seconds = math.nan
+    if not (math.isfinite(seconds) and seconds > 0):
+        raise ShoalError(f"--plan-budget must be a duration like 90s, 5m or 1h, got {text!r}")
+    return seconds
+
+
+class Planner:
+    """Plans ``cfg`` (its model, data, workers, batch, epochs; its strategy is replaced)."""
+
+    def __init__(self, cfg: TrainConfig, options: PlanOptions, launcher: Launcher, out: Path,
+                 workers: int, show: bool = True) -> None:
+        self.cfg, self.options, self.launcher, self.out = cfg, options, launcher, out
+        self.workers, self.show = workers, show
+        data = load_dataset(cfg.dataset, data_options(cfg))
+        self.global_batch = cfg.global_batch(workers)
+        self.steps_per_epoch = EpochPlan(len(data.train), self.global_batch, workers,
+                                         cfg.seed).steps_per_epoch
+        self.trial_epochs = options.trial_epochs
+        numeric = cfg.momentum if not isinstance(cfg.momentum, str) else None
+        self.settings = SearchSettings(target=options.target, epochs=cfg.epochs,
+                                       chance=1.0 / data.num_classes, budget_s=options.budget_s,
+                                       lr=cfg.lr, momentum=numeric)
+        self._count = 0
+        self._bar: Any = None
+
+    # -- candidates and their run settings --------------------------------------------------
+    def starts(self) -> tuple[list[Candidate], list[Candidate]]:
+        """``sync`` in each process layout (the job's workers; where the job is local and has
+        several, also one process with all their threads: Omnivore's batching of a machine's
+        cores), and every other family (its knob set by the walk)."""
+        from shoal.core.env import default_threads
+
+        w, threads = self.workers, self.cfg.threads_per_worker
+        syncs = [Candidate("sync", (), w, threads)]
+        if w > 1 and not self.launcher.emulated(w):
+            syncs.append(Candidate("sync", (), 1, default_threads(1)))
+        families = [Candidate(name, (("groups" if name == "groups" else "tau", 1),), w, threads)
+                    for name in self.options.candidates if name != "sync"]
+        return syncs, families
+
+    def config(self, c: Candidate, out: Path, **changes: Any) -> TrainConfig:
+        """The run settings of candidate ``c`` writing to ``out`` (a trial's: ``changes``)."""
+        cfg = self.cfg
+        momentum = c.momentum if c.momentum is not None else cfg.momentum
+        return dataclasses.replace(
+            cfg, strategy=c.strategy, strategy_options=dict(c.options), workers=None,
+            threads_per_worker=c.threads, momentum=momentum,
+            nesterov=cfg.nesterov and momentum != 0, momentum_auto=None,
+            lr=c.lr if c.lr is not None else cfg.lr, global_batch_size=self.global_batch,
+            out=str(out), resume=None, overwrite=True, **changes)
+
+    # -- a trial ----------------------------------------------------------------------------
+    def trial(self, c: Candidate, phase: str) -> Trial:
+        """Run candidate ``c`` for the trial's epochs; what it measured."""
+        self._count += 1
+        name = f"{self._count:02d}-" + "".join(ch if ch.isalnum() or ch in "-.=" else "_"
+                                              for ch in c.label())
+        out = (self.out / "trials" / name).resolve()
+        # One step past the last trial epoch: a run that stops on an epoch's last step stops
+        # before that epoch's test (which a resumed run would do).
+        cfg = self.config(c, out, stop_at_step=self.trial_epochs * self.steps_per_epoch + 1,
+                          eval_every=1, checkpoint_every=10**9, progress="none", log_every=10,
+                          max_restarts=0, trace=False, tensorboard=False, profile=None)
+        out.mkdir(parents=True, exist_ok=True)
+        config_file = out.parent / f"{name}.json"
+        config_file.write_text(json.dumps(cfg.to_dict()))
+        processes = c.workers + (1 if getattr(get_strategy(c.strategy), "asynchronous", False)
+                                 else 0)
+        started = time.monotonic()
+        trial = Trial(c)
+        try:
+            self.launcher.train(["--config", str(config_file)], processes, c.workers, out, name)
+            trial.curve, trial.epoch_s = _curve(out)
+        except ShoalError as exc:
+            message = str(exc)
+            trial.diverged = any(d in message for d in DIVERGED)
+            trial.error = None if trial.diverged else message
+        finally:
+            (out / "checkpoint.pt").unlink(missing_ok=True)
+        trial.cost_s = time.monotonic() - started
+        self._say(trial)
+        return trial
+
+    def _say(self, t: Trial) -> None:
+        what = ("diverged" if t.diverged else f"failed: {t.error}" if t.error else
+                f"{t.epoch_s:.2f} s/epoch, {100 * t.accuracy:.1f}% after {len(t.curve)} epochs")
+        line = f"trial {self._count}: {t.candidate.label()}: {what} ({t.cost_s:.0f} s)"
+        if self._bar is not None:
+            self._bar.update(min(t.cost_s, self._bar.total - self._bar.n))
+            self._bar.write(line)
+        elif self.show:
+            print(line, flush=True)
+
+    # -- the search -------------------------------------------------------------------------
+    def run(self) -> Plan:
+        """Search, write ``plan.json``, ``plan.md`` and ``plan.png`` into ``out``."""
+        self.out.mkdir(parents=True, exist_ok=True)
+        if self.show and sys.stderr.isatty():
+            from tqdm import tqdm
+
+            self._bar = tqdm(total=self.options.budget_s, unit="s", desc="planning",
+                             dynamic_ncols=True, file=sys.stderr,
+                             bar_format="{desc} {bar} {n:.0f}/{total:.0f} s")
+        started = time.monotonic()
+        search = Omnivore(self.settings, self.trial, time.monotonic)
+        try:
+            ranked = search.search(*self.starts())
+        finally:
+            if self._bar is not None:
+                self._bar.close()
+        best = ranked[0] if ranked and ranked[0].ok else None
+        winner = self.config(best.candidate, Path(self.cfg.out)) if best is not None else None
+        plan = Plan(ranked, search.skipped, winner, explain(ranked, self.settings), search.notes,
+                    time.monotonic() - started)
+        plan.files = self.write(plan)
+        return plan
+
+    def write(self, plan: Plan) -> dict[str, Path]:
+        from shoal.plan.report import plan_figure, plan_table
+
+        paths = {"json": self.out / "plan.json", "md": self.out / "plan.md",
+                 "png": self.out / "plan.png"}
+        write_json(paths["json"], plan.to_dict(self.settings))
+        paths["md"].write_text(f"# shoal plan\n\n{plan_table(plan, self.settings)}\n"
+                               f"Winner: {plan.why}.\n\n![plan](plan.png)\n")
+        plan_figure(plan, self.settings, paths["png"])
+        return paths
+
+
+def _curve(out: Path) -> tuple[list[tuple[int, float, float]], float]:
+    """A finished trial's (epoch, test accuracy, elapsed s) and the duration of its last
+    epoch (warm: the first one includes starting up)."""
+    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()
+               if line.strip()]
+    curve = [(int(r["epoch"]), float(r["test_accuracy"]), float(r["elapsed_s"]))
+             for r in records if r["event"] == "epoch" and r.get("test_accuracy") is not None
+             and math.isfinite(r["test_accuracy"])]
+    if not curve:
+        raise ShoalError(f"trial in {out} recorded no test accuracy")
+    times = [0.0] + [t for _, _, t in curve]
+    return curve, times[-1] - times[-2]

@@ -1,0 +1,191 @@
+"""The planner: Omnivore's search with injected measurements, the prediction of epochs to a
+target, and (real processes) shoal train --strategy auto training what shoal plan picks."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+
+import pytest
+
+from shoal.cli import main
+from shoal.errors import ShoalError
+from shoal.plan.planner import parse_duration
+from shoal.plan.search import (
+    Candidate,
+    Omnivore,
+    SearchSettings,
+    Trial,
+    epochs_to_target,
+    group_knobs,
+)
+
+from conftest import one_error_line
+
+SETTINGS = SearchSettings(target=0.9, epochs=20, chance=0.1, budget_s=1e9, lr=0.1, momentum=0.9)
+
+
+class Clock:
+    """A clock the injected trials advance by their cost."""
+
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def run_with(speeds: dict, progress=lambda c: 0.3, diverges=lambda c: False, clock=None,
+             cost: float = 1.0, settings: SearchSettings = SETTINGS) -> tuple[Omnivore, list]:
+    """An Omnivore whose trials take ``speeds[(strategy, knob, workers)]`` seconds an epoch
+    and gain ``progress(candidate)`` accuracy an epoch (3 epochs, from 0.1, at most 0.99),
+    diverging where told."""
+    clock = clock or Clock()
+    asked: list[Candidate] = []
+
+    def run(c: Candidate, phase: str) -> Trial:
+        asked.append(c)
+        clock.now += cost
+        if diverges(c):
+            return Trial(c, diverged=True, cost_s=cost)
+        s = speeds[(c.strategy, c.knob, c.workers)]
+        curve = [(e, min(0.99, 0.1 + progress(c) * e), s * e) for e in (1, 2, 3)]
+        return Trial(c, curve=curve, epoch_s=s, cost_s=cost)
+
+    return Omnivore(settings, run, clock), asked
+
+
+SYNC = Candidate("sync", (), 4, 1)
+EASGD = Candidate("easgd", (("tau", 1),), 4, 1)
+GROUPS = Candidate("groups", (("groups", 1),), 4, 1)
+
+
+def test_the_faster_of_two_configurations_wins():
+    # Same accuracy per epoch: the one with the faster epoch must win, whichever it is.
+    for fast, slow in ((1.0, 2.0), (2.0, 1.0)):
+        speeds = {("sync", 1, 4): fast, ("easgd", 4, 4): slow, ("easgd", 16, 4): slow}
+        search, _ = run_with(speeds)
+        ranked = search.search([SYNC], [EASGD])
+        assert ranked[0].candidate.strategy == ("sync" if fast < slow else "easgd")
+        # 0.4, 0.7, 0.99 after epochs 1-3: 0.9 is reached 0.2 / 0.29 into epoch 3.
+        assert ranked[0].predicted_s == pytest.approx(min(fast, slow) * (2 + 0.2 / 0.29))
+
+
+def test_the_walk_goes_while_an_epoch_gets_ten_percent_faster():
+    speeds = {("sync", 1, 4): 10.0, ("easgd", 4, 4): 8.0, ("easgd", 16, 4): 7.3,
+              ("easgd", 64, 4): 5.0}
+    search, asked = run_with(speeds)
+    search.walk(search.trial(SYNC, "hardware"), EASGD, (4, 16, 64))
+    knobs = [c.knob for c in asked if c.strategy == "easgd"]
+    assert knobs == [4, 16]  # 8.0 is 20% faster than 10; 7.3 only 8.75% faster than 8: stop
+    assert search.walk(search.trial(SYNC, "hardware"), EASGD, (4, 16, 64)) == EASGD.with_knob(4)
+    # A family no step of which is 10% faster than sync is not tuned at all.
+    slow = {("sync", 1, 4): 10.0, ("easgd", 4, 4): 9.5}
+    search, asked = run_with(slow)
+    search.search([SYNC], [EASGD])
+    assert {c.knob for c in asked if c.strategy == "easgd"} == {4}
+    assert any("not tuned further" in n for n in search.notes)
+
+
+def test_a_diverging_branch_is_pruned():
+    # At lr 0.1 momentum 0.6 diverges: 0.9 is not tried at that rate; at 0.01 all are.
+    def momentum(c: Candidate) -> float:
+        return 0.9 if c.momentum is None else c.momentum  # None: the user's
+
+    speeds = {("sync", 1, 4): 1.0}
+    search, asked = run_with(speeds, diverges=lambda c: c.lr is None and momentum(c) >= 0.6)
+    search.grid(SYNC)
+    tried = [(momentum(c), c.lr) for c in asked]
+    assert tried[:3] == [(0.0, None), (0.3, None), (0.6, None)]  # then pruned: not 0.9
+    assert [mu for mu, _ in tried[3:]] == [0.0, 0.3, 0.6, 0.9]
+    assert all(lr == pytest.approx(0.01) for _, lr in tried[3:])
+    # A rate at which momentum 0 diverges is dropped whole.
+    search, asked = run_with(speeds, diverges=lambda c: c.lr is None)
+    search.grid(SYNC)
+    assert [(c.momentum, c.lr) for c in asked][0] == (0.0, None)
+    assert all(c.lr == pytest.approx(0.01) for c in asked[1:])
+
+
+def test_groups_shrink_while_the_best_momentum_is_zero():
+    # At g = 4 and g = 2 the best explicit momentum is 0 (asynchrony supplies it), and each
+    # halving does better; at g = 1 momentum 0.9 is best: g halves twice, then stops.
+    speeds = {("groups", g, 4): 1.0 for g in (1, 2, 4)}
+    best = {4: (0.0, 0.2), 2: (0.0, 0.25), 1: (0.9, 0.3)}  # g: (best momentum, its progress)
+
+    def progress(c: Candidate) -> float:
+        mu = c.momentum if c.momentum is not None else 0.9
+        return best[c.knob][1] if mu == best[c.knob][0] else 0.05
+
+    search, asked = run_with(speeds, progress=progress)
+    found = search.groups(GROUPS.with_knob(4))
+    assert list(dict.fromkeys(c.knob for c in asked)) == [4, 2, 1]
+    assert found.candidate.knob == 1 and search.momentum_of(found.candidate) == 0.9
+    assert sum("g shrinks" in n for n in search.notes) == 2
+    # Where halving g does no better, the shrinking stops and the larger g stays.
+    best[2] = (0.0, 0.1)
+    search, asked = run_with(speeds, progress=progress)
+    found = search.groups(GROUPS.with_knob(4))
+    assert list(dict.fromkeys(c.knob for c in asked)) == [4, 2] and found.candidate.knob == 4
+
+
+def test_the_budget_skips_trials_that_would_not_fit():
+    speeds = {("sync", 1, 4): 1.0}
+    settings = dataclasses.replace(SETTINGS, budget_s=3.5)
+    search, asked = run_with(speeds, settings=settings, cost=1.0)
+    search.grid(SYNC)
+    assert len(asked) == 3 and len(search.skipped) == 8 - 3
+
+
+def test_epochs_to_target():
+    assert epochs_to_target([(1, 0.5, 1.0), (2, 0.95, 2.0)], 0.9, 0.1) == pytest.approx(1 + 0.4 / 0.45)
+    assert epochs_to_target([(1, 0.55, 1.0)], 0.9, 0.1) == pytest.approx(1 + 0.35 / 0.45)
+    # err = 0.4 e^-1: reaches 0.1 at e = 4
+    curve = [(1, 0.6, 1.0), (2, 0.8, 2.0)]
+    assert epochs_to_target(curve, 0.9, 0.1) == pytest.approx(4.0)
+    assert math.isinf(epochs_to_target([(1, 0.5, 1.0), (2, 0.4, 2.0)], 0.9, 0.1))
+    assert math.isinf(epochs_to_target([(1, 0.1, 1.0)], 0.9, 0.1))
+    assert group_knobs(6) == [1, 2, 4, 6] and group_knobs(1) == [1]
+
+
+def test_durations():
+    assert [parse_duration(t) for t in ("90", "90s", "5m", "1.5h")] == [90, 90, 300, 5400]
+    for bad in ("soon", "-5m", "0", "nanm"):
+        with pytest.raises(ShoalError, match="--plan-budget"):
+            parse_duration(bad)
+
+
+def test_auto_trains_the_plans_winner(tmp_path):
+    out = tmp_path / "auto"
+    assert main(["train", "--strategy", "auto", "--model", "mlp", "--workers", "2",
+                 "--epochs", "3", "--target-accuracy", "0.9", "--plan-budget", "30s",
+                 "--plan-candidates", "sync,easgd", "--trial-epochs", "1", "--progress", "none",
+                 "--out", str(out)]) == 0
+    plan = json.loads((out / "plan" / "plan.json").read_text())
+    assert set(plan) >= {"target_accuracy", "budget_s", "planning_s", "epochs", "why", "notes",
+                         "winner", "trials", "skipped"}
+    assert plan["target_accuracy"] == 0.9 and plan["epochs"] == 3 and plan["trials"]
+    for t in plan["trials"]:
+        assert set(t) >= {"label", "strategy", "options", "workers", "threads", "momentum", "lr",
+                          "phase", "curve", "epoch_s", "diverged", "predicted_s", "cost_s"}
+        assert t["phase"] in ("hardware", "statistical") and t["strategy"] in ("sync", "easgd")
+        assert all(len(p) == 3 for p in t["curve"]) and len(t["curve"]) == 1  # 1 trial epoch
+    winner, config = plan["winner"], json.loads((out / "config.json").read_text())
+    for key in ("strategy", "strategy_options", "momentum", "lr", "threads_per_worker"):
+        assert config[key] == winner[key], key  # the final run is the winner
+    assert config["world_size"] == plan["trials"][0]["workers"]
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["plan"]["winner"] == plan["trials"][0]["label"] and summary["completed"]
+    assert (out / "plan" / "plan.png").is_file() and (out / "plan" / "plan.md").is_file()
+
+
+def test_planning_errors_are_one_line(tmp_path, capsys):
+    for args, message in ((["--strategy", "auto"], "needs --target-accuracy"),
+                          (["--strategy", "auto", "--target-accuracy", "1.5"], "in (0, 1]"),
+                          (["--strategy", "auto", "--target-accuracy", "0.9", "--plan-budget",
+                            "soon"], "--plan-budget must be a duration"),
+                          (["--strategy", "auto", "--target-accuracy", "0.9",
+                            "--plan-candidates", "sync,hogwild"], "does not tune hogwild")):
+        assert main(["train", "--out", str(tmp_path / "r"), *args]) == 2
+        assert message in one_error_line(capsys.readouterr().err)
+    assert not (tmp_path / "r").exists()
