@@ -269,9 +269,9 @@ def reference_compute_groups(case: str) -> tuple[torch.Tensor, list[torch.Tensor
     return x, xk
 
 
-REFERENCES = {"groups": reference_compute_groups, "async-sgd": reference_async_sgd, "async-msgd": reference_async_msgd,
-              "async-easgd": reference_elastic, "async-measgd": reference_elastic,
-              "hogwild-easgd": reference_elastic}
+REFERENCES = {"groups": reference_compute_groups, "async-sgd": reference_async_sgd,
+              "async-msgd": reference_async_msgd, "async-easgd": reference_elastic,
+              "async-measgd": reference_elastic, "hogwild-easgd": reference_elastic}
 
 
 @pytest.mark.filterwarnings("error::UserWarning")  # a scheduler sees optimizer.step() as called
