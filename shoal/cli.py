@@ -23,6 +23,7 @@ from shoal.errors import ShoalError, WorkerError
 from shoal.schema import (
     add_flag,
     check_value,
+    field_kind,
     field_types,
     flag_name,
     parse_ints,
@@ -360,7 +361,8 @@ def _config_file(path: str, flags: dict[str, Any]) -> tuple[dict[str, Any], dict
         hints = field_types(get_strategy(strategy).Options)
         for key, value in from_file.items():
             if key in hints:  # the ranges: make_options, then naming the file
-                check_value(value, hints[key], f"{source}: {key}", bounds=False)
+                check_value(value, hints[key], f"{source}: {key}", bounds=False,
+                            kind=field_kind(get_strategy(strategy).Options, key))
     return values, options
 
 

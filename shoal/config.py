@@ -22,6 +22,7 @@ from shoal.schema import (
     check_bounds,
     check_rules,
     check_value,
+    field_kind,
     field_types,
     flag_name,
     parse_floats,
@@ -80,6 +81,9 @@ class TrainConfig:
                                      at_least=1)
     synthetic_samples: int = setting(2048, "training samples of --dataset synthetic (test: a "
                                      "fifth as many)", metavar="N", at_least=1)
+    synthetic_noise: float = setting(1.5, "standard deviation of --dataset synthetic's noise "
+                                     "around each class's prototype (more: harder)",
+                                     metavar="SIGMA", at_least=0)
     image_size: int | None = setting(None, "resize imagefolder images to PX x PX", metavar="PX",
                                      at_least=1)
     augment: bool = setting(False, "random flips and padded crops (an eighth of the height) of "
@@ -113,7 +117,7 @@ class TrainConfig:
     momentum: float | str = setting(0.9, "SGD momentum, below 1; auto: Omnivore's max(0, T - "
                                     "(1 - 1/g)) for a run of g asynchronous groups (auto:T, "
                                     "default target T 0.9)", metavar="M|auto[:T]",
-                                    parse=parse_momentum)
+                                    parse=parse_momentum, kind="a number, auto or auto:T")
     #: What ``--momentum auto`` became (target, groups, implicit and explicit momentum); set
     #: when the run starts (:func:`shoal.train.optim.resolve_momentum`), kept in config.json.
     momentum_auto: dict[str, float] | None = setting(None, flag=False)
@@ -216,7 +220,8 @@ class TrainConfig:
         hints = {k: v for k, v in field_types(TrainConfig).items()
                  if k != "profile" or self.profile is None}  # parse_step_window checks it
         for name, hint in hints.items():
-            value = check_value(getattr(self, name), hint, flag_name(name), bounds=False)
+            value = check_value(getattr(self, name), hint, flag_name(name), bounds=False,
+                                kind=field_kind(TrainConfig, name))
             if name == "strategy_options":
                 value = {str(k).replace("-", "_"): v for k, v in value.items()}
             setattr(self, name, value)
@@ -297,7 +302,8 @@ def check_values(values: dict[str, Any], source: str) -> None:
             except ShoalError as exc:
                 raise ShoalError(f"{source}: profile: {exc}") from None
         elif key in hints:  # the ranges: validate(), whose errors the caller may rename
-            check_value(value, hints[key], f"{source}: {key}", bounds=False)
+            check_value(value, hints[key], f"{source}: {key}", bounds=False,
+                        kind=field_kind(TrainConfig, key))
 
 
 def parse_step_window(value: Any) -> tuple[int, int]:

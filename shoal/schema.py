@@ -11,7 +11,9 @@ line (:func:`setting` writes it):
 - ``metavar``, ``nargs`` and ``const`` as in argparse; ``parse``: text -> value, for values
   that are not one number or word (a shape, a list);
 - ``at_least`` (a number) or ``positive``: the range :func:`check_rules` checks;
-- ``section``: the help group of this field and of those after it; ``flag=False``: no flag.
+- ``section``: the help group of this field and of those after it; ``flag=False``: no flag;
+- ``kind``: what a value is, in words, for the error of a value of the wrong type (a field
+  of two types: ``an integer, auto or auto:N``).
 """
 
 from __future__ import annotations
@@ -263,15 +265,26 @@ def _numbers(value: Any) -> list[int | float]:
             if isinstance(v, (numbers.Integral, float)) and not isinstance(v, bool)]
 
 
-def check_value(value: Any, hint: Any, name: str, bounds: bool = True) -> Any:
+def field_kind(cls: type, name: str) -> str | None:
+    """What a value of the dataclass ``cls``'s field ``name`` is, in words, where its
+    metadata says (``kind``: for a field of two types, such as ``--tau 4`` or ``auto``)."""
+    for f in dataclasses.fields(cls):
+        if f.name == name:
+            return f.metadata.get("kind")
+    return None
+
+
+def check_value(value: Any, hint: Any, name: str, bounds: bool = True,
+                kind: str | None = None) -> Any:
     """``value`` checked against the annotation ``hint`` and normalized; otherwise a
-    one-line :class:`ShoalError` that begins with ``name`` (a flag, or ``file: key``).
+    one-line :class:`ShoalError` that begins with ``name`` (a flag, or ``file: key``) and
+    says what the value must be (``kind``, else the annotation in words).
 
     With ``bounds``, also :func:`check_bounds`.
     """
     out = _convert(value, hint)
     if out is _INVALID:
-        raise ShoalError(f"{name} must be {_describe(hint)}, got {show_value(value)}")
+        raise ShoalError(f"{name} must be {kind or _describe(hint)}, got {show_value(value)}")
     _check_text(out, name)
     if bounds:
         check_bounds(out, name)

@@ -142,7 +142,7 @@ def test_debug_flag_shows_traceback(tmp_path, capsys):
     ("synthetic_shape: 3", "synthetic_shape must be a list of integers, got 3"),
     ("strategy_options: 3", "strategy_options must be a mapping"),
     ("bucket_mb: big", "bucket_mb must be a number, got 'big'"),
-    ("strategy: local-sgd\ntau: 2.5", "tau must be an integer, got 2.5"),
+    ("strategy: local-sgd\ntau: 2.5", "tau must be an integer, auto or auto:N, got 2.5"),
     ("strategy: easgd\nstrategy_options: {overlap: 2}", "overlap must be true or false, got 2"),
     ("bucket_mb: .nan", "bucket_mb must be a finite number, got nan"),
     # the ranges of the flags, naming the file's key

@@ -99,6 +99,7 @@ class DataOptions:
     synthetic_classes: int = 10
     synthetic_samples: int = 2048
     image_size: int | None = None
+    synthetic_noise: float = 1.5
 
     def require_dir(self, dataset: str) -> Path:
         if not self.data_dir:

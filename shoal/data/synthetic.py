@@ -1,7 +1,9 @@
 """Synthetic classification data of any shape, for benchmarks and tests.
 
-Each class has a random prototype; a sample is its class's prototype plus Gaussian noise,
-so models learn it (accuracy means something) while any shape and size can be asked for.
+Each class has a random prototype; a sample is its class's prototype plus Gaussian noise of
+standard deviation ``synthetic_noise`` (1.5 by default), so models learn it (accuracy means
+something) while any shape and size can be asked for; more noise makes it harder (more
+epochs to a given accuracy, and a lower ceiling).
 """
 
 from __future__ import annotations
@@ -26,7 +28,7 @@ def load(opts: DataOptions) -> Dataset:
 
     def make(count: int) -> TensorSplit:
         y = torch.randint(0, classes, (count,), generator=gen)
-        x = protos[y] + 1.5 * torch.randn((count, *shape), generator=gen)
+        x = protos[y] + opts.synthetic_noise * torch.randn((count, *shape), generator=gen)
         return TensorSplit(x, y)
 
     return Dataset("synthetic", make(n), make(n_test), shape, classes)

@@ -140,15 +140,10 @@ class Planner:
         cfg = self.config(c, out, stop_at_step=self.trial_epochs * self.steps_per_epoch + 1,
                           eval_every=1, checkpoint_every=10**9, progress="none", log_every=10,
                           max_restarts=0, trace=False, tensorboard=False, profile=None)
-        out.mkdir(parents=True, exist_ok=True)
-        config_file = out.parent / f"{name}.json"
-        config_file.write_text(json.dumps(cfg.to_dict()))
-        processes = c.workers + (1 if getattr(get_strategy(c.strategy), "asynchronous", False)
-                                 else 0)
         started = time.monotonic()
         trial = Trial(c)
         try:
-            self.launcher.train(["--config", str(config_file)], processes, c.workers, out, name)
+            run_config(self.launcher, cfg, c.workers, name)
             trial.curve, trial.epoch_s = _curve(out)
         except ShoalError as exc:
             message = str(exc)
@@ -204,6 +199,18 @@ class Planner:
                                f"Winner: {plan.why}.\n\n![plan](plan.png)\n")
         plan_figure(plan, self.settings, paths["png"])
         return paths
+
+
+def run_config(launcher: Launcher, cfg: TrainConfig, workers: int, name: str) -> None:
+    """Run ``shoal train`` with the settings ``cfg`` (writing to ``cfg.out``) on ``workers``
+    workers through ``launcher``; the settings go in a JSON file beside ``cfg.out``."""
+    out = Path(cfg.out)
+    out.mkdir(parents=True, exist_ok=True)
+    config_file = out.parent / f"{out.name}.json"
+    config_file.write_text(json.dumps(cfg.to_dict()))
+    servers = int(cfg.strategy_options.get("servers", 1)) \
+        if getattr(get_strategy(cfg.strategy), "asynchronous", False) else 0
+    launcher.train(["--config", str(config_file)], workers + servers, workers, out, name)
 
 
 def _curve(out: Path) -> tuple[list[tuple[int, float, float]], float]:

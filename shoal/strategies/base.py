@@ -31,7 +31,7 @@ from shoal.core.comm import Comm
 from shoal.data.base import num_rows, take_rows
 from shoal.data.sharding import EpochPlan
 from shoal.errors import ShoalError
-from shoal.schema import check_bounds, check_value, flag_name
+from shoal.schema import check_bounds, check_value, field_kind, flag_name
 from shoal.strategies.period import AUTO_START, AdaptivePeriod, first_period, parse_period
 
 
@@ -47,7 +47,7 @@ class PeriodicOptions:
     tau: int | str = dataclasses.field(default=4, metadata={
         "help": "local steps between two exchanges; auto: AdaComm's adaptive period, from "
                 f"auto:N steps (default {AUTO_START}) down as the loss falls",
-        "parse": parse_period, "metavar": "N|auto[:N]"})
+        "parse": parse_period, "metavar": "N|auto[:N]", "kind": "an integer, auto or auto:N"})
     measure_wait: bool = dataclasses.field(default=False, metadata={
         "help": "book the time spent waiting for the slowest rank as wait, not comm "
                 "(one tiny extra message per exchange)"})
@@ -244,7 +244,8 @@ def make_options(cls: type[Strategy], values: dict[str, Any], workers: int | Non
         hints = typing.get_type_hints(cls.Options)
     except Exception:  # annotations that do not resolve here: the options' own checks remain
         hints = {}
-    values = {k: check_value(v, hints[k], flag_name(k)) if k in hints else v
+    values = {k: check_value(v, hints[k], flag_name(k), kind=field_kind(cls.Options, k))
+              if k in hints else v
               for k, v in values.items()}
     options = cls.Options(**values)
     check_options(options, workers)

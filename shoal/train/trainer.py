@@ -44,7 +44,7 @@ from shoal.train.stopping import StopVote
 
 def data_options(cfg: TrainConfig) -> DataOptions:
     return DataOptions(cfg.data_dir, cfg.seed, tuple(cfg.synthetic_shape), cfg.synthetic_classes,
-                       cfg.synthetic_samples, cfg.image_size)
+                       cfg.synthetic_samples, cfg.image_size, cfg.synthetic_noise)
 
 
 def preflight(cfg: TrainConfig, world: int) -> Dataset:
