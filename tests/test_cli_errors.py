@@ -193,7 +193,8 @@ def test_every_setting_is_a_flag_and_the_help_names_what_the_registries_hold(mon
     sub = next(a for a in parser._actions if getattr(a, "choices", None) and "train" in a.choices)
     train = sub.choices["train"]
     flags = {o for a in train._actions for o in a.option_strings}
-    settings = {f.name for f in dataclasses.fields(TrainConfig)} - {"strategy_options"}
+    settings = {f.name for f in dataclasses.fields(TrainConfig)
+                if f.metadata.get("flag", True)} - {"strategy_options"}
     assert {"--" + s.replace("_", "-") for s in settings} <= flags
     help_text = train.format_help()
     assert all(name in help_text for name in [*MODELS, *dataset_names()])

@@ -237,7 +237,7 @@ def test_locked_rule_loses_no_update(store):
 
 
 def test_staleness_bound(store):
-    with pytest.raises(ShoalError, match="max staleness 1 is below workers - 1 = 2"):
+    with pytest.raises(ShoalError, match="max staleness 1 is below pushers - 1 = 2: with 3 workers pushing"):
         ShardServer(store, 0, 3, None, torch.zeros(4), timeout=5.0, max_staleness=1)
     n, k = 64, 2
     servers, _ = serve(store, 3, n, timeout=20.0, max_staleness=k)

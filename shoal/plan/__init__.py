@@ -58,7 +58,10 @@ def plan_and_train(cfg: TrainConfig) -> dict[str, Any] | None:
                          f"{PLAN_DIR}/plan.md")
     print(f"shoal: planned in {found.planning_s:.0f} s ({len(found.trials)} trials): "
           f"{found.why}", file=sys.stderr, flush=True)
-    winner = dataclasses.replace(found.winner, overwrite=cfg.overwrite, progress=cfg.progress)
+    # The winner runs as its trial did: on the trial's workers (a layout of one process with
+    # all the threads, or the job's workers).
+    winner = dataclasses.replace(found.winner, workers=found.trials[0].candidate.workers,
+                                 overwrite=cfg.overwrite, progress=cfg.progress)
     summary = train(winner)
     if summary is not None:
         summary["plan"] = {"winner": found.trials[0].candidate.label(),
