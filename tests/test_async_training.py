@@ -9,7 +9,7 @@ import torch
 
 from shoal.cli import main
 
-from conftest import one_error_line, shoal, shoal_env, train
+from conftest import one_error_line, shoal, shoal_env, train_here
 
 COMMON = ["--model", "mlp", "--dataset", "digits", "--workers", "2", "--epochs", "4"]
 STRATEGY_ARGS = {
@@ -29,7 +29,7 @@ def epoch_records(out):
 
 @pytest.mark.parametrize("strategy", list(STRATEGY_ARGS))
 def test_learns_digits(tmp_path, strategy):
-    summary = train(tmp_path, *COMMON, "--strategy", strategy, *STRATEGY_ARGS[strategy])
+    summary = train_here(tmp_path, *COMMON, "--strategy", strategy, *STRATEGY_ARGS[strategy])
     assert summary["strategy"] == strategy and summary["completed"] and not summary["degraded"]
     assert summary["test_accuracy"] >= 0.93, summary["test_accuracy"]
     assert summary["workers"] == 2 and summary["servers"] == 1
@@ -42,9 +42,9 @@ def test_learns_digits(tmp_path, strategy):
 
 
 def test_two_servers_shard_the_center_within_the_staleness_bound(tmp_path):
-    summary = train(tmp_path, "--model", "mlp", "--dataset", "digits", "--workers", "3",
-                    "--epochs", "4", "--strategy", "async-sgd", "--servers", "2",
-                    "--max-staleness", "2")
+    summary = train_here(tmp_path, "--model", "mlp", "--dataset", "digits", "--workers", "3",
+                         "--epochs", "4", "--strategy", "async-sgd", "--servers", "2",
+                         "--max-staleness", "2")
     assert summary["servers"] == 2 and summary["test_accuracy"] >= 0.93
     saved = torch.load(tmp_path / "checkpoint.pt", map_location="cpu", weights_only=True)
     shards = [s["center"] for s in saved["servers"]]
