@@ -33,7 +33,7 @@ predicted: its hosts are this machine's processes behind a rate-limited link).
 
 The output is each strategy's throughput (samples/s) and weak-scaling efficiency
 ``throughput(p) / (p * throughput(1))``, where ``throughput(1)`` is one worker training
-alone (``b / (c b)``, no communication).
+alone (``1 / c`` samples per second, no communication).
 """
 
 from __future__ import annotations
