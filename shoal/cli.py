@@ -78,8 +78,14 @@ def _plan_parser(sub: Any) -> argparse.ArgumentParser:
         description="Measure candidate configurations of a training run in short trials "
                     "(strategy, groups or tau, momentum, learning rate, processes x threads), "
                     "predict each one's time to --target-accuracy and rank them; write "
-                    "plan.json, plan.md and plan.png to --out. Takes shoal train's flags.")
-    return _add_train_flags(p)
+                    "plan.json, plan.md and plan.png to --out. Takes shoal train's flags. "
+                    "With --simulate, predict instead each strategy's throughput on clusters "
+                    "that cannot be run here (a calibrated cost model; simulate.json).")
+    from shoal.plan.model import add_simulate_flags
+
+    _add_train_flags(p)
+    add_simulate_flags(p)
+    return p
 
 
 def _add_train_flags(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
@@ -256,12 +262,21 @@ def _bench(args: argparse.Namespace, argv: Sequence[str]) -> None:
     run_bench(cfg, "shoal " + " ".join(argv))
 
 
-def _plan(args: argparse.Namespace) -> None:
+def _plan(args: argparse.Namespace) -> int:
+    from shoal.plan.model import run_simulate, simulate_keys
+
+    simulation = simulate_keys(args)
+    if simulation.pop("sim_simulate", False):
+        return run_simulate(config_from_args(args), simulation)
+    if simulation:
+        flags = ", ".join("--" + k[4:].replace("_", "-") for k in sorted(simulation))
+        raise ShoalError(f"shoal plan: {flags} belong(s) to --simulate; add --simulate")
     from shoal.plan import plan
 
     found = plan(config_from_args(args))
     print(found.files["md"].read_text())
     print(f"wrote {', '.join(str(p) for p in found.files.values())}")
+    return 0
 
 
 def _report(args: argparse.Namespace) -> None:
@@ -430,7 +445,9 @@ def main(argv: Sequence[str] | None = None) -> int:
                           "trained on", file=sys.stderr)
                 return EXIT_DEGRADED
         elif args.command == "plan":
-            _plan(args)
+            status = _plan(args)
+            if status:
+                return status
         elif args.command == "run":
             _run(args)
         elif args.command == "bench":

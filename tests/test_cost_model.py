@@ -1,0 +1,266 @@
+"""The cost model of ``shoal plan --simulate``: its formulas against hand-computed alpha-beta
+values, unit parsing, the command's simulate.json (an injected calibration: no timing here),
+and monotonicity (more bandwidth is never slower)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from shoal.cli import main
+from shoal.errors import ShoalError
+from shoal.plan.model import (
+    SC17_EFFICIENCY,
+    Calibration,
+    Network,
+    Workload,
+    broadcast_s,
+    exchange_s,
+    parse_bandwidth,
+    parse_latency,
+    predict,
+    ring_allreduce_s,
+    server_cycle_s,
+    workloads,
+)
+
+from conftest import one_error_line
+
+#: A calibration with round numbers: 100 us per sample, no endpoint cost to speak of.
+CAL = Calibration(compute_s_per_sample=1e-4, threads=1, alpha_host_s=0.0, host_bytes_per_s=1e30,
+                  cores=2, source="test")
+#: 1 Gbit/s = 125 MB/s, 10 us per message; taken at its nominal values.
+GBIT = Network(bytes_per_s=125e6, latency_s=10e-6)
+PARAMS = 250_000  # 1 MB of float32
+
+
+# -- the formulas, by hand ---------------------------------------------------------------------
+def test_ring_allreduce_by_hand():
+    # p = 4, 1 MB at 125 MB/s, 10 us: 2*3/4 * 8 ms + 6 * 10 us = 12 ms + 60 us
+    assert ring_allreduce_s(4, 1e6, 1 / 125e6, 10e-6) == pytest.approx(12.06e-3)
+    # p = 2: one message of half the bytes each way, twice: n * beta + 2 alpha
+    assert ring_allreduce_s(2, 1e6, 1 / 125e6, 10e-6) == pytest.approx(8e-3 + 20e-6)
+    assert ring_allreduce_s(1, 1e6, 1 / 125e6, 10e-6) == 0.0
+    # many nodes: the bandwidth term tends to 2 n beta, the latency term grows linearly
+    assert ring_allreduce_s(256, 1e6, 1 / 125e6, 0.0) == pytest.approx(2 * 255 / 256 * 8e-3)
+
+
+def test_other_collectives_by_hand():
+    assert broadcast_s(8, 1e6, 1 / 125e6, 10e-6) == pytest.approx(8e-3 + 3 * 10e-6)
+    assert broadcast_s(1, 1e6, 1 / 125e6, 10e-6) == 0.0
+    assert exchange_s(1e6, 1 / 125e6, 10e-6) == pytest.approx(16e-3 + 20e-6)
+    # 8 pushers of 1 MB through 2 servers' links: 8 * 1 MB / (2 * 125 MB/s)
+    assert server_cycle_s(8, 1e6, 1 / 125e6, 2) == pytest.approx(32e-3)
+
+
+def test_sync_prediction_is_compute_plus_ring_allreduce():
+    p = predict(Workload("sync"), 4, 32, PARAMS, CAL, GBIT)
+    compute = 32 * 1e-4
+    step = compute + 12.06e-3
+    assert p.compute_s == pytest.approx(compute)
+    assert p.step_s == pytest.approx(step)
+    assert p.samples_per_s == pytest.approx(4 * 32 / step)
+    assert p.efficiency == pytest.approx(compute / step)
+    assert p.bound == "network"
+    one = predict(Workload("sync"), 1, 32, PARAMS, CAL, GBIT)
+    assert one.step_s == pytest.approx(compute) and one.efficiency == pytest.approx(1.0)
+
+
+def test_periodic_strategies_amortize_the_allreduce_over_tau():
+    compute, ring = 32 * 1e-4, 12.06e-3
+    local = predict(Workload("local-sgd", tau=4), 4, 32, PARAMS, CAL, GBIT)
+    assert local.step_s == pytest.approx(compute + ring / 4)
+    assert predict(Workload("diloco", tau=4), 4, 32, PARAMS, CAL, GBIT).step_s == local.step_s
+    # EASGD hides the all-reduce behind the round's other tau - 1 steps
+    easgd = predict(Workload("easgd", tau=4), 4, 32, PARAMS, CAL, GBIT)
+    assert easgd.step_s == pytest.approx((compute + max(3 * compute, ring)) / 4)
+    hidden = predict(Workload("easgd", tau=16), 4, 32, PARAMS, CAL, GBIT)
+    assert hidden.step_s == pytest.approx(compute) and hidden.efficiency == pytest.approx(1.0)
+    exposed = predict(Workload("easgd", tau=4, overlap=False), 4, 32, PARAMS, CAL, GBIT)
+    assert exposed.step_s == pytest.approx(local.step_s)
+
+
+def test_parameter_server_queues_when_demand_exceeds_its_link():
+    compute, ex = 32 * 1e-4, 16e-3 + 20e-6
+    alone = predict(Workload("async-sgd"), 1, 32, PARAMS, CAL, GBIT)
+    assert alone.step_s == pytest.approx(compute + ex)
+    # 64 workers on one server's link: each waits its turn, 64 * 8 ms per cycle
+    crowded = predict(Workload("async-sgd"), 64, 32, PARAMS, CAL, GBIT)
+    assert crowded.step_s == pytest.approx(64 * 8e-3) and crowded.bound == "server"
+    assert crowded.samples_per_s == pytest.approx(125e6 / 1e6 * 32)  # the link's exchanges/s
+    # k shards: k times the server bandwidth
+    sharded = predict(Workload("async-sgd", servers=4), 64, 32, PARAMS, CAL, GBIT)
+    assert sharded.step_s == pytest.approx(16 * 8e-3)
+    # the elastic form exchanges every tau steps
+    elastic = predict(Workload("async-easgd", tau=4), 2, 32, PARAMS, CAL, GBIT)
+    assert elastic.step_s == pytest.approx((4 * compute + ex) / 4)
+
+
+def test_groups_by_hand():
+    # 8 workers in 2 groups of 4: ring inside, broadcast inside, the leader's exchange
+    compute = 32 * 1e-4
+    inside = ring_allreduce_s(4, 1e6, 1 / 125e6, 10e-6) + broadcast_s(4, 1e6, 1 / 125e6, 10e-6)
+    p = predict(Workload("groups", groups=2), 8, 32, PARAMS, CAL, GBIT)
+    assert p.step_s == pytest.approx(compute + inside + 16e-3 + 20e-6)
+
+
+def test_shared_cores_slow_compute():
+    p = predict(Workload("sync"), 4, 32, PARAMS, CAL, Network(), shared_cores=2)
+    assert p.compute_s == pytest.approx(2 * 32 * 1e-4)
+    assert predict(Workload("sync"), 2, 32, PARAMS, CAL, Network(),
+                   shared_cores=2).compute_s == pytest.approx(32 * 1e-4)
+
+
+def test_host_cost_adds_the_calibrated_endpoint():
+    cal = Calibration(1e-4, 1, alpha_host_s=50e-6, host_bytes_per_s=1e9, cores=2)
+    assert GBIT.alpha(cal) == pytest.approx(10e-6)
+    assert GBIT.beta(cal) == pytest.approx(1 / 125e6)
+    both = Network(125e6, 10e-6, host_cost=True)
+    assert both.alpha(cal) == pytest.approx(60e-6)
+    assert both.beta(cal) == pytest.approx(1 / 125e6 + 1 / 1e9)
+    local = Network()  # no link: the calibrated cost is all there is
+    assert local.alpha(cal) == pytest.approx(50e-6) and local.beta(cal) == pytest.approx(1e-9)
+
+
+@pytest.mark.parametrize("strategy", ["sync", "local-sgd", "easgd", "diloco", "async-sgd",
+                                      "async-easgd", "groups"])
+def test_more_bandwidth_or_less_latency_is_never_slower(strategy):
+    w = Workload(strategy, tau=4, groups=4)
+    for nodes in (1, 2, 4, 16, 64, 256):
+        times = [predict(w, nodes, 32, PARAMS, CAL, Network(bw, 5e-6)).step_s
+                 for bw in (1e6, 1e7, 1e8, 1e9, 1e10)]
+        assert times == sorted(times, reverse=True), (nodes, times)
+        lat = [predict(w, nodes, 32, PARAMS, CAL, Network(1e9, a)).step_s
+               for a in (1e-3, 1e-4, 1e-5, 0.0)]
+        assert lat == sorted(lat, reverse=True), (nodes, lat)
+
+
+def test_workloads_take_knobs_from_the_spec_then_the_flags():
+    ws = workloads("sync,local-sgd:tau=16,easgd,groups:groups=8,async-sgd", {"tau": 8, "servers": 2})
+    assert [w.label for w in ws] == ["sync", "local-sgd tau=16", "easgd tau=8", "groups g=8 k=2",
+                                     "async-sgd k=2"]
+    with pytest.raises(ShoalError, match="no formula for strategy 'hogwild'"):
+        workloads("hogwild", {})
+
+
+# -- units ---------------------------------------------------------------------------------------
+@pytest.mark.parametrize("text,expected", [("10gbit", 1.25e9), ("100mbit", 12.5e6),
+                                           ("1gbit", 125e6), ("1.5Gbit", 187.5e6),
+                                           ("500kbit", 62.5e3)])
+def test_bandwidth_units(text, expected):
+    assert parse_bandwidth(text) == pytest.approx(expected)
+
+
+@pytest.mark.parametrize("text,expected", [("5us", 5e-6), ("1ms", 1e-3), ("0.5ms", 5e-4),
+                                           ("0us", 0.0), ("2s", 2.0), ("100ns", 1e-7)])
+def test_latency_units(text, expected):
+    assert parse_latency(text) == pytest.approx(expected)
+
+
+@pytest.mark.parametrize("text", ["10", "fast", "10gb", "-1gbit", "0mbit", "10 gigabit", ""])
+def test_bad_bandwidth_is_one_line(text):
+    with pytest.raises(ShoalError) as err:
+        parse_bandwidth(text)
+    assert "\n" not in str(err.value) and "--bandwidth must be a rate like 10gbit" in str(err.value)
+
+
+@pytest.mark.parametrize("text", ["5", "soon", "-5us", "5 minutes", "1h"])
+def test_bad_latency_is_one_line(text):
+    with pytest.raises(ShoalError) as err:
+        parse_latency(text)
+    assert "\n" not in str(err.value) and "--latency must be a time like 5us" in str(err.value)
+
+
+# -- the command -----------------------------------------------------------------------------------
+TINY = ["--model", "mlp", "--dataset", "synthetic", "--synthetic-shape", "1x4x4",
+        "--synthetic-samples", "64", "--batch-size", "8"]
+
+
+def _calibration(tmp_path):
+    path = tmp_path / "cal.json"
+    path.write_text(json.dumps({"calibration": {"compute_s_per_sample": 2e-5, "threads": 1,
+                                                "alpha_host_s": 4e-5, "host_bytes_per_s": 2e9,
+                                                "cores": 2}}))
+    return str(path)
+
+
+def test_simulate_writes_simulate_json(tmp_path, capsys):
+    out = tmp_path / "sim"
+    code = main(["plan", "--simulate", *TINY, "--nodes", "1,64,256", "--bandwidth", "10gbit",
+                 "--latency", "5us", "--strategies", "sync,local-sgd:tau=8,async-sgd",
+                 "--calibration", _calibration(tmp_path), "--out", str(out)])
+    assert code == 0
+    printed = capsys.readouterr().out
+    assert "| strategy | nodes | samples/s | efficiency |" in printed
+    assert "Expected to beat SC17's 91.5%" in printed
+    data = json.loads((out / "simulate.json").read_text())
+    assert data["schema"] == 1 and data["model"] == "mlp" and data["batch_per_worker"] == 8
+    assert data["bytes"] == 4 * data["params"] > 0
+    assert data["network"]["bytes_per_s"] == pytest.approx(1.25e9)
+    assert data["network"]["latency_s"] == pytest.approx(5e-6)
+    assert data["network"]["host_cost"] is False
+    assert data["effective"]["alpha_s"] == pytest.approx(5e-6)
+    assert data["calibration"]["compute_s_per_sample"] == pytest.approx(2e-5)
+    assert data["calibration"]["source"].startswith("--calibration")
+    assert data["sc17_efficiency"] == SC17_EFFICIENCY and data["beats_sc17_at"] == 256
+    rows = data["predictions"]
+    assert [(r["label"], r["nodes"]) for r in rows] == [
+        (label, n) for label in ("sync", "local-sgd tau=8", "async-sgd k=1") for n in (1, 64, 256)]
+    keys = {"label", "strategy", "tau", "groups", "servers", "nodes", "batch_per_worker", "step_s",
+            "compute_s", "comm_s", "comm_fraction", "samples_per_s", "efficiency", "bound",
+            "bytes_per_step"}
+    for r in rows:
+        assert set(r) == keys
+        assert 0 < r["efficiency"] <= 1 + 1e-9 and r["samples_per_s"] > 0
+    assert set(data["beats_sc17"]) <= {r["label"] for r in rows}
+    for label in data["beats_sc17"]:
+        assert next(r for r in rows if r["label"] == label and r["nodes"] == 256)["efficiency"] \
+            >= SC17_EFFICIENCY
+    # the calibration of one run serves the next, and a second run does not replace the file
+    code = main(["plan", "--simulate", *TINY, "--calibration", str(out / "simulate.json"),
+                 "--out", str(out)])
+    assert code == 2
+    assert "already holds a simulate.json; pass --overwrite" in one_error_line(capsys.readouterr().err)
+    assert main(["plan", "--simulate", *TINY, "--calibration", str(out / "simulate.json"),
+                 "--out", str(out), "--overwrite"]) == 0
+
+
+def test_simulate_leaves_other_files_alone(tmp_path):
+    out = tmp_path / "busy"
+    out.mkdir()
+    (out / "notes.txt").write_text("mine")
+    assert main(["plan", "--simulate", *TINY, "--calibration", _calibration(tmp_path),
+                 "--out", str(out)]) == 0
+    assert (out / "notes.txt").read_text() == "mine"
+    assert sorted(p.name for p in out.iterdir()) == ["notes.txt", "simulate.json"]
+
+
+@pytest.mark.parametrize("args,message", [
+    (["--bandwidth", "10gb"], "--bandwidth must be a rate like 10gbit"),
+    (["--latency", "5"], "--latency must be a time like 5us"),
+    (["--nodes", "64,x"], "--nodes must be positive node counts"),
+    (["--nodes", "0"], "--nodes must be positive node counts"),
+    (["--strategies", "hogwild"], "no formula for strategy 'hogwild'"),
+    (["--strategies", "sync,nosuch"], "nosuch"),
+    (["--strategies", "local-sgd:tau=0"], "tau must be at least 1"),
+])
+def test_simulate_bad_input_is_one_line(tmp_path, capsys, args, message):
+    code = main(["plan", "--simulate", *TINY, "--calibration", _calibration(tmp_path),
+                 "--out", str(tmp_path / "s"), *args])
+    assert code == 2
+    assert message in one_error_line(capsys.readouterr().err)
+    assert not (tmp_path / "s" / "simulate.json").exists()
+
+
+def test_simulate_flags_need_simulate(tmp_path, capsys):
+    assert main(["plan", *TINY, "--nodes", "64", "--out", str(tmp_path / "p")]) == 2
+    assert "--nodes belong(s) to --simulate" in one_error_line(capsys.readouterr().err)
+
+
+def test_bad_calibration_file_is_one_line(tmp_path, capsys):
+    bad = tmp_path / "bad.json"
+    bad.write_text(json.dumps({"compute_s_per_sample": "fast"}))
+    assert main(["plan", "--simulate", *TINY, "--calibration", str(bad),
+                 "--out", str(tmp_path / "s")]) == 2
+    assert "a calibration needs numbers" in one_error_line(capsys.readouterr().err)
