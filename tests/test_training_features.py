@@ -184,3 +184,37 @@ def test_precision_from_a_config_file(tmp_path):
     config.write_text("precision: fp8\n")
     assert "precision must be one of 32, bf16-mixed, 16-mixed, got 'fp8'" in fails(
         "train", "--config", str(config), "--out", str(tmp_path / "run"))
+
+
+def test_the_features_in_an_own_loop(one_thread):
+    # shoal.strategies.precision's recipe, in one process: bf16 autocast, 3 micro-batches,
+    # clipping; the parameters stay float32 and the loss falls.
+    import shoal
+    from shoal.strategies.precision import clip_gradients
+
+    torch.manual_seed(0)
+    x, y = torch.randn(96, 8), torch.randint(0, 3, (96,))
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 3))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.2)
+    comm = Comm(Environment(), torch.device("cpu"))
+    strategy = shoal.strategy("sync", model, optimizer, comm=comm)
+    amp = MixedPrecision("bf16-mixed", comm.device)
+    strategy.scaler = amp.scaler
+    losses = []
+    for epoch in range(8):
+        for xb, yb in strategy.batches((x, y), batch_size=3 * 8, epoch=epoch):
+            pieces = list(micro_batches(len(xb), 3))
+            for i, (lo, hi) in enumerate(pieces):
+                with strategy.no_sync(i < len(pieces) - 1):
+                    with amp.autocast():
+                        loss = torch.nn.functional.cross_entropy(strategy.module(xb[lo:hi]),
+                                                                 yb[lo:hi])
+                    strategy.backward(loss * (hi - lo) / len(xb))
+                losses.append(loss.item())
+            if amp.unscale(optimizer):
+                assert clip_gradients(model, 1.0) > 0
+            strategy.step()
+            amp.update()
+            strategy.zero_grad()
+    assert all(p.dtype == torch.float32 for p in model.parameters())
+    assert sum(losses[-12:]) < sum(losses[:12])

@@ -161,11 +161,11 @@ class Strategy:
             loss = loss if weight == 1.0 else loss * weight
         return self.scaler.scale(loss) if self.scaler is not None else loss
 
-    def no_sync(self) -> contextlib.AbstractContextManager[Any]:
-        """Forward and backward passes inside only accumulate gradients here; the next
-        backward outside communicates them all (gradient accumulation: DDP's ``no_sync`` for
-        ``sync`` and ``groups``; nothing to hold back for the strategies that communicate in
-        :meth:`step`)."""
+    def no_sync(self, enabled: bool = True) -> contextlib.AbstractContextManager[Any]:
+        """Forward and backward passes inside only accumulate gradients here (while
+        ``enabled``); the next backward outside communicates them all. For gradient
+        accumulation: DDP's ``no_sync`` for ``sync`` and ``groups``; the strategies that
+        communicate in :meth:`step` have nothing to hold back."""
         return contextlib.nullcontext()
 
     def backward(self, loss: torch.Tensor) -> None:
@@ -212,7 +212,7 @@ class Strategy:
         """What a checkpoint keeps of this rank: :meth:`state_dict` as ``"strategy"``, and
         where replicas drift (not :attr:`replicas_in_sync`) this rank's ``"model"`` and
         ``"optimizer"``. Called on every rank; keys ``rng``, ``aug_rng``, ``cuda_rng``,
-        ``times``, ``bytes_sent`` and ``epoch_sums`` are the trainer's own.
+        ``times``, ``bytes_sent``, ``epoch_sums`` and ``precision`` are the trainer's own.
         """
         own = {"strategy": self.state_dict()}
         if not self.replicas_in_sync:

@@ -148,8 +148,8 @@ class ComputeGroups(AsyncStrategy):
         self.inner.batch_share, self.inner.scaler = share, self.scaler
         self.inner.backward(loss)
 
-    def no_sync(self) -> contextlib.AbstractContextManager[Any]:
-        return self.inner.no_sync()
+    def no_sync(self, enabled: bool = True) -> contextlib.AbstractContextManager[Any]:
+        return self.inner.no_sync(enabled)
 
     @torch.no_grad()
     def update(self, t: int) -> None:

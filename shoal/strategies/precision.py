@@ -15,15 +15,22 @@ parameter (no momentum, no weight decay, Adam's step count unchanged). The strat
 apply the gradient themselves (``eamsgd``, the asynchronous family, ``groups``) read a
 missing gradient as zero, so their momentum and weight decay still move on such a step.
 
-In a loop of your own::
+In a loop of your own (``shoal train`` does the same)::
 
-    amp = MixedPrecision("16-mixed", device)
-    with amp.autocast():
-        loss = loss_fn(strategy.module(x), y)
-    strategy.backward(amp.scale(loss))
-    if amp.unscale(optimizer):               # False: overflow, the step is skipped
-        clip_gradients(model, 1.0)
-    strategy.step(); amp.update(); strategy.zero_grad()
+    amp = MixedPrecision("16-mixed", comm.device)
+    strategy.scaler = amp.scaler                 # backward scales the loss (16-mixed)
+    for x, y in strategy.batches(data.train, batch_size=4 * 16, epoch=epoch):
+        pieces = list(micro_batches(len(x), 4))  # --accumulate 4
+        for i, (lo, hi) in enumerate(pieces):
+            with strategy.no_sync(i < len(pieces) - 1):   # only the last one communicates
+                with amp.autocast():
+                    loss = loss_fn(strategy.module(x[lo:hi]), y[lo:hi])
+                strategy.backward(loss * (hi - lo) / len(x))
+        if amp.unscale(optimizer):               # False: an overflow; the step is skipped
+            clip_gradients(model, 1.0)           # --clip-grad-norm 1
+        strategy.step()
+        amp.update()
+        strategy.zero_grad()
 """
 
 from __future__ import annotations
@@ -57,10 +64,6 @@ class MixedPrecision:
         if self.dtype is None:
             return contextlib.nullcontext()
         return torch.autocast(self.device_type, dtype=self.dtype)
-
-    def scale(self, loss: torch.Tensor) -> torch.Tensor:
-        """``loss`` times the gradient scale (16-mixed), else ``loss``."""
-        return self.scaler.scale(loss) if self.scaler is not None else loss
 
     @torch.no_grad()
     def unscale(self, optimizer: torch.optim.Optimizer) -> bool:

@@ -111,8 +111,9 @@ class Synchronous(Strategy):
     def module(self) -> nn.Module:
         return self.ddp if self.ddp is not None else self.model
 
-    def no_sync(self) -> contextlib.AbstractContextManager[Any]:
-        return self.ddp.no_sync() if self.ddp is not None else contextlib.nullcontext()
+    def no_sync(self, enabled: bool = True) -> contextlib.AbstractContextManager[Any]:
+        return self.ddp.no_sync() if enabled and self.ddp is not None \
+            else contextlib.nullcontext()
 
     def loss_weight(self, n_local: int, n_global: int) -> float:
         # DDP averages gradients with equal weights; weighting each rank's mean loss by its

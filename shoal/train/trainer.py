@@ -9,7 +9,6 @@ the run is the :class:`RunState`'s, what of the strategy a checkpoint keeps the 
 
 from __future__ import annotations
 
-import contextlib
 import importlib.util
 import math
 import os
@@ -237,8 +236,7 @@ class Trainer:
             strategy.batch_share = (n, n_global)
             pieces = list(micro_batches(n, cfg.accumulate))
             for i, (lo, hi) in enumerate(pieces):
-                last = i == len(pieces) - 1
-                with contextlib.nullcontext() if last else strategy.no_sync():
+                with strategy.no_sync(i < len(pieces) - 1):
                     with self.amp.autocast():
                         out = strategy.module(x[lo:hi])
                         loss = F.cross_entropy(out, y[lo:hi]).float()
