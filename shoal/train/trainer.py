@@ -331,8 +331,9 @@ class Trainer:
         if own is not None or not self.detached:  # a worker lost before its first checkpoint
             self.strategy.restore_checkpoint(payload, own)  # starts afresh from the servers
         # Replicas in sync scale their losses alike: a rank the checkpoint has no state of
-        # takes rank 0's scaler.
-        self.amp.load_state_dict((own if own is not None else ranks[0]).get("precision"))
+        # takes the first rank's scaler.
+        mine = own if own is not None else next((r for r in ranks if r), None)
+        self.amp.load_state_dict(mine.get("precision") if mine else None)
         self.scheduler.load_state_dict(payload["scheduler"])
         self.state.load_state_dict({"progress": payload["progress"], "rank": own})
         self.recorder.load_state_dict(own)
