@@ -48,7 +48,8 @@ def runs(tmp_path_factory):
 def test_accumulation_equals_the_larger_batch(runs):
     (acc, s_acc), (large, s_large) = runs["accumulated"], runs["large"]
     assert s_acc["global_batch"] == s_large["global_batch"] == 64
-    assert s_acc["steps"] == s_large["steps"]
+    assert s_acc["steps"] == s_large["steps"] == 23  # optimizer steps
+    assert s_acc["samples"] == s_large["samples"] == 1437  # every sample once in the epoch
     diff = max_param_diff(checkpoint_params(acc / "checkpoint.pt"),
                           checkpoint_params(large / "checkpoint.pt"))
     assert diff < 1e-5, diff
