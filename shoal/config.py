@@ -36,6 +36,8 @@ OPTIMIZERS = ("sgd", "adam", "adamw")
 SCHEDULES = ("constant", "step", "cosine")
 DEVICES = ("auto", "cpu", "cuda")
 PROGRESS = ("auto", "bar", "plain", "none")
+#: ``--precision``: float32, or autocast to bfloat16 / float16 (the latter with a GradScaler).
+PRECISIONS = ("32", "bf16-mixed", "16-mixed")
 
 #: ``--seed`` is at most this (NumPy's range): seeds derived from it (``seed * 1_000_003 +
 #: epoch`` for the data order, ``seed + 10_007 * (rank + 1)`` for augmentation) must still fit
@@ -112,6 +114,17 @@ class TrainConfig:
     batch_size: int = setting(16, "per worker", at_least=1)
     global_batch_size: int | None = setting(None, "total over workers; overrides --batch-size",
                                             at_least=1)
+    accumulate: int = setting(1, "micro-batches of --batch-size per optimizer step (gradient "
+                              "accumulation; the global batch grows K times)", metavar="K",
+                              at_least=1)
+    precision: str = setting("32", "32: float32; bf16-mixed / 16-mixed: autocast the forward "
+                             "and loss to bfloat16 / float16 (16-mixed with a gradient scaler); "
+                             "parameters stay float32", choices=PRECISIONS)
+    clip_grad_norm: float | None = setting(None, "clip the total norm of the gradient applied "
+                                           "to X", metavar="X", positive=True)
+    compile: bool = setting(False, "torch.compile the model")
+    channels_last: bool = setting(False, "channels-last memory format for the model and its "
+                                  "image inputs (convolutional models)")
     optimizer: str = setting("sgd", choices=OPTIMIZERS)
     lr: float = setting(0.05, "peak learning rate", positive=True)
     momentum: float | str = setting(0.9, "SGD momentum, below 1; auto: Omnivore's max(0, T - "
@@ -175,7 +188,9 @@ class TrainConfig:
 
     # -- derived --------------------------------------------------------------------------
     def global_batch(self, world: int) -> int:
-        return self.global_batch_size if self.global_batch_size else self.batch_size * world
+        """Samples per optimizer step: ``--global-batch-size``, else ``--batch-size`` x
+        workers x ``--accumulate``."""
+        return self.global_batch_size or self.batch_size * world * self.accumulate
 
     def base_lr(self, world: int) -> float:
         """The peak learning rate: ``lr``, times the workers with ``--scale-lr``."""
@@ -283,6 +298,8 @@ class TrainConfig:
             shown = ", ".join(show_value(u) if not u.isidentifier() else u for u in unknown)
             raise ShoalError(f"{source + ': ' if source else ''}unknown configuration keys: "
                              f"{shown}")
+        if type(values.get("precision")) is int:  # YAML reads `precision: 32` as a number
+            values = {**values, "precision": str(values["precision"])}
         if source is not None:
             check_values(values, source)
         clean = {}

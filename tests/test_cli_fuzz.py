@@ -64,8 +64,9 @@ POOLS = {
     "--strategy": ["sync", "local-sgd", "easgd", "diloco", "", "magic", "shoal:Strategy",
                    "shoal.models:MLP"],
 }
-#: Flags left out: --debug prints tracebacks by design.
-SKIPPED = {"--debug"}
+#: Flags left out: --debug prints tracebacks by design; --compile spends a minute compiling
+#: on a CPU (tests/test_training_features.py checks its one-line error).
+SKIPPED = {"--debug", "--compile"}
 #: Every example starts from these (a tiny valid run); the flags drawn come after and win.
 BASE = ["train", "--model", "mlp", "--dataset", "digits", "--epochs", "1", "--stop-at-step", "1",
         "--workers", "1", "--max-restarts", "0", "--threads-per-worker", "1",
@@ -172,6 +173,7 @@ FILE_POOLS.update({
     "epochs": [1, 0, -1, 1.5, "ten", True, None, 10**30, float("nan")],
     "profile": [[1, 1], "1:1", 1, [2, 1], "a:b", [1], True, None, 1.5],
     "data_dir": ["data", "", None, "missing", "\x00", 5],
+    "compile": [False, None, 1, "yes", "true"],  # not true: a minute of compiling
 })
 ANY_VALUE = st.recursive(
     st.one_of(st.none(), st.booleans(), st.integers(), st.integers(-2**70, 2**70),

@@ -19,6 +19,7 @@ nothing but its file.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import typing
 from collections.abc import Iterator
@@ -104,6 +105,9 @@ class Strategy:
         #: (rows on this worker, rows in the global batch) of the batch being trained on;
         #: set by :meth:`batches` (or by you, when your own shards of a batch differ in size).
         self.batch_share: tuple[int, int] | None = None
+        #: float16 training's gradient scaler (:class:`~shoal.strategies.precision.MixedPrecision`
+        #: sets it): :meth:`backward` multiplies the loss by its scale.
+        self.scaler: torch.amp.GradScaler | None = None
 
     # -- the data -------------------------------------------------------------------------
     def batches(self, data: Any, batch_size: int, epoch: int = 0, *, seed: int = 0,
@@ -150,11 +154,19 @@ class Strategy:
         return 1.0
 
     def weighted(self, loss: torch.Tensor) -> torch.Tensor:
-        """``loss`` times :meth:`loss_weight` of the current :attr:`batch_share`, if any."""
-        if self.batch_share is None:
-            return loss
-        weight = self.loss_weight(*self.batch_share)
-        return loss if weight == 1.0 else loss * weight
+        """``loss`` times :meth:`loss_weight` of the current :attr:`batch_share`, if any, and
+        times the :attr:`scaler`'s scale, if any."""
+        if self.batch_share is not None:
+            weight = self.loss_weight(*self.batch_share)
+            loss = loss if weight == 1.0 else loss * weight
+        return self.scaler.scale(loss) if self.scaler is not None else loss
+
+    def no_sync(self, enabled: bool = True) -> contextlib.AbstractContextManager[Any]:
+        """Forward and backward passes inside only accumulate gradients here (while
+        ``enabled``); the next backward outside communicates them all. For gradient
+        accumulation: DDP's ``no_sync`` for ``sync`` and ``groups``; the strategies that
+        communicate in :meth:`step` have nothing to hold back."""
+        return contextlib.nullcontext()
 
     def backward(self, loss: torch.Tensor) -> None:
         """Backpropagate this worker's mean loss over its share of the batch."""
@@ -200,7 +212,7 @@ class Strategy:
         """What a checkpoint keeps of this rank: :meth:`state_dict` as ``"strategy"``, and
         where replicas drift (not :attr:`replicas_in_sync`) this rank's ``"model"`` and
         ``"optimizer"``. Called on every rank; keys ``rng``, ``aug_rng``, ``cuda_rng``,
-        ``times``, ``bytes_sent`` and ``epoch_sums`` are the trainer's own.
+        ``times``, ``bytes_sent``, ``epoch_sums`` and ``precision`` are the trainer's own.
         """
         own = {"strategy": self.state_dict()}
         if not self.replicas_in_sync:
@@ -283,6 +295,8 @@ class PeriodicStrategy(Strategy):
 
     def step(self) -> None:
         super().step()
+        if self.adaptive is not None:
+            self.adaptive.step_done()
         if self.steps - self.last_exchange >= self.period:
             if self.options.measure_wait:
                 self.comm.barrier()  # a straggler's lead is booked as wait, not as transfer

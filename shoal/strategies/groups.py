@@ -28,6 +28,7 @@ another group. The trainer's own :class:`~shoal.core.comm.Comm` stays detached
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 from typing import Any
 
@@ -144,8 +145,11 @@ class ComputeGroups(AsyncStrategy):
             n_local, n_global = share
             rows = split_sizes(n_global, self.comm.world_size)[self.first:self.end]
             share = (n_local, sum(rows))
-        self.inner.batch_share = share
+        self.inner.batch_share, self.inner.scaler = share, self.scaler
         self.inner.backward(loss)
+
+    def no_sync(self, enabled: bool = True) -> contextlib.AbstractContextManager[Any]:
+        return self.inner.no_sync(enabled)
 
     @torch.no_grad()
     def update(self, t: int) -> None:

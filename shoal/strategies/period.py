@@ -59,8 +59,9 @@ def first_period(tau: int | str) -> int:
 class AdaptivePeriod:
     """AdaComm's period for one worker of a periodic strategy (see the module docstring).
 
-    :meth:`observe` each step's loss; :meth:`next_period` at each exchange returns the
-    period of the round that starts there.
+    :meth:`observe` each step's loss (or, with gradient accumulation, each micro-batch's
+    share of it), :meth:`step_done` after each step; :meth:`next_period` at each exchange
+    returns the period of the round that starts there.
     """
 
     def __init__(self, start: int, comm: Comm) -> None:
@@ -73,6 +74,8 @@ class AdaptivePeriod:
 
     def observe(self, loss: torch.Tensor) -> None:
         self._loss = self._loss + loss.detach().double()  # no sync with a GPU per step
+
+    def step_done(self) -> None:
         self._steps += 1
 
     def next_period(self, lr: float) -> int:

@@ -21,6 +21,7 @@ message per step cost about 8% of the throughput.
 
 from __future__ import annotations
 
+import contextlib
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -109,6 +110,10 @@ class Synchronous(Strategy):
     @property
     def module(self) -> nn.Module:
         return self.ddp if self.ddp is not None else self.model
+
+    def no_sync(self, enabled: bool = True) -> contextlib.AbstractContextManager[Any]:
+        return self.ddp.no_sync() if enabled and self.ddp is not None \
+            else contextlib.nullcontext()
 
     def loss_weight(self, n_local: int, n_global: int) -> float:
         # DDP averages gradients with equal weights; weighting each rank's mean loss by its

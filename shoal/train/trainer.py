@@ -9,7 +9,10 @@ the run is the :class:`RunState`'s, what of the strategy a checkpoint keeps the 
 
 from __future__ import annotations
 
+import importlib.util
 import math
+import os
+import shutil
 import time
 from pathlib import Path
 from typing import Any
@@ -27,6 +30,7 @@ from shoal.data.augment import flip_and_crop
 from shoal.errors import ShoalError
 from shoal.models import build_model, count_parameters
 from shoal.strategies import Strategy, get_strategy, make_options
+from shoal.strategies.precision import MixedPrecision, clip_gradients, micro_batches
 from shoal.train.checkpoint import (
     CHECKPOINT_HEADER,
     check_resume,
@@ -62,6 +66,7 @@ def preflight(cfg: TrainConfig, world: int) -> Dataset:
                  Comm(Environment(world_size=world, local_world_size=world), torch.device("cpu"),
                       peers=False), options)
     EpochPlan(len(data.train), cfg.global_batch(world), world, cfg.seed)
+    check_features(cfg, data)
     out = Path(cfg.out)
     if out.exists() and not out.is_dir():
         raise ShoalError(f"--out {out} exists and is not a directory")
@@ -75,6 +80,22 @@ def preflight(cfg: TrainConfig, world: int) -> Dataset:
         raise ShoalError(f"{out} already holds a run; pass --resume to continue it or "
                          "--overwrite to start over")
     return data
+
+
+def check_features(cfg: TrainConfig, data: Dataset) -> None:
+    """``--channels-last`` and ``--compile`` where they can work, in one line each."""
+    if cfg.channels_last and len(data.input_shape) != 3:
+        raise ShoalError(f"--channels-last needs image inputs (channels x height x width); "
+                         f"{cfg.dataset}'s are {'x'.join(map(str, data.input_shape))}")
+    if cfg.compile:
+        # torch.compile's backend generates C++ on the CPU and Triton kernels on a GPU.
+        gpu = cfg.device != "cpu" and torch.cuda.is_available()
+        if gpu and importlib.util.find_spec("triton") is None:
+            raise ShoalError("--compile on a GPU needs Triton (pip install triton)")
+        compiler = os.environ.get("CXX", "g++")  # the one torch's inductor runs
+        if not gpu and shutil.which(compiler) is None:
+            raise ShoalError(f"--compile on the CPU needs a C++ compiler, and {compiler} is not "
+                             "found (install g++ or set CXX), or leave out --compile")
 
 
 class Trainer:
@@ -94,6 +115,9 @@ class Trainer:
         torch.manual_seed(cfg.seed)  # identical initial weights on every rank
         self.model = build_model(cfg.model, self.data.input_shape,
                                  self.data.num_classes).to(self.device)
+        if cfg.channels_last:
+            self.model.to(memory_format=torch.channels_last)
+        self.amp = MixedPrecision(cfg.precision, self.device)
         self.optimizer = build_optimizer(cfg, self.model.parameters(), cfg.base_lr(self.world))
         self.scheduler = build_schedule(cfg, self.optimizer, self.plan.steps_per_epoch)
         torch.manual_seed(cfg.seed + 1 + self.rank)  # dropout differs between ranks
@@ -109,6 +133,9 @@ class Trainer:
         # what each worker had.
         self.strategy = strategy_cls(self.model, self.optimizer, comm,
                                      make_options(strategy_cls, cfg.strategy_options))
+        self.strategy.scaler = self.amp.scaler
+        if cfg.compile:  # after the strategy copied the model (EASGD's center: uncompiled)
+            self.model.compile()
         if cfg.resume_path is not None:
             self._resume(strategy_cls)
         # SIGTERM stops every rank after the same step, voted at the strategy's meeting points.
@@ -189,27 +216,43 @@ class Trainer:
         x, y = split.get_batch(idx)
         if train and self.cfg.augment:
             x = flip_and_crop(x, self.state.aug_gen)
+        if self.cfg.channels_last:
+            x = x.contiguous(memory_format=torch.channels_last)
         return x.to(self.device, non_blocking=True), y.to(self.device, non_blocking=True)
 
     def train_step(self, perm: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, int, int]:
-        """One step: returns (loss sum, correct, local samples, global samples) of the batch."""
-        tl, strategy = self.tl, self.strategy
+        """One step: returns (loss sum, correct, local samples, global samples) of the batch.
+
+        With ``--accumulate K`` this worker's share is K micro-batches, each one's mean loss
+        weighted by its rows, whose gradients add up before one update; only the last
+        backward communicates (:meth:`Strategy.no_sync`)."""
+        tl, strategy, cfg = self.tl, self.strategy, self.cfg
         with tl.span(DATA):
             idx, n_global = self.plan.local(perm, self.state.epoch_step, self.rank)
             x, y = self._batch(self.data.train, idx, train=True)
+        n = len(idx)
+        loss_sum = correct = torch.zeros((), device=self.device)
         with tl.span(COMPUTE):
-            out = strategy.module(x)
-            loss = F.cross_entropy(out, y)
-            strategy.batch_share = (len(idx), n_global)
-            strategy.backward(loss)
+            strategy.batch_share = (n, n_global)
+            pieces = list(micro_batches(n, cfg.accumulate))
+            for i, (lo, hi) in enumerate(pieces):
+                with strategy.no_sync(i < len(pieces) - 1):
+                    with self.amp.autocast():
+                        out = strategy.module(x[lo:hi])
+                        loss = F.cross_entropy(out, y[lo:hi]).float()
+                    strategy.backward(loss if len(pieces) == 1 else loss * ((hi - lo) / n))
+                with torch.no_grad():
+                    loss_sum = loss_sum + loss.detach() * (hi - lo)
+                    correct = correct + (out.argmax(1) == y[lo:hi]).sum()
         with tl.span(OPTIM):
+            if self.amp.unscale(self.optimizer) and cfg.clip_grad_norm is not None:
+                clip_gradients(self.model, cfg.clip_grad_norm)  # after sync's all-reduce
             self.state.lr = self.optimizer.param_groups[0]["lr"]  # the rate this step used
             strategy.step()
+            self.amp.update()
             self.scheduler.step()
             strategy.zero_grad()
-        with torch.no_grad():
-            correct = (out.argmax(1) == y).sum()
-        return loss.detach() * len(idx), correct, len(idx), n_global
+        return loss_sum, correct, n, n_global
 
     # -- evaluation ---------------------------------------------------------------------------
     @torch.no_grad()
@@ -242,7 +285,8 @@ class Trainer:
         self._check_finite("checkpoint not written, the last good one is kept")
         with self.tl.span(CHECKPOINT):
             run = self.state.state_dict()
-            own = self._with_strategy({**run["rank"], **self.recorder.state_dict()},
+            own = self._with_strategy({**run["rank"], **self.recorder.state_dict(),
+                                       "precision": self.amp.state_dict()},
                                       self.strategy.checkpoint_own(), "checkpoint_own")
             if self.detached:  # the coordinator writes the file once every worker sent its part
                 self._report("checkpoint", progress=run["progress"], own=to_cpu(own),
@@ -286,6 +330,10 @@ class Trainer:
         own = ranks[self.rank] if self.rank < len(ranks) else None
         if own is not None or not self.detached:  # a worker lost before its first checkpoint
             self.strategy.restore_checkpoint(payload, own)  # starts afresh from the servers
+        # Replicas in sync scale their losses alike: a rank the checkpoint has no state of
+        # takes the first rank's scaler.
+        mine = own if own is not None else next((r for r in ranks if r), None)
+        self.amp.load_state_dict(mine.get("precision") if mine else None)
         self.scheduler.load_state_dict(payload["scheduler"])
         self.state.load_state_dict({"progress": payload["progress"], "rank": own})
         self.recorder.load_state_dict(own)
