@@ -36,7 +36,7 @@ TASKS = {
     "digits": dict(model="lenet5", dataset="digits", epochs=15, batch_size=16, lr=0.05,
                    momentum=0.9, schedule="cosine", target_accuracy=0.95),
     "hard": dict(model="benchmarks/models.py:mlp_1024x2", dataset="synthetic",
-                 synthetic_shape=(1, 8, 8), synthetic_samples=8192, synthetic_noise=3.0,
+                 synthetic_shape=(1, 8, 8), synthetic_samples=4096, synthetic_noise=3.0,
                  epochs=8, batch_size=32, lr=0.05, momentum=0.9, schedule="cosine",
                  target_accuracy=0.74),
 }
