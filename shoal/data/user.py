@@ -184,8 +184,8 @@ def as_dataset(obj: Any, source: str = "dataset", name: str | None = None) -> Da
         raise ShoalError(f"{source}: test sample 0 has shape {_show(tuple(test_first.shape))}, "
                          f"training samples {_show(shape)}")
     if classes is None:
-        classes = count_classes(f"{source} (train labels)", _labels(train_split),
-                                f"{source} (test labels)", _labels(test_split))
+        classes = count_classes(f"{source} (train)", _labels(train_split),
+                                f"{source} (test)", _labels(test_split))
     elif isinstance(classes, bool) or not isinstance(classes, (int, np.integer)) or classes < 1:
         raise ShoalError(f"{source}: num_classes must be a positive integer, got {classes!r}")
     for split in (train_split, test_split):
@@ -226,7 +226,7 @@ def _first_input(split: Split, source: str) -> torch.Tensor:
 
 def _labels(split: Split) -> np.ndarray:
     """Every label of ``split``: its dataset's ``targets`` when it has them, else read."""
-    source = split.name if isinstance(split, MapSplit) else "labels"
+    source = split.name if isinstance(split, MapSplit) else f"{type(split).__name__} labels"
     if isinstance(split, MapSplit):
         targets = getattr(split.dataset, "targets", None)
         if targets is not None and _length(targets) == len(split):
