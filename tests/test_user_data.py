@@ -186,3 +186,20 @@ def test_a_dataset_object_that_is_no_dataset_is_one_line():
 
     with pytest.raises(ShoalError, match=r"IterableDataset; shoal shards by index"):
         as_dataset((Stream(), []))
+
+
+def test_dataset_objects_train_from_python(tmp_path):
+    """``shoal.train.train(cfg, dataset=...)``: the objects themselves, no name to import."""
+    from shoal.config import TrainConfig
+    from shoal.train import train
+
+    g = torch.Generator().manual_seed(0)
+    y = torch.randint(0, 2, (96,), generator=g)
+    x = torch.randn(96, 1, 4, 4, generator=g) + 2 * y[:, None, None, None].float()
+    split = torch.utils.data.TensorDataset(x, y)
+    cfg = TrainConfig(model="mlp", workers=1, epochs=2, batch_size=16, out=str(tmp_path),
+                      progress="none").validate()
+    summary = train(cfg, dataset={"train": split, "test": split})
+    assert summary["dataset"] == "<object TensorDataset>" and summary["test_accuracy"] > 0.9
+    assert json.loads((tmp_path / "config.json").read_text())["dataset"] == \
+        "<object TensorDataset>"
