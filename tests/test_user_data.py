@@ -119,6 +119,17 @@ def test_loader_workers_read_the_same_rows_in_the_same_order(user_module):
         plan.local(perm, 0, 1)[0].tolist()  # the plan's rows, in its order
 
 
+def test_a_bad_sample_is_the_same_line_read_by_a_loader_process():
+    pairs = [(torch.zeros(3), 1.0)] * 10 + [(torch.zeros(3), 7)]  # 1.0: a whole number
+    data = as_dataset((pairs, pairs, (3,), 2))
+    for workers in (0, 1):
+        loader = ShardLoader(data, EpochPlan(11, 11, 1, seed=0), rank=0, workers=workers)
+        with pytest.raises(ShoalError) as caught:
+            list(loader.epoch(0))
+        loader.close()
+        assert str(caught.value) == "dataset (train): sample 10 has label 7, not a class in 0..1"
+
+
 def test_user_factory_trains_and_resumes_exactly_with_background_loaders(tmp_path, user_module):
     """2 workers on a file.py factory: a run read by background loader processes, stopped
     mid-epoch and resumed (with another loader count), ends where an uninterrupted run read

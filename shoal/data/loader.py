@@ -149,7 +149,8 @@ class ShardLoader:
         if self._loader is None:
             return (self._rows[key] for key in keys)
         self._keys.keys = keys
-        return iter(self._loader)  # persistent workers: a new pass over the new keys
+        return _unwrapped(iter(self._loader))  # persistent workers: a new pass, new keys
+
 
     def epoch(self, epoch: int, start: int = 0) -> Iterator[tuple[torch.Tensor, torch.Tensor, int]]:
         """This rank's batches of ``epoch`` from step ``start`` on: ``(x, y, global batch)``."""
@@ -174,3 +175,13 @@ class ShardLoader:
         if it is not None:
             it._shutdown_workers()  # what the iterator's __del__ does, now rather than at GC
             self._loader._iterator = None  # type: ignore[union-attr]
+
+
+def _unwrapped(batches: Iterator[Batch]) -> Iterator[Batch]:
+    """``batches``, a loader process's error as its own line: the DataLoader re-raises it
+    with the process's traceback as the message, its last line ``...ShoalError: what``."""
+    try:
+        yield from batches
+    except ShoalError as exc:
+        last = str(exc).strip().splitlines()[-1]
+        raise ShoalError(last.partition("ShoalError: ")[2] or last) from None

@@ -93,7 +93,8 @@ class MapSplit(Split):
         if x.dtype == torch.float64:
             x = x.float()
         y = torch.as_tensor(y)
-        if y.ndim != 1 or y.dtype.is_floating_point or y.dtype.is_complex or y.dtype == torch.bool:
+        whole = not y.dtype.is_floating_point or bool((y == y.round()).all())  # 3.0: class 3
+        if y.ndim != 1 or not whole or y.dtype.is_complex or y.dtype == torch.bool:
             raise ShoalError(f"{self.name}: labels must be integer class numbers, got "
                              f"{type(items[0][1]).__name__} {show_label(items[0][1])}")
         y = y.long()
