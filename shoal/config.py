@@ -70,6 +70,14 @@ def parse_momentum(text: str) -> float | str:
         return text
 
 
+def parse_count(text: str) -> int | str:
+    """``2`` -> 2; ``auto`` (or a mistake) stays text, for :meth:`TrainConfig.validate`."""
+    try:
+        return int(text)
+    except ValueError:
+        return text
+
+
 @dataclass
 class TrainConfig:
     """Everything ``shoal train`` needs (``shoal train --help`` lists the flags)."""
@@ -90,6 +98,11 @@ class TrainConfig:
                                      at_least=1)
     augment: bool = setting(False, "random flips and padded crops (an eighth of the height) of "
                             "training images")
+    loader_workers: int | str = setting("auto", "background processes per worker that read "
+                                        "(decode) the training batches, through torch's "
+                                        "DataLoader; auto: 0 for data held in memory, else "
+                                        "min(4, cores per worker)", metavar="N|auto",
+                                        parse=parse_count, kind="an integer or auto")
 
     workers: int | None = setting(None, "local worker processes to spawn (default: one per GPU "
                                   "with --device cuda, else 1); not used under "
@@ -254,6 +267,9 @@ class TrainConfig:
             raise ShoalError(f"--seed must be from 0 to {MAX_SEED}, got {show_value(self.seed)}")
         if not self.out:
             raise ShoalError("--out must name a directory, got ''")
+        from shoal.data.loader import check_workers
+
+        check_workers(self.loader_workers)
         if isinstance(self.momentum, str):
             self.momentum_target()  # auto[:T]: checked there
         elif not 0 <= self.momentum < 1:

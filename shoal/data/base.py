@@ -15,6 +15,11 @@ from shoal.errors import ShoalError
 class Split:
     """A labelled set of samples; :meth:`get_batch` returns the rows ``idx`` as tensors."""
 
+    #: Held in memory: reading a batch costs less than receiving it from a loader process.
+    in_memory = False
+    #: Reading a batch draws random numbers (a user's transforms); the loader seeds them.
+    draws_random = False
+
     def __len__(self) -> int:
         raise NotImplementedError
 
@@ -24,6 +29,8 @@ class Split:
 
 class TensorSplit(Split):
     """A split held in memory as two tensors (inputs ``x``, integer labels ``y``)."""
+
+    in_memory = True
 
     def __init__(self, x: torch.Tensor, y: torch.Tensor) -> None:
         if len(x) != len(y):

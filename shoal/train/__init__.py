@@ -18,7 +18,7 @@ from shoal.core.comm import init_comm
 from shoal.core.env import Environment, default_threads, detect_environment
 from shoal.core.processes import Lost, spawn, stop_on_sigterm, stop_requested
 from shoal.core.timeline import Timeline
-from shoal.data import Dataset
+from shoal.data import Dataset, as_dataset
 from shoal.errors import ShoalError, WorkerError
 from shoal.strategies import get_strategy
 from shoal.train.checkpoint import checkpoint_step
@@ -77,8 +77,8 @@ def _last_logged_step(out: Path) -> int:
     return last
 
 
-def _run_with_restarts(cfg: TrainConfig, world: int, servers: int = 0
-                       ) -> tuple[list[dict[str, Any]], list[Any]]:
+def _run_with_restarts(cfg: TrainConfig, world: int, servers: int = 0,
+                       data: Dataset | None = None) -> tuple[list[dict[str, Any]], list[Any]]:
     """Spawn the job (``servers`` parameter servers first, for an asynchronous strategy);
     when a rank fails, start it again from the last checkpoint, up to ``cfg.max_restarts``
     times. Returns what each restart redid (for summary.json) and the ranks' results."""
@@ -88,10 +88,10 @@ def _run_with_restarts(cfg: TrainConfig, world: int, servers: int = 0
         try:
             if servers:
                 # A worker killed mid-run is lost, not fatal: the others go on.
-                results = spawn(world + servers, _async_rank, (attempt_cfg,),
+                results = spawn(world + servers, _async_rank, (attempt_cfg, data),
                                 tolerate=lambda rank: rank >= servers)
             else:
-                results = spawn(world, run_worker, (attempt_cfg,))
+                results = spawn(world, run_worker, (attempt_cfg, data))
             return restarts, results
         except WorkerError as exc:
             if exc.user_error or len(restarts) >= cfg.max_restarts or stop_requested():
@@ -112,8 +112,14 @@ def _run_with_restarts(cfg: TrainConfig, world: int, servers: int = 0
                   file=sys.stderr, flush=True)
 
 
-def train(cfg: TrainConfig) -> dict[str, Any] | None:
+def train(cfg: TrainConfig, dataset: Any = None) -> dict[str, Any] | None:
     """Run the training job ``cfg`` describes; returns rank 0's summary (``None`` elsewhere).
+
+    ``dataset``: the data as Python objects instead of ``cfg.dataset``'s name: map-style
+    torch Datasets as ``(train, test)``, ``(train, test, input_shape, num_classes)``, a dict
+    of those or a :class:`shoal.data.Dataset` (see :mod:`shoal.data.user`); they travel to
+    the spawned workers pickled (by cloudpickle). ``cfg.dataset`` becomes its name
+    (``<object TrainType>``).
 
     Under torchrun, Slurm or mpirun this process is one rank of that job. Otherwise
     ``cfg.workers`` local processes are spawned (none for a single worker without
@@ -127,6 +133,10 @@ def train(cfg: TrainConfig) -> dict[str, Any] | None:
     fatal, and the summary lists it (``"degraded": true``).
     """
     cfg.validate()
+    given = None
+    if dataset is not None:
+        given = as_dataset(dataset)
+        cfg = dataclasses.replace(cfg, dataset=given.name)
     env = detect_environment()
     asynchronous = is_asynchronous(get_strategy(cfg.strategy))
     if env is not None:
@@ -141,22 +151,22 @@ def train(cfg: TrainConfig) -> dict[str, Any] | None:
                 raise ShoalError(f"--servers {servers} needs at least {servers + 1} ranks; "
                                  f"the launcher started {env.world_size}")
             cfg = resolve_momentum(cfg, env.world_size - servers)
-            data = preflight(cfg, env.world_size - servers)
+            data = preflight(cfg, env.world_size - servers, given)
             with OutputLock(Path(cfg.out)) if env.rank == 0 else contextlib.nullcontext():
                 return run_async_rank(cfg, env, data)
         cfg = resolve_momentum(cfg, env.world_size)
-        data = preflight(cfg, env.world_size)
+        data = preflight(cfg, env.world_size, given)
         with OutputLock(Path(cfg.out)) if env.rank == 0 else contextlib.nullcontext():
             return run_worker(cfg, data)
     cfg = resolve_auto_resume(cfg)
     world = default_workers(cfg)
     cfg = resolve_momentum(cfg, world)
-    data = preflight(cfg, world)
+    data = preflight(cfg, world, given)
     servers = server_count(cfg) if asynchronous else 0
     with OutputLock(Path(cfg.out)):
         if world == 1 and cfg.max_restarts == 0 and not asynchronous:
             return run_worker(cfg, data)
-        restarts, results = _run_with_restarts(cfg, world, servers)
+        restarts, results = _run_with_restarts(cfg, world, servers, given)
         path = Path(cfg.out) / "summary.json"
         with open(path) as f:
             summary = json.load(f)
@@ -171,13 +181,14 @@ def train(cfg: TrainConfig) -> dict[str, Any] | None:
         return summary
 
 
-def _async_rank(cfg: TrainConfig) -> dict[str, Any] | None:
-    """A spawned rank of an asynchronous job (server or worker, by rank)."""
+def _async_rank(cfg: TrainConfig, data: Dataset | None = None) -> dict[str, Any] | None:
+    """A spawned rank of an asynchronous job (server or worker, by rank); ``data``: a
+    dataset given in Python, else loaded by name."""
     env = detect_environment()
     assert env is not None
     previous = stop_on_sigterm()
     try:
-        return run_async_rank(cfg, env)
+        return run_async_rank(cfg, env, data)
     finally:
         if previous is not None:
             signal.signal(signal.SIGTERM, previous)

@@ -19,6 +19,7 @@ from shoal.core.comm import Comm
 from shoal.core.files import remove_stale_temporaries
 from shoal.core.timeline import (
     CATEGORIES,
+    DATA,
     WAIT,
     Timeline,
     chrome_trace,
@@ -34,6 +35,18 @@ from shoal.train.progress import Progress
 from shoal.train.records import MetricsLog, TensorBoardLog, write_json, write_trace
 from shoal.train.state import RunState
 from shoal.version import __version__
+
+#: A data share of the step time above this: the input pipeline does not keep up.
+INPUT_BOUND = 0.25
+
+
+def input_bound(times: dict[str, float]) -> str:
+    """``  data 61%: input-bound (...)`` when reading batches took more than
+    :data:`INPUT_BOUND` of the step time ``times``, else nothing."""
+    share = times.get(DATA, 0.0) / max(sum(times.values()), 1e-9)
+    if share <= INPUT_BOUND:
+        return ""
+    return f"  data {100 * share:.0f}%: input-bound (see --loader-workers)"
 
 
 class Recorder:
@@ -170,7 +183,7 @@ class Recorder:
             f"epoch {st.epoch:>3}/{self.cfg.epochs}  train loss {train_loss:.4f} "
             f"acc {100 * train_acc:.1f}%{shown}  "
             f"{self._epoch_samples / max(sum(times.values()), 1e-9):,.0f} samples/s"
-            f"  comm {100 * comm_fraction(times):.0f}%")
+            f"  comm {100 * comm_fraction(times):.0f}%{input_bound(times)}")
 
     def _record(self, event: str, epoch: int, st: RunState, metrics: dict[str, float],
                 samples: int, totals: dict[str, float]) -> dict[str, Any]:

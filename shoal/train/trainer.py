@@ -14,6 +14,7 @@ import math
 import os
 import shutil
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -25,7 +26,7 @@ from shoal.config import TrainConfig
 from shoal.core.comm import Comm
 from shoal.core.env import Environment
 from shoal.core.timeline import CHECKPOINT, COMPUTE, DATA, EVAL, OPTIM, OTHER
-from shoal.data import DataOptions, Dataset, EpochPlan, Split, load_dataset, shard_range
+from shoal.data import DataOptions, Dataset, EpochPlan, ShardLoader, load_dataset, resolve_workers
 from shoal.data.augment import flip_and_crop
 from shoal.errors import ShoalError
 from shoal.models import build_model, count_parameters
@@ -51,14 +52,15 @@ def data_options(cfg: TrainConfig) -> DataOptions:
                        cfg.synthetic_samples, cfg.image_size, cfg.synthetic_noise)
 
 
-def preflight(cfg: TrainConfig, world: int) -> Dataset:
+def preflight(cfg: TrainConfig, world: int, data: Dataset | None = None) -> Dataset:
     """Everything that can be checked before workers start: data, model fit, strategy
-    options, output directory and resume file. Returns the loaded dataset."""
+    options, output directory and resume file. Returns the loaded dataset (``data`` when
+    given: a dataset handed over in Python)."""
     strategy_cls = get_strategy(cfg.strategy)
     options = make_options(strategy_cls, cfg.strategy_options, world)
     if cfg.tensorboard:
         require_tensorboard()
-    data = load_dataset(cfg.dataset, data_options(cfg))
+    data = data if data is not None else load_dataset(cfg.dataset, data_options(cfg))
     model = build_model(cfg.model, data.input_shape, data.num_classes)
     # A strategy alone (rank 0 of the job's size, no other rank to talk to) checks how it
     # fits the model and optimizer.
@@ -112,6 +114,9 @@ class Trainer:
         self.data = data if data is not None else load_dataset(cfg.dataset, data_options(cfg))
         self.plan = EpochPlan(len(self.data.train), cfg.global_batch(self.world), self.world,
                               cfg.seed)
+        self.loader = ShardLoader(self.data, self.plan, self.rank,
+                                  resolve_workers(cfg.loader_workers, self.data.train),
+                                  pin_memory=self.device.type == "cuda", seed=cfg.seed)
         torch.manual_seed(cfg.seed)  # identical initial weights on every rank
         self.model = build_model(cfg.model, self.data.input_shape,
                                  self.data.num_classes).to(self.device)
@@ -152,14 +157,14 @@ class Trainer:
         stopped = False
         test = (float("nan"), float("nan"))  # the last evaluation's loss and accuracy
         while st.epoch < cfg.epochs:
-            perm = self.plan.permutation(st.epoch)
+            batches = self.loader.epoch(st.epoch, st.epoch_step)  # resumed: from its step
             self.strategy.module.train()
             rec.start_epoch(st)
             while st.epoch_step < self.plan.steps_per_epoch and not stopped:
                 rec.before_step(st)  # --profile's window may open here
                 started = time.perf_counter()
                 with self.tl.span(OTHER, "step"):
-                    loss_sum, correct, n, n_global = self.train_step(perm)
+                    loss_sum, correct, n, n_global = self.train_step(batches)
                     rec.add(loss_sum, correct, n)
                 st.step_done(n_global, time.perf_counter() - started)
                 rec.step(st, n_global)  # step record, progress
@@ -186,6 +191,7 @@ class Trainer:
             self.save()
         if not stopped and math.isnan(test[1]):
             test = self.evaluate()
+        self.loader.close()
         summary = rec.finish(st, stopped, self.stop_reason, test, count_parameters(self.model))
         if self.detached:
             self._report("final", stopped=stopped, stopped_by=self.stop_reason,
@@ -212,25 +218,26 @@ class Trainer:
         return False
 
     # -- one step -----------------------------------------------------------------------------
-    def _batch(self, split: Split, idx: torch.Tensor, train: bool) -> tuple[torch.Tensor, ...]:
-        x, y = split.get_batch(idx)
+    def _batch(self, x: torch.Tensor, y: torch.Tensor, train: bool) -> tuple[torch.Tensor, ...]:
         if train and self.cfg.augment:
             x = flip_and_crop(x, self.state.aug_gen)
         if self.cfg.channels_last:
             x = x.contiguous(memory_format=torch.channels_last)
         return x.to(self.device, non_blocking=True), y.to(self.device, non_blocking=True)
 
-    def train_step(self, perm: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, int, int]:
-        """One step: returns (loss sum, correct, local samples, global samples) of the batch.
+    def train_step(self, batches: Iterator[tuple[torch.Tensor, torch.Tensor, int]]
+                   ) -> tuple[torch.Tensor, torch.Tensor, int, int]:
+        """One step on the next of this rank's ``batches`` (:meth:`ShardLoader.epoch`):
+        returns (loss sum, correct, local samples, global samples) of the batch.
 
         With ``--accumulate K`` this worker's share is K micro-batches, each one's mean loss
         weighted by its rows, whose gradients add up before one update; only the last
         backward communicates (:meth:`Strategy.no_sync`)."""
         tl, strategy, cfg = self.tl, self.strategy, self.cfg
         with tl.span(DATA):
-            idx, n_global = self.plan.local(perm, self.state.epoch_step, self.rank)
-            x, y = self._batch(self.data.train, idx, train=True)
-        n = len(idx)
+            x, y, n_global = next(batches)
+            x, y = self._batch(x, y, train=True)
+            n = len(y)
         loss_sum = correct = torch.zeros((), device=self.device)
         with tl.span(COMPUTE):
             strategy.batch_share = (n, n_global)
@@ -265,12 +272,11 @@ class Trainer:
         was_training = model.training
         model.eval()
         test = self.data.test
-        lo, hi = shard_range(len(test), self.world, self.rank)
         loss_sum = torch.zeros((), dtype=torch.float64, device=self.device)
         correct = torch.zeros((), dtype=torch.float64, device=self.device)
         batch = max(256, 2 * self.cfg.batch_size)
-        for start in range(lo, hi, batch):
-            x, y = self._batch(test, torch.arange(start, min(start + batch, hi)), train=False)
+        for x, y in self.loader.test_batches(batch, self.world):
+            x, y = self._batch(x, y, train=False)
             out = model(x)
             loss_sum += F.cross_entropy(out, y, reduction="sum").double()
             correct += (out.argmax(1) == y).sum()
