@@ -273,6 +273,8 @@ class TrainConfig:
             raise ShoalError(f"--target-accuracy must be in (0, 1], got {self.target_accuracy}")
         if self.resume is not None and self.overwrite:
             raise ShoalError("--resume and --overwrite contradict each other")
+        if self.init_from == "":
+            raise ShoalError("--init-from must name a checkpoint file, got ''")
         if self.init_progress and self.init_from is None:
             raise ShoalError("--init-progress needs --init-from CHECKPOINT")
         if self.init_from is not None and self.resume not in (None, "auto"):
