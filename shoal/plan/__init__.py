@@ -105,8 +105,9 @@ def _train_replanning(cfg: TrainConfig, found: Plan, period: float) -> dict[str,
     while True:
         steps = max(1, round(period / best.epoch_s * spe))
         stop: int | None = at + steps
-        if steps >= spe:  # a period of an epoch or more re-plans at epoch ends
-            stop = max(round(stop / spe) * spe, at + 1)
+        if steps >= spe:  # a period of an epoch or more re-plans at an epoch's end (one
+            # step past it, as a trial stops: the epoch's test and record are this segment's)
+            stop = max(round(stop / spe) * spe + 1, at + 1)
         if stop + steps / 2 >= total:  # the last period takes a remainder under half one
             stop = None
         segment = dataclasses.replace(found.winner, progress=cfg.progress, stop_at_step=stop,

@@ -173,7 +173,7 @@ def _run_server(cfg: TrainConfig, env: Environment, data: Dataset, server: int, 
     coordinator: Coordinator | None = None
     if server == 0:
         coordinator = Coordinator(cfg, data, model, flat, store, ranges, workers, payload,
-                                  start["progress"] if start and cfg.init_progress else None)
+                                  start if start is not None and cfg.init_progress else None)
     shard = ShardServer(
         store, server, workers + (1 if server > 0 else 0), rule, center, timeout=cfg.timeout,
         max_staleness=getattr(options, "max_staleness", None),
@@ -201,9 +201,9 @@ class Coordinator:
 
     def __init__(self, cfg: TrainConfig, data: Dataset, model: torch.nn.Module,
                  flat: FlatParams, store: Any, ranges: list[tuple[int, int]], workers: int,
-                 payload: dict[str, Any] | None, progress: dict[str, Any] | None = None) -> None:
-        """``payload``: the checkpoint a resumed run goes on with; ``progress``: the position
-        of ``--init-from --init-progress``'s."""
+                 payload: dict[str, Any] | None, start: dict[str, Any] | None = None) -> None:
+        """``payload``: the checkpoint a resumed run goes on with; ``start``: the one
+        ``--init-from --init-progress`` goes on from (its position only)."""
         self.cfg, self.data, self.model, self.flat = cfg, data, model, flat
         self.ranges, self.workers = ranges, workers
         self.servers = len(ranges)
@@ -228,10 +228,16 @@ class Coordinator:
         self.test = (float("nan"), float("nan"))
         self.saved_step = -1
         self.started_unix = time.time()
-        self.progress = payload["progress"] if payload is not None else progress
+        source = payload if payload is not None else start
+        self.progress: dict[str, Any] | None = None
         if payload is not None:
             self.own = dict(enumerate(payload["ranks"]))
-        if self.progress is not None:
+        if source is not None:
+            # A mid-epoch checkpoint's samples of that epoch come back in the workers' epoch
+            # sums (which carry them), so the position counts them once.
+            carried = sum(int(r["epoch_sums"][2]) for r in source["ranks"] if r is not None)
+            self.progress = {**source["progress"],
+                             "samples": source["progress"]["samples"] - carried}
             self.saved_step = self.progress["step"]
 
     def on_report(self, client: int, obj: Any) -> None:
