@@ -172,6 +172,9 @@ class TrainConfig:
                                                parse=parse_names)
     trial_epochs: int | None = setting(None, "epochs each trial trains (default: a tenth of "
                                        "--epochs, at least 1)", metavar="E", at_least=1)
+    replan_every: str | None = setting(None, "with --strategy auto: train the winner for about "
+                                       "TIME, re-plan from its checkpoint (a budget of at most "
+                                       "a tenth of TIME), go on with the new winner", metavar="TIME")
 
     out: str = setting("runs/latest", "run directory", section="outputs")
     overwrite: bool = setting(False, "start over in an --out that holds a run")
@@ -179,6 +182,13 @@ class TrainConfig:
                                  "`auto`: from <out>/checkpoint.pt if it exists, else start "
                                  "over (for jobs a scheduler or torchrun --max-restarts starts "
                                  "again)", nargs="?", const="", metavar="CHECKPOINT")
+    init_from: str | None = setting(None, "start from CHECKPOINT's evaluation model (sync's model, "
+                                    "EASGD's center, the servers' center) with a fresh optimizer "
+                                    "and strategy state, whatever its strategy (warm start)",
+                                    metavar="CHECKPOINT")
+    init_progress: bool = setting(False, "with --init-from: also go on from its step, epoch and "
+                                  "learning-rate schedule position, in its metrics.jsonl (same "
+                                  "seed and global batch)")
     checkpoint_every: int = setting(0, "also checkpoint every STEPS steps (default: at each "
                                     "epoch end)", metavar="STEPS", at_least=0)
     stop_at_step: int | None = setting(None, "checkpoint and stop after STEP steps (split a run "
@@ -218,6 +228,14 @@ class TrainConfig:
         if self.resume is None:
             return None
         return Path(self.resume) if self.resume else self.checkpoint_path
+
+    @property
+    def continues_from(self) -> Path | None:
+        """The checkpoint whose position and records this run goes on from: ``--resume``'s,
+        or ``--init-from``'s with ``--init-progress``."""
+        if self.resume_path is not None:
+            return self.resume_path
+        return Path(self.init_from) if self.init_from and self.init_progress else None
 
     def momentum_target(self) -> float | None:
         """The target of ``--momentum auto[:T]`` (0.9 without ``:T``); ``None`` for a number."""
@@ -286,6 +304,16 @@ class TrainConfig:
             raise ShoalError(f"--target-accuracy must be in (0, 1], got {self.target_accuracy}")
         if self.resume is not None and self.overwrite:
             raise ShoalError("--resume and --overwrite contradict each other")
+        if self.init_from == "":
+            raise ShoalError("--init-from must name a checkpoint file, got ''")
+        if self.init_progress and self.init_from is None:
+            raise ShoalError("--init-progress needs --init-from CHECKPOINT")
+        if self.init_from is not None and self.resume not in (None, "auto"):
+            raise ShoalError("--init-from and --resume contradict each other (--resume goes on "
+                             "with this run's own checkpoint)")
+        if self.replan_every is not None and self.strategy != "auto":
+            raise ShoalError(f"--replan-every re-plans a --strategy auto run; this run has "
+                             f"--strategy {self.strategy}")
         if self.profile is not None:
             self.profile = parse_step_window(self.profile)
         for name in hints:  # what the checks above leave: floats finite float32, ints int64

@@ -56,6 +56,7 @@ POOLS = {
     "--config": ["{cfg}/ok.yaml", "{cfg}/list.yaml", "{cfg}/bad.yaml", "{cfg}/opts.yaml",
                  "missing.yaml", "", "{cfg}"],
     "--resume": ["", "auto", "missing.pt", "{cfg}/ok.yaml", "run/checkpoint.pt"],
+    "--init-from": ["run/checkpoint.pt", "", "missing.pt", "{cfg}/ok.yaml", "{cfg}"],
     "--dataset": ["digits", "synthetic", "mnist", "cifar10", "npz:missing.npz", "npz:",
                   "imagefolder:{cfg}", "imagefolder:missing", "imagenet", "", ":", "math:pi",
                   "{cfg}/fuzz_model.py:make", "no_such_module:f"],

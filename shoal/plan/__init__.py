@@ -4,34 +4,46 @@ predicts what cannot be run here (``shoal plan --simulate``).
 
 :func:`plan` runs Omnivore's search (:mod:`shoal.plan.search`) with real trial jobs
 (:mod:`shoal.plan.planner`); :func:`plan_and_train` then trains the winner, as
-``shoal train`` would have with its settings.
+``shoal train`` would have with its settings, and with ``--replan-every`` re-plans from the
+run's checkpoint every period (Omnivore's periodic re-optimization, within a tenth of the
+period) and goes on with the new winner from there.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
 from shoal.config import TrainConfig
 from shoal.core.env import detect_environment
+from shoal.data import EpochPlan, load_dataset
 from shoal.errors import ShoalError
-from shoal.plan.planner import Planner, PlanOptions
-from shoal.plan.search import Plan
+from shoal.plan.planner import Planner, PlanOptions, parse_duration, start_of
+from shoal.plan.search import Plan, Trial
 from shoal.sweep.runner import Launcher
 from shoal.train import default_workers, preflight, train
+from shoal.train.checkpoint import load_checkpoint, save_checkpoint
 from shoal.train.outdir import OutputLock
 from shoal.train.records import write_json
+from shoal.train.trainer import data_options
 
-#: What ``shoal train --strategy auto`` plans into, inside its ``--out``.
+#: What ``shoal train --strategy auto`` plans into, inside its ``--out``; re-plan ``k`` into
+#: ``plan-<k>``.
 PLAN_DIR = "plan"
+#: A re-plan may take at most this share of the period it follows (Omnivore's overhead).
+REPLAN_SHARE = 0.10
 
 
-def plan(cfg: TrainConfig, out: Path | None = None, launcher: Launcher | None = None) -> Plan:
+def plan(cfg: TrainConfig, out: Path | None = None, launcher: Launcher | None = None,
+         incumbent: Trial | None = None) -> Plan:
     """Plan ``cfg`` (``shoal plan``): trials in ``out`` (default ``cfg.out``), with
-    ``launcher`` (default: local processes); writes plan.json, plan.md, plan.png there."""
+    ``launcher`` (default: local processes); writes plan.json, plan.md, plan.png there. A
+    re-plan (``cfg`` goes on from a checkpoint) measures the ``incumbent`` first."""
     cfg.validate()
     options = PlanOptions.of(cfg)
     if launcher is None and detect_environment() is not None:
@@ -46,29 +58,108 @@ def plan(cfg: TrainConfig, out: Path | None = None, launcher: Launcher | None = 
     preflight(dataclasses.replace(cfg, strategy="sync", strategy_options={}, momentum=0.0,
                                   out=str(out / "trials" / "check")), workers)
     with OutputLock(out), Launcher(None, max(60.0, options.budget_s)) as local:
-        return Planner(cfg, options, launcher or local, out, workers).run()
+        return Planner(cfg, options, launcher or local, out, workers,
+                       incumbent=incumbent).run()
 
 
 def plan_and_train(cfg: TrainConfig) -> dict[str, Any] | None:
     """``shoal train --strategy auto``: plan into ``OUT/plan``, then train the winner in
     ``OUT``; its summary says what was planned and how long planning took."""
+    period = parse_duration(cfg.replan_every, "--replan-every") if cfg.replan_every else None
     found = plan(cfg, Path(cfg.out) / PLAN_DIR)
     if found.winner is None:
         raise ShoalError(f"planning found no configuration that trains: see {cfg.out}/"
                          f"{PLAN_DIR}/plan.md")
     print(f"shoal: planned in {found.planning_s:.0f} s ({len(found.trials)} trials): "
           f"{found.why}", file=sys.stderr, flush=True)
-    # The winner runs as its trial did: on the trial's workers (a layout of one process with
-    # all the threads, or the job's workers).
-    winner = dataclasses.replace(found.winner, workers=found.trials[0].candidate.workers,
-                                 overwrite=cfg.overwrite, progress=cfg.progress)
-    summary = train(winner)
+    winner = dataclasses.replace(found.winner, overwrite=cfg.overwrite, progress=cfg.progress)
+    summary = train(winner) if period is None else _train_replanning(cfg, found, period)
     if summary is not None:
         summary["plan"] = {"winner": found.trials[0].candidate.label(),
                            "planning_s": found.planning_s, "trials": len(found.trials),
                            "why": found.why}
         write_json(Path(cfg.out) / "summary.json", summary)
     return summary
+
+
+def _train_replanning(cfg: TrainConfig, found: Plan, period: float) -> dict[str, Any] | None:
+    """Train ``found``'s winner for about ``period`` seconds (its trial's time per epoch
+    says how many steps), re-plan from the checkpoint within :data:`REPLAN_SHARE` of the
+    period, go on with the new winner from there (its evaluation model and position:
+    ``--init-from --init-progress``); until the run's epochs are done. The summary adds
+    ``segments`` (each one's winner, steps and wall time), ``replans`` and the planning and
+    training times. A re-plan's time is added to the checkpoint's wall time, so the records'
+    ``elapsed_s`` count it."""
+    out, checkpoint = Path(cfg.out), Path(cfg.out) / "checkpoint.pt"
+    budget = min(parse_duration(cfg.plan_budget), REPLAN_SHARE * period)
+    go_on = dataclasses.replace(cfg, init_from=str(checkpoint), init_progress=True,
+                                overwrite=cfg.overwrite, plan_budget=f"{budget:.3f}s")
+    assert found.winner is not None and found.winner.global_batch_size is not None
+    rows = len(load_dataset(cfg.dataset, data_options(cfg)).train)
+    spe = EpochPlan(rows, found.winner.global_batch_size, 1, cfg.seed).steps_per_epoch
+    total = cfg.epochs * spe
+    segments: list[dict[str, Any]] = []
+    replans: list[dict[str, Any]] = []
+    first = at = start_of(cfg).step  # 0, or the user's --init-from --init-progress
+    best, summary = found.trials[0], None
+    while True:
+        steps = max(1, round(period / best.epoch_s * spe))
+        stop: int | None = at + steps
+        if steps >= spe:  # a period of an epoch or more re-plans at an epoch's end (one
+            # step past it, as a trial stops: the epoch's test and record are this segment's)
+            stop = max(round(stop / spe) * spe + 1, at + 1)
+        if stop + steps / 2 >= total:  # the last period takes a remainder under half one
+            stop = None
+        segment = dataclasses.replace(found.winner, progress=cfg.progress, stop_at_step=stop,
+                                      overwrite=cfg.overwrite if at == first else False,
+                                      **({} if at == first else {"init_from": str(checkpoint),
+                                                                 "init_progress": True}))
+        started = time.monotonic()
+        summary = train(segment)
+        if summary is None:
+            return None
+        segments.append({"winner": best.candidate.label(), "from_step": at,
+                         "to_step": summary["steps"], "wall_s": time.monotonic() - started})
+        if stop is None or summary.get("stopped_by"):
+            break
+        at = summary["steps"]
+        k = len(replans) + 1
+        entry: dict[str, Any] = {"at_step": at, "at_epoch": at / spe, "budget_s": budget,
+                                 "dir": f"{PLAN_DIR}-{k}"}
+        reached = start_of(go_on).accuracy >= (cfg.target_accuracy or math.inf)
+        if reached or best.cost_s > budget:  # nothing to chase, or not one trial would fit
+            entry.update(planning_s=0.0, trials=0, winner=best.candidate.label(), changed=False,
+                         why="the run has reached the target" if reached else
+                         f"a trial ({best.cost_s:.0f} s) does not fit the budget",
+                         skipped=True)
+            replans.append(entry)
+            continue
+        print(f"shoal: re-planning from step {at} (budget {budget:.0f} s)", file=sys.stderr,
+              flush=True)
+        started = time.monotonic()
+        again = plan(go_on, out / entry["dir"], incumbent=best)
+        took = time.monotonic() - started
+        _add_wall_time(checkpoint, took)
+        if again.winner is not None and again.trials[0].ok:
+            found, best = again, again.trials[0]
+        entry.update(planning_s=took, trials=len(again.trials), winner=best.candidate.label(),
+                     changed=best.candidate.label() != segments[-1]["winner"], why=again.why)
+        replans.append(entry)
+        print(f"shoal: re-planned in {took:.0f} s: {again.why}", file=sys.stderr, flush=True)
+    replanning = sum(r["planning_s"] for r in replans)
+    training = sum(s["wall_s"] for s in segments)
+    summary.update({"replan_every_s": period, "segments": segments, "replans": replans,
+                    "replanning_s": replanning, "training_s": training,
+                    "replan_overhead": replanning / training if training > 0 else None})
+    return summary
+
+
+def _add_wall_time(checkpoint: Path, seconds: float) -> None:
+    """Count ``seconds`` (a re-plan) in the run's wall time, as of ``checkpoint``."""
+    payload = load_checkpoint(checkpoint)
+    payload["progress"]["wall_time_s"] += seconds
+    save_checkpoint(checkpoint, {k: v for k, v in payload.items()
+                                 if k not in ("format", "version")})
 
 
 def read_plan(path: Path) -> dict[str, Any]:

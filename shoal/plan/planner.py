@@ -8,6 +8,11 @@ batch and its learning-rate schedule over the run's ``--epochs``, trains the fir
 ``trial_epochs`` of them (``--stop-at-step``), tests after each, and reports the test
 accuracy and elapsed time of each epoch. The trial's files live in ``OUT/trials/`` (its
 checkpoint is removed): ``shoal report OUT/trials/*`` plots them.
+
+A re-plan (``--replan-every``) plans a run that goes on from a checkpoint (``--init-from
+--init-progress``): every trial starts there, trains to the ``trial_epochs``-th epoch end
+after it, and its curve counts epochs and seconds from there, starting at the run's
+accuracy there.
 """
 
 from __future__ import annotations
@@ -27,6 +32,7 @@ from shoal.errors import ShoalError
 from shoal.plan.search import Candidate, Omnivore, Plan, SearchSettings, Trial, explain
 from shoal.strategies import get_strategy
 from shoal.sweep.runner import Launcher
+from shoal.train.checkpoint import load_checkpoint
 from shoal.train.records import write_json
 from shoal.train.trainer import data_options
 
@@ -68,9 +74,9 @@ def _periodic(name: str) -> bool:
     return issubclass(get_strategy(name), PeriodicStrategy)
 
 
-def parse_duration(text: str) -> float:
+def parse_duration(text: str, flag: str = "--plan-budget") -> float:
     """``90``, ``90s``, ``5m``, ``1.5h`` -> seconds; a one-line error otherwise (naming
-    ``--plan-budget``, the one setting it reads)."""
+    ``flag``, the setting it reads)."""
     units = {"s": 1.0, "m": 60.0, "h": 3600.0}
     value = text.strip().lower()
     scale = units.get(value[-1:])
@@ -79,7 +85,7 @@ def parse_duration(text: str) -> float:
     except ValueError:
         seconds = math.nan
     if not (math.isfinite(seconds) and seconds > 0):
-        raise ShoalError(f"--plan-budget must be a duration like 90s, 5m or 1h, got {text!r}")
+        raise ShoalError(f"{flag} must be a duration like 90s, 5m or 1h, got {text!r}")
     return seconds
 
 
@@ -87,7 +93,7 @@ class Planner:
     """Plans ``cfg`` (its model, data, workers, batch, epochs; its strategy is replaced)."""
 
     def __init__(self, cfg: TrainConfig, options: PlanOptions, launcher: Launcher, out: Path,
-                 workers: int, show: bool = True) -> None:
+                 workers: int, show: bool = True, incumbent: Trial | None = None) -> None:
         self.cfg, self.options, self.launcher, self.out = cfg, options, launcher, out
         self.workers, self.show = workers, show
         data = load_dataset(cfg.dataset, data_options(cfg))
@@ -95,10 +101,16 @@ class Planner:
         self.steps_per_epoch = EpochPlan(len(data.train), self.global_batch, workers,
                                          cfg.seed).steps_per_epoch
         self.trial_epochs = options.trial_epochs
+        #: Where the trials start (a re-plan: the checkpoint's step and wall time), and the
+        #: configuration training until then, measured first.
+        self.start = start_of(cfg)
+        self.incumbent = incumbent
+        chance = 1.0 / data.num_classes
         numeric = cfg.momentum if not isinstance(cfg.momentum, str) else None
-        self.settings = SearchSettings(target=options.target, epochs=cfg.epochs,
-                                       chance=1.0 / data.num_classes, budget_s=options.budget_s,
-                                       lr=cfg.lr, momentum=numeric)
+        self.settings = SearchSettings(
+            target=options.target, epochs=cfg.epochs - self.start.step / self.steps_per_epoch,
+            chance=max(chance, self.start.accuracy), budget_s=options.budget_s, lr=cfg.lr,
+            momentum=numeric, trial_cost_s=incumbent.cost_s if incumbent is not None else 0.0)
         self._count = 0
         self._bar: Any = None
 
@@ -126,7 +138,7 @@ class Planner:
             threads_per_worker=c.threads, momentum=momentum,
             nesterov=cfg.nesterov and momentum != 0, momentum_auto=None,
             lr=c.lr if c.lr is not None else cfg.lr, global_batch_size=self.global_batch,
-            out=str(out), resume=None, overwrite=True, **changes)
+            out=str(out), resume=None, overwrite=True, replan_every=None, **changes)
 
     # -- a trial ----------------------------------------------------------------------------
     def trial(self, c: Candidate, phase: str) -> Trial:
@@ -137,14 +149,15 @@ class Planner:
         out = (self.out / "trials" / name).resolve()
         # One step past the last trial epoch: a run that stops on an epoch's last step stops
         # before that epoch's test (which a resumed run would do).
-        cfg = self.config(c, out, stop_at_step=self.trial_epochs * self.steps_per_epoch + 1,
+        last = self.start.step // self.steps_per_epoch + self.trial_epochs
+        cfg = self.config(c, out, stop_at_step=last * self.steps_per_epoch + 1,
                           eval_every=1, checkpoint_every=10**9, progress="none", log_every=10,
                           max_restarts=0, trace=False, tensorboard=False, profile=None)
         started = time.monotonic()
         trial = Trial(c)
         try:
             run_config(self.launcher, cfg, c.workers, name)
-            trial.curve, trial.epoch_s = _curve(out)
+            trial.curve, trial.epoch_s = _curve(out, self.start, self.steps_per_epoch)
         except ShoalError as exc:
             message = str(exc)
             trial.diverged = any(d in message for d in DIVERGED)
@@ -178,12 +191,15 @@ class Planner:
         started = time.monotonic()
         search = Omnivore(self.settings, self.trial, time.monotonic)
         try:
-            ranked = search.search(*self.starts())
+            ranked = search.search(*self.starts(), incumbent=self.incumbent and
+                                   self.incumbent.candidate)
         finally:
             if self._bar is not None:
                 self._bar.close()
         best = ranked[0] if ranked and ranked[0].ok else None
-        winner = self.config(best.candidate, Path(self.cfg.out)) if best is not None else None
+        # The winner runs on its own workers (the trials' launcher passes them separately).
+        winner = dataclasses.replace(self.config(best.candidate, Path(self.cfg.out)),
+                                     workers=best.candidate.workers) if best is not None else None
         plan = Plan(ranked, search.skipped, winner, explain(ranked, self.settings), search.notes,
                     time.monotonic() - started)
         plan.files = self.write(plan)
@@ -213,15 +229,48 @@ def run_config(launcher: Launcher, cfg: TrainConfig, workers: int, name: str) ->
     launcher.train(["--config", str(config_file)], workers + servers, workers, out, name)
 
 
-def _curve(out: Path) -> tuple[list[tuple[int, float, float]], float]:
-    """A finished trial's (epoch, test accuracy, elapsed s) and the duration of its last
-    epoch (warm: the first one includes starting up)."""
+@dataclass(frozen=True)
+class Start:
+    """Where a plan's trials start: step 0 of a new run, or (a re-plan) the checkpoint of
+    ``--init-from --init-progress``: its step, wall time and the run's last test accuracy."""
+
+    step: int = 0
+    wall_s: float = 0.0
+    accuracy: float = 0.0
+
+
+def start_of(cfg: TrainConfig) -> Start:
+    """The :class:`Start` of ``cfg``'s trials (the accuracy from the run's metrics.jsonl)."""
+    if not (cfg.init_from and cfg.init_progress):
+        return Start()
+    path = Path(cfg.init_from)
+    progress = load_checkpoint(path, mmap=True)["progress"]
+    log = path.parent / "metrics.jsonl"
+    records = [json.loads(line) for line in log.read_text().splitlines() if line.strip()] \
+        if log.is_file() else []
+    tested = [r["test_accuracy"] for r in records if r["event"] == "epoch"
+              and r["step"] <= progress["step"] and r.get("test_accuracy") is not None]
+    return Start(int(progress["step"]), float(progress["wall_time_s"]),
+                 float(tested[-1]) if tested else 0.0)
+
+
+def _curve(out: Path, start: Start, steps_per_epoch: int
+           ) -> tuple[list[tuple[float, float, float]], float]:
+    """A finished trial's (epochs, test accuracy, elapsed s) since ``start``, and the
+    duration of its last epoch (warm: the first one includes starting up)."""
     records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()
                if line.strip()]
-    curve = [(int(r["epoch"]), float(r["test_accuracy"]), float(r["elapsed_s"]))
+    curve = [(_whole((r["step"] - start.step) / steps_per_epoch), float(r["test_accuracy"]),
+              float(r["elapsed_s"]) - start.wall_s)
              for r in records if r["event"] == "epoch" and r.get("test_accuracy") is not None
-             and math.isfinite(r["test_accuracy"])]
+             and math.isfinite(r["test_accuracy"]) and r["step"] > start.step]
     if not curve:
         raise ShoalError(f"trial in {out} recorded no test accuracy")
-    times = [0.0] + [t for _, _, t in curve]
-    return curve, times[-1] - times[-2]
+    points = [(0.0, 0.0)] + [(e, t) for e, _, t in curve]
+    (e0, t0), (e1, t1) = points[-2], points[-1]
+    return curve, (t1 - t0) / (e1 - e0)
+
+
+def _whole(epochs: float) -> float:
+    """``epochs``, an ``int`` when whole (the epochs of a trial from a run's start)."""
+    return int(epochs) if epochs.is_integer() else epochs

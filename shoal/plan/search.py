@@ -142,10 +142,11 @@ def epochs_to_target(curve: Sequence[tuple[int, float, float]], target: float,
 class SearchSettings:
     target: float  #: test accuracy to reach
     epochs: int  #: the run's epochs: a prediction beyond them is out of reach
-    chance: float  #: accuracy of a guess (1 / classes)
+    chance: float  #: accuracy at a trial's start: a guess's (1 / classes), a re-plan's run's
     budget_s: float  #: wall time all trials may take
     lr: float  #: the user's learning rate
     momentum: float | None  #: the user's momentum (``None``: auto, per strategy)
+    trial_cost_s: float = 0.0  #: a trial's cost before any is measured (a re-plan knows it)
 
 
 class Omnivore:
@@ -165,7 +166,7 @@ class Omnivore:
 
     def _expected_cost(self) -> float:
         costs = [t.cost_s for t in self.trials]
-        return max(costs) if costs else 0.0
+        return max(costs) if costs else self.settings.trial_cost_s
 
     def trial(self, candidate: Candidate, phase: str) -> Trial | None:
         """The trial of ``candidate`` (run once; ``None`` when the budget has no room)."""
@@ -249,10 +250,15 @@ class Omnivore:
         return best
 
     # -- the whole search -------------------------------------------------------------------
-    def search(self, syncs: Sequence[Candidate], families: Sequence[Candidate]) -> list[Trial]:
+    def search(self, syncs: Sequence[Candidate], families: Sequence[Candidate],
+               incumbent: Candidate | None = None) -> list[Trial]:
         """Measure ``syncs`` (sync in each process layout; the fastest is the synchronous
         end), walk every family of ``families`` (each at any knob) from there, then run the
-        grids, fastest first; returns every trial, best first."""
+        grids, fastest first; returns every trial, best first. A re-plan measures the
+        ``incumbent`` (the configuration training now) first: however little of the search
+        its budget holds, the new winner is compared with it."""
+        if incumbent is not None:
+            self.trial(incumbent, "incumbent")
         measured = [t for t in (self.trial(c, "hardware") for c in syncs) if t is not None and t.ok]
         if not measured:
             return rank(self.trials)

@@ -7,8 +7,10 @@ arbitrary pickled objects.
 
 What goes in: the run's configuration and progress, what the strategy shares between ranks
 (:meth:`~shoal.strategies.Strategy.checkpoint_shared`: the model and optimizer by default)
-once, the schedule, and under ``"ranks"`` each rank's own state (its RNGs, time and byte
-totals, epoch sums and :meth:`~shoal.strategies.Strategy.checkpoint_own`).
+once, the schedule, under ``"ranks"`` each rank's own state (its RNGs, time and byte
+totals, epoch sums and :meth:`~shoal.strategies.Strategy.checkpoint_own`), and under
+``"eval_model"`` the model the run evaluates (sync's model, EASGD's center, the servers'
+center): what ``--init-from`` starts another run from, whatever its strategy.
 """
 
 from __future__ import annotations
@@ -29,6 +31,13 @@ FORMAT = "shoal-checkpoint"
 VERSION = 1
 #: The keys :func:`save_checkpoint` adds to every checkpoint.
 CHECKPOINT_HEADER = ("format", "version")
+
+#: The key of the evaluation model, in every checkpoint.
+EVAL_MODEL = "eval_model"
+#: Configuration keys that must match between a checkpoint and a run starting from its
+#: evaluation model (``--init-from``); with ``--init-progress`` also :data:`PROGRESS_KEYS`.
+INIT_KEYS = ("model", "dataset")
+PROGRESS_KEYS = ("seed",)
 
 #: Configuration keys that must match between a checkpoint and the run resuming it.
 RESUME_KEYS = ("model", "dataset", "strategy", "seed", "optimizer", "lr", "momentum",
@@ -114,7 +123,36 @@ def check_resume(payload: dict[str, Any], cfg: TrainConfig, world: int,
                          f"{cfg.strategy} must resume on as many, not {world}")
 
 
+def check_init(payload: dict[str, Any], cfg: TrainConfig, world: int) -> None:
+    """Raise a one-line error if ``cfg`` cannot start from ``payload``'s evaluation model
+    (``--init-from``) and, with ``--init-progress``, go on from its position."""
+    saved, now = payload["config"], cfg.to_dict()
+    for key in INIT_KEYS + (PROGRESS_KEYS if cfg.init_progress else ()):
+        if saved.get(key) != now[key]:
+            flag = flag_name(key)
+            raise ShoalError(f"--init-from {cfg.init_from} was made with {flag} "
+                             f"{saved.get(key)!r}, this run has {flag} {now[key]!r}")
+    if not cfg.init_progress:
+        return
+    if payload["global_batch"] != cfg.global_batch(world):
+        raise ShoalError(f"--init-from {cfg.init_from} was made with a global batch of "
+                         f"{payload['global_batch']}, this run has {cfg.global_batch(world)} "
+                         "(--init-progress goes on with the same data order)")
+    step, epoch = payload["progress"]["step"], payload["progress"]["epoch"]
+    if epoch >= cfg.epochs or (cfg.stop_at_step is not None and cfg.stop_at_step <= step):
+        raise ShoalError(f"--init-from {cfg.init_from} is at step {step} (epoch {epoch}): "
+                         f"nothing left to train with --epochs {cfg.epochs}"
+                         + (f" --stop-at-step {cfg.stop_at_step}" if cfg.stop_at_step else ""))
+
+
+def eval_model(payload: dict[str, Any]) -> dict[str, Any]:
+    """The evaluation model's state dict in ``payload`` (checkpoints from before it had its
+    own key: ``"model"``, which held it)."""
+    return payload[EVAL_MODEL] if EVAL_MODEL in payload else payload["model"]
+
+
 def resumes_in_place(cfg: TrainConfig) -> bool:
-    """Whether ``cfg`` resumes the run in its own ``--out`` (not a checkpoint from elsewhere)."""
-    resume = cfg.resume_path
-    return resume is not None and resume.resolve() == cfg.checkpoint_path.resolve()
+    """Whether ``cfg`` goes on with the run in its own ``--out`` (``--resume``, or
+    ``--init-from --init-progress`` of its own checkpoint), not a checkpoint from elsewhere."""
+    source = cfg.continues_from
+    return source is not None and source.resolve() == cfg.checkpoint_path.resolve()

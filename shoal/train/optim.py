@@ -66,3 +66,13 @@ def build_schedule(cfg: TrainConfig, optimizer: torch.optim.Optimizer,
     milestones = [round(m * steps_per_epoch) for m in cfg.lr_milestones]
     return LambdaLR(optimizer, lambda s: lr_factor(s, total, warmup, cfg.schedule,
                                                    milestones, cfg.lr_gamma))
+
+
+def schedule_at(scheduler: LambdaLR, step: int) -> None:
+    """Put ``scheduler`` (and its optimizer's rates) where it is after ``step`` steps, from
+    its own peak rates: a run that goes on from another's position with other settings."""
+    rates = [base * factor(step) for base, factor in zip(scheduler.base_lrs,
+                                                          scheduler.lr_lambdas, strict=True)]
+    for group, rate in zip(scheduler.optimizer.param_groups, rates, strict=True):
+        group["lr"] = rate
+    scheduler.load_state_dict({**scheduler.state_dict(), "last_epoch": step, "_last_lr": rates})

@@ -98,10 +98,11 @@ class Recorder:
         remove_stale_temporaries(self.out)
         (self.out / "summary.json").unlink(missing_ok=True)  # rewritten at the end
         write_json(self.out / "config.json", {**cfg.to_dict(), "world_size": self.comm.world_size})
-        resumed_at = st.step if cfg.resume_path else None
+        source = cfg.continues_from  # --resume, or --init-from with --init-progress
+        resumed_at = st.step if source is not None else None
         board = TensorBoardLog(self.out / "tensorboard", resumed_at) if cfg.tensorboard else None
-        history = None if resumed_at is None or resumes_in_place(cfg) else \
-            cfg.resume_path.parent / "metrics.jsonl"
+        history = None if source is None or resumes_in_place(cfg) else \
+            source.parent / "metrics.jsonl"
         self.log = MetricsLog(self.out / "metrics.jsonl", keep_until_step=resumed_at,
                               tensorboard=board, history=history)
         self.progress.line(

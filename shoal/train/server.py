@@ -53,7 +53,7 @@ from shoal.models import build_model, count_parameters
 from shoal.strategies import Strategy, get_strategy, make_options
 from shoal.strategies.easgd import parameter_order
 from shoal.strategies.hogwild import PATH_KEY, create_shared_file, map_shared_file
-from shoal.train.checkpoint import load_checkpoint, save_checkpoint, to_cpu
+from shoal.train.checkpoint import EVAL_MODEL, load_checkpoint, save_checkpoint, to_cpu
 from shoal.train.optim import build_optimizer
 from shoal.train.recorder import Recorder
 from shoal.train.records import write_json, write_trace
@@ -79,12 +79,16 @@ def shard_ranges(n: int, servers: int) -> list[tuple[int, int]]:
     return ranges
 
 
-def _initial_model(cfg: TrainConfig, data: Dataset, workers: int
-                   ) -> tuple[torch.nn.Module, FlatParams]:
-    """The model every rank starts from (the trainer's seed) and its flat layout (the order
-    the strategies pack it in)."""
+def _initial_model(cfg: TrainConfig, data: Dataset, workers: int,
+                   start: dict[str, Any] | None = None) -> tuple[torch.nn.Module, FlatParams]:
+    """The model every rank starts from (the trainer's seed, or ``start``'s evaluation model:
+    ``--init-from``) and its flat layout (the order the strategies pack it in)."""
+    from shoal.train.trainer import load_eval_model
+
     torch.manual_seed(cfg.seed)
     model = build_model(cfg.model, data.input_shape, data.num_classes)
+    if start is not None:
+        load_eval_model(model, start, cfg.init_from or "")
     optimizer = build_optimizer(cfg, model.parameters(), cfg.base_lr(workers))
     return model, FlatParams(parameter_order(model, optimizer))
 
@@ -146,10 +150,11 @@ def _run_server(cfg: TrainConfig, env: Environment, data: Dataset, server: int, 
     strategy_cls = get_strategy(cfg.strategy)
     options = make_options(strategy_cls, cfg.strategy_options, workers)
     store = job_store(env, cfg.timeout)
-    model, flat = _initial_model(cfg, data, workers)
+    payload = load_checkpoint(cfg.resume_path) if cfg.resume_path is not None else None
+    start = load_checkpoint(Path(cfg.init_from)) if cfg.init_from and payload is None else None
+    model, flat = _initial_model(cfg, data, workers, start)
     ranges = shard_ranges(flat.numel, servers)
     lo, hi = ranges[server]
-    payload = load_checkpoint(cfg.resume_path) if cfg.resume_path is not None else None
     shared_path = None
     if getattr(strategy_cls, "shared_memory", False):
         # hogwild: one float32 file every worker maps and steps in place; the coordinator
@@ -167,7 +172,8 @@ def _run_server(cfg: TrainConfig, env: Environment, data: Dataset, server: int, 
     rule = rule_cls(center, options) if rule_cls is not None else None
     coordinator: Coordinator | None = None
     if server == 0:
-        coordinator = Coordinator(cfg, data, model, flat, store, ranges, workers, payload)
+        coordinator = Coordinator(cfg, data, model, flat, store, ranges, workers, payload,
+                                  start if start is not None and cfg.init_progress else None)
     shard = ShardServer(
         store, server, workers + (1 if server > 0 else 0), rule, center, timeout=cfg.timeout,
         max_staleness=getattr(options, "max_staleness", None),
@@ -195,7 +201,9 @@ class Coordinator:
 
     def __init__(self, cfg: TrainConfig, data: Dataset, model: torch.nn.Module,
                  flat: FlatParams, store: Any, ranges: list[tuple[int, int]], workers: int,
-                 payload: dict[str, Any] | None) -> None:
+                 payload: dict[str, Any] | None, start: dict[str, Any] | None = None) -> None:
+        """``payload``: the checkpoint a resumed run goes on with; ``start``: the one
+        ``--init-from --init-progress`` goes on from (its position only)."""
         self.cfg, self.data, self.model, self.flat = cfg, data, model, flat
         self.ranges, self.workers = ranges, workers
         self.servers = len(ranges)
@@ -205,7 +213,6 @@ class Coordinator:
         self.comm = Comm(Environment(0, workers), torch.device("cpu"), Timeline())
         self.recorder = Recorder(cfg, self.comm, self.plan)
         self.state = RunState(self.comm, torch.Generator(), lr=cfg.base_lr(workers))
-        self.payload = payload
         self.reports: queue.Queue[tuple[int, Any]] = queue.Queue()
         self.client = (ServerClient(store, workers, ranges[1:], timeout=cfg.timeout,
                                     servers=list(range(1, self.servers)),
@@ -221,9 +228,17 @@ class Coordinator:
         self.test = (float("nan"), float("nan"))
         self.saved_step = -1
         self.started_unix = time.time()
+        source = payload if payload is not None else start
+        self.progress: dict[str, Any] | None = None
         if payload is not None:
             self.own = dict(enumerate(payload["ranks"]))
-            self.saved_step = payload["progress"]["step"]
+        if source is not None:
+            # A mid-epoch checkpoint's samples of that epoch come back in the workers' epoch
+            # sums (which carry them), so the position counts them once.
+            carried = sum(int(r["epoch_sums"][2]) for r in source["ranks"] if r is not None)
+            self.progress = {**source["progress"],
+                             "samples": source["progress"]["samples"] - carried}
+            self.saved_step = self.progress["step"]
 
     def on_report(self, client: int, obj: Any) -> None:
         """A worker's report (called on its serving thread): queued for :meth:`run`."""
@@ -234,8 +249,8 @@ class Coordinator:
         """Record the run until every worker has finished or been lost; the summary."""
         st, rec = self.state, self.recorder
         self.shard = shard
-        if self.payload is not None:
-            st.load_state_dict({"progress": self.payload["progress"], "rank": None})
+        if self.progress is not None:
+            st.load_state_dict({"progress": self.progress, "rank": None})
         st.start()
         rec.begin(st, self.data.describe())
         rec.start_epoch(st)
@@ -380,12 +395,13 @@ class Coordinator:
         servers = [self.shard.state()]
         if self.client is not None:
             servers += [self.client.fetch_state(s) for s in range(1, self.servers)]
+        center = to_cpu(self.model.state_dict())  # the evaluation model, saved once
         payload = {
             "config": self.cfg.to_dict(), "global_batch": self.plan.global_batch,
             "world_size": self.workers, "progress": first["progress"],
             "scheduler": first["scheduler"],
             "ranks": [self.own.get(w) for w in range(self.workers)],
-            "model": to_cpu(self.model.state_dict()), "servers": to_cpu(servers),
+            "model": center, EVAL_MODEL: center, "servers": to_cpu(servers),
         }
         save_checkpoint(self.cfg.checkpoint_path, payload)
         self.saved_step = step

@@ -34,13 +34,16 @@ from shoal.strategies import Strategy, get_strategy, make_options
 from shoal.strategies.precision import MixedPrecision, clip_gradients, micro_batches
 from shoal.train.checkpoint import (
     CHECKPOINT_HEADER,
+    EVAL_MODEL,
+    check_init,
     check_resume,
+    eval_model,
     load_checkpoint,
     resumes_in_place,
     save_checkpoint,
     to_cpu,
 )
-from shoal.train.optim import build_optimizer, build_schedule
+from shoal.train.optim import build_optimizer, build_schedule, schedule_at
 from shoal.train.recorder import Recorder
 from shoal.train.records import require_tensorboard
 from shoal.train.state import RunState
@@ -62,6 +65,10 @@ def preflight(cfg: TrainConfig, world: int, data: Dataset | None = None) -> Data
         require_tensorboard()
     data = data if data is not None else load_dataset(cfg.dataset, data_options(cfg))
     model = build_model(cfg.model, data.input_shape, data.num_classes)
+    if cfg.init_from is not None and cfg.resume_path is None:
+        start = load_checkpoint(Path(cfg.init_from))
+        check_init(start, cfg, world)
+        load_eval_model(model, start, cfg.init_from)
     # A strategy alone (rank 0 of the job's size, no other rank to talk to) checks how it
     # fits the model and optimizer.
     strategy_cls(model, build_optimizer(cfg, model.parameters(), cfg.base_lr(world)),
@@ -75,9 +82,10 @@ def preflight(cfg: TrainConfig, world: int, data: Dataset | None = None) -> Data
     holds_run = any((out / f).exists() for f in ("checkpoint.pt", "metrics.jsonl"))
     if cfg.resume_path is not None:
         check_resume(load_checkpoint(cfg.resume_path), cfg, world, strategy_cls)
-        if holds_run and not resumes_in_place(cfg):
-            raise ShoalError(f"--out {out} already holds another run; resuming "
-                             f"{cfg.resume_path} there would replace it: choose a new --out")
+    if cfg.continues_from is not None:
+        if holds_run and not resumes_in_place(cfg) and not (cfg.init_from and cfg.overwrite):
+            raise ShoalError(f"--out {out} already holds another run; going on from "
+                             f"{cfg.continues_from} there would replace it: choose a new --out")
     elif not cfg.overwrite and holds_run:
         raise ShoalError(f"{out} already holds a run; pass --resume to continue it or "
                          "--overwrite to start over")
@@ -100,6 +108,16 @@ def check_features(cfg: TrainConfig, data: Dataset) -> None:
                              "found (install g++ or set CXX), or leave out --compile")
 
 
+def load_eval_model(model: nn.Module, payload: dict[str, Any], source: str | Path) -> None:
+    """Put ``payload``'s evaluation model into ``model``, or a one-line error."""
+    try:
+        model.load_state_dict(eval_model(payload))
+    except RuntimeError as exc:
+        first = (str(exc).strip().splitlines() or [""])[-1].strip()
+        raise ShoalError(f"the evaluation model of {source} does not fit this run's model "
+                         f"({first})") from None
+
+
 class Trainer:
     """Trains ``cfg.model`` on ``cfg.dataset`` in this worker; call :meth:`run`."""
 
@@ -117,9 +135,15 @@ class Trainer:
         self.loader = ShardLoader(self.data, self.plan, self.rank,
                                   resolve_workers(cfg.loader_workers, self.data.train),
                                   pin_memory=self.device.type == "cuda", seed=cfg.seed)
+        strategy_cls = get_strategy(cfg.strategy)
+        #: An asynchronous strategy's workers never wait for each other: this worker writes
+        #: nothing into --out and evaluates nothing; it reports its sums, checkpoint state and
+        #: totals to the parameter server's coordinator (server 0), which keeps the records.
+        self.detached = bool(getattr(strategy_cls, "asynchronous", False))
         torch.manual_seed(cfg.seed)  # identical initial weights on every rank
         self.model = build_model(cfg.model, self.data.input_shape,
                                  self.data.num_classes).to(self.device)
+        start = self._init_from() if cfg.init_from and cfg.resume_path is None else None
         if cfg.channels_last:
             self.model.to(memory_format=torch.channels_last)
         self.amp = MixedPrecision(cfg.precision, self.device)
@@ -128,14 +152,9 @@ class Trainer:
         torch.manual_seed(cfg.seed + 1 + self.rank)  # dropout differs between ranks
         augment = torch.Generator().manual_seed(cfg.seed + 10_007 * (self.rank + 1))
         self.state = RunState(comm, augment, lr=self.optimizer.param_groups[0]["lr"])
-        strategy_cls = get_strategy(cfg.strategy)
-        #: An asynchronous strategy's workers never wait for each other: this worker writes
-        #: nothing into --out and evaluates nothing; it reports its sums, checkpoint state and
-        #: totals to the parameter server's coordinator (server 0), which keeps the records.
-        self.detached = bool(getattr(strategy_cls, "asynchronous", False))
         self.recorder = Recorder(cfg, comm, self.plan, writes=not self.detached)
-        # Every strategy starts all workers from rank 0's model; a resumed run then puts back
-        # what each worker had.
+        # Every strategy starts all workers from rank 0's model (--init-from: the checkpoint's
+        # evaluation model); a resumed run then puts back what each worker had.
         self.strategy = strategy_cls(self.model, self.optimizer, comm,
                                      make_options(strategy_cls, cfg.strategy_options))
         self.strategy.scaler = self.amp.scaler
@@ -143,6 +162,8 @@ class Trainer:
             self.model.compile()
         if cfg.resume_path is not None:
             self._resume(strategy_cls)
+        elif start is not None and cfg.init_progress:
+            self._go_on_from(start)
         # SIGTERM stops every rank after the same step, voted at the strategy's meeting points.
         self.stop_vote = StopVote(comm, self.strategy.meets_after)
         self.stop_reason: str | None = None  # "SIGTERM" once the ranks agreed to stop
@@ -303,7 +324,8 @@ class Trainer:
             if self.is_main:
                 payload = {"config": self.cfg.to_dict(), "global_batch": self.plan.global_batch,
                            "world_size": self.world, "progress": run["progress"],
-                           "scheduler": self.scheduler.state_dict(), "ranks": ranks}
+                           "scheduler": self.scheduler.state_dict(), "ranks": ranks,
+                           EVAL_MODEL: to_cpu(self.strategy.eval_module.state_dict())}
                 shared = to_cpu(self.strategy.checkpoint_shared())
                 save_checkpoint(self.cfg.checkpoint_path, self._with_strategy(
                     payload, shared, "checkpoint_shared", reserved=CHECKPOINT_HEADER))
@@ -343,6 +365,37 @@ class Trainer:
         self.scheduler.load_state_dict(payload["scheduler"])
         self.state.load_state_dict({"progress": payload["progress"], "rank": own})
         self.recorder.load_state_dict(own)
+
+    def _init_from(self) -> dict[str, Any]:
+        """``--init-from``: rank 0 reads the checkpoint and sends all ranks its evaluation
+        model (loaded here, before the strategy copies the model), position and epoch sums
+        (detached workers read it themselves)."""
+        start, error = None, None
+        if self.is_main or self.detached:
+            try:
+                payload = load_checkpoint(Path(self.cfg.init_from))
+                check_init(payload, self.cfg, self.world)
+                sums = [r["epoch_sums"] for r in payload["ranks"] if r is not None]
+                start = {"model": eval_model(payload), "progress": payload["progress"],
+                         "epoch_sums": [sum(v) for v in zip(*sums, strict=True)] or None}
+            except ShoalError as exc:
+                start, error = None, str(exc)
+        if not self.detached:
+            start, error = self.comm.broadcast_object((start, error))
+        if error:
+            raise ShoalError(error)
+        load_eval_model(self.model, {EVAL_MODEL: start["model"]}, self.cfg.init_from)
+        return start
+
+    def _go_on_from(self, start: dict[str, Any]) -> None:
+        """``--init-progress``: the position (step, epoch: the data order), the schedule at
+        that step (with this run's rate) and the epoch's sums so far (all ranks', counted
+        once, on rank 0); the optimizer and strategy start fresh."""
+        progress = start["progress"]
+        self.state.load_state_dict({"progress": progress, "rank": None})
+        schedule_at(self.scheduler, progress["step"])
+        if self.rank == 0 and start["epoch_sums"] is not None:
+            self.recorder.load_state_dict({"epoch_sums": start["epoch_sums"]})
 
     def _check_finite(self, what: str) -> None:
         bad = any(not torch.isfinite(p).all() for p in self.strategy.eval_module.parameters())
