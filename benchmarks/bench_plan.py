@@ -10,6 +10,8 @@ start-ups included in the planning time). Writes ``bench_plan.json`` and prints 
 
     sudo .venv/bin/python benchmarks/bench_plan.py --task digits --emulate-bandwidth 100mbit
     sudo .venv/bin/python benchmarks/bench_plan.py --task hard --emulate-bandwidth 100mbit
+    sudo .venv/bin/python benchmarks/bench_plan.py --task hard --samples 16384 --target 0.75 \
+        --emulate-bandwidth 100mbit
 """
 
 from __future__ import annotations
@@ -51,16 +53,24 @@ def main() -> int:
     p.add_argument("--trial-epochs", type=int, default=None)
     p.add_argument("--repeats", type=int, default=2)
     p.add_argument("--target", type=float, default=None, help="override the task's target")
+    p.add_argument("--samples", type=int, default=None,
+                   help="override a synthetic task's training samples (more: a longer run)")
+    p.add_argument("--epochs", type=int, default=None, help="override the task's epochs")
     p.add_argument("--out", default="runs/bench-plan")
     args = p.parse_args()
     settings = dict(TASKS[args.task])
     if args.target is not None:
         settings["target_accuracy"] = args.target
+    if args.samples is not None:
+        settings["synthetic_samples"] = args.samples
+    if args.epochs is not None:
+        settings["epochs"] = args.epochs
     target = settings["target_accuracy"]
     base = TrainConfig(**settings, threads_per_worker=1, plan_budget=args.budget,
                        trial_epochs=args.trial_epochs, progress="none", workers=args.workers,
                        overwrite=True).validate()
-    root = Path(args.out).resolve() / args.task
+    root = Path(args.out).resolve() / (args.task if args.samples is None
+                                       else f"{args.task}-{args.samples}")
     rows = []
     with Launcher(args.emulate_bandwidth, timeout=3600) as launcher:
         for r in range(args.repeats):
