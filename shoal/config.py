@@ -99,9 +99,9 @@ class TrainConfig:
     augment: bool = setting(False, "random flips and padded crops (an eighth of the height) of "
                             "training images")
     loader_workers: int | str = setting("auto", "background processes per worker that read "
-                                        "(decode) the training batches, through torch's "
-                                        "DataLoader; auto: 0 for data held in memory, else "
-                                        "min(4, cores per worker)", metavar="N|auto",
+                                        "(decode) the batches, through torch's DataLoader; "
+                                        "auto: 0 for data held in memory, else min(4, cores "
+                                        "per worker)", metavar="N|auto",
                                         parse=parse_count, kind="an integer or auto")
 
     workers: int | None = setting(None, "local worker processes to spawn (default: one per GPU "
