@@ -25,6 +25,7 @@ import sys
 from pathlib import Path
 
 from shoal.config import TrainConfig
+from shoal.emulate import terminate_as_exception
 from shoal.plan import plan
 from shoal.plan.planner import run_config
 from shoal.sweep.measure import measure_race
@@ -72,7 +73,8 @@ def main() -> int:
     root = Path(args.out).resolve() / (args.task if args.samples is None
                                        else f"{args.task}-{args.samples}")
     rows = []
-    with Launcher(args.emulate_bandwidth, timeout=3600) as launcher:
+    # SIGTERM unwinds through the launcher, which tears its emulated clusters down.
+    with terminate_as_exception(), Launcher(args.emulate_bandwidth, timeout=3600) as launcher:
         for r in range(args.repeats):
             sync = dataclasses.replace(base, strategy="sync", workers=None,
                                        out=str(root / f"sync-r{r}"))

@@ -23,6 +23,7 @@ from pathlib import Path
 from bench_plan import TASKS
 
 from shoal.config import TrainConfig
+from shoal.emulate import terminate_as_exception
 from shoal.plan import plan
 from shoal.plan.planner import run_config
 from shoal.plan.search import MOMENTA, RATE_FACTORS, TAUS, group_knobs
@@ -60,7 +61,8 @@ def main() -> int:
                        progress="none", workers=args.workers, overwrite=True).validate()
     root = Path(args.out).resolve() / args.task
     rows: list[dict] = []
-    with Launcher(args.emulate_bandwidth, timeout=3600) as launcher:
+    # SIGTERM unwinds through the launcher, which tears its emulated clusters down.
+    with terminate_as_exception(), Launcher(args.emulate_bandwidth, timeout=3600) as launcher:
         found = plan(dataclasses.replace(base, out=str(root / "plan")), launcher=launcher)
         if found.winner is None:
             print(f"the planner picked nothing: {found.why}", file=sys.stderr)
