@@ -14,7 +14,7 @@ import math
 import os
 import shutil
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -343,17 +343,12 @@ class Trainer:
     def _resume(self, strategy_cls: type[Strategy]) -> None:
         """Rank 0 reads the checkpoint and sends it to all (errors reach every rank); each
         component puts back its part."""
-        payload, error = None, None
-        if self.is_main or self.detached:  # detached workers read it themselves
-            try:
-                payload = load_checkpoint(self.cfg.resume_path)
-                check_resume(payload, self.cfg, self.world, strategy_cls)
-            except ShoalError as exc:
-                payload, error = None, str(exc)
-        if not self.detached:
-            payload, error = self.comm.broadcast_object((payload, error))
-        if error:
-            raise ShoalError(error)
+        def read() -> dict[str, Any]:
+            payload = load_checkpoint(self.cfg.resume_path)
+            check_resume(payload, self.cfg, self.world, strategy_cls)
+            return payload
+
+        payload = self._read_on_main(read)
         ranks = payload["ranks"]
         own = ranks[self.rank] if self.rank < len(ranks) else None
         if own is not None or not self.detached:  # a worker lost before its first checkpoint
@@ -366,24 +361,33 @@ class Trainer:
         self.state.load_state_dict({"progress": payload["progress"], "rank": own})
         self.recorder.load_state_dict(own)
 
+    def _read_on_main(self, read: Callable[[], dict[str, Any]]) -> dict[str, Any]:
+        """``read()`` on rank 0, its result (or its one-line error) sent to every rank;
+        detached workers, which share no group, each read for themselves."""
+        result, error = None, None
+        if self.is_main or self.detached:
+            try:
+                result = read()
+            except ShoalError as exc:
+                result, error = None, str(exc)
+        if not self.detached:
+            result, error = self.comm.broadcast_object((result, error))
+        if error:
+            raise ShoalError(error)
+        return result
+
     def _init_from(self) -> dict[str, Any]:
         """``--init-from``: rank 0 reads the checkpoint and sends all ranks its evaluation
         model (loaded here, before the strategy copies the model), position and epoch sums
         (detached workers read it themselves)."""
-        start, error = None, None
-        if self.is_main or self.detached:
-            try:
-                payload = load_checkpoint(Path(self.cfg.init_from))
-                check_init(payload, self.cfg, self.world)
-                sums = [r["epoch_sums"] for r in payload["ranks"] if r is not None]
-                start = {"model": eval_model(payload), "progress": payload["progress"],
-                         "epoch_sums": [sum(v) for v in zip(*sums, strict=True)] or None}
-            except ShoalError as exc:
-                start, error = None, str(exc)
-        if not self.detached:
-            start, error = self.comm.broadcast_object((start, error))
-        if error:
-            raise ShoalError(error)
+        def read() -> dict[str, Any]:
+            payload = load_checkpoint(Path(self.cfg.init_from))
+            check_init(payload, self.cfg, self.world)
+            sums = [r["epoch_sums"] for r in payload["ranks"] if r is not None]
+            return {"model": eval_model(payload), "progress": payload["progress"],
+                    "epoch_sums": [sum(v) for v in zip(*sums, strict=True)] or None}
+
+        start = self._read_on_main(read)
         load_eval_model(self.model, {EVAL_MODEL: start["model"]}, self.cfg.init_from)
         return start
 
