@@ -45,12 +45,17 @@ TASKS = {
 }
 
 
-def main() -> int:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def add_task_args(p: argparse.ArgumentParser) -> None:
+    """The flags every planning benchmark takes: the task, the cluster, the budget."""
     p.add_argument("--task", choices=sorted(TASKS), default="digits")
     p.add_argument("--workers", type=int, default=2)
     p.add_argument("--emulate-bandwidth", default=None, metavar="RATE")
     p.add_argument("--budget", default="2m", help="planning budget (default 2m)")
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    add_task_args(p)
     p.add_argument("--trial-epochs", type=int, default=None)
     p.add_argument("--repeats", type=int, default=2)
     p.add_argument("--target", type=float, default=None, help="override the task's target")

@@ -20,7 +20,7 @@ import math
 import sys
 from pathlib import Path
 
-from bench_plan import TASKS
+from bench_plan import TASKS, add_task_args
 
 from shoal.config import TrainConfig
 from shoal.emulate import terminate_as_exception
@@ -49,10 +49,7 @@ def label(name: str, opts: dict[str, int], mu: float, lr: float) -> str:
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--task", choices=sorted(TASKS), default="digits")
-    p.add_argument("--workers", type=int, default=2)
-    p.add_argument("--emulate-bandwidth", default=None, metavar="RATE")
-    p.add_argument("--budget", default="2m", help="planning budget (default 2m)")
+    add_task_args(p)
     p.add_argument("--out", default="runs/bench-plan-grid")
     args = p.parse_args()
     settings = dict(TASKS[args.task])
