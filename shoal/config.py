@@ -170,8 +170,9 @@ class TrainConfig:
     plan_candidates: tuple[str, ...] = setting(("sync", "local-sgd", "easgd", "diloco", "groups"),
                                                "strategies the planner tunes", metavar="S1,S2",
                                                parse=parse_names)
-    trial_epochs: int | None = setting(None, "epochs each trial trains (default: a tenth of "
-                                       "--epochs, at least 1)", metavar="E", at_least=1)
+    trial_epochs: float | None = setting(None, "epochs each trial trains, a fraction allowed "
+                                         "(0.25: a quarter epoch; default: a tenth of --epochs)",
+                                         metavar="E", positive=True)
     replan_every: str | None = setting(None, "with --strategy auto: train the winner for about "
                                        "TIME, re-plan from its checkpoint (a budget of at most "
                                        "a tenth of TIME), go on with the new winner", metavar="TIME")
@@ -196,6 +197,9 @@ class TrainConfig:
     log_every: int = setting(10, "log the training loss every STEPS steps", metavar="STEPS",
                              at_least=1)
     eval_every: int = setting(1, "evaluate every EPOCHS epochs", metavar="EPOCHS", at_least=1)
+    eval_every_steps: int | None = setting(None, "also evaluate every STEPS steps inside an epoch "
+                                           "and where --stop-at-step stops (an `eval` record "
+                                           "in metrics.jsonl)", metavar="STEPS", at_least=1)
     progress: str = setting("auto", "how to show progress; auto: a bar on a terminal, else plain lines",
                             choices=PROGRESS)
 

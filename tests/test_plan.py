@@ -137,6 +137,19 @@ def test_the_budget_skips_trials_that_would_not_fit():
     assert len(asked) == 3 and len(search.skipped) == 8 - 3
 
 
+def test_the_budget_expects_a_configurations_own_cost():
+    """A grid point costs what its configuration's trials cost (start-ups aside); a new
+    configuration, the median so far; so one slow trial does not stop the search."""
+    search, _ = run_with({("sync", 1, 4): 1.0}, settings=dataclasses.replace(SETTINGS, budget_s=60))
+    search.trials = [Trial(SYNC, cost_s=40.0, startup_s=10.0), Trial(EASGD.with_knob(4), cost_s=2.0),
+                     Trial(EASGD.with_knob(16), cost_s=4.0)]
+    assert search.expected_cost(SYNC) == 30.0
+    assert search.expected_cost(dataclasses.replace(EASGD.with_knob(4), momentum=0.0)) == 2.0
+    assert search.expected_cost(EASGD.with_knob(64)) == 4.0  # the median of 30, 2, 4
+    search.trials = []
+    assert search.expected_cost(SYNC) == SETTINGS.trial_cost_s
+
+
 def test_epochs_to_target():
     assert epochs_to_target([(1, 0.5, 1.0), (2, 0.95, 2.0)], 0.9, 0.1) == pytest.approx(1 + 0.4 / 0.45)
     assert epochs_to_target([(1, 0.55, 1.0)], 0.9, 0.1) == pytest.approx(1 + 0.35 / 0.45)
@@ -145,6 +158,9 @@ def test_epochs_to_target():
     assert epochs_to_target(curve, 0.9, 0.1) == pytest.approx(4.0)
     assert math.isinf(epochs_to_target([(1, 0.5, 1.0), (2, 0.4, 2.0)], 0.9, 0.1))
     assert math.isinf(epochs_to_target([(1, 0.1, 1.0)], 0.9, 0.1))
+    # a fraction of an epoch; a curve too flat to extrapolate is out of reach, not an overflow
+    assert epochs_to_target([(0.25, 0.5, 1.0), (0.5, 0.95, 2.0)], 0.9, 0.1) == pytest.approx(0.25 + 0.25 * 0.4 / 0.45)
+    assert math.isinf(epochs_to_target([(0.25, 0.101, 1.0), (0.5, 0.1011, 2.0)], 0.999, 0.1))
     assert group_knobs(6) == [1, 2, 4, 6] and group_knobs(1) == [1]
 
 
@@ -169,7 +185,9 @@ def test_auto_trains_the_plans_winner(tmp_path):
         assert set(t) >= {"label", "strategy", "options", "workers", "threads", "momentum", "lr",
                           "phase", "curve", "epoch_s", "diverged", "predicted_s", "cost_s"}
         assert t["phase"] in ("hardware", "statistical") and t["strategy"] in ("sync", "easgd")
-        assert all(len(p) == 3 for p in t["curve"]) and len(t["curve"]) == 1  # 1 trial epoch
+        # 1 trial epoch, tested 4 times inside it (and at its end, one step past)
+        assert all(len(p) == 3 for p in t["curve"]) and len(t["curve"]) >= 4
+        assert 1 <= t["curve"][-1][0] < 1.2 and t["curve"][0][0] < 0.5
     winner, config = plan["winner"], json.loads((out / "config.json").read_text())
     for key in ("strategy", "strategy_options", "momentum", "lr", "threads_per_worker"):
         assert config[key] == winner[key], key  # the final run is the winner
@@ -177,6 +195,14 @@ def test_auto_trains_the_plans_winner(tmp_path):
     summary = json.loads((out / "summary.json").read_text())
     assert summary["plan"]["winner"] == plan["trials"][0]["label"] and summary["completed"]
     assert (out / "plan" / "plan.png").is_file() and (out / "plan" / "plan.md").is_file()
+    # The 2-worker trials ran one after another in one planning session (one start-up),
+    # the 1-process layout's as a job of its own.
+    sessions = sorted((out / "plan" / "trials" / "sessions").iterdir())
+    done = sorted((sessions[0]).glob("trial-*.done"))
+    in_layout = [t for t in plan["trials"] if t["workers"] == 2]
+    assert len(sessions) == 1 and len(done) == len(in_layout) > 1
+    assert all(json.loads(d.read_text())["error"] is None for d in done)
+    assert sum(t["startup_s"] > 0 for t in plan["trials"]) == 1
 
 
 def test_planning_errors_are_one_line(tmp_path, capsys):

@@ -108,8 +108,16 @@ class InProcess:
     def emulated(self, workers: int) -> bool:
         return False
 
+    timeout = 120.0
+
     def train(self, args: list[str], processes: int, workers: int, out, name: str) -> None:
         assert main(["train", *args, "--workers", str(workers)]) == 0
+
+    def job(self, program: list[str], processes: int, workers: int, out, name: str) -> None:
+        from shoal.plan import session
+
+        assert program[:2] == ["-m", "shoal.plan.session"]  # one worker: served right here
+        assert session.main([*program[2:], "--workers", str(workers)]) == 0
 
 
 def test_a_replan_trial_starts_from_the_checkpoint(tmp_path):
@@ -131,13 +139,21 @@ def test_a_replan_trial_starts_from_the_checkpoint(tmp_path):
     assert planner.settings.trial_cost_s == 2.0  # the first trial is costed too
     trial = planner.trial(Candidate("local-sgd", (("tau", 2),), 1, None, momentum=0.5), "x")
     assert trial.ok, trial.error
-    [(epochs, accuracy, seconds)] = trial.curve  # the epoch end after step 16
-    assert epochs == pytest.approx((2 * spe - 16) / spe) and 0 < seconds < 60
-    assert trial.epoch_s == pytest.approx(seconds / epochs)
-    trial_config = json.loads((tmp_path / "plan-1" / "trials" / "01-local-sgd_tau=2_1xauto_mu=0.5"
-                               / "config.json").read_text())
+    # An epoch of steps from step 16 (12 steps an epoch), tested at whole periods (tau 2:
+    # every 2 steps of an epoch: steps 18, 20, 22, the epoch end 24, 26, 28).
+    assert spe == 12 and trial.startup_s > 0
+    assert [e for e, _, _ in trial.curve] == pytest.approx([(s - 16) / spe for s in range(18, 29, 2)])
+    assert all(0 < seconds < 60 for _, _, seconds in trial.curve)
+    trial_dir = tmp_path / "plan-1" / "trials" / "01-local-sgd_tau=2_1xauto_mu=0.5"
+    tested = [r for r in records(trial_dir) if r["event"] in ("eval", "epoch") and r["step"] > 16]
+    training = [r["elapsed_s"] - planner.start.wall_s - r["eval_s"] for r in tested]
+    # seconds an epoch: training time (tests left out) over the trial's epochs, plus one test
+    assert trial.epoch_s == pytest.approx((training[-1] - training[0]) / (1 - 2 / spe)
+                                          + tested[-1]["eval_s"] / len(tested))
+    trial_config = json.loads((trial_dir / "config.json").read_text())
     assert trial_config["init_from"] == str(out / "checkpoint.pt")
-    assert trial_config["replan_every"] is None and trial_config["stop_at_step"] == 2 * spe + 1
+    assert trial_config["replan_every"] is None and trial_config["stop_at_step"] == 28
+    assert trial_config["eval_every_steps"] == 2
 
 
 def test_replanning_trains_to_the_end_replanning_within_a_tenth(tmp_path, monkeypatch):

@@ -57,7 +57,8 @@ def plan(cfg: TrainConfig, out: Path | None = None, launcher: Launcher | None = 
     # The data, the model and the settings, checked as shoal train checks them.
     preflight(dataclasses.replace(cfg, strategy="sync", strategy_options={}, momentum=0.0,
                                   out=str(out / "trials" / "check")), workers)
-    with OutputLock(out), Launcher(None, max(60.0, options.budget_s)) as local:
+    # A planning session lives through the whole plan (its budget and a last trial past it).
+    with OutputLock(out), Launcher(None, 60.0 + 2 * options.budget_s) as local:
         return Planner(cfg, options, launcher or local, out, workers,
                        incumbent=incumbent).run()
 

@@ -30,6 +30,7 @@ from shoal.config import TrainConfig
 from shoal.data import EpochPlan, load_dataset
 from shoal.errors import ShoalError
 from shoal.plan.search import Candidate, Omnivore, Plan, SearchSettings, Trial, explain
+from shoal.plan.session import Session
 from shoal.strategies import get_strategy
 from shoal.sweep.runner import Launcher
 from shoal.train.checkpoint import load_checkpoint
@@ -50,7 +51,7 @@ class PlanOptions:
     target: float  #: test accuracy to reach, in (0, 1]
     budget_s: float  #: wall time the trials may take
     candidates: tuple[str, ...]
-    trial_epochs: int  #: epochs per trial
+    trial_epochs: float  #: epochs per trial (a fraction: part of an epoch)
 
     @classmethod
     def of(cls, cfg: TrainConfig) -> PlanOptions:
@@ -65,7 +66,7 @@ class PlanOptions:
             raise ShoalError(f"--trial-epochs {cfg.trial_epochs} is more than --epochs "
                              f"{cfg.epochs}")
         return cls(cfg.target_accuracy, parse_duration(cfg.plan_budget), cfg.plan_candidates,
-                   cfg.trial_epochs or max(1, min(cfg.epochs, round(cfg.epochs / 10))))
+                   cfg.trial_epochs or cfg.epochs / 10)
 
 
 def _periodic(name: str) -> bool:
@@ -113,6 +114,10 @@ class Planner:
             momentum=numeric, trial_cost_s=incumbent.cost_s if incumbent is not None else 0.0)
         self._count = 0
         self._bar: Any = None
+        #: The trials in the job's own layout run one after another in one set of workers.
+        self.session = Session(launcher, dataclasses.replace(cfg, out=str(out / "trials")),
+                               workers, (out / "trials" / "sessions").resolve(),
+                               timeout=launcher.timeout)
 
     # -- candidates and their run settings --------------------------------------------------
     def starts(self) -> tuple[list[Candidate], list[Candidate]]:
@@ -141,23 +146,53 @@ class Planner:
             out=str(out), resume=None, overwrite=True, replan_every=None, **changes)
 
     # -- a trial ----------------------------------------------------------------------------
+    def in_session(self, c: Candidate) -> bool:
+        """Whether ``c``'s trial runs in the planning session (the job's layout, a
+        synchronous strategy) rather than as a job of its own."""
+        return (c.workers == self.workers and c.threads == self.cfg.threads_per_worker
+                and not _asynchronous(c.strategy))
+
+    def length(self, c: Candidate) -> dict[str, Any]:
+        """Where ``c``'s trial stops, and how often it is tested (``--stop-at-step``,
+        ``--eval-every-steps``): ``trial_epochs`` of steps, tested four times; a periodic
+        strategy's at least two of its periods, tested at whole periods (its time per epoch
+        is then measured over whole periods, averaging included). An asynchronous
+        strategy's center is tested at epoch ends only: whole epochs. A trial that would
+        stop on an epoch's last step goes one step further (a run stopped there stops before
+        the epoch's test, as a resumed run would)."""
+        spe, begin = self.steps_per_epoch, self.start.step
+        if _asynchronous(c.strategy):
+            last = begin // spe + max(1, round(self.trial_epochs))
+            return {"stop_at_step": last * spe + 1, "eval_every_steps": None}
+        steps = max(4, round(self.trial_epochs * spe))
+        every = max(1, steps // 4)
+        if c.strategy != "sync" and c.knob > 1:
+            every = c.knob * max(1, every // c.knob)
+            steps = max(steps, 2 * every)
+            steps = -(-steps // every) * every
+        stop = begin + steps
+        return {"stop_at_step": stop + 1 if stop % spe == 0 else stop, "eval_every_steps": every}
+
     def trial(self, c: Candidate, phase: str) -> Trial:
-        """Run candidate ``c`` for the trial's epochs; what it measured."""
+        """Run candidate ``c``'s trial (in the session, or a job of its own); what it
+        measured."""
         self._count += 1
         name = f"{self._count:02d}-" + "".join(ch if ch.isalnum() or ch in "-.=" else "_"
                                               for ch in c.label())
         out = (self.out / "trials" / name).resolve()
-        # One step past the last trial epoch: a run that stops on an epoch's last step stops
-        # before that epoch's test (which a resumed run would do).
-        last = self.start.step // self.steps_per_epoch + self.trial_epochs
-        cfg = self.config(c, out, stop_at_step=last * self.steps_per_epoch + 1,
-                          eval_every=1, checkpoint_every=10**9, progress="none", log_every=10,
-                          max_restarts=0, trace=False, tensorboard=False, profile=None)
+        cfg = self.config(c, out, **self.length(c), eval_every=1, checkpoint_every=10**9,
+                          progress="none", log_every=10, max_restarts=0, trace=False,
+                          tensorboard=False, profile=None)
         started = time.monotonic()
         trial = Trial(c)
         try:
-            run_config(self.launcher, cfg, c.workers, name)
-            trial.curve, trial.epoch_s = _curve(out, self.start, self.steps_per_epoch)
+            if self.in_session(c):
+                out.mkdir(parents=True, exist_ok=True)
+                trial.startup_s = self.session.run(cfg)
+            else:
+                run_config(self.launcher, cfg, c.workers, name)
+            trial.curve, trial.epoch_s = _curve(out, self.start, self.steps_per_epoch,
+                                                self.cfg.eval_every)
         except ShoalError as exc:
             message = str(exc)
             trial.diverged = any(d in message for d in DIVERGED)
@@ -170,7 +205,7 @@ class Planner:
 
     def _say(self, t: Trial) -> None:
         what = ("diverged" if t.diverged else f"failed: {t.error}" if t.error else
-                f"{t.epoch_s:.2f} s/epoch, {100 * t.accuracy:.1f}% after {len(t.curve)} epochs")
+                f"{t.epoch_s:.2f} s/epoch, {100 * t.accuracy:.1f}% after {t.curve[-1][0]:.3g} epochs")
         line = f"trial {self._count}: {t.candidate.label()}: {what} ({t.cost_s:.0f} s)"
         if self._bar is not None:
             self._bar.update(min(t.cost_s, self._bar.total - self._bar.n))
@@ -194,6 +229,7 @@ class Planner:
             ranked = search.search(*self.starts(), incumbent=self.incumbent and
                                    self.incumbent.candidate)
         finally:
+            self.session.close()
             if self._bar is not None:
                 self._bar.close()
         best = ranked[0] if ranked and ranked[0].ok else None
@@ -254,21 +290,30 @@ def start_of(cfg: TrainConfig) -> Start:
                  float(tested[-1]) if tested else 0.0)
 
 
-def _curve(out: Path, start: Start, steps_per_epoch: int
+def _curve(out: Path, start: Start, steps_per_epoch: int, eval_every: int = 1
            ) -> tuple[list[tuple[float, float, float]], float]:
-    """A finished trial's (epochs, test accuracy, elapsed s) since ``start``, and the
-    duration of its last epoch (warm: the first one includes starting up)."""
+    """A finished trial's (epochs, test accuracy, elapsed s) since ``start`` (its tests
+    inside epochs and at their ends), and the seconds an epoch of the run takes: the
+    training time between its first and last test (warm: the first includes starting up)
+    over the epochs between them, plus a test's time every ``eval_every`` epochs (as the run
+    will test; the trial's many tests are not counted)."""
     records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()
                if line.strip()]
-    curve = [(_whole((r["step"] - start.step) / steps_per_epoch), float(r["test_accuracy"]),
-              float(r["elapsed_s"]) - start.wall_s)
-             for r in records if r["event"] == "epoch" and r.get("test_accuracy") is not None
-             and math.isfinite(r["test_accuracy"]) and r["step"] > start.step]
-    if not curve:
+    tested = [r for r in records if r["event"] in ("epoch", "eval") and r["step"] > start.step
+              and r.get("test_accuracy") is not None and math.isfinite(r["test_accuracy"])]
+    if not tested:
         raise ShoalError(f"trial in {out} recorded no test accuracy")
-    points = [(0.0, 0.0)] + [(e, t) for e, _, t in curve]
-    (e0, t0), (e1, t1) = points[-2], points[-1]
-    return curve, (t1 - t0) / (e1 - e0)
+    curve = [(_whole((r["step"] - start.step) / steps_per_epoch), float(r["test_accuracy"]),
+              float(r["elapsed_s"]) - start.wall_s) for r in tested]
+    training = [float(r["elapsed_s"]) - start.wall_s - float(r.get("eval_s", 0.0)) for r in tested]
+    (e0, t0), (e1, t1) = ((curve[0][0], training[0]) if len(curve) > 1 else (0.0, 0.0),
+                          (curve[-1][0], training[-1]))
+    one_test = float(tested[-1].get("eval_s", 0.0)) / len(tested)
+    return curve, (t1 - t0) / (e1 - e0) + one_test / eval_every
+
+
+def _asynchronous(strategy: str) -> bool:
+    return bool(getattr(get_strategy(strategy), "asynchronous", False))
 
 
 def _whole(epochs: float) -> float:

@@ -25,7 +25,7 @@ def plan_table(plan: Plan, settings: SearchSettings) -> str:
             lines.append(f"| {i} | {t.candidate.label()} | {t.phase} | {measured} | | | |")
             continue
         lines.append(f"| {i} | {t.candidate.label()} | {t.phase} | {t.epoch_s:.2f} | "
-                     f"{100 * t.accuracy:.1f}% ({len(t.curve)}) | "
+                     f"{100 * t.accuracy:.1f}% ({t.curve[-1][0]:.3g}) | "
                      f"{_time(t.predicted_epochs)} | {_time(t.predicted_s)} |")
     for c, phase in plan.skipped:
         lines.append(f"| | {c.label()} | {phase} | skipped: over the budget | | | |")

@@ -29,6 +29,8 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import statistics
+import sys
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -86,11 +88,12 @@ class Trial:
     ``diverged``: the loss became non-finite or grew; ``error``: it failed otherwise."""
 
     candidate: Candidate
-    curve: list[tuple[int, float, float]] = field(default_factory=list)
+    curve: list[tuple[float, float, float]] = field(default_factory=list)
     epoch_s: float = math.inf
     diverged: bool = False
     error: str | None = None
     cost_s: float = 0.0  # wall time the trial took, start-up included
+    startup_s: float = 0.0  # of which starting its planning session (0: one was running)
     phase: str = "hardware"
     predicted_epochs: float = math.inf
     predicted_s: float = math.inf
@@ -104,7 +107,7 @@ class Trial:
         return self.curve[-1][1] if self.curve else 0.0
 
 
-def epochs_to_target(curve: Sequence[tuple[int, float, float]], target: float,
+def epochs_to_target(curve: Sequence[tuple[float, float, float]], target: float,
                      chance: float) -> float:
     """Epochs to reach ``target`` test accuracy, from a trial's ``(epoch, accuracy, s)``.
 
@@ -135,7 +138,8 @@ def epochs_to_target(curve: Sequence[tuple[int, float, float]], target: float,
     slope = sum((x - mx) * (y - my) for x, y in zip(xs, ys, strict=True)) / sxx if sxx else 0.0
     if slope >= 0:
         return math.inf
-    return math.exp((math.log(1.0 - target) - (my - slope * mx)) / slope)
+    exponent = (math.log(1.0 - target) - (my - slope * mx)) / slope
+    return math.exp(exponent) if exponent < math.log(sys.float_info.max) else math.inf
 
 
 @dataclass
@@ -164,16 +168,22 @@ class Omnivore:
     def spent(self) -> float:
         return self._clock() - self._started
 
-    def _expected_cost(self) -> float:
-        costs = [t.cost_s for t in self.trials]
-        return max(costs) if costs else self.settings.trial_cost_s
+    def expected_cost(self, candidate: Candidate) -> float:
+        """What ``candidate``'s trial is expected to take (start-ups aside): the most its
+        configuration's trials took (the grid's points share a speed), else the median of
+        all trials so far (a re-plan's first: ``trial_cost_s``)."""
+        costs = [t.cost_s - t.startup_s for t in self.trials]
+        own = [t.cost_s - t.startup_s for t in self.trials
+               if (t.candidate.strategy, t.candidate.options, t.candidate.workers)
+               == (candidate.strategy, candidate.options, candidate.workers)]
+        return max(own) if own else statistics.median(costs) if costs else self.settings.trial_cost_s
 
     def trial(self, candidate: Candidate, phase: str) -> Trial | None:
         """The trial of ``candidate`` (run once; ``None`` when the budget has no room)."""
         for t in self.trials:
             if t.candidate == candidate:
                 return t
-        if self.spent() + self._expected_cost() > self.settings.budget_s:
+        if self.spent() + self.expected_cost(candidate) > self.settings.budget_s:
             self.skipped.append((candidate, phase))
             return None
         t = self._run(candidate, phase)
@@ -299,7 +309,8 @@ class Plan:
                     "lr": c.lr, "phase": t.phase, "curve": [list(p) for p in t.curve],
                     "epoch_s": _finite(t.epoch_s), "diverged": t.diverged, "error": t.error,
                     "predicted_epochs": _finite(t.predicted_epochs),
-                    "predicted_s": _finite(t.predicted_s), "cost_s": t.cost_s}
+                    "predicted_s": _finite(t.predicted_s), "cost_s": t.cost_s,
+                    "startup_s": t.startup_s}
 
         return {
             "target_accuracy": settings.target, "budget_s": settings.budget_s,

@@ -94,11 +94,17 @@ class Launcher:
     def train(self, args: list[str], processes: int, workers: int, out: Path, name: str) -> None:
         """``python -m shoal train ARGS`` (which must write to ``out``): locally with
         ``--workers workers``, or under torchrun across ``processes`` emulated hosts."""
+        self.job(["-m", "shoal", "train", *args], processes, workers, out, name)
+
+    def job(self, program: list[str], processes: int, workers: int, out: Path, name: str) -> None:
+        """``python PROGRAM`` as a job of ``workers`` workers: locally one process given
+        ``--workers workers`` (it spawns them), or under torchrun across ``processes``
+        emulated hosts (each one a rank)."""
         out.mkdir(parents=True, exist_ok=True)
         if self.emulated(workers):
-            self.torchrun(["-m", "shoal", "train", *args], processes, out, name)
+            self.torchrun(program, processes, out, name)
             return
-        cmd = [sys.executable, "-m", "shoal", "train", *args, "--workers", str(workers)]
+        cmd = [sys.executable, *program, "--workers", str(workers)]
         try:
             res = subprocess.run(cmd, capture_output=True, text=True, timeout=self.timeout)
         except subprocess.TimeoutExpired:

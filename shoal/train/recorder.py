@@ -70,6 +70,8 @@ class Recorder:
         self._epoch_start: dict[str, float] = {}
         self._interval_start: dict[str, float] = {}
         self.last_train = (float("nan"), float("nan"))  # the last epoch's loss and accuracy
+        #: Seconds this invocation spent testing (in the records: ``eval_s``).
+        self.eval_s = 0.0
         self._profiler: Any = None  # torch.profiler.profile, inside the --profile window
         self._profiled_from = 0
 
@@ -186,6 +188,17 @@ class Recorder:
             f"{self._epoch_samples / max(sum(times.values()), 1e-9):,.0f} samples/s"
             f"  comm {100 * comm_fraction(times):.0f}%{input_bound(times)}")
 
+    def evaluation(self, st: RunState, test: tuple[float, float]) -> None:
+        """A test inside an epoch (``--eval-every-steps``): the ``eval`` record, whose
+        ``epoch`` is fractional (epochs done, with this one's share of steps)."""
+        if not self.is_main:
+            return
+        assert self.log is not None
+        test_loss, test_acc = test
+        self.log.write({"event": "eval", "epoch": st.epoch + st.epoch_step / self.plan.steps_per_epoch,
+                        "step": st.step, "test_loss": test_loss, "test_accuracy": test_acc,
+                        "lr": st.lr, "eval_s": self.eval_s, "elapsed_s": st.elapsed_s()})
+
     def _record(self, event: str, epoch: int, st: RunState, metrics: dict[str, float],
                 samples: int, totals: dict[str, float]) -> dict[str, Any]:
         """A step or epoch record: where the run is, ``metrics``, then what both kinds share
@@ -195,7 +208,8 @@ class Recorder:
         return {"event": event, "epoch": epoch, "step": st.step, **metrics, "lr": st.lr,
                 "samples_per_s": samples / step_time if step_time > 0 else None,
                 "time_s": time_split(times), "comm_fraction": comm_fraction(times),
-                "bytes_sent": self.comm.bytes_sent, "elapsed_s": st.elapsed_s()}
+                "bytes_sent": self.comm.bytes_sent, "eval_s": self.eval_s,
+                "elapsed_s": st.elapsed_s()}
 
     def finish(self, st: RunState, stopped: bool, stop_reason: str | None,
                test: tuple[float, float], parameters: int) -> dict[str, Any] | None:

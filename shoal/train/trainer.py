@@ -61,6 +61,9 @@ def preflight(cfg: TrainConfig, world: int, data: Dataset | None = None) -> Data
     given: a dataset handed over in Python)."""
     strategy_cls = get_strategy(cfg.strategy)
     options = make_options(strategy_cls, cfg.strategy_options, world)
+    if cfg.eval_every_steps and getattr(strategy_cls, "asynchronous", False):
+        raise ShoalError(f"--eval-every-steps: {cfg.strategy}'s center is tested by its server "
+                         "at epoch ends only; leave it out")
     if cfg.tensorboard:
         require_tensorboard()
     data = data if data is not None else load_dataset(cfg.dataset, data_options(cfg))
@@ -190,6 +193,10 @@ class Trainer:
                 st.step_done(n_global, time.perf_counter() - started)
                 rec.step(st, n_global)  # step record, progress
                 stopped = self._stop_now()
+                if cfg.eval_every_steps and st.epoch_step < self.plan.steps_per_epoch and (
+                        st.epoch_step % cfg.eval_every_steps == 0
+                        or (stopped and self.stop_reason is None)):
+                    rec.evaluation(st, self.test())
                 if not stopped and cfg.checkpoint_every and st.step % cfg.checkpoint_every == 0:
                     self.save()
             rec.end_steps()
@@ -201,8 +208,7 @@ class Trainer:
                 self._report("epoch", epoch=st.epoch, sums=rec.epoch_sums(),
                              buffers=to_cpu(dict(self.model.named_buffers())))
             if st.epoch % cfg.eval_every == 0 or st.epoch == cfg.epochs:
-                with self.tl.span(EVAL):
-                    test = self.evaluate()
+                test = self.test()
             rec.epoch(st, test)
             if not cfg.checkpoint_every:
                 self.save()
@@ -211,7 +217,7 @@ class Trainer:
         if self.saved_at != st.step:  # stopped, or the last checkpoint was before the end
             self.save()
         if not stopped and math.isnan(test[1]):
-            test = self.evaluate()
+            test = self.test()
         self.loader.close()
         summary = rec.finish(st, stopped, self.stop_reason, test, count_parameters(self.model))
         if self.detached:
@@ -283,6 +289,14 @@ class Trainer:
         return loss_sum, correct, n, n_global
 
     # -- evaluation ---------------------------------------------------------------------------
+    def test(self) -> tuple[float, float]:
+        """:meth:`evaluate`, its time booked (timeline and the records' ``eval_s``)."""
+        started = time.perf_counter()
+        with self.tl.span(EVAL):
+            result = self.evaluate()
+        self.recorder.eval_s += time.perf_counter() - started
+        return result
+
     @torch.no_grad()
     def evaluate(self) -> tuple[float, float]:
         """Test loss and accuracy of the strategy's evaluation model; each rank a shard.
