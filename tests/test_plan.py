@@ -159,7 +159,8 @@ def test_epochs_to_target():
     assert math.isinf(epochs_to_target([(1, 0.5, 1.0), (2, 0.4, 2.0)], 0.9, 0.1))
     assert math.isinf(epochs_to_target([(1, 0.1, 1.0)], 0.9, 0.1))
     # a fraction of an epoch; a curve too flat to extrapolate is out of reach, not an overflow
-    assert epochs_to_target([(0.25, 0.5, 1.0), (0.5, 0.95, 2.0)], 0.9, 0.1) == pytest.approx(0.25 + 0.25 * 0.4 / 0.45)
+    assert epochs_to_target([(0.25, 0.5, 1.0), (0.5, 0.95, 2.0)], 0.9, 0.1) \
+        == pytest.approx(0.25 + 0.25 * 0.4 / 0.45)
     assert math.isinf(epochs_to_target([(0.25, 0.101, 1.0), (0.5, 0.1011, 2.0)], 0.999, 0.1))
     assert group_knobs(6) == [1, 2, 4, 6] and group_knobs(1) == [1]
 
