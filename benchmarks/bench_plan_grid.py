@@ -6,9 +6,16 @@ this benchmark trains **every** configuration of the space the planner searches 
 every point of Omnivore's grid: momentum 0, 0.3, 0.6, 0.9 x learning rate lr, lr/10), takes
 each one's measured time to the target (training time, the records' ``elapsed_s``), and
 compares the plan's winner, trained the same way, with the grid's best. Omnivore's claim,
-and the goal here: the pick is within 10% of the best. Writes ``bench_plan_grid.json``::
+and the goal here: the pick is within 10% of the best.
 
-    sudo .venv/bin/python benchmarks/bench_plan_grid.py --task digits --emulate-bandwidth 100mbit
+With ``--repeats R`` the planning and the whole grid run R times; a configuration's time
+is the median of its R runs, and each repeat's pick is compared with the best median. The
+synchronous grid points train one after another in one planning session of workers
+(``shoal.plan.session``: the same processes, a fresh model each), the ``groups`` points as
+jobs of their own. Writes ``bench_plan_grid.json``::
+
+    sudo .venv/bin/python benchmarks/bench_plan_grid.py --task digits --emulate-bandwidth 100mbit \
+        --repeats 3
 """
 
 from __future__ import annotations
@@ -17,6 +24,7 @@ import argparse
 import dataclasses
 import json
 import math
+import statistics
 import sys
 from pathlib import Path
 
@@ -27,6 +35,7 @@ from shoal.emulate import terminate_as_exception
 from shoal.plan import plan
 from shoal.plan.planner import run_config
 from shoal.plan.search import MOMENTA, RATE_FACTORS, TAUS, group_knobs
+from shoal.plan.session import Session
 from shoal.sweep.measure import measure_race
 from shoal.sweep.runner import Launcher
 
@@ -50,6 +59,7 @@ def label(name: str, opts: dict[str, int], mu: float, lr: float) -> str:
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     add_task_args(p)
+    p.add_argument("--repeats", type=int, default=1)
     p.add_argument("--out", default="runs/bench-plan-grid")
     args = p.parse_args()
     settings = dict(TASKS[args.task])
@@ -57,62 +67,94 @@ def main() -> int:
     base = TrainConfig(**settings, threads_per_worker=1, plan_budget=args.budget,
                        progress="none", workers=args.workers, overwrite=True).validate()
     root = Path(args.out).resolve() / args.task
-    rows: list[dict] = []
+    points = grid(base, args.workers)
+    times: dict[str, list[float]] = {label(*point): [] for point in points}
+    finals: dict[str, list[float]] = {label(*point): [] for point in points}
+    picks: list[dict] = []
     # SIGTERM unwinds through the launcher, which tears its emulated clusters down.
     with terminate_as_exception(), Launcher(args.emulate_bandwidth, timeout=3600) as launcher:
-        found = plan(dataclasses.replace(base, out=str(root / "plan")), launcher=launcher)
-        if found.winner is None:
-            print(f"the planner picked nothing: {found.why}", file=sys.stderr)
-            return 1
-        w = found.winner
-        pick = label(w.strategy, {k: int(v) for k, v in w.strategy_options.items()
-                                  if k in ("tau", "groups")}, float(w.momentum), w.lr)
-        print(f"plan: {found.trials[0].candidate.label()} ({found.planning_s:.0f} s, "
-              f"{len(found.trials)} trials)", flush=True)
-        for i, (name, opts, mu, lr) in enumerate(grid(base, args.workers)):
-            cfg = dataclasses.replace(base, strategy=name, strategy_options=dict(opts),
-                                      momentum=mu, lr=lr, workers=None,
-                                      nesterov=base.nesterov and mu != 0,
-                                      out=str(root / "grid" / f"{i:02d}"))
-            row = {"config": label(name, opts, mu, lr), "time_to_target": math.inf,
-                   "final_accuracy": None, "error": None}
+        for r in range(args.repeats):
+            found = plan(dataclasses.replace(base, out=str(root / f"plan-r{r}")), launcher=launcher)
+            if found.winner is None:
+                print(f"the planner picked nothing: {found.why}", file=sys.stderr)
+                return 1
+            w = found.winner
+            picks.append({"repeat": r, "pick": label(w.strategy, {k: int(v) for k, v in
+                                                                  w.strategy_options.items()
+                                                                  if k in ("tau", "groups")},
+                                                     float(w.momentum), w.lr),
+                          "planning_s": found.planning_s, "trials": len(found.trials)})
+            print(f"plan {r}: {found.trials[0].candidate.label()} ({found.planning_s:.0f} s, "
+                  f"{len(found.trials)} trials)", flush=True)
+            session = Session(launcher, base, args.workers, root / f"sessions-r{r}", 3600)
             try:
-                run_config(launcher, cfg, args.workers, f"grid-{i:02d}")
-                r = measure_race(Path(cfg.out), target)
-                row.update(time_to_target=r["time_to_target"],
-                           final_accuracy=r["final_accuracy"])
-            except Exception as exc:  # a diverging grid point is a result, not a failure
-                row["error"] = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
-            rows.append(row)
-            print(json.dumps(row), flush=True)
-    reached = [r for r in rows if math.isfinite(r["time_to_target"])]
-    best = min(reached, key=lambda r: r["time_to_target"]) if reached else None
-    picked = next((r for r in rows if r["config"] == pick), None)
-    ratio = (picked["time_to_target"] / best["time_to_target"]
-             if best is not None and picked is not None else math.inf)
-    ranked = sorted(rows, key=lambda r: r["time_to_target"])
-    summary = {"task": args.task, "workers": args.workers,
+                for i, point in enumerate(points):
+                    row = run_point(launcher, session, base, point,
+                                    root / f"grid-r{r}" / f"{i:02d}", args.workers, target)
+                    times[row["config"]].append(row["time_to_target"])
+                    if row["final_accuracy"] is not None:
+                        finals[row["config"]].append(row["final_accuracy"])
+                    print(json.dumps({"repeat": r, **row}), flush=True)
+            finally:
+                session.close()
+    median = {k: statistics.median(v) for k, v in times.items()}
+    ranked = sorted(median, key=lambda k: median[k])
+    best = ranked[0] if math.isfinite(median[ranked[0]]) else None
+    for pk in picks:
+        pk["median_time_to_target"] = _finite(median.get(pk["pick"], math.inf))
+        pk["over_best"] = _finite(median.get(pk["pick"], math.inf) / median[best]) if best else None
+        pk["rank"] = ranked.index(pk["pick"]) + 1 if pk["pick"] in ranked else None
+    summary = {"task": args.task, "workers": args.workers, "repeats": args.repeats,
                "emulate_bandwidth": args.emulate_bandwidth, "budget": args.budget,
-               "target_accuracy": target, "planning_s": found.planning_s,
-               "plan_trials": len(found.trials), "pick": pick,
-               "pick_time_to_target": picked["time_to_target"] if picked else None,
-               "best": best["config"] if best else None,
-               "best_time_to_target": best["time_to_target"] if best else None,
-               "pick_over_best": ratio,
-               "pick_rank": next((i + 1 for i, r in enumerate(ranked) if r["config"] == pick),
-                                 None),
-               "grid": [{**r, "time_to_target": _finite(r["time_to_target"])} for r in rows]}
+               "target_accuracy": target, "picks": picks, "best": best,
+               "best_time_to_target": median[best] if best else None,
+               "grid": [{"config": k, "times": [_finite(t) for t in times[k]],
+                         "median_time_to_target": _finite(median[k]),
+                         "final_accuracy": statistics.median(finals[k]) if finals[k] else None}
+                        for k in ranked]}
     (root / "bench_plan_grid.json").write_text(json.dumps(summary, indent=2))
-    print(f"\n| rank | configuration | time to {100 * target:g}% (s) | final accuracy |")
-    print("|---:|---|---:|---:|")
-    for i, r in enumerate(ranked[:10]):
-        mark = " (the plan's pick)" if r["config"] == pick else ""
-        acc = f"{100 * r['final_accuracy']:.1f}%" if r["final_accuracy"] is not None else "-"
-        print(f"| {i + 1} | {r['config']}{mark} | {_s(r['time_to_target'])} | {acc} |")
-    print(f"\n{len(reached)}/{len(rows)} configurations reached {100 * target:g}%; the plan's "
-          f"pick {pick} ranks {summary['pick_rank']}, {ratio:.2f}x the best's time "
-          f"(goal: within 1.10x); planning took {found.planning_s:.0f} s")
+    chosen = {pk["pick"] for pk in picks}
+    print(f"\n| rank | configuration | median time to {100 * target:g}% (s) | runs | final accuracy |")
+    print("|---:|---|---:|---|---:|")
+    for i, k in enumerate(ranked):
+        if i >= 10 and k not in chosen:
+            continue
+        mark = " (a plan's pick)" if k in chosen else ""
+        acc = f"{100 * statistics.median(finals[k]):.1f}%" if finals[k] else "-"
+        runs = ", ".join(_s(t) for t in times[k])
+        print(f"| {i + 1} | {k}{mark} | {_s(median[k])} | {runs} | {acc} |")
+    reached = sum(math.isfinite(v) for v in median.values())
+    print(f"\n{reached}/{len(median)} configurations reached {100 * target:g}% (median of "
+          f"{args.repeats}); best {best}")
+    for pk in picks:
+        print(f"plan {pk['repeat']}: {pk['pick']} ranks {pk['rank']}, "
+              f"{pk['over_best'] or math.inf:.2f}x the best's time (goal: within 1.10x); "
+              f"planning took {pk['planning_s']:.0f} s, {pk['trials']} trials")
     return 0
+
+
+def run_point(launcher: Launcher, session: Session, base: TrainConfig,
+              point: tuple[str, dict[str, int], float, float], out: Path, workers: int,
+              target: float) -> dict:
+    """Train one grid point to the end (in ``session`` when it is synchronous); its time to
+    ``target`` (training time) and final accuracy, or its error."""
+    name, opts, mu, lr = point
+    cfg = dataclasses.replace(base, strategy=name, strategy_options=dict(opts), momentum=mu,
+                              lr=lr, workers=None, nesterov=base.nesterov and mu != 0,
+                              out=str(out))
+    row = {"config": label(*point), "time_to_target": math.inf, "final_accuracy": None,
+           "error": None}
+    try:
+        if name == "groups":
+            run_config(launcher, cfg, workers, out.name)
+        else:
+            out.mkdir(parents=True, exist_ok=True)
+            session.run(cfg)
+        r = measure_race(out, target)
+        row.update(time_to_target=r["time_to_target"], final_accuracy=r["final_accuracy"])
+    except Exception as exc:  # a diverging grid point is a result, not a failure
+        row["error"] = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+    return row
 
 
 def _finite(v: float) -> float | None:

@@ -26,10 +26,15 @@ def plan_table(plan: Plan, settings: SearchSettings) -> str:
             continue
         lines.append(f"| {i} | {t.candidate.label()} | {t.phase} | {t.epoch_s:.2f} | "
                      f"{100 * t.accuracy:.1f}% ({t.curve[-1][0]:.3g}) | "
-                     f"{_time(t.predicted_epochs)} | {_time(t.predicted_s)} |")
+                     f"{_epochs(t.predicted_epochs, settings.epochs)} | {_time(t.predicted_s)} |")
     for c, phase in plan.skipped:
         lines.append(f"| | {c.label()} | {phase} | skipped: over the budget | | | |")
     return "\n".join(lines) + "\n"
+
+
+def _epochs(predicted: float, epochs: float) -> str:
+    """Predicted epochs; beyond the run's, only that (``> 15``)."""
+    return f"> {epochs:g}" if predicted > epochs else _time(predicted)
 
 
 def plan_figure(plan: Plan, settings: SearchSettings, path: Path) -> None:

@@ -348,7 +348,9 @@ class Coordinator:
         rec.end_steps()
         st.epoch_done()
         if st.epoch % self.cfg.eval_every == 0 or st.epoch == self.cfg.epochs:
+            started = time.perf_counter()
             self.test = self.evaluate(reports)
+            rec.eval_s += time.perf_counter() - started
         rec.epoch(st, self.test if st.epoch % self.cfg.eval_every == 0
                   or st.epoch == self.cfg.epochs else (float("nan"), float("nan")))
         if st.epoch < self.cfg.epochs:
