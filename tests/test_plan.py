@@ -186,9 +186,11 @@ def test_auto_trains_the_plans_winner(tmp_path):
         assert set(t) >= {"label", "strategy", "options", "workers", "threads", "momentum", "lr",
                           "phase", "curve", "epoch_s", "diverged", "predicted_s", "cost_s"}
         assert t["phase"] in ("hardware", "statistical") and t["strategy"] in ("sync", "easgd")
-        # 1 trial epoch, tested 4 times inside it (and at its end, one step past)
-        assert all(len(p) == 3 for p in t["curve"]) and len(t["curve"]) >= 4
-        assert 1 <= t["curve"][-1][0] < 1.2 and t["curve"][0][0] < 0.5
+        # 1 trial epoch (a periodic strategy's: at least two periods, within the run's 3),
+        # sync's tested 4 times inside it (and at its end, one step past)
+        assert all(len(p) == 3 for p in t["curve"]) and 1 <= t["curve"][-1][0] <= 3
+        if t["strategy"] == "sync":
+            assert len(t["curve"]) >= 4 and t["curve"][-1][0] < 1.2 and t["curve"][0][0] < 0.5
     winner, config = plan["winner"], json.loads((out / "config.json").read_text())
     for key in ("strategy", "strategy_options", "momentum", "lr", "threads_per_worker"):
         assert config[key] == winner[key], key  # the final run is the winner

@@ -159,7 +159,7 @@ class Planner:
         is then measured over whole periods, averaging included). An asynchronous
         strategy's center is tested at epoch ends only: whole epochs. A trial that would
         stop on an epoch's last step goes one step further (a run stopped there stops before
-        the epoch's test, as a resumed run would)."""
+        the epoch's test, as a resumed run would); one as long as the run trains it all."""
         spe, begin = self.steps_per_epoch, self.start.step
         if _asynchronous(c.strategy):
             last = begin // spe + max(1, round(self.trial_epochs))
@@ -171,6 +171,8 @@ class Planner:
             steps = max(steps, 2 * every)
             steps = -(-steps // every) * every
         stop = begin + steps
+        if stop >= self.cfg.epochs * spe:  # the whole run: it tests at its end
+            return {"stop_at_step": None, "eval_every_steps": every}
         return {"stop_at_step": stop + 1 if stop % spe == 0 else stop, "eval_every_steps": every}
 
     def trial(self, c: Candidate, phase: str) -> Trial:
