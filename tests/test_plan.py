@@ -150,6 +150,17 @@ def test_the_budget_expects_a_configurations_own_cost():
     assert search.expected_cost(SYNC) == SETTINGS.trial_cost_s
 
 
+def test_a_speed_only_trial_does_not_answer_the_grid():
+    """An asynchronous candidate's walk step measures its speed only; its grid then runs the
+    user's own point again, tested."""
+    speeds = {("sync", 1, 4): 1.0, ("groups", 2, 4): 0.5}
+    search, asked = run_with(speeds)
+    fast = Candidate("groups", (("groups", 2),), 4, 1)
+    search.trials.append(Trial(fast, epoch_s=0.5, hardware_only=True))
+    assert search.trial(fast, "hardware").hardware_only  # the walk reuses it
+    assert search.trial(fast, "statistical").curve and asked == [fast]
+
+
 def test_epochs_to_target():
     assert epochs_to_target([(1, 0.5, 1.0), (2, 0.95, 2.0)], 0.9, 0.1) == pytest.approx(1 + 0.4 / 0.45)
     assert epochs_to_target([(1, 0.55, 1.0)], 0.9, 0.1) == pytest.approx(1 + 0.35 / 0.45)
@@ -218,3 +229,21 @@ def test_planning_errors_are_one_line(tmp_path, capsys):
         assert main(["train", "--out", str(tmp_path / "r"), *args]) == 2
         assert message in one_error_line(capsys.readouterr().err)
     assert not (tmp_path / "r").exists()
+
+
+def test_an_asynchronous_walk_step_measures_speed_only(tmp_path):
+    """groups (a parameter server: tested at epoch ends only) on the walk trains a few steps
+    as a job of its own, and its time per epoch comes from its summary."""
+    from shoal.config import TrainConfig
+    from shoal.plan.planner import Planner, PlanOptions
+    from shoal.sweep.runner import Launcher
+
+    cfg = TrainConfig(model="mlp", dataset="digits", epochs=10, batch_size=16, workers=2,
+                      target_accuracy=0.9, progress="none", out=str(tmp_path)).validate()
+    with Launcher(None, 120) as launcher:
+        planner = Planner(cfg, PlanOptions.of(cfg), launcher, tmp_path, 2, show=False)
+        trial = planner.trial(Candidate("groups", (("groups", 2),), 2, None), "hardware")
+    assert trial.ok and trial.hardware_only and not trial.curve and 0 < trial.epoch_s < 60
+    summary = json.loads(next((tmp_path / "trials").glob("01-groups*/summary.json")).read_text())
+    assert summary["steps"] == 11  # a quarter of a trial (1 epoch of 45 steps), at least 8
+    assert trial.epoch_s == pytest.approx(summary["wall_time_s"] / 11 * 45)

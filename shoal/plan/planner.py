@@ -152,6 +152,12 @@ class Planner:
         return (c.workers == self.workers and c.threads == self.cfg.threads_per_worker
                 and not _asynchronous(c.strategy))
 
+    def speed_only(self, c: Candidate, phase: str) -> bool:
+        """Whether ``c``'s trial measures its speed only: an asynchronous candidate (tested
+        by its server at epoch ends only) on the walk toward asynchrony, which needs its
+        time per epoch, not whole epochs of it."""
+        return phase == "hardware" and _asynchronous(c.strategy)
+
     def length(self, c: Candidate) -> dict[str, Any]:
         """Where ``c``'s trial stops, and how often it is tested (``--stop-at-step``,
         ``--eval-every-steps``): ``trial_epochs`` of steps, tested four times; a periodic
@@ -182,19 +188,27 @@ class Planner:
         name = f"{self._count:02d}-" + "".join(ch if ch.isalnum() or ch in "-.=" else "_"
                                               for ch in c.label())
         out = (self.out / "trials" / name).resolve()
-        cfg = self.config(c, out, **self.length(c), eval_every=1, checkpoint_every=10**9,
+        speed_only = self.speed_only(c, phase)
+        # Speed only: a quarter of the trial's steps (at least 8, at most an epoch), untested.
+        length = ({"stop_at_step": self.start.step + min(self.steps_per_epoch, max(
+            8, round(self.trial_epochs * self.steps_per_epoch / 4))), "eval_every_steps": None}
+            if speed_only else self.length(c))
+        cfg = self.config(c, out, **length, eval_every=1, checkpoint_every=10**9,
                           progress="none", log_every=10, max_restarts=0, trace=False,
                           tensorboard=False, profile=None)
         started = time.monotonic()
-        trial = Trial(c)
+        trial = Trial(c, hardware_only=speed_only)
         try:
             if self.in_session(c):
                 out.mkdir(parents=True, exist_ok=True)
                 trial.startup_s = self.session.run(cfg)
             else:
                 run_config(self.launcher, cfg, c.workers, name)
-            trial.curve, trial.epoch_s = _curve(out, self.start, self.steps_per_epoch,
-                                                self.cfg.eval_every)
+            if speed_only:
+                trial.epoch_s = _speed(out, self.start, self.steps_per_epoch)
+            else:
+                trial.curve, trial.epoch_s = _curve(out, self.start, self.steps_per_epoch,
+                                                    self.cfg.eval_every)
         except ShoalError as exc:
             message = str(exc)
             trial.diverged = any(d in message for d in DIVERGED)
@@ -207,6 +221,7 @@ class Planner:
 
     def _say(self, t: Trial) -> None:
         what = ("diverged" if t.diverged else f"failed: {t.error}" if t.error else
+                f"{t.epoch_s:.2f} s/epoch (speed only)" if t.hardware_only else
                 f"{t.epoch_s:.2f} s/epoch, {100 * t.accuracy:.1f}% after {t.curve[-1][0]:.3g} epochs")
         line = f"trial {self._count}: {t.candidate.label()}: {what} ({t.cost_s:.0f} s)"
         if self._bar is not None:
@@ -312,6 +327,16 @@ def _curve(out: Path, start: Start, steps_per_epoch: int, eval_every: int = 1
                           (curve[-1][0], training[-1]))
     one_test = float(tested[-1].get("eval_s", 0.0)) / len(tested)
     return curve, (t1 - t0) / (e1 - e0) + one_test / eval_every
+
+
+def _speed(out: Path, start: Start, steps_per_epoch: int) -> float:
+    """A speed-only trial's seconds an epoch: its wall time since ``start`` over its steps
+    (the first step's warm-up included)."""
+    summary = json.loads((out / "summary.json").read_text())
+    steps = int(summary["steps"]) - start.step
+    if steps <= 0:
+        raise ShoalError(f"trial in {out} trained no step")
+    return (float(summary["wall_time_s"]) - start.wall_s) / steps * steps_per_epoch
 
 
 def _asynchronous(strategy: str) -> bool:

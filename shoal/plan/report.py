@@ -24,8 +24,8 @@ def plan_table(plan: Plan, settings: SearchSettings) -> str:
             measured = "diverged" if t.diverged else "failed"
             lines.append(f"| {i} | {t.candidate.label()} | {t.phase} | {measured} | | | |")
             continue
-        lines.append(f"| {i} | {t.candidate.label()} | {t.phase} | {t.epoch_s:.2f} | "
-                     f"{100 * t.accuracy:.1f}% ({t.curve[-1][0]:.3g}) | "
+        tested = f"{100 * t.accuracy:.1f}% ({t.curve[-1][0]:.3g})" if t.curve else "speed only"
+        lines.append(f"| {i} | {t.candidate.label()} | {t.phase} | {t.epoch_s:.2f} | {tested} | "
                      f"{_epochs(t.predicted_epochs, settings.epochs)} | {_time(t.predicted_s)} |")
     for c, phase in plan.skipped:
         lines.append(f"| | {c.label()} | {phase} | skipped: over the budget | | | |")

@@ -98,9 +98,13 @@ class Trial:
     predicted_epochs: float = math.inf
     predicted_s: float = math.inf
 
+    #: Measured its speed only (an asynchronous candidate's walk step: a few steps of a job,
+    #: not the whole epochs its server needs to test it): ``epoch_s``, no ``curve``.
+    hardware_only: bool = False
+
     @property
     def ok(self) -> bool:
-        return not self.diverged and self.error is None and bool(self.curve)
+        return not self.diverged and self.error is None and (bool(self.curve) or self.hardware_only)
 
     @property
     def accuracy(self) -> float:
@@ -180,8 +184,8 @@ class Omnivore:
 
     def trial(self, candidate: Candidate, phase: str) -> Trial | None:
         """The trial of ``candidate`` (run once; ``None`` when the budget has no room)."""
-        for t in self.trials:
-            if t.candidate == candidate:
+        for t in self.trials:  # a speed-only trial does not answer the statistical phase
+            if t.candidate == candidate and (phase == "hardware" or not t.hardware_only):
                 return t
         if self.spent() + self.expected_cost(candidate) > self.settings.budget_s:
             self.skipped.append((candidate, phase))
@@ -310,7 +314,7 @@ class Plan:
                     "epoch_s": _finite(t.epoch_s), "diverged": t.diverged, "error": t.error,
                     "predicted_epochs": _finite(t.predicted_epochs),
                     "predicted_s": _finite(t.predicted_s), "cost_s": t.cost_s,
-                    "startup_s": t.startup_s}
+                    "startup_s": t.startup_s, "hardware_only": t.hardware_only}
 
         return {
             "target_accuracy": settings.target, "budget_s": settings.budget_s,
