@@ -171,7 +171,8 @@ class TrainConfig:
                                                "strategies the planner tunes", metavar="S1,S2",
                                                parse=parse_names)
     trial_epochs: float | None = setting(None, "epochs each trial trains, a fraction allowed "
-                                         "(0.25: a quarter epoch; default: a tenth of --epochs)",
+                                         "(0.25: a quarter epoch; default: a tenth of --epochs, at "
+                                         "most 100 steps)",
                                          metavar="E", positive=True)
     replan_every: str | None = setting(None, "with --strategy auto: train the winner for about "
                                        "TIME, re-plan from its checkpoint (a budget of at most "

@@ -1,18 +1,19 @@
 """``shoal plan``: run Omnivore's search (:mod:`shoal.plan.search`) with real trials, and
 write what it found: ``plan.json``, ``plan.md`` and ``plan.png``.
 
-A trial is a real ``shoal train`` job (:class:`~shoal.sweep.runner.Launcher`: local worker
-processes, or the hosts of an emulated cluster) of the user's run with one candidate's
-strategy, knob, workers and threads, momentum and learning rate. It keeps the run's global
-batch and its learning-rate schedule over the run's ``--epochs``, trains the first
-``trial_epochs`` of them (``--stop-at-step``), tests after each, and reports the test
-accuracy and elapsed time of each epoch. The trial's files live in ``OUT/trials/`` (its
-checkpoint is removed): ``shoal report OUT/trials/*`` plots them.
+A trial trains the user's run with one candidate's strategy, knob, workers and threads,
+momentum and learning rate: the run's global batch and its learning-rate schedule over the
+run's ``--epochs``, for ``trial_epochs`` epochs' worth of steps (``--stop-at-step``), tested
+four times (``--eval-every-steps``); it reports the test accuracy and elapsed time of each
+test. Trials in the job's own layout run one after another in a planning session
+(:mod:`shoal.plan.session`: the workers start once); the others are real ``shoal train``
+jobs (:class:`~shoal.sweep.runner.Launcher`: local worker processes, or the hosts of an
+emulated cluster). The trials' files live in ``OUT/trials/`` (their checkpoints removed):
+``shoal report OUT/trials/*`` plots them.
 
 A re-plan (``--replan-every``) plans a run that goes on from a checkpoint (``--init-from
---init-progress``): every trial starts there, trains to the ``trial_epochs``-th epoch end
-after it, and its curve counts epochs and seconds from there, starting at the run's
-accuracy there.
+--init-progress``): every trial starts there, trains ``trial_epochs`` from it, and its curve
+counts epochs and seconds from there, starting at the run's accuracy there.
 """
 
 from __future__ import annotations
@@ -39,6 +40,9 @@ from shoal.train.trainer import data_options
 
 #: The strategies ``shoal plan`` considers unless told otherwise.
 CANDIDATES = ("sync", "local-sgd", "easgd", "diloco", "groups")
+#: A trial's default length: a tenth of the run's epochs, at most this many steps (Omnivore's
+#: trials are short slices of a run, whatever its data's size).
+TRIAL_STEPS = 100
 #: Errors of a trial that mean its settings diverged, not that something is broken.
 DIVERGED = ("non-finite", "loss became")
 
@@ -51,7 +55,7 @@ class PlanOptions:
     target: float  #: test accuracy to reach, in (0, 1]
     budget_s: float  #: wall time the trials may take
     candidates: tuple[str, ...]
-    trial_epochs: float  #: epochs per trial (a fraction: part of an epoch)
+    trial_epochs: float | None  #: epochs per trial (a fraction: part of an epoch; None: default)
 
     @classmethod
     def of(cls, cfg: TrainConfig) -> PlanOptions:
@@ -66,7 +70,7 @@ class PlanOptions:
             raise ShoalError(f"--trial-epochs {cfg.trial_epochs} is more than --epochs "
                              f"{cfg.epochs}")
         return cls(cfg.target_accuracy, parse_duration(cfg.plan_budget), cfg.plan_candidates,
-                   cfg.trial_epochs or cfg.epochs / 10)
+                   cfg.trial_epochs)
 
 
 def _periodic(name: str) -> bool:
@@ -101,7 +105,8 @@ class Planner:
         self.global_batch = cfg.global_batch(workers)
         self.steps_per_epoch = EpochPlan(len(data.train), self.global_batch, workers,
                                          cfg.seed).steps_per_epoch
-        self.trial_epochs = options.trial_epochs
+        self.trial_epochs = options.trial_epochs or min(cfg.epochs / 10,
+                                                        TRIAL_STEPS / self.steps_per_epoch)
         #: Where the trials start (a re-plan: the checkpoint's step and wall time), and the
         #: configuration training until then, measured first.
         self.start = start_of(cfg)
