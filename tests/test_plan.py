@@ -247,3 +247,37 @@ def test_an_asynchronous_walk_step_measures_speed_only(tmp_path):
     summary = json.loads(next((tmp_path / "trials").glob("01-groups*/summary.json")).read_text())
     assert summary["steps"] == 11  # a quarter of a trial (1 epoch of 45 steps), at least 8
     assert trial.epoch_s == pytest.approx(summary["wall_time_s"] / 11 * 45)
+
+
+def test_a_trials_cost_is_estimated_from_the_fastest_tested_one(tmp_path):
+    """Before a configuration has run, its trial's cost comes from what sync measured:
+    compute per step, and the all-reduce paid every step (sync), once a period (tau), or
+    twice (groups: a push and a pull), plus a job's start-up outside the session. The
+    search takes it over the median: a slow sync trial does not stop the walk."""
+    from shoal.config import TrainConfig
+    from shoal.plan.planner import Planner, PlanOptions
+
+    cfg = TrainConfig(model="mlp", dataset="digits", epochs=10, batch_size=16, workers=2,
+                      target_accuracy=0.9, progress="none", out=str(tmp_path)).validate()
+    planner = Planner(cfg, PlanOptions.of(cfg), NoLauncher(), tmp_path, 2, show=False)
+    sync = Candidate("sync", (), 2, None)
+    assert planner.estimate(sync, "hardware") is None  # nothing measured yet
+    # 45 steps an epoch: 0.1 s a step, of which 0.06 s an all-reduce
+    planner.measured.append(Trial(sync, curve=[(1, 0.5, 4.5)], epoch_s=4.5, comm_fraction=0.6))
+    # a trial: a tenth of 10 epochs, one step past the epoch's end
+    assert planner.steps_per_epoch == 45 and planner.steps(sync, "hardware") == 46
+    assert planner.estimate(sync, "hardware") == pytest.approx(46 * 0.1)
+    tau16 = Candidate("local-sgd", (("tau", 16),), 2, None)
+    assert planner.steps(tau16, "hardware") == 48  # three whole periods
+    assert planner.estimate(tau16, "hardware") == pytest.approx(48 * (0.04 + 0.06 / 16))
+    groups = Candidate("groups", (("groups", 2),), 2, None)
+    assert planner.estimate(groups, "hardware") == pytest.approx(11 * (0.04 + 0.12) + 10)
+    search = Omnivore(planner.settings, lambda c, p: None, Clock(), planner.estimate)
+    search.trials = [Trial(sync, cost_s=60.0)]
+    assert search.expected_cost(tau16) == pytest.approx(48 * (0.04 + 0.06 / 16))
+
+
+class NoLauncher:
+    """A launcher the estimate never calls."""
+
+    timeout = 10.0

@@ -119,6 +119,8 @@ class Planner:
             momentum=numeric, trial_cost_s=incumbent.cost_s if incumbent is not None else 0.0)
         self._count = 0
         self._bar: Any = None
+        self.measured: list[Trial] = []  # every trial so far
+        self.startups: list[float] = []  # the jobs' start-ups (and ends) measured so far
         #: The trials in the job's own layout run one after another in one set of workers.
         self.session = Session(launcher, dataclasses.replace(cfg, out=str(out / "trials")),
                                workers, (out / "trials" / "sessions").resolve(),
@@ -186,6 +188,40 @@ class Planner:
             return {"stop_at_step": None, "eval_every_steps": every}
         return {"stop_at_step": stop + 1 if stop % spe == 0 else stop, "eval_every_steps": every}
 
+    def steps(self, c: Candidate, phase: str) -> int:
+        """The steps ``c``'s trial trains (:meth:`length`, or a speed-only trial's)."""
+        if self.speed_only(c, phase):
+            return min(self.steps_per_epoch, max(8, round(self.trial_epochs * self.steps_per_epoch / 4)))
+        stop = self.length(c)["stop_at_step"]
+        return (stop if stop is not None else self.cfg.epochs * self.steps_per_epoch) - self.start.step
+
+    def estimate(self, c: Candidate, phase: str) -> float | None:
+        """``c``'s trial cost, from the fastest tested trial in the job's layout so far
+        (``None``: none yet): its compute and its exchange per step (the all-reduce of the
+        whole model: communication time per step times its period). ``c``'s step computes
+        the same and exchanges as its strategy does: every step (sync), once a period
+        (``tau``), or a push and a pull of the whole model (``groups``: twice a ring
+        all-reduce's bytes per worker). A job of its own adds a start-up (the longest one
+        measured, else 10 s)."""
+        tested = [t for t in self.measured if t.ok and t.curve and self.in_session(t.candidate)
+                  and t.comm_fraction is not None]
+        if not tested:
+            return None
+        ref = min(tested, key=lambda t: t.epoch_s)
+        step, share = ref.epoch_s / self.steps_per_epoch, float(ref.comm_fraction or 0.0)
+        compute, comm = step * (1 - share), step * share
+        exchange = comm * (ref.candidate.knob if ref.candidate.strategy != "sync" else 1)
+        if _asynchronous(c.strategy):
+            per_step = compute + 2 * exchange
+        elif c.strategy == "sync":
+            per_step = compute + exchange
+        else:
+            per_step = compute + exchange / max(1, c.knob)
+        cost = self.steps(c, phase) * per_step
+        if not self.in_session(c):
+            cost += max(self.startups, default=10.0)
+        return cost
+
     def trial(self, c: Candidate, phase: str) -> Trial:
         """Run candidate ``c``'s trial (in the session, or a job of its own); what it
         measured."""
@@ -195,9 +231,8 @@ class Planner:
         out = (self.out / "trials" / name).resolve()
         speed_only = self.speed_only(c, phase)
         # Speed only: a quarter of the trial's steps (at least 8, at most an epoch), untested.
-        length = ({"stop_at_step": self.start.step + min(self.steps_per_epoch, max(
-            8, round(self.trial_epochs * self.steps_per_epoch / 4))), "eval_every_steps": None}
-            if speed_only else self.length(c))
+        length = ({"stop_at_step": self.start.step + self.steps(c, phase), "eval_every_steps": None}
+                  if speed_only else self.length(c))
         cfg = self.config(c, out, **length, eval_every=1, checkpoint_every=10**9,
                           progress="none", log_every=10, max_restarts=0, trace=False,
                           tensorboard=False, profile=None)
@@ -214,6 +249,11 @@ class Planner:
             else:
                 trial.curve, trial.epoch_s = _curve(out, self.start, self.steps_per_epoch,
                                                     self.cfg.eval_every)
+            summary = json.loads((out / "summary.json").read_text())
+            trial.comm_fraction = summary.get("comm_fraction")
+            if not self.in_session(c):  # what the job spent before and after training
+                self.startups.append(max(0.0, time.monotonic() - started
+                                         - float(summary["wall_time_s"]) + self.start.wall_s))
         except ShoalError as exc:
             message = str(exc)
             trial.diverged = any(d in message for d in DIVERGED)
@@ -221,6 +261,7 @@ class Planner:
         finally:
             (out / "checkpoint.pt").unlink(missing_ok=True)
         trial.cost_s = time.monotonic() - started
+        self.measured.append(trial)
         self._say(trial)
         return trial
 
@@ -246,7 +287,7 @@ class Planner:
                              dynamic_ncols=True, file=sys.stderr,
                              bar_format="{desc} {bar} {n:.0f}/{total:.0f} s")
         started = time.monotonic()
-        search = Omnivore(self.settings, self.trial, time.monotonic)
+        search = Omnivore(self.settings, self.trial, time.monotonic, self.estimate)
         try:
             ranked = search.search(*self.starts(), incumbent=self.incumbent and
                                    self.incumbent.candidate)

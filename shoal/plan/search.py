@@ -101,6 +101,7 @@ class Trial:
     #: Measured its speed only (an asynchronous candidate's walk step: a few steps of a job,
     #: not the whole epochs its server needs to test it): ``epoch_s``, no ``curve``.
     hardware_only: bool = False
+    comm_fraction: float | None = None  # of its steps' time spent communicating
 
     @property
     def ok(self) -> bool:
@@ -161,8 +162,11 @@ class Omnivore:
     """The search (see the module docstring). ``run(candidate, phase)`` runs one trial."""
 
     def __init__(self, settings: SearchSettings, run: Callable[[Candidate, str], Trial],
-                 clock: Callable[[], float]) -> None:
+                 clock: Callable[[], float],
+                 estimate: Callable[[Candidate, str], float | None] | None = None) -> None:
         self.settings, self._run, self._clock = settings, run, clock
+        #: A trial's expected cost from what was measured (the planner's; ``None``: unknown).
+        self._estimate = estimate
         self.trials: list[Trial] = []
         self.skipped: list[tuple[Candidate, str]] = []
         self.notes: list[str] = []  # what the walk and the grid decided, in words
@@ -172,22 +176,28 @@ class Omnivore:
     def spent(self) -> float:
         return self._clock() - self._started
 
-    def expected_cost(self, candidate: Candidate) -> float:
+    def expected_cost(self, candidate: Candidate, phase: str = "hardware") -> float:
         """What ``candidate``'s trial is expected to take (start-ups aside): the most its
-        configuration's trials took (the grid's points share a speed), else the median of
-        all trials so far (a re-plan's first: ``trial_cost_s``)."""
+        configuration's tested trials took (the grid's points share a speed), else the
+        ``estimate`` from what was measured, else the median of all trials so far (a
+        re-plan's first: ``trial_cost_s``)."""
         costs = [t.cost_s - t.startup_s for t in self.trials]
-        own = [t.cost_s - t.startup_s for t in self.trials
-               if (t.candidate.strategy, t.candidate.options, t.candidate.workers)
+        own = [t.cost_s - t.startup_s for t in self.trials if not t.hardware_only
+               and (t.candidate.strategy, t.candidate.options, t.candidate.workers)
                == (candidate.strategy, candidate.options, candidate.workers)]
-        return max(own) if own else statistics.median(costs) if costs else self.settings.trial_cost_s
+        if own:
+            return max(own)
+        guess = self._estimate(candidate, phase) if self._estimate is not None else None
+        if guess is not None:
+            return guess
+        return statistics.median(costs) if costs else self.settings.trial_cost_s
 
     def trial(self, candidate: Candidate, phase: str) -> Trial | None:
         """The trial of ``candidate`` (run once; ``None`` when the budget has no room)."""
         for t in self.trials:  # a speed-only trial does not answer the statistical phase
             if t.candidate == candidate and (phase == "hardware" or not t.hardware_only):
                 return t
-        if self.spent() + self.expected_cost(candidate) > self.settings.budget_s:
+        if self.spent() + self.expected_cost(candidate, phase) > self.settings.budget_s:
             self.skipped.append((candidate, phase))
             return None
         t = self._run(candidate, phase)
