@@ -220,7 +220,10 @@ class Omnivore:
         for knob in knobs:
             candidate = family.with_knob(knob)
             t = self.trial(candidate, "hardware")
-            if t is None or not t.ok:
+            if t is None:
+                self.notes.append(f"{candidate.label()}: over the budget; the walk stops")
+                break
+            if not t.ok:
                 break
             gain = 1 - t.epoch_s / best.epoch_s
             if gain >= FASTER:
@@ -291,7 +294,7 @@ class Omnivore:
         for family in families:
             knobs = group_knobs(family.workers)[1:] if family.strategy == "groups" else TAUS
             picked = self.walk(sync, family, knobs)
-            if picked is None:
+            if picked is None and any(t.candidate.strategy == family.strategy for t in self.trials):
                 self.notes.append(f"{family.strategy}: no step toward asynchrony made an epoch "
                                   f"{FASTER:.0%} faster than sync; not tuned further")
             else:
