@@ -19,6 +19,24 @@ import torch
 REPO = Path(__file__).resolve().parent.parent
 
 
+@pytest.fixture(autouse=True)
+def _one_thread_per_test_process():
+    """Under pytest-xdist (``make test``: two test processes on two cores) the torch work a
+    test does in its own process gets one intra-op thread, as a worker's share of the cores
+    (a run's workers set their own). Two threads would spin against the other test process
+    and its workers: resnet50's forward and backward took 5 s for 0.3 s alone. What a test
+    computes does not change; a run in this process sets its threads as ever."""
+    if "PYTEST_XDIST_WORKER" not in os.environ:
+        yield
+        return
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
+
+
 def shoal_env(marker: str | None = None) -> dict[str, str]:
     env = dict(os.environ)
     env["PYTHONPATH"] = str(REPO) + os.pathsep + env.get("PYTHONPATH", "")
