@@ -19,6 +19,7 @@ from shoal.plan.search import (
     Trial,
     epochs_to_target,
     group_knobs,
+    rank,
 )
 
 from conftest import one_error_line
@@ -161,6 +162,46 @@ def test_a_speed_only_trial_does_not_answer_the_grid():
     assert search.trial(fast, "statistical").curve and asked == [fast]
 
 
+def test_the_leaders_are_measured_longer():
+    """After the search, the best four tested configurations train trials twice as long,
+    then the better two four times as long (successive halving, within the budget); a
+    configuration's longest trial ranks it. Here A looks best on short trials (fast start),
+    B on long ones, and B wins."""
+    a, b = (Candidate("local-sgd", (("tau", 64),), 4, 1), Candidate("diloco", (("tau", 64),), 4, 1))
+    others = [Candidate("easgd", (("tau", t),), 4, 1) for t in (4, 16)]
+    asked: list[tuple[Candidate, str]] = []
+    clock = Clock()
+
+    def run(c: Candidate, phase: str) -> Trial:
+        asked.append((c, phase))
+        clock.now += 1.0
+        epochs = 3 * (int(phase.rsplit("x", 1)[1]) if phase.startswith("refine") else 1)
+        if c == a:  # falls fast toward a floor: reaches 90% at epoch 14.6
+            curve = [(e, 1 - (0.08 + 0.5 * e ** -1.2), e) for e in range(1, epochs + 1)]
+        elif c == b:  # a power law: reaches 90% at epoch 8.7 (predicted so from any length)
+            curve = [(e, 1 - 0.7 * e ** -0.9, e) for e in range(1, epochs + 1)]
+        else:
+            curve = [(e, 0.2, e) for e in range(1, epochs + 1)]
+        return Trial(c, curve=curve, epoch_s=1.0, cost_s=1.0)
+
+    search = Omnivore(SETTINGS, run, clock)
+    for c in (a, b, *others):
+        search.trial(c, "hardware")
+    assert epochs_to_target(search.trials[0].curve, 0.9, 0.1) \
+        < epochs_to_target(search.trials[1].curve, 0.9, 0.1)  # A leads after 3 epochs (and 6)
+    search.refine()
+    assert [p for _, p in asked[4:]] == ["refine x2"] * 4 + ["refine x4"] * 2
+    ranked = rank(search.trials)
+    assert ranked[0].candidate == b and ranked[0].phase == "refine x4"
+    # a budget that holds no longer trial leaves the ranking to the short ones
+    clock.now = 0.0
+    search = Omnivore(dataclasses.replace(SETTINGS, budget_s=4.5), run, clock)
+    for c in (a, b, *others):
+        search.trial(c, "hardware")
+    search.refine()
+    assert rank(search.trials)[0].candidate == a and len(search.trials) == 4
+
+
 def test_epochs_to_target():
     assert epochs_to_target([(1, 0.5, 1.0), (2, 0.95, 2.0)], 0.9, 0.1) == pytest.approx(1 + 0.4 / 0.45)
     assert epochs_to_target([(1, 0.55, 1.0)], 0.9, 0.1) == pytest.approx(1 + 0.35 / 0.45)
@@ -196,11 +237,12 @@ def test_auto_trains_the_plans_winner(tmp_path):
     for t in plan["trials"]:
         assert set(t) >= {"label", "strategy", "options", "workers", "threads", "momentum", "lr",
                           "phase", "curve", "epoch_s", "diverged", "predicted_s", "cost_s"}
-        assert t["phase"] in ("hardware", "statistical") and t["strategy"] in ("sync", "easgd")
+        assert t["phase"] in ("hardware", "statistical", "refine x2", "refine x4")
+        assert t["strategy"] in ("sync", "easgd")
         # 1 trial epoch (a periodic strategy's: at least two periods, within the run's 3),
         # sync's tested 4 times inside it (and at its end, one step past)
-        assert all(len(p) == 3 for p in t["curve"]) and 1 <= t["curve"][-1][0] <= 3
-        if t["strategy"] == "sync":
+        assert all(len(p) == 3 for p in t["curve"]) and 1 <= t["curve"][-1][0] <= 3.1
+        if t["strategy"] == "sync" and not t["phase"].startswith("refine"):
             assert len(t["curve"]) >= 4 and t["curve"][-1][0] < 1.2 and t["curve"][0][0] < 0.5
     winner, config = plan["winner"], json.loads((out / "config.json").read_text())
     for key in ("strategy", "strategy_options", "momentum", "lr", "threads_per_worker"):

@@ -30,7 +30,15 @@ from typing import Any
 from shoal.config import TrainConfig
 from shoal.data import EpochPlan, load_dataset
 from shoal.errors import ShoalError
-from shoal.plan.search import Candidate, Omnivore, Plan, SearchSettings, Trial, explain
+from shoal.plan.search import (
+    Candidate,
+    Omnivore,
+    Plan,
+    SearchSettings,
+    Trial,
+    explain,
+    trial_scale,
+)
 from shoal.plan.session import Session
 from shoal.strategies import get_strategy
 from shoal.sweep.runner import Launcher
@@ -165,19 +173,22 @@ class Planner:
         time per epoch, not whole epochs of it."""
         return phase == "hardware" and _asynchronous(c.strategy)
 
-    def length(self, c: Candidate) -> dict[str, Any]:
+    def length(self, c: Candidate, scale: int = 1) -> dict[str, Any]:
         """Where ``c``'s trial stops, and how often it is tested (``--stop-at-step``,
         ``--eval-every-steps``): ``trial_epochs`` of steps, tested four times; a periodic
         strategy's at least two of its periods, tested at whole periods (its time per epoch
         is then measured over whole periods, averaging included). An asynchronous
         strategy's center is tested at epoch ends only: whole epochs. A trial that would
         stop on an epoch's last step goes one step further (a run stopped there stops before
-        the epoch's test, as a resumed run would); one as long as the run trains it all."""
+        the epoch's test, as a resumed run would); one as long as the run trains it all.
+        ``scale``: a refinement's trial, that many times as long."""
         spe, begin = self.steps_per_epoch, self.start.step
         if _asynchronous(c.strategy):
-            last = begin // spe + max(1, round(self.trial_epochs))
+            last = begin // spe + max(1, round(self.trial_epochs)) * scale
+            if last >= self.cfg.epochs:
+                return {"stop_at_step": None, "eval_every_steps": None}
             return {"stop_at_step": last * spe + 1, "eval_every_steps": None}
-        steps = max(4, round(self.trial_epochs * spe))
+        steps = max(4, round(self.trial_epochs * scale * spe))
         every = max(1, steps // 4)
         if c.strategy != "sync" and c.knob > 1:
             every = c.knob * max(1, every // c.knob)
@@ -192,7 +203,7 @@ class Planner:
         """The steps ``c``'s trial trains (:meth:`length`, or a speed-only trial's)."""
         if self.speed_only(c, phase):
             return min(self.steps_per_epoch, max(8, round(self.trial_epochs * self.steps_per_epoch / 4)))
-        stop = self.length(c)["stop_at_step"]
+        stop = self.length(c, trial_scale(phase))["stop_at_step"]
         return (stop if stop is not None else self.cfg.epochs * self.steps_per_epoch) - self.start.step
 
     def estimate(self, c: Candidate, phase: str) -> float | None:
@@ -232,7 +243,7 @@ class Planner:
         speed_only = self.speed_only(c, phase)
         # Speed only: a quarter of the trial's steps (at least 8, at most an epoch), untested.
         length = ({"stop_at_step": self.start.step + self.steps(c, phase), "eval_every_steps": None}
-                  if speed_only else self.length(c))
+                  if speed_only else self.length(c, trial_scale(phase)))
         cfg = self.config(c, out, **length, eval_every=1, checkpoint_every=10**9,
                           progress="none", log_every=10, max_restarts=0, trace=False,
                           tensorboard=False, profile=None)

@@ -46,6 +46,9 @@ MOMENTA = (0.0, 0.3, 0.6, 0.9)
 RATE_FACTORS = (1.0, 0.1)
 #: The periods a periodic family's walk tries, from the synchronous end (sync is tau = 1).
 TAUS = (4, 16, 64)
+#: How many leaders the refinement measures longer, and its trials' phase.
+LEADERS = 4
+REFINE = "refine"
 
 
 @dataclass(frozen=True)
@@ -194,10 +197,12 @@ class Omnivore:
 
     def trial(self, candidate: Candidate, phase: str) -> Trial | None:
         """The trial of ``candidate`` (run once; ``None`` when the budget has no room)."""
+        scale = trial_scale(phase)
         for t in self.trials:  # a speed-only trial does not answer the statistical phase
-            if t.candidate == candidate and (phase == "hardware" or not t.hardware_only):
+            if t.candidate == candidate and (phase == "hardware" or not t.hardware_only) \
+                    and trial_scale(t.phase) == scale:
                 return t
-        if self.spent() + self.expected_cost(candidate, phase) > self.settings.budget_s:
+        if self.spent() + self.expected_cost(candidate, phase) * scale > self.settings.budget_s:
             self.skipped.append((candidate, phase))
             return None
         t = self._run(candidate, phase)
@@ -294,16 +299,34 @@ class Omnivore:
         for family in families:
             knobs = group_knobs(family.workers)[1:] if family.strategy == "groups" else TAUS
             picked = self.walk(sync, family, knobs)
-            if picked is None and any(t.candidate.strategy == family.strategy for t in self.trials):
+            if picked is not None:
+                chosen.append(picked)
+            elif any(t.candidate.strategy == family.strategy for t in self.trials):
                 self.notes.append(f"{family.strategy}: no step toward asynchrony made an epoch "
                                   f"{FASTER:.0%} faster than sync; not tuned further")
-            else:
-                chosen.append(picked)
         speed = {c: self.trial(c, "hardware") for c in chosen}
         for c in sorted(chosen, key=lambda c: speed[c].epoch_s if speed[c] is not None
                         else math.inf):
             (self.groups if c.strategy == "groups" else self.grid)(c)
+        self.refine()
         return rank(self.trials)
+
+    # -- 3. the leaders, measured longer ----------------------------------------------------
+    def refine(self) -> None:
+        """Successive halving on the leaders while the budget holds: the best
+        :data:`LEADERS` tested configurations train trials twice as long (then the better
+        half of those, twice as long again), and their longest trial is what ranks them. A
+        short trial's extrapolation is what separates close leaders; a longer one measures
+        them where the run goes."""
+        leaders = [t for t in rank(self.trials) if t.ok and t.curve][:LEADERS]
+        scale = 1
+        while len(leaders) > 1:
+            scale *= 2
+            longer = [self.trial(t.candidate, f"{REFINE} x{scale}") for t in leaders]
+            done = [t for t in longer if t is not None and t.ok and t.curve]
+            if len(done) < len(leaders):
+                break
+            leaders = sorted(done, key=_key)[:len(done) // 2]
 
 
 @dataclass
@@ -363,8 +386,19 @@ def best_of(trials: Sequence[Trial]) -> Trial | None:
 
 
 def rank(trials: Sequence[Trial]) -> list[Trial]:
-    """Measured trials, best first: least predicted time to the target, then accuracy."""
-    return sorted(trials, key=lambda t: (not t.ok, *_key(t)))
+    """Measured trials, best first: least predicted time to the target, then accuracy; a
+    configuration's longest trial ranks it (its shorter ones follow the others)."""
+    longest: dict[Candidate, float] = {}
+    for t in trials:
+        if t.ok and t.curve:
+            longest[t.candidate] = max(longest.get(t.candidate, 0.0), trial_scale(t.phase))
+    return sorted(trials, key=lambda t: (not t.ok, trial_scale(t.phase) < longest.get(t.candidate, 0.0),
+                                         *_key(t)))
+
+
+def trial_scale(phase: str) -> int:
+    """How many times the usual length a trial of ``phase`` trains (``refine x4``: 4)."""
+    return int(phase.rsplit("x", 1)[1]) if phase.startswith(REFINE) else 1
 
 
 def explain(ranked: Sequence[Trial], settings: SearchSettings) -> str:
