@@ -323,3 +323,29 @@ class NoLauncher:
     """A launcher the estimate never calls."""
 
     timeout = 10.0
+
+
+def test_a_failing_trial_ends_its_session_and_the_next_starts_another(tmp_path):
+    """A diverging trial (two real workers) ends the planning session with its one line;
+    the next trial starts a new session and trains."""
+    from shoal.config import TrainConfig
+    from shoal.plan.session import Session
+    from shoal.sweep.runner import Launcher
+
+    base = TrainConfig(model="mlp", dataset="digits", epochs=2, batch_size=64, workers=2,
+                       progress="none", out=str(tmp_path / "base")).validate()
+    with Launcher(None, 120) as launcher:
+        session = Session(launcher, base, 2, tmp_path / "sessions", timeout=120)
+        try:
+            bad = dataclasses.replace(base, lr=1e12, out=str(tmp_path / "bad"), workers=None,
+                                      stop_at_step=8)
+            with pytest.raises(ShoalError, match="loss became|non-finite"):
+                session.run(bad)
+            good = dataclasses.replace(base, out=str(tmp_path / "good"), workers=None,
+                                       stop_at_step=8, eval_every_steps=4)
+            assert session.run(good) > 0  # a new session's start-up
+        finally:
+            session.close()
+    assert sorted(p.name for p in (tmp_path / "sessions").iterdir()) == ["session-1", "session-2"]
+    records = [json.loads(line) for line in (tmp_path / "good" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records if r["event"] == "eval"] == [4, 8]
