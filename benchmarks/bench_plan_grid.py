@@ -31,6 +31,7 @@ from pathlib import Path
 from bench_plan import TASKS, add_task_args
 
 from shoal.config import TrainConfig
+from shoal.core.failures import first_line
 from shoal.emulate import terminate_as_exception
 from shoal.plan import plan
 from shoal.plan.planner import run_config
@@ -153,7 +154,7 @@ def run_point(launcher: Launcher, session: Session, base: TrainConfig,
         r = measure_race(out, target)
         row.update(time_to_target=r["time_to_target"], final_accuracy=r["final_accuracy"])
     except Exception as exc:  # a diverging grid point is a result, not a failure
-        row["error"] = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+        row["error"] = first_line(exc)
     return row
 
 

@@ -44,6 +44,7 @@ from shoal.strategies import get_strategy
 from shoal.sweep.runner import Launcher
 from shoal.train.checkpoint import load_checkpoint
 from shoal.train.records import write_json
+from shoal.train.server import is_asynchronous
 from shoal.train.trainer import data_options
 
 #: The strategies ``shoal plan`` considers unless told otherwise.
@@ -255,12 +256,12 @@ class Planner:
                 trial.startup_s = self.session.run(cfg)
             else:
                 run_config(self.launcher, cfg, c.workers, name)
+            summary = json.loads((out / "summary.json").read_text())
             if speed_only:
-                trial.epoch_s = _speed(out, self.start, self.steps_per_epoch)
+                trial.epoch_s = _speed(summary, out, self.start, self.steps_per_epoch)
             else:
                 trial.curve, trial.epoch_s = _curve(out, self.start, self.steps_per_epoch,
                                                     self.cfg.eval_every)
-            summary = json.loads((out / "summary.json").read_text())
             trial.comm_fraction = summary.get("comm_fraction")
             if not self.in_session(c):  # what the job spent before and after training
                 self.startups.append(max(0.0, time.monotonic() - started
@@ -334,8 +335,7 @@ def run_config(launcher: Launcher, cfg: TrainConfig, workers: int, name: str) ->
     out.mkdir(parents=True, exist_ok=True)
     config_file = out.parent / f"{out.name}.json"
     config_file.write_text(json.dumps(cfg.to_dict()))
-    servers = int(cfg.strategy_options.get("servers", 1)) \
-        if getattr(get_strategy(cfg.strategy), "asynchronous", False) else 0
+    servers = int(cfg.strategy_options.get("servers", 1)) if _asynchronous(cfg.strategy) else 0
     launcher.train(["--config", str(config_file)], workers + servers, workers, out, name)
 
 
@@ -386,10 +386,9 @@ def _curve(out: Path, start: Start, steps_per_epoch: int, eval_every: int = 1
     return curve, (t1 - t0) / (e1 - e0) + one_test / eval_every
 
 
-def _speed(out: Path, start: Start, steps_per_epoch: int) -> float:
-    """A speed-only trial's seconds an epoch: its wall time since ``start`` over its steps
-    (the first step's warm-up included)."""
-    summary = json.loads((out / "summary.json").read_text())
+def _speed(summary: dict[str, Any], out: Path, start: Start, steps_per_epoch: int) -> float:
+    """A speed-only trial's seconds an epoch, from its ``summary`` (its run in ``out``): its
+    wall time since ``start`` over its steps (the first step's warm-up included)."""
     steps = int(summary["steps"]) - start.step
     if steps <= 0:
         raise ShoalError(f"trial in {out} trained no step")
@@ -397,7 +396,7 @@ def _speed(out: Path, start: Start, steps_per_epoch: int) -> float:
 
 
 def _asynchronous(strategy: str) -> bool:
-    return bool(getattr(get_strategy(strategy), "asynchronous", False))
+    return is_asynchronous(get_strategy(strategy))
 
 
 def _whole(epochs: float) -> float:

@@ -33,7 +33,9 @@ from pathlib import Path
 from typing import Any
 
 from shoal.config import TrainConfig
+from shoal.core.failures import first_line
 from shoal.errors import ShoalError
+from shoal.train.records import write_json
 
 #: How often rank 0 looks for the next trial, and the planner for a trial's end (seconds).
 POLL_S = 0.05
@@ -60,7 +62,7 @@ def serve(directory: Path, base: TrainConfig, parent: int, idle_timeout: float =
     try:
         data = load_dataset(base.dataset, data_options(base))
         if comm.rank == 0:
-            _write(directory / "ready", {"pid": os.getpid()})
+            write_json(directory / "ready", {"pid": os.getpid()})
         k = 0
         while True:
             spec = comm.broadcast_object(
@@ -72,13 +74,13 @@ def serve(directory: Path, base: TrainConfig, parent: int, idle_timeout: float =
                 Trainer(cfg, comm, data).run()
             except BaseException as exc:
                 if comm.rank == 0:
-                    _write(directory / f"trial-{k}.done", {"error": _line(exc)})
+                    write_json(directory / f"trial-{k}.done", {"error": first_line(exc)})
                 raise
             if comm.rank == 0:
-                _write(directory / f"trial-{k}.done", {"error": None})
+                write_json(directory / f"trial-{k}.done", {"error": None})
             k += 1
     except BaseException as exc:
-        comm.abort(_line(exc))
+        comm.abort(first_line(exc))
         raise
     comm.close()
 
@@ -101,17 +103,6 @@ def _alive(pid: int) -> bool:
     except PermissionError:  # alive, someone else's
         return True
     return True
-
-
-def _line(exc: BaseException) -> str:
-    return (str(exc).strip().splitlines() or [type(exc).__name__])[0]
-
-
-def _write(path: Path, value: Any) -> None:
-    """Write ``value`` as JSON so a reader never sees half of it (rename into place)."""
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps(value))
-    tmp.replace(path)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -165,7 +156,7 @@ class Session:
         self._count += 1
         self.dir = self.root / f"session-{self._count}"
         self.dir.mkdir(parents=True, exist_ok=True)
-        (self.dir / "base.json").write_text(json.dumps(self.base.to_dict()))
+        write_json(self.dir / "base.json", self.base.to_dict())
         self._k, self._failure = 0, None
         program = ["-m", "shoal.plan.session", str(self.dir), "--parent", str(os.getpid())]
 
@@ -201,7 +192,7 @@ class Session:
         startup = 0.0 if self.alive else self._start()
         k = self._k
         self._k += 1
-        _write(self.dir / f"trial-{k}.json", cfg.to_dict())
+        write_json(self.dir / f"trial-{k}.json", cfg.to_dict())
         done = self.dir / f"trial-{k}.done"
         self._wait(done, f"trial {k}")
         error = json.loads(done.read_text())["error"]
