@@ -32,6 +32,7 @@ from pathlib import Path
 from types import FrameType
 from typing import Any
 
+from shoal.core.trust import open_own
 from shoal.errors import ShoalError
 
 #: Every namespace this module creates starts with this.
@@ -216,19 +217,21 @@ class Cluster:
                  env: dict[str, str] | None = None, log: Path | None = None) -> int:
         """Run ``torchrun ... PROGRAM`` on every host; return the first non-zero exit status.
 
-        ``program`` is what follows torchrun's own options (``-m shoal train ...``). Output
-        goes to ``log`` when given (else to this process's). When a node fails, the others
-        are stopped; nothing outlives this call.
+        ``program`` is what follows torchrun's own options (``-m shoal train ...``). ``env``
+        reaches every node's processes through their environment (not their command line,
+        which anyone on the machine can read). Output goes to ``log`` when given (else to
+        this process's), appended, never through a symbolic link. When a node fails, the
+        others are stopped; nothing outlives this call.
         """
         run_id = uuid.uuid4().hex[:8]
         procs: list[subprocess.Popen] = []
-        out = log.open("ab") if log is not None else None
+        out = os.fdopen(open_own(log, os.O_WRONLY | os.O_APPEND | os.O_CREAT), "ab") \
+            if log is not None else None
         try:
             for i in range(self.hosts):
-                node_env = {"GLOO_SOCKET_IFNAME": self.ifname(i), **(env or {})}
-                cmd = [*self.exec_args(i, node_env), *self.torchrun_args(i, nproc_per_node, run_id),
-                       *program]
-                procs.append(subprocess.Popen(cmd, start_new_session=True, stdout=out,
+                node_env = {**os.environ, **(env or {}), "GLOO_SOCKET_IFNAME": self.ifname(i)}
+                cmd = [*self.exec_args(i), *self.torchrun_args(i, nproc_per_node, run_id), *program]
+                procs.append(subprocess.Popen(cmd, start_new_session=True, stdout=out, env=node_env,
                                               stderr=subprocess.STDOUT if out else None))
             deadline = time.monotonic() + timeout
             while True:

@@ -257,7 +257,7 @@ def test_auto_trains_the_plans_winner(tmp_path):
     done = sorted((sessions[0]).glob("trial-*.done"))
     in_layout = [t for t in plan["trials"] if t["workers"] == 2]
     assert len(sessions) == 1 and len(done) == len(in_layout) > 1
-    assert all(json.loads(d.read_text())["error"] is None for d in done)
+    assert all(json.loads(json.loads(d.read_text())["body"])["error"] is None for d in done)
     assert sum(t["startup_s"] > 0 for t in plan["trials"]) == 1
 
 
@@ -346,6 +346,7 @@ def test_a_failing_trial_ends_its_session_and_the_next_starts_another(tmp_path):
             assert session.run(good) > 0  # a new session's start-up
         finally:
             session.close()
-    assert sorted(p.name for p in (tmp_path / "sessions").iterdir()) == ["session-1", "session-2"]
+    assert sorted(p.name.rsplit("-", 1)[0] for p in (tmp_path / "sessions").iterdir()) == [
+        "session-1", "session-2"]
     records = [json.loads(line) for line in (tmp_path / "good" / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in records if r["event"] == "eval"] == [4, 8]

@@ -113,11 +113,15 @@ class InProcess:
     def train(self, args: list[str], processes: int, workers: int, out, name: str) -> None:
         assert main(["train", *args, "--workers", str(workers)]) == 0
 
-    def job(self, program: list[str], processes: int, workers: int, out, name: str) -> None:
+    def job(self, program: list[str], processes: int, workers: int, out, name: str,
+            secrets: dict[str, str]) -> None:
         from shoal.plan import session
 
         assert program[:2] == ["-m", "shoal.plan.session"]  # one worker: served right here
-        assert session.main([*program[2:], "--workers", str(workers)]) == 0
+        with pytest.MonkeyPatch.context() as mp:
+            for key, value in secrets.items():
+                mp.setenv(key, value)
+            assert session.main([*program[2:], "--workers", str(workers)]) == 0
 
 
 def test_a_replan_trial_starts_from_the_checkpoint(tmp_path):

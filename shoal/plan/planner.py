@@ -28,6 +28,7 @@ from pathlib import Path
 from typing import Any
 
 from shoal.config import TrainConfig
+from shoal.core.trust import check_out_dir, private_dir
 from shoal.data import EpochPlan, load_dataset
 from shoal.errors import ShoalError
 from shoal.plan.search import (
@@ -240,7 +241,9 @@ class Planner:
         self._count += 1
         name = f"{self._count:02d}-" + "".join(ch if ch.isalnum() or ch in "-.=" else "_"
                                               for ch in c.label())
-        out = (self.out / "trials" / name).resolve()
+        # Only this user can enter trials/: a trial's settings file and results are read
+        # back, so nobody else may plant or swap them.
+        out = (private_dir(self.out / "trials", "the trials' folder") / name).resolve()
         speed_only = self.speed_only(c, phase)
         # Speed only: a quarter of the trial's steps (at least 8, at most an epoch), untested.
         length = ({"stop_at_step": self.start.step + self.steps(c, phase), "eval_every_steps": None}
@@ -291,6 +294,7 @@ class Planner:
     # -- the search -------------------------------------------------------------------------
     def run(self) -> Plan:
         """Search, write ``plan.json``, ``plan.md`` and ``plan.png`` into ``out``."""
+        check_out_dir(self.out)
         self.out.mkdir(parents=True, exist_ok=True)
         if self.show and sys.stderr.isatty():
             from tqdm import tqdm

@@ -10,6 +10,13 @@ sends the settings to every rank, each rank runs the :class:`~shoal.train.traine
 on the session's process group and its loaded data, and rank 0 writes ``trial-K.done``
 (``{"error": null}``, or the error's line). A file ``stop`` ends the session.
 
+The directory is made fresh and owner-only (``mkdtemp`` inside a private
+``trials/sessions``), and every file either side acts on is sealed
+(:class:`~shoal.core.trust.Seal`): an HMAC under a secret the planner makes per session and
+hands to the workers in their environment. A trial file that the planner did not write is
+refused, so nobody who can write near ``--out`` can make the workers run a model or write
+an output of theirs.
+
 A failing trial (a diverging one, for instance) ends the session as it would end its own
 job (the ranks abort together); the planner starts a new session for the next trial. A
 session also ends when the planner's process is gone or no trial arrives for
@@ -24,9 +31,9 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import json
 import os
 import sys
+import tempfile
 import threading
 import time
 from pathlib import Path
@@ -34,8 +41,8 @@ from typing import Any
 
 from shoal.config import TrainConfig
 from shoal.core.failures import first_line
+from shoal.core.trust import SEAL_KEY_VAR, Seal, private_dir
 from shoal.errors import ShoalError
-from shoal.train.records import write_json
 
 #: How often rank 0 looks for the next trial, and the planner for a trial's end (seconds).
 POLL_S = 0.05
@@ -44,10 +51,11 @@ IDLE_TIMEOUT_S = 600.0
 
 
 # -- the workers' side -----------------------------------------------------------------------
-def serve(directory: Path, base: TrainConfig, parent: int, idle_timeout: float = IDLE_TIMEOUT_S
-          ) -> None:
+def serve(directory: Path, base: TrainConfig, parent: int, idle_timeout: float = IDLE_TIMEOUT_S,
+          seal: Seal | None = None) -> None:
     """This rank's part of the session in ``directory``: join the job, load ``base``'s data,
-    run the trials the planner (process ``parent``) writes, until ``stop``."""
+    run the trials the planner (process ``parent``) writes and ``seal`` signed (by default
+    the seal of this process's environment), until ``stop``."""
     from shoal.core.comm import init_comm
     from shoal.core.env import Environment, default_threads, detect_environment
     from shoal.core.timeline import Timeline
@@ -55,6 +63,7 @@ def serve(directory: Path, base: TrainConfig, parent: int, idle_timeout: float =
     from shoal.train.optim import resolve_momentum
     from shoal.train.trainer import Trainer, data_options
 
+    seal = seal if seal is not None else Seal.from_environment()
     env = detect_environment() or Environment()
     threads = base.threads_per_worker or default_threads(env.local_world_size)
     comm = init_comm(env, base.device, base.timeout, threads, Timeline(),
@@ -62,11 +71,11 @@ def serve(directory: Path, base: TrainConfig, parent: int, idle_timeout: float =
     try:
         data = load_dataset(base.dataset, data_options(base))
         if comm.rank == 0:
-            write_json(directory / "ready", {"pid": os.getpid()})
+            seal.write(directory / "ready", {"pid": os.getpid()})
         k = 0
         while True:
             spec = comm.broadcast_object(
-                _next_trial(directory, k, parent, idle_timeout) if comm.rank == 0 else None)
+                _next_trial(directory, k, parent, idle_timeout, seal) if comm.rank == 0 else None)
             if spec is None:
                 break
             try:
@@ -74,10 +83,10 @@ def serve(directory: Path, base: TrainConfig, parent: int, idle_timeout: float =
                 Trainer(cfg, comm, data).run()
             except BaseException as exc:
                 if comm.rank == 0:
-                    write_json(directory / f"trial-{k}.done", {"error": first_line(exc)})
+                    seal.write(directory / f"trial-{k}.done", {"trial": k, "error": first_line(exc)})
                 raise
             if comm.rank == 0:
-                write_json(directory / f"trial-{k}.done", {"error": None})
+                seal.write(directory / f"trial-{k}.done", {"trial": k, "error": None})
             k += 1
     except BaseException as exc:
         comm.abort(first_line(exc))
@@ -85,14 +94,19 @@ def serve(directory: Path, base: TrainConfig, parent: int, idle_timeout: float =
     comm.close()
 
 
-def _next_trial(directory: Path, k: int, parent: int, idle_timeout: float) -> dict[str, Any] | None:
+def _next_trial(directory: Path, k: int, parent: int, idle_timeout: float, seal: Seal
+                ) -> dict[str, Any] | None:
     """Rank 0: the settings of trial ``k`` once the planner wrote them; ``None`` to stop."""
     path, deadline = directory / f"trial-{k}.json", time.monotonic() + idle_timeout
     while not path.exists():
         if (directory / "stop").exists() or not _alive(parent) or time.monotonic() > deadline:
             return None
         time.sleep(POLL_S)
-    return json.loads(path.read_text())
+    sealed = seal.read(path)
+    if not isinstance(sealed, dict) or sealed.get("trial") != k or not isinstance(
+            sealed.get("settings"), dict):
+        raise ShoalError(f"{path} is not trial {k} of this session: refusing to act on it")
+    return sealed["settings"]
 
 
 def _alive(pid: int) -> bool:
@@ -118,8 +132,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--workers", type=int, default=None)
     p.add_argument("--idle-timeout", type=float, default=IDLE_TIMEOUT_S)
     args = p.parse_args(argv)
-    base = TrainConfig.from_dict(json.loads((args.directory / "base.json").read_text()))
     try:
+        base = TrainConfig.from_dict(Seal.from_environment().read(args.directory / "base.json"))
         if detect_environment() is not None or args.workers in (None, 1):
             serve(args.directory, base, args.parent, args.idle_timeout)
         else:
@@ -140,6 +154,7 @@ class Session:
                  timeout: float) -> None:
         self.launcher, self.base, self.workers = launcher, base, workers
         self.root, self.timeout = directory, timeout
+        self.seal = Seal()  # its secret reaches the workers in their environment only
         self._count = 0  # sessions started (each in a directory of its own)
         self._thread: threading.Thread | None = None
         self._failure: str | None = None
@@ -154,22 +169,25 @@ class Session:
         """Start a session; returns its start-up time (until its workers are ready)."""
         started = time.monotonic()
         self._count += 1
-        self.dir = self.root / f"session-{self._count}"
-        self.dir.mkdir(parents=True, exist_ok=True)
-        write_json(self.dir / "base.json", self.base.to_dict())
+        private_dir(self.root, "the planning sessions' folder")
+        # New, owner-only and unpredictable: nothing of anyone else's can be there.
+        self.dir = Path(tempfile.mkdtemp(prefix=f"session-{self._count}-", dir=self.root))
+        self.seal.write(self.dir / "base.json", self.base.to_dict())
         self._k, self._failure = 0, None
         program = ["-m", "shoal.plan.session", str(self.dir), "--parent", str(os.getpid())]
 
         def run() -> None:
             try:
                 self.launcher.job(program, self.workers, self.workers, self.dir,
-                                  f"planning session {self._count}")
+                                  f"planning session {self._count}",
+                                  secrets={SEAL_KEY_VAR: self.seal.key_hex})
             except ShoalError as exc:
                 self._failure = str(exc)
 
         self._thread = threading.Thread(target=run, name="shoal-plan-session", daemon=True)
         self._thread.start()
         self._wait(self.dir / "ready", "starting")
+        self.seal.read(self.dir / "ready")  # this session's workers, nobody else's file
         return time.monotonic() - started
 
     def _wait(self, path: Path, what: str) -> None:
@@ -192,10 +210,14 @@ class Session:
         startup = 0.0 if self.alive else self._start()
         k = self._k
         self._k += 1
-        write_json(self.dir / f"trial-{k}.json", cfg.to_dict())
+        self.seal.write(self.dir / f"trial-{k}.json", {"trial": k, "settings": cfg.to_dict()})
         done = self.dir / f"trial-{k}.done"
         self._wait(done, f"trial {k}")
-        error = json.loads(done.read_text())["error"]
+        answer = self.seal.read(done)
+        if not isinstance(answer, dict) or answer.get("trial") != k:
+            self.close()
+            raise ShoalError(f"{done} does not answer trial {k} of this session")
+        error = answer.get("error")
         if error is not None:  # the session is over: its workers leave together
             self.close()
             raise ShoalError(error)

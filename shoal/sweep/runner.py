@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import json
 import math
+import os
 import subprocess
 import sys
 import time
@@ -96,28 +97,34 @@ class Launcher:
         ``--workers workers``, or under torchrun across ``processes`` emulated hosts."""
         self.job(["-m", "shoal", "train", *args], processes, workers, out, name)
 
-    def job(self, program: list[str], processes: int, workers: int, out: Path, name: str) -> None:
+    def job(self, program: list[str], processes: int, workers: int, out: Path, name: str,
+            secrets: dict[str, str] | None = None) -> None:
         """``python PROGRAM`` as a job of ``workers`` workers: locally one process given
         ``--workers workers`` (it spawns them), or under torchrun across ``processes``
-        emulated hosts (each one a rank)."""
+        emulated hosts (each one a rank). ``secrets``: environment variables for the job's
+        processes, passed in their environment (never on a command line, which anyone on
+        the machine can read)."""
         out.mkdir(parents=True, exist_ok=True)
         if self.emulated(workers):
-            self.torchrun(program, processes, out, name)
+            self.torchrun(program, processes, out, name, secrets)
             return
         cmd = [sys.executable, *program, "--workers", str(workers)]
+        env = {**os.environ, **secrets} if secrets else None
         try:
-            res = subprocess.run(cmd, capture_output=True, text=True, timeout=self.timeout)
+            res = subprocess.run(cmd, capture_output=True, text=True, timeout=self.timeout,
+                                 env=env)
         except subprocess.TimeoutExpired:
             raise ShoalError(f"benchmark run {name} did not finish in {self.timeout:.0f} s") from None
         if res.returncode != 0:
             last = (res.stderr.strip().splitlines() or ["(no output)"])[-1]
             raise ShoalError(f"benchmark run {name} failed: {last}")
 
-    def torchrun(self, program: list[str], hosts: int, out: Path, name: str) -> None:
+    def torchrun(self, program: list[str], hosts: int, out: Path, name: str,
+                 secrets: dict[str, str] | None = None) -> None:
         """``torchrun ... PROGRAM`` across ``hosts`` emulated hosts, its output in
         ``out/torchrun.log``."""
         code = self._cluster(hosts).torchrun(program, timeout=self.timeout,
-                                             log=out / "torchrun.log")
+                                             log=out / "torchrun.log", env=secrets)
         if code:
             raise ShoalError(f"benchmark run {name} failed on the emulated cluster (exit "
                              f"{code}); see {out / 'torchrun.log'}")

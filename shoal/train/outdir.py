@@ -14,6 +14,7 @@ import socket
 from pathlib import Path
 from types import TracebackType
 
+from shoal.core.trust import open_own
 from shoal.errors import ShoalError
 
 LOCK_NAME = ".shoal.lock"
@@ -29,7 +30,9 @@ class OutputLock:
     def acquire(self) -> None:
         self.path.parent.mkdir(parents=True, exist_ok=True)
         while True:
-            fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+            # Never through a link, and only a lock file of this user's: truncating one
+            # planted as a link to another file would destroy that file.
+            fd = open_own(self.path, os.O_RDWR | os.O_CREAT, 0o644)
             try:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             except BlockingIOError:

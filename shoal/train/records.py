@@ -5,10 +5,12 @@ from __future__ import annotations
 
 import json
 import math
+import os
 from pathlib import Path
 from typing import Any
 
 from shoal.core.files import atomic_write
+from shoal.core.trust import open_own
 from shoal.errors import ShoalError
 
 
@@ -74,12 +76,13 @@ class MetricsLog:
         path.parent.mkdir(parents=True, exist_ok=True)
         source = history if history is not None and history.is_file() else path
         if keep_until_step is None:
-            path.write_text("")
+            atomic_write(path, lambda f: None)  # a new, empty log (replacing, not truncating)
         elif source.exists():
             kept = [line for line in source.read_text().splitlines()
                     if line.strip() and json.loads(line).get("step", 0) <= keep_until_step]
             atomic_write(path, lambda f: f.write("".join(k + "\n" for k in kept).encode()))
-        self._file = path.open("a")
+        # Appended to, never through a link someone planted in --out.
+        self._file = os.fdopen(open_own(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644), "a")
 
     def write(self, record: dict[str, Any]) -> None:
         self._file.write(json.dumps(_clean(record)) + "\n")

@@ -26,6 +26,7 @@ from shoal.config import TrainConfig
 from shoal.core.comm import Comm
 from shoal.core.env import Environment
 from shoal.core.timeline import CHECKPOINT, COMPUTE, DATA, EVAL, OPTIM, OTHER
+from shoal.core.trust import check_out_dir
 from shoal.data import DataOptions, Dataset, EpochPlan, ShardLoader, load_dataset, resolve_workers
 from shoal.data.augment import flip_and_crop
 from shoal.errors import ShoalError
@@ -80,6 +81,7 @@ def preflight(cfg: TrainConfig, world: int, data: Dataset | None = None) -> Data
     EpochPlan(len(data.train), cfg.global_batch(world), world, cfg.seed)
     check_features(cfg, data)
     out = Path(cfg.out)
+    check_out_dir(out)
     if out.exists() and not out.is_dir():
         raise ShoalError(f"--out {out} exists and is not a directory")
     holds_run = any((out / f).exists() for f in ("checkpoint.pt", "metrics.jsonl"))

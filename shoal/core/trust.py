@@ -1,0 +1,174 @@
+"""Folders and files shoal acts on later, made so that nobody else can plant or swap them.
+
+A folder that holds instructions shoal reads back (a planning session's trials, a trial's
+settings) is made by :func:`private_dir`: new, owner-only, or refused in one line when it
+exists and is not this user's own with a safe mode. What is read back from it is opened by
+:func:`open_own` (never through a symbolic link, and only a file this user owns) and, where
+it is an instruction, checked by a :class:`Seal`: an HMAC under a secret that lives only in
+the memory and environment of the processes of one session, so a file that shoal did not
+write there, or wrote for another session, is refused whatever the folder's state.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import json
+import os
+import secrets
+import stat
+from pathlib import Path
+from typing import Any
+
+from shoal.errors import ShoalError
+
+#: The environment variable that hands a session's secret to the processes it starts
+#: (an environment is readable by its owner only, unlike a command line).
+SEAL_KEY_VAR = "SHOAL_SESSION_KEY"
+
+
+def _describe(st: os.stat_result) -> str:
+    return f"owner uid {st.st_uid}, mode {stat.S_IMODE(st.st_mode):04o}"
+
+
+def check_private_dir(path: Path, what: str = "folder") -> None:
+    """Raise a one-line :class:`ShoalError` unless ``path`` is a real folder (not a link) of
+    this user's that no one else may write into."""
+    try:
+        st = os.lstat(path)
+    except OSError as exc:
+        raise ShoalError(f"cannot use {what} {path}: {exc.strerror}") from None
+    if not stat.S_ISDIR(st.st_mode):
+        raise ShoalError(f"{what} {path} exists and is not a folder (a link or a file): "
+                         "shoal made none there; remove it or choose another --out")
+    if st.st_uid != os.geteuid() or st.st_mode & 0o022:
+        raise ShoalError(f"{what} {path} exists and is not a private folder of yours "
+                         f"({_describe(st)}): someone else could plant files in it; remove it "
+                         "or choose another --out")
+
+
+def private_dir(path: Path, what: str = "folder") -> Path:
+    """``path`` as a folder only this user can enter: made now with mode 0700 (its parents
+    as usual), or, when it exists, checked to be this user's own and writable by no one
+    else (else a one-line :class:`ShoalError`). Returns ``path``."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        os.mkdir(path, 0o700)
+    except FileExistsError:
+        pass
+    except OSError as exc:
+        raise ShoalError(f"cannot make {what} {path}: {exc.strerror}") from None
+    check_private_dir(path, what)
+    return path
+
+
+def check_out_dir(path: Path, flag: str = "--out") -> None:
+    """Refuse, in one line, an output folder that someone else could plant files in or swap:
+    one that exists and is not this user's, or is writable by everyone, or that lies inside a
+    folder writable by everyone without the sticky bit (as ``/tmp`` has). shoal reads its
+    own files back from there (a checkpoint to resume, a log to go on with)."""
+    path = Path(path).absolute()
+    for folder in (path, *path.parents):
+        try:
+            st = os.stat(folder)
+        except OSError:
+            continue  # not made yet (shoal makes it), or not ours to judge
+        if folder == path:
+            if not stat.S_ISDIR(st.st_mode):
+                return  # not a folder: the caller's own checks say so
+            if st.st_uid != os.geteuid() or st.st_mode & 0o002:
+                raise ShoalError(f"{flag} {path} is not a folder of yours that only you can write "
+                                 f"({_describe(st)}): someone else could plant or replace the "
+                                 "files shoal reads back; choose another folder")
+        elif st.st_mode & 0o002 and not st.st_mode & stat.S_ISVTX:
+            raise ShoalError(f"{flag} {path} lies inside {folder}, which anyone can write "
+                             f"({_describe(st)}, no sticky bit): someone else could replace "
+                             "the run's folder; choose another place")
+
+
+def open_own(path: Path, flags: int = os.O_RDONLY, mode: int = 0o600) -> int:
+    """``os.open(path, flags)`` that never follows a symbolic link and, for a file that was
+    there already, accepts it only when this user owns it. Returns the descriptor."""
+    try:
+        fd = os.open(path, flags | os.O_NOFOLLOW | getattr(os, "O_CLOEXEC", 0), mode)
+    except OSError:
+        if os.path.islink(path):
+            raise ShoalError(f"{path} is a symbolic link; shoal does not write or read "
+                             "through links it did not make: remove it") from None
+        raise
+    st = os.fstat(fd)
+    if st.st_uid != os.geteuid() or not stat.S_ISREG(st.st_mode):
+        os.close(fd)
+        raise ShoalError(f"{path} is not a file of yours ({_describe(st)}): shoal did not "
+                         "write it; remove it or choose another --out")
+    return fd
+
+
+def read_own_text(path: Path) -> str:
+    """The text of ``path``, a regular file of this user's reached without a link."""
+    with os.fdopen(open_own(path), "r") as f:
+        return f.read()
+
+
+class Seal:
+    """Signs JSON-able values and checks them back (HMAC-SHA256 under a random secret).
+
+    One seal per session: the controller makes it (``Seal()``), hands :attr:`key_hex` to the
+    processes it starts through their environment (:data:`SEAL_KEY_VAR`), and they rebuild
+    it with :meth:`from_environment`.
+    """
+
+    def __init__(self, key: bytes | None = None) -> None:
+        self._key = key if key is not None else secrets.token_bytes(32)
+
+    @property
+    def key_hex(self) -> str:
+        return self._key.hex()
+
+    @classmethod
+    def from_environment(cls) -> Seal:
+        """The seal whose secret this process's starter put in :data:`SEAL_KEY_VAR`."""
+        value = os.environ.get(SEAL_KEY_VAR, "")
+        try:
+            key = bytes.fromhex(value)
+        except ValueError:
+            key = b""
+        if len(key) < 16:
+            raise ShoalError(f"no session secret in {SEAL_KEY_VAR}: this process must be started "
+                             "by the shoal process that owns the session")
+        return cls(key)
+
+    def _mac(self, body: str) -> str:
+        return hmac.new(self._key, body.encode(), hashlib.sha256).hexdigest()
+
+    def dumps(self, value: Any) -> str:
+        """``value`` as one JSON text with its signature."""
+        body = json.dumps(value, sort_keys=True)
+        return json.dumps({"body": body, "mac": self._mac(body)})
+
+    def loads(self, text: str, where: str) -> Any:
+        """The value :meth:`dumps` sealed into ``text``; a one-line :class:`ShoalError`
+        naming ``where`` when it was not sealed by this session."""
+        try:
+            outer = json.loads(text)
+            body, mac = outer["body"], outer["mac"]
+            good = isinstance(body, str) and isinstance(mac, str) and hmac.compare_digest(
+                self._mac(body), mac)
+        except (ValueError, TypeError, KeyError):
+            good = False
+        if not good:
+            raise ShoalError(f"{where} was not written by this shoal session (its signature "
+                             "does not match): refusing to act on it")
+        return json.loads(body)
+
+    def write(self, path: Path, value: Any) -> None:
+        """Write ``value`` sealed to ``path``, atomically (never through a link)."""
+        from shoal.core.files import atomic_write
+
+        text = self.dumps(value)
+        atomic_write(path, lambda f: f.write(text.encode()))
+
+    def read(self, path: Path) -> Any:
+        """The sealed value in ``path`` (a file of this user's, checked as :meth:`loads`)."""
+        return self.loads(read_own_text(path), str(path))
