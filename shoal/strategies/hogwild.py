@@ -24,12 +24,14 @@ from __future__ import annotations
 
 import os
 import tempfile
+from pathlib import Path
 from typing import Any
 
 import torch
 from torch import nn
 
 from shoal.core.env import Environment, detect_environment
+from shoal.core.trust import open_own
 from shoal.errors import ShoalError
 from shoal.strategies.asynchronous import AsyncStrategy
 from shoal.strategies.base import NoOptions
@@ -65,6 +67,7 @@ def map_shared_file(path: str, numel: int, dtype: torch.dtype) -> torch.Tensor:
     """``path``'s ``numel`` values of ``dtype``, mapped shared: writes reach every mapper."""
     expected = numel * torch.empty((), dtype=dtype).element_size()
     try:
+        os.close(open_own(Path(path)))  # the server's file: this user's, not through a link
         size = os.path.getsize(path)
     except OSError as exc:
         raise ShoalError(f"hogwild: cannot open the shared parameter file {path}: "
