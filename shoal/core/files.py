@@ -1,14 +1,19 @@
-"""Files that are never half-written: :func:`atomic_write`, and the clean-up after a kill.
+"""Files that are never half-written: :func:`atomic_write`, and the clean-up after a kill;
+output directories checked before any work (:func:`check_output_dir`,
+:func:`make_output_dir`); results read back without trusting them (:func:`read_json`,
+:func:`read_records`).
 
 Every file a run writes whole (checkpoints, ``summary.json``, ``config.json``, the trace, a
 trimmed ``metrics.jsonl``) goes through :func:`atomic_write`: a temporary file in the same
 directory, flushed to disk and renamed over the old one, so a crash at any moment leaves
-either the old or the new file.
+either the old or the new file. A result another process was to write may still be
+missing or malformed (that process was killed, or failed): reading it is one line then.
 """
 
 from __future__ import annotations
 
 import errno
+import json
 import os
 import re
 import tempfile
@@ -110,3 +115,74 @@ def remove_stale_temporaries(directory: Path) -> None:
         for tmp in directory.iterdir():
             if _OWN_TEMPORARY.fullmatch(tmp.name) and tmp.is_file():
                 tmp.unlink(missing_ok=True)
+
+
+def check_output_dir(path: Path, flag: str = "--out") -> None:
+    """Raise a one-line :class:`ShoalError` naming ``flag`` when ``path`` cannot become an
+    output directory, creating nothing: an existing file, a path under a file, a directory
+    (or, for a new one, its nearest existing parent) this process may not write in, or one
+    on a read-only file system."""
+    path = Path(path)
+    try:
+        if path.exists() and not path.is_dir():
+            raise ShoalError(f"{flag} {path} exists and is not a directory")
+        existing = next(p for p in (path.absolute(), *path.absolute().parents) if p.exists())
+        if not existing.is_dir():
+            raise ShoalError(f"{flag} {path} is under {existing}, which is not a directory")
+        if not os.access(existing, os.W_OK | os.X_OK):
+            raise ShoalError(f"{flag} {path}: no permission to write in {existing}")
+        if os.statvfs(existing).f_flag & os.ST_RDONLY:
+            raise ShoalError(f"{flag} {path} is on a read-only file system")
+    except OSError as exc:  # a parent it may not even look into, a name too long, ...
+        raise ShoalError(f"{flag} {path}: cannot write there "
+                         f"({exc.strerror or type(exc).__name__})") from None
+
+
+def make_output_dir(path: Path, flag: str = "--out") -> None:
+    """Create the output directory ``path`` (and its parents) and make sure a file can be
+    written in it (a probe, removed at once; what a special file system such as /proc
+    refuses shows only then), or raise a one-line :class:`ShoalError` naming ``flag``."""
+    check_output_dir(path, flag)
+    try:
+        Path(path).mkdir(parents=True, exist_ok=True)
+        fd, probe = tempfile.mkstemp(prefix=f"{TMP_PREFIX}probe.", suffix=".tmp", dir=path)
+        os.close(fd)
+        os.unlink(probe)
+    except OSError as exc:
+        raise ShoalError(f"{flag} {path}: cannot write there "
+                         f"({exc.strerror or type(exc).__name__})") from None
+
+
+def read_json(path: Path, what: str) -> Any:
+    """The JSON value in ``path``, or a one-line :class:`ShoalError` that names ``what`` (the
+    ``summary`` of a run) when the file is missing, unreadable or not JSON."""
+    try:
+        return json.loads(Path(path).read_bytes())
+    except FileNotFoundError:
+        raise ShoalError(f"no {what} at {path}") from None
+    except (OSError, ValueError, RecursionError) as exc:
+        reason = (str(exc).splitlines() or [type(exc).__name__])[0]
+        raise ShoalError(f"the {what} {path} is not readable JSON ({reason})") from None
+
+
+def read_records(path: Path, what: str) -> list[dict[str, Any]]:
+    """The records of the JSON-lines file ``path`` (``metrics.jsonl``), each a mapping, or a
+    one-line :class:`ShoalError` naming ``what`` and the first bad line."""
+    try:
+        lines = Path(path).read_bytes().splitlines()
+    except FileNotFoundError:
+        raise ShoalError(f"no {what} at {path}") from None
+    except OSError as exc:
+        raise ShoalError(f"the {what} {path} is not readable ({exc.strerror})") from None
+    records = []
+    for number, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        try:
+            record = json.loads(line)
+        except (ValueError, RecursionError):
+            record = None
+        if not isinstance(record, dict):
+            raise ShoalError(f"the {what} {path} has a malformed line {number}")
+        records.append(record)
+    return records

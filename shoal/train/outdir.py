@@ -14,6 +14,7 @@ import socket
 from pathlib import Path
 from types import TracebackType
 
+from shoal.core.files import make_output_dir
 from shoal.errors import ShoalError
 
 LOCK_NAME = ".shoal.lock"
@@ -27,7 +28,7 @@ class OutputLock:
         self._fd: int | None = None
 
     def acquire(self) -> None:
-        self.path.parent.mkdir(parents=True, exist_ok=True)
+        make_output_dir(self.path.parent)  # or one line: under /proc, no permission, ...
         while True:
             fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
             try:
