@@ -34,6 +34,7 @@ from typing import Any
 
 from shoal.config import TrainConfig
 from shoal.core.failures import first_line
+from shoal.core.files import read_json
 from shoal.errors import ShoalError
 from shoal.train.records import write_json
 
@@ -195,10 +196,15 @@ class Session:
         write_json(self.dir / f"trial-{k}.json", cfg.to_dict())
         done = self.dir / f"trial-{k}.done"
         self._wait(done, f"trial {k}")
-        error = json.loads(done.read_text())["error"]
+        try:
+            result = read_json(done, "trial's result")
+            error = result["error"] if isinstance(result, dict) and "error" in result \
+                else f"{done} holds no trial result"
+        except ShoalError as exc:
+            error = str(exc)
         if error is not None:  # the session is over: its workers leave together
             self.close()
-            raise ShoalError(error)
+            raise ShoalError(str(error))
         return startup
 
     def _join(self, seconds: float) -> None:

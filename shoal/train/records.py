@@ -61,6 +61,16 @@ class TensorBoardLog:
         self.writer.close()
 
 
+def _step(line: str) -> float | None:
+    """The step of a ``metrics.jsonl`` line (0 for a record without one); ``None`` for a
+    line that is no record (a blank one, or one torn when its writer was killed)."""
+    try:
+        record = json.loads(line) if line.strip() else None
+        return float(record.get("step", 0)) if isinstance(record, dict) else None
+    except (ValueError, TypeError):
+        return None
+
+
 class MetricsLog:
     """Appends records to ``metrics.jsonl``; each line is flushed as it is written."""
 
@@ -77,7 +87,7 @@ class MetricsLog:
             path.write_text("")
         elif source.exists():
             kept = [line for line in source.read_text().splitlines()
-                    if line.strip() and json.loads(line).get("step", 0) <= keep_until_step]
+                    if _step(line) is not None and _step(line) <= keep_until_step]
             atomic_write(path, lambda f: f.write("".join(k + "\n" for k in kept).encode()))
         self._file = path.open("a")
 
