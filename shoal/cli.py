@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import re
 import sys
 import traceback
 from collections.abc import Sequence
@@ -42,10 +43,17 @@ EXIT_DEGRADED = 3
 
 
 class _Parser(argparse.ArgumentParser):
-    """argparse, but a usage error is one line naming the problem."""
+    """argparse, but a usage error is one line naming the problem (``main`` prints it after
+    ``shoal: error:``), and a value that begins with ``-`` and a digit, a dot, ``inf`` or
+    ``nan`` is a value (``--plan-budget -5m``, ``--lr -1e5``), which the flag's own check
+    then names, not an unknown option."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._negative_number_matcher = re.compile(r"^-(\d|\.\d|inf|nan)", re.IGNORECASE)
 
     def error(self, message: str) -> NoReturn:
-        raise ShoalError(f"{self.prog}: {message} (see {self.prog} --help)")
+        raise ShoalError(f"{message} (see {self.prog} --help)")
 
 
 def _add_strategy_options(group: argparse._ArgumentGroup) -> None:
@@ -213,16 +221,17 @@ def _run(args: argparse.Namespace) -> None:
     import importlib.util
     import os
 
+    from shoal.core.env import MAX_THREADS
     from shoal.runtime import launch, run_main
 
     if not args.target:
-        raise ShoalError("shoal run: give a SCRIPT or -m MODULE to run (see shoal run --help)")
+        raise ShoalError("give a SCRIPT or -m MODULE to run (see shoal run --help)")
     target, script_args = args.target[0], args.target[1:]
     if args.workers < 1:
-        raise ShoalError(f"shoal run: --workers must be at least 1, got {args.workers}")
-    if args.threads_per_worker is not None and args.threads_per_worker < 1:
-        raise ShoalError("shoal run: --threads-per-worker must be at least 1, "
-                         f"got {args.threads_per_worker}")
+        raise ShoalError(f"--workers must be at least 1, got {args.workers}")
+    if args.threads_per_worker is not None and not 1 <= args.threads_per_worker <= MAX_THREADS:
+        raise ShoalError(f"--threads-per-worker must be from 1 to {MAX_THREADS}, "
+                         f"got {show_value(args.threads_per_worker)}")
     if args.module:
         sys.path.insert(0, os.getcwd())  # where `python -m` looks first, as the workers will
         try:
@@ -232,9 +241,9 @@ def _run(args: argparse.Namespace) -> None:
         finally:
             sys.path.pop(0)
         if not found:
-            raise ShoalError(f"shoal run: no module named {target!r}")
+            raise ShoalError(f"no module named {target!r}")
     elif not os.path.isfile(target):
-        raise ShoalError(f"shoal run: no such file: {target}")
+        raise ShoalError(f"no such file: {target}")
     launch(run_main, target, script_args, module=args.module, threads=args.threads_per_worker,
            workers=args.workers)
 
@@ -270,12 +279,14 @@ def _plan(args: argparse.Namespace) -> int:
         return run_simulate(config_from_args(args), simulation)
     if simulation:
         flags = ", ".join("--" + k[4:].replace("_", "-") for k in sorted(simulation))
-        raise ShoalError(f"shoal plan: {flags} belong(s) to --simulate; add --simulate")
+        raise ShoalError(f"{flags} belong(s) to --simulate; add --simulate")
     from shoal.plan import plan
 
     found = plan(config_from_args(args))
     print(found.files["md"].read_text())
     print(f"wrote {', '.join(str(p) for p in found.files.values())}")
+    if found.winner is None:
+        raise ShoalError(f"planning found no configuration that trains: see {found.files['md']}")
     return 0
 
 
@@ -419,36 +430,60 @@ def _one_line(message: str) -> str:
     return message.strip().replace("\r", "\\r").replace("\n", "\\n")
 
 
+def _train(args: argparse.Namespace) -> int:
+    """``shoal train`` (planning first with ``--strategy auto``); its exit status."""
+    cfg = config_from_args(args)
+    if cfg.strategy == "auto":
+        from shoal.plan import plan_and_train
+
+        summary = plan_and_train(cfg)
+    else:
+        from shoal.train import train
+
+        summary = train(cfg)
+    if _stopped_by_sigterm(summary):
+        return EXIT_TERMINATED
+    if summary is not None and summary.get("degraded"):
+        for lost in summary["lost_workers"]:
+            print(f"shoal: completed without worker {lost['worker']} (lost at step "
+                  f"{lost['step']}, {lost.get('exit_status') or lost['error']}); "
+                  f"{lost['samples_not_trained']} samples of its shard were not "
+                  "trained on", file=sys.stderr)
+        return EXIT_DEGRADED
+    return 0
+
+
+def _error(exc: ShoalError, debug: bool) -> int:
+    """Print ``exc`` as the one line ``shoal: error: ...`` (with ``--debug``, the traceback
+    before it); its exit status. A worker's crash suggests ``--debug`` only where the
+    worker left a traceback (not one killed by a signal)."""
+    worker = isinstance(exc, WorkerError)
+    if debug:
+        traceback.print_exc()
+        if worker and exc.traceback:
+            print(f"--- traceback on rank {exc.rank} ---\n{exc.traceback}", file=sys.stderr)
+    if worker and not exc.user_error:
+        hint = "" if debug or not exc.traceback else " (run with --debug for the traceback)"
+        print(f"shoal: error: {_one_line(str(exc))}{hint}", file=sys.stderr)
+        return EXIT_FAILURE
+    print(f"shoal: error: {'' if worker else _where()}{_one_line(str(exc))}", file=sys.stderr)
+    return EXIT_USER_ERROR
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     debug = "--debug" in argv  # until parsed: `shoal run x.py --debug` is the script's flag
     try:
-        args = build_parser().parse_args(argv)
+        args, extra = build_parser().parse_known_args(argv)
         debug = bool(getattr(args, "debug", False))
+        if extra:  # the subcommand's own help knows its flags
+            command = f"shoal {args.command}" if args.command else "shoal"
+            raise ShoalError(f"unrecognized arguments: {' '.join(extra)} (see {command} --help)")
         if args.command == "train":
-            cfg = config_from_args(args)
-            if cfg.strategy == "auto":
-                from shoal.plan import plan_and_train
-
-                summary = plan_and_train(cfg)
-            else:
-                from shoal.train import train
-
-                summary = train(cfg)
-            if _stopped_by_sigterm(summary):
-                return EXIT_TERMINATED
-            if summary is not None and summary.get("degraded"):
-                for lost in summary["lost_workers"]:
-                    print(f"shoal: completed without worker {lost['worker']} (lost at step "
-                          f"{lost['step']}, {lost.get('exit_status') or lost['error']}); "
-                          f"{lost['samples_not_trained']} samples of its shard were not "
-                          "trained on", file=sys.stderr)
-                return EXIT_DEGRADED
-        elif args.command == "plan":
-            status = _plan(args)
-            if status:
-                return status
-        elif args.command == "run":
+            return _train(args)
+        if args.command == "plan":
+            return _plan(args)
+        if args.command == "run":
             _run(args)
         elif args.command == "bench":
             _bench(args, argv)
@@ -464,17 +499,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         print("shoal: interrupted", file=sys.stderr)
         return EXIT_INTERRUPTED
     except ShoalError as exc:
-        where = _where() if not isinstance(exc, WorkerError) else ""
-        if debug:
-            traceback.print_exc()
-            if isinstance(exc, WorkerError) and exc.traceback:
-                print(f"--- traceback on rank {exc.rank} ---\n{exc.traceback}", file=sys.stderr)
-        if isinstance(exc, WorkerError) and not exc.user_error:
-            hint = "" if debug else " (run with --debug for the traceback)"
-            print(f"shoal: error: {_one_line(str(exc))}{hint}", file=sys.stderr)
-            return EXIT_FAILURE
-        print(f"shoal: error: {where}{_one_line(str(exc))}", file=sys.stderr)
-        return EXIT_USER_ERROR
+        return _error(exc, debug)
     except Exception as exc:
         if debug:
             traceback.print_exc()
