@@ -16,8 +16,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from shoal.core.env import MAX_THREADS
 from shoal.errors import ShoalError
 from shoal.schema import (
+    MAX_DURATION_S,
     MAX_FLOAT,
     check_bounds,
     check_rules,
@@ -25,9 +27,13 @@ from shoal.schema import (
     field_kind,
     field_types,
     flag_name,
+    float_or_text,
+    int_or_text,
+    parse_duration,
     parse_floats,
     parse_names,
     parse_shape,
+    parse_step_window,
     setting,
     show_value,
 )
@@ -46,7 +52,7 @@ MAX_SEED = 2**32 - 1
 #: ``--timeout`` and ``--heartbeat-timeout`` are at most a week, in seconds: far beyond any
 #: sane wait, and far below what ``timedelta`` (about 8.6e13 s) and Gloo's rendezvous (which
 #: fails at once from about 1e10 s) can hold.
-MAX_TIMEOUT = 7 * 24 * 3600.0
+MAX_TIMEOUT = MAX_DURATION_S
 
 
 def _models() -> str:
@@ -59,23 +65,6 @@ def _datasets() -> str:
     from shoal.data import dataset_names
 
     return ", ".join(dataset_names())
-
-
-def parse_momentum(text: str) -> float | str:
-    """``0.9`` -> 0.9; ``auto`` and ``auto:0.95`` stay text (:meth:`TrainConfig.validate`
-    checks them)."""
-    try:
-        return float(text)
-    except ValueError:
-        return text
-
-
-def parse_count(text: str) -> int | str:
-    """``2`` -> 2; ``auto`` (or a mistake) stays text, for :meth:`TrainConfig.validate`."""
-    try:
-        return int(text)
-    except ValueError:
-        return text
 
 
 @dataclass
@@ -102,7 +91,7 @@ class TrainConfig:
                                         "(decode) the batches, through torch's DataLoader; "
                                         "auto: 0 for data held in memory, else min(4, cores "
                                         "per worker)", metavar="N|auto",
-                                        parse=parse_count, kind="an integer or auto")
+                                        parse=int_or_text, kind="an integer or auto")
 
     workers: int | None = setting(None, "local worker processes to spawn (default: one per GPU "
                                   "with --device cuda, else 1); not used under "
@@ -143,7 +132,7 @@ class TrainConfig:
     momentum: float | str = setting(0.9, "SGD momentum, below 1; auto: Omnivore's max(0, T - "
                                     "(1 - 1/g)) for a run of g asynchronous groups (auto:T, "
                                     "default target T 0.9)", metavar="M|auto[:T]",
-                                    parse=parse_momentum, kind="a number, auto or auto:T")
+                                    parse=float_or_text, kind="a number, auto or auto:T")
     #: What ``--momentum auto`` became (target, groups, implicit and explicit momentum); set
     #: when the run starts (:func:`shoal.train.optim.resolve_momentum`), kept in config.json.
     momentum_auto: dict[str, float] | None = setting(None, flag=False)
@@ -290,6 +279,9 @@ class TrainConfig:
             raise ShoalError(f"--seed must be from 0 to {MAX_SEED}, got {show_value(self.seed)}")
         if not self.out:
             raise ShoalError("--out must name a directory, got ''")
+        if self.threads_per_worker is not None and self.threads_per_worker > MAX_THREADS:
+            raise ShoalError(f"--threads-per-worker must be at most {MAX_THREADS}, got "
+                             f"{show_value(self.threads_per_worker)}")
         from shoal.data.loader import check_workers
 
         check_workers(self.loader_workers)
@@ -305,8 +297,6 @@ class TrainConfig:
             raise ShoalError(f"--lr-milestones must be positive epochs, got {self.lr_milestones}")
         if len(self.synthetic_shape) == 0 or any(d < 1 for d in self.synthetic_shape):
             raise ShoalError(f"--synthetic-shape must be positive sizes, got {self.synthetic_shape}")
-        if self.target_accuracy is not None and not 0 < self.target_accuracy <= 1:
-            raise ShoalError(f"--target-accuracy must be in (0, 1], got {self.target_accuracy}")
         if self.resume is not None and self.overwrite:
             raise ShoalError("--resume and --overwrite contradict each other")
         if self.init_from == "":
@@ -316,9 +306,7 @@ class TrainConfig:
         if self.init_from is not None and self.resume not in (None, "auto"):
             raise ShoalError("--init-from and --resume contradict each other (--resume goes on "
                              "with this run's own checkpoint)")
-        if self.replan_every is not None and self.strategy != "auto":
-            raise ShoalError(f"--replan-every re-plans a --strategy auto run; this run has "
-                             f"--strategy {self.strategy}")
+        self._check_planning()
         if self.profile is not None:
             self.profile = parse_step_window(self.profile)
         for name in hints:  # what the checks above leave: floats finite float32, ints int64
@@ -327,6 +315,20 @@ class TrainConfig:
             raise ShoalError(f"--lr {self.lr:g} --scale-lr with {self.workers} workers is "
                              f"beyond float32 ({MAX_FLOAT:.3g})")
         return self
+
+    def _check_planning(self) -> None:
+        """The planning settings, whatever the strategy: a setting that only planning reads
+        is still a mistake to point out before the run, not after it."""
+        if self.target_accuracy is not None and not 0 < self.target_accuracy <= 1:
+            raise ShoalError(f"--target-accuracy must be in (0, 1], got {self.target_accuracy}")
+        parse_duration(self.plan_budget, "--plan-budget")
+        if not self.plan_candidates:
+            raise ShoalError("--plan-candidates must name at least one strategy, got none")
+        if self.replan_every is not None:
+            if self.strategy != "auto":
+                raise ShoalError(f"--replan-every re-plans a --strategy auto run; this run has "
+                                 f"--strategy {self.strategy}")
+            parse_duration(self.replan_every, "--replan-every")
 
     # -- (de)serialization ----------------------------------------------------------------
     def to_dict(self) -> dict[str, Any]:
@@ -370,26 +372,6 @@ def check_values(values: dict[str, Any], source: str) -> None:
         elif key in hints:  # the ranges: validate(), whose errors the caller may rename
             check_value(value, hints[key], f"{source}: {key}", bounds=False,
                         kind=field_kind(TrainConfig, key))
-
-
-def parse_step_window(value: Any) -> tuple[int, int]:
-    """``"20:25"``, ``[20, 25]`` or ``20`` -> ``(20, 25)`` / ``(20, 20)``: steps, both included."""
-    try:
-        if isinstance(value, str):
-            parts = [int(v) for v in value.split(":")]
-        elif isinstance(value, bool):
-            parts = []
-        elif isinstance(value, int):
-            parts = [value]
-        else:
-            parts = [int(v) for v in value]
-    except (TypeError, ValueError):
-        parts = []
-    if len(parts) == 1:
-        parts = parts * 2
-    if len(parts) != 2 or parts[0] < 1 or parts[1] < parts[0]:
-        raise ShoalError(f"--profile must be FIRST:LAST steps with 1 <= FIRST <= LAST, got {value!r}")
-    return parts[0], parts[1]
 
 
 def load_config_file(path: str) -> dict[str, Any]:

@@ -12,6 +12,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from shoal.core.files import make_output_dir
 from shoal.errors import ShoalError
 
 #: (header, summary key, format) of the report table's columns.
@@ -95,7 +96,7 @@ def report(paths: Sequence[Path], out: Path) -> dict[str, Path]:
         raise ShoalError("give at least one run directory")
     require_matplotlib()
     runs = [load_run(p, label) for p, label in zip(paths, _labels(paths), strict=True)]
-    out.mkdir(parents=True, exist_ok=True)
+    make_output_dir(out)
     files = {"png": out / "report.png", "md": out / "report.md"}
     report_figure(runs, files["png"])
     files["md"].write_text("# shoal report\n\n" + summary_table(runs)

@@ -37,6 +37,9 @@ MAX_INT = 2**63 - 1
 #: Every float setting is at most this in magnitude (the largest float32): learning rates,
 #: weight decay and strategy rates multiply float32 tensors, which cannot hold more.
 MAX_FLOAT = 3.4028234663852886e38
+#: A duration setting (``--plan-budget``, ``--replan-every``) is at most a week: beyond any
+#: plan, and within what the waits it becomes (process and thread timeouts) can hold.
+MAX_DURATION_S = 7 * 24 * 3600.0
 #: Numbers YAML 1.1 reads as strings (an exponent without a dot, or one without a sign:
 #: ``1e-3``, ``1.0e3``), which ``float()`` and the command-line flags read as numbers.
 _YAML_MISSED_FLOAT = re.compile(r"[-+]?(\d+(\.\d*)?|\.\d+)[eE][-+]?\d+")
@@ -114,6 +117,63 @@ def parse_threads(text: str) -> list[int | None]:
 def parse_names(text: str) -> list[str]:
     """``a, b,`` -> ``["a", "b"]``."""
     return [v.strip() for v in text.split(",") if v.strip()]
+
+
+def float_or_text(text: str) -> float | str:
+    """``0.9`` -> 0.9; other text (``auto``, ``auto:0.95``, a mistake) stays text, for the
+    setting's own check."""
+    try:
+        return float(text)
+    except ValueError:
+        return text
+
+
+def int_or_text(text: str) -> int | str:
+    """``2`` -> 2; other text (``auto``, a mistake) stays text, for the setting's own check."""
+    try:
+        return int(text)
+    except ValueError:
+        return text
+
+
+def parse_step_window(value: Any) -> tuple[int, int]:
+    """``"20:25"``, ``[20, 25]`` or ``20`` -> ``(20, 25)`` / ``(20, 20)``: steps, both included."""
+    try:
+        if isinstance(value, str):
+            parts = [int(v) for v in value.split(":")]
+        elif isinstance(value, bool):
+            parts = []
+        elif isinstance(value, int):
+            parts = [value]
+        else:
+            parts = [int(v) for v in value]
+    except (TypeError, ValueError):
+        parts = []
+    if len(parts) == 1:
+        parts = parts * 2
+    if len(parts) != 2 or parts[0] < 1 or parts[1] < parts[0]:
+        raise ShoalError(f"--profile must be FIRST:LAST steps with 1 <= FIRST <= LAST, got {value!r}")
+    return parts[0], parts[1]
+
+
+def parse_duration(text: str, flag: str) -> float:
+    """``90``, ``90s``, ``5m``, ``1.5h`` -> seconds, more than none and at most
+    :data:`MAX_DURATION_S`; otherwise a one-line :class:`ShoalError` naming ``flag``."""
+    units = {"s": 1.0, "m": 60.0, "h": 3600.0}
+    value = str(text).strip().lower()
+    scale = units.get(value[-1:])
+    try:
+        seconds = float(value[:-1] if scale is not None else value) * (scale or 1.0)
+    except ValueError:
+        seconds = math.nan
+    if not math.isfinite(seconds):
+        raise ShoalError(f"{flag} must be a duration like 90s, 5m or 1h, got {show_value(text)}")
+    if seconds <= 0:
+        raise ShoalError(f"{flag} must be a positive duration like 90s, 5m or 1h, "
+                         f"got {show_value(text)}")
+    if seconds > MAX_DURATION_S:
+        raise ShoalError(f"{flag} must be at most a week (168h), got {show_value(text)}")
+    return seconds
 
 
 def _base_type(hint: Any) -> Any:

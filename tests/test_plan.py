@@ -11,7 +11,6 @@ import pytest
 
 from shoal.cli import main
 from shoal.errors import ShoalError
-from shoal.plan.planner import parse_duration
 from shoal.plan.search import (
     Candidate,
     Omnivore,
@@ -21,6 +20,7 @@ from shoal.plan.search import (
     group_knobs,
     rank,
 )
+from shoal.schema import parse_duration
 
 from conftest import one_error_line
 
@@ -218,10 +218,13 @@ def test_epochs_to_target():
 
 
 def test_durations():
-    assert [parse_duration(t) for t in ("90", "90s", "5m", "1.5h")] == [90, 90, 300, 5400]
-    for bad in ("soon", "-5m", "0", "nanm"):
-        with pytest.raises(ShoalError, match="--plan-budget"):
-            parse_duration(bad)
+    assert [parse_duration(t, "--plan-budget") for t in ("90", "90s", "5m", "1.5h", "168h")] \
+        == [90, 90, 300, 5400, 604800]
+    for bad, why in (("soon", "a duration"), ("nanm", "a duration"), ("1e400", "a duration"),
+                     ("-5m", "a positive duration"), ("0", "a positive duration"),
+                     ("1e99", "at most a week"), ("99999999999h", "at most a week")):
+        with pytest.raises(ShoalError, match=f"^--plan-budget must be {why}"):
+            parse_duration(bad, "--plan-budget")
 
 
 def test_auto_trains_the_plans_winner(tmp_path):

@@ -16,8 +16,9 @@ from shoal.config import TrainConfig
 from shoal.core.comm import Comm
 from shoal.core.env import Environment
 from shoal.errors import ShoalError
-from shoal.plan.planner import Planner, PlanOptions, parse_duration
+from shoal.plan.planner import Planner, PlanOptions
 from shoal.plan.search import Candidate, Plan, Trial
+from shoal.schema import parse_duration
 from shoal.train.optim import lr_factor
 from shoal.train.trainer import Trainer
 
@@ -184,7 +185,7 @@ def test_replanning_trains_to_the_end_replanning_within_a_tenth(tmp_path, monkey
     assert [where for _, where, _ in calls] == [out / "plan", out / "plan-1", out / "plan-2"]
     assert calls[0][2] is None
     for i, (c, _, incumbent) in enumerate(calls[1:]):
-        assert parse_duration(c.plan_budget) <= 0.1 * 10  # Omnivore's overhead rule
+        assert parse_duration(c.plan_budget, "--plan-budget") <= 0.1 * 10  # Omnivore's overhead rule
         assert c.init_from == str(out / "checkpoint.pt") and c.init_progress
         assert incumbent.candidate.strategy == winners[i][0]  # the one training until then
     summary = json.loads((out / "summary.json").read_text())

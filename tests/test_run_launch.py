@@ -221,14 +221,14 @@ def test_failing_script_is_one_line_and_stops_the_job(tmp_path, capfd, debug):
 
 
 @pytest.mark.parametrize("target, message", [
-    (["missing.py"], "shoal run: no such file: missing.py"),
-    (["-m", "no_such_module_here"], "shoal run: no module named 'no_such_module_here'"),
-    ([], "shoal run: give a SCRIPT or -m MODULE"),
+    (["missing.py"], "no such file: missing.py"),
+    (["-m", "no_such_module_here"], "no module named 'no_such_module_here'"),
+    ([], "give a SCRIPT or -m MODULE to run (see shoal run --help)"),
 ])
 def test_missing_script_is_one_line(capsys, target, message):
-    # In-process: refused before any worker starts.
+    # In-process: refused before any worker starts; one prefix, not "shoal: error: shoal run:"
     assert main(["run", "--workers", "2", *target]) == 2
-    assert message in one_error_line(capsys.readouterr().err)
+    assert one_error_line(capsys.readouterr().err) == f"shoal: error: {message}"
 
 
 # -- a plain script under torchrun's variables: atexit and excepthook ----------------------------

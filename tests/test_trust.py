@@ -17,7 +17,8 @@ from pathlib import Path
 
 import pytest
 
-from shoal.core.trust import Seal, check_out_dir, open_own, private_dir
+from shoal.core.files import check_output_dir
+from shoal.core.trust import Seal, open_own, private_dir
 from shoal.errors import ShoalError
 
 ROOT = os.geteuid() == 0
@@ -76,7 +77,7 @@ def test_a_folder_of_another_user_is_refused(tmp_path):
     with pytest.raises(ShoalError, match=f"owner uid {NOBODY}"):
         private_dir(theirs)
     with pytest.raises(ShoalError, match=f"--out {theirs} is not a folder of yours"):
-        check_out_dir(theirs)
+        check_output_dir(theirs)
 
 
 def test_an_out_folder_inside_a_world_writable_folder_without_sticky_bit_is_refused(tmp_path):
@@ -84,10 +85,10 @@ def test_an_out_folder_inside_a_world_writable_folder_without_sticky_bit_is_refu
     shared.mkdir()
     shared.chmod(0o777)
     with pytest.raises(ShoalError, match="lies inside .*shared, which anyone can write"):
-        check_out_dir(shared / "run")
+        check_output_dir(shared / "run")
     shared.chmod(0o777 | stat.S_ISVTX)  # like /tmp: others cannot rename what is ours
-    check_out_dir(shared / "run")
-    check_out_dir(tmp_path / "mine")
+    check_output_dir(shared / "run")
+    check_output_dir(tmp_path / "mine")
 
 
 def test_open_own_never_follows_a_link(tmp_path):

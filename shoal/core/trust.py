@@ -20,15 +20,12 @@ import stat
 from pathlib import Path
 from typing import Any
 
+from shoal.core.files import atomic_write, describe_stat
 from shoal.errors import ShoalError
 
 #: The environment variable that hands a session's secret to the processes it starts
 #: (an environment is readable by its owner only, unlike a command line).
 SEAL_KEY_VAR = "SHOAL_SESSION_KEY"
-
-
-def _describe(st: os.stat_result) -> str:
-    return f"owner uid {st.st_uid}, mode {stat.S_IMODE(st.st_mode):04o}"
 
 
 def check_private_dir(path: Path, what: str = "folder") -> None:
@@ -43,7 +40,7 @@ def check_private_dir(path: Path, what: str = "folder") -> None:
                          "shoal made none there; remove it or choose another --out")
     if st.st_uid != os.geteuid() or st.st_mode & 0o022:
         raise ShoalError(f"{what} {path} exists and is not a private folder of yours "
-                         f"({_describe(st)}): someone else could plant files in it; remove it "
+                         f"({describe_stat(st)}): someone else could plant files in it; remove it "
                          "or choose another --out")
 
 
@@ -63,30 +60,6 @@ def private_dir(path: Path, what: str = "folder") -> Path:
     return path
 
 
-def check_out_dir(path: Path, flag: str = "--out") -> None:
-    """Refuse, in one line, an output folder that someone else could plant files in or swap:
-    one that exists and is not this user's, or is writable by everyone, or that lies inside a
-    folder writable by everyone without the sticky bit (as ``/tmp`` has). shoal reads its
-    own files back from there (a checkpoint to resume, a log to go on with)."""
-    path = Path(path).absolute()
-    for folder in (path, *path.parents):
-        try:
-            st = os.stat(folder)
-        except OSError:
-            continue  # not made yet (shoal makes it), or not ours to judge
-        if folder == path:
-            if not stat.S_ISDIR(st.st_mode):
-                return  # not a folder: the caller's own checks say so
-            if st.st_uid != os.geteuid() or st.st_mode & 0o002:
-                raise ShoalError(f"{flag} {path} is not a folder of yours that only you can write "
-                                 f"({_describe(st)}): someone else could plant or replace the "
-                                 "files shoal reads back; choose another folder")
-        elif st.st_mode & 0o002 and not st.st_mode & stat.S_ISVTX:
-            raise ShoalError(f"{flag} {path} lies inside {folder}, which anyone can write "
-                             f"({_describe(st)}, no sticky bit): someone else could replace "
-                             "the run's folder; choose another place")
-
-
 def open_own(path: Path, flags: int = os.O_RDONLY, mode: int = 0o600) -> int:
     """``os.open(path, flags)`` that never follows a symbolic link and, for a file that was
     there already, accepts it only when this user owns it. Returns the descriptor."""
@@ -100,7 +73,7 @@ def open_own(path: Path, flags: int = os.O_RDONLY, mode: int = 0o600) -> int:
     st = os.fstat(fd)
     if st.st_uid != os.geteuid() or not stat.S_ISREG(st.st_mode):
         os.close(fd)
-        raise ShoalError(f"{path} is not a file of yours ({_describe(st)}): shoal did not "
+        raise ShoalError(f"{path} is not a file of yours ({describe_stat(st)}): shoal did not "
                          "write it; remove it or choose another --out")
     return fd
 
@@ -164,8 +137,6 @@ class Seal:
 
     def write(self, path: Path, value: Any) -> None:
         """Write ``value`` sealed to ``path``, atomically (never through a link)."""
-        from shoal.core.files import atomic_write
-
         text = self.dumps(value)
         atomic_write(path, lambda f: f.write(text.encode()))
 

@@ -21,10 +21,12 @@ from typing import Any
 
 from shoal.config import TrainConfig
 from shoal.core.env import detect_environment
+from shoal.core.files import check_output_dir
 from shoal.data import EpochPlan, load_dataset
 from shoal.errors import ShoalError
-from shoal.plan.planner import Planner, PlanOptions, parse_duration, start_of
+from shoal.plan.planner import Planner, PlanOptions, start_of
 from shoal.plan.search import Plan, Trial
+from shoal.schema import parse_duration
 from shoal.sweep.runner import Launcher
 from shoal.train import default_workers, preflight, train
 from shoal.train.checkpoint import load_checkpoint, save_checkpoint
@@ -52,6 +54,7 @@ def plan(cfg: TrainConfig, out: Path | None = None, launcher: Launcher | None = 
                          "or mpirun), then start the plan's winner under yours")
     workers = default_workers(cfg)
     out = Path(cfg.out) if out is None else out
+    check_output_dir(out)
     if (out / "plan.json").exists() and not cfg.overwrite:
         raise ShoalError(f"{out} already holds a plan; pass --overwrite to plan again")
     # The data, the model and the settings, checked as shoal train checks them.
@@ -92,9 +95,9 @@ def _train_replanning(cfg: TrainConfig, found: Plan, period: float) -> dict[str,
     training times. A re-plan's time is added to the checkpoint's wall time, so the records'
     ``elapsed_s`` count it."""
     out, checkpoint = Path(cfg.out), Path(cfg.out) / "checkpoint.pt"
-    budget = min(parse_duration(cfg.plan_budget), REPLAN_SHARE * period)
+    budget = min(parse_duration(cfg.plan_budget, "--plan-budget"), REPLAN_SHARE * period)
     go_on = dataclasses.replace(cfg, init_from=str(checkpoint), init_progress=True,
-                                overwrite=cfg.overwrite, plan_budget=f"{budget:.3f}s")
+                                overwrite=cfg.overwrite, plan_budget=f"{budget}s")
     assert found.winner is not None and found.winner.global_batch_size is not None
     rows = len(load_dataset(cfg.dataset, data_options(cfg)).train)
     spe = EpochPlan(rows, found.winner.global_batch_size, 1, cfg.seed).steps_per_epoch

@@ -53,6 +53,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from shoal.core.files import check_output_dir, make_output_dir
 from shoal.errors import ShoalError
 
 #: The SC17 paper's weak-scaling efficiency (You, Buluc & Demmel: 91.5% on 4,253 KNL cores).
@@ -496,6 +497,7 @@ def run_simulate(cfg: Any, args: argparse.Namespace | dict[str, Any]) -> int:
                   bool(opts.get("sim_host_cost", False)))
     loads = workloads(opts.get("sim_strategies") or DEFAULT_STRATEGIES, cfg.strategy_options)
     out = Path(cfg.out)
+    check_output_dir(out)  # before the calibration's minute
     target = out / "simulate.json"
     if target.exists() and not cfg.overwrite:
         raise ShoalError(f"{out} already holds a simulate.json; pass --overwrite to replace it")
@@ -517,7 +519,7 @@ def run_simulate(cfg: Any, args: argparse.Namespace | dict[str, Any]) -> int:
     rows = [predict(w, p, cfg.batch_size, params, cal, net) for w in loads for p in nodes]
     result = simulation_record(cfg, params, cal, net, rows)
     print(simulation_table(result))
-    out.mkdir(parents=True, exist_ok=True)
+    make_output_dir(out)
     write_json(target, result)
     print(f"wrote {target}")
     return 0

@@ -28,7 +28,8 @@ from pathlib import Path
 from typing import Any
 
 from shoal.config import TrainConfig
-from shoal.core.trust import check_out_dir, private_dir
+from shoal.core.files import read_json, read_records
+from shoal.core.trust import private_dir
 from shoal.data import EpochPlan, load_dataset
 from shoal.errors import ShoalError
 from shoal.plan.search import (
@@ -41,6 +42,7 @@ from shoal.plan.search import (
     trial_scale,
 )
 from shoal.plan.session import Session
+from shoal.schema import parse_duration
 from shoal.strategies import get_strategy
 from shoal.sweep.runner import Launcher
 from shoal.train.checkpoint import load_checkpoint
@@ -79,29 +81,14 @@ class PlanOptions:
         if cfg.trial_epochs is not None and cfg.trial_epochs > cfg.epochs:
             raise ShoalError(f"--trial-epochs {cfg.trial_epochs} is more than --epochs "
                              f"{cfg.epochs}")
-        return cls(cfg.target_accuracy, parse_duration(cfg.plan_budget), cfg.plan_candidates,
-                   cfg.trial_epochs)
+        return cls(cfg.target_accuracy, parse_duration(cfg.plan_budget, "--plan-budget"),
+                   cfg.plan_candidates, cfg.trial_epochs)
 
 
 def _periodic(name: str) -> bool:
     from shoal.strategies import PeriodicStrategy
 
     return issubclass(get_strategy(name), PeriodicStrategy)
-
-
-def parse_duration(text: str, flag: str = "--plan-budget") -> float:
-    """``90``, ``90s``, ``5m``, ``1.5h`` -> seconds; a one-line error otherwise (naming
-    ``flag``, the setting it reads)."""
-    units = {"s": 1.0, "m": 60.0, "h": 3600.0}
-    value = text.strip().lower()
-    scale = units.get(value[-1:])
-    try:
-        seconds = float(value[:-1] if scale is not None else value) * (scale or 1.0)
-    except ValueError:
-        seconds = math.nan
-    if not (math.isfinite(seconds) and seconds > 0):
-        raise ShoalError(f"{flag} must be a duration like 90s, 5m or 1h, got {text!r}")
-    return seconds
 
 
 class Planner:
@@ -259,16 +246,7 @@ class Planner:
                 trial.startup_s = self.session.run(cfg)
             else:
                 run_config(self.launcher, cfg, c.workers, name)
-            summary = json.loads((out / "summary.json").read_text())
-            if speed_only:
-                trial.epoch_s = _speed(summary, out, self.start, self.steps_per_epoch)
-            else:
-                trial.curve, trial.epoch_s = _curve(out, self.start, self.steps_per_epoch,
-                                                    self.cfg.eval_every)
-            trial.comm_fraction = summary.get("comm_fraction")
-            if not self.in_session(c):  # what the job spent before and after training
-                self.startups.append(max(0.0, time.monotonic() - started
-                                         - float(summary["wall_time_s"]) + self.start.wall_s))
+            self._measure(trial, out, started)
         except ShoalError as exc:
             message = str(exc)
             trial.diverged = any(d in message for d in DIVERGED)
@@ -279,6 +257,26 @@ class Planner:
         self.measured.append(trial)
         self._say(trial)
         return trial
+
+    def _measure(self, trial: Trial, out: Path, started: float) -> None:
+        """What ``trial``'s finished run in ``out`` measured (its summary.json and
+        metrics.jsonl); a missing or malformed file fails the trial with one line, as a
+        failed run does, and the search goes on."""
+        summary = read_json(out / "summary.json", "trial's summary")
+        try:
+            if trial.hardware_only:
+                trial.epoch_s = _speed(summary, out, self.start, self.steps_per_epoch)
+            else:
+                trial.curve, trial.epoch_s = _curve(out, self.start, self.steps_per_epoch,
+                                                    self.cfg.eval_every)
+            share = summary.get("comm_fraction")
+            trial.comm_fraction = float(share) if share is not None else None
+            if not self.in_session(trial.candidate):  # the job's time before and after training
+                self.startups.append(max(0.0, time.monotonic() - started
+                                         - float(summary["wall_time_s"]) + self.start.wall_s))
+        except (AttributeError, KeyError, TypeError, ValueError, ZeroDivisionError) as exc:
+            raise ShoalError(f"trial in {out} left malformed results ({type(exc).__name__}: "
+                             f"{exc})") from None
 
     def _say(self, t: Trial) -> None:
         what = ("diverged" if t.diverged else f"failed: {t.error}" if t.error else
@@ -294,7 +292,6 @@ class Planner:
     # -- the search -------------------------------------------------------------------------
     def run(self) -> Plan:
         """Search, write ``plan.json``, ``plan.md`` and ``plan.png`` into ``out``."""
-        check_out_dir(self.out)
         self.out.mkdir(parents=True, exist_ok=True)
         if self.show and sys.stderr.isatty():
             from tqdm import tqdm
@@ -360,12 +357,14 @@ def start_of(cfg: TrainConfig) -> Start:
     path = Path(cfg.init_from)
     progress = load_checkpoint(path, mmap=True)["progress"]
     log = path.parent / "metrics.jsonl"
-    records = [json.loads(line) for line in log.read_text().splitlines() if line.strip()] \
-        if log.is_file() else []
-    tested = [r["test_accuracy"] for r in records if r["event"] == "epoch"
-              and r["step"] <= progress["step"] and r.get("test_accuracy") is not None]
-    return Start(int(progress["step"]), float(progress["wall_time_s"]),
-                 float(tested[-1]) if tested else 0.0)
+    records = read_records(log, "run's records") if log.is_file() else []
+    try:
+        tested = [r["test_accuracy"] for r in records if r.get("event") == "epoch"
+                  and r["step"] <= progress["step"] and r.get("test_accuracy") is not None]
+        return Start(int(progress["step"]), float(progress["wall_time_s"]),
+                     float(tested[-1]) if tested else 0.0)
+    except (KeyError, TypeError, ValueError) as exc:
+        raise ShoalError(f"{log} holds a malformed record ({type(exc).__name__}: {exc})") from None
 
 
 def _curve(out: Path, start: Start, steps_per_epoch: int, eval_every: int = 1
@@ -375,8 +374,7 @@ def _curve(out: Path, start: Start, steps_per_epoch: int, eval_every: int = 1
     training time between its first and last test (warm: the first includes starting up)
     over the epochs between them, plus a test's time every ``eval_every`` epochs (as the run
     will test; the trial's many tests are not counted)."""
-    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()
-               if line.strip()]
+    records = read_records(out / "metrics.jsonl", "trial's records")
     tested = [r for r in records if r["event"] in ("epoch", "eval") and r["step"] > start.step
               and r.get("test_accuracy") is not None and math.isfinite(r["test_accuracy"])]
     if not tested:

@@ -54,7 +54,8 @@ def plan_figure(plan: Plan, settings: SearchSettings, path: Path) -> None:
     ax.set_xlabel("training time of the trial (s)")
     ax.set_ylabel("test accuracy")
     ax.grid(alpha=0.3)
-    ax.legend(fontsize=7, loc="lower right")
+    if ok:  # (no trial trained: no curve to name)
+        ax.legend(fontsize=7, loc="lower right")
     shown = [t for t in ok if math.isfinite(t.predicted_s)][:12]
     ys = list(range(len(shown)))
     bars.barh(ys, [t.predicted_s for t in shown], color=["C1" if i else "C0" for i in ys])

@@ -220,7 +220,7 @@ class Session:
         error = answer.get("error")
         if error is not None:  # the session is over: its workers leave together
             self.close()
-            raise ShoalError(error)
+            raise ShoalError(str(error))
         return startup
 
     def _join(self, seconds: float) -> None:

@@ -7,6 +7,7 @@ from pathlib import Path
 
 from shoal.core.env import default_threads
 from shoal.errors import ShoalError
+from shoal.schema import MAX_DURATION_S
 from shoal.strategies import get_strategy
 from shoal.sweep.spec import REFERENCE, StrategySpec
 
@@ -56,6 +57,9 @@ class BenchConfig:
             value = getattr(self, name)
             if value < 1:
                 raise ShoalError(f"--{name.replace('_', '-')} must be at least 1, got {value}")
+        if not 0 < self.run_timeout <= MAX_DURATION_S:  # a wait of the runner's: bounded
+            raise ShoalError(f"--run-timeout must be a positive number of seconds, at most a "
+                             f"week ({MAX_DURATION_S:.0f}), got {self.run_timeout:g}")
         if not self.workers or any(w < 1 for w in self.workers):
             raise ShoalError(f"--workers must be positive numbers, got {self.workers}")
         if any(t is not None and t < 1 for t in self.threads):

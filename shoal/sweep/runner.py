@@ -19,6 +19,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+from shoal.core.files import make_output_dir
 from shoal.emulate import Cluster, terminate_as_exception
 from shoal.errors import ShoalError
 from shoal.sweep.config import BenchConfig, Point, points
@@ -184,6 +185,7 @@ def run_bench(cfg: BenchConfig, command: str = "shoal bench") -> list[dict[str, 
 
     cfg.validate()
     require_matplotlib()  # before minutes of running, not after
+    make_output_dir(cfg.out)  # so is an --out that cannot be written
     todo = points(cfg)
     results: dict[Point, list[dict[str, Any]]] = {p: [] for p in todo}
     n, total = 0, len(todo) * cfg.repeats

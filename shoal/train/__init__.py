@@ -16,6 +16,7 @@ import torch
 from shoal.config import TrainConfig
 from shoal.core.comm import init_comm
 from shoal.core.env import Environment, default_threads, detect_environment
+from shoal.core.files import read_json
 from shoal.core.processes import Lost, spawn, stop_on_sigterm, stop_requested
 from shoal.core.timeline import Timeline
 from shoal.data import Dataset, as_dataset
@@ -72,7 +73,7 @@ def _last_logged_step(out: Path) -> int:
     last = 0
     with contextlib.suppress(OSError):
         for line in (out / "metrics.jsonl").read_text().splitlines():
-            with contextlib.suppress(ValueError):
+            with contextlib.suppress(ValueError, TypeError, AttributeError):  # a torn line
                 last = max(last, int(json.loads(line).get("step", 0)))
     return last
 
@@ -168,8 +169,7 @@ def train(cfg: TrainConfig, dataset: Any = None) -> dict[str, Any] | None:
             return run_worker(cfg, data)
         restarts, results = _run_with_restarts(cfg, world, servers, given)
         path = Path(cfg.out) / "summary.json"
-        with open(path) as f:
-            summary = json.load(f)
+        summary = read_json(path, "summary of the finished job")
         lost = {r.rank: r for r in results if isinstance(r, Lost)}
         for entry in summary.get("lost_workers", []):
             if entry["rank"] in lost:

@@ -15,6 +15,9 @@ center): what ``--init-from`` starts another run from, whatever its strategy.
 
 from __future__ import annotations
 
+import pickle
+import re
+import warnings
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any
@@ -72,7 +75,11 @@ def load_checkpoint(path: Path, mmap: bool = False) -> dict[str, Any]:
     if not path.is_file():
         raise ShoalError(f"no checkpoint at {path}")
     try:
-        payload = torch.load(path, map_location="cpu", weights_only=True, mmap=mmap)
+        with warnings.catch_warnings():  # its notes on a refused file's pickle protocol
+            warnings.simplefilter("ignore")
+            payload = torch.load(path, map_location="cpu", weights_only=True, mmap=mmap)
+    except pickle.UnpicklingError as exc:
+        raise ShoalError(_refused(path, str(exc))) from None
     except Exception as exc:
         first = (str(exc).splitlines() or [type(exc).__name__])[0]
         raise ShoalError(f"{path} is not a readable checkpoint ({first})") from None
@@ -82,6 +89,18 @@ def load_checkpoint(path: Path, mmap: bool = False) -> dict[str, Any]:
         raise ShoalError(f"{path} has checkpoint version {payload.get('version')}, "
                          f"this shoal reads version {VERSION}")
     return payload
+
+
+def _refused(path: Path, message: str) -> str:
+    """Why ``torch.load(weights_only=True)`` refused ``path``, in shoal's words: its
+    unpickler meets an object it does not allow (a file that would import and run code) or
+    no pickle at all. PyTorch's own message advises ``weights_only=False``, which would run
+    that code: shoal never does, and does not repeat the advice."""
+    named = re.search(r"GLOBAL ([\w.]+)", message)
+    if named:
+        return (f"{path} is not a checkpoint shoal can load safely: it asks to import "
+                f"{named.group(1).rstrip('.')}, and shoal loads only tensors and plain data")
+    return f"{path} is not a readable checkpoint (not a file of tensors and plain data)"
 
 
 def checkpoint_step(path: Path) -> int | None:

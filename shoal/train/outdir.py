@@ -14,6 +14,7 @@ import socket
 from pathlib import Path
 from types import TracebackType
 
+from shoal.core.files import make_output_dir
 from shoal.core.trust import open_own
 from shoal.errors import ShoalError
 
@@ -28,7 +29,7 @@ class OutputLock:
         self._fd: int | None = None
 
     def acquire(self) -> None:
-        self.path.parent.mkdir(parents=True, exist_ok=True)
+        make_output_dir(self.path.parent)  # or one line: under /proc, no permission, ...
         while True:
             # Never through a link, and only a lock file of this user's: truncating one
             # planted as a link to another file would destroy that file.

@@ -63,6 +63,16 @@ class TensorBoardLog:
         self.writer.close()
 
 
+def _step(line: str) -> float | None:
+    """The step of a ``metrics.jsonl`` line (0 for a record without one); ``None`` for a
+    line that is no record (a blank one, or one torn when its writer was killed)."""
+    try:
+        record = json.loads(line) if line.strip() else None
+        return float(record.get("step", 0)) if isinstance(record, dict) else None
+    except (ValueError, TypeError):
+        return None
+
+
 class MetricsLog:
     """Appends records to ``metrics.jsonl``; each line is flushed as it is written."""
 
@@ -79,7 +89,7 @@ class MetricsLog:
             atomic_write(path, lambda f: None)  # a new, empty log (replacing, not truncating)
         elif source.exists():
             kept = [line for line in source.read_text().splitlines()
-                    if line.strip() and json.loads(line).get("step", 0) <= keep_until_step]
+                    if _step(line) is not None and _step(line) <= keep_until_step]
             atomic_write(path, lambda f: f.write("".join(k + "\n" for k in kept).encode()))
         # Appended to, never through a link someone planted in --out.
         self._file = os.fdopen(open_own(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644), "a")

@@ -25,8 +25,8 @@ from torch import nn
 from shoal.config import TrainConfig
 from shoal.core.comm import Comm
 from shoal.core.env import Environment
+from shoal.core.files import check_output_dir
 from shoal.core.timeline import CHECKPOINT, COMPUTE, DATA, EVAL, OPTIM, OTHER
-from shoal.core.trust import check_out_dir
 from shoal.data import DataOptions, Dataset, EpochPlan, ShardLoader, load_dataset, resolve_workers
 from shoal.data.augment import flip_and_crop
 from shoal.errors import ShoalError
@@ -81,9 +81,7 @@ def preflight(cfg: TrainConfig, world: int, data: Dataset | None = None) -> Data
     EpochPlan(len(data.train), cfg.global_batch(world), world, cfg.seed)
     check_features(cfg, data)
     out = Path(cfg.out)
-    check_out_dir(out)
-    if out.exists() and not out.is_dir():
-        raise ShoalError(f"--out {out} exists and is not a directory")
+    check_output_dir(out)
     holds_run = any((out / f).exists() for f in ("checkpoint.pt", "metrics.jsonl"))
     if cfg.resume_path is not None:
         check_resume(load_checkpoint(cfg.resume_path), cfg, world, strategy_cls)

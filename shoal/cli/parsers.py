@@ -1,0 +1,204 @@
+"""The ``shoal`` command's parsers: one per subcommand, ``shoal train``'s (and ``shoal
+plan``'s) flags made from :class:`~shoal.config.TrainConfig`'s fields and the strategies'
+``Options`` (:func:`shoal.schema.add_flag`)."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import re
+from typing import Any, NoReturn
+
+from shoal.errors import ShoalError
+from shoal.schema import add_flag, field_types, parse_ints, parse_names, parse_threads
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse, but a usage error is one line naming the problem (``main`` prints it after
+    ``shoal: error:``), and a value that begins with ``-`` and a digit, a dot, ``inf`` or
+    ``nan`` is a value (``--plan-budget -5m``, ``--lr -1e5``), which the flag's own check
+    then names, not an unknown option."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._negative_number_matcher = re.compile(r"^-(\d|\.\d|inf|nan)", re.IGNORECASE)
+
+    def error(self, message: str) -> NoReturn:
+        raise ShoalError(f"{message} (see {self.prog} --help)")
+
+
+def _add_strategy_options(group: argparse._ArgumentGroup) -> None:
+    """One flag per field of every registered strategy's options (``tau`` -> ``--tau``),
+    noting the strategies that take it."""
+    from shoal.strategies import STRATEGIES, option_fields
+
+    users: dict[str, list[str]] = {}
+    first: dict[str, tuple[Any, type]] = {}
+    for cls in STRATEGIES.values():
+        for f in option_fields(cls):
+            users.setdefault(f.name, []).append(cls.name)
+            first.setdefault(f.name, (f, cls.Options))
+    for name, (f, options) in first.items():
+        add_flag(group, f, field_types(options)[name], dest=f"opt_{name}", negatable=True,
+                 note=f"[{', '.join(users[name])}]")
+
+
+def _train_parser(sub: Any) -> argparse.ArgumentParser:
+    p = sub.add_parser("train", help="train a model data-parallel",
+                       description="Train a model data-parallel on local workers or under "
+                                   "torchrun / Slurm / mpirun. --strategy auto plans first "
+                                   "(see shoal plan) and trains the winner.")
+    return _add_train_flags(p)
+
+
+def _plan_parser(sub: Any) -> argparse.ArgumentParser:
+    p = sub.add_parser(
+        "plan", help="find the fastest configuration to a target accuracy (Omnivore)",
+        description="Measure candidate configurations of a training run in short trials "
+                    "(strategy, groups or tau, momentum, learning rate, processes x threads), "
+                    "predict each one's time to --target-accuracy and rank them; write "
+                    "plan.json, plan.md and plan.png to --out. Takes shoal train's flags. "
+                    "With --simulate, predict instead each strategy's throughput on clusters "
+                    "that cannot be run here (a calibrated cost model; simulate.json).")
+    from shoal.plan.model import add_simulate_flags
+
+    _add_train_flags(p)
+    add_simulate_flags(p)
+    return p
+
+
+def _add_train_flags(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """A flag per TrainConfig field, under the field's section heading."""
+    from shoal.config import TrainConfig
+
+    hints = field_types(TrainConfig)
+    group: Any = p
+    for f in dataclasses.fields(TrainConfig):
+        if "section" in f.metadata:
+            first, group = group is p, p.add_argument_group(f.metadata["section"])
+            if first:
+                group.add_argument("--config", default=argparse.SUPPRESS,
+                                   help="YAML or JSON file of settings (flags override)")
+        if f.name == "strategy_options":
+            _add_strategy_options(group)
+        elif f.metadata.get("flag", True):
+            add_flag(group, f, hints[f.name])
+    p.add_argument("--debug", action="store_true", default=argparse.SUPPRESS,
+                   help="show tracebacks of errors")
+    return p
+
+
+def _bench_parser(sub: Any) -> argparse.ArgumentParser:
+    from shoal.config import TrainConfig
+    from shoal.sweep.config import BenchConfig
+
+    settings, hints = {f.name: f for f in dataclasses.fields(TrainConfig)}, field_types(TrainConfig)
+
+    def setting(name: str, help: str | None = None) -> None:
+        """``shoal train``'s flag ``name`` (its type, checks, help), with the sweep's default."""
+        add_flag(p, settings[name], hints[name], default=getattr(BenchConfig, name), help=help)
+
+    p = sub.add_parser(
+        "bench", help="scaling study: throughput, efficiency, communication share",
+        description="Run `shoal train` for a fixed number of steps after warm-up for every "
+                    "combination of models x strategies x workers (x threads per worker), plus "
+                    "a hand-written PyTorch DDP loop, each repeated; write bench.csv, bench.md "
+                    "and bench.png to --out.")
+    p.add_argument("--models", type=parse_names, default=["lenet5"], metavar="M1,M2",
+                   help="models to train (default lenet5)")
+    p.add_argument("--strategies", default="sync", metavar="SPEC",
+                   help="comma-separated strategies, each with its options: "
+                        "sync,local-sgd:tau=4,easgd:tau=16,alpha=0.5 (default sync)")
+    p.add_argument("--strategy-options", default="", metavar="K=V,...",
+                   help="options for every strategy that takes them, e.g. tau=4")
+    p.add_argument("--workers", type=parse_ints, default=[1, 2], metavar="N1,N2",
+                   help="worker counts (default 1,2)")
+    p.add_argument("--threads-per-worker", type=parse_threads, default=[None], metavar="T1,T2",
+                   help="intra-op threads per worker; auto = cores // workers (default auto)")
+    p.add_argument("--scaling", default="weak,strong", metavar="weak,strong",
+                   help="weak: --batch-size per worker; strong: the global batch fixed "
+                        "(default both)")
+    setting("batch_size", "per worker, for weak scaling")
+    setting("global_batch_size", "for strong scaling (default: --batch-size x the most workers)")
+    p.add_argument("--steps", type=int, default=40, help="timed steps (default 40)")
+    p.add_argument("--warmup", type=int, default=10, help="untimed steps first (default 10)")
+    p.add_argument("--repeats", type=int, default=3, help="runs per point (default 3)")
+    setting("dataset")
+    setting("synthetic_shape")
+    setting("lr")
+    setting("momentum", "SGD momentum of every run and of the reference (default 0.9; 0 for "
+                        "the EASGD paper's plain local steps)")
+    setting("schedule")
+    race = p.add_argument_group(
+        "a race: time to accuracy instead of throughput",
+        "With --epochs, every point trains that many epochs on --dataset (digits works), "
+        "tested after each epoch; the table gives the time to --target-accuracy, the test "
+        "accuracy at --budget seconds, and the speed-up over the first strategy. A strategy "
+        "may set its own run settings: async-sgd:momentum=0.")
+    race.add_argument("--epochs", type=int, default=None, metavar="E",
+                      help="race: epochs each point trains")
+    race.add_argument("--target-accuracy", type=float, default=None, metavar="A",
+                      help="race: the test accuracy to reach, in (0, 1], e.g. 0.95")
+    race.add_argument("--budget", type=float, default=None, metavar="S",
+                      help="race: compare test accuracy after S seconds of training (default: "
+                           "when the quickest point finished)")
+    p.add_argument("--no-reference", dest="reference", action="store_false",
+                   help="leave out the hand-written DDP loop")
+    p.add_argument("--emulate-bandwidth", default=None, metavar="RATE",
+                   help="run multi-worker points across emulated hosts (network namespaces, "
+                        "needs root) joined by links of RATE, e.g. 100mbit or 1gbit")
+    p.add_argument("--run-timeout", type=float, default=900.0,
+                   help="seconds one training run may take before it is stopped (default 900)")
+    p.add_argument("--out", default="runs/bench", help="output directory (default runs/bench)")
+    p.add_argument("--quiet", action="store_true", help="print nothing but errors")
+    p.add_argument("--debug", action="store_true", default=argparse.SUPPRESS)
+    return p
+
+
+def _report_parser(sub: Any) -> argparse.ArgumentParser:
+    p = sub.add_parser(
+        "report", help="plot and tabulate runs",
+        description="Plot loss and accuracy of runs against wall time and samples seen "
+                    "(report.png) and tabulate their summary.json (report.md).")
+    p.add_argument("runs", nargs="+", metavar="RUN_DIR", help="directories of shoal train runs")
+    p.add_argument("--out", default="runs/report", help="output directory (default runs/report)")
+    p.add_argument("--debug", action="store_true", default=argparse.SUPPRESS)
+    return p
+
+
+def _run_parser(sub: Any) -> argparse.ArgumentParser:
+    p = sub.add_parser(
+        "run", help="run your own script on N local processes (no torchrun)",
+        usage="shoal run [-h] [--workers N] [--threads-per-worker T] [--debug] "
+              "(SCRIPT | -m MODULE) [ARGS ...]",
+        description="Run SCRIPT (or -m MODULE) as __main__ in N local processes joined as one "
+                    "job, as torchrun would: inside, shoal.init() and shoal.strategy(...) join "
+                    "it. Everything after SCRIPT goes to the script. When a rank fails, all "
+                    "stop and its error is printed as one line.")
+    p.add_argument("--workers", type=int, default=1, metavar="N",
+                   help="processes to start (default 1)")
+    p.add_argument("--threads-per-worker", type=int, default=None, metavar="T",
+                   help="intra-op threads per worker (default: cores // workers)")
+    p.add_argument("-m", dest="module", action="store_true",
+                   help="the target is a module, run as `python -m MODULE` would")
+    p.add_argument("--debug", action="store_true", default=argparse.SUPPRESS,
+                   help="show tracebacks of errors")
+    # REMAINDER: the script's own flags (even --workers or --debug) are the script's.
+    p.add_argument("target", nargs=argparse.REMAINDER, metavar="SCRIPT | MODULE [ARGS ...]")
+    return p
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = _Parser(prog="shoal", description="Data-parallel training on PyTorch.")
+    parser.add_argument("--debug", action="store_true", help="show tracebacks of errors")
+    from shoal import __version__
+
+    parser.add_argument("--version", action="version", version=f"shoal {__version__}")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
+    _train_parser(sub)
+    _plan_parser(sub)
+    _run_parser(sub)
+    _bench_parser(sub)
+    _report_parser(sub)
+    sub.add_parser("list", help="list models, datasets and strategies")
+    return parser
