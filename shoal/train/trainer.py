@@ -224,7 +224,7 @@ class Trainer:
         summary = rec.finish(st, stopped, self.stop_reason, test, count_parameters(self.model))
         if self.detached:
             self._report("final", stopped=stopped, stopped_by=self.stop_reason,
-                         epoch=st.epoch, train_time_s=st.train_time_s,
+                         epoch=st.epoch, train_time_s=st.train_time_s, device=str(self.device),
                          trace=self.tl.chrome_events(self.rank) if self.cfg.trace else None)
         return summary
 
