@@ -6,7 +6,7 @@ STAMP  := $(VENV)/.shoal-installed
 # Without an NVIDIA GPU, pin the CPU build of torch (a multi-GB CUDA build otherwise).
 CONSTRAINTS := $(if $(shell command -v nvidia-smi 2>/dev/null),,-c constraints-cpu.txt)
 
-.PHONY: demo test lint install clean
+.PHONY: demo test test-gpu lint install clean
 
 $(STAMP): pyproject.toml constraints-cpu.txt
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -22,6 +22,16 @@ test: $(STAMP)
 	$(BIN)/ruff check shoal tests benchmarks examples
 	$(BIN)/lint-imports
 	$(BIN)/python -m pytest -q -n 2 --dist loadfile
+
+# On a machine with an NVIDIA GPU: what it is, every CUDA test (pytest -m gpu), then a short
+# GPU benchmark (benchmarks/bench_gpu.py; its table in runs/bench-gpu/). Minutes in all.
+test-gpu: $(STAMP)
+	@$(BIN)/python -c "import sys, torch; sys.exit(not torch.cuda.is_available())" 2>/dev/null \
+		|| { echo "make test-gpu needs a CUDA GPU; none is visible" >&2; exit 1; }
+	@if command -v nvidia-smi >/dev/null; then nvidia-smi; fi
+	$(BIN)/python benchmarks/bench_gpu.py --facts
+	$(BIN)/python -m pytest -m gpu -v
+	$(BIN)/python benchmarks/bench_gpu.py --out runs/bench-gpu
 
 lint: $(STAMP)
 	$(BIN)/ruff check shoal tests benchmarks examples

@@ -19,6 +19,41 @@ import torch
 REPO = Path(__file__).resolve().parent.parent
 
 
+def _gpu_run(config: pytest.Config) -> bool:
+    """Whether this run selects the ``gpu`` tests by marker (``pytest -m gpu``, as
+    ``make test-gpu`` runs them)."""
+    from _pytest.mark.expression import Expression
+
+    expr = config.getoption("markexpr", "") or ""
+    try:
+        return bool(expr) and Expression.compile(expr).evaluate(lambda name, **_: name == "gpu")
+    except Exception:  # an expression pytest itself will refuse
+        return False
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    """Every run but ``-m gpu`` hides the GPUs (``CUDA_VISIBLE_DEVICES=""``, before anything
+    asks torch about CUDA; the runs it starts inherit it): the CPU suite checks CPU results
+    (Gloo, exact references), which ``--device auto`` would otherwise move onto a GPU, so it
+    runs alike on every machine. The GPU tests are marked ``gpu`` and run by themselves."""
+    if not _gpu_run(config):
+        os.environ["CUDA_VISIBLE_DEVICES"] = ""
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """``gpu`` tests skip outside ``-m gpu``; in a ``-m gpu`` run, no GPU is an error, never a
+    run of skips that passes."""
+    gpu = [item for item in items if item.get_closest_marker("gpu")]
+    if not gpu:
+        return
+    if not _gpu_run(config):
+        skip = pytest.mark.skip(reason="needs a CUDA GPU: make test-gpu runs it (pytest -m gpu)")
+        for item in gpu:
+            item.add_marker(skip)
+    elif not torch.cuda.is_available():
+        raise pytest.UsageError("make test-gpu needs a CUDA GPU; none is visible")
+
+
 @pytest.fixture(autouse=True)
 def _one_thread_per_test_process():
     """Under pytest-xdist (``make test``: two test processes on two cores) the torch work a
@@ -80,9 +115,11 @@ def shoal(*args: str, timeout: float = 120, env: dict[str, str] | None = None
     return run([sys.executable, "-m", "shoal", *args], timeout=timeout, env=env)
 
 
-def train(out: Path, *args: str, timeout: float = 120) -> dict[str, Any]:
+def train(out: Path, *args: str, timeout: float = 120, env: dict[str, str] | None = None
+          ) -> dict[str, Any]:
     """``shoal train`` that must succeed; returns summary.json."""
-    res = shoal("train", "--out", str(out), "--progress", "plain", *args, timeout=timeout)
+    res = shoal("train", "--out", str(out), "--progress", "plain", *args, timeout=timeout,
+                env=env)
     assert res.returncode == 0, f"shoal train failed:\n{res.stdout}\n{res.stderr}"
     return json.loads((out / "summary.json").read_text())
 
@@ -218,6 +255,41 @@ def listening_sockets(pids: list[int]) -> list[tuple[int, str, int]]:
             if target.startswith("socket:[") and target[8:-1] in inodes:
                 out.append((pid, *inodes[target[8:-1]]))
     return out
+
+
+def session_pids(sid: int) -> list[int]:
+    """Pids of the processes in session ``sid`` (a job: its launcher and workers)."""
+    pids = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            with contextlib.suppress(OSError):
+                if os.getsid(int(entry.name)) == sid:
+                    pids.append(int(entry.name))
+    return pids
+
+
+def sockets_of_a_running_job(out: Path, *args: str, timeout: float = 60
+                             ) -> tuple[list[int], list[tuple[int, str, int]]]:
+    """Start a long ``shoal train --out OUT ARGS`` in a session of its own, wait for its 5th
+    step record, and return its processes' pids and the TCP sockets they listen on (see
+    :func:`listening_sockets`); the job is killed after."""
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "shoal", "train", "--out", str(out), "--epochs", "50",
+         "--progress", "none", "--log-every", "1", *args],
+        env=shoal_env(), cwd=REPO, start_new_session=True,
+        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    try:
+        deadline = time.monotonic() + timeout
+        while not (out / "metrics.jsonl").exists() or \
+                (out / "metrics.jsonl").read_text().count('"step"') < 5:
+            assert proc.poll() is None and time.monotonic() < deadline, "the run did not start"
+            time.sleep(0.05)
+        job = session_pids(proc.pid)
+        return job, listening_sockets(job)
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait(timeout=30)
 
 
 def is_loopback(address: str) -> bool:

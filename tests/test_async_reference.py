@@ -318,7 +318,7 @@ def test_a_worker_new_to_the_checkpoint_starts_from_the_center(name):
         assert not member.strategy.v.any()
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.gpu
 @pytest.mark.parametrize("case", ["async-sgd-2-decay-shards", "async-msgd-2-schedule",
                                   "async-easgd-2-t3", "async-measgd-2-t3"])
 def test_a_gpu_worker_exchanges_through_host_buffers(case):
@@ -413,11 +413,9 @@ def test_hogwild_workers_write_one_vector_without_a_lock(tmp_path):
     torch.testing.assert_close(on_disk, x, atol=1e-12, rtol=0)
 
 
-@pytest.mark.parametrize("on_gpu", [False, True])
+@pytest.mark.parametrize("on_gpu", [False, pytest.param(True, marks=pytest.mark.gpu)])
 def test_hogwild_refuses_cuda_in_one_line(on_gpu):
     """The Comm's device says cuda (no GPU needed to see it), or the model is on one."""
-    if on_gpu and not torch.cuda.is_available():
-        pytest.skip("needs a CUDA GPU")
     model = torch.nn.Linear(DIM, 1).to("cuda" if on_gpu else "cpu")
     comm = Comm(Environment(), torch.device("cpu" if on_gpu else "cuda"))
     with pytest.raises(ShoalError) as exc:

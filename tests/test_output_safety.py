@@ -9,14 +9,13 @@ import os
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
 
 from shoal.cli import main
 
-from conftest import REPO, is_loopback, listening_sockets, shoal_env
+from conftest import REPO, is_loopback, shoal_env, sockets_of_a_running_job
 
 TINY = ["--model", "mlp", "--dataset", "digits", "--batch-size", "64", "--epochs", "1",
         "--progress", "none"]
@@ -104,37 +103,10 @@ def test_resume_refuses_what_would_not_continue_the_run(capsys, stopped_run, fla
 
 
 def test_a_local_job_listens_on_loopback_only(tmp_path):
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "shoal", "train", "--out", str(tmp_path), "--model", "lenet5",
-         "--dataset", "digits", "--workers", "2", "--epochs", "50", "--progress", "none",
-         "--log-every", "1"],
-        env=shoal_env(), cwd=REPO, start_new_session=True,
-        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
-    try:
-        deadline = time.monotonic() + 60
-        while not (tmp_path / "metrics.jsonl").exists() or \
-                (tmp_path / "metrics.jsonl").read_text().count('"step"') < 5:
-            assert proc.poll() is None and time.monotonic() < deadline, "the run did not start"
-            time.sleep(0.05)
-        job = _session(proc.pid)
-        sockets = listening_sockets(job)
-        assert len(job) >= 3 and sockets, (job, sockets)  # the launcher serves the store
-        assert all(is_loopback(addr) for _, addr, _ in sockets), sockets
-    finally:
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait(timeout=30)
-
-
-def _session(sid: int) -> list[int]:
-    """Pids of the processes in session ``sid`` (the job: launcher and workers)."""
-    pids = []
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            with contextlib.suppress(OSError):
-                if os.getsid(int(entry.name)) == sid:
-                    pids.append(int(entry.name))
-    return pids
+    job, sockets = sockets_of_a_running_job(
+        tmp_path, "--model", "lenet5", "--dataset", "digits", "--workers", "2")
+    assert len(job) >= 3 and sockets, (job, sockets)  # the launcher serves the store
+    assert all(is_loopback(addr) for _, addr, _ in sockets), sockets
 
 
 def test_resume_auto_starts_fresh_then_continues(tmp_path, capsys):

@@ -251,7 +251,7 @@ def init_comm(
                          f"got {heartbeat_timeout}")
     if threads is not None:
         torch.set_num_threads(max(1, threads))
-    dev = pick_device(device, env.local_rank)
+    dev = pick_device(device, env.local_rank, env.local_world_size)
     store = None
     if env.world_size > 1 and not dist.is_initialized():
         store = job_store(env, timeout)

@@ -185,18 +185,36 @@ def default_threads(local_workers: int) -> int:
     return max(1, len(os.sched_getaffinity(0)) // max(1, local_workers))
 
 
-def pick_device(device: str, local_rank: int) -> torch.device:
-    """``cpu``, ``cuda`` (one GPU per local rank) or ``auto`` (cuda when available)."""
-    if device == "auto":
-        device = "cuda" if torch.cuda.is_available() else "cpu"
+def resolve_device(device: str, local_workers: int = 1, *, share: bool = False) -> str:
+    """``cpu`` or ``cuda`` for this host's ``local_workers`` processes: ``auto`` is cuda when
+    there is a GPU for each of them, else cpu; ``cuda`` with too few GPUs is a one-line error.
+    NCCL runs one rank per GPU (it refuses two on one); ``share``: processes that never meet
+    in NCCL (an asynchronous job's workers, which exchange through host memory) may share
+    GPUs, so one GPU is enough for any number of them."""
+    if device not in ("auto", "cpu", "cuda"):
+        raise ShoalError(f"unknown device {device!r}; choose cpu, cuda or auto")
     if device == "cpu":
+        return "cpu"
+    count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    enough = count > 0 and (share or count >= local_workers)
+    if device == "auto":
+        return "cuda" if enough else "cpu"
+    if count == 0:
+        raise ShoalError("--device cuda, but torch sees no CUDA GPU")
+    if not enough:
+        raise ShoalError(f"--device cuda: {local_workers} processes on this host need a GPU each "
+                         f"(NCCL runs one rank per GPU), and {count} "
+                         f"{'is' if count == 1 else 'are'} visible: start at most {count}, or "
+                         "use the CPU")
+    return "cuda"
+
+
+def pick_device(device: str, local_rank: int, local_workers: int = 1, *,
+                share: bool = False) -> torch.device:
+    """This process's device (see :func:`resolve_device`): local rank r takes GPU r, or with
+    ``share`` GPU r modulo their number; made current (``torch.cuda.set_device``)."""
+    if resolve_device(device, max(local_workers, local_rank + 1), share=share) == "cpu":
         return torch.device("cpu")
-    if device == "cuda":
-        if not torch.cuda.is_available():
-            raise ShoalError("--device cuda, but torch sees no CUDA GPU")
-        count = torch.cuda.device_count()
-        if local_rank >= count:
-            raise ShoalError(f"local rank {local_rank} needs a GPU, but only {count} are visible")
-        torch.cuda.set_device(local_rank)
-        return torch.device("cuda", local_rank)
-    raise ShoalError(f"unknown device {device!r}; choose cpu, cuda or auto")
+    index = local_rank % torch.cuda.device_count()
+    torch.cuda.set_device(index)
+    return torch.device("cuda", index)

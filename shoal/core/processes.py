@@ -137,6 +137,7 @@ def _worker_main(env: Environment, job: bytes) -> None:
     interface = loopback_gloo_interface()
     if interface is not None:
         os.environ["GLOO_SOCKET_IFNAME"] = interface  # only Gloo's variable says it
+        os.environ["NCCL_SOCKET_IFNAME"] = interface  # and NCCL's, for its bootstrap sockets
     errdir = env.error_dir
     assert errdir is not None
     try:

@@ -151,6 +151,12 @@ class AsyncStrategy(Strategy):
         return getattr(self.comm, "ps", None)
 
     @classmethod
+    def may_share_gpus(cls, options: Any, workers: int) -> bool:
+        """Whether several of the ``workers`` may compute on one GPU: they meet only through
+        the servers, in host memory, never in NCCL (which runs one rank per GPU)."""
+        return True
+
+    @classmethod
     def pushers(cls, options: Any, workers: int) -> list[int]:
         """The workers that push exchanges to the servers (all, unless a strategy's workers
         share one push, as a compute group does); the order and the staleness bound are

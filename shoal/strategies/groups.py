@@ -125,6 +125,12 @@ class ComputeGroups(AsyncStrategy):
         return options.groups
 
     @classmethod
+    def may_share_gpus(cls, options: GroupOptions, workers: int) -> bool:
+        """A group of several workers all-reduces in NCCL: one GPU each, unless every group
+        is one worker."""
+        return options.groups >= workers
+
+    @classmethod
     def pushers(cls, options: GroupOptions, workers: int) -> list[int]:
         """The group leaders: the first worker of each group pushes its group's gradient."""
         return [first for first, _ in group_bounds(workers, options.groups)]

@@ -15,13 +15,13 @@ import torch
 
 from shoal.config import TrainConfig
 from shoal.core.comm import init_comm
-from shoal.core.env import Environment, default_threads, detect_environment
+from shoal.core.env import Environment, default_threads, detect_environment, resolve_device
 from shoal.core.files import read_json
 from shoal.core.processes import Lost, spawn, stop_on_sigterm, stop_requested
 from shoal.core.timeline import Timeline
 from shoal.data import Dataset, as_dataset
 from shoal.errors import ShoalError, WorkerError
-from shoal.strategies import get_strategy
+from shoal.strategies import get_strategy, make_options
 from shoal.train.checkpoint import checkpoint_step
 from shoal.train.optim import resolve_momentum
 from shoal.train.outdir import OutputLock
@@ -56,6 +56,20 @@ def default_workers(cfg: TrainConfig) -> int:
         return cfg.workers
     cuda = cfg.device == "cuda" or (cfg.device == "auto" and torch.cuda.is_available())
     return max(1, torch.cuda.device_count()) if cuda else 1
+
+
+def job_device(cfg: TrainConfig, local_workers: int, workers: int) -> TrainConfig:
+    """``cfg`` with ``--device`` made cpu or cuda once for the job, before any worker starts
+    (:func:`~shoal.core.env.resolve_device`; too few GPUs for ``--device cuda`` is one line):
+    ``local_workers`` of the ``workers`` compute on this host. An asynchronous strategy's
+    workers may share GPUs; hogwild's step parameters in host memory, so ``auto`` is the CPU
+    for it."""
+    cls = get_strategy(cfg.strategy)
+    if cfg.device == "auto" and getattr(cls, "shared_memory", False):
+        return dataclasses.replace(cfg, device="cpu")
+    share = is_asynchronous(cls) and cls.may_share_gpus(
+        make_options(cls, cfg.strategy_options, workers), workers)
+    return dataclasses.replace(cfg, device=resolve_device(cfg.device, local_workers, share=share))
 
 
 def resolve_auto_resume(cfg: TrainConfig) -> TrainConfig:
@@ -151,17 +165,20 @@ def train(cfg: TrainConfig, dataset: Any = None) -> dict[str, Any] | None:
             if env.world_size <= servers:
                 raise ShoalError(f"--servers {servers} needs at least {servers + 1} ranks; "
                                  f"the launcher started {env.world_size}")
+            here = env.local_world_size - (servers if env.rank < env.local_world_size else 0)
+            cfg = job_device(cfg, here, env.world_size - servers)
             cfg = resolve_momentum(cfg, env.world_size - servers)
             data = preflight(cfg, env.world_size - servers, given)
             with OutputLock(Path(cfg.out)) if env.rank == 0 else contextlib.nullcontext():
                 return run_async_rank(cfg, env, data)
-        cfg = resolve_momentum(cfg, env.world_size)
+        cfg = job_device(resolve_momentum(cfg, env.world_size), env.local_world_size,
+                         env.world_size)
         data = preflight(cfg, env.world_size, given)
         with OutputLock(Path(cfg.out)) if env.rank == 0 else contextlib.nullcontext():
             return run_worker(cfg, data)
     cfg = resolve_auto_resume(cfg)
     world = default_workers(cfg)
-    cfg = resolve_momentum(cfg, world)
+    cfg = job_device(resolve_momentum(cfg, world), world, world)
     data = preflight(cfg, world, given)
     servers = server_count(cfg) if asynchronous else 0
     with OutputLock(Path(cfg.out)):

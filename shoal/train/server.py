@@ -131,8 +131,9 @@ def _run_worker(cfg: TrainConfig, env: Environment, data: Dataset, worker: int, 
     store = job_store(env, cfg.timeout)
     mine = dataclasses.replace(env, rank=worker, world_size=workers,
                                local_rank=max(0, local_rank))
-    comm = Comm(mine, pick_device(cfg.device, max(0, local_rank)), Timeline(keep_events=cfg.trace),
-                peers=False)
+    # Workers exchange through host memory, never NCCL: several may share a GPU.
+    device = pick_device(cfg.device, max(0, local_rank), max(1, local_workers), share=True)
+    comm = Comm(mine, device, Timeline(keep_events=cfg.trace), peers=False)
     model, flat = _initial_model(cfg, data, workers)
     client = ServerClient(store, worker, shard_ranges(flat.numel, servers), timeout=cfg.timeout,
                           timeline=comm.timeline, count=comm.count,
@@ -435,6 +436,7 @@ class Coordinator:
         hist = shard.staleness
         updates = sum(hist.values())
         summary.update({
+            "device": ", ".join(sorted({str(r.get("device", "cpu")) for r in finals.values()})),
             "servers": self.servers,
             "staleness": {"histogram": {str(k): v for k, v in sorted(hist.items())},
                           "updates": updates,

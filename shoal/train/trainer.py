@@ -222,7 +222,7 @@ class Trainer:
         summary = rec.finish(st, stopped, self.stop_reason, test, count_parameters(self.model))
         if self.detached:
             self._report("final", stopped=stopped, stopped_by=self.stop_reason,
-                         epoch=st.epoch, train_time_s=st.train_time_s,
+                         epoch=st.epoch, train_time_s=st.train_time_s, device=str(self.device),
                          trace=self.tl.chrome_events(self.rank) if self.cfg.trace else None)
         return summary
 
@@ -248,9 +248,12 @@ class Trainer:
     def _batch(self, x: torch.Tensor, y: torch.Tensor, train: bool) -> tuple[torch.Tensor, ...]:
         if train and self.cfg.augment:
             x = flip_and_crop(x, self.state.aug_gen)
+        # Copied as read (from pinned memory with loader workers), then made channels-last
+        # where the model runs: a copy on the CPU first would be unpinned and CPU time.
+        x = x.to(self.device, non_blocking=True)
         if self.cfg.channels_last:
             x = x.contiguous(memory_format=torch.channels_last)
-        return x.to(self.device, non_blocking=True), y.to(self.device, non_blocking=True)
+        return x, y.to(self.device, non_blocking=True)
 
     def train_step(self, batches: Iterator[tuple[torch.Tensor, torch.Tensor, int]]
                    ) -> tuple[torch.Tensor, torch.Tensor, int, int]:
