@@ -1,0 +1,141 @@
+"""A rank that leaves the job while the others still need it, or never comes to a collective,
+is named within seconds (or at the timeout, with lines meanwhile); a rank that merely finishes
+earlier is normal. Real processes, Gloo on CPU; nothing is left running."""
+
+from __future__ import annotations
+
+import sys
+import time
+import uuid
+
+import pytest
+
+import shoal
+
+from conftest import one_error_line, run, shoal_env
+
+pytestmark = pytest.mark.timeout(120)
+
+LEAVES = """\
+import os, sys, time
+import torch, shoal
+
+comm = shoal.init(timeout=60)
+if comm.rank == 1:
+    {leave}
+t = torch.ones(2)
+comm.all_reduce(t)  # rank 1 never comes: only its leaving can end this before the timeout
+print("rank", comm.rank, "sum", t[0].item(), flush=True)
+"""
+
+
+def shoal_run(tmp_path, program: str, workers: int = 2, timeout: float = 60):
+    """``shoal run --workers N`` of ``program`` in a new session (killed after ``timeout``),
+    and the seconds it took."""
+    (tmp_path / "job.py").write_text(program)
+    start = time.monotonic()
+    res = run([sys.executable, "-m", "shoal", "run", "--workers", str(workers), "job.py"],
+              env=shoal_env(uuid.uuid4().hex), cwd=tmp_path, timeout=timeout)
+    assert res.stray == [], "processes outlived the job"
+    return res, time.monotonic() - start
+
+
+@pytest.mark.parametrize("leave, how", [
+    ("sys.exit(0)", "exited with status 0"),
+    ("os._exit(0)", "exited with status 0"),
+    ("shoal.shutdown(); sys.exit(0)", "called shoal.shutdown()"),
+])
+def test_a_rank_that_leaves_while_another_waits_for_it_is_named(tmp_path, leave, how):
+    """Rank 1 ends cleanly right after joining while rank 0 all-reduces: the job fails within
+    seconds (the timeout is 60 s) and says that rank 1 left, not that rank 0 lost a peer."""
+    res, elapsed = shoal_run(tmp_path, LEAVES.format(leave=leave))
+    assert res.returncode == 1, res.stderr
+    line = one_error_line(res.stderr)
+    assert line.startswith(f"shoal: error: rank 1: {how} while the others were still running"), line
+    assert elapsed < 30, f"the job took {elapsed:.0f} s to end"
+
+
+FINISHES_FIRST = """\
+import os, sys, time
+import torch, shoal
+
+comm = shoal.init(timeout=60)
+t = torch.ones(2)
+comm.all_reduce(t)
+if comm.rank == 1:
+    {leave}
+time.sleep(3)  # rank 0 goes on working alone, with no collective left to do
+print("rank", comm.rank, "sum", t[0].item(), flush=True)
+"""
+
+
+@pytest.mark.parametrize("leave", ["pass", "sys.exit(0)", "os._exit(0)"])
+def test_a_rank_that_finishes_earlier_is_normal(tmp_path, leave):
+    res, _ = shoal_run(tmp_path, FINISHES_FIRST.format(leave=leave))
+    assert res.returncode == 0, res.stderr
+    assert "rank 0 sum 2.0" in res.stdout, res.stdout
+    assert "shoal" not in res.stderr, res.stderr  # nothing to report
+
+
+def leaves_early(leave: bool) -> str:
+    comm = shoal.init(timeout=60)
+    ones = __import__("torch").ones(1)
+    comm.all_reduce(ones)
+    if comm.rank == 1 and leave:
+        return "early"
+    time.sleep(2)
+    if comm.rank == 0:
+        comm.all_reduce(ones)  # a second collective rank 1 never joins
+    return "late"
+
+
+def test_launch_names_a_rank_that_returned_while_needed():
+    start = time.monotonic()
+    with pytest.raises(shoal.WorkerError) as info:
+        shoal.launch(leaves_early, True, workers=2)
+    assert str(info.value) == "rank 1: returned while the others were still running"
+    assert time.monotonic() - start < 30
+
+
+SLEEPS = """\
+import time
+import torch, shoal
+
+comm = shoal.init(timeout=12, heartbeat_timeout=2)
+t = torch.ones(2)
+comm.all_reduce(t, name="first")
+if comm.rank == 1:
+    time.sleep(1000)  # alive (its watchdog beats) but never comes
+comm.all_reduce(t)
+"""
+
+
+def test_a_rank_that_never_comes_is_named_meanwhile_and_at_the_timeout(tmp_path):
+    """Rank 1 sleeps instead of joining the second all-reduce: rank 0 says whom it waits for
+    (from a quarter of the timeout on, at growing intervals), and at the timeout the job ends
+    naming rank 1."""
+    res, elapsed = shoal_run(tmp_path, SLEEPS)
+    assert res.returncode == 1, res.stderr
+    waits = [ln for ln in res.stderr.splitlines() if "has waited" in ln]
+    assert waits and waits[0].startswith(
+        "shoal: rank 0 has waited 3 s in all_reduce #2 for rank 1 (last seen in collective #1,"
+    ), res.stderr
+    assert len(waits) == 2 and "has waited 6 s" in waits[1], res.stderr  # at 3 s and 6 s
+    line = one_error_line(res.stderr)
+    assert line.startswith("shoal: error: rank 1: never joined all_reduce #2: rank 0 waited "), line
+    assert "the timeout is 12 s" in line, line
+    assert elapsed < 40, f"the job took {elapsed:.0f} s to end"
+
+
+def test_a_training_rank_that_never_comes_is_named(tmp_path):
+    """The same for `shoal train`: rank 1 sleeps in its forward pass (step 3), rank 0 waits in
+    the gradients' all-reduce."""
+    res = run([sys.executable, "-m", "shoal", "train", "--model",
+               "tests.fixtures_models:sleeps_on_rank1", "--dataset", "digits", "--workers", "2",
+               "--epochs", "1", "--timeout", "12", "--heartbeat-timeout", "2", "--progress",
+               "none", "--out", str(tmp_path)], env=shoal_env(uuid.uuid4().hex), timeout=90)
+    assert res.stray == []
+    assert res.returncode == 1, res.stderr
+    assert "shoal: rank 0 has waited 3 s in all_reduce (gradients) #" in res.stderr, res.stderr
+    line = one_error_line(res.stderr)
+    assert line.startswith("shoal: error: rank 1: never joined all_reduce (gradients) #"), line
