@@ -97,6 +97,23 @@ def test_launch_names_a_rank_that_returned_while_needed():
     assert time.monotonic() - start < 30
 
 
+def rejoins() -> float:
+    comm = shoal.init(timeout=60)
+    shoal.shutdown()  # left after no collective at all ...
+    comm = shoal.init(timeout=60)  # ... and joined again
+    if comm.rank == 1:
+        time.sleep(2.5)  # rank 0 waits in the all-reduce meanwhile
+    ones = __import__("torch").ones(1)
+    comm.all_reduce(ones)
+    return ones.item()
+
+
+def test_leaving_in_an_earlier_round_is_not_leaving_now():
+    """A rank that left the job and joined again is not taken for gone: each time a process
+    joins, its departures and heartbeats are those of that time."""
+    assert shoal.launch(rejoins, workers=2) == [2.0, 2.0]
+
+
 SLEEPS = """\
 import time
 import torch, shoal

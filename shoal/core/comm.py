@@ -7,6 +7,7 @@ on the job's store: a failing or hung rank ends the job within seconds.
 
 from __future__ import annotations
 
+import itertools
 import math
 import os
 from collections.abc import Iterator, Sequence
@@ -21,7 +22,15 @@ from shoal.core.failures import EXIT_ABORTED
 from shoal.core.group import job_store, join_group
 from shoal.core.ops import reduce_op
 from shoal.core.timeline import COMM, WAIT, Event, Timeline
-from shoal.core.waits import ALL_LEFT, CollectiveLog, describe, key_prefix, say_left
+from shoal.core.waits import (
+    CollectiveLog,
+    Keys,
+    Waits,
+    describe,
+    generation_key,
+    key_prefix,
+    say_left,
+)
 from shoal.core.watchdog import ABORT_KEY, Watchdog
 from shoal.errors import ShoalError
 
@@ -83,10 +92,13 @@ class Comm:
         self.peers = peers
         self._parent: Comm | None = None  # a child's bytes are its parent's too
         self.log = CollectiveLog()  # the collectives this rank issued, for the watchdog
+        self._keys = Keys(0)
         self._watchdog: Watchdog | None = None
-        if store is not None and self.world_size > 1:
-            self._watchdog = Watchdog(env, store, heartbeat_timeout, lambda: self.aborted,
-                                      self.log, timeout)
+        if self._store is not None and self.world_size > 1:
+            self._keys = Keys(next(_GENERATIONS))
+            self._store.set(generation_key(self.rank), str(self._keys.generation))
+            waits = Waits(self.rank, self.world_size, self.log, self._keys, timeout)
+            self._watchdog = Watchdog(env, store, heartbeat_timeout, lambda: self.aborted, waits)
 
     @property
     def active(self) -> bool:
@@ -247,8 +259,9 @@ class Comm:
                     if self._store is None:
                         dist.barrier()
                     else:
-                        say_left(self._store, self.rank, self.world_size, how, self.log.count)
-                        self._store.wait([ALL_LEFT])  # bounded by the store's timeout
+                        say_left(self._store, self._keys, self.rank, self.world_size, how,
+                                 self.log.count)
+                        self._store.wait([self._keys.all_left])  # the store's timeout bounds it
                 finished = True
         finally:
             if self._watchdog is not None:
@@ -293,6 +306,10 @@ def init_comm(
         join_group(store, env.rank, env.world_size, dev.type, timeout,
                    where=f"the job at {env.master_addr}:{env.master_port}")
     return Comm(env, dev, timeline, store, heartbeat_timeout, timeout=timeout)
+
+
+#: Comms made on a job's store by this process so far (see :class:`~shoal.core.waits.Keys`).
+_GENERATIONS = itertools.count()
 
 
 def _what(op: str, name: str, default: str | None = None) -> str:

@@ -31,7 +31,7 @@ import cloudpickle
 
 from shoal.core.env import Environment, set_environment
 from shoal.core.failures import exit_status, first_line, record_failure, root_cause
-from shoal.core.waits import LEFT, key_prefix, say_left
+from shoal.core.waits import key_prefix, say_gone
 from shoal.errors import ShoalError, WorkerError
 
 _STOP = threading.Event()  # SIGTERM arrived: finish the step, checkpoint, stop
@@ -299,8 +299,8 @@ def _supervise(procs: list[BaseProcess], store: Any, errdir: str, grace: float,
             if (code is not None and code < 0 and tolerate is not None and tolerate(rank)
                     and not _finished(errdir, rank)):
                 lost[rank] = Lost(rank, code, time.monotonic() - started)
-            if code == 0 and not _finished(errdir, rank) and not keys.check([f"{LEFT}/{rank}"]):
-                say_left(keys, rank, len(procs), "exited with status 0", None)
+            if code == 0 and not _finished(errdir, rank):
+                say_gone(keys, rank, len(procs), "exited with status 0")
         failed = any(code not in (None, 0) and rank not in lost and not _finished(errdir, rank)
                      for rank, code in codes.items())
         pending = [procs[rank] for rank, code in codes.items() if code is None]

@@ -7,15 +7,16 @@ rank's watchdog publishes the count in its heartbeat (:func:`beat`: the same sin
 call as before) and, while this rank waits in collective #n, :class:`Waits` looks at the
 others:
 
-- a rank that left the job before collective #n (``Comm.close`` writes its final count under
-  ``left/<rank>`` first) will never come: the job stops at once, naming it;
+- a rank that left the job before collective #n (``Comm.close`` says so in the store with
+  its final count, :func:`say_left`) will never come: the job stops at once, naming it;
 - a rank whose count is below n has not reached collective #n: from a quarter of the
   timeout on (30 s at most) one line on stderr says whom this rank waits for, again at
   doubling intervals, and shortly before the collective's own timeout the job stops naming
   that rank. A rank that only computes long is not named: it reaches the collective.
 
-At the end of the job (``Comm.close``'s barrier) a rank waits the same way for the ranks
-that have not left yet.
+At the end of the job (``Comm.close``) a rank waits the same way for the ranks that have not
+left yet. The store calls are the watchdog's; besides the heartbeat, a wait makes one call a
+second after its first second, and a few per rank when there is something to say.
 """
 
 from __future__ import annotations
@@ -34,9 +35,6 @@ SEQ_UNIT = 1 << 32
 #: The count is carried modulo this, so the counter never overflows (ranks are never half
 #: of it apart).
 SEQ_MOD = 1 << 24
-#: How many ranks left the job; ``left/<rank>``: ``"<its collective count> <how it left>"``
-#: (``?``: the count is not known); ``left/all`` is there once every rank left.
-LEFT, ALL_LEFT = "left", "left/all"
 CHECK_AFTER = 1.0  # seconds: a shorter wait is not looked into
 FIRST_REPORT = 30.0  # seconds: the first line about a wait, at the latest
 
@@ -51,17 +49,51 @@ def key_prefix(attempt: int) -> str:
     return f"shoal/{attempt}"
 
 
-def heartbeat_key(rank: int) -> str:
-    return f"hb/{rank}"
+def generation_key(rank: int) -> str:
+    """Where rank ``rank`` says which of its :class:`Keys` its current Comm uses."""
+    return f"generation/{rank}"
 
 
-def say_left(store: Any, rank: int, world_size: int, how: str, count: int | None) -> None:
+class Keys:
+    """The names of a Comm's keys in the job's store (under :func:`key_prefix`).
+
+    A process may leave the job and join it again (``shoal.shutdown()``, then
+    ``shoal.init()``): each Comm made on the job's store is the ``generation``-th of its
+    process, and so of every rank, and its heartbeats and departures are its own.
+    """
+
+    def __init__(self, generation: int) -> None:
+        self.generation = generation
+        #: How many ranks left; ``left/<g>/<rank>``: ``"<its collective count> <how>"`` (``?``:
+        #: the count is not known); ``left/<g>/all`` is there once every rank left.
+        self.left = f"left/{generation}"
+        self.all_left = f"left/{generation}/all"
+
+    def heartbeat(self, rank: int) -> str:
+        return f"hb/{self.generation}/{rank}"
+
+    def left_by(self, rank: int) -> str:
+        return f"{self.left}/{rank}"
+
+
+def say_left(store: Any, keys: Keys, rank: int, world_size: int, how: str,
+             count: int | None) -> None:
     """Say in the job's ``store`` (under :func:`key_prefix`) that ``rank`` left the job after
     ``count`` collectives (``None``: not known) and ``how``; the last to leave says that all
-    did (:data:`ALL_LEFT`)."""
-    store.set(f"{LEFT}/{rank}", f"{'?' if count is None else count} {how}")
-    if store.add(LEFT, 1) >= world_size:
-        store.set(ALL_LEFT, "1")
+    did."""
+    store.set(keys.left_by(rank), f"{'?' if count is None else count} {how}")
+    if store.add(keys.left, 1) >= world_size:
+        store.set(keys.all_left, "1")
+
+
+def say_gone(store: Any, rank: int, world_size: int, how: str) -> None:
+    """For shoal's launcher: say that ``rank``, whose process ended ``how`` without leaving
+    the job in order (``os._exit(0)``), left its current Comm, if it has one it did not
+    leave: the others need not wait for it at their end."""
+    if store.check([generation_key(rank)]):
+        keys = Keys(int(store.get(generation_key(rank))))
+        if not store.check([keys.left_by(rank)]):
+            say_left(store, keys, rank, world_size, how, None)
 
 
 def beat(count: int, published: int) -> int:
@@ -164,13 +196,13 @@ class CollectiveLog:
 class Waits:
     """What the watchdog thread makes of this rank's wait (see the module's docstring).
 
-    ``call(fn, *args)`` makes the watchdog's store calls (timed by its guard); ``timeout`` is
-    the collectives' (``None``: none known, the job is never stopped for a wait).
+    ``log`` holds this rank's collectives, ``keys`` name its Comm's keys, ``timeout`` is the
+    collectives' (``None``: none known, the job is never stopped for a wait).
     """
 
-    def __init__(self, rank: int, world_size: int, log: CollectiveLog, timeout: float | None,
-                 call: Callable[..., Any]) -> None:
-        self._rank, self._world, self._log, self._call = rank, world_size, log, call
+    def __init__(self, rank: int, world_size: int, log: CollectiveLog, keys: Keys,
+                 timeout: float | None) -> None:
+        self._rank, self._world, self.log, self.keys = rank, world_size, log, keys
         self._timeout = timeout
         self._first = FIRST_REPORT if timeout is None else min(FIRST_REPORT, timeout / 4)
         # Before the collective's own timeout fires (its error would only say "timed out").
@@ -184,10 +216,11 @@ class Waits:
         from now on, as nobody could come meanwhile."""
         self._origin, self._next = time.monotonic(), self._first
 
-    def look(self, store: Any) -> tuple[int, str] | None:
+    def look(self, store: Any, call: Callable[..., Any]) -> tuple[int, str] | None:
         """Look at this rank's wait; returns ``(rank, why)`` when the job must stop because
-        of ``rank``, after printing what is worth saying."""
-        pending = self._log.oldest()
+        of ``rank``, after printing what is worth saying. ``call(fn, *args)`` makes the
+        store calls (the watchdog's, timed by its guard)."""
+        pending = self.log.oldest()
         if pending != self._watching:
             self._watching = pending
             self._origin, self._next = (pending.since if pending else 0.0), self._first
@@ -196,7 +229,7 @@ class Waits:
         waited = time.monotonic() - self._origin
         if waited < CHECK_AFTER:
             return None
-        departed = self._departures(store)
+        departed = self._departures(store, call)
         if not pending.at_end:
             for rank, (count, how) in sorted(departed.items()):
                 # An unknown count (os._exit(0)): its process is gone, so the collective
@@ -206,7 +239,7 @@ class Waits:
         late = self._deadline is not None and waited >= self._deadline
         if waited < self._next and not late:
             return None
-        missing = self._missing(store, pending, departed)
+        missing = self._missing(store, call, pending, departed)
         if not missing:  # every rank is in it (or past it): slow, not missing
             self._next *= 2
             return None
@@ -221,25 +254,26 @@ class Waits:
         self._next *= 2
         return None
 
-    def _departures(self, store: Any) -> dict[int, tuple[int | None, str]]:
+    def _departures(self, store: Any, call: Callable[..., Any]
+                    ) -> dict[int, tuple[int | None, str]]:
         """The ranks that left the job: their collective count and how they left."""
-        if self._call(store.add, LEFT, 0) > len(self._departed):
+        if call(store.add, self.keys.left, 0) > len(self._departed):
             for rank in range(self._world):
-                key = f"{LEFT}/{rank}"
-                if rank not in self._departed and self._call(store.check, [key]):
-                    count, _, how = self._call(store.get, key).decode().partition(" ")
+                key = self.keys.left_by(rank)
+                if rank not in self._departed and call(store.check, [key]):
+                    count, _, how = call(store.get, key).decode().partition(" ")
                     self._departed[rank] = (None if count == "?" else int(count), how)
         return self._departed
 
-    def _missing(self, store: Any, pending: Pending, departed: dict[int, Any]
-                 ) -> list[tuple[int, int]]:
+    def _missing(self, store: Any, call: Callable[..., Any], pending: Pending,
+                 departed: dict[int, Any]) -> list[tuple[int, int]]:
         """The ranks that have not reached ``pending`` (at the end: that have not left),
         with their collective counts."""
         found = []
         for rank in range(self._world):
             if rank == self._rank or (pending.at_end and rank in departed):
                 continue
-            count = count_of(self._call(store.add, heartbeat_key(rank), 0), pending.seq)
+            count = count_of(call(store.add, self.keys.heartbeat(rank), 0), pending.seq)
             if count < pending.seq:
                 found.append((rank, count))
         return found
@@ -247,7 +281,7 @@ class Waits:
     def _seen(self, count: int) -> str:
         if count <= 0:
             return "not yet in any collective"
-        at = self._log.finished_at(count)
+        at = self.log.finished_at(count)
         ago = "" if at is None else f", {int(time.monotonic() - at)} s ago"
         return f"last seen in collective #{count}{ago}"
 

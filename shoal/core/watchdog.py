@@ -23,7 +23,7 @@ import torch.distributed as dist
 
 from shoal.core.env import Environment
 from shoal.core.failures import EXIT_ABORTED, first_line, record_for
-from shoal.core.waits import CollectiveLog, Waits, beat, heartbeat_key, key_prefix
+from shoal.core.waits import Waits, beat, key_prefix
 
 ABORT_KEY = "abort"
 HUNG = "stopped responding"  # how a hung rank's report begins
@@ -43,10 +43,10 @@ class Watchdog:
 
     The *watch* thread asks the job's store every ``tick`` seconds, over a connection of its
     own, whether a rank reported a failure (``abort``; this process then exits with
-    :data:`EXIT_ABORTED`). About every second it bumps this rank's heartbeat counter
-    ``hb/<rank>``, which also carries how many collectives this rank issued (its ``log``),
-    and looks at this rank's wait (:class:`~shoal.core.waits.Waits`: a rank that left the job
-    or never comes to the collective this one waits in is named). With a
+    :data:`EXIT_ABORTED`). About every second it bumps this rank's heartbeat counter, which
+    also carries how many collectives this rank issued, and looks at this rank's wait
+    (``waits``: a rank that left the job or never comes to the collective this one waits in
+    is named). With a
     ``heartbeat_timeout`` it also reads the next rank's counter (a ring: every rank is watched
     by exactly one other, so the store sees a few calls a second per rank). A counter that did
     not move for ``heartbeat_timeout`` seconds means that rank stopped running (``kill
@@ -66,12 +66,12 @@ class Watchdog:
     """
 
     def __init__(self, env: Environment, store: dist.Store, heartbeat_timeout: float | None,
-                 leaving: Callable[[], bool], log: CollectiveLog, timeout: float | None) -> None:
+                 leaving: Callable[[], bool], waits: Waits) -> None:
         self._env = env
         self._leaving = leaving  # whether this rank itself reported a failure and is leaving
         self._rank, self._world = env.rank, env.world_size
         self._limit = heartbeat_timeout
-        self._log, self._timeout = log, timeout  # this rank's collectives, and their timeout
+        self._waits = waits  # this rank's collectives, and what to make of a long wait
         self._store = store
         if isinstance(store, dist.TCPStore):
             self._address = f"{store.host}:{store.port}"
@@ -127,7 +127,7 @@ class Watchdog:
     def _watch_store(self, store: dist.Store) -> None:
         limit = self._limit
         peer = (self._rank + 1) % self._world
-        waits = Waits(self._rank, self._world, self._log, self._timeout, self._call)
+        waits, keys = self._waits, self._waits.keys
         beat_every = 1.0 if limit is None else min(1.0, limit / 4)
         published = 0  # the collective count this rank's counter carries
         seen: int | None = None  # the peer's counter, and when it last changed (this clock)
@@ -140,8 +140,8 @@ class Watchdog:
                 self._exit(reason)
             if time.monotonic() < next_beat:
                 continue
-            count = self._log.count
-            self._call(store.add, heartbeat_key(self._rank), beat(count, published))
+            count = waits.log.count
+            self._call(store.add, keys.heartbeat(self._rank), beat(count, published))
             published = count
             now = time.monotonic()
             next_beat = now + beat_every
@@ -150,7 +150,7 @@ class Watchdog:
                 waits.resumed()
             looked_at = now
             if limit is not None:
-                counter = self._call(store.add, heartbeat_key(peer), 0)  # reads (never waits)
+                counter = self._call(store.add, keys.heartbeat(peer), 0)  # reads (never waits)
                 if counter != seen:
                     seen, seen_at = counter, now
                 elif now - seen_at > limit:
@@ -158,7 +158,7 @@ class Watchdog:
                     self._blame(store, peer, message, "TimeoutError",
                                 f"rank {peer} did not run; rank {self._rank}'s watchdog saw its "
                                 "heartbeat stop")
-            found = None if self._leaving() else waits.look(store)
+            found = None if self._leaving() else waits.look(store, self._call)
             if found is not None:
                 self._blame(store, *found, "", f"rank {self._rank}'s watchdog found it out "
                             "from the job's store while waiting for it")
