@@ -106,8 +106,8 @@ def _leave_at_exit() -> None:
     try:
         _leave("exited")
     except Exception as exc:
-        # The barrier failed: another rank died. An exception here would be printed and the
-        # exit status left at 0, so say it in one line and leave with a failure.
+        # The others never came (another rank died, the store is gone). An exception here
+        # would be printed and the exit status left at 0, so say it in one line and fail.
         print(f"shoal: rank {comm.rank}: could not leave the job cleanly: "
               f"{type(exc).__name__}: {first_line(exc)}", file=sys.stderr)
         sys.stdout.flush()

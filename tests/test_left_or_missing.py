@@ -11,6 +11,7 @@ import uuid
 import pytest
 
 import shoal
+from shoal.core.waits import SEQ_MOD, SEQ_UNIT, beat, count_of
 
 from conftest import one_error_line, run, shoal_env
 
@@ -97,21 +98,28 @@ def test_launch_names_a_rank_that_returned_while_needed():
     assert time.monotonic() - start < 30
 
 
-def rejoins() -> float:
-    comm = shoal.init(timeout=60)
-    shoal.shutdown()  # left after no collective at all ...
-    comm = shoal.init(timeout=60)  # ... and joined again
-    if comm.rank == 1:
-        time.sleep(2.5)  # rank 0 waits in the all-reduce meanwhile
-    ones = __import__("torch").ones(1)
-    comm.all_reduce(ones)
-    return ones.item()
+def test_a_departure_counts_only_for_the_comm_it_left():
+    """A process may leave the job and join it again (``shoal.shutdown()``, ``shoal.init()``):
+    that it left its first Comm before any collective must not make a wait in its second
+    one look like its leaving. (The store is real; joining twice is not done here, as torch's
+    own rendezvous on a reused store is racy.)"""
+    import torch.distributed as dist
 
+    from shoal.core.processes import loopback_store
+    from shoal.core.waits import CollectiveLog, Keys, Waits, say_left
 
-def test_leaving_in_an_earlier_round_is_not_leaving_now():
-    """A rank that left the job and joined again is not taken for gone: each time a process
-    joins, its departures and heartbeats are those of that time."""
-    assert shoal.launch(rejoins, workers=2) == [2.0, 2.0]
+    store = dist.PrefixStore("shoal/0", loopback_store(timeout=10))
+    say_left(store, Keys(0), 1, 2, "returned", 0)  # rank 1 left its first Comm at once
+    log = CollectiveLog()
+    log.start("all_reduce")  # rank 0's first collective in the second Comm, not finished
+    time.sleep(1.2)  # a wait is looked into after a second
+
+    def call(fn, *args):
+        return fn(*args)
+
+    assert Waits(0, 2, log, Keys(1), 60.0).look(store, call) is None
+    assert Waits(0, 2, log, Keys(0), 60.0).look(store, call) == (
+        1, "returned while the others were still running")
 
 
 SLEEPS = """\
@@ -156,3 +164,18 @@ def test_a_training_rank_that_never_comes_is_named(tmp_path):
     assert "shoal: rank 0 has waited 3 s in all_reduce (gradients) #" in res.stderr, res.stderr
     line = one_error_line(res.stderr)
     assert line.startswith("shoal: error: rank 1: never joined all_reduce (gradients) #"), line
+
+
+def test_the_heartbeat_carries_the_collective_count_without_overflowing():
+    """The count rides in the heartbeat counter (one store call a beat): it reads back exactly,
+    also past the modulus it is carried in, and the counter stays far inside the store's
+    64-bit integers however long the job runs."""
+    counter = published = 0
+    counts = [0, 1, 1, 5, SEQ_MOD - 1, SEQ_MOD, SEQ_MOD + 7, 3 * SEQ_MOD + 2, 3 * SEQ_MOD + 2]
+    for count in counts:
+        counter += beat(count, published)
+        published = count
+        for near in (count, count + 3, count - 3):  # the reader's own count, a few apart
+            assert count_of(counter, near) == count
+        assert 0 <= counter < SEQ_MOD * SEQ_UNIT < 2**63
+    assert counter % SEQ_UNIT == len(counts)  # every call was a beat

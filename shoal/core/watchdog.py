@@ -46,15 +46,14 @@ class Watchdog:
     :data:`EXIT_ABORTED`). About every second it bumps this rank's heartbeat counter, which
     also carries how many collectives this rank issued, and looks at this rank's wait
     (``waits``: a rank that left the job or never comes to the collective this one waits in
-    is named). With a
-    ``heartbeat_timeout`` it also reads the next rank's counter (a ring: every rank is watched
-    by exactly one other, so the store sees a few calls a second per rank). A counter that did
-    not move for ``heartbeat_timeout`` seconds means that rank stopped running (``kill
-    -STOP``, swapped out, a deadlock holding the GIL). A rank that is only slow (computing,
-    sleeping, waiting in a collective) keeps beating: its main thread is not needed for that,
-    only the GIL now and then. Whatever rank the watchdog finds out, it reports under that
-    rank's name, to the other ranks through ``abort`` and to shoal's launcher through the
-    rank's failure file, and exits.
+    is named). With a ``heartbeat_timeout`` it also reads the next rank's counter (a ring:
+    every rank is watched by exactly one other, so the store sees a few calls a second per
+    rank). A counter that did not move for ``heartbeat_timeout`` seconds means that rank
+    stopped running (``kill -STOP``, swapped out, a deadlock holding the GIL). A rank that is
+    only slow (computing, sleeping, waiting in a collective) keeps beating: its main thread
+    is not needed for that, only the GIL now and then. Whatever rank the watchdog finds out,
+    it reports under that rank's name, to the other ranks through ``abort`` and to shoal's
+    launcher through the rank's failure file, and exits.
 
     The *guard* thread times the watch thread's store calls: a call to a host that stopped
     (rather than died) never returns, so one that is not back within ``heartbeat_timeout``
