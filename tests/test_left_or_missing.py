@@ -11,7 +11,6 @@ import uuid
 import pytest
 
 import shoal
-from shoal.core.waits import SEQ_MOD, SEQ_UNIT, beat, count_of
 
 from conftest import one_error_line, run, shoal_env
 
@@ -170,6 +169,8 @@ def test_the_heartbeat_carries_the_collective_count_without_overflowing():
     """The count rides in the heartbeat counter (one store call a beat): it reads back exactly,
     also past the modulus it is carried in, and the counter stays far inside the store's
     64-bit integers however long the job runs."""
+    from shoal.core.waits import SEQ_MOD, SEQ_UNIT, beat, count_of
+
     counter = published = 0
     counts = [0, 1, 1, 5, SEQ_MOD - 1, SEQ_MOD, SEQ_MOD + 7, 3 * SEQ_MOD + 2, 3 * SEQ_MOD + 2]
     for count in counts:
