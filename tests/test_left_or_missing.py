@@ -126,23 +126,24 @@ import time
 import torch, shoal
 
 comm = shoal.init(timeout=12, heartbeat_timeout=2)
-t = torch.ones(2)
-comm.all_reduce(t, name="first")
+first = comm.all_reduce_async(torch.ones(2), name="first")  # waited for only at the end
 if comm.rank == 1:
     time.sleep(1000)  # alive (its watchdog beats) but never comes
-comm.all_reduce(t)
+comm.all_reduce(torch.ones(2))
+first.wait()
 """
 
 
 def test_a_rank_that_never_comes_is_named_meanwhile_and_at_the_timeout(tmp_path):
     """Rank 1 sleeps instead of joining the second all-reduce: rank 0 says whom it waits for
     (from a quarter of the timeout on, at growing intervals), and at the timeout the job ends
-    naming rank 1."""
+    naming rank 1. What rank 0 waits in is the second all-reduce, not the first one, which
+    is done but not waited for yet."""
     res, elapsed = shoal_run(tmp_path, SLEEPS)
     assert res.returncode == 1, res.stderr
     waits = [ln for ln in res.stderr.splitlines() if "has waited" in ln]
     assert waits and waits[0].startswith(
-        "shoal: rank 0 has waited 3 s in all_reduce #2 for rank 1 (last seen in collective #1,"
+        "shoal: rank 0 has waited 3 s in all_reduce #2 for rank 1 (last seen in collective #1"
     ), res.stderr
     assert len(waits) == 2 and "has waited 6 s" in waits[1], res.stderr  # at 3 s and 6 s
     line = one_error_line(res.stderr)

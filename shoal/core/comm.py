@@ -36,15 +36,22 @@ from shoal.errors import ShoalError
 
 
 class Handle:
-    """A collective in flight. :meth:`wait` blocks and books the waiting as communication."""
+    """A collective in flight (number ``seq`` in its Comm's log). :meth:`wait` blocks and books
+    the waiting as communication."""
 
-    def __init__(self, comm: Comm, work: Any, tensor: torch.Tensor, op: str, name: str) -> None:
+    def __init__(self, comm: Comm, work: Any, tensor: torch.Tensor, op: str, name: str,
+                 seq: int = 0) -> None:
         self._comm, self._work, self._tensor, self._op, self._name = comm, work, tensor, op, name
+        self._seq = seq
 
     def wait(self) -> torch.Tensor:
         if self._work is not None:
-            with self._comm.timeline.span(COMM, self._name):
-                self._work.wait()
+            log = self._comm.log
+            try:
+                with self._comm.timeline.span(COMM, self._name), log.blocked(self._seq):
+                    self._work.wait()
+            finally:
+                log.finish(self._seq)
             self._work = None
             if self._op == "avg":
                 self._tensor.div_(self._comm.world_size)
@@ -143,10 +150,10 @@ class Comm:
         if not self.active:
             return Handle(self, None, tensor, op, name)
         self.count(tensor.numel() * tensor.element_size())
+        seq = self.log.start(_what("all_reduce", name, "allreduce"))  # finished by its wait
         with self.timeline.span(COMM, name):
-            work = self.log.follow(_what("all_reduce", name, "allreduce"),
-                                   lambda: dist.all_reduce(tensor, op=red, async_op=True))
-        return Handle(self, work, tensor, op, name)
+            work = dist.all_reduce(tensor, op=red, async_op=True)
+        return Handle(self, work, tensor, op, name, seq)
 
     def all_reduce_future(self, tensor: torch.Tensor) -> torch.futures.Future:
         """Start an in-place sum of ``tensor`` for a DDP communication hook; returns the

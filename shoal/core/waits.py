@@ -21,11 +21,11 @@ second after its first second, and a few per rank when there is something to say
 
 from __future__ import annotations
 
+import contextlib
 import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
 from typing import Any, NamedTuple
 
 from shoal.core.failures import LEFT_EARLY
@@ -121,15 +121,16 @@ class Pending(NamedTuple):
 
 
 class CollectiveLog:
-    """The collectives this rank issued (:attr:`count`) and those still in flight. Thread-safe:
-    DDP and Gloo complete collectives on threads of their own."""
+    """The collectives this rank issued (:attr:`count`), those still in flight, and the one
+    this rank's program waits in. Thread-safe: DDP completes collectives on threads of its
+    own."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self.count = 0
         self._pending: dict[int, tuple[str, float]] = {}
+        self._blocked: list[Pending] = []  # what the program waits in now (the newest last)
         self._finished = (0, time.monotonic())  # the newest finished collective, and when
-        self._end_since: float | None = None
 
     def start(self, what: str) -> int:
         """Count a collective that starts now; returns its number, for :meth:`finish`."""
@@ -145,17 +146,27 @@ class CollectiveLog:
             if seq >= self._finished[0]:
                 self._finished = (seq, now)
 
-    @contextmanager
+    @contextlib.contextmanager
+    def blocked(self, seq: int) -> Iterator[None]:
+        """The program waits in collective ``seq`` (started before) while the body runs."""
+        with self._lock:
+            what, since = self._pending.get(seq, ("a collective", time.monotonic()))
+        with self._waiting(Pending(seq, what, since)):
+            yield
+
+    @contextlib.contextmanager
     def track(self, what: str) -> Iterator[None]:
-        """A collective that runs while the body does (a blocking call)."""
+        """A collective that starts now and runs while the body does (a blocking call)."""
         seq = self.start(what)
         try:
-            yield
+            with self.blocked(seq):
+                yield
         finally:
             self.finish(seq)
 
     def follow(self, what: str, issue: Callable[[], Any]) -> Any:
-        """``issue()`` an asynchronous collective and follow its work until it completes."""
+        """``issue()`` an asynchronous collective that nobody here waits for (DDP does), and
+        follow its work until it completes."""
         seq = self.start(what)
         try:
             work = issue()
@@ -165,25 +176,29 @@ class CollectiveLog:
         work.get_future().add_done_callback(lambda _: self.finish(seq))
         return work
 
-    @contextmanager
-    def at_end(self) -> Iterator[None]:
+    def at_end(self) -> contextlib.AbstractContextManager[None]:
         """This rank waits, its work done, for the others to finish theirs."""
+        return self._waiting(Pending(self.count + 1, "the end", time.monotonic(), True))
+
+    @contextlib.contextmanager
+    def _waiting(self, pending: Pending) -> Iterator[None]:
         with self._lock:
-            self._end_since = time.monotonic()
+            self._blocked.append(pending)
         try:
             yield
         finally:
             with self._lock:
-                self._end_since = None
+                self._blocked.remove(pending)
 
-    def oldest(self) -> Pending | None:
-        """The wait this rank is in: its oldest collective in flight, else the end, if any."""
+    def current(self) -> Pending | None:
+        """The wait that matters now: what this rank's program waits in, else its oldest
+        collective in flight (a DDP bucket, an all-reduce not waited for yet), if any."""
         with self._lock:
+            if self._blocked:
+                return self._blocked[-1]
             if self._pending:
                 seq = min(self._pending)
                 return Pending(seq, *self._pending[seq])
-            if self._end_since is not None:
-                return Pending(self.count + 1, "the end", self._end_since, True)
         return None
 
     def finished_at(self, seq: int) -> float | None:
@@ -220,7 +235,7 @@ class Waits:
         """Look at this rank's wait; returns ``(rank, why)`` when the job must stop because
         of ``rank``, after printing what is worth saying. ``call(fn, *args)`` makes the
         store calls (the watchdog's, timed by its guard)."""
-        pending = self.log.oldest()
+        pending = self.log.current()
         if pending != self._watching:
             self._watching = pending
             self._origin, self._next = (pending.since if pending else 0.0), self._first
