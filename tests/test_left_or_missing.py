@@ -63,9 +63,10 @@ comm = shoal.init(timeout=60)
 t = torch.ones(2)
 comm.all_reduce(t)
 if comm.rank == 1:
-    {leave}
-time.sleep(3)  # rank 0 goes on working alone, with no collective left to do
-print("rank", comm.rank, "sum", t[0].item(), flush=True)
+    {leave}  # its script ends here
+else:
+    time.sleep(3)  # rank 0 goes on working alone, with no collective left to do
+    print("rank", comm.rank, "sum", t[0].item(), flush=True)
 """
 
 
