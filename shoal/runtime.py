@@ -77,10 +77,16 @@ def strategy(name: str, model: nn.Module, optimizer: torch.optim.Optimizer,
 
 def shutdown() -> None:
     """Leave the job joined by :func:`init` (waits for every rank first)."""
+    _leave("called shoal.shutdown()")
+
+
+def _leave(how: str) -> None:
+    """Leave the joined job, if any; ``how`` this rank ended, for the others' report should
+    one of them still wait for it in a collective."""
     global _COMM
     if _COMM is not None:
         comm, _COMM = _COMM, None
-        comm.close()
+        comm.close(how)
 
 
 def _abort(message: str) -> None:
@@ -98,10 +104,10 @@ def _leave_at_exit() -> None:
     if comm is None:
         return
     try:
-        shutdown()
+        _leave("exited")
     except Exception as exc:
-        # The barrier failed: another rank died. An exception here would be printed and the
-        # exit status left at 0, so say it in one line and leave with a failure.
+        # The others never came (another rank died, the store is gone). An exception here
+        # would be printed and the exit status left at 0, so say it in one line and fail.
         print(f"shoal: rank {comm.rank}: could not leave the job cleanly: "
               f"{type(exc).__name__}: {first_line(exc)}", file=sys.stderr)
         sys.stdout.flush()
@@ -138,17 +144,19 @@ def _launched(fn: Callable[..., T], args: tuple[Any, ...], kwargs: dict[str, Any
 
     env = detect_environment() or Environment()
     torch.set_num_threads(_THREADS or default_threads(env.local_world_size))
+    # A script's end is its process's (status 0); a function returns.
+    how = "exited with status 0" if fn is run_main else "returned"
     try:
         result = fn(*args, **kwargs)
     except SystemExit as exc:
         if exc.code not in (None, 0):
             _abort(_describe(exc))
             raise
-        result = None
+        result, how = None, "exited with status 0"
     except BaseException as exc:
         _abort(_describe(exc))
         raise
-    shutdown()
+    _leave(how)
     return result
 
 
@@ -164,11 +172,16 @@ def launch(fn: Callable[..., T], *args: Any, workers: int, **kwargs: Any) -> lis
     torch threads.
 
     Returns the ranks' return values in rank order (picklable with cloudpickle; ``None`` for
-    a rank that ended with ``sys.exit(0)``). ``fn`` need not call :func:`shutdown`.
+    a rank that ended with ``sys.exit(0)`` or ``os._exit(0)``). ``fn`` need not call
+    :func:`shutdown`.
 
     When a rank raises or exits with a non-zero status, the other ranks are stopped within
     seconds (even those blocked in a collective) and :class:`shoal.WorkerError` is raised,
     naming the rank and the first line of its error, with its traceback in ``.traceback``.
+    So is a rank that ends (returns, exits with status 0) while another waits for it in a
+    collective it never joined (``rank 1: returned while the others were still running``),
+    or that does not come to a collective within ``init``'s ``timeout``; a rank that merely
+    finishes earlier than the others is normal.
     """
     if isinstance(workers, bool) or not isinstance(workers, int) or workers < 1:
         raise ShoalError(f"shoal.launch needs workers=N with N >= 1, got {workers!r}")

@@ -1,6 +1,7 @@
 """User models for the tests, loaded the way users load theirs: --model tests.fixtures_models:NAME."""
 
 import os
+import time
 
 import torch
 from torch import nn
@@ -26,6 +27,8 @@ class _FailOnRank(nn.Module):
             if os.environ.get("RANK") == "1" and self.calls == 3:
                 if self.how == "raise":
                     raise RuntimeError("injected failure in the model")
+                if self.how == "sleep":  # alive, but never comes to the next collective
+                    time.sleep(1000)
                 os.kill(os.getpid(), 9)
         return self.net(x)
 
@@ -36,6 +39,10 @@ def raises_on_rank1(input_shape, num_classes):
 
 def killed_on_rank1(input_shape, num_classes):
     return _FailOnRank(input_shape, num_classes, "kill")
+
+
+def sleeps_on_rank1(input_shape, num_classes):
+    return _FailOnRank(input_shape, num_classes, "sleep")
 
 
 def wrong_output(input_shape, num_classes):

@@ -8,6 +8,7 @@ stands on, and the only place each of these exists.
 - :mod:`~shoal.core.failures`: each rank's failure report and the root cause among them;
 - :mod:`~shoal.core.group`: the job's store and process group, with timeouts;
 - :mod:`~shoal.core.watchdog`: a failing or hung rank ends the job within seconds;
+- :mod:`~shoal.core.waits`: whom a waiting rank waits for; a rank that left or never comes;
 - :mod:`~shoal.core.comm`: timed, byte-counted collectives (:class:`Comm`);
 - :mod:`~shoal.core.ops`: the reduce-op table and even splits;
 - :mod:`~shoal.core.flat`: flat packing of many tensors into one message;

@@ -7,9 +7,11 @@ on the job's store: a failing or hung rank ends the job within seconds.
 
 from __future__ import annotations
 
+import itertools
 import math
 import os
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from typing import Any
 
 import torch
@@ -20,20 +22,36 @@ from shoal.core.failures import EXIT_ABORTED
 from shoal.core.group import job_store, join_group
 from shoal.core.ops import reduce_op
 from shoal.core.timeline import COMM, WAIT, Event, Timeline
-from shoal.core.watchdog import ABORT_KEY, HUNG, Watchdog, key_prefix
+from shoal.core.waits import (
+    CollectiveLog,
+    Keys,
+    Waits,
+    describe,
+    generation_key,
+    key_prefix,
+    say_left,
+)
+from shoal.core.watchdog import ABORT_KEY, Watchdog
 from shoal.errors import ShoalError
 
 
 class Handle:
-    """A collective in flight. :meth:`wait` blocks and books the waiting as communication."""
+    """A collective in flight (number ``seq`` in its Comm's log). :meth:`wait` blocks and books
+    the waiting as communication."""
 
-    def __init__(self, comm: Comm, work: Any, tensor: torch.Tensor, op: str, name: str) -> None:
+    def __init__(self, comm: Comm, work: Any, tensor: torch.Tensor, op: str, name: str,
+                 seq: int = 0) -> None:
         self._comm, self._work, self._tensor, self._op, self._name = comm, work, tensor, op, name
+        self._seq = seq
 
     def wait(self) -> torch.Tensor:
         if self._work is not None:
-            with self._comm.timeline.span(COMM, self._name):
-                self._work.wait()
+            log = self._comm.log
+            try:
+                with self._comm.timeline.span(COMM, self._name), log.blocked(self._seq):
+                    self._work.wait()
+            finally:
+                log.finish(self._seq)
             self._work = None
             if self._op == "avg":
                 self._tensor.div_(self._comm.world_size)
@@ -45,9 +63,12 @@ class Comm:
 
     With ``world_size == 1`` and no process group every collective returns its input, so
     strategies need no special case for a single process. With more ranks and a ``store``
-    (the job's rendezvous store), a :class:`~shoal.core.watchdog.Watchdog` ends this process when another rank
-    fails or stops responding; ``heartbeat_timeout`` (seconds, ``None``: never) is how long
-    a rank may go without a heartbeat before it is reported as hung.
+    (the job's rendezvous store), a :class:`~shoal.core.watchdog.Watchdog` ends this process
+    when another rank fails or stops responding; ``heartbeat_timeout`` (seconds, ``None``:
+    never) is how long a rank may go without a heartbeat before it is reported as hung.
+    Every collective is counted in :attr:`log`, so that a long wait names the ranks that did
+    not come (:mod:`shoal.core.waits`); ``timeout`` is the collectives' own (the process
+    group's), which the watchdog ends such a wait just before.
 
     ``peers=False``: a worker of an asynchronous job, whose peers are its parameter servers
     only (``ps``): no collective goes anywhere, even once this process joins a process group
@@ -63,6 +84,7 @@ class Comm:
         heartbeat_timeout: float | None = 10.0,
         *,
         peers: bool = True,
+        timeout: float | None = None,
     ) -> None:
         self.rank = env.rank
         self.world_size = env.world_size
@@ -71,13 +93,19 @@ class Comm:
         self.timeline = timeline or Timeline()
         self.bytes_sent = 0  # payload handed to collectives by this rank during training
         self._store = dist.PrefixStore(key_prefix(env.attempt), store) if store is not None else None
+        self._rank0_hosts = not env.agent_store  # the store (as job_store makes it)
         self.aborted = False  # this rank called abort(): nobody will wait for it at close()
         self.ps: Any = None  # asynchronous jobs: a ServerClient/LoopbackClient (shoal.core.ps)
         self.peers = peers
         self._parent: Comm | None = None  # a child's bytes are its parent's too
+        self.log = CollectiveLog()  # the collectives this rank issued, for the watchdog
+        self._keys = Keys(0)
         self._watchdog: Watchdog | None = None
-        if store is not None and self.world_size > 1:
-            self._watchdog = Watchdog(env, store, heartbeat_timeout, lambda: self.aborted)
+        if self._store is not None and self.world_size > 1:
+            self._keys = Keys(next(_GENERATIONS))
+            self._store.set(generation_key(self.rank), str(self._keys.generation))
+            waits = Waits(self.rank, self.world_size, self.log, self._keys, timeout)
+            self._watchdog = Watchdog(env, store, heartbeat_timeout, lambda: self.aborted, waits)
 
     @property
     def active(self) -> bool:
@@ -100,6 +128,17 @@ class Comm:
         if self._parent is not None:
             self._parent.count(nbytes)
 
+    @contextmanager
+    def track(self, op: str, name: str | None = None) -> Iterator[None]:
+        """Count a collective issued outside this class (DDP's all-reduce, inside backward)
+        as this rank's next one, in flight while the body runs: a long wait in it then names
+        the ranks that did not come. Every rank must track the same ones."""
+        if not self.active:
+            yield
+            return
+        with self.log.track(describe(op, name)):
+            yield
+
     # -- collectives ------------------------------------------------------------------------
     def all_reduce(self, tensor: torch.Tensor, op: str = "sum", name: str = "allreduce") -> torch.Tensor:
         """Reduce ``tensor`` in place across ranks (``avg`` divides by the world size)."""
@@ -111,9 +150,10 @@ class Comm:
         if not self.active:
             return Handle(self, None, tensor, op, name)
         self.count(tensor.numel() * tensor.element_size())
+        seq = self.log.start(_what("all_reduce", name, "allreduce"))  # finished by its wait
         with self.timeline.span(COMM, name):
             work = dist.all_reduce(tensor, op=red, async_op=True)
-        return Handle(self, work, tensor, op, name)
+        return Handle(self, work, tensor, op, name, seq)
 
     def all_reduce_future(self, tensor: torch.Tensor) -> torch.futures.Future:
         """Start an in-place sum of ``tensor`` for a DDP communication hook; returns the
@@ -128,19 +168,20 @@ class Comm:
             done.set_result([tensor])
             return done
         self.count(tensor.numel() * tensor.element_size())
-        return dist.all_reduce(tensor, op=dist.ReduceOp.SUM, async_op=True).get_future()
+        return self.log.follow(describe("all_reduce", "bucket"), lambda: dist.all_reduce(
+            tensor, op=dist.ReduceOp.SUM, async_op=True)).get_future()
 
     def broadcast(self, tensor: torch.Tensor, src: int = 0, name: str = "broadcast") -> torch.Tensor:
         """Overwrite ``tensor`` on every rank with rank ``src``'s."""
         if self.active:
             self.count(tensor.numel() * tensor.element_size())
-            with self.timeline.span(COMM, name):
+            with self.timeline.span(COMM, name), self.log.track(_what("broadcast", name)):
                 dist.broadcast(tensor, src=src)
         return tensor
 
     def barrier(self) -> None:
         if self.active:
-            with self.timeline.span(WAIT, "barrier"):
+            with self.timeline.span(WAIT, "barrier"), self.log.track("barrier"):
                 dist.barrier()
 
     # -- time learnt later: collectives timed from outside (DDP's, in backward) -------------
@@ -163,7 +204,8 @@ class Comm:
         """All-reduce a few Python numbers (metrics); returns the reduced list."""
         t = torch.tensor(list(values), dtype=torch.float64, device=self.device)
         if self.active:
-            dist.all_reduce(t, op=reduce_op(op))
+            with self.log.track(describe("all_reduce", "values")):
+                dist.all_reduce(t, op=reduce_op(op))
             if op == "avg":
                 t /= self.world_size
         return t.tolist()
@@ -173,7 +215,8 @@ class Comm:
         if not self.active:
             return [obj]
         out = [None] * self.world_size if self.rank == dst else None
-        dist.gather_object(obj, out, dst=dst)
+        with self.log.track(describe("gather", "objects")):
+            dist.gather_object(obj, out, dst=dst)
         return out
 
     def broadcast_object(self, obj: Any, src: int = 0) -> Any:
@@ -181,16 +224,17 @@ class Comm:
         if not self.active:
             return obj
         box = [obj]
-        dist.broadcast_object_list(box, src=src)
+        with self.log.track(describe("broadcast", "object")):
+            dist.broadcast_object_list(box, src=src)
         return box[0]
 
     # -- failure handling -------------------------------------------------------------------
     def abort(self, message: str) -> None:
         """Tell every other rank that this one failed, so they exit instead of waiting.
 
-        The first report stands (a later one is most likely its echo). A rank that the job
-        declared hung while it did not run leaves here at once, without a report of its own:
-        what it raises on waking up is the echo of being left behind.
+        The first report stands (a later one is most likely its echo). A rank that another
+        rank's watchdog already reported (hung while it did not run, gone, never come) leaves
+        here at once, without a report of its own: what it raises is the echo of that.
         """
         self.aborted = True  # first: this rank's watchdog must not take the report for another's
         if self._store is None:
@@ -201,26 +245,37 @@ class Comm:
             standing = self._store.compare_set(ABORT_KEY, "", report).decode()
         except Exception:  # the store may be gone already; the launcher still reaps us
             return
-        if standing != report and standing.startswith(f"rank {self.rank}: {HUNG}"):
+        if standing != report and standing.startswith(f"rank {self.rank}: "):
             os._exit(EXIT_ABORTED)
 
-    def close(self) -> None:
+    def close(self, how: str = "left the job") -> None:
         """Wait for every rank, stop the watchdog and leave the process group.
 
-        After :meth:`abort` it does not wait: the other ranks are on their way out, and a
-        barrier would only hold this one until the timeout.
+        The wait is in the job's store, not a collective: this rank says there that it left
+        after its collectives so far, and ``how`` (``"returned"``), and waits until every
+        rank did (shoal's launcher says it for a rank that ended with ``os._exit(0)``). A
+        rank still waiting in a later collective then stops the job at once, naming this
+        one, instead of waiting for it until the timeout; a rank that finished earlier waits
+        here for the others (:mod:`shoal.core.waits`). After :meth:`abort` it does not wait:
+        the other ranks are on their way out.
         """
         finished = False
         try:
             if self.active and not self.aborted:
-                dist.barrier()
+                with self.log.at_end():
+                    if self._store is None:
+                        dist.barrier()
+                    else:
+                        say_left(self._store, self._keys, self.rank, self.world_size, how,
+                                 self.log.count)
+                        self._store.wait([self._keys.all_left])  # the store's timeout bounds it
                 finished = True
         finally:
             if self._watchdog is not None:
                 self._watchdog.stop(timeout=5.0)
             try:
-                if finished and self.active:
-                    # Rank 0 may host the store: it must not exit while another rank's
+                if finished and self.active and self._rank0_hosts:
+                    # Rank 0 hosts the store: it must not exit while another rank's
                     # watchdog may still be asking it. A store call cut off while the
                     # interpreter shuts down ends the process in std::terminate (signal 6).
                     dist.barrier()
@@ -257,4 +312,13 @@ def init_comm(
         store = job_store(env, timeout)
         join_group(store, env.rank, env.world_size, dev.type, timeout,
                    where=f"the job at {env.master_addr}:{env.master_port}")
-    return Comm(env, dev, timeline, store, heartbeat_timeout)
+    return Comm(env, dev, timeline, store, heartbeat_timeout, timeout=timeout)
+
+
+#: Comms made on a job's store by this process so far (see :class:`~shoal.core.waits.Keys`).
+_GENERATIONS = itertools.count()
+
+
+def _what(op: str, name: str, default: str | None = None) -> str:
+    """The collective ``op`` called ``name`` by its caller, as the watchdog's lines name it."""
+    return describe(op, None if name in (op, default) else name)

@@ -18,6 +18,8 @@ from shoal.errors import ShoalError, WorkerError
 
 #: Exit status of a rank that stopped because another rank failed (not a root cause).
 EXIT_ABORTED = 75
+#: How a rank that left the job before the others were done with it is reported.
+LEFT_EARLY = "{how} while the others were still running"
 
 
 def is_comm_failure(exc: BaseException) -> bool:
@@ -54,10 +56,13 @@ def record_failure(errdir: str, rank: int, exc: BaseException) -> None:
         "user_error": isinstance(exc, ShoalError) and not echo,
         "traceback": "".join(traceback.format_exception(exc)),
     }
-    tmp = os.path.join(errdir, f".rank{rank}.tmp")
-    with open(tmp, "w") as f:
-        json.dump(info, f)
-    os.replace(tmp, os.path.join(errdir, f"rank{rank}.json"))
+    if info["primary"]:
+        tmp = os.path.join(errdir, f".rank{rank}.tmp")
+        with open(tmp, "w") as f:
+            json.dump(info, f)
+        os.replace(tmp, os.path.join(errdir, f"rank{rank}.json"))
+    else:  # an echo never replaces what another rank's watchdog found out about this one
+        _write_new(errdir, rank, info, f".rank{rank}.tmp")
 
 
 def exit_status(code: int) -> str:
@@ -77,8 +82,10 @@ def read_errors(errdir: str) -> dict[int, dict[str, Any]]:
 
 def root_cause(errdir: str, exits: dict[int, int]) -> WorkerError:
     """The failure that started it, from the error files and the exit codes of ranks that
-    ended before shoal stopped the rest: a real error first; then a rank that died without a
-    word (killed, crashed); only then the "peer closed the connection" echoes of it."""
+    ended before shoal stopped the rest (their work undone): a real error first (or what a
+    watchdog found out about a rank); then a rank that died without a word (killed, crashed);
+    then one that exited with status 0 before its work was done; only then the "peer closed
+    the connection" echoes of them."""
     errors = read_errors(errdir)
     primary = sorted((e for e in errors.values() if e["primary"]), key=lambda e: e["time"])
     silent = sorted((code >= 0, rank) for rank, code in exits.items()
@@ -86,38 +93,42 @@ def root_cause(errdir: str, exits: dict[int, int]) -> WorkerError:
     if not primary and silent:
         rank = silent[0][1]
         return WorkerError(rank, f"worker process {exit_status(exits[rank])}")
+    # A rank that ended with status 0 before its work was done (os._exit(0)): its peers'
+    # errors ("connection reset by peer") are the echoes of its leaving.
+    left = sorted(rank for rank, code in exits.items() if code == 0 and rank not in errors)
+    if not primary and left:
+        return WorkerError(left[0], LEFT_EARLY.format(how="exited with status 0"))
     echoes = sorted(errors.values(), key=lambda e: e["time"])
     if primary or echoes:
         err = (primary or echoes)[0]
-        message = err["message"] if err["user_error"] else f"{err['type']}: {err['message']}"
+        plain = err["user_error"] or not err["type"]
+        message = err["message"] if plain else f"{err['type']}: {err['message']}"
         return WorkerError(err["rank"], message, err["traceback"], err["user_error"])
     rank = min(exits)
     return WorkerError(rank, f"worker process exited with code {exits[rank]}")
 
 
-def record_hung(errdir: str, rank: int, message: str, noticed_by: int) -> None:
-    """Write rank ``rank``'s failure report for shoal's launcher (it cannot write its own).
-
-    The same fields as :func:`record_failure`, as the root cause (primary).
-    A report the rank wrote itself is kept.
+def record_for(errdir: str, rank: int, message: str, kind: str, why: str) -> None:
+    """Write rank ``rank``'s failure report for shoal's launcher when another rank's watchdog
+    found it out (it stopped, left or never came, and cannot write its own): the fields of
+    :func:`record_failure`, as the root cause. ``kind`` prefixes the message (an exception
+    type's name, or ``""``); ``why`` says how it was found out, in place of a traceback. A
+    report the rank wrote itself is kept.
     """
-    info = {
-        "rank": rank,
-        "time": time.time(),
-        "type": "TimeoutError",
-        "message": message,
-        "primary": True,
-        "user_error": False,
-        "traceback": f"(no traceback: rank {rank} did not run; rank {noticed_by}'s watchdog "
-                     f"saw its heartbeat stop)\n",
-    }
+    info = {"rank": rank, "time": time.time(), "type": kind, "message": message,
+            "primary": True, "user_error": False, "traceback": f"(no traceback: {why})\n"}
+    _write_new(errdir, rank, info, f".rank{rank}.by{os.getpid()}.tmp")
+
+
+def _write_new(errdir: str, rank: int, info: dict[str, Any], tmp_name: str) -> None:
+    """Write ``rank<N>.json`` unless there is one already (atomically either way)."""
     final = os.path.join(errdir, f"rank{rank}.json")
-    tmp = os.path.join(errdir, f".hung{rank}.by{noticed_by}.tmp")
+    tmp = os.path.join(errdir, tmp_name)
     try:
         with open(tmp, "w") as f:
             json.dump(info, f)
         try:
-            os.link(tmp, final)  # atomic, and never over the rank's own report
+            os.link(tmp, final)  # atomic, and never over another report
         except FileExistsError:
             pass
         except OSError:  # a file system without hard links

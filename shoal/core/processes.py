@@ -31,6 +31,7 @@ import cloudpickle
 
 from shoal.core.env import Environment, set_environment
 from shoal.core.failures import exit_status, first_line, record_failure, root_cause
+from shoal.core.waits import key_prefix, say_gone
 from shoal.errors import ShoalError, WorkerError
 
 _STOP = threading.Event()  # SIGTERM arrived: finish the step, checkpoint, stop
@@ -216,25 +217,14 @@ def spawn(
     """Run ``target(*args)`` in ``world_size`` fresh processes joined as one job on this machine.
 
     Each process gets ``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``, ``LOCAL_WORLD_SIZE``,
-    ``MASTER_ADDR`` and ``MASTER_PORT`` (a free port) in its environment. ``target`` and
-    ``args`` travel pickled with cloudpickle (by value when not importable, e.g. from
-    ``__main__``); the main program is not run again in the workers.
-
-    Each process also gets its :class:`~shoal.core.env.Environment` as an object
-    (:func:`~shoal.core.env.detect_environment` returns it there).
-
-    Returns the ranks' return values in rank order (``None`` for a rank that returned
-    nothing or left with ``sys.exit(0)``) once all exit cleanly. When one fails (an
-    exception, a non-zero exit status, a signal), the others get ``grace`` seconds to notice
-    and are then terminated, and a :class:`WorkerError` describing the root-cause failure is
-    raised. Ctrl-C stops them all. SIGTERM to this process (called from the main thread) is
-    passed on to the workers and sets :func:`stop_requested`; the workers decide what it
-    means (training checkpoints and stops; other functions end as SIGTERM ends them).
-
-    ``tolerate(rank)``: whether the job goes on without ``rank`` when a signal kills it (an
-    asynchronous job's workers); its result is then a :class:`Lost`. A tolerated rank that
-    fails by itself (an exception, an exit status) still fails the job, as every rank
-    runs the same code.
+    ``MASTER_ADDR`` and ``MASTER_PORT`` (a free port) in its environment, and its
+    :class:`~shoal.core.env.Environment` as an object. ``target`` and ``args`` travel pickled
+    with cloudpickle (by value when not importable, e.g. from ``__main__``); the main program
+    is not run again in the workers. Returns the ranks' results, or raises the root-cause
+    failure, as :func:`_supervise` says (``grace``, ``tolerate``: see there). SIGTERM to this
+    process (called from the main thread) is passed on to the workers and sets
+    :func:`stop_requested`; the workers decide what it means (training checkpoints and
+    stops; other functions end as SIGTERM ends them).
     """
     if world_size < 1:
         raise ShoalError(f"need at least 1 worker, got {world_size}")
@@ -268,44 +258,79 @@ def spawn(
             procs.append(start_process(_worker_main, (env, job)))
         if _STOP.is_set():  # a SIGTERM that came while they were starting
             forward_sigterm(signal.SIGTERM, None)
-        failed = None
-        pending = list(procs)
-        lost: dict[int, Lost] = {}
-        started = time.monotonic()
-        while pending and failed is None:
-            mp.connection.wait([p.sentinel for p in pending], timeout=1.0)
-            # One snapshot of the exit codes: a rank that dies between two reads of
-            # ``exitcode`` must not leave ``pending`` without having been judged.
-            codes = {p: p.exitcode for p in pending}
-            for p, code in codes.items():
-                rank = procs.index(p)
-                if (code is not None and code < 0 and tolerate is not None and tolerate(rank)
-                        and not _finished(errdir, rank)):
-                    lost[rank] = Lost(rank, code, time.monotonic() - started)
-            failed = next((p for p, code in codes.items() if code not in (None, 0)
-                           and procs.index(p) not in lost
-                           and not _finished(errdir, procs.index(p))), None)
-            pending = [p for p, code in codes.items() if code is None]
-        if failed is None:
-            for rank, p in enumerate(procs):
-                if p.exitcode != 0 and rank not in lost:
-                    # Its work is done and its results written; only the interpreter's own
-                    # teardown failed. Losing the job for that would lose good results.
-                    print(f"shoal: warning: rank {rank} finished its work, then its process died "
-                          f"while exiting ({exit_status(p.exitcode)})", file=sys.stderr, flush=True)
-            return [lost[rank] if rank in lost else _read_result(errdir, rank)
-                    for rank in range(world_size)]
-        # Exit codes now, before shoal's own SIGTERMs blur who died first.
-        exits = {r: p.exitcode for r, p in enumerate(procs)
-                 if p.exitcode not in (None, 0) and not _finished(errdir, r) and r not in lost}
-        stop_processes(procs, grace)
-        raise root_cause(errdir, exits)
+        return _supervise(procs, store, errdir, grace, tolerate)
     finally:
         stop_processes(procs, 0.0)
         shutil.rmtree(errdir, ignore_errors=True)
         del store
         if on_main:
             signal.signal(signal.SIGTERM, previous if previous is not None else signal.SIG_DFL)
+
+
+def _supervise(procs: list[BaseProcess], store: Any, errdir: str, grace: float,
+               tolerate: Callable[[int], bool] | None) -> list[Any]:
+    """Wait for the ranks ``procs`` (in rank order) to end. A rank that ended with status 0
+    without leaving the job in order (``os._exit(0)``) is said to have left in the job's
+    ``store``, so that the others need not wait for it at their end.
+
+    Returns the ranks' return values in rank order (``None`` for a rank that returned
+    nothing or left with ``sys.exit(0)`` or ``os._exit(0)``) once all exit cleanly. When one
+    fails (an exception, a non-zero exit status, a signal), the others get ``grace`` seconds
+    to notice and are then terminated, and a :class:`WorkerError` describing the root-cause
+    failure is raised. Ctrl-C stops them all.
+
+    ``tolerate(rank)``: whether the job goes on without ``rank`` when a signal kills it (an
+    asynchronous job's workers); its result is then a :class:`Lost`. A tolerated rank that
+    fails by itself (an exception, an exit status) still fails the job, as every rank
+    runs the same code.
+    """
+    import torch.distributed as dist
+
+    pending = list(procs)
+    lost: dict[int, Lost] = {}
+    started = time.monotonic()
+    failed = False
+    keys = dist.PrefixStore(key_prefix(0), store)  # the attempt of every rank spawned here
+    while pending and not failed:
+        mp.connection.wait([p.sentinel for p in pending], timeout=1.0)
+        # One snapshot of the exit codes: a rank that dies between two reads of
+        # ``exitcode`` must not leave ``pending`` without having been judged.
+        codes = {procs.index(p): p.exitcode for p in pending}
+        for rank, code in codes.items():
+            if (code is not None and code < 0 and tolerate is not None and tolerate(rank)
+                    and not _finished(errdir, rank)):
+                lost[rank] = Lost(rank, code, time.monotonic() - started)
+            if code == 0 and not _finished(errdir, rank):
+                say_gone(keys, rank, len(procs), "exited with status 0")
+        failed = any(code not in (None, 0) and rank not in lost and not _finished(errdir, rank)
+                     for rank, code in codes.items())
+        pending = [procs[rank] for rank, code in codes.items() if code is None]
+    if not failed:
+        return _results(procs, errdir, lost)
+    # Exit codes now, before shoal's own SIGTERMs blur who died first. A rank that exited
+    # with status 0 before its work was done (os._exit(0)) is among them: the others' errors
+    # may be the echoes of its leaving.
+    exits = {r: p.exitcode for r, p in enumerate(procs)
+             if p.exitcode is not None and not _finished(errdir, r) and r not in lost}
+    stop_processes(procs, grace)
+    raise root_cause(errdir, exits)
+
+
+def _results(procs: list[BaseProcess], errdir: str, lost: dict[int, Lost]) -> list[Any]:
+    """What each rank returned (``None`` for one that ended with ``os._exit(0)``, which
+    leaves nothing), or how it was lost."""
+    results = []
+    for rank, p in enumerate(procs):
+        if rank in lost:
+            results.append(lost[rank])
+            continue
+        if p.exitcode != 0:
+            # Its work is done and its results written; only the interpreter's own
+            # teardown failed. Losing the job for that would lose good results.
+            print(f"shoal: warning: rank {rank} finished its work, then its process died "
+                  f"while exiting ({exit_status(p.exitcode)})", file=sys.stderr, flush=True)
+        results.append(_read_result(errdir, rank) if _finished(errdir, rank) else None)
+    return results
 
 
 def _finished(jobdir: str, rank: int) -> bool:

@@ -1,8 +1,9 @@
 """The watchdog every rank of a job of several processes runs on the job's store.
 
 It ends the rank within a second when another rank reports a failure (``abort``), and names
-a rank that stopped responding (no heartbeat for ``heartbeat_timeout`` seconds) instead of
-letting the job wait out the collectives' timeout. See :class:`Watchdog`.
+a rank that stopped responding (no heartbeat for ``heartbeat_timeout`` seconds), left the
+job or never comes to a collective (:mod:`shoal.core.waits`) instead of letting the job wait
+out the collectives' timeout. See :class:`Watchdog`.
 """
 
 from __future__ import annotations
@@ -21,22 +22,13 @@ from typing import Any, TypeVar
 import torch.distributed as dist
 
 from shoal.core.env import Environment
-from shoal.core.failures import EXIT_ABORTED, first_line, record_hung
+from shoal.core.failures import EXIT_ABORTED, first_line, record_for
+from shoal.core.waits import Waits, beat, key_prefix
 
 ABORT_KEY = "abort"
 HUNG = "stopped responding"  # how a hung rank's report begins
 
 _T = TypeVar("_T")
-
-
-def key_prefix(attempt: int) -> str:
-    """Where shoal's keys live in the job's store: ``shoal/<attempt>``.
-
-    torchrun restarts a failed job (``--max-restarts``) with the same agent and, possibly, the
-    same store; the attempt number (``TORCHELASTIC_RESTART_COUNT``) keeps an old attempt's
-    abort report and heartbeats from ending the new attempt.
-    """
-    return f"shoal/{attempt}"
 
 
 def _name_os_thread(name: str) -> None:
@@ -50,16 +42,18 @@ class Watchdog:
     """Two daemon threads that end this process when the job cannot go on.
 
     The *watch* thread asks the job's store every ``tick`` seconds, over a connection of its
-    own: whether a rank reported a failure (``abort``; this process then exits with
-    :data:`EXIT_ABORTED`), and, with a ``heartbeat_timeout``, bumps this rank's counter
-    ``hb/<rank>`` about every second and reads the next rank's (a ring: every rank is watched
-    by exactly one other, so the store sees a few calls a second per rank). A counter that did
-    not move for ``heartbeat_timeout`` seconds means that rank stopped running (``kill
-    -STOP``, swapped out, a deadlock holding the GIL): the watchdog reports it under that
-    rank's name, to the other ranks through ``abort`` and to shoal's launcher through the
-    rank's failure file, and exits. A rank that is only slow (computing, sleeping, waiting in
-    a collective) keeps beating: its main thread is not needed for that, only the GIL now
-    and then. Collectives stay bounded by the process group's own timeout.
+    own, whether a rank reported a failure (``abort``; this process then exits with
+    :data:`EXIT_ABORTED`). About every second it bumps this rank's heartbeat counter, which
+    also carries how many collectives this rank issued, and looks at this rank's wait
+    (``waits``: a rank that left the job or never comes to the collective this one waits in
+    is named). With a ``heartbeat_timeout`` it also reads the next rank's counter (a ring:
+    every rank is watched by exactly one other, so the store sees a few calls a second per
+    rank). A counter that did not move for ``heartbeat_timeout`` seconds means that rank
+    stopped running (``kill -STOP``, swapped out, a deadlock holding the GIL). A rank that is
+    only slow (computing, sleeping, waiting in a collective) keeps beating: its main thread
+    is not needed for that, only the GIL now and then. Whatever rank the watchdog finds out,
+    it reports under that rank's name, to the other ranks through ``abort`` and to shoal's
+    launcher through the rank's failure file, and exits.
 
     The *guard* thread times the watch thread's store calls: a call to a host that stopped
     (rather than died) never returns, so one that is not back within ``heartbeat_timeout``
@@ -71,11 +65,12 @@ class Watchdog:
     """
 
     def __init__(self, env: Environment, store: dist.Store, heartbeat_timeout: float | None,
-                 leaving: Callable[[], bool]) -> None:
+                 leaving: Callable[[], bool], waits: Waits) -> None:
         self._env = env
         self._leaving = leaving  # whether this rank itself reported a failure and is leaving
         self._rank, self._world = env.rank, env.world_size
         self._limit = heartbeat_timeout
+        self._waits = waits  # this rank's collectives, and what to make of a long wait
         self._store = store
         if isinstance(store, dist.TCPStore):
             self._address = f"{store.host}:{store.port}"
@@ -83,7 +78,7 @@ class Watchdog:
             self._address = f"{env.master_addr}:{env.master_port}"
         self._tick = 0.5 if heartbeat_timeout is None else min(0.5, heartbeat_timeout / 6)
         # A longer gap than this between two looks means this process did not run meanwhile.
-        self._gap = max(1.0, (heartbeat_timeout or 0.0) / 2)
+        self._gap = max(1.0, (heartbeat_timeout or 4.0) / 2)
         self._stop = threading.Event()
         self._lock = threading.Lock()
         self._call_since: float | None = None  # when the store call in flight began
@@ -130,9 +125,11 @@ class Watchdog:
 
     def _watch_store(self, store: dist.Store) -> None:
         limit = self._limit
-        me, peer = f"hb/{self._rank}", f"hb/{(self._rank + 1) % self._world}"
+        peer = (self._rank + 1) % self._world
+        waits, keys = self._waits, self._waits.keys
         beat_every = 1.0 if limit is None else min(1.0, limit / 4)
-        seen = -1  # the peer's count, and when it last changed by this process's clock
+        published = 0  # the collective count this rank's counter carries
+        seen: int | None = None  # the peer's counter, and when it last changed (this clock)
         seen_at = looked_at = next_beat = time.monotonic()
         while not self._stop.wait(self._tick):
             if self._call(store.check, [ABORT_KEY]):
@@ -140,33 +137,44 @@ class Watchdog:
                 if self._leaving():
                     return  # this rank's own report, or one that crossed it: it is leaving
                 self._exit(reason)
-            if limit is None:
-                continue
             if time.monotonic() < next_beat:
                 continue
-            self._call(store.add, me, 1)
-            count = self._call(store.add, peer, 0)  # adding 0 reads it (and never waits)
+            count = waits.log.count
+            self._call(store.add, keys.heartbeat(self._rank), beat(count, published))
+            published = count
             now = time.monotonic()
             next_beat = now + beat_every
-            if count != seen or now - looked_at > self._gap:
-                seen, seen_at = count, now
-            elif now - seen_at > limit:
-                self._hung(store, (self._rank + 1) % self._world)
+            if now - looked_at > self._gap:
+                seen, seen_at = None, now  # this process did not run: judge nobody for it
+                waits.resumed()
             looked_at = now
+            if limit is not None:
+                counter = self._call(store.add, keys.heartbeat(peer), 0)  # reads (never waits)
+                if counter != seen:
+                    seen, seen_at = counter, now
+                elif now - seen_at > limit:
+                    message = f"{HUNG}: no heartbeat for {limit:g} s (hung, stopped or swapped out)"
+                    self._blame(store, peer, message, "TimeoutError",
+                                f"rank {peer} did not run; rank {self._rank}'s watchdog saw its "
+                                "heartbeat stop")
+            found = None if self._leaving() else waits.look(store, self._call)
+            if found is not None:
+                self._blame(store, *found, "", f"rank {self._rank}'s watchdog found it out "
+                            "from the job's store while waiting for it")
 
-    def _hung(self, store: dist.Store, rank: int) -> None:
-        assert self._limit is not None
-        message = f"{HUNG}: no heartbeat for {self._limit:g} s (hung, stopped or swapped out)"
+    def _blame(self, store: dist.Store, rank: int, message: str, kind: str, why: str) -> None:
+        """End the job for rank ``rank``'s sake: tell the other ranks (the first report
+        stands: a rank that failed just before names the real cause) and shoal's launcher
+        (``record_for``), and exit."""
         reason = first = f"rank {rank}: {message}"
         with contextlib.suppress(Exception):
-            # The first report stands: a rank that failed just before names the real cause.
             first = self._call(store.compare_set, ABORT_KEY, "", reason).decode()
         if first != reason:
             self._exit(first)
         errdir = self._env.error_dir
         if errdir:
             with contextlib.suppress(OSError):
-                record_hung(errdir, rank, message, self._rank)
+                record_for(errdir, rank, message, kind, why)
         self._exit(reason)
 
     # -- the guard thread --------------------------------------------------------------------

@@ -124,7 +124,9 @@ class Synchronous(Strategy):
         self._settle_wait()
         self._last_ready = None
         syncs = self.ddp is not None and self.ddp.require_backward_grad_sync
-        self.weighted(loss).backward()
+        # DDP all-reduces the gradients inside backward: a rank that never comes is named.
+        with self.comm.track("all_reduce", "gradients") if syncs else contextlib.nullcontext():
+            self.weighted(loss).backward()
         if not syncs or self._last_ready is None:
             return
         if self._step_bytes:
