@@ -19,7 +19,7 @@ import traceback
 from collections.abc import Sequence
 from typing import Any, NoReturn
 
-from shoal.errors import ShoalError, WorkerError
+from shoal.errors import ShoalError, Terminated, WorkerError
 from shoal.schema import (
     add_flag,
     check_value,
@@ -213,6 +213,7 @@ def _run(args: argparse.Namespace) -> None:
     import importlib.util
     import os
 
+    from shoal.core.limits import check_threads
     from shoal.runtime import launch, run_main
 
     if not args.target:
@@ -223,6 +224,9 @@ def _run(args: argparse.Namespace) -> None:
     if args.threads_per_worker is not None and args.threads_per_worker < 1:
         raise ShoalError("shoal run: --threads-per-worker must be at least 1, "
                          f"got {args.threads_per_worker}")
+    if args.threads_per_worker is not None:
+        check_threads(f"shoal run: --threads-per-worker {args.threads_per_worker}",
+                      args.threads_per_worker)
     if args.module:
         sys.path.insert(0, os.getcwd())  # where `python -m` looks first, as the workers will
         try:
@@ -463,6 +467,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("shoal: interrupted", file=sys.stderr)
         return EXIT_INTERRUPTED
+    except Terminated as exc:
+        print(f"shoal: {exc}", file=sys.stderr)
+        return EXIT_TERMINATED
     except ShoalError as exc:
         where = _where() if not isinstance(exc, WorkerError) else ""
         if debug:
