@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from shoal.core.limits import check_threads
 from shoal.errors import ShoalError
 from shoal.schema import (
     MAX_FLOAT,
@@ -290,6 +291,8 @@ class TrainConfig:
             raise ShoalError(f"--seed must be from 0 to {MAX_SEED}, got {show_value(self.seed)}")
         if not self.out:
             raise ShoalError("--out must name a directory, got ''")
+        if self.threads_per_worker is not None:
+            check_threads(f"--threads-per-worker {self.threads_per_worker}", self.threads_per_worker)
         from shoal.data.loader import check_workers
 
         check_workers(self.loader_workers)

@@ -16,9 +16,11 @@ import torch
 from shoal.config import TrainConfig
 from shoal.core.comm import init_comm
 from shoal.core.env import Environment, default_threads, detect_environment
+from shoal.core.limits import check_processes
 from shoal.core.processes import Lost, spawn, stop_on_sigterm, stop_requested
 from shoal.core.timeline import Timeline
 from shoal.data import Dataset, as_dataset
+from shoal.data.loader import loader_processes
 from shoal.errors import ShoalError, WorkerError
 from shoal.strategies import get_strategy
 from shoal.train.checkpoint import checkpoint_step
@@ -160,9 +162,11 @@ def train(cfg: TrainConfig, dataset: Any = None) -> dict[str, Any] | None:
             return run_worker(cfg, data)
     cfg = resolve_auto_resume(cfg)
     world = default_workers(cfg)
+    servers = server_count(cfg) if asynchronous else 0
+    check_machine(cfg, world, servers)
     cfg = resolve_momentum(cfg, world)
     data = preflight(cfg, world, given)
-    servers = server_count(cfg) if asynchronous else 0
+    check_machine(cfg, world, servers, data)
     with OutputLock(Path(cfg.out)):
         if world == 1 and cfg.max_restarts == 0 and not asynchronous:
             return run_worker(cfg, data)
@@ -179,6 +183,18 @@ def train(cfg: TrainConfig, dataset: Any = None) -> dict[str, Any] | None:
                 summary["restarts"] = restarts
             write_json(path, summary)
         return summary
+
+
+def check_machine(cfg: TrainConfig, world: int, servers: int, data: Dataset | None = None) -> None:
+    """A one-line error unless this machine can hold the local job's processes: ``world``
+    workers and ``servers`` servers, and with ``data`` (once loaded) their loader processes
+    too (:mod:`shoal.core.limits`)."""
+    threads = cfg.threads_per_worker or default_threads(world + servers)
+    loaders = 0 if data is None else (world + servers) * loader_processes(cfg.loader_workers,
+                                                                          data.train, threads)
+    what = " ".join([f"--workers {world}", *([f"--servers {servers}"] if servers else []),
+                     *([f"--loader-workers {cfg.loader_workers}"] if loaders else [])])
+    check_processes(what, world + servers, loaders, threads)
 
 
 def _async_rank(cfg: TrainConfig, data: Dataset | None = None) -> dict[str, Any] | None:
