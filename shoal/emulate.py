@@ -32,6 +32,8 @@ from pathlib import Path
 from types import FrameType
 from typing import Any
 
+from shoal.core.guard import guarded_command
+from shoal.core.limits import check_processes
 from shoal.errors import ShoalError
 
 #: Every namespace this module creates starts with this.
@@ -218,8 +220,12 @@ class Cluster:
 
         ``program`` is what follows torchrun's own options (``-m shoal train ...``). Output
         goes to ``log`` when given (else to this process's). When a node fails, the others
-        are stopped; nothing outlives this call.
+        are stopped; nothing outlives this call, and nothing outlives this process
+        (each host's torchrun dies with it, see :mod:`shoal.core.guard`).
         """
+        # Each host runs torchrun's agent (an interpreter with torch) and its workers.
+        check_processes(f"{self.hosts} emulated hosts x {nproc_per_node} workers",
+                        self.hosts * (1 + nproc_per_node))
         run_id = uuid.uuid4().hex[:8]
         procs: list[subprocess.Popen] = []
         out = log.open("ab") if log is not None else None
@@ -228,7 +234,8 @@ class Cluster:
                 node_env = {"GLOO_SOCKET_IFNAME": self.ifname(i), **(env or {})}
                 cmd = [*self.exec_args(i, node_env), *self.torchrun_args(i, nproc_per_node, run_id),
                        *program]
-                procs.append(subprocess.Popen(cmd, start_new_session=True, stdout=out,
+                procs.append(subprocess.Popen(guarded_command(cmd), start_new_session=True,
+                                              stdout=out,
                                               stderr=subprocess.STDOUT if out else None))
             deadline = time.monotonic() + timeout
             while True:
