@@ -224,9 +224,7 @@ def _run(args: argparse.Namespace) -> None:
     if args.threads_per_worker is not None and args.threads_per_worker < 1:
         raise ShoalError("shoal run: --threads-per-worker must be at least 1, "
                          f"got {args.threads_per_worker}")
-    if args.threads_per_worker is not None:
-        check_threads(f"shoal run: --threads-per-worker {args.threads_per_worker}",
-                      args.threads_per_worker)
+    check_threads("shoal run: --threads-per-worker", args.threads_per_worker)
     if args.module:
         sys.path.insert(0, os.getcwd())  # where `python -m` looks first, as the workers will
         try:

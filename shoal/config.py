@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from shoal.core.limits import check_threads
+from shoal.core.limits import cpu_bound
 from shoal.errors import ShoalError
 from shoal.schema import (
     MAX_FLOAT,
@@ -109,7 +109,7 @@ class TrainConfig:
                                   "with --device cuda, else 1); not used under "
                                   "torchrun/Slurm/mpirun", section="where and how", at_least=1)
     threads_per_worker: int | None = setting(None, "intra-op threads per worker (default: "
-                                             "cores // workers)", at_least=1)
+                                             "cores // workers)", at_least=1, at_most=cpu_bound)
     device: str = setting("auto", "where workers compute; auto: cuda when available",
                           choices=DEVICES)
     strategy: str = setting("sync", "how workers couple; see `shoal list`")
@@ -291,8 +291,6 @@ class TrainConfig:
             raise ShoalError(f"--seed must be from 0 to {MAX_SEED}, got {show_value(self.seed)}")
         if not self.out:
             raise ShoalError("--out must name a directory, got ''")
-        if self.threads_per_worker is not None:
-            check_threads(f"--threads-per-worker {self.threads_per_worker}", self.threads_per_worker)
         from shoal.data.loader import check_workers
 
         check_workers(self.loader_workers)

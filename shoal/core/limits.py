@@ -121,10 +121,15 @@ def check_processes(what: str, processes: int, forked: int = 0, threads: int = 1
                          f"here ({room[1]})")
 
 
-def check_threads(what: str, threads: int) -> None:
-    """Raise :class:`ShoalError` unless ``threads`` intra-op threads per process are at
-    most this machine's logical CPUs."""
-    cpus = os.cpu_count() or 1
-    if threads > cpus:
-        raise ShoalError(f"{what}: more intra-op threads than this machine's {cpus} logical "
-                         "CPUs (threads beyond them only take turns)")
+def cpu_bound() -> tuple[int, str]:
+    """The most intra-op threads a process may ask for, and why (the ``at_most`` of a
+    setting, see :mod:`shoal.schema`)."""
+    return os.cpu_count() or 1, "this machine's logical CPUs; more only take turns"
+
+
+def check_threads(what: str, threads: int | None) -> None:
+    """Raise :class:`ShoalError` unless ``threads`` (``None``: the default) intra-op threads
+    per process are at most this machine's logical CPUs."""
+    most, why = cpu_bound()
+    if threads is not None and threads > most:
+        raise ShoalError(f"{what} must be at most {most} ({why}), got {threads}")

@@ -223,26 +223,15 @@ def spawn(
     and are then terminated, and a :class:`WorkerError` describing the root-cause failure is
     raised. Ctrl-C stops them all. SIGTERM to this process (called from the main thread) is
     passed on to the workers and sets :func:`stop_requested`; the workers decide what it
-    means (training checkpoints and stops; other functions end as SIGTERM ends them). One
-    that comes while the processes are being started stops those started and raises
-    :class:`~shoal.errors.Terminated`. ``world_size`` is checked against what this machine
-    can hold (:mod:`shoal.core.limits`) before anything starts; no process outlives this
-    one (:mod:`shoal.core.guard`).
+    means (training checkpoints and stops; other functions end as SIGTERM ends them); while
+    they start, it stops them and raises :class:`~shoal.errors.Terminated`.
 
     ``tolerate(rank)``: whether the job goes on without ``rank`` when a signal kills it (an
     asynchronous job's workers); its result is then a :class:`Lost`. A tolerated rank that
     fails by itself (an exception, an exit status) still fails the job, as every rank
     runs the same code.
     """
-    if world_size < 1:
-        raise ShoalError(f"need at least 1 worker, got {world_size}")
-    check_processes("cannot start the workers", world_size)
-    try:
-        job = cloudpickle.dumps((target, args))
-    except Exception as exc:
-        name = getattr(target, "__qualname__", repr(target))
-        raise ShoalError(f"cannot send {name} and its arguments to the workers: "
-                         f"{first_line(exc)}") from exc
+    job = _pack_job(world_size, target, args)
     # The launcher serves the job's store (on loopback only, see loopback_store): it
     # outlives any worker, so a dead or stopped rank 0 cannot take the rendezvous with it.
     store = loopback_store(timeout=60.0)
@@ -304,6 +293,20 @@ def spawn(
         del store
         if on_main:
             signal.signal(signal.SIGTERM, previous if previous is not None else signal.SIG_DFL)
+
+
+def _pack_job(world_size: int, target: Callable[..., Any], args: tuple[Any, ...]) -> bytes:
+    """``target`` and ``args`` as the workers will get them, once ``world_size`` processes
+    are known to fit this machine (:mod:`shoal.core.limits`); one-line errors otherwise."""
+    if world_size < 1:
+        raise ShoalError(f"need at least 1 worker, got {world_size}")
+    check_processes("cannot start the workers", world_size)
+    try:
+        return cloudpickle.dumps((target, args))
+    except Exception as exc:
+        name = getattr(target, "__qualname__", repr(target))
+        raise ShoalError(f"cannot send {name} and its arguments to the workers: "
+                         f"{first_line(exc)}") from exc
 
 
 def _start_ranks(procs: list[BaseProcess], job_env: Environment, job: bytes,

@@ -57,8 +57,7 @@ class Session:
         if n < 1:
             raise ShoalError(f"shoal.fork needs at least 1 process, got {n}")
         check_processes(f"shoal.fork({n})", n - 1)  # rank 0 is this process
-        if threads is not None:
-            check_threads(f"shoal.fork(threads={threads})", threads)
+        check_threads("shoal.fork's threads", threads)
         if device not in ("cpu", "cuda"):
             raise ShoalError(f"unknown device {device!r}; choose cpu or cuda")
         if device == "cuda":

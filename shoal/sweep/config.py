@@ -62,8 +62,7 @@ class BenchConfig:
         if any(t is not None and t < 1 for t in self.threads):
             raise ShoalError(f"--threads-per-worker must be positive or auto, got {self.threads}")
         for t in self.threads:
-            if t is not None:
-                check_threads(f"--threads-per-worker {t}", t)
+            check_threads("--threads-per-worker", t)
         if self.emulate_bandwidth is None:  # emulated hosts: the cluster checks its own
             check_processes(f"--workers {max(self.workers)}", max(self.workers))
         bad = [s for s in self.scaling if s not in SCALINGS]

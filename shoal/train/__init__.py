@@ -142,24 +142,7 @@ def train(cfg: TrainConfig, dataset: Any = None) -> dict[str, Any] | None:
     env = detect_environment()
     asynchronous = is_asynchronous(get_strategy(cfg.strategy))
     if env is not None:
-        servers = server_count(cfg) if asynchronous else 0
-        if cfg.workers is not None and cfg.workers + servers != env.world_size:
-            raise ShoalError(f"--workers {cfg.workers}{f' and --servers {servers}' if servers else ''}"
-                             f" contradict the launcher's world size {env.world_size} "
-                             f"({env.launcher}); leave --workers out")
-        cfg = resolve_auto_resume(cfg)
-        if asynchronous:  # the first --servers ranks serve, the others train
-            if env.world_size <= servers:
-                raise ShoalError(f"--servers {servers} needs at least {servers + 1} ranks; "
-                                 f"the launcher started {env.world_size}")
-            cfg = resolve_momentum(cfg, env.world_size - servers)
-            data = preflight(cfg, env.world_size - servers, given)
-            with OutputLock(Path(cfg.out)) if env.rank == 0 else contextlib.nullcontext():
-                return run_async_rank(cfg, env, data)
-        cfg = resolve_momentum(cfg, env.world_size)
-        data = preflight(cfg, env.world_size, given)
-        with OutputLock(Path(cfg.out)) if env.rank == 0 else contextlib.nullcontext():
-            return run_worker(cfg, data)
+        return _train_as_rank(cfg, env, asynchronous, given)
     cfg = resolve_auto_resume(cfg)
     world = default_workers(cfg)
     servers = server_count(cfg) if asynchronous else 0
@@ -183,6 +166,30 @@ def train(cfg: TrainConfig, dataset: Any = None) -> dict[str, Any] | None:
                 summary["restarts"] = restarts
             write_json(path, summary)
         return summary
+
+
+def _train_as_rank(cfg: TrainConfig, env: Environment, asynchronous: bool,
+                   given: Dataset | None) -> dict[str, Any] | None:
+    """:func:`train` as this process's rank of a job an outside launcher (torchrun, Slurm,
+    mpirun) started."""
+    servers = server_count(cfg) if asynchronous else 0
+    if cfg.workers is not None and cfg.workers + servers != env.world_size:
+        raise ShoalError(f"--workers {cfg.workers}{f' and --servers {servers}' if servers else ''}"
+                         f" contradict the launcher's world size {env.world_size} "
+                         f"({env.launcher}); leave --workers out")
+    cfg = resolve_auto_resume(cfg)
+    if asynchronous:  # the first --servers ranks serve, the others train
+        if env.world_size <= servers:
+            raise ShoalError(f"--servers {servers} needs at least {servers + 1} ranks; "
+                             f"the launcher started {env.world_size}")
+        cfg = resolve_momentum(cfg, env.world_size - servers)
+        data = preflight(cfg, env.world_size - servers, given)
+        with OutputLock(Path(cfg.out)) if env.rank == 0 else contextlib.nullcontext():
+            return run_async_rank(cfg, env, data)
+    cfg = resolve_momentum(cfg, env.world_size)
+    data = preflight(cfg, env.world_size, given)
+    with OutputLock(Path(cfg.out)) if env.rank == 0 else contextlib.nullcontext():
+        return run_worker(cfg, data)
 
 
 def check_machine(cfg: TrainConfig, world: int, servers: int, data: Dataset | None = None) -> None:
