@@ -29,7 +29,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import listening_sockets, marked_processes, one_error_line, shoal_env
+from conftest import listening_sockets, marked_processes, one_error_line, shoal_env, wait_gone
 
 #: Seconds the job's processes get to go once their launcher is killed.
 GONE_S = 5.0
@@ -149,9 +149,7 @@ class Job:
         :data:`GONE_S` seconds."""
         os.kill(self.proc.pid, signal.SIGKILL)
         self.proc.wait(timeout=10)
-        deadline = time.monotonic() + GONE_S
-        while (left := marked_processes(self.marker)) and time.monotonic() < deadline:
-            time.sleep(0.05)
+        left = wait_gone(self.marker, GONE_S)
         assert left == [], "outlived the launcher: " + "; ".join(
             f"{pid} (parent {Path(f'/proc/{pid}/stat').read_text().split(')')[1].split()[1]}): "
             f"{_cmdline(pid)[:120]}" for pid in left if Path(f"/proc/{pid}").exists())
@@ -273,7 +271,7 @@ def test_sigterm_during_start_up_stops_it(tmp_path):
         assert "terminated: stopped by SIGTERM while starting the workers (2 of 4 started)" in out
         pids = [int(p) for p in out.split("started:")[-1].split()]
         assert len(pids) == 2 and not any(Path(f"/proc/{p}").exists() for p in pids)
-        assert marked_processes(job.marker) == []
+        assert wait_gone(job.marker, GONE_S) == []  # the resource tracker ends after it
 
 
 def test_sigterm_to_shoal_train_in_start_up_stops_every_process(tmp_path):
@@ -286,10 +284,7 @@ def test_sigterm_to_shoal_train_in_start_up_stops_every_process(tmp_path):
         job.proc.wait(timeout=30)
         assert job.proc.returncode != 0
         assert [ln for ln in job.log.read_text().splitlines() if ln.startswith("shoal:")]
-        deadline = time.monotonic() + GONE_S
-        while marked_processes(job.marker) and time.monotonic() < deadline:
-            time.sleep(0.05)
-        assert marked_processes(job.marker) == []
+        assert wait_gone(job.marker, GONE_S) == []
 
 
 GUARDED = textwrap.dedent("""
