@@ -69,19 +69,9 @@ class AsyncOptions:
             raise ShoalError(f"{flag_name('max_staleness')} must be at least 0, "
                              f"got {self.max_staleness}")
 
-    def check_servers(self, workers: int) -> None:
-        """At most one server per worker: a worker's exchange is split over every server, and
-        at most ``workers`` exchanges are in flight, so more servers only add processes."""
-        if self.servers > workers:
-            raise ShoalError(f"{flag_name('servers')} {self.servers} with {workers} workers: at "
-                             "most one server per worker (each exchange is split over all the "
-                             "servers; more add processes, not speed)")
-
     def check_workers(self, workers: int) -> None:
-        """At most one server per worker (:meth:`check_servers`); the staleness bound must
-        let every worker through: while one worker waits, the other ``workers - 1`` may each
-        push once (round robin needs exactly that)."""
-        self.check_servers(workers)
+        """The staleness bound must let every worker through: while one worker waits, the
+        other ``workers - 1`` may each push once (round robin needs exactly that)."""
         bound = self.max_staleness
         if bound is not None and workers > 1 and bound < workers - 1:
             raise ShoalError(f"{flag_name('max_staleness')} {bound} with {workers} workers: a "

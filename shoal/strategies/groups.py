@@ -61,9 +61,8 @@ class GroupOptions(AsyncOptions):
             raise ShoalError(f"{flag_name('groups')} must be at least 1, got {self.groups}")
 
     def check_workers(self, workers: int) -> None:
-        """At most one group and one server per worker; the staleness bound counts groups
-        (their leaders push), so it must be at least ``groups - 1``."""
-        self.check_servers(workers)
+        """At most one group per worker; the staleness bound counts groups (their leaders
+        push), so it must be at least ``groups - 1``."""
         if self.groups > workers:
             raise ShoalError(f"{flag_name('groups')} {self.groups} with {workers} workers: a "
                              "group needs a worker at least")
