@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from shoal.core.env import MAX_THREADS
+from shoal.core.limits import cpu_bound
 from shoal.errors import ShoalError
 from shoal.schema import (
     MAX_DURATION_S,
@@ -97,7 +97,7 @@ class TrainConfig:
                                   "with --device cuda, else 1); not used under "
                                   "torchrun/Slurm/mpirun", section="where and how", at_least=1)
     threads_per_worker: int | None = setting(None, "intra-op threads per worker (default: "
-                                             "cores // workers)", at_least=1)
+                                             "cores // workers)", at_least=1, at_most=cpu_bound)
     device: str = setting("auto", "where workers compute; auto: cuda when available",
                           choices=DEVICES)
     strategy: str = setting("sync", "how workers couple; see `shoal list`")
@@ -279,9 +279,6 @@ class TrainConfig:
             raise ShoalError(f"--seed must be from 0 to {MAX_SEED}, got {show_value(self.seed)}")
         if not self.out:
             raise ShoalError("--out must name a directory, got ''")
-        if self.threads_per_worker is not None and self.threads_per_worker > MAX_THREADS:
-            raise ShoalError(f"--threads-per-worker must be at most {MAX_THREADS}, got "
-                             f"{show_value(self.threads_per_worker)}")
         from shoal.data.loader import check_workers
 
         check_workers(self.loader_workers)

@@ -32,6 +32,8 @@ from pathlib import Path
 from types import FrameType
 from typing import Any
 
+from shoal.core.guard import guarded_command
+from shoal.core.limits import check_processes
 from shoal.core.trust import open_own
 from shoal.errors import ShoalError
 
@@ -221,8 +223,12 @@ class Cluster:
         reaches every node's processes through their environment (not their command line,
         which anyone on the machine can read). Output goes to ``log`` when given (else to
         this process's), appended, never through a symbolic link. When a node fails, the
-        others are stopped; nothing outlives this call.
+        others are stopped; nothing outlives this call, and nothing outlives this process
+        (each host's torchrun dies with it, see :mod:`shoal.core.guard`).
         """
+        # Each host runs torchrun's agent (an interpreter with torch) and its workers.
+        check_processes(f"{self.hosts} emulated hosts x {nproc_per_node} workers",
+                        self.hosts * (1 + nproc_per_node))
         run_id = uuid.uuid4().hex[:8]
         procs: list[subprocess.Popen] = []
         out = os.fdopen(open_own(log, os.O_WRONLY | os.O_APPEND | os.O_CREAT), "ab") \
@@ -231,7 +237,8 @@ class Cluster:
             for i in range(self.hosts):
                 node_env = {**os.environ, **(env or {}), "GLOO_SOCKET_IFNAME": self.ifname(i)}
                 cmd = [*self.exec_args(i), *self.torchrun_args(i, nproc_per_node, run_id), *program]
-                procs.append(subprocess.Popen(cmd, start_new_session=True, stdout=out, env=node_env,
+                procs.append(subprocess.Popen(guarded_command(cmd), start_new_session=True,
+                                              stdout=out, env=node_env,
                                               stderr=subprocess.STDOUT if out else None))
             deadline = time.monotonic() + timeout
             while True:

@@ -21,3 +21,7 @@ class WorkerError(ShoalError):
         self.rank = rank
         self.traceback = traceback
         self.user_error = user_error  # the worker raised a ShoalError (bad input, divergence)
+
+
+class Terminated(ShoalError):
+    """The job was stopped by SIGTERM before it could start (``shoal`` exits with 143)."""

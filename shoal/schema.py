@@ -10,7 +10,8 @@ line (:func:`setting` writes it):
 - ``choices``: the values it takes (argparse checks a flag's, :func:`check_rules` a file's);
 - ``metavar``, ``nargs`` and ``const`` as in argparse; ``parse``: text -> value, for values
   that are not one number or word (a shape, a list);
-- ``at_least`` (a number) or ``positive``: the range :func:`check_rules` checks;
+- ``at_least`` (a number) or ``positive``: the range :func:`check_rules` checks; ``at_most``:
+  a function returning the upper bound and why (what this machine can hold);
 - ``section``: the help group of this field and of those after it; ``flag=False``: no flag;
 - ``kind``: what a value is, in words, for the error of a value of the wrong type (a field
   of two types: ``an integer, auto or auto:N``).
@@ -239,7 +240,7 @@ def show_value(value: Any) -> str:
 
 def check_rules(settings: Any, name: Callable[[str], str] = flag_name) -> None:
     """Check each field of the dataclass ``settings`` against its metadata's ``choices``,
-    ``at_least`` and ``positive`` (in field order); a :class:`ShoalError` begins with
+    ``at_least``, ``positive`` and ``at_most`` (in field order); a :class:`ShoalError` begins with
     ``name(field)``. ``None`` passes: the annotation said whether it may be."""
     for f in dataclasses.fields(settings):
         value, meta = getattr(settings, f.name), f.metadata
@@ -256,6 +257,9 @@ def check_rules(settings: Any, name: Callable[[str], str] = flag_name) -> None:
         if meta.get("positive") and (nan or value <= 0):
             raise ShoalError(f"{name(f.name)} must be a positive number, "
                              f"got {show_value(value)}")
+        high, why = meta["at_most"]() if "at_most" in meta else (None, "")
+        if high is not None and value > high:
+            raise ShoalError(f"{name(f.name)} must be at most {high} ({why}), got {show_value(value)}")
 
 
 def _describe(hint: Any) -> str:

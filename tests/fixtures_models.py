@@ -1,5 +1,6 @@
 """User models for the tests, loaded the way users load theirs: --model tests.fixtures_models:NAME."""
 
+import atexit
 import os
 import time
 
@@ -72,3 +73,19 @@ class _KilledAt(nn.Module):
 
 def killed_at(input_shape, num_classes):
     return _KilledAt(input_shape, num_classes)
+
+
+def _hold(path):
+    with open(path, "w"):
+        pass
+    time.sleep(120)
+
+
+def held_at_exit(input_shape, num_classes):
+    """`tiny`; the process of rank ``SHOAL_TEST_HOLD_RANK``, once its work is done, holds in
+    its interpreter's exit: it writes the file ``SHOAL_TEST_HOLD_FILE``, then sleeps (a job
+    caught in its shutdown)."""
+    if os.environ.get("RANK") is not None and os.environ.get("RANK") == os.environ.get(
+            "SHOAL_TEST_HOLD_RANK"):
+        atexit.register(_hold, os.environ["SHOAL_TEST_HOLD_FILE"])
+    return tiny(input_shape, num_classes)

@@ -18,8 +18,8 @@ from typing import Any
 
 from shoal.cli.parsers import build_parser
 from shoal.cli.settings import config_from_args
-from shoal.errors import ShoalError, WorkerError
-from shoal.schema import parse_names, show_value
+from shoal.errors import ShoalError, Terminated, WorkerError
+from shoal.schema import parse_names
 
 EXIT_USER_ERROR = 2
 EXIT_FAILURE = 1
@@ -34,7 +34,7 @@ def _run(args: argparse.Namespace) -> None:
     import importlib.util
     import os
 
-    from shoal.core.env import MAX_THREADS
+    from shoal.core.limits import check_threads
     from shoal.runtime import launch, run_main
 
     if not args.target:
@@ -42,9 +42,9 @@ def _run(args: argparse.Namespace) -> None:
     target, script_args = args.target[0], args.target[1:]
     if args.workers < 1:
         raise ShoalError(f"--workers must be at least 1, got {args.workers}")
-    if args.threads_per_worker is not None and not 1 <= args.threads_per_worker <= MAX_THREADS:
-        raise ShoalError(f"--threads-per-worker must be from 1 to {MAX_THREADS}, "
-                         f"got {show_value(args.threads_per_worker)}")
+    if args.threads_per_worker is not None and args.threads_per_worker < 1:
+        raise ShoalError(f"--threads-per-worker must be at least 1, got {args.threads_per_worker}")
+    check_threads("--threads-per-worker", args.threads_per_worker)
     if args.module:
         sys.path.insert(0, os.getcwd())  # where `python -m` looks first, as the workers will
         try:
@@ -219,6 +219,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("shoal: interrupted", file=sys.stderr)
         return EXIT_INTERRUPTED
+    except Terminated as exc:
+        print(f"shoal: {exc}", file=sys.stderr)
+        return EXIT_TERMINATED
     except ShoalError as exc:
         return _error(exc, debug)
     except Exception as exc:

@@ -174,12 +174,6 @@ def set_environment(env: Environment | None) -> None:
     _GIVEN = env
 
 
-#: Intra-op threads per worker are at most this (``--threads-per-worker``): beyond any
-#: machine's cores, and far below what ``torch.set_num_threads`` (a C int) and the
-#: operating system's thread limits take.
-MAX_THREADS = 1024
-
-
 def default_threads(local_workers: int) -> int:
     """Cores available to this process divided among the workers on this node."""
     return max(1, len(os.sched_getaffinity(0)) // max(1, local_workers))

@@ -9,7 +9,6 @@ caller's main program.
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import multiprocessing as mp
 import multiprocessing.connection
 import os
@@ -29,10 +28,13 @@ from typing import Any
 
 import cloudpickle
 
+from shoal.core import guard
 from shoal.core.env import Environment, set_environment
 from shoal.core.failures import exit_status, first_line, record_failure, root_cause
+from shoal.core.guard import guarded_name
+from shoal.core.limits import check_processes
 from shoal.core.waits import key_prefix, say_gone
-from shoal.errors import ShoalError, WorkerError
+from shoal.errors import ShoalError, Terminated, WorkerError
 
 _STOP = threading.Event()  # SIGTERM arrived: finish the step, checkpoint, stop
 
@@ -88,38 +90,32 @@ def loopback_gloo_interface() -> str | None:
     return None
 
 
-def die_with_parent() -> None:
-    """Ask Linux to kill this process when its parent dies (no orphaned workers).
-
-    SIGKILL, not SIGTERM: a training worker takes SIGTERM as "checkpoint and stop", which
-    needs its launcher and its peers, and an orphan has neither.
-    """
-    if sys.platform.startswith("linux"):
-        try:
-            libc = ctypes.CDLL("libc.so.6", use_errno=True)
-            libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
-        except OSError:
-            pass
-
-
 def start_process(target: Callable[..., Any], args: tuple[Any, ...] = (), *,
                   name: str | None = None) -> BaseProcess:
-    """Start ``target(*args)`` in a fresh interpreter ("spawn") that does not re-run ``__main__``.
+    """Start ``target(*args)`` in a fresh interpreter ("spawn") that does not re-run ``__main__``
+    and never outlives this process.
 
     Python's "spawn" makes every child import the parent's main module again: that fails when
     it is no file (``python -``, ``-c``, a REPL, a notebook), and re-runs an unguarded script's
-    top level. Here the child never sees it. ``target`` and ``args`` are pickled by
-    multiprocessing (so a Connection may be among them), which names functions by import
-    path: functions of ``__main__`` must travel by value instead, as :func:`spawn` sends them
-    (cloudpickled bytes). The process is not daemonic, so it may start processes itself.
+    top level. Here the child runs :mod:`shoal.core.guard` in its place instead, first thing,
+    before it imports anything of shoal or torch: it dies with this process from then on, and
+    at once if this process is already gone (see that module). ``target`` and ``args`` are
+    pickled by multiprocessing (so a Connection may be among them), which names functions by
+    import path: functions of ``__main__`` must travel by value instead, as :func:`spawn`
+    sends them (cloudpickled bytes). The process is not daemonic, so it may start processes
+    itself.
     """
-    process = mp.get_context("spawn").Process(target=target, args=args, name=name, daemon=False)
-    # The spawn Popen reads sys.modules["__main__"] (to tell the child what to re-import) and
-    # pickles the process object inside start(), and nowhere else: an empty __main__ for
-    # that moment tells the child there is nothing to import. The window is the few ms of
-    # start(); a thread pickling a __main__ object by reference meanwhile would fail.
+    process = mp.get_context("spawn").Process(target=target, args=args, daemon=False,
+                                              name=guarded_name(name, os.getpid()))
+    # The spawn Popen reads sys.modules["__main__"] (to tell the child what to run as its
+    # main module) and pickles the process object inside start(), and nowhere else: a
+    # stand-in __main__ whose file is guard.py for that moment makes the child run the guard
+    # and nothing of the caller's. The window is the few ms of start(); a thread pickling a
+    # __main__ object by reference meanwhile would fail.
     main = sys.modules["__main__"]
-    sys.modules["__main__"] = types.ModuleType("__main__")
+    stand_in = types.ModuleType("__main__")
+    stand_in.__file__ = os.path.abspath(guard.__file__)
+    sys.modules["__main__"] = stand_in
     try:
         process.start()
     finally:
@@ -132,7 +128,6 @@ def _result_path(jobdir: str, rank: int) -> str:
 
 
 def _worker_main(env: Environment, job: bytes) -> None:
-    die_with_parent()
     set_environment(env)  # shoal's own code takes it as this object
     env.export()  # for user code that calls torch.distributed itself
     interface = loopback_gloo_interface()
@@ -224,25 +219,21 @@ def spawn(
     failure, as :func:`_supervise` says (``grace``, ``tolerate``: see there). SIGTERM to this
     process (called from the main thread) is passed on to the workers and sets
     :func:`stop_requested`; the workers decide what it means (training checkpoints and
-    stops; other functions end as SIGTERM ends them).
+    stops; other functions end as SIGTERM ends them). While
+    they start, SIGTERM stops them and raises :class:`~shoal.errors.Terminated`.
     """
-    if world_size < 1:
-        raise ShoalError(f"need at least 1 worker, got {world_size}")
-    try:
-        job = cloudpickle.dumps((target, args))
-    except Exception as exc:
-        name = getattr(target, "__qualname__", repr(target))
-        raise ShoalError(f"cannot send {name} and its arguments to the workers: "
-                         f"{first_line(exc)}") from exc
+    job = _pack_job(world_size, target, args)
     # The launcher serves the job's store (on loopback only, see loopback_store): it
     # outlives any worker, so a dead or stopped rank 0 cannot take the rendezvous with it.
     store = loopback_store(timeout=60.0)
     port = store.port
     errdir = tempfile.mkdtemp(prefix="shoal-errors-")
     procs: list[BaseProcess] = []
+    sigterm = threading.Event()  # a SIGTERM came while this call runs
 
     def forward_sigterm(signum: int, frame: Any) -> None:
         _STOP.set()
+        sigterm.set()
         for p in procs:
             if p.exitcode is None and p.pid is not None:
                 with contextlib.suppress(ProcessLookupError):
@@ -251,12 +242,9 @@ def spawn(
     on_main = threading.current_thread() is threading.main_thread()
     previous = signal.signal(signal.SIGTERM, forward_sigterm) if on_main else None
     try:
-        job_env = Environment(0, world_size, 0, world_size, "127.0.0.1", port, "local",
-                              agent_store=True, error_dir=errdir)
-        for rank in range(world_size):
-            env = replace(job_env, rank=rank, local_rank=rank)
-            procs.append(start_process(_worker_main, (env, job)))
-        if _STOP.is_set():  # a SIGTERM that came while they were starting
+        _start_ranks(procs, Environment(0, world_size, 0, world_size, "127.0.0.1", port, "local",
+                                        agent_store=True, error_dir=errdir), job, sigterm)
+        if _STOP.is_set():  # a SIGTERM that came before this call
             forward_sigterm(signal.SIGTERM, None)
         return _supervise(procs, store, errdir, grace, tolerate)
     finally:
@@ -331,6 +319,35 @@ def _results(procs: list[BaseProcess], errdir: str, lost: dict[int, Lost]) -> li
                   f"while exiting ({exit_status(p.exitcode)})", file=sys.stderr, flush=True)
         results.append(_read_result(errdir, rank) if _finished(errdir, rank) else None)
     return results
+
+
+def _pack_job(world_size: int, target: Callable[..., Any], args: tuple[Any, ...]) -> bytes:
+    """``target`` and ``args`` as the workers will get them, once ``world_size`` processes
+    are known to fit this machine (:mod:`shoal.core.limits`); one-line errors otherwise."""
+    if world_size < 1:
+        raise ShoalError(f"need at least 1 worker, got {world_size}")
+    check_processes("cannot start the workers", world_size)
+    try:
+        return cloudpickle.dumps((target, args))
+    except Exception as exc:
+        name = getattr(target, "__qualname__", repr(target))
+        raise ShoalError(f"cannot send {name} and its arguments to the workers: "
+                         f"{first_line(exc)}") from exc
+
+
+def _start_ranks(procs: list[BaseProcess], job_env: Environment, job: bytes,
+                 sigterm: threading.Event) -> None:
+    """Start a process for each rank of ``job_env``'s job, in rank order, appending each to
+    ``procs`` as it starts. A SIGTERM (``sigterm``) ends the start-up: nothing more starts,
+    and :class:`Terminated` is raised; the caller stops those started."""
+    for rank in range(job_env.world_size):
+        if sigterm.is_set():
+            break
+        env = replace(job_env, rank=rank, local_rank=rank)
+        procs.append(start_process(_worker_main, (env, job)))
+    if sigterm.is_set():
+        raise Terminated(f"stopped by SIGTERM while starting the workers ({len(procs)} of "
+                         f"{job_env.world_size} started); nothing ran")
 
 
 def _finished(jobdir: str, rank: int) -> bool:

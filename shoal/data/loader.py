@@ -16,8 +16,10 @@ they were: the same augmentation with any number of loader workers, and after a 
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import multiprocessing
+import os
 import random
 from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
@@ -27,7 +29,7 @@ import numpy as np
 import torch
 from torch.utils.data import DataLoader, Sampler
 
-from shoal.core.processes import die_with_parent
+from shoal.core.guard import die_with_parent
 from shoal.data.base import Dataset, Split
 from shoal.data.sharding import EpochPlan, shard_range
 from shoal.errors import ShoalError
@@ -56,11 +58,14 @@ def resolve_workers(setting: int | str, split: Split) -> int:
     """The loader processes per training worker: ``setting``, or for ``auto`` none for a
     split held in memory (indexing it costs less than a message from another process), else
     min(:data:`AUTO_MAX`, this worker's intra-op threads, that is its share of the cores)."""
+    return loader_processes(setting, split, torch.get_num_threads())
+
+
+def loader_processes(setting: int | str, split: Split, threads: int) -> int:
+    """:func:`resolve_workers` for a training worker of ``threads`` intra-op threads."""
     if setting != "auto":
         return int(setting)
-    if getattr(split, "in_memory", False):
-        return 0
-    return min(AUTO_MAX, torch.get_num_threads())
+    return 0 if getattr(split, "in_memory", False) else min(AUTO_MAX, threads)
 
 
 def batch_seed(*parts: int | str) -> int:
@@ -120,8 +125,8 @@ def _start_method() -> str | None:
     return "fork" if "fork" in multiprocessing.get_all_start_methods() else None
 
 
-def _worker_init(worker_id: int) -> None:
-    die_with_parent()  # a loader process never outlives its training process
+def _worker_init(parent: int, worker_id: int) -> None:
+    die_with_parent(parent)  # a loader process never outlives its training process
 
 
 class ShardLoader:
@@ -142,7 +147,8 @@ class ShardLoader:
             self._loader = DataLoader(
                 self._rows, sampler=self._keys, batch_size=None, num_workers=workers,
                 pin_memory=pin_memory, persistent_workers=True, prefetch_factor=PREFETCH,
-                worker_init_fn=_worker_init, generator=torch.Generator().manual_seed(seed),
+                worker_init_fn=functools.partial(_worker_init, os.getpid()),
+                generator=torch.Generator().manual_seed(seed),
                 multiprocessing_context=_start_method())
 
     def _read(self, keys: Iterable[Any]) -> Iterator[Batch]:

@@ -8,8 +8,11 @@ epochs to a given accuracy, and a lower ceiling).
 
 from __future__ import annotations
 
+import math
+
 import torch
 
+from shoal.core.limits import check_memory
 from shoal.data.base import DataOptions, Dataset, TensorSplit
 from shoal.errors import ShoalError
 
@@ -22,9 +25,13 @@ def load(opts: DataOptions) -> Dataset:
         raise ShoalError(f"synthetic data needs at least 2 classes, got {classes}")
     if n < 2:
         raise ShoalError(f"synthetic data needs at least 2 samples, got {n}")
+    n_test = max(1, n // 5)
+    # float32 prototypes, and each split three times while it is made (index, noise, sum)
+    check_memory(f"--synthetic-samples {n} (and {n_test} test samples) of shape "
+                 f"{'x'.join(map(str, shape))} in {classes} classes",
+                 4 * math.prod(shape) * (classes + 3 * (n + n_test)))
     gen = torch.Generator().manual_seed(opts.seed + 7919)
     protos = torch.randn((classes, *shape), generator=gen)
-    n_test = max(1, n // 5)
 
     def make(count: int) -> TensorSplit:
         y = torch.randint(0, classes, (count,), generator=gen)

@@ -36,6 +36,7 @@ from shoal.core.env import default_threads
 from shoal.core.failures import exit_status, first_line
 from shoal.core.files import atomic_write
 from shoal.core.group import join_group, loopback_gloo
+from shoal.core.limits import check_processes, check_threads
 from shoal.core.processes import loopback_store, start_process, stop_processes
 from shoal.core.timeline import Timeline, chrome_trace
 from shoal.errors import ShoalError, WorkerError
@@ -55,6 +56,8 @@ class Session:
                  trace: str | os.PathLike[str] | None = None) -> None:
         if n < 1:
             raise ShoalError(f"shoal.fork needs at least 1 process, got {n}")
+        check_processes(f"shoal.fork({n})", n - 1)  # rank 0 is this process
+        check_threads("shoal.fork's threads", threads)
         if device not in ("cpu", "cuda"):
             raise ShoalError(f"unknown device {device!r}; choose cpu or cuda")
         if device == "cuda":

@@ -14,7 +14,6 @@ from torch import nn
 
 from shoal.core.env import Environment
 from shoal.core.group import job_store, join_group, loopback_gloo
-from shoal.core.processes import die_with_parent
 from shoal.core.timeline import DATA
 from shoal.parallel.arrays import SharedArray
 from shoal.parallel.call import Call, worker_call
@@ -114,7 +113,6 @@ def worker_main(rank: int, world_size: int, port: int, device: str, conn: Any, t
     """Entry point of a spawned worker (rank >= 1); with ``trace`` it keeps its spans and
     sends them to the controller when told to close."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the controller's to handle
-    die_with_parent()
     torch.set_num_threads(threads)
     dev = torch.device("cpu")
     if device == "cuda":

@@ -54,6 +54,7 @@ from pathlib import Path
 from typing import Any
 
 from shoal.core.files import check_output_dir, make_output_dir
+from shoal.core.guard import die_with_parent
 from shoal.errors import ShoalError
 
 #: The SC17 paper's weak-scaling efficiency (You, Buluc & Demmel: 91.5% on 4,253 KNL cores).
@@ -192,8 +193,10 @@ def measure_compute(model: Any, input_shape: Sequence[int], num_classes: int, ba
     return statistics.median(times) / batch
 
 
-def _collective_worker(rank: int, init: str, sizes: list[int], reps: int, out: str) -> None:
-    """One of the two processes of :func:`measure_collectives`."""
+def _collective_worker(rank: int, parent: int, init: str, sizes: list[int], reps: int,
+                       out: str) -> None:
+    """One of the two processes of :func:`measure_collectives` (started by ``parent``)."""
+    die_with_parent(parent)
     import torch
     import torch.distributed as dist
 
@@ -228,7 +231,7 @@ def measure_collectives(nbytes: int, reps: int = 20) -> tuple[float, float]:
     with tempfile.TemporaryDirectory(prefix="shoal-calibrate-") as tmp:
         out = os.path.join(tmp, "times.json")
         init = "file://" + os.path.join(tmp, "store")
-        mp.start_processes(_collective_worker, args=(init, [4, nbytes], reps, out), nprocs=2,
+        mp.start_processes(_collective_worker, args=(os.getpid(), init, [4, nbytes], reps, out), nprocs=2,
                            start_method="spawn")
         small, large = json.loads(Path(out).read_text())
     alpha = small / 2

@@ -138,6 +138,10 @@ class AsyncStrategy(Strategy):
                  options: Any = None) -> None:
         super().__init__(model, optimizer, comm, options)
         self.flat = FlatParams(parameter_order(model, optimizer))
+        servers = getattr(self.options, "servers", 1)
+        if servers > self.flat.numel:
+            raise ShoalError(f"{flag_name('servers')} {servers}: the model has {self.flat.numel} "
+                             "parameters, and each server holds one at least")
         self.clock = 0  # exchanges this worker has made with the servers
         self.samples = 0  # samples this worker has trained on (its shares of the batches)
         self._finished = False

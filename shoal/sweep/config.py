@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from shoal.core.env import default_threads
+from shoal.core.limits import check_processes, check_threads
 from shoal.errors import ShoalError
 from shoal.schema import MAX_DURATION_S
 from shoal.strategies import get_strategy
@@ -64,6 +65,10 @@ class BenchConfig:
             raise ShoalError(f"--workers must be positive numbers, got {self.workers}")
         if any(t is not None and t < 1 for t in self.threads):
             raise ShoalError(f"--threads-per-worker must be positive or auto, got {self.threads}")
+        for t in self.threads:
+            check_threads("--threads-per-worker", t)
+        if self.emulate_bandwidth is None:  # emulated hosts: the cluster checks its own
+            check_processes(f"--workers {max(self.workers)}", max(self.workers))
         bad = [s for s in self.scaling if s not in SCALINGS]
         if bad or not self.scaling:
             raise ShoalError(f"--scaling must be weak, strong or both, got {','.join(self.scaling)}")

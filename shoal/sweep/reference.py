@@ -27,6 +27,8 @@ import torch.multiprocessing as mp
 import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel
 
+from shoal.core.guard import die_with_parent
+
 
 @dataclass
 class Workload:
@@ -130,7 +132,9 @@ def _train(rank: int, world_size: int, w: Workload, threads: int, out: str) -> N
             json.dump({"samples_per_s": timed / elapsed, "seconds": elapsed}, f)
 
 
-def _worker(rank: int, world_size: int, port: int, w: Workload, threads: int, out: str) -> None:
+def _worker(rank: int, parent: int, world_size: int, port: int, w: Workload, threads: int,
+            out: str) -> None:
+    die_with_parent(parent)  # torch's spawn does not end its processes with this one
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
                             world_size=world_size)
     _train(rank, world_size, w, threads, out)
@@ -141,7 +145,8 @@ def run_reference(w: Workload, world_size: int, threads: int, out: str) -> dict:
     """Run the plain DDP loop on ``world_size`` local processes; return its throughput."""
     from shoal.core.env import free_port
 
-    mp.spawn(_worker, args=(world_size, free_port(), w, threads, out), nprocs=world_size)
+    mp.spawn(_worker, args=(os.getpid(), world_size, free_port(), w, threads, out),
+             nprocs=world_size)
     with open(out) as f:
         result = json.load(f)
     os.unlink(out)

@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from shoal.core.files import make_output_dir
+from shoal.core.guard import guarded_command
 from shoal.emulate import Cluster, terminate_as_exception
 from shoal.errors import ShoalError
 from shoal.sweep.config import BenchConfig, Point, points
@@ -109,7 +110,8 @@ class Launcher:
         if self.emulated(workers):
             self.torchrun(program, processes, out, name, secrets)
             return
-        cmd = [sys.executable, *program, "--workers", str(workers)]
+        # guarded: the job (and its workers) dies with this process, even by kill -9
+        cmd = guarded_command([sys.executable, *program, "--workers", str(workers)])
         env = {**os.environ, **secrets} if secrets else None
         try:
             res = subprocess.run(cmd, capture_output=True, text=True, timeout=self.timeout,

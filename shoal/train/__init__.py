@@ -17,9 +17,11 @@ from shoal.config import TrainConfig
 from shoal.core.comm import init_comm
 from shoal.core.env import Environment, default_threads, detect_environment, resolve_device
 from shoal.core.files import read_json
+from shoal.core.limits import check_processes
 from shoal.core.processes import Lost, spawn, stop_on_sigterm, stop_requested
 from shoal.core.timeline import Timeline
 from shoal.data import Dataset, as_dataset
+from shoal.data.loader import loader_processes
 from shoal.errors import ShoalError, WorkerError
 from shoal.strategies import get_strategy, make_options
 from shoal.train.checkpoint import checkpoint_step
@@ -155,32 +157,14 @@ def train(cfg: TrainConfig, dataset: Any = None) -> dict[str, Any] | None:
     env = detect_environment()
     asynchronous = is_asynchronous(get_strategy(cfg.strategy))
     if env is not None:
-        servers = server_count(cfg) if asynchronous else 0
-        if cfg.workers is not None and cfg.workers + servers != env.world_size:
-            raise ShoalError(f"--workers {cfg.workers}{f' and --servers {servers}' if servers else ''}"
-                             f" contradict the launcher's world size {env.world_size} "
-                             f"({env.launcher}); leave --workers out")
-        cfg = resolve_auto_resume(cfg)
-        if asynchronous:  # the first --servers ranks serve, the others train
-            if env.world_size <= servers:
-                raise ShoalError(f"--servers {servers} needs at least {servers + 1} ranks; "
-                                 f"the launcher started {env.world_size}")
-            here = env.local_world_size - (servers if env.rank < env.local_world_size else 0)
-            cfg = job_device(cfg, here, env.world_size - servers)
-            cfg = resolve_momentum(cfg, env.world_size - servers)
-            data = preflight(cfg, env.world_size - servers, given)
-            with OutputLock(Path(cfg.out)) if env.rank == 0 else contextlib.nullcontext():
-                return run_async_rank(cfg, env, data)
-        cfg = job_device(resolve_momentum(cfg, env.world_size), env.local_world_size,
-                         env.world_size)
-        data = preflight(cfg, env.world_size, given)
-        with OutputLock(Path(cfg.out)) if env.rank == 0 else contextlib.nullcontext():
-            return run_worker(cfg, data)
+        return _train_as_rank(cfg, env, asynchronous, given)
     cfg = resolve_auto_resume(cfg)
     world = default_workers(cfg)
+    servers = server_count(cfg) if asynchronous else 0
+    check_machine(cfg, world, servers)
     cfg = job_device(resolve_momentum(cfg, world), world, world)
     data = preflight(cfg, world, given)
-    servers = server_count(cfg) if asynchronous else 0
+    check_machine(cfg, world, servers, data)
     with OutputLock(Path(cfg.out)):
         if world == 1 and cfg.max_restarts == 0 and not asynchronous:
             return run_worker(cfg, data)
@@ -196,6 +180,45 @@ def train(cfg: TrainConfig, dataset: Any = None) -> dict[str, Any] | None:
                 summary["restarts"] = restarts
             write_json(path, summary)
         return summary
+
+
+def _train_as_rank(cfg: TrainConfig, env: Environment, asynchronous: bool,
+                   given: Dataset | None) -> dict[str, Any] | None:
+    """:func:`train` as this process's rank of a job an outside launcher (torchrun, Slurm,
+    mpirun) started."""
+    servers = server_count(cfg) if asynchronous else 0
+    if cfg.workers is not None and cfg.workers + servers != env.world_size:
+        raise ShoalError(f"--workers {cfg.workers}{f' and --servers {servers}' if servers else ''}"
+                         f" contradict the launcher's world size {env.world_size} "
+                         f"({env.launcher}); leave --workers out")
+    cfg = resolve_auto_resume(cfg)
+    if asynchronous:  # the first --servers ranks serve, the others train
+        if env.world_size <= servers:
+            raise ShoalError(f"--servers {servers} needs at least {servers + 1} ranks; "
+                             f"the launcher started {env.world_size}")
+        here = env.local_world_size - (servers if env.rank < env.local_world_size else 0)
+        cfg = job_device(cfg, here, env.world_size - servers)
+        cfg = resolve_momentum(cfg, env.world_size - servers)
+        data = preflight(cfg, env.world_size - servers, given)
+        with OutputLock(Path(cfg.out)) if env.rank == 0 else contextlib.nullcontext():
+            return run_async_rank(cfg, env, data)
+    cfg = job_device(resolve_momentum(cfg, env.world_size), env.local_world_size,
+                     env.world_size)
+    data = preflight(cfg, env.world_size, given)
+    with OutputLock(Path(cfg.out)) if env.rank == 0 else contextlib.nullcontext():
+        return run_worker(cfg, data)
+
+
+def check_machine(cfg: TrainConfig, world: int, servers: int, data: Dataset | None = None) -> None:
+    """A one-line error unless this machine can hold the local job's processes: ``world``
+    workers and ``servers`` servers, and with ``data`` (once loaded) their loader processes
+    too (:mod:`shoal.core.limits`)."""
+    threads = cfg.threads_per_worker or default_threads(world + servers)
+    loaders = 0 if data is None else (world + servers) * loader_processes(cfg.loader_workers,
+                                                                          data.train, threads)
+    what = " ".join([f"--workers {world}", *([f"--servers {servers}"] if servers else []),
+                     *([f"--loader-workers {cfg.loader_workers}"] if loaders else [])])
+    check_processes(what, world + servers, loaders, threads)
 
 
 def _async_rank(cfg: TrainConfig, data: Dataset | None = None) -> dict[str, Any] | None:

@@ -1,0 +1,81 @@
+"""No process shoal starts outlives the process that started it, whatever kills that and when.
+
+Linux's ``PR_SET_PDEATHSIG`` sends a child SIGKILL when its parent dies, but only from the
+moment the child asks for it: a parent that died before then has left the child with a new
+parent (init or a subreaper) that never dies. So every child runs :func:`die_with_parent`
+(PDEATHSIG, then "is my parent still the one that started me?") as the first thing it
+does, and this module imports nothing but the standard library, so that first thing comes
+within milliseconds of the child's start, not after seconds of importing torch:
+
+- processes of :func:`shoal.core.processes.start_process` (multiprocessing's "spawn") run
+  this file as their ``__mp_main__``, before they unpickle (and import) their target; the
+  launcher's pid travels in the process name (:func:`guarded_name`), which multiprocessing
+  sets before it runs the main module (about 30 ms after the start, measured);
+- commands run through :func:`guarded_command` start as ``python guard.py PID -- CMD...``,
+  which guards itself and then ``exec``s ``CMD`` (PDEATHSIG survives ``exec``; the pid
+  stays the same).
+
+SIGKILL, not SIGTERM: a training worker takes SIGTERM as "checkpoint and stop", which needs
+its launcher and its peers, and an orphan has neither.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import multiprocessing
+import os
+import re
+import signal
+import sys
+
+PR_SET_PDEATHSIG = 1
+_NAME = re.compile(r" \[launcher (\d+)\]$")
+
+
+def die_with_parent(parent: int) -> None:
+    """End this process now unless its parent is ``parent`` (the pid that started it), and
+    have Linux end it when that parent dies from now on."""
+    if sys.platform.startswith("linux"):
+        with contextlib.suppress(OSError, AttributeError):
+            ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+    # After the prctl: a parent that dies from here on is covered by it, one that died
+    # before shows as a different parent now.
+    if os.getppid() != parent:
+        os.kill(os.getpid(), signal.SIGKILL)
+
+
+def guarded_name(name: str | None, parent: int) -> str:
+    """The multiprocessing name that tells a child started by ``parent`` whom to watch."""
+    return f"{name or 'shoal'} [launcher {parent}]"
+
+
+def launcher_of(name: str) -> int | None:
+    """The launcher's pid a :func:`guarded_name` holds; ``None`` for any other name."""
+    m = _NAME.search(name)
+    return int(m.group(1)) if m else None
+
+
+def guarded_command(cmd: list[str]) -> list[str]:
+    """``cmd`` (a program and its arguments) as a command that dies with this process: run
+    through this file, which guards itself, then becomes ``cmd`` (same pid)."""
+    return [sys.executable, "-I", "-S", os.path.abspath(__file__), str(os.getpid()), "--", *cmd]
+
+
+def _exec_guarded(argv: list[str]) -> None:
+    """``guard.py PARENT -- CMD...``: guard this process against ``PARENT``, become ``CMD``."""
+    if len(argv) < 3 or argv[1] != "--" or not argv[0].isdigit():
+        sys.exit("usage: guard.py PARENT_PID -- COMMAND [ARGS...]")
+    die_with_parent(int(argv[0]))
+    try:
+        os.execvp(argv[2], argv[2:])
+    except OSError as exc:
+        sys.exit(f"shoal: error: cannot run {argv[2]}: {exc.strerror}")
+
+
+if __name__ == "__mp_main__":  # a child of start_process, before its target is unpickled
+    _launcher = launcher_of(multiprocessing.current_process().name)
+    if _launcher is not None:
+        die_with_parent(_launcher)
+elif __name__ == "__main__":
+    _exec_guarded(sys.argv[1:])
