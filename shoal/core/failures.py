@@ -51,7 +51,9 @@ def record_failure(errdir: str, rank: int, exc: BaseException) -> None:
         # An error that says it is the echo of another process's failure (a parameter
         # server's pair that broke) is never the root cause, nor the user's to fix.
         "primary": not echo and (isinstance(exc, ShoalError) or not is_comm_failure(exc)),
-        "user_error": isinstance(exc, ShoalError) and not echo,
+        "user_error": isinstance(exc, ShoalError) and not echo and exc.user_error,
+        # A ShoalError's message is written for the user: shown without its type's name.
+        "plain": isinstance(exc, ShoalError),
         "traceback": "".join(traceback.format_exception(exc)),
     }
     tmp = os.path.join(errdir, f".rank{rank}.tmp")
@@ -85,11 +87,13 @@ def root_cause(errdir: str, exits: dict[int, int]) -> WorkerError:
                     if rank not in errors and code not in (0, EXIT_ABORTED))
     if not primary and silent:
         rank = silent[0][1]
-        return WorkerError(rank, f"worker process {exit_status(exits[rank])}")
+        return WorkerError(rank, f"worker process {exit_status(exits[rank])}",
+                           exit_code=exits[rank])
     echoes = sorted(errors.values(), key=lambda e: e["time"])
     if primary or echoes:
         err = (primary or echoes)[0]
-        message = err["message"] if err["user_error"] else f"{err['type']}: {err['message']}"
+        plain = err.get("plain", err["user_error"])
+        message = err["message"] if plain else f"{err['type']}: {err['message']}"
         return WorkerError(err["rank"], message, err["traceback"], err["user_error"])
     rank = min(exits)
     return WorkerError(rank, f"worker process exited with code {exits[rank]}")
