@@ -1,6 +1,7 @@
 """User models for the tests, loaded the way users load theirs: --model tests.fixtures_models:NAME."""
 
 import os
+import signal
 
 import torch
 from torch import nn
@@ -65,3 +66,30 @@ class _KilledAt(nn.Module):
 
 def killed_at(input_shape, num_classes):
     return _KilledAt(input_shape, num_classes)
+
+
+class _SigtermAt(nn.Module):
+    """The zoo's mlp, whose process of rank ``SHOAL_TEST_TERM_RANK`` sends SIGTERM to its
+    launcher (``shoal train``, which passes it on to every process of the job, as Slurm's
+    notice reaches them) and to itself on its ``SHOAL_TEST_TERM_AT``-th training forward:
+    that rank stops after exactly that step, the others wherever the signal finds them."""
+
+    def __init__(self, input_shape, num_classes):
+        super().__init__()
+        from shoal.models import build_model
+
+        self.net = build_model("mlp", input_shape, num_classes)
+        self.calls = 0
+
+    def forward(self, x):
+        if self.training:
+            self.calls += 1
+            if (os.environ.get("RANK") == os.environ.get("SHOAL_TEST_TERM_RANK")
+                    and self.calls == int(os.environ.get("SHOAL_TEST_TERM_AT", "0"))):
+                os.kill(os.getppid(), signal.SIGTERM)
+                os.kill(os.getpid(), signal.SIGTERM)
+        return self.net(x)
+
+
+def sigterm_at(input_shape, num_classes):
+    return _SigtermAt(input_shape, num_classes)
