@@ -373,7 +373,8 @@ class Trainer:
         # takes the first rank's scaler.
         mine = own if own is not None else next((r for r in ranks if r), None)
         self.amp.load_state_dict(mine.get("precision") if mine else None)
-        position = own if own is not None and "progress" in own else payload  # detached: own
+        # A detached worker's position is its own (an older checkpoint's: the shared one).
+        position = own if self.detached and own is not None and "progress" in own else payload
         self.scheduler.load_state_dict(position["scheduler"])
         self.state.load_state_dict({"progress": position["progress"], "rank": own})
         self.recorder.load_state_dict(own)
