@@ -53,8 +53,10 @@ def test_sigterm_and_resume_lose_and_double_nothing(tmp_path, strategy):
     --resume goes on from each worker's own position: every epoch recorded once, every
     worker's steps and rows trained exactly once, and the run learns."""
     # Worker 0 (rank 1) stops after step 90, the last of epoch 2, before it reports that
-    # epoch: signalled during that step (a compute group's members agree on the stop one
-    # step later: during step 89). The other worker stops wherever the signal finds it.
+    # epoch: signalled during that step. The other worker stops wherever the signal finds
+    # it. A compute group's members stop together, after the step their vote agrees on: a
+    # signal during step 89 stops them after 89 or 90 (the other member's vote of step 88
+    # may already count it).
     args = ["--model", "tests.fixtures_models:sigterm_at", *COMMON[2:], "--strategy", strategy,
             *STRATEGY_ARGS[strategy]]
     signalled = 2 * STEPS_PER_EPOCH - (strategy == "groups")
@@ -65,9 +67,10 @@ def test_sigterm_and_resume_lose_and_double_nothing(tmp_path, strategy):
     summary = json.loads((tmp_path / "summary.json").read_text())
     saved = torch.load(tmp_path / "checkpoint.pt", map_location="cpu", weights_only=True)
     mine, theirs = (own["progress"] for own in saved["ranks"])
-    assert (mine["epoch"], mine["epoch_step"], mine["step"]) == (1, STEPS_PER_EPOCH, 90)
     if strategy == "groups":
-        assert theirs["step"] == mine["step"], "a compute group stops after one step"
+        assert theirs["step"] == mine["step"] in (89, 90), "a compute group stops as one"
+    else:
+        assert (mine["epoch"], mine["epoch_step"], mine["step"]) == (1, STEPS_PER_EPOCH, 90)
     step = min(mine["step"], theirs["step"])
     assert summary["stopped_by"] == "SIGTERM" and summary["steps"] == saved["progress"]["step"]
     assert saved["progress"]["step"] == step, "the checkpoint is the slowest worker's position"
