@@ -861,15 +861,17 @@ class ServerClient:
         except ValueError:
             raise ShoalError(f"client {self.client} is not connected to server {server}") from None
 
-    def report(self, obj: Any, header: Header | None = None) -> None:
+    def report(self, obj: Any, header: Header | None = None,
+               timeout: float | None = None) -> None:
         """Send ``obj`` (picklable) to server 0's ``on_report``; returns once it was
-        handled there."""
+        handled there, waiting at most ``timeout`` seconds (default: the channel's) for
+        each of sending and the answer."""
         i = self._index(0)
         ch = self._channels[i]
         head = replace(header or Header(REPORT, self.client), client=self.client)
         with self._transaction("report", timed=False):
-            ch.send_object(obj, REPORT, head)
-            ch.recv([self._hin[i]])
+            ch.send_object(obj, REPORT, head, timeout)
+            ch.recv([self._hin[i]], timeout)
             answer = Header.unpack(self._hin[i])
             if answer.kind == ERROR:
                 raise ShoalError(f"server 0: {_from_bytes(ch.recv_bytes(answer.nbytes))}")

@@ -136,6 +136,11 @@ class ComputeGroups(AsyncStrategy):
         return [first for first, _ in group_bounds(workers, options.groups)]
 
     @property
+    def stop_peers(self) -> Any:
+        """The group: its members meet at every step, so they stop after the same one."""
+        return self.group
+
+    @property
     def leader(self) -> bool:
         return self.comm.rank == self.first
 
