@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from shoal.core.pool import Listener, Pool, SealedLink, WorkerLost, join
+from shoal.core.pool import Listener, Pool, SealedLink, WorkerLost, join_pool
 from shoal.core.processes import start_process, stop_processes
 from shoal.core.trust import Seal
 from shoal.errors import ShoalError
@@ -45,7 +45,7 @@ def echo(link, rank: int) -> None:
 
 def joiner(address: str, rank: int, key: bytes) -> None:
     """A worker that its controller did not start: it joins over ``address``, then echoes."""
-    echo(join(address, rank, Seal(key), 30.0), rank)
+    echo(join_pool(address, rank, Seal(key), 30.0), rank)
 
 
 @pytest.fixture
@@ -125,7 +125,8 @@ def test_a_stranger_without_the_secret_takes_no_rank(seal, listener, procs, capf
     with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as silent:
         silent.connect(listener.address)
         strangers: list = []  # as rank 0, with a secret of its own
-        thread = threading.Thread(target=lambda: strangers.append(join(listener.address, 0, Seal(), 30.0)))
+        thread = threading.Thread(
+            target=lambda: strangers.append(join_pool(listener.address, 0, Seal(), 30.0)))
         thread.start()
         procs.append(start_process(joiner, (listener.address, 0, bytes.fromhex(seal.key_hex))))
         pool = listener.accept(range(1), 60.0)

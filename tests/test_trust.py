@@ -24,7 +24,7 @@ from pathlib import Path
 import pytest
 
 from shoal.core.files import check_output_dir
-from shoal.core.pool import join
+from shoal.core.pool import join_pool
 from shoal.core.trust import SEAL_KEY_VAR, Seal, open_own, private_dir
 from shoal.errors import ShoalError
 
@@ -212,7 +212,7 @@ def test_a_stranger_cannot_take_a_workers_place_in_a_planning_session(tmp_path, 
 
     class StrangerFirst(Launcher):
         def job(self, program, processes, workers, out, name, secrets=None):
-            strangers.append(join(program[2], 0, Seal(), 10.0))  # as rank 0, its own secret
+            strangers.append(join_pool(program[2], 0, Seal(), 10.0))  # as rank 0, its own secret
             super().job(program, processes, workers, out, name, secrets)
 
     base = TrainConfig(model="mlp", dataset="digits", epochs=2, batch_size=64, workers=1,

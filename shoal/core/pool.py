@@ -10,7 +10,7 @@ A :class:`Pool` holds one *link* per worker rank (an object with ``send_bytes``,
   shows its death at once (the sessions of parallel functions);
 - a :class:`Listener` takes workers that something else started, whose controller is not
   their parent (a job's own launcher, torchrun on the emulated cluster's hosts): each
-  connects to the controller's socket (:func:`join`). That socket is a Unix socket in a
+  connects to the controller's socket (:func:`join_pool`). That socket is a Unix socket in a
   fresh owner-only folder, which the processes of every network namespace of this machine
   (the emulated hosts) reach and no other user does, or ``HOST:PORT`` for workers on other
   machines. A worker proves that it holds the session's secret (a
@@ -206,7 +206,7 @@ class Listener:
     """Where workers that something else started join their controller (see the module's
     docstring). ``address``: by default a Unix socket in a fresh owner-only folder of the
     temp folder (removed by :meth:`close`); or ``HOST:PORT`` (port 0: any free one) for
-    workers on other machines. :attr:`address` is what they :func:`join`."""
+    workers on other machines. :attr:`address` is what they :func:`join_pool`."""
 
     def __init__(self, seal: Seal, address: str | None = None) -> None:
         self._seal = seal
@@ -301,7 +301,7 @@ class Listener:
             self._folder = None
 
 
-def join(address: str, rank: int, seal: Seal, timeout: float) -> SealedLink:
+def join_pool(address: str, rank: int, seal: Seal, timeout: float) -> SealedLink:
     """A worker's side: connect to the controller's :class:`Listener` at ``address`` as
     ``rank``, signing its nonce with ``seal``; the link to receive commands on and answer.
     One-line :class:`ShoalError` when the controller cannot be reached in ``timeout`` s."""

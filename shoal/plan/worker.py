@@ -24,7 +24,7 @@ from typing import Any
 
 from shoal.config import TrainConfig
 from shoal.core.failures import first_line
-from shoal.core.pool import SealedLink, join
+from shoal.core.pool import SealedLink, join_pool
 from shoal.core.trust import Seal
 from shoal.errors import ShoalError
 
@@ -41,7 +41,7 @@ def serve(address: str, idle_timeout: float = IDLE_TIMEOUT_S) -> None:
     from shoal.core.env import Environment, detect_environment
 
     env = detect_environment() or Environment()
-    link = join(address, env.rank, Seal.from_environment(), JOIN_TIMEOUT_S)
+    link = join_pool(address, env.rank, Seal.from_environment(), JOIN_TIMEOUT_S)
     try:
         _serve(link, env, idle_timeout)
     finally:
