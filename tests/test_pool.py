@@ -113,9 +113,13 @@ def test_workers_started_elsewhere_join_over_a_private_socket_and_talk_sealed(se
     assert list(pool.links) == [0, 1]
     pool.send_all(b"train")
     assert pool.recv_all(30.0) == [b"train from 0", b"train from 1"]
+    pool.send_all(b"die 1")  # no process sentinel here: the link's end shows it
+    with pytest.raises(WorkerLost) as lost:
+        pool.recv_all(60.0)
+    assert lost.value.rank == 1 and not lost.value.timed_out
     pool.close()
     stop_processes(procs, 30.0)
-    assert [p.exitcode for p in procs] == [0, 0]
+    assert [p.exitcode for p in procs] == [3, 0]
 
 
 def test_a_stranger_without_the_secret_takes_no_rank(seal, listener, procs, capfd):
