@@ -5,6 +5,8 @@ stands on, and the only place each of these exists.
   device and its threads;
 - :mod:`~shoal.core.processes`: starting and supervising local processes, SIGTERM as
   "stop at the next safe point";
+- :mod:`~shoal.core.pool`: a controller's commands to a set of started workers and their
+  answers (pipes to local workers, sealed sockets to workers started elsewhere);
 - :mod:`~shoal.core.guard`: no process outlives the process that started it;
 - :mod:`~shoal.core.limits`: how many processes and threads this machine can hold;
 - :mod:`~shoal.core.failures`: each rank's failure report and the root cause among them;
