@@ -41,9 +41,9 @@ class Handle:
     the waiting as communication."""
 
     def __init__(self, comm: Comm, work: Any, tensor: torch.Tensor, op: str, name: str,
-                 seq: int = 0) -> None:
+                 seq: int = 0, nbytes: int = 0) -> None:
         self._comm, self._work, self._tensor, self._op, self._name = comm, work, tensor, op, name
-        self._seq = seq
+        self._seq, self._nbytes = seq, nbytes
 
     def wait(self) -> torch.Tensor:
         if self._work is not None:
@@ -53,6 +53,7 @@ class Handle:
                     self._work.wait()
             finally:
                 log.finish(self._seq)
+                self._comm.in_flight -= self._nbytes
             self._work = None
             if self._op == "avg":
                 self._tensor.div_(self._comm.world_size)
@@ -93,6 +94,8 @@ class Comm:
         self.device = device
         self.timeline = timeline or Timeline()
         self.bytes_sent = 0  # payload handed to collectives by this rank during training
+        self.in_flight = 0  # payload bytes of this rank's collectives started, not yet waited for
+        self.peak_in_flight = 0  # the most there ever were
         self._store = dist.PrefixStore(key_prefix(env.attempt), store) if store is not None else None
         self._rank0_hosts = not env.agent_store  # the store (as job_store makes it)
         self.aborted = False  # this rank called abort(): nobody will wait for it at close()
@@ -159,11 +162,33 @@ class Comm:
         red = reduce_op(op)
         if not self.active:
             return Handle(self, None, tensor, op, name)
-        self.count(tensor.numel() * tensor.element_size())
+        nbytes = self._start(tensor)
         seq = self.log.start(_what("all_reduce", name, "allreduce"))  # finished by its wait
         with self.timeline.span(COMM, name):
             work = dist.all_reduce(tensor, op=red, async_op=True)
-        return Handle(self, work, tensor, op, name, seq)
+        return Handle(self, work, tensor, op, name, seq, nbytes)
+
+    def all_gather_async(self, tensor: torch.Tensor, name: str = "allgather") -> Handle:
+        """Start gathering the 1-D ``tensor`` of every rank; the handle's ``wait()`` returns
+        them as the rows of a ``(world_size, len)`` tensor, in rank order. This rank's bytes
+        are its own ``tensor``'s."""
+        if not self.active:
+            return Handle(self, None, tensor.view(1, -1), "gather", name)
+        out = torch.empty(self.world_size * tensor.numel(), dtype=tensor.dtype, device=tensor.device)
+        nbytes = self._start(tensor)
+        seq = self.log.start(_what("all_gather", name, "allgather"))  # finished by its wait
+        with self.timeline.span(COMM, name):
+            work = dist.all_gather(list(out.view(self.world_size, -1).unbind(0)), tensor,
+                                   async_op=True)
+        return Handle(self, work, out.view(self.world_size, -1), "gather", name, seq, nbytes)
+
+    def _start(self, tensor: torch.Tensor) -> int:
+        """Count ``tensor``'s bytes as sent and in flight (until its handle's wait)."""
+        nbytes = tensor.numel() * tensor.element_size()
+        self.count(nbytes)
+        self.in_flight += nbytes
+        self.peak_in_flight = max(self.peak_in_flight, self.in_flight)
+        return nbytes
 
     def all_reduce_future(self, tensor: torch.Tensor) -> torch.futures.Future:
         """Start an in-place sum of ``tensor`` for a DDP communication hook; returns the
