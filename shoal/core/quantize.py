@@ -130,14 +130,15 @@ class CompressedMean:
 
     ``x`` (1-D float32) is encoded after adding ``residual`` (error feedback, updated here
     with what the encoding dropped; ``None``: none), and the message's collective starts at
-    once, booked on ``comm`` under ``name``. :meth:`wait` returns the float32 sum divided by
-    the world size when ``mean``. With ``fp32`` and no residual the collective reduces ``x``
+    once, booked on ``comm`` under ``name``. :meth:`wait` returns the sum in ``x``'s dtype,
+    divided by the world size when ``mean``. With ``fp32`` and no residual the collective reduces ``x``
     in place and the result is ``x`` itself, exactly as an all-reduce of it.
     """
 
     def __init__(self, comm, codec: Codec, x: torch.Tensor, name: str, *, mean: bool = True,
                  residual: torch.Tensor | None = None) -> None:
         self.comm, self.codec, self.n, self.mean = comm, codec, x.numel(), mean
+        self.dtype = x.dtype  # the sum is taken in it (float64 models: float64)
         if residual is not None:
             x = x + residual
         message = codec.encode(x)
@@ -154,11 +155,11 @@ class CompressedMean:
         if self._result is None:
             got = self._handle.wait()
             if self.codec.reduces or not self.comm.active:
-                total = self.codec.decode(got, self.n)
+                total = self.codec.decode(got, self.n).to(self.dtype)
             else:
-                total = self.codec.decode(got[0], self.n).clone()
+                total = self.codec.decode(got[0], self.n).to(self.dtype, copy=True)
                 for row in got[1:]:
-                    total.add_(self.codec.decode(row, self.n))
+                    total.add_(self.codec.decode(row, self.n).to(self.dtype))
             if self.mean:
                 total.div_(self.comm.world_size)
             self._result = total

@@ -25,9 +25,10 @@ import torch
 from torch import nn
 
 from shoal.core import FlatParams
-from shoal.strategies.averaging import average_buffers, average_into
-from shoal.strategies.base import PeriodicOptions, PeriodicStrategy
+from shoal.strategies.averaging import average_buffers
+from shoal.strategies.periodic import PeriodicOptions, PeriodicStrategy
 from shoal.strategies.registry import register
+from shoal.strategies.streaming import Fragment
 
 
 @register
@@ -42,11 +43,45 @@ class LocalSGD(PeriodicStrategy):
         self.flat = FlatParams(model.parameters())
         comm.broadcast(self.flat.pack(), src=0, name="start")  # every worker starts from x_0
         self.flat.unpack()
+        self.stream(self.flat)
+        # Compressed, the workers send how far they moved from the last average (which
+        # every worker holds), not their models.
+        self.anchor = None if self.options.outer_precision == "fp32" else self.flat.pack().clone()
 
-    def exchange(self) -> None:
-        average_into(self.flat, self.comm, "average")
+    @torch.no_grad()
+    def launch(self, fragment: Fragment) -> dict:
+        lo, hi = fragment.lo, fragment.hi
+        x = fragment.flat.pack(self.flat.buffer[lo:hi])
+        kept = {"sent": x.clone()} if self.exchanges.streaming else {}
+        if self.anchor is not None:
+            x = x - self.anchor[lo:hi]
+        elif self.exchanges.streaming:
+            x = x.clone()  # reduced in place while the buffer packs the next steps' model
+        kept["exchange"] = self.exchanges.send(fragment, x, "average")
+        return kept
+
+    @torch.no_grad()
+    def complete(self, fragment: Fragment, kept: dict, moved: bool) -> None:
+        """The fragment becomes the average; after overlapped steps it moves by the average
+        minus what it sent, keeping those steps' progress."""
+        lo, hi = fragment.lo, fragment.hi
+        average = kept["exchange"].wait()
+        if self.anchor is not None:
+            average = self.anchor[lo:hi].add_(average)
+        if moved:
+            x = fragment.flat.pack(self.flat.buffer[lo:hi])
+            average = x.add_(average).sub_(kept["sent"])
+        fragment.flat.unpack(average)
 
     def end_epoch(self, epoch: int) -> None:
-        if self.in_round:  # else the last step has just averaged
-            self.exchange()
+        self.close_rounds()  # else the last step has just averaged
         average_buffers(self.model, self.comm)
+
+    def state_dict(self) -> dict:
+        state = super().state_dict()
+        return state if self.anchor is None else {**state, "anchor": self.anchor.clone()}
+
+    def load_state_dict(self, state: dict) -> None:
+        super().load_state_dict(state)
+        if self.anchor is not None and "anchor" in state:
+            self.anchor.copy_(state["anchor"])

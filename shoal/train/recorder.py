@@ -221,6 +221,7 @@ class Recorder:
         world = self.comm.world_size
         times = {k: v / world for k, v in zip(CATEGORIES, summed[:-1], strict=False)}
         total_bytes = summed[-1]
+        peak = self.comm.reduce_values([float(self.comm.peak_in_flight)], op="max")[0]
         if self.cfg.trace:
             self._write_trace(st)
         if self.log is not None:
@@ -247,6 +248,7 @@ class Recorder:
             "step_time_s": sum(times.values()) / st.step if st.step else None,
             "bytes_sent": total_bytes,
             "bytes_per_sample": total_bytes / st.samples if st.samples else None,
+            "peak_bytes_in_flight": int(peak),
             "parameters": parameters,
             **({"momentum_auto": cfg.momentum_auto} if cfg.momentum_auto else {}),
             "torch_version": torch.__version__, "shoal_version": __version__,
