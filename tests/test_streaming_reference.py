@@ -130,9 +130,10 @@ def average(parts: list[torch.Tensor], errors: list[torch.Tensor] | None, frag: 
     return sum(sent) / len(sent)
 
 
-def reference_streaming_diloco(name: str, world: int) -> tuple[list, torch.Tensor]:
+def reference_streaming_diloco(name: str, world: int, close: bool = True) -> tuple[list, torch.Tensor]:
     """Streaming DiLoCo, Sutskever's Nesterov outer step per fragment (see the docstring):
-    v_p <- mu v_p - lr Delta_p, theta_S,p <- theta_S,p + v_p, theta_p = theta_S,p + mu v_p."""
+    v_p <- mu v_p - lr Delta_p, theta_S,p <- theta_S,p + v_p, theta_p = theta_S,p + mu v_p;
+    ``close``: the epoch ends after the last step."""
     _, opts, mu, _ = CASES[name]
     count, overlap, alpha = opts.get("fragments", 1), opts.get("overlap_steps", 0), \
         opts.get("mix_alpha", 0.5)
@@ -171,6 +172,8 @@ def reference_streaming_diloco(name: str, world: int) -> tuple[list, torch.Tenso
         for p in sorted(pending):
             if s == started[p] + overlap:
                 land(p)
+    if not close:  # as torchft, which knows no epochs
+        return xs, theta
     for p in sorted(pending):  # the epoch's end: what is in flight lands, then every
         land(p)                # fragment that moved since it last started is exchanged
     for p in range(count):
