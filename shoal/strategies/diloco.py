@@ -16,7 +16,10 @@ model evaluated and saved). shoal steps it with ``torch.optim.SGD(nesterov=True)
 stores exactly that look-ahead point and, at the constant outer learning rate, moves it as
 Sutskever's form does (tests/test_strategy_reference.py checks it against the form above).
 With ``--outer-lr 1 --outer-momentum 0`` this is local SGD. Every worker needs theta at the
-start of the next round, so the all-reduce cannot be hidden. An epoch's end closes the round
+start of the next round, so the all-reduce cannot be hidden, unless Streaming DiLoCo's
+``--fragments`` and ``--overlap-steps`` (:mod:`shoal.strategies.streaming`) let each fragment's
+exchange travel behind the next steps; the landed fragment is then mixed with the local one,
+``alpha * local + (1 - alpha) * global`` (``--mix-alpha``). An epoch's end closes the round
 in progress, so the model evaluated and saved has seen every step of the epoch.
 """
 

@@ -15,8 +15,10 @@ its state (momentum, Adam moments) stays local, as in Lin et al. (2020) and
 torch.distributed's ``PeriodicModelAverager``.
 
 The average is needed by the very next step, so there is nothing to hide it behind: its
-communication is all exposed. At each epoch's end the models (and batch-norm statistics)
-are averaged once more, so the model evaluated and saved is the consensus.
+communication is all exposed, unless ``--overlap-steps`` lets it land later (each worker then
+moves by the average minus what it sent, keeping the steps taken meanwhile). At each
+epoch's end the models (and batch-norm statistics) are averaged once more, so the model
+evaluated and saved is the consensus.
 """
 
 from __future__ import annotations
