@@ -22,6 +22,7 @@ from shoal.core.env import Environment, pick_device
 from shoal.core.failures import EXIT_ABORTED
 from shoal.core.group import all_joined, job_store, join_group
 from shoal.core.ops import reduce_op
+from shoal.core.pairs import Client
 from shoal.core.timeline import COMM, WAIT, Event, Timeline
 from shoal.core.waits import (
     CollectiveLog,
@@ -101,7 +102,7 @@ class Comm:
         self._store = dist.PrefixStore(key_prefix(env.attempt), store) if store is not None else None
         self._rank0_hosts = not env.agent_store  # the store (as job_store makes it)
         self.aborted = False  # this rank called abort(): nobody will wait for it at close()
-        self.ps: Any = None  # asynchronous jobs: a ServerClient/LoopbackClient (shoal.core.ps)
+        self.ps: Client | None = None  #: an asynchronous job's worker: its end of the servers
         #: The Comm of the group this process computes with inside a job without a process
         #: group of all its ranks (:meth:`join_subgroup`); ``None``: no such group.
         self.subgroup: Comm | None = None
@@ -150,6 +151,15 @@ class Comm:
         self.bytes_sent += int(nbytes)
         if self._parent is not None:
             self._parent.count(nbytes)
+
+    @contextmanager
+    def point_to_point(self, name: str, nbytes: int) -> Iterator[None]:
+        """Book an exchange issued outside this class (a parameter server's push and pull,
+        :mod:`shoal.ps`): its time as communication and, once it succeeded, its ``nbytes``
+        of payload as sent by this rank."""
+        with self.timeline.span(COMM, name):
+            yield
+        self.count(nbytes)
 
     @contextmanager
     def track(self, op: str, name: str | None = None) -> Iterator[None]:

@@ -31,11 +31,11 @@ import torch
 from shoal.config import TrainConfig
 from shoal.core.comm import Comm
 from shoal.core.flat import FlatParams
-from shoal.core.ps import PULL, Header, ShardServer
 from shoal.core.timeline import Timeline
 from shoal.data import Dataset, EpochPlan, ShardLoader
 from shoal.errors import JobError, ShoalError
 from shoal.models import count_parameters
+from shoal.ps import ServerClient, ShardServer, staleness_summary
 from shoal.train.checkpoint import to_cpu
 from shoal.train.checkpointer import write_checkpoint
 from shoal.train.evaluation import Evaluator
@@ -64,7 +64,7 @@ class Coordinator:
     """
 
     def __init__(self, cfg: TrainConfig, comm: Comm, data: Dataset, model: torch.nn.Module,
-                 flat: FlatParams, client: Any, ranges: list[tuple[int, int]],
+                 flat: FlatParams, client: ServerClient | None, ranges: list[tuple[int, int]],
                  payload: dict[str, Any] | None, start: dict[str, Any] | None = None,
                  extra: dict[str, Any] | None = None, ended: Any = None) -> None:
         self.cfg, self.comm, self.data, self.model, self.flat = cfg, comm, data, model, flat
@@ -263,7 +263,7 @@ class Coordinator:
         lo, hi = self.ranges[0]
         full[lo:hi] = self.shard.snapshot()[: hi - lo]
         if self.client is not None:
-            self.client.pull(full, Header(PULL, self.workers))
+            self.client.pull(full)
         return full
 
     @torch.no_grad()
@@ -331,10 +331,11 @@ class Coordinator:
         return summary
 
     def _extras(self, shard: ShardServer) -> dict[str, Any]:
-        """What an asynchronous run's summary adds: servers, staleness, lost workers (and
-        how their processes ended, where the launcher says)."""
-        hist = shard.staleness
-        updates = sum(hist.values())
+        """What an asynchronous run's summary adds: servers, staleness (every shard's),
+        lost workers (and how their processes ended, where the launcher says)."""
+        hists = [dict(shard.staleness)]
+        if self.client is not None:
+            hists += [self.client.fetch_state(s)["staleness"] for s in range(1, self.servers)]
         finals = self.finals.values()
         for worker, record in self.lost.items():
             status = self.ended(self.servers + worker) if self.ended is not None else None
@@ -343,11 +344,7 @@ class Coordinator:
         return {
             "device": ", ".join(sorted({str(r.get("device", "cpu")) for r in finals})),
             "servers": self.servers,
-            "staleness": {"histogram": {str(k): v for k, v in sorted(hist.items())},
-                          "updates": updates,
-                          "max": max(hist) if hist else 0,
-                          "mean": (sum(k * v for k, v in hist.items()) / updates
-                                   if updates else 0.0)},
+            "staleness": staleness_summary(hists),
             "lost_workers": [self.lost[w] for w in sorted(self.lost)],
             "degraded": bool(self.lost),
         }

@@ -7,15 +7,14 @@ torchrun the first ``k`` ranks (on the node holding the endpoint) are the server
 
 - Server ``s`` holds the ``s``-th contiguous range of the flat parameter vector (the center)
   and serves each worker on a two-rank Gloo pair of its own
-  (:class:`~shoal.core.ps.ShardServer`): one dead worker breaks only its own pair.
+  (:func:`shoal.ps.serve_shard`): one dead worker breaks only its own pair.
 - Server 0 is also the run's **coordinator** (:class:`~shoal.train.coordinator.Coordinator`):
   workers never talk to each other, so it keeps ``--out`` from their reports (epoch
   records, ``checkpoint.pt``, ``summary.json``).
 - Workers run the usual :class:`~shoal.train.trainer.Trainer`, detached: no process group
-  among them, every exchange through their :class:`~shoal.core.ps.ServerClient`
-  (:func:`connect`), their evaluation, records and checkpoints reported to server 0
-  (:mod:`shoal.train.remote`). Each stops on SIGTERM after its own current step; the
-  checkpoint keeps each one's position.
+  among them, every exchange through their client (:func:`connect`), their evaluation,
+  records and checkpoints reported to server 0 (:mod:`shoal.train.remote`). Each stops on
+  SIGTERM after its own current step; the checkpoint keeps each one's position.
 
 The launch path (:mod:`shoal.train.launch`) runs each rank's role; this module builds what
 the parameter servers are made of: a worker's client (:func:`connect`), a server's shard
@@ -43,9 +42,9 @@ from shoal.core.comm import Comm
 from shoal.core.env import Environment
 from shoal.core.failures import first_line
 from shoal.core.flat import FlatParams
-from shoal.core.ops import split_sizes
-from shoal.core.ps import ServerClient, ShardServer
+from shoal.core.ops import split_ranges
 from shoal.errors import ShoalError
+from shoal.ps import ServerClient, connect_worker, keepalive, serve_shard
 from shoal.strategies import get_strategy, make_options
 from shoal.strategies.easgd import parameter_order
 from shoal.strategies.hogwild import PATH_KEY, create_shared_file, map_shared_file
@@ -61,19 +60,9 @@ FAILURE_REPORT_TIMEOUT = 5.0
 ENDED_TIMEOUT = 5.0
 
 
-def keepalive(timeout: float) -> float:
-    """How often an idle client pings its servers: a worker of hogwild (which only reports
-    at its epochs' ends) or the coordinator must not look lost after ``timeout``."""
-    return min(timeout / 3, 30.0)
-
-
 def shard_ranges(n: int, servers: int) -> list[tuple[int, int]]:
     """The contiguous ``[lo, hi)`` range of the flat vector each server holds."""
-    ranges, lo = [], 0
-    for size in split_sizes(n, servers):
-        ranges.append((lo, lo + size))
-        lo += size
-    return ranges
+    return split_ranges(n, servers)
 
 
 # -- a worker -----------------------------------------------------------------------------------
@@ -82,10 +71,8 @@ def connect(cfg: TrainConfig, comm: Comm, topology: Topology, model: torch.nn.Mo
     """A worker's end of the parameter servers, made ``comm.ps`` (before its strategy is
     built: the strategy starts from the servers' vector)."""
     numel = sum(p.numel() for p in model.parameters())
-    comm.ps = ServerClient(comm.store, comm.rank, shard_ranges(numel, topology.servers),
-                           timeout=cfg.timeout, timeline=comm.timeline, count=comm.count,
-                           keepalive=keepalive(cfg.timeout))
-    return comm.ps
+    return connect_worker(comm.store, comm.rank, shard_ranges(numel, topology.servers),
+                          cfg.timeout, comm)
 
 
 def leave(client: ServerClient, failure: BaseException | None = None) -> None:
@@ -127,23 +114,16 @@ def run_server(cfg: TrainConfig, env: Environment, comm: Comm, topology: Topolog
         coordinator = Coordinator(cfg, comm, work.data, model, flat, client, ranges, payload,
                                   start if start is not None and cfg.init_progress else None,
                                   extra, lambda rank: comm.ended(rank, wait))
-    shard = ShardServer(
-        comm.store, server, workers + (1 if server > 0 else 0),
-        rule_cls(center, options) if rule_cls is not None else None, center,
-        timeout=cfg.timeout, max_staleness=getattr(options, "max_staleness", None),
-        order=getattr(options, "order", "arrival"), workers=workers,
-        pushers=strategy_cls.pushers(options, workers),
-        on_report=coordinator.on_report if coordinator is not None else None)
-    if payload is not None and shared_path is None:
-        shard.load_state(payload["servers"][server])
     try:
-        shard.start()
-        if coordinator is not None:
-            return coordinator.run(shard)
-        shard.wait(None)
-        return None
+        return serve_shard(
+            comm.store, server, workers + (1 if server > 0 else 0),
+            rule_cls(center, options) if rule_cls is not None else None, center,
+            strategy_cls.admission(options, workers), timeout=cfg.timeout,
+            state=payload["servers"][server] if payload is not None and shared_path is None
+            else None,
+            on_report=coordinator.on_report if coordinator is not None else None,
+            during=coordinator.run if coordinator is not None else None)
     finally:
-        shard.close()
         if coordinator is not None and coordinator.client is not None:
             coordinator.client.close()
         if shared_path is not None:
