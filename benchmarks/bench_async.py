@@ -58,9 +58,10 @@ def main() -> None:
     a = p.parse_args()
     trees = [t.resolve() for t in a.trees]
     runs: dict[Path, list[float]] = {t: [] for t in trees}
-    for _ in range(a.repeats):
+    for k in range(a.repeats):
         for tree in trees:
             runs[tree].append(run(a, tree))
+            print(f"repeat {k + 1}, {tree}: {runs[tree][-1]:,.0f} samples/s", flush=True)
     for tree, rates in runs.items():
         print(f"{tree}: {a.strategy}, {a.model} on {a.dataset}, {a.workers} workers, batch "
               f"{a.batch}/worker: {statistics.median(rates):,.0f} samples/s (median of "
