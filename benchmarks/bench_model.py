@@ -1,7 +1,7 @@
 """The cost model of ``shoal plan --simulate`` against what can be measured here, then its
 predictions for clusters that cannot be run here.
 
-1. Calibrate the model on this machine (:func:`shoal.plan.model.calibrate`: LeNet-5's compute
+1. Calibrate the model on this machine (:func:`shoal.plan.calibrate.calibrate`: LeNet-5's compute
    per sample at batch 32 with one thread, a local Gloo all-reduce's latency and bandwidth).
 2. Measure real throughput (``shoal bench``'s runner: ``shoal train`` runs, ``--warmup``
    untimed steps then ``--steps`` timed ones, weak scaling, batch 32 per worker, one thread
@@ -35,16 +35,9 @@ from typing import Any
 from shoal.config import TrainConfig
 from shoal.emulate import can_emulate
 from shoal.errors import ShoalError
-from shoal.plan.model import (
-    SC17_EFFICIENCY,
-    Calibration,
-    Network,
-    calibrate,
-    parse_bandwidth,
-    parse_latency,
-    predict,
-    workloads,
-)
+from shoal.plan.calibrate import calibrate
+from shoal.plan.cost import Calibration, Network
+from shoal.plan.simulate import SC17_EFFICIENCY, parse_bandwidth, parse_latency, predict, workloads
 from shoal.sweep.config import BenchConfig, Point
 from shoal.sweep.measure import measure_run
 from shoal.sweep.runner import Runner, train_command

@@ -10,20 +10,23 @@ import pytest
 
 from shoal.cli import main
 from shoal.errors import ShoalError
-from shoal.plan.model import (
-    SC17_EFFICIENCY,
+from shoal.plan.cost import (
     Calibration,
     Network,
-    Workload,
     broadcast_s,
     exchange_s,
+    ring_allreduce_s,
+    server_cycle_s,
+)
+from shoal.plan.simulate import (
+    SC17_EFFICIENCY,
+    Workload,
     parse_bandwidth,
     parse_latency,
     predict,
-    ring_allreduce_s,
-    server_cycle_s,
     workloads,
 )
+from shoal.strategies import STRATEGIES
 
 from conftest import one_error_line
 
@@ -55,7 +58,7 @@ def test_other_collectives_by_hand():
 
 
 def test_sync_prediction_is_compute_plus_ring_allreduce():
-    p = predict(Workload("sync"), 4, 32, PARAMS, CAL, GBIT)
+    p = predict(Workload.of("sync"), 4, 32, PARAMS, CAL, GBIT)
     compute = 32 * 1e-4
     step = compute + 12.06e-3
     assert p.compute_s == pytest.approx(compute)
@@ -63,37 +66,37 @@ def test_sync_prediction_is_compute_plus_ring_allreduce():
     assert p.samples_per_s == pytest.approx(4 * 32 / step)
     assert p.efficiency == pytest.approx(compute / step)
     assert p.bound == "network"
-    one = predict(Workload("sync"), 1, 32, PARAMS, CAL, GBIT)
+    one = predict(Workload.of("sync"), 1, 32, PARAMS, CAL, GBIT)
     assert one.step_s == pytest.approx(compute) and one.efficiency == pytest.approx(1.0)
 
 
 def test_periodic_strategies_amortize_the_allreduce_over_tau():
     compute, ring = 32 * 1e-4, 12.06e-3
-    local = predict(Workload("local-sgd", tau=4), 4, 32, PARAMS, CAL, GBIT)
+    local = predict(Workload.of("local-sgd", tau=4), 4, 32, PARAMS, CAL, GBIT)
     assert local.step_s == pytest.approx(compute + ring / 4)
-    assert predict(Workload("diloco", tau=4), 4, 32, PARAMS, CAL, GBIT).step_s == local.step_s
+    assert predict(Workload.of("diloco", tau=4), 4, 32, PARAMS, CAL, GBIT).step_s == local.step_s
     # EASGD hides the all-reduce behind the round's other tau - 1 steps
-    easgd = predict(Workload("easgd", tau=4), 4, 32, PARAMS, CAL, GBIT)
+    easgd = predict(Workload.of("easgd", tau=4), 4, 32, PARAMS, CAL, GBIT)
     assert easgd.step_s == pytest.approx((compute + max(3 * compute, ring)) / 4)
-    hidden = predict(Workload("easgd", tau=16), 4, 32, PARAMS, CAL, GBIT)
+    hidden = predict(Workload.of("easgd", tau=16), 4, 32, PARAMS, CAL, GBIT)
     assert hidden.step_s == pytest.approx(compute) and hidden.efficiency == pytest.approx(1.0)
-    exposed = predict(Workload("easgd", tau=4, overlap=False), 4, 32, PARAMS, CAL, GBIT)
+    exposed = predict(Workload.of("easgd", tau=4, overlap=False), 4, 32, PARAMS, CAL, GBIT)
     assert exposed.step_s == pytest.approx(local.step_s)
 
 
 def test_parameter_server_queues_when_demand_exceeds_its_link():
     compute, ex = 32 * 1e-4, 16e-3 + 20e-6
-    alone = predict(Workload("async-sgd"), 1, 32, PARAMS, CAL, GBIT)
+    alone = predict(Workload.of("async-sgd"), 1, 32, PARAMS, CAL, GBIT)
     assert alone.step_s == pytest.approx(compute + ex)
     # 64 workers on one server's link: each waits its turn, 64 * 8 ms per cycle
-    crowded = predict(Workload("async-sgd"), 64, 32, PARAMS, CAL, GBIT)
+    crowded = predict(Workload.of("async-sgd"), 64, 32, PARAMS, CAL, GBIT)
     assert crowded.step_s == pytest.approx(64 * 8e-3) and crowded.bound == "server"
     assert crowded.samples_per_s == pytest.approx(125e6 / 1e6 * 32)  # the link's exchanges/s
     # k shards: k times the server bandwidth
-    sharded = predict(Workload("async-sgd", servers=4), 64, 32, PARAMS, CAL, GBIT)
+    sharded = predict(Workload.of("async-sgd", servers=4), 64, 32, PARAMS, CAL, GBIT)
     assert sharded.step_s == pytest.approx(16 * 8e-3)
     # the elastic form exchanges every tau steps
-    elastic = predict(Workload("async-easgd", tau=4), 2, 32, PARAMS, CAL, GBIT)
+    elastic = predict(Workload.of("async-easgd", tau=4), 2, 32, PARAMS, CAL, GBIT)
     assert elastic.step_s == pytest.approx((4 * compute + ex) / 4)
 
 
@@ -101,14 +104,14 @@ def test_groups_by_hand():
     # 8 workers in 2 groups of 4: ring inside, broadcast inside, the leader's exchange
     compute = 32 * 1e-4
     inside = ring_allreduce_s(4, 1e6, 1 / 125e6, 10e-6) + broadcast_s(4, 1e6, 1 / 125e6, 10e-6)
-    p = predict(Workload("groups", groups=2), 8, 32, PARAMS, CAL, GBIT)
+    p = predict(Workload.of("groups", groups=2), 8, 32, PARAMS, CAL, GBIT)
     assert p.step_s == pytest.approx(compute + inside + 16e-3 + 20e-6)
 
 
 def test_shared_cores_slow_compute():
-    p = predict(Workload("sync"), 4, 32, PARAMS, CAL, Network(), shared_cores=2)
+    p = predict(Workload.of("sync"), 4, 32, PARAMS, CAL, Network(), shared_cores=2)
     assert p.compute_s == pytest.approx(2 * 32 * 1e-4)
-    assert predict(Workload("sync"), 2, 32, PARAMS, CAL, Network(),
+    assert predict(Workload.of("sync"), 2, 32, PARAMS, CAL, Network(),
                    shared_cores=2).compute_s == pytest.approx(32 * 1e-4)
 
 
@@ -126,7 +129,7 @@ def test_host_cost_adds_the_calibrated_endpoint():
 @pytest.mark.parametrize("strategy", ["sync", "local-sgd", "easgd", "diloco", "async-sgd",
                                       "async-easgd", "groups"])
 def test_more_bandwidth_or_less_latency_is_never_slower(strategy):
-    w = Workload(strategy, tau=4, groups=4)
+    w, = workloads(strategy, {"tau": 4, "groups": 4})
     for nodes in (1, 2, 4, 16, 64, 256):
         times = [predict(w, nodes, 32, PARAMS, CAL, Network(bw, 5e-6)).step_s
                  for bw in (1e6, 1e7, 1e8, 1e9, 1e10)]
@@ -142,6 +145,68 @@ def test_workloads_take_knobs_from_the_spec_then_the_flags():
                                      "async-sgd k=2"]
     with pytest.raises(ShoalError, match="no formula for strategy 'hogwild'"):
         workloads("hogwild", {})
+
+
+def test_spec_options_reach_the_pattern():
+    """A spec's options are the strategy's own, parsed as its flags: a half-precision hook
+    sends half the bytes, --tau auto starts at 16, --no-overlap waits for the all-reduce."""
+    half, plain, auto, exposed = workloads("sync:compress=fp16,sync,local-sgd:tau=auto,"
+                                           "easgd:tau=4,overlap=false", {})
+    assert [w.label for w in (half, plain, auto, exposed)] == [
+        "sync fp16", "sync", "local-sgd tau=16", "easgd tau=4 no-overlap"]
+    assert predict(half, 4, 32, PARAMS, CAL, GBIT).bytes_per_step == pytest.approx(
+        predict(plain, 4, 32, PARAMS, CAL, GBIT).bytes_per_step / 2)
+    assert auto.pattern(4).every == 16 and not exposed.pattern(4).hidden
+    with pytest.raises(ShoalError, match=r"--strategies: easgd:overlap=maybe: --overlap must be "
+                                         r"true or false"):
+        workloads("easgd:overlap=maybe", {})
+
+
+PRICED = sorted(n for n, c in STRATEGIES.items() if c.communication(c.Options(), 2) is not None)
+
+
+def test_every_strategy_but_hogwild_states_its_pattern():
+    assert set(STRATEGIES) - set(PRICED) == {"hogwild"}  # one host's shared memory
+
+
+@pytest.mark.parametrize("strategy", PRICED)
+def test_the_planner_and_the_simulator_price_a_strategy_alike(tmp_path, strategy):
+    """The planner's estimate of a trial (fitted to a measured sync trial) and --simulate's
+    prediction (calibrated to the same compute and link) read the same pattern, and agree."""
+    from shoal.config import TrainConfig
+    from shoal.plan.planner import Planner, PlanOptions
+    from shoal.plan.trials import HARDWARE, Candidate, Trial
+
+    cfg = TrainConfig(model="mlp", dataset="digits", epochs=10, batch_size=16, workers=2,
+                      target_accuracy=0.9, progress="none", out=str(tmp_path)).validate()
+    planner = Planner(cfg, PlanOptions.of(cfg), NoLauncher(), tmp_path, 2, show=False)
+    cal = Calibration(compute_s_per_sample=5e-3 / 16, threads=1, alpha_host_s=0.0,
+                      host_bytes_per_s=1e30, source="test")
+    net = Network(bytes_per_s=125e6)  # 1 MB: 8 ms a one-way transfer
+    sync = predict(Workload.of("sync"), 2, 16, PARAMS, cal, net)
+    planner.measured.append(Trial(Candidate("sync", (), 2, None), curve=[(1, 0.5, 1.0)],
+                                  epoch_s=sync.step_s * planner.steps_per_epoch,
+                                  comm_fraction=sync.comm_s / sync.step_s))
+    candidate = Candidate(strategy, (), 2, None)
+    assert candidate.pattern() == Workload.of(strategy).pattern(2)
+    startup = 0.0 if planner.in_session(candidate) else 10.0
+    per_step = (planner.estimate(candidate, HARDWARE) - startup) / planner.steps(candidate, HARDWARE)
+    assert per_step == pytest.approx(predict(Workload.of(strategy), 2, 16, PARAMS, cal, net).step_s)
+
+
+class NoLauncher:
+    """A launcher the estimate never calls."""
+
+    timeout = 10.0
+
+
+def test_the_calibration_times_a_real_all_reduce():
+    """Two processes started as shoal starts a job's (core.processes.spawn, core.group):
+    a message costs something, and the bandwidth is finite."""
+    from shoal.plan.calibrate import measure_collectives
+
+    alpha, bandwidth = measure_collectives(1 << 20, reps=5)
+    assert 0 < alpha < 0.1 and 1e6 < bandwidth < 1e12
 
 
 # -- units ---------------------------------------------------------------------------------------

@@ -40,6 +40,7 @@ from shoal.core.ps import EXCHANGE, ORDERS, PULL, REPORT, Header
 from shoal.errors import ShoalError
 from shoal.schema import flag_name
 from shoal.strategies.base import Strategy
+from shoal.strategies.communication import Exchange, Pattern
 from shoal.strategies.easgd import parameter_order
 
 if TYPE_CHECKING:
@@ -166,6 +167,13 @@ class AsyncStrategy(Strategy):
         share one push, as a compute group does); the order and the staleness bound are
         theirs."""
         return list(range(workers))
+
+    @classmethod
+    def through_servers(cls, options: Any, workers: int, what: str, every: int = 1) -> Pattern:
+        """The pattern of a push of ``what`` and a pull of the reply every ``every`` steps,
+        by each of :meth:`pushers`, to ``--servers`` servers."""
+        return Pattern(Exchange.SERVER, what, every=every, servers=options.servers,
+                       pushers=len(cls.pushers(options, workers)))
 
     def server(self) -> Any:
         """:attr:`client`, which must exist."""

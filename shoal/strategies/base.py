@@ -33,6 +33,7 @@ from shoal.data.base import num_rows, take_rows
 from shoal.data.sharding import EpochPlan
 from shoal.errors import ShoalError
 from shoal.schema import check_bounds, check_value, field_kind, flag_name
+from shoal.strategies.communication import Pattern
 from shoal.strategies.period import AUTO_START, AdaptivePeriod, first_period, parse_period
 
 
@@ -93,6 +94,13 @@ class Strategy:
         workers move in step). ``--momentum auto`` lowers the explicit momentum by the
         implicit momentum ``1 - 1/g`` such asynchrony adds (Omnivore)."""
         return 1
+
+    @classmethod
+    def communication(cls, options: Any, workers: int) -> Pattern | None:
+        """What ``workers`` workers with ``options`` exchange, how often and with whom
+        (:class:`~shoal.strategies.communication.Pattern`): what the cost model prices.
+        ``None``: no pattern to price (nothing crosses a network)."""
+        return None
 
     def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, comm: Comm,
                  options: Any = None) -> None:

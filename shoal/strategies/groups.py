@@ -43,6 +43,7 @@ from shoal.errors import ShoalError
 from shoal.schema import flag_name
 from shoal.strategies.async_msgd import MomentumRule
 from shoal.strategies.asynchronous import AsyncOptions, AsyncStrategy, check_server_sgd, one_setting
+from shoal.strategies.communication import Exchange, Pattern
 from shoal.strategies.registry import register
 from shoal.strategies.sync import Synchronous
 
@@ -123,6 +124,15 @@ class ComputeGroups(AsyncStrategy):
     @classmethod
     def asynchronous_groups(cls, options: GroupOptions, workers: int) -> int:
         return options.groups
+
+    @classmethod
+    def communication(cls, options: GroupOptions, workers: int) -> Pattern:
+        """Every step, each group all-reduces its gradients, its leader pushes them and
+        pulls the parameters, and the group takes them from the leader (at most one group
+        per worker)."""
+        groups = max(1, min(options.groups, workers))
+        return Pattern(Exchange.GROUP_SERVER, "gradients, then parameters",
+                       servers=options.servers, pushers=groups, groups=groups)
 
     @classmethod
     def may_share_gpus(cls, options: GroupOptions, workers: int) -> bool:
