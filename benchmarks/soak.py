@@ -1,5 +1,6 @@
 """Soak: a run with a worker killed at random every ~30 s under --max-restarts, against
-the same run uninterrupted.
+the same run uninterrupted; or (--async STRATEGY) an asynchronous run through SIGTERM and
+--resume cycles with workers killed in between.
 
 Both runs are the same `shoal train` command (the soak run adds --max-restarts); a killer
 thread SIGKILLs one of the launcher's worker processes, chosen at random, every
@@ -7,9 +8,21 @@ U(0.5, 1.5) x --kill-every seconds. Reported: restarts, steps redone (failed at 
 resumed from, summed), samples lost (the uninterrupted run's samples minus the soak run's;
 the goal is 0), time lost per failure (the wall-time difference over the restarts), the
 final test accuracy of both and the largest parameter difference (resume is exact, so 0).
+
+--async STRATEGY: one run, `shoal train --resume auto` started again each time it stops,
+until it completes. Every U(0.5, 1.5) x --kill-every seconds an event: SIGTERM to the
+launcher (a share --term-share of them; the run checkpoints, exits 143, and is started
+again) or SIGKILL of a random live worker (the run goes on without it; a later --resume
+brings it back). Reported: cycles, SIGTERMs, kills, the epoch records lost and doubled
+(goal 0: every epoch recorded exactly once), the steps each worker trained against the
+run's (a worker killed after the last SIGTERM stays short: the run completed without it),
+and the final test accuracy.
+
 Writes soak.json and soak.md to --out. Run:
 
     .venv/bin/python benchmarks/soak.py --epochs 60 --kill-every 30 --out runs/soak
+    .venv/bin/python benchmarks/soak.py --async async-easgd --model mlp --epochs 300 \
+        --kill-every 8 --out runs/soak-async
 """
 
 from __future__ import annotations
@@ -19,11 +32,13 @@ import contextlib
 import json
 import os
 import random
+import shutil
 import signal
 import subprocess
 import sys
 import threading
 import time
+from collections import Counter
 from pathlib import Path
 
 import torch
@@ -32,7 +47,8 @@ REPO = Path(__file__).resolve().parent.parent
 
 
 def workers_of(launcher: int) -> list[int]:
-    """The worker processes ``launcher`` started (multiprocessing spawn children)."""
+    """The processes ``launcher`` started (multiprocessing spawn children) in rank order: it
+    starts them one after the other (by start time, then pid)."""
     pids: list[int] = []
     with contextlib.suppress(OSError):
         for task in Path(f"/proc/{launcher}/task").iterdir():
@@ -40,10 +56,12 @@ def workers_of(launcher: int) -> list[int]:
                 pids += [int(p) for p in (task / "children").read_text().split()]
     found = []
     for pid in pids:
-        with contextlib.suppress(OSError):
+        with contextlib.suppress(OSError, ValueError, IndexError):
             if b"spawn_main" in Path(f"/proc/{pid}/cmdline").read_bytes():
-                found.append(pid)
-    return found
+                stat = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+                if stat[0] != "Z":
+                    found.append((int(stat[19]), pid))
+    return [pid for _, pid in sorted(found)]
 
 
 def train(cmd: list[str], kill_every: float | None, rng: random.Random) -> tuple[float, list]:
@@ -77,19 +95,8 @@ def train(cmd: list[str], kill_every: float | None, rng: random.Random) -> tuple
     return time.monotonic() - start, kills
 
 
-def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--model", default="lenet5")
-    p.add_argument("--dataset", default="digits")
-    p.add_argument("--workers", type=int, default=2)
-    p.add_argument("--epochs", type=int, default=60)
-    p.add_argument("--checkpoint-every", type=int, default=20)
-    p.add_argument("--kill-every", type=float, default=30.0, help="mean seconds between kills")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--out", default="runs/soak")
-    a = p.parse_args()
-    out = Path(a.out)
-    out.mkdir(parents=True, exist_ok=True)
+def sync_soak(a: argparse.Namespace, out: Path) -> dict[str, object]:
+    """The run uninterrupted and under random kills with --max-restarts."""
     base = [sys.executable, "-m", "shoal", "train", "--model", a.model, "--dataset", a.dataset,
             "--workers", str(a.workers), "--epochs", str(a.epochs), "--progress", "none",
             "--checkpoint-every", str(a.checkpoint_every), "--log-every", "1", "--overwrite"]
@@ -104,7 +111,7 @@ def main() -> None:
     b_params = torch.load(out / "soak" / "checkpoint.pt", weights_only=True)["model"]
     steps = [json.loads(line)["step"] for line in (out / "soak" / "metrics.jsonl").open()
              if json.loads(line)["event"] == "step"]
-    result = {
+    return {
         "command": " ".join(base[2:]),
         "uninterrupted_wall_s": ref_wall, "soak_wall_s": soak_wall,
         "kills": len(kills), "restarts": len(restarts),
@@ -118,6 +125,108 @@ def main() -> None:
         "max_param_diff": max((a_params[k].double() - b_params[k].double()).abs().max().item()
                               for k in a_params),
     }
+
+
+def epoch_records(run: Path) -> int:
+    """How many epoch records ``run``'s metrics.jsonl holds."""
+    with contextlib.suppress(OSError):
+        return (run / "metrics.jsonl").read_text().count('"event": "epoch"')
+    return 0
+
+
+def cycle(cmd: list[str], run: Path, a: argparse.Namespace,
+          rng: random.Random) -> tuple[int, int, int]:
+    """One invocation of the asynchronous run: once it records an epoch (it is training),
+    events every ~``a.kill_every`` s until it exits: SIGTERM to it (then no more events) or
+    SIGKILL of a random live worker (never the last). Returns its exit status, SIGTERMs and
+    kills."""
+    before = epoch_records(run)
+    proc = subprocess.Popen(cmd, cwd=REPO, start_new_session=True, stdout=subprocess.DEVNULL)
+    terms = kills = 0
+    killed: set[int] = set()
+    try:
+        while proc.poll() is None and epoch_records(run) <= before:
+            time.sleep(0.05)
+        while proc.poll() is None:
+            deadline = time.monotonic() + rng.uniform(0.5, 1.5) * a.kill_every
+            while proc.poll() is None and time.monotonic() < deadline:
+                time.sleep(0.05)
+            if proc.poll() is not None or terms:
+                continue
+            live = [w for w in workers_of(proc.pid)[a.servers:] if w not in killed]
+            if rng.random() < a.term_share or len(live) < 2:
+                proc.send_signal(signal.SIGTERM)
+                terms += 1
+            else:
+                victim = rng.choice(live)
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(victim, signal.SIGKILL)
+                    killed.add(victim)
+                    kills += 1
+        return proc.wait(), terms, kills
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+
+
+def async_soak(a: argparse.Namespace, out: Path) -> dict[str, object]:
+    """The asynchronous run through SIGTERM and --resume cycles and worker kills."""
+    run = out / "soak-async"
+    cmd = [sys.executable, "-m", "shoal", "train", "--model", a.model, "--dataset", a.dataset,
+           "--workers", str(a.workers), "--epochs", str(a.epochs), "--progress", "none",
+           "--strategy", a.strategy, "--servers", str(a.servers), "--out", str(run),
+           "--resume", "auto"]
+    rng = random.Random(a.seed)
+    shutil.rmtree(run, ignore_errors=True)
+    started, codes, terms, kills = time.monotonic(), [], 0, 0
+    while not codes or codes[-1] not in (0, 3):  # 3: completed without a killed worker
+        code, t, k = cycle(cmd, run, a, rng)
+        codes, terms, kills = codes + [code], terms + t, kills + k
+        # -15: the signal came after the job's end, once the launcher stopped passing it on
+        if code not in (0, 3, 143, -15) or len(codes) > 1000:
+            sys.exit(f"soak: {' '.join(cmd)} exited with {code}")
+    summary = json.loads((run / "summary.json").read_text())
+    records = [json.loads(line) for line in (run / "metrics.jsonl").open()]
+    epochs = Counter(r["epoch"] for r in records if r["event"] == "epoch")
+    saved = torch.load(run / "checkpoint.pt", weights_only=True)
+    per_epoch = summary["steps"] // summary["epochs"]
+    worker_steps = [own["strategy"]["steps"] for own in saved["ranks"]]
+    return {
+        "command": " ".join(cmd[2:]), "wall_s": time.monotonic() - started,
+        "cycles": len(codes), "sigterms": terms, "worker_kills": kills,
+        "exit_statuses": dict(Counter(map(str, codes))),
+        "epoch_records_lost": sum(1 for e in range(1, a.epochs + 1) if e not in epochs),
+        "epoch_records_doubled": sum(n - 1 for n in epochs.values()),
+        "worker_steps": worker_steps, "run_steps": per_epoch * a.epochs,
+        "workers_short_at_the_end": sum(s < per_epoch * a.epochs for s in worker_steps),
+        # Epochs recorded while a worker was lost miss its rows (it trains them again after
+        # the next --resume, from its last checkpoint); the workers' own counts are exact.
+        "samples_in_records": summary["samples"],
+        "samples_trained_by_workers": sum(own["strategy"]["samples"] for own in saved["ranks"]),
+        "lost_workers_at_the_end": len(summary.get("lost_workers", [])),
+        "test_accuracy": summary["test_accuracy"],
+    }
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--model", default="lenet5")
+    p.add_argument("--dataset", default="digits")
+    p.add_argument("--workers", type=int, default=2)
+    p.add_argument("--epochs", type=int, default=60)
+    p.add_argument("--checkpoint-every", type=int, default=20)
+    p.add_argument("--kill-every", type=float, default=30.0, help="mean seconds between events")
+    p.add_argument("--async", dest="strategy", metavar="STRATEGY",
+                   help="an asynchronous strategy: SIGTERM/--resume cycles and worker kills")
+    p.add_argument("--servers", type=int, default=1, help="with --async")
+    p.add_argument("--term-share", type=float, default=0.5,
+                   help="with --async: the share of events that are SIGTERMs")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out", default="runs/soak")
+    a = p.parse_args()
+    out = Path(a.out)
+    out.mkdir(parents=True, exist_ok=True)
+    result = async_soak(a, out) if a.strategy else sync_soak(a, out)
     (out / "soak.json").write_text(json.dumps(result, indent=2) + "\n")
     rows = "\n".join(f"| {k} | {v:.4g} |" if isinstance(v, float) else f"| {k} | {v} |"
                      for k, v in result.items())

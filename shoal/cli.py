@@ -474,9 +474,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             traceback.print_exc()
             if isinstance(exc, WorkerError) and exc.traceback:
                 print(f"--- traceback on rank {exc.rank} ---\n{exc.traceback}", file=sys.stderr)
-        if isinstance(exc, WorkerError) and not exc.user_error:
-            hint = "" if debug else " (run with --debug for the traceback)"
-            print(f"shoal: error: {_one_line(str(exc))}{hint}", file=sys.stderr)
+        if not exc.user_error:  # a worker's crash, a failed job: not the user's input
+            hint = "" if debug or not isinstance(exc, WorkerError) else \
+                " (run with --debug for the traceback)"
+            print(f"shoal: error: {where}{_one_line(str(exc))}{hint}", file=sys.stderr)
             return EXIT_FAILURE
         print(f"shoal: error: {where}{_one_line(str(exc))}", file=sys.stderr)
         return EXIT_USER_ERROR

@@ -2,6 +2,7 @@
 
 import atexit
 import os
+import signal
 import time
 
 import torch
@@ -89,3 +90,30 @@ def held_at_exit(input_shape, num_classes):
             "SHOAL_TEST_HOLD_RANK"):
         atexit.register(_hold, os.environ["SHOAL_TEST_HOLD_FILE"])
     return tiny(input_shape, num_classes)
+
+
+class _SigtermAt(nn.Module):
+    """The zoo's mlp, whose process of rank ``SHOAL_TEST_TERM_RANK`` sends SIGTERM to its
+    launcher (``shoal train``, which passes it on to every process of the job, as Slurm's
+    notice reaches them) and to itself on its ``SHOAL_TEST_TERM_AT``-th training forward:
+    that rank stops after exactly that step, the others wherever the signal finds them."""
+
+    def __init__(self, input_shape, num_classes):
+        super().__init__()
+        from shoal.models import build_model
+
+        self.net = build_model("mlp", input_shape, num_classes)
+        self.calls = 0
+
+    def forward(self, x):
+        if self.training:
+            self.calls += 1
+            if (os.environ.get("RANK") == os.environ.get("SHOAL_TEST_TERM_RANK")
+                    and self.calls == int(os.environ.get("SHOAL_TEST_TERM_AT", "0"))):
+                os.kill(os.getppid(), signal.SIGTERM)
+                os.kill(os.getpid(), signal.SIGTERM)
+        return self.net(x)
+
+
+def sigterm_at(input_shape, num_classes):
+    return _SigtermAt(input_shape, num_classes)

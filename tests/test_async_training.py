@@ -1,15 +1,23 @@
 """The asynchronous strategies through `shoal train`, with real server and worker processes:
-each learns digits, --servers 2 shards the center, the staleness bound holds, a killed worker
-is lost without losing the run, a killed server ends it cleanly and --resume finishes it."""
+each learns digits, also stopped by SIGTERM and resumed, --servers 2 shards the center, the
+staleness bound holds, a killed worker is lost without losing the run, a killed server (any
+of them) ends it cleanly and --resume finishes it, a diverging run says so and only so."""
 
+import contextlib
 import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
 
 import pytest
 import torch
 
 from shoal.cli import main
 
-from conftest import one_error_line, shoal, shoal_env, train_here
+from conftest import REPO, one_error_line, shoal, shoal_env, train_here, wait_gone
 
 COMMON = ["--model", "mlp", "--dataset", "digits", "--workers", "2", "--epochs", "4"]
 STRATEGY_ARGS = {
@@ -19,7 +27,10 @@ STRATEGY_ARGS = {
     "async-measgd": ["--tau", "4", "--momentum", "0.5"],
     "hogwild": ["--momentum", "0"],  # the paper's update
     "hogwild-easgd": ["--tau", "4"],
+    "groups": [],  # one compute group of both workers: they stop after the same step
 }
+STEPS_PER_EPOCH = 45  # digits: 1437 training rows, global batch 2 x 16
+SHARD_ROWS = (719, 718)  # each worker's rows of an epoch
 
 
 def epoch_records(out):
@@ -27,18 +38,60 @@ def epoch_records(out):
     return [r for r in lines if r.get("event") == "epoch"]
 
 
+def _signalled(rank, step):
+    """The environment of a run whose rank ``rank`` signals SIGTERM at its step ``step``
+    (tests.fixtures_models:sigterm_at)."""
+    env = shoal_env()
+    env.update(SHOAL_TEST_TERM_RANK=str(rank), SHOAL_TEST_TERM_AT=str(step))
+    return env
+
+
 @pytest.mark.parametrize("strategy", list(STRATEGY_ARGS))
-def test_learns_digits(tmp_path, strategy):
-    summary = train_here(tmp_path, *COMMON, "--strategy", strategy, *STRATEGY_ARGS[strategy])
-    assert summary["strategy"] == strategy and summary["completed"] and not summary["degraded"]
-    assert summary["test_accuracy"] >= 0.93, summary["test_accuracy"]
-    assert summary["workers"] == 2 and summary["servers"] == 1
-    assert [r["epoch"] for r in epoch_records(tmp_path)] == [1, 2, 3, 4]
+def test_sigterm_and_resume_lose_and_double_nothing(tmp_path, strategy):
+    """SIGTERM (to the launcher, passed on to every process) stops each worker after its own
+    step; the stop line, summary.json, the checkpoint and the epoch records agree, and
+    --resume goes on from each worker's own position: every epoch recorded once, every
+    worker's steps and rows trained exactly once, and the run learns."""
+    # Worker 0 (rank 1) stops after step 90, the last of epoch 2, before it reports that
+    # epoch: signalled during that step. The other worker stops wherever the signal finds
+    # it. A compute group's members stop together, after the step their vote agrees on: a
+    # signal during step 89 stops them after 89 or 90 (the other member's vote of step 88
+    # may already count it).
+    args = ["--model", "tests.fixtures_models:sigterm_at", *COMMON[2:], "--strategy", strategy,
+            *STRATEGY_ARGS[strategy]]
+    signalled = 2 * STEPS_PER_EPOCH - (strategy == "groups")
+    res = shoal("train", "--out", str(tmp_path), "--progress", "plain", *args,
+                env=_signalled(1, signalled), timeout=120)
+    assert res.returncode == 143, res.stderr
+    assert res.stray == []
+    summary = json.loads((tmp_path / "summary.json").read_text())
     saved = torch.load(tmp_path / "checkpoint.pt", map_location="cpu", weights_only=True)
-    assert len(saved["ranks"]) == 2 and len(saved["servers"]) == 1
+    mine, theirs = (own["progress"] for own in saved["ranks"])
+    if strategy == "groups":
+        assert theirs["step"] == mine["step"] in (89, 90), "a compute group stops as one"
+    else:
+        assert (mine["epoch"], mine["epoch_step"], mine["step"]) == (1, STEPS_PER_EPOCH, 90)
+    step = min(mine["step"], theirs["step"])
+    assert summary["stopped_by"] == "SIGTERM" and summary["steps"] == saved["progress"]["step"]
+    assert saved["progress"]["step"] == step, "the checkpoint is the slowest worker's position"
+    assert f"stopped by SIGTERM at step {step};" in res.stderr
+    epochs = min(mine["epoch"], theirs["epoch"])  # the epochs both workers have finished
+    assert [r["epoch"] for r in epoch_records(tmp_path)] == list(range(1, epochs + 1))
+    assert summary["epochs"] == saved["progress"]["epoch"] == saved["coordinator"]["epoch"] == epochs
+
+    resumed = train_here(tmp_path, *args, "--resume")
+    assert resumed["completed"] and not resumed["degraded"]
+    assert [r["epoch"] for r in epoch_records(tmp_path)] == [1, 2, 3, 4]
+    assert resumed["steps"] == 4 * STEPS_PER_EPOCH and resumed["samples"] == 4 * sum(SHARD_ROWS)
+    final = torch.load(tmp_path / "checkpoint.pt", map_location="cpu", weights_only=True)
+    for own, rows in zip(final["ranks"], SHARD_ROWS, strict=True):
+        assert own["strategy"]["steps"] == 4 * STEPS_PER_EPOCH  # none lost or redone
+        assert own["strategy"]["samples"] == 4 * rows
+    assert resumed["test_accuracy"] >= 0.93, resumed["test_accuracy"]
+    assert resumed["workers"] == 2 and resumed["servers"] == 1 and len(final["servers"]) == 1
     if strategy != "hogwild":  # every exchange went through the server and was counted
-        assert summary["staleness"]["updates"] > 0 and summary["bytes_sent"] > 0
-        assert 0 < summary["comm_fraction"] < 1
+        assert resumed["staleness"]["updates"] > 0 and resumed["bytes_sent"] > 0
+        assert 0 < resumed["comm_fraction"] < 1
 
 
 def test_two_servers_shard_the_center_within_the_staleness_bound(tmp_path):
@@ -50,9 +103,17 @@ def test_two_servers_shard_the_center_within_the_staleness_bound(tmp_path):
     shards = [s["center"] for s in saved["servers"]]
     assert len(shards) == 2 and sum(s.numel() for s in shards) == summary["parameters"]
     assert abs(shards[0].numel() - shards[1].numel()) <= 1  # contiguous halves
-    hist = {int(k): v for k, v in summary["staleness"]["histogram"].items()}
-    assert sum(hist.values()) == summary["staleness"]["updates"] > 0
+    staleness = summary["staleness"]
+    hist = {int(k): v for k, v in staleness["histogram"].items()}
+    assert sum(hist.values()) == staleness["updates"] > 0
     assert max(hist) <= 2, hist  # no update applied staler than --max-staleness
+    # Over both shards: each applies every exchange, each with its own staleness.
+    shards = staleness["shards"]
+    assert len(shards) == 2 and shards[0]["updates"] == shards[1]["updates"] > 0
+    assert staleness["updates"] == shards[0]["updates"] + shards[1]["updates"]
+    assert staleness["max"] == max(s["max"] for s in shards) <= 2
+    assert [s["histogram"] for s in shards] == [
+        {str(k): v for k, v in sorted(s["staleness"].items())} for s in saved["servers"]]
 
 
 @pytest.mark.parametrize("args, expected", [
@@ -108,7 +169,8 @@ def test_a_killed_server_ends_the_job_and_resume_finishes_it(tmp_path):
                 env=_killed(0, "eval:4"), timeout=120)
     assert res.returncode == 1
     line = one_error_line(res.stderr)
-    assert "rank 0" in line and "signal 9" in line, line
+    assert "server 0 (rank 0): process killed by signal 9" in line, line
+    assert "lost worker" not in res.stdout + res.stderr
     assert res.stray == []
     saved = torch.load(tmp_path / "checkpoint.pt", map_location="cpu", weights_only=True)
     assert saved["progress"]["epoch"] == 1  # the last checkpoint, intact
@@ -118,3 +180,57 @@ def test_a_killed_server_ends_the_job_and_resume_finishes_it(tmp_path):
     assert summary["completed"] and summary["steps"] == 4 * 45
     assert [r["epoch"] for r in epoch_records(tmp_path)] == [1, 2, 3, 4]
     assert summary["test_accuracy"] > 0.85
+
+
+def _ranks_of(launcher: int) -> list[int]:
+    """The pids of the processes ``launcher`` spawned, in rank order (it starts them one
+    after the other: by start time, then pid)."""
+    found = []
+    for task in Path(f"/proc/{launcher}/task").iterdir():
+        with contextlib.suppress(OSError):
+            for pid in (task / "children").read_text().split():
+                proc = Path(f"/proc/{pid}")
+                if b"spawn_main" in (proc / "cmdline").read_bytes():
+                    started = int((proc / "stat").read_text().rsplit(")", 1)[1].split()[19])
+                    found.append((started, int(pid)))
+    return [pid for _, pid in sorted(found)]
+
+
+def test_a_killed_server_other_than_0_ends_the_job_naming_it(tmp_path):
+    # Ranks 0 and 1 are the servers, 2 and 3 the workers. Server 1 is killed mid-run: every
+    # worker's next exchange with it fails, which is its echo, not a lost worker.
+    env = shoal_env()
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "shoal", "train", "--out", str(tmp_path), "--progress", "plain",
+         "--model", "mlp", "--dataset", "digits", "--workers", "2", "--epochs", "500",
+         "--strategy", "async-sgd", "--servers", "2"],
+        env=env, cwd=REPO, start_new_session=True, stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 90
+        while proc.poll() is None and time.monotonic() < deadline:
+            if (tmp_path / "metrics.jsonl").exists() and epoch_records(tmp_path):
+                break
+            time.sleep(0.01)
+        ranks = _ranks_of(proc.pid)
+        assert len(ranks) == 4, (ranks, proc.poll())
+        os.kill(ranks[1], signal.SIGKILL)
+        out, err = proc.communicate(timeout=60)
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+    assert "lost worker" not in out + err and "every worker" not in err, out + err
+    assert proc.returncode == 1, err
+    line = one_error_line(err)
+    assert "server 1 (rank 1): process killed by signal 9" in line, line
+    assert wait_gone(env["SHOAL_TEST_MARKER"], 5.0) == []
+
+
+def test_a_diverging_run_says_so_and_only_so(tmp_path, capfd):
+    code = main(["train", "--out", str(tmp_path), "--progress", "plain", *COMMON,
+                 "--strategy", "async-sgd", "--lr", "1e3"])
+    out, err = capfd.readouterr()
+    assert "lost worker" not in out + err, "the failing workers are not lost ones"
+    assert code == 2, err
+    line = one_error_line(err)
+    assert line.startswith("shoal: error: worker ") and "training loss became" in line, line

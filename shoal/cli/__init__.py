@@ -191,9 +191,11 @@ def _error(exc: ShoalError, debug: bool) -> int:
         traceback.print_exc()
         if worker and exc.traceback:
             print(f"--- traceback on rank {exc.rank} ---\n{exc.traceback}", file=sys.stderr)
-    if worker and not exc.user_error:
-        hint = "" if debug or not exc.traceback else " (run with --debug for the traceback)"
-        print(f"shoal: error: {_one_line(str(exc))}{hint}", file=sys.stderr)
+    if not exc.user_error:  # a worker's crash, a failed job: not the user's input
+        hint = "" if debug or not (worker and exc.traceback) else \
+            " (run with --debug for the traceback)"
+        print(f"shoal: error: {'' if worker else _where()}{_one_line(str(exc))}{hint}",
+              file=sys.stderr)
         return EXIT_FAILURE
     print(f"shoal: error: {'' if worker else _where()}{_one_line(str(exc))}", file=sys.stderr)
     return EXIT_USER_ERROR

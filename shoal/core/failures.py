@@ -53,7 +53,9 @@ def record_failure(errdir: str, rank: int, exc: BaseException) -> None:
         # An error that says it is the echo of another process's failure (a parameter
         # server's pair that broke) is never the root cause, nor the user's to fix.
         "primary": not echo and (isinstance(exc, ShoalError) or not is_comm_failure(exc)),
-        "user_error": isinstance(exc, ShoalError) and not echo,
+        "user_error": isinstance(exc, ShoalError) and not echo and exc.user_error,
+        # A ShoalError's message is written for the user: shown without its type's name.
+        "plain": isinstance(exc, ShoalError),
         "traceback": "".join(traceback.format_exception(exc)),
     }
     if info["primary"]:
@@ -92,7 +94,8 @@ def root_cause(errdir: str, exits: dict[int, int]) -> WorkerError:
                     if rank not in errors and code not in (0, EXIT_ABORTED))
     if not primary and silent:
         rank = silent[0][1]
-        return WorkerError(rank, f"worker process {exit_status(exits[rank])}")
+        return WorkerError(rank, f"worker process {exit_status(exits[rank])}",
+                           exit_code=exits[rank])
     # A rank that ended with status 0 before its work was done (os._exit(0)): its peers'
     # errors ("connection reset by peer") are the echoes of its leaving.
     left = sorted(rank for rank, code in exits.items() if code == 0 and rank not in errors)
@@ -101,7 +104,7 @@ def root_cause(errdir: str, exits: dict[int, int]) -> WorkerError:
     echoes = sorted(errors.values(), key=lambda e: e["time"])
     if primary or echoes:
         err = (primary or echoes)[0]
-        plain = err["user_error"] or not err["type"]
+        plain = err.get("plain", err["user_error"]) or not err["type"]
         message = err["message"] if plain else f"{err['type']}: {err['message']}"
         return WorkerError(err["rank"], message, err["traceback"], err["user_error"])
     rank = min(exits)

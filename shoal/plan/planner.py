@@ -34,7 +34,7 @@ from shoal.data import EpochPlan, load_dataset
 from shoal.errors import ShoalError
 from shoal.plan.cost import fitted_link, step_cost
 from shoal.plan.search import Omnivore, Plan, SearchSettings, explain
-from shoal.plan.session import Session
+from shoal.plan.session import PlanningSession
 from shoal.plan.trials import HARDWARE, Candidate, Phase, Trial
 from shoal.schema import parse_duration
 from shoal.strategies import get_strategy
@@ -113,9 +113,9 @@ class Planner:
         self.measured: list[Trial] = []  # every trial so far
         self.startups: list[float] = []  # the jobs' start-ups (and ends) measured so far
         #: The trials in the job's own layout run one after another in one set of workers.
-        self.session = Session(launcher, dataclasses.replace(cfg, out=str(out / "trials")),
-                               workers, (out / "trials" / "sessions").resolve(),
-                               timeout=launcher.timeout)
+        self.session = PlanningSession(launcher, dataclasses.replace(cfg, out=str(out / "trials")),
+                                       workers, (out / "trials" / "sessions").resolve(),
+                                       timeout=launcher.timeout)
 
     # -- candidates and their run settings --------------------------------------------------
     def starts(self) -> tuple[list[Candidate], list[Candidate]]:

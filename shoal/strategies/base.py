@@ -195,6 +195,13 @@ class Strategy:
     def end_epoch(self, epoch: int) -> None:
         """Called once after each epoch, on every rank, before evaluation."""
 
+    @property
+    def stop_peers(self) -> Comm:
+        """The ranks that stop after the same step on SIGTERM (they vote through this Comm):
+        every rank of the job; an asynchronous worker stops alone (its Comm has no peers),
+        a compute group's members together."""
+        return self.comm
+
     def meets_after(self, step: int) -> bool:
         """Whether the workers met (exchanged) at the end of step ``step`` (just taken): a
         rank-wide vote (stopping on SIGTERM) rides on those steps without adding coupling."""

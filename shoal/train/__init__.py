@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import json
+import os
 import signal
 import sys
 import time
@@ -16,6 +17,7 @@ import torch
 from shoal.config import TrainConfig
 from shoal.core.comm import init_comm
 from shoal.core.env import Environment, default_threads, detect_environment, resolve_device
+from shoal.core.failures import exit_status, record_failure
 from shoal.core.files import read_json
 from shoal.core.limits import check_processes
 from shoal.core.processes import Lost, spawn, stop_on_sigterm, stop_requested
@@ -104,9 +106,7 @@ def _run_with_restarts(cfg: TrainConfig, world: int, servers: int = 0,
         started = time.monotonic()
         try:
             if servers:
-                # A worker killed mid-run is lost, not fatal: the others go on.
-                results = spawn(world + servers, _async_rank, (attempt_cfg, data),
-                                tolerate=lambda rank: rank >= servers)
+                results = _spawn_async(attempt_cfg, world, servers, data)
             else:
                 results = spawn(world, run_worker, (attempt_cfg, data))
             return restarts, results
@@ -221,6 +221,23 @@ def check_machine(cfg: TrainConfig, world: int, servers: int, data: Dataset | No
     check_processes(what, world + servers, loaders, threads)
 
 
+def _spawn_async(cfg: TrainConfig, workers: int, servers: int,
+                 data: Dataset | None) -> list[Any]:
+    """Spawn an asynchronous job: ``servers`` parameter servers, then ``workers`` workers.
+    A worker killed mid-run is lost, not fatal: the others go on. A failure names the
+    process by its role (``server 1 (rank 1): process killed by signal 9``): a server's
+    death ends the job, and its workers' broken exchanges are only its echo."""
+    try:
+        return spawn(workers + servers, _async_rank, (cfg, data),
+                     tolerate=lambda rank: rank >= servers)
+    except WorkerError as exc:
+        rank = exc.rank
+        role = f"server {rank}" if rank < servers else f"worker {rank - servers}"
+        message = exc.message if exc.exit_code is None else f"process {exit_status(exc.exit_code)}"
+        raise WorkerError(rank, message, exc.traceback, exc.user_error, exc.exit_code,
+                          who=f"{role} (rank {rank})") from None
+
+
 def _async_rank(cfg: TrainConfig, data: Dataset | None = None) -> dict[str, Any] | None:
     """A spawned rank of an asynchronous job (server or worker, by rank); ``data``: a
     dataset given in Python, else loaded by name."""
@@ -229,6 +246,15 @@ def _async_rank(cfg: TrainConfig, data: Dataset | None = None) -> dict[str, Any]
     previous = stop_on_sigterm()
     try:
         return run_async_rank(cfg, env, data)
+    except Exception as exc:
+        if env.error_dir is None:
+            raise
+        # Reported, then gone at once: tearing down the Gloo pairs of a failed rank can
+        # block on a peer that is failing too, which would hold the job's end for seconds.
+        record_failure(env.error_dir, env.rank, exc)
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(1)
     finally:
         if previous is not None:
             signal.signal(signal.SIGTERM, previous)

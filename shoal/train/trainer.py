@@ -168,7 +168,7 @@ class Trainer:
         elif start is not None and cfg.init_progress:
             self._go_on_from(start)
         # SIGTERM stops every rank after the same step, voted at the strategy's meeting points.
-        self.stop_vote = StopVote(comm, self.strategy.meets_after)
+        self.stop_vote = StopVote(self.strategy.stop_peers, self.strategy.meets_after)
         self.stop_reason: str | None = None  # "SIGTERM" once the ranks agreed to stop
         self.saved_at = -1  # the step of the last checkpoint this invocation wrote
 
@@ -329,12 +329,14 @@ class Trainer:
         self._check_finite("checkpoint not written, the last good one is kept")
         with self.tl.span(CHECKPOINT):
             run = self.state.state_dict()
+            # A detached worker's position is its own (after SIGTERM each stops at its step).
+            position = {"progress": run["progress"], "scheduler": self.scheduler.state_dict()} \
+                if self.detached else {}
             own = self._with_strategy({**run["rank"], **self.recorder.state_dict(),
-                                       "precision": self.amp.state_dict()},
+                                       "precision": self.amp.state_dict(), **position},
                                       self.strategy.checkpoint_own(), "checkpoint_own")
             if self.detached:  # the coordinator writes the file once every worker sent its part
-                self._report("checkpoint", progress=run["progress"], own=to_cpu(own),
-                             scheduler=self.scheduler.state_dict())
+                self._report("checkpoint", own=to_cpu(own))
                 self.saved_at = self.state.step
                 return
             ranks = self.comm.gather_objects(to_cpu(own))
@@ -374,8 +376,10 @@ class Trainer:
         # takes the first rank's scaler.
         mine = own if own is not None else next((r for r in ranks if r), None)
         self.amp.load_state_dict(mine.get("precision") if mine else None)
-        self.scheduler.load_state_dict(payload["scheduler"])
-        self.state.load_state_dict({"progress": payload["progress"], "rank": own})
+        # A detached worker's position is its own (an older checkpoint's: the shared one).
+        position = own if self.detached and own is not None and "progress" in own else payload
+        self.scheduler.load_state_dict(position["scheduler"])
+        self.state.load_state_dict({"progress": position["progress"], "rank": own})
         self.recorder.load_state_dict(own)
 
     def _read_on_main(self, read: Callable[[], dict[str, Any]]) -> dict[str, Any]:

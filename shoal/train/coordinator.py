@@ -1,0 +1,369 @@
+"""Server 0's records of an asynchronous run: the :class:`Coordinator`.
+
+Workers never talk to each other, so server 0 keeps ``--out`` from what they report: their
+sums at each epoch's end, their state at each checkpoint, their totals at the end.
+
+- An epoch's record is written once every live worker has reported that epoch.
+- A checkpoint is written once every live worker has sent its state for the same step
+  (``--checkpoint-every``, epoch ends, ``--stop-at-step``), and once more at the end when the
+  workers' last states are of different steps: after SIGTERM each worker stops at its own
+  step. Each worker's position (epoch, step, schedule) is in its own part of the file, so a
+  resumed worker goes on from exactly where it stopped. The file's ``"progress"`` is the
+  slowest live worker's: the step the stop line and ``summary.json`` name, whose epochs are
+  the ones recorded. The coordinator's own part (``"coordinator"``) holds its count of
+  epochs recorded and the epoch reports of workers that had run ahead, so that after
+  ``--resume`` no epoch record is lost or written twice.
+- A worker killed mid-run (its pairs break) is lost: the others go on without it. A worker
+  that fails with an error says so first (a ``failed`` report): the job ends, and the
+  coordinator ends as the echo of that failure, without taking it for a lost worker.
+"""
+
+from __future__ import annotations
+
+import math
+import queue
+import time
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from shoal.config import TrainConfig
+from shoal.core.comm import Comm
+from shoal.core.env import Environment
+from shoal.core.flat import FlatParams
+from shoal.core.timeline import Timeline
+from shoal.data import Dataset, EpochPlan
+from shoal.errors import JobError, ShoalError
+from shoal.models import count_parameters
+from shoal.ps import ServerClient, ShardServer, keepalive, staleness_summary
+from shoal.train.checkpoint import EVAL_MODEL, save_checkpoint, to_cpu
+from shoal.train.recorder import Recorder
+from shoal.train.records import write_json, write_trace
+from shoal.train.state import RunState
+
+
+class WorkerFailed(ShoalError):
+    """A worker failed with an error (its own line is the job's): the coordinator ends."""
+
+    #: The echo of the worker's failure, never reported as the cause.
+    echo = True
+
+
+class Coordinator:
+    """Server 0's records of an asynchronous run, from its workers' reports."""
+
+    def __init__(self, cfg: TrainConfig, data: Dataset, model: torch.nn.Module,
+                 flat: FlatParams, store: Any, ranges: list[tuple[int, int]], workers: int,
+                 payload: dict[str, Any] | None, start: dict[str, Any] | None = None) -> None:
+        """``payload``: the checkpoint a resumed run goes on with; ``start``: the one
+        ``--init-from --init-progress`` goes on from (its position only)."""
+        self.cfg, self.data, self.model, self.flat = cfg, data, model, flat
+        self.ranges, self.workers = ranges, workers
+        self.servers = len(ranges)
+        self.plan = EpochPlan(len(data.train), cfg.global_batch(workers), workers, cfg.seed)
+        # The records are the Recorder's, as in a synchronous run: its comm has no peers,
+        # its timeline's totals are the workers' summed and its bytes theirs.
+        self.comm = Comm(Environment(0, workers), torch.device("cpu"), Timeline())
+        self.recorder = Recorder(cfg, self.comm, self.plan)
+        self.state = RunState(self.comm, torch.Generator(), lr=cfg.base_lr(workers))
+        self.reports: queue.Queue[tuple[int, Any]] = queue.Queue()
+        self.client = (ServerClient(store, workers, ranges[1:], timeout=cfg.timeout,
+                                    servers=list(range(1, self.servers)),
+                                    keepalive=keepalive(cfg.timeout))
+                       if self.servers > 1 else None)
+        self.live = set(range(workers))
+        self.latest: dict[int, dict[str, Any]] = {}  # each worker's last report
+        self.epochs: dict[int, dict[int, dict[str, Any]]] = {}  # epochs not yet recorded
+        self.checkpoints: dict[int, dict[int, dict[str, Any]]] = {}  # step -> reports
+        self.last: dict[int, dict[str, Any]] = {}  # each worker's last checkpoint report
+        self.saved: dict[int, int] = {}  # the step of each worker's state in the file
+        self.own: dict[int, Any] = {}  # each worker's state in the file
+        self.finals: dict[int, dict[str, Any]] = {}
+        self.lost: dict[int, dict[str, Any]] = {}
+        self.test = (float("nan"), float("nan"))
+        self.saved_step = -1
+        self.started_unix = time.time()
+        self.progress: dict[str, Any] | None = None
+        if payload is not None:
+            self._resume(payload)
+        elif start is not None:
+            self._go_on_from(start)
+
+    def _resume(self, payload: dict[str, Any]) -> None:
+        """Go on where the checkpoint ``payload`` left the records: the epochs recorded,
+        the reports of epochs still to record, each worker's state."""
+        self.own = dict(enumerate(payload["ranks"]))
+        self.saved_step = int(payload["progress"]["step"])
+        saved = payload.get("coordinator")
+        if saved is None:  # an older checkpoint: every worker at its step
+            self._go_on_from(payload)
+            return
+        epoch = int(saved["epoch"])
+        self.progress = {"epoch": epoch, "epoch_step": 0,
+                         "step": epoch * self.plan.steps_per_epoch, "samples": saved["samples"],
+                         "train_time_s": saved["train_time_s"],
+                         "wall_time_s": saved["wall_time_s"], "lr": saved["lr"]}
+        self.epochs = {int(e): {int(w): r for w, r in reports.items()}
+                       for e, reports in saved["pending"].items()}
+
+    def _go_on_from(self, source: dict[str, Any]) -> None:
+        """The position of a checkpoint of every worker at one step (``--init-progress``):
+        a mid-epoch checkpoint's samples of that epoch come back in the workers' epoch sums
+        (which carry them), so the position counts them once."""
+        carried = sum(int(r["epoch_sums"][2]) for r in source["ranks"] if r is not None)
+        self.progress = {**source["progress"],
+                         "samples": source["progress"]["samples"] - carried}
+        self.saved_step = self.progress["step"]
+
+    def on_report(self, client: int, obj: Any) -> None:
+        """A worker's report (called on its serving thread): queued for :meth:`run`."""
+        self.reports.put((client, obj))
+
+    # -- the run --------------------------------------------------------------------------
+    def run(self, shard: ShardServer) -> dict[str, Any]:
+        """Record the run until every worker has finished or been lost; the summary."""
+        st, rec = self.state, self.recorder
+        self.shard = shard
+        if self.progress is not None:
+            st.load_state_dict({"progress": self.progress, "rank": None})
+        st.start()
+        rec.begin(st, self.data.describe())
+        rec.start_epoch(st)
+        while self.live - self.finals.keys():
+            # The losses seen before the reports are read: a worker's last report (a
+            # failure, its final totals) reaches the queue before its pairs break.
+            lost = dict(shard.lost)
+            for client, obj in self._next_reports():
+                self._take(client, obj)
+            self._note_lost(lost)
+        rec.end_steps()
+        return self._finish(shard)
+
+    def _next_reports(self) -> list[tuple[int, Any]]:
+        """The reports queued now (waiting up to 0.2 s for the first)."""
+        try:
+            found = [self.reports.get(timeout=0.2)]
+        except queue.Empty:
+            return []
+        while True:
+            try:
+                found.append(self.reports.get_nowait())
+            except queue.Empty:
+                return found
+
+    def _take(self, worker: int, report: dict[str, Any]) -> None:
+        kind = report["kind"]
+        if kind == "failed":
+            raise WorkerFailed(f"worker {worker} failed ({report['error']}); the job ends")
+        self.latest[worker] = report
+        if kind == "epoch" and report["epoch"] > self.state.epoch:  # else recorded already
+            self.epochs.setdefault(report["epoch"], {})[worker] = report
+        elif kind == "checkpoint":
+            step = report["step"]
+            self.last[worker] = report
+            self.checkpoints.setdefault(step, {})[worker] = report
+            for earlier in [s for s, r in self.checkpoints.items() if s < step and worker not in r]:
+                del self.checkpoints[earlier]  # it never will send that step's: never complete
+        elif kind == "final":
+            self.finals[worker] = report
+        self._progress()
+
+    def _note_lost(self, lost: dict[int, dict[str, Any]]) -> None:
+        """Workers whose pairs broke (killed, or silent past --timeout) leave the live set."""
+        for worker, info in lost.items():
+            if worker < self.workers and worker in self.live and worker not in self.finals:
+                self.live.discard(worker)
+                self.lost[worker] = self._loss_record(worker, info)
+                print(f"shoal: lost worker {worker} at step {self.lost[worker]['step']} "
+                      f"({info.get('error', 'connection lost')}); the others go on",
+                      flush=True)
+                self._progress()
+
+    def _loss_record(self, worker: int, info: dict[str, Any]) -> dict[str, Any]:
+        step = max(int(info.get("step", 0)), int(self.latest.get(worker, {}).get("step", 0)))
+        trained = self._rows(worker, step)
+        total = self._rows(worker, self.plan.steps_per_epoch * self.cfg.epochs)
+        return {"worker": worker, "rank": self.servers + worker,
+                "lost_after_s": max(0.0, float(info.get("time", time.time())) - self.started_unix),
+                "step": step, "samples_trained": trained, "samples_not_trained": total - trained,
+                "error": str(info.get("error", ""))}
+
+    def _rows(self, worker: int, steps: int) -> int:
+        """Rows of ``worker``'s shard in its first ``steps`` steps (the plan fixes them)."""
+        per_epoch = self.plan.steps_per_epoch
+        order = torch.arange(len(self.data.train))
+        sizes = [len(self.plan.local(order, s, worker)[0]) for s in range(per_epoch)]
+        full, rest = divmod(steps, per_epoch)
+        return full * sum(sizes) + sum(sizes[:rest])
+
+    def _progress(self) -> None:
+        """Write what the reports so far complete, in the order of their steps: an epoch's
+        record before a checkpoint at its last step, a checkpoint before a later epoch's
+        record (the file then says which epochs were recorded)."""
+        while self.live:
+            epoch = self.state.epoch + 1
+            ready = self.live <= self.epochs.get(epoch, {}).keys()
+            step = min((s for s, r in self.checkpoints.items() if self.live <= r.keys()),
+                       default=None)
+            if step is not None and (not ready or step < epoch * self.plan.steps_per_epoch):
+                reports = self.checkpoints.pop(step)
+                if step > self.saved_step:
+                    self._save({w: r for w, r in reports.items() if w in self.live})
+            elif ready:
+                self._epoch_record(epoch, self.epochs.pop(epoch))
+            else:
+                return
+
+    def _sum_workers(self, at: dict[int, dict[str, Any]] | None = None) -> None:
+        """The recorder's comm and timeline hold the workers' totals, summed: as of the
+        reports ``at`` (an epoch's, which may complete late, once a lost worker is noticed),
+        else each worker's latest."""
+        totals: Counter[str] = Counter()
+        sent = 0
+        at = at or {}
+        for worker in self.latest.keys() | at.keys():
+            report = at.get(worker, self.latest.get(worker))
+            totals.update(report["times"])
+            sent += int(report["bytes"])
+        tl = self.comm.timeline
+        tl.carry_over({k: v - tl.totals.get(k, 0.0) for k, v in totals.items()})
+        self.comm.bytes_sent = sent
+
+    def _epoch_record(self, epoch: int, reports: dict[int, dict[str, Any]]) -> None:
+        st, rec = self.state, self.recorder
+        sums = torch.tensor([r["sums"] for r in reports.values()], dtype=torch.float64).sum(0)
+        rec.add(sums[0], sums[1], int(sums[2]))
+        self._sum_workers(reports)
+        st.step = max(r["step"] for r in reports.values())
+        st.samples += int(sums[2])
+        st.lr = reports[min(reports)]["lr"]
+        st.train_time_s = st.elapsed_s()
+        st.epoch_step = self.plan.steps_per_epoch
+        rec.step(st, int(sums[2]))
+        rec.end_steps()
+        st.epoch_done()
+        tested = st.epoch % self.cfg.eval_every == 0 or st.epoch == self.cfg.epochs
+        if tested:
+            started = time.perf_counter()
+            self.test = self.evaluate(reports)
+            rec.eval_s += time.perf_counter() - started
+        rec.epoch(st, self.test if tested else (float("nan"), float("nan")))
+        if st.epoch < self.cfg.epochs:
+            rec.start_epoch(st)
+
+    # -- the center -----------------------------------------------------------------------
+    def center(self) -> torch.Tensor:
+        """The whole flat center: this server's shard and the others' (pulled)."""
+        full = torch.empty(self.ranges[-1][1], dtype=torch.float32)
+        lo, hi = self.ranges[0]
+        full[lo:hi] = self.shard.snapshot()[: hi - lo]
+        if self.client is not None:
+            self.client.pull(full)
+        return full
+
+    @torch.no_grad()
+    def evaluate(self, reports: dict[int, dict[str, Any]] | None = None) -> tuple[float, float]:
+        """Test loss and accuracy of the center (buffers: the reporting workers' mean)."""
+        self.flat.unpack(self.center().to(self.flat.tensors[0].dtype))
+        buffers = [r["buffers"] for r in (reports or {}).values() if r.get("buffers")]
+        for name, buf in self.model.named_buffers():
+            values = [b[name] for b in buffers if name in b]
+            if values:
+                buf.copy_(torch.stack(values).float().mean(0) if buf.is_floating_point()
+                          else values[0])
+        model = self.model
+        model.eval()
+        test = self.data.test
+        loss_sum = correct = 0.0
+        batch = max(256, 2 * self.cfg.batch_size)
+        for start in range(0, len(test), batch):
+            x, y = test.get_batch(torch.arange(start, min(start + batch, len(test))))
+            out = model(x)
+            loss_sum += float(F.cross_entropy(out, y, reduction="sum"))
+            correct += float((out.argmax(1) == y).sum())
+        model.train()
+        return loss_sum / len(test), correct / len(test)
+
+    # -- checkpoints ----------------------------------------------------------------------
+    def _save(self, reports: dict[int, dict[str, Any]]) -> None:
+        """Write ``checkpoint.pt`` with each reporting worker's state (the others': their
+        last), the centers and the records' position; the slowest worker's is the file's."""
+        slowest = min(reports.values(), key=lambda r: (r["step"], r["worker"]))
+        for w, r in reports.items():
+            self.own[w], self.saved[w] = r["own"], r["step"]
+        full = self.center()
+        self.flat.unpack(full.to(self.flat.tensors[0].dtype))
+        servers = [self.shard.state()]
+        if self.client is not None:
+            servers += [self.client.fetch_state(s) for s in range(1, self.servers)]
+        center = to_cpu(self.model.state_dict())  # the evaluation model, saved once
+        st = self.state
+        # The epoch reports each worker sent before its state: the epochs to record next.
+        pending = {e: {w: r for w, r in got.items() if w in reports
+                       and r["step"] <= reports[w]["step"]} for e, got in self.epochs.items()}
+        payload = {
+            "config": self.cfg.to_dict(), "global_batch": self.plan.global_batch,
+            "world_size": self.workers, "progress": slowest["own"]["progress"],
+            "scheduler": slowest["own"]["scheduler"],
+            "ranks": [self.own.get(w) for w in range(self.workers)],
+            "model": center, EVAL_MODEL: center, "servers": to_cpu(servers),
+            "coordinator": {"epoch": st.epoch, "samples": st.samples,
+                            "train_time_s": st.train_time_s, "wall_time_s": st.elapsed_s(),
+                            "lr": st.lr, "pending": {e: got for e, got in pending.items() if got}},
+        }
+        save_checkpoint(self.cfg.checkpoint_path, payload)
+        self.saved_step = slowest["step"]
+
+    # -- the end --------------------------------------------------------------------------
+    def _finish(self, shard: ShardServer) -> dict[str, Any]:
+        st, rec = self.state, self.recorder
+        if not self.finals:
+            raise JobError("every worker was lost: "
+                           + "; ".join(f"worker {w}: {r['error'] or 'connection lost'}"
+                                       for w, r in sorted(self.lost.items())))
+        finals = self.finals
+        last = {w: self.last[w] for w in finals if w in self.last}
+        if any(self.saved.get(w) != r["step"] for w, r in last.items()):
+            self._save(last)  # stopped (SIGTERM) at different steps: their last states
+        self._sum_workers()
+        st.step = min(r["step"] for r in finals.values())  # the checkpoint's, as the file says
+        stopped = any(r["stopped"] for r in finals.values())
+        reason = next((r["stopped_by"] for r in finals.values() if r["stopped_by"]), None)
+        st.train_time_s = st.elapsed_s()
+        if math.isnan(self.test[1]) and not stopped:
+            self.test = self.evaluate(None)
+        summary = rec.finish(st, stopped, reason, self.test, count_parameters(self.model))
+        assert summary is not None
+        if self.cfg.trace:
+            self._write_trace(finals)
+        summary.update(self._extras(shard))
+        write_json(Path(self.cfg.out) / "summary.json", summary)
+        if self.client is not None:
+            self.client.close()
+        return summary
+
+    def _extras(self, shard: ShardServer) -> dict[str, Any]:
+        """What an asynchronous run's summary adds: servers, staleness (every shard's),
+        lost workers."""
+        hists = [dict(shard.staleness)]
+        if self.client is not None:
+            hists += [self.client.fetch_state(s)["staleness"] for s in range(1, self.servers)]
+        finals = self.finals.values()
+        return {
+            "device": ", ".join(sorted({str(r.get("device", "cpu")) for r in finals})),
+            "servers": self.servers,
+            "staleness": staleness_summary(hists),
+            "lost_workers": [self.lost[w] for w in sorted(self.lost)],
+            "degraded": bool(self.lost),
+        }
+
+    def _write_trace(self, finals: dict[int, dict[str, Any]]) -> None:
+        from shoal.core.timeline import chrome_trace
+
+        lanes = [r["trace"] for _, r in sorted(finals.items()) if r.get("trace")]
+        write_trace(Path(self.cfg.out) / "trace.json", chrome_trace(lanes, {
+            "model": self.cfg.model, "strategy": self.cfg.strategy,
+            "workers": self.workers, "steps": self.state.step}))
