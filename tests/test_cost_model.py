@@ -5,6 +5,7 @@ and monotonicity (more bandwidth is never slower)."""
 from __future__ import annotations
 
 import json
+import math
 
 import pytest
 
@@ -12,11 +13,14 @@ from shoal.cli import main
 from shoal.errors import ShoalError
 from shoal.plan.cost import (
     Calibration,
+    Link,
+    Machine,
     Network,
     broadcast_s,
     exchange_s,
     ring_allreduce_s,
     server_cycle_s,
+    slowest,
 )
 from shoal.plan.simulate import (
     SC17_EFFICIENCY,
@@ -108,11 +112,70 @@ def test_groups_by_hand():
     assert p.step_s == pytest.approx(compute + inside + 16e-3 + 20e-6)
 
 
-def test_shared_cores_slow_compute():
-    p = predict(Workload.of("sync"), 4, 32, PARAMS, CAL, Network(), shared_cores=2)
-    assert p.compute_s == pytest.approx(2 * 32 * 1e-4)
-    assert predict(Workload.of("sync"), 2, 32, PARAMS, CAL, Network(),
-                   shared_cores=2).compute_s == pytest.approx(32 * 1e-4)
+def test_a_token_bucket_passes_its_burst_at_the_endpoints_speed():
+    """tbf's bucket (the emulated cluster's links): after an idle long enough to refill it,
+    a message's first ``burst`` bytes cost only the endpoints' time; a shorter idle refills
+    only what the link's rate brings in meanwhile."""
+    link = Link(alpha=0.0, beta=1 / 125e6 + 1e-9, burst=250e3, host_beta=1e-9)
+    assert link.wire_s(1e6) == pytest.approx(750e3 / 125e6)  # 6 ms: what the bucket does not hold
+    assert link.wire_s(200e3) == 0.0
+    assert link.wire_s(1e6, idle_s=1e-3) == pytest.approx((1e6 - 125e3) / 125e6)
+    # sync on 2 nodes computing 3.2 ms: the bucket refills 400 kB worth, so holds its 250 kB
+    tbf = Network(125e6, 0.0, host_cost=True, burst_bytes=250e3)
+    cal = Calibration(1e-4, 1, alpha_host_s=0.0, host_bytes_per_s=1e9, cores=2)
+    step = predict(Workload.of("sync"), 2, 32, PARAMS, cal, tbf).step_s
+    assert step == pytest.approx(32e-4 + 1e6 * 1e-9 + 750e3 / 125e6)
+    assert step < predict(Workload.of("sync"), 2, 32, PARAMS, cal, Network(125e6, 0.0, True)).step_s
+
+
+def test_workers_that_share_cores_queue_for_them():
+    """On one machine of 2 cores, 4 synchronous workers compute on half a core each (and
+    ``contention`` slower side by side); asynchronous ones drift apart, so the cores bound
+    them only by all the work they hold, the server's included."""
+    local = Network()
+    cal = Calibration(1e-4, 1, alpha_host_s=0.0, host_bytes_per_s=1e12, cores=2)
+    machine = Machine(cores=2, contention=0.25, noise=0.0, server_work=0.0)
+    sync = predict(Workload.of("sync"), 4, 32, PARAMS, cal, local, machine)
+    assert sync.compute_s == pytest.approx(2 * 1.25 * 32e-4)
+    assert sync.step_s == pytest.approx(2 * 1.25 * 32e-4, rel=1e-3)
+    alone = predict(Workload.of("sync"), 1, 32, PARAMS, cal, local, machine)
+    assert alone.step_s == pytest.approx(32e-4, rel=1e-3)  # one process: no contention
+    asynchronous = predict(Workload.of("async-sgd"), 4, 32, PARAMS, cal, local, machine)
+    assert asynchronous.step_s == pytest.approx(4 * 1.25 * 32e-4 / 2, rel=1e-2)
+
+
+def test_synchronous_workers_wait_for_the_slowest():
+    """A step's compute that varies (``noise``: its standard deviation over its mean) makes
+    workers that meet wait for the slowest: ``slowest(p)`` standard deviations of a round
+    (sqrt(tau) steps' worth); a hidden exchange has the round's other steps to absorb it,
+    and asynchronous workers never wait."""
+    assert slowest(1) == 0.0 and slowest(2) == pytest.approx(1 / math.sqrt(math.pi), rel=1e-4)
+    assert slowest(4) == pytest.approx(1.0294, rel=1e-3) and slowest(256) > slowest(64)
+    cal = Calibration(1e-4, 1, alpha_host_s=0.0, host_bytes_per_s=1e12, cores=2)
+    noisy = Machine(cores=8, contention=0.0, noise=0.5, server_work=0.0)
+    c = 32e-4
+    sync = predict(Workload.of("sync"), 4, 32, PARAMS, cal, Network(), noisy)
+    assert sync.step_s == pytest.approx(c + slowest(4) * 0.5 * c, rel=1e-3)
+    local = predict(Workload.of("local-sgd", tau=4), 4, 32, PARAMS, cal, Network(), noisy)
+    assert local.step_s == pytest.approx(c + slowest(4) * 0.5 * c * 2 / 4, rel=1e-3)
+    easgd = predict(Workload.of("easgd", tau=4), 4, 32, PARAMS, cal, Network(), noisy)
+    assert easgd.step_s == pytest.approx(c, rel=1e-3)
+    assert predict(Workload.of("async-sgd"), 4, 32, PARAMS, cal, Network(),
+                   noisy).step_s < sync.step_s
+
+
+def test_a_server_works_on_every_exchange():
+    """A server's rule costs ``server_work`` endpoint per-byte times per byte of its shard:
+    on each exchange's path, and in its queue of every pusher's exchanges."""
+    cal = Calibration(1e-4, 1, alpha_host_s=0.0, host_bytes_per_s=1e9, cores=2)
+    busy = Machine(cores=None, server_work=10.0)
+    free = Machine(cores=None, server_work=0.0)
+    one, more = (predict(Workload.of("async-sgd"), 1, 32, PARAMS, cal, Network(), m)
+                 for m in (free, busy))
+    assert more.step_s - one.step_s == pytest.approx(10.0 * 1e6 * 1e-9)
+    crowded = predict(Workload.of("async-sgd"), 64, 32, PARAMS, cal, Network(), busy)
+    assert crowded.step_s == pytest.approx(64 * 1e6 * (1e-9 + 10.0 * 1e-9))
+    assert crowded.bound == "server"
 
 
 def test_host_cost_adds_the_calibrated_endpoint():

@@ -11,6 +11,7 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
+from shoal.errors import ShoalError
 from shoal.plan.cost import Calibration
 
 #: Seconds the calibration's two processes wait for each other at most.
@@ -44,9 +45,10 @@ def measure_compute(model: Any, input_shape: Sequence[int], num_classes: int, ba
     return statistics.median(times) / batch
 
 
-def _all_reduce_times(sizes: list[int], reps: int) -> list[float]:
-    """One of :func:`measure_collectives`'s two ranks: the median time of a Gloo all-reduce
-    of each of ``sizes`` bytes, over ``reps`` timed ones after a barrier each."""
+def all_reduce_times(sizes: list[int], reps: int) -> list[float]:
+    """The median time of a Gloo all-reduce of each of ``sizes`` bytes, over ``reps`` timed
+    ones after a barrier each, among the processes of the job this one belongs to (started
+    by :func:`measure_collectives`, or by torchrun across an emulated cluster)."""
     import torch
     import torch.distributed as dist
 
@@ -54,7 +56,8 @@ def _all_reduce_times(sizes: list[int], reps: int) -> list[float]:
     from shoal.core.group import job_store, join_group
 
     env = detect_environment()
-    assert env is not None  # spawn hands it over
+    if env is None:
+        raise ShoalError("timing an all-reduce needs a job: run it under spawn or torchrun")
     torch.set_num_threads(1)
     join_group(job_store(env, TIMEOUT_S), env.rank, env.world_size, "cpu", TIMEOUT_S,
                where="the calibration's all-reduce")
@@ -79,12 +82,26 @@ def _all_reduce_times(sizes: list[int], reps: int) -> list[float]:
 def measure_collectives(nbytes: int, reps: int = 20) -> tuple[float, float]:
     """``(alpha, bytes per second)`` between two local processes, from the median time of a
     Gloo all-reduce of 4 bytes (``2 alpha``, the ring's two messages for ``p = 2``) and of
-    ``nbytes`` (``2 alpha + nbytes / bandwidth``)."""
+    :func:`collective_bytes` (``2 alpha + nbytes / bandwidth``)."""
     from shoal.core.processes import spawn
 
-    nbytes = max(int(nbytes), 1 << 20)
-    small, large = spawn(2, _all_reduce_times, ([4, nbytes], reps))[0]
-    return small / 2, nbytes / max(large - small, 1e-9)
+    nbytes = collective_bytes(nbytes)
+    return collectives_cost(nbytes, *spawn(2, all_reduce_times, ([4, nbytes], reps))[0])
+
+
+def collective_bytes(nbytes: int) -> int:
+    """The larger message :func:`measure_collectives` times: ``nbytes``, at least 8 MB
+    (milliseconds, so that the bytes' time stands well above the latency's noise)."""
+    return max(int(nbytes), 8 << 20)
+
+
+def collectives_cost(nbytes: int, small: float, large: float) -> tuple[float, float]:
+    """``(alpha, bytes per second)`` from the times of a 2-process all-reduce of 4 bytes
+    (``small``) and of ``nbytes`` (``large``)."""
+    if large <= small:
+        raise ShoalError(f"calibration: an all-reduce of {nbytes:,} bytes took no longer than "
+                         "one of 4 bytes; the machine is too busy to time it (try again)")
+    return small / 2, nbytes / (large - small)
 
 
 def calibrate(cfg: Any, threads: int | None = None) -> tuple[Calibration, int]:

@@ -21,11 +21,21 @@ way). A worker's step is its compute ``c`` plus what its pattern
 - compute groups (:attr:`~Exchange.GROUP_SERVER`, ``g`` groups of ``s = p / g``): a ring
   all-reduce inside the group, the leader's push and pull (``g`` pushers), and the group's
   broadcast of the parameters, ``B(s) = n beta + ceil(log2 s) alpha``.
+
+A server's own work on an exchange (applying its rule) is ``server_work * beta_host`` per
+byte of its shard, on the exchange's path and in the servers' queue. Three things of the
+machines (:class:`Machine`, :class:`Link`) matter when nodes share one machine, as the
+emulated cluster's do: processes on shared cores (synchronous workers compute together on
+their share of the cores; asynchronous ones drift apart, so the cores hold them back only
+when all their work does not fit), the ``contention`` of processes computing side by side,
+and a link's token bucket (``tbf``'s ``burst``: a link idle long enough passes that many
+bytes at once).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 import os
 from dataclasses import dataclass, field
@@ -56,6 +66,21 @@ def exchange_s(nbytes: float, beta: float, alpha: float) -> float:
     """One worker's push and pull of the flat vector with nobody else in the way:
     ``2 alpha + 2 nbytes beta`` (its own link carries all of it, however many shards)."""
     return 2 * alpha + 2 * nbytes * beta
+
+
+@functools.lru_cache(maxsize=256)
+def slowest(p: int) -> float:
+    """The expected largest of ``p`` standard normal draws (0 for one, 0.56 for two, 1.03
+    for four): how far, in standard deviations, the slowest of ``p`` workers is behind the
+    mean when they meet."""
+    if p <= 1:
+        return 0.0
+    step, total = 0.01, 0.0
+    for i in range(-800, 801):
+        x = i * step
+        density = math.exp(-x * x / 2) / math.sqrt(2 * math.pi)
+        total += x * p * density * (0.5 * (1 + math.erf(x / math.sqrt(2)))) ** (p - 1) * step
+    return total
 
 
 def server_cycle_s(pushers: int, nbytes: float, beta: float, servers: int) -> float:
@@ -100,10 +125,23 @@ class Calibration:
 
 @dataclass(frozen=True)
 class Link:
-    """What a message costs: ``alpha`` seconds, plus ``beta`` seconds per byte."""
+    """What a message costs: ``alpha`` seconds, plus ``beta`` seconds per byte, of which
+    ``host_beta`` is the endpoints' own (their software, on their cores). A link with a token
+    bucket of ``burst`` bytes (the emulated cluster's ``tbf``), idle long enough to refill it,
+    passes that many bytes of a message at the endpoints' speed."""
 
     alpha: float
     beta: float
+    burst: float = 0.0
+    host_beta: float = 0.0
+
+    def wire_s(self, nbytes: float, idle_s: float = math.inf) -> float:
+        """The link's own time (beyond the endpoints') for ``nbytes`` one node sends in one
+        exchange after ``idle_s`` seconds without sending: what its bucket, refilled at the
+        link's rate meanwhile, does not hold."""
+        per_byte = self.beta - self.host_beta
+        held = min(self.burst, idle_s / per_byte) if per_byte > 0 else self.burst
+        return max(0.0, nbytes - held) * per_byte
 
 
 @dataclass(frozen=True)
@@ -112,11 +150,14 @@ class Network:
     machine, whose calibrated cost is the whole cost) and ``latency_s`` per message.
     ``host_cost``: add this machine's calibrated endpoint cost (latency and per-byte time of
     Gloo between two local processes) to the link's, as when the nodes are processes of this
-    machine behind an emulated link; off, a given link is taken at its nominal values."""
+    machine behind an emulated link; off, a given link is taken at its nominal values.
+    ``burst_bytes``: the link's token bucket (:func:`shoal.emulate.burst_bytes`; a real link
+    has none)."""
 
     bytes_per_s: float | None = None
     latency_s: float = 0.0
     host_cost: bool = False
+    burst_bytes: float = 0.0
 
     @property
     def _host(self) -> bool:
@@ -132,7 +173,40 @@ class Network:
         return link + (1.0 / cal.host_bytes_per_s if self._host else 0.0)
 
     def link(self, cal: Calibration) -> Link:
-        return Link(self.alpha(cal), self.beta(cal))
+        host = 1.0 / cal.host_bytes_per_s if self._host else 0.0
+        return Link(self.alpha(cal), self.beta(cal), self.burst_bytes if self.bytes_per_s else 0.0,
+                    host)
+
+
+#: A server's own work on an exchange, per byte of its shard, in multiples of the endpoints'
+#: per-byte cost (``host_beta``): applying the rule (receiving the vector and sending the
+#: reply are the endpoints' cost already). Fitted by benchmarks/bench_model.py
+#: (docs/performance.md#cost-model); nothing on a link taken at its nominal values.
+SERVER_WORK = 3.0
+
+
+@dataclass(frozen=True)
+class Machine:
+    """What the processes run on. ``cores``: every process of the job (workers and servers)
+    shares one machine of that many cores (``None``: a machine per node, the servers' too);
+    their computing and their messages' endpoint work then queue for those cores.
+    ``contention``: how much slower a process computes while others compute beside it
+    (cores that share caches, memory bandwidth or a physical core): 0.2 is 20%.
+    ``noise``: how much a step's compute varies, its standard deviation over its mean
+    (preemptions, other jobs): workers that meet wait for the slowest of them.
+    ``server_work``: :data:`SERVER_WORK` on these machines. ``exchange_s``: what an exchange
+    with the servers takes beyond its bytes' time and the rule's (its four messages'
+    handling by the client's and the server's threads), seconds."""
+
+    cores: int | None = None
+    contention: float = 0.0
+    noise: float = 0.0
+    server_work: float = SERVER_WORK
+    exchange_s: float = 0.0
+
+
+#: Every process on a machine of its own.
+APART = Machine()
 
 
 # -- a step -----------------------------------------------------------------------------------
@@ -155,46 +229,107 @@ def pattern_of(strategy: str, options: dict[str, Any], workers: int) -> Pattern 
     return cls.communication(make_options(cls, options), workers)
 
 
-def step_cost(pattern: Pattern, nodes: int, compute_s: float, nbytes: float, link: Link) -> StepCost:
-    """A worker's average step when ``nodes`` workers, each computing ``compute_s`` a step,
-    exchange as ``pattern`` says a model of ``nbytes`` bytes over ``link``."""
+def step_cost(pattern: Pattern, nodes: int, compute_s: float, nbytes: float, link: Link,
+              machine: Machine = APART) -> StepCost:
+    """A worker's average step when ``nodes`` workers, each computing ``compute_s`` a step
+    alone, exchange as ``pattern`` says a model of ``nbytes`` bytes over ``link``, on
+    ``machine``."""
     n = nbytes * pattern.size
+    c = compute_s * (1 + machine.contention if machine.cores and nodes > 1 else 1.0)
+    share = max(1.0, nodes / machine.cores) if machine.cores else 1.0
     if pattern.exchange is Exchange.ALL_REDUCE:
-        step, sent, bound = _all_reduce(pattern, nodes, compute_s, n, link)
-    elif pattern.exchange is Exchange.SERVER:
-        step, sent, bound = _through_servers(pattern, nodes, compute_s, n, link)
+        step, sent, bound = _all_reduce(pattern, nodes, c * share, n, link, share,
+                                        machine.noise)
     else:
-        step, sent, bound = _groups(pattern, nodes, compute_s, n, link)
-    if bound == "compute" and step - compute_s > compute_s:
+        work = machine.server_work * link.host_beta  # a server's seconds per byte of shard
+        if pattern.exchange is Exchange.SERVER:
+            path, busy, sent = _through_servers(pattern, c * share, n, link, work)
+            path += machine.exchange_s / pattern.every
+        else:
+            path, busy, sent = _groups(pattern, nodes, c * share, n, link, work, machine.noise)
+            path += machine.exchange_s
+        # Asynchronous workers drift apart: one computes while another waits, so shared
+        # cores hold the step back only when all of their work does not fit.
+        cpu = _cpu_s(pattern, nodes, c, n, link, work) / machine.cores if machine.cores else 0.0
+        step = max(path, busy, cpu)
+        bound = "server" if busy > max(path, cpu) else "compute"
+    if bound == "compute" and step - c * share > c * share:
         bound = "network"
-    return StepCost(step, compute_s, bound, sent)
+    return StepCost(step, c * share, bound, sent)
 
 
-def _all_reduce(pattern: Pattern, p: int, c: float, n: float, link: Link
-                ) -> tuple[float, float, str]:
+def _all_reduce(pattern: Pattern, p: int, c: float, n: float, link: Link, share: float,
+                noise: float) -> tuple[float, float, str]:
+    """Synchronous workers compute together (``c``: on their share of the cores), then meet:
+    each waits for the slowest (the round's compute varies by ``noise * c * sqrt(tau)``),
+    and the ring's endpoint work waits for the cores too (``share``). A hidden exchange
+    (started when the slowest comes) has the round's other steps to finish in."""
     tau = pattern.every
-    ring = ring_allreduce_s(p, n, link.beta, link.alpha)
-    round_s = c + max((tau - 1) * c, ring) if pattern.hidden else tau * c + ring
+    wait = slowest(p) * noise * c * math.sqrt(tau)
+    if pattern.hidden:  # the link rests while the last step computes, or the round's others
+        ring = _ring(p, n, link, share, max(c, tau * c - _ring(p, n, link, share, 0.0)))
+        round_s = c + max((tau - 1) * c, wait + ring)
+    else:
+        round_s = tau * c + wait + _ring(p, n, link, share, tau * c + wait)
     sent = 2 * (p - 1) / p * n / tau
     return round_s / tau, sent, "compute"
 
 
-def _through_servers(pattern: Pattern, p: int, c: float, n: float, link: Link
-                     ) -> tuple[float, float, str]:
+def _ring(p: int, n: float, link: Link, share: float = 1.0, idle_s: float = math.inf) -> float:
+    """A ring all-reduce of ``n`` bytes over ``p`` nodes on ``link`` (idle ``idle_s`` before
+    it), its endpoints' work stretched by ``share`` (they wait for shared cores)."""
+    if p <= 1:
+        return 0.0
+    return (ring_allreduce_s(p, n, link.host_beta, link.alpha) * share
+            + link.wire_s(2 * (p - 1) / p * n, idle_s))
+
+
+def _broadcast(p: int, n: float, link: Link, idle_s: float) -> float:
+    return broadcast_s(p, n, link.host_beta, link.alpha) + (link.wire_s(n, idle_s) if p > 1
+                                                            else 0.0)
+
+
+def _exchange(n: float, link: Link, servers: int, work: float, idle_s: float) -> float:
+    """A push and a pull of ``n`` bytes (each through its own bucket, idle ``idle_s``
+    before), and the servers' ``work`` (seconds per byte) on their shards."""
+    return (exchange_s(n, link.host_beta, link.alpha) + 2 * link.wire_s(n, idle_s)
+            + work * n / servers)
+
+
+def _through_servers(pattern: Pattern, c: float, n: float, link: Link, work: float
+                     ) -> tuple[float, float, float]:
+    """A pusher's step alone, the servers' least step (every pusher's shards through a
+    server's link and its work on them, one exchange at a time) and the bytes sent."""
     tau = pattern.every
-    free = tau * c + exchange_s(n, link.beta, link.alpha)
-    busy = server_cycle_s(pattern.pushers, n, link.beta, pattern.servers)
-    return max(free, busy) / tau, n / tau, "server" if busy > free else "compute"
+    free = (tau * c + _exchange(n, link, pattern.servers, work, tau * c)) / tau
+    busy = server_cycle_s(pattern.pushers, n, link.beta + work, pattern.servers) / tau
+    return free, busy, n / tau
 
 
-def _groups(pattern: Pattern, p: int, c: float, n: float, link: Link) -> tuple[float, float, str]:
+def _groups(pattern: Pattern, p: int, c: float, n: float, link: Link, work: float,
+            noise: float) -> tuple[float, float, float]:
+    """As :func:`_through_servers`, for a group's leader: its group's all-reduce (waiting
+    for the group's slowest, as in :func:`_all_reduce`) and broadcast on its path."""
     size = math.ceil(p / pattern.groups)
-    inside = ring_allreduce_s(size, n, link.beta, link.alpha) \
-        + broadcast_s(size, n, link.beta, link.alpha)
-    free = c + inside + exchange_s(n, link.beta, link.alpha)
-    busy = server_cycle_s(pattern.pushers, n, link.beta, pattern.servers)
+    wait = slowest(size) * noise * c
+    free = c + wait + _ring(size, n, link, idle_s=c + wait) + _broadcast(size, n, link, c) \
+        + _exchange(n, link, pattern.servers, work, c)
+    busy = server_cycle_s(pattern.pushers, n, link.beta + work, pattern.servers)
     sent = 2 * (size - 1) / size * n + 2 * n / size  # the leader's push and broadcast, shared
-    return max(free, busy), sent, "server" if busy > free else "compute"
+    return free, busy, sent
+
+
+def _cpu_s(pattern: Pattern, p: int, c: float, n: float, link: Link, work: float) -> float:
+    """The cores' work of one step of every process: each worker's compute and its
+    messages' endpoint work (a group's all-reduce and broadcast, a pusher's exchange), and
+    the servers' (the exchanges' other ends, and their rule)."""
+    exchanges = pattern.pushers / pattern.every  # per step, all pushers together
+    size = math.ceil(p / pattern.groups) if pattern.exchange is Exchange.GROUP_SERVER else 1
+    inside = ring_allreduce_s(size, n, link.host_beta, link.alpha) \
+        + broadcast_s(size, n, link.host_beta, link.alpha)
+    workers = p * (c + inside) + exchanges * exchange_s(n, link.host_beta, link.alpha)
+    servers = exchanges * (exchange_s(n, link.host_beta, pattern.servers * link.alpha) + work * n)
+    return workers + servers
 
 
 def fitted_link(pattern: Pattern, nodes: int, comm_s: float) -> Link:

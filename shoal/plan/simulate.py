@@ -2,9 +2,10 @@
 clusters that cannot be run here, from the cost model (:mod:`shoal.plan.cost`) calibrated on
 this machine (:mod:`shoal.plan.calibrate`).
 
-Compute is ``c * b`` for ``b`` samples, ``c`` measured with the real model; workers that
-share a machine's cores are slowed by ``max(1, workers / cores)`` (the validation runs many
-workers on two cores). The network's ``alpha`` and ``beta`` are ``--latency`` and
+Compute is ``c * b`` for ``b`` samples, ``c`` measured with the real model; every node is
+a machine of its own (benchmarks/bench_model.py also predicts nodes that share one, the
+emulated cluster's, with :class:`~shoal.plan.cost.Machine`). The network's ``alpha`` and
+``beta`` are ``--latency`` and
 ``1 / --bandwidth`` taken at their nominal values, or with ``--host-cost`` plus this
 machine's calibrated endpoint cost (how the emulated cluster of this machine is predicted:
 its hosts are this machine's processes behind a rate-limited link); without
@@ -25,7 +26,7 @@ from typing import Any
 
 from shoal.core.files import check_output_dir, make_output_dir
 from shoal.errors import ShoalError
-from shoal.plan.cost import Calibration, Network, pattern_of, step_cost
+from shoal.plan.cost import APART, Calibration, Machine, Network, pattern_of, step_cost
 from shoal.strategies.communication import Pattern
 
 #: The SC17 paper's weak-scaling efficiency (You, Buluc & Demmel: 91.5% on 4,253 KNL cores).
@@ -168,19 +169,18 @@ class Prediction:
 
 
 def predict(w: Workload, nodes: int, batch: int, params: int, cal: Calibration, net: Network,
-            shared_cores: int | None = None) -> Prediction:
+            machine: Machine = APART) -> Prediction:
     """Predict ``w`` on ``nodes`` workers of ``batch`` samples each, for a model of
-    ``params`` float32 parameters. ``shared_cores``: the workers share one machine of that
-    many cores (each is slowed by ``max(1, nodes / cores)``); ``None``: one machine each."""
+    ``params`` float32 parameters, the processes on ``machine`` (by default a
+    machine each)."""
     if nodes < 1 or batch < 1:
         raise ShoalError(f"the model needs at least one node and one sample, got {nodes}, {batch}")
-    slow = max(1.0, nodes / shared_cores) if shared_cores else 1.0
-    c = cal.compute_s_per_sample * batch * slow
-    cost = step_cost(w.pattern(nodes), nodes, c, 4.0 * params, net.link(cal))
+    cost = step_cost(w.pattern(nodes), nodes, cal.compute_s_per_sample * batch, 4.0 * params,
+                     net.link(cal), machine)
     thr = nodes * batch / cost.step_s
     alone = 1.0 / cal.compute_s_per_sample  # one worker's samples per second, by itself
-    return Prediction(w, nodes, batch, cost.step_s, c, thr, thr / (nodes * alone), cost.bound,
-                      cost.bytes_per_step)
+    return Prediction(w, nodes, batch, cost.step_s, cost.compute_s, thr, thr / (nodes * alone),
+                      cost.bound, cost.bytes_per_step)
 
 
 # -- the command ------------------------------------------------------------------------------
