@@ -186,7 +186,8 @@ def measure(a: argparse.Namespace, base: TrainConfig, result: dict[str, Any], sa
                           flush=True)
 
 
-def main() -> int:
+def parser() -> argparse.ArgumentParser:
+    """The benchmark's flags."""
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--strategies", default=MEASURED)
     p.add_argument("--workers", default="1,2,4")
@@ -212,6 +213,11 @@ def main() -> int:
                         "bench_model.json's (a quieter hour's runs join a busier one's)")
     p.add_argument("--collectives", default=None, help=argparse.SUPPRESS)  # under torchrun
     p.add_argument("--bytes", type=int, default=8 << 20, help=argparse.SUPPRESS)
+    return p
+
+
+def main() -> int:
+    p = parser()
     a = p.parse_args()
     if a.collectives:  # a rank of emulated_collectives' job
         times = all_reduce_times([4, a.bytes], 20)

@@ -2,7 +2,7 @@
 tables.
 
 A point's value is the best of its rounds (load from other jobs only ever slows a run), the
-calibration's compute the least of its rounds' and its latency and bandwidth their medians.
+calibration's compute the median of its rounds' and its collectives the quickest round's.
 The machine's free parameters are fitted and checked by :mod:`shoal.plan.fit`: on all
 points, and on each of two folds (every other point) to predict the other fold's points,
 which they never saw.
@@ -35,16 +35,19 @@ def points(result: dict[str, Any]) -> list[dict[str, Any]]:
 
 
 def calibration(result: dict[str, Any], emulated: bool = False) -> Calibration:
-    """The rounds' calibrations: the least compute (load only slows it down), the median
-    latency and bandwidth (a timing of a few milliseconds errs both ways); ``emulated``:
+    """The rounds' calibrations: the median compute (a few steps' timing errs both ways by a
+    few percent, and a busy round's far above: the median keeps neither), and the latency
+    and bandwidth of the round whose 4-byte all-reduce was quickest (load only slows a
+    message down; a round's two timings are taken together, as the bandwidth is their
+    difference); ``emulated``:
     those of the emulated cluster's endpoints (``bench_model.emulated_collectives``)."""
     rounds = result["calibrations"]
     alpha, rate = ("emulated_alpha_s", "emulated_bytes_per_s") if emulated else \
         ("alpha_host_s", "host_bytes_per_s")
-    return Calibration(min(c["compute_s_per_sample"] for c in rounds), 1,
-                       statistics.median(c[alpha] for c in rounds),
-                       statistics.median(c[rate] for c in rounds),
-                       result["cores"], "the rounds' least compute, median collectives")
+    quietest = min((c for c in rounds if alpha in c), key=lambda c: c[alpha])
+    return Calibration(statistics.median(c["compute_s_per_sample"] for c in rounds), 1,
+                       quietest[alpha], quietest[rate], result["cores"],
+                       "the rounds' median compute, the quickest round's collectives")
 
 
 def check_model(result: dict[str, Any]) -> dict[str, Any]:

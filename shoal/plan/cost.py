@@ -178,13 +178,6 @@ class Network:
                     host)
 
 
-#: A server's own work on an exchange, per byte of its shard, in multiples of the endpoints'
-#: per-byte cost (``host_beta``): applying the rule (receiving the vector and sending the
-#: reply are the endpoints' cost already). Fitted by benchmarks/bench_model.py
-#: (docs/performance.md#cost-model); nothing on a link taken at its nominal values.
-SERVER_WORK = 3.0
-
-
 @dataclass(frozen=True)
 class Machine:
     """What the processes run on. ``cores``: every process of the job (workers and servers)
@@ -194,14 +187,17 @@ class Machine:
     (cores that share caches, memory bandwidth or a physical core): 0.2 is 20%.
     ``noise``: how much a step's compute varies, its standard deviation over its mean
     (preemptions, other jobs): workers that meet wait for the slowest of them.
-    ``server_work``: :data:`SERVER_WORK` on these machines. ``exchange_s``: what an exchange
-    with the servers takes beyond its bytes' time and the rule's (its four messages'
-    handling by the client's and the server's threads), seconds."""
+    ``server_work``: a server's own work on an exchange (applying its rule), per byte of
+    its shard, in multiples of the endpoints' per-byte cost (``host_beta``; receiving and
+    replying are theirs already). ``exchange_s``: what an exchange with the servers takes
+    beyond its bytes' time and the rule's (its four messages' handling by the client's and
+    the server's threads), seconds. benchmarks/bench_model.py fits them on the emulated
+    cluster (docs/performance.md#cost-model: server work 0, an exchange 1 ms)."""
 
     cores: int | None = None
     contention: float = 0.0
     noise: float = 0.0
-    server_work: float = SERVER_WORK
+    server_work: float = 0.0
     exchange_s: float = 0.0
 
 
