@@ -44,6 +44,7 @@ from shoal.errors import ShoalError
 from shoal.ps.admission import ORDERS, Admission, check_settings
 from shoal.schema import flag_name
 from shoal.strategies.base import Strategy
+from shoal.strategies.communication import Exchange, Pattern
 from shoal.strategies.easgd import parameter_order
 from shoal.strategies.topology import Topology
 
@@ -179,6 +180,13 @@ class AsyncStrategy(Strategy):
         order, the staleness bound, the pushers), or every worker in arrival order."""
         make = getattr(options, "admission", None)
         return make(workers) if make is not None else Admission(tuple(range(workers)))
+
+    @classmethod
+    def through_servers(cls, options: Any, workers: int, what: str, every: int = 1) -> Pattern:
+        """The pattern of a push of ``what`` and a pull of the reply every ``every`` steps,
+        by each of the pushers (:meth:`admission`'s), to ``--servers`` servers."""
+        return Pattern(Exchange.SERVER, what, every=every, servers=options.servers,
+                       pushers=len(cls.admission(options, workers).pushers))
 
     def server(self) -> Client:
         """:attr:`client`, which must exist."""

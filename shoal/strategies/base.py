@@ -33,6 +33,7 @@ from shoal.data.base import num_rows, take_rows
 from shoal.data.sharding import EpochPlan
 from shoal.errors import ShoalError
 from shoal.schema import check_bounds, check_value, field_kind, flag_name
+from shoal.strategies.communication import Pattern
 from shoal.strategies.period import AUTO_START, AdaptivePeriod, first_period, parse_period
 from shoal.strategies.topology import Topology
 
@@ -105,6 +106,13 @@ class Strategy:
         """How a job of ``workers`` workers lays out its processes: every rank a worker,
         all of them one group (the job's process group)."""
         return Topology(workers)
+
+    @classmethod
+    def communication(cls, options: Any, workers: int) -> Pattern | None:
+        """What ``workers`` workers with ``options`` exchange, how often and with whom
+        (:class:`~shoal.strategies.communication.Pattern`): what the cost model prices.
+        ``None``: no pattern to price (nothing crosses a network)."""
+        return None
 
     def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, comm: Comm,
                  options: Any = None) -> None:

@@ -42,6 +42,7 @@ from shoal.errors import ShoalError
 from shoal.schema import flag_name
 from shoal.strategies.async_msgd import MomentumRule
 from shoal.strategies.asynchronous import AsyncOptions, AsyncStrategy, check_server_sgd, one_setting
+from shoal.strategies.communication import Exchange, Pattern
 from shoal.strategies.registry import register
 from shoal.strategies.sync import Synchronous
 from shoal.strategies.topology import Topology
@@ -119,6 +120,15 @@ class ComputeGroups(AsyncStrategy):
         workers has a process group of its own (its all-reduce and broadcast), which the
         launch path joins before the strategy is built."""
         return Topology(workers, cls.servers(options), tuple(group_bounds(workers, options.groups)))
+
+    @classmethod
+    def communication(cls, options: GroupOptions, workers: int) -> Pattern:
+        """Every step, each group all-reduces its gradients, its leader pushes them and
+        pulls the parameters, and the group takes them from the leader (at most one group
+        per worker)."""
+        groups = max(1, min(options.groups, workers))
+        return Pattern(Exchange.GROUP_SERVER, "gradients, then parameters",
+                       servers=options.servers, pushers=groups, groups=groups)
 
     @property
     def stop_peers(self) -> Any:
