@@ -71,8 +71,6 @@ def host_values(text: str, flag: str) -> dict[int, str]:
         if int(host) in out:
             raise ShoalError(f"{flag} {text!r}: host {int(host)} is given twice")
         out[int(host)] = value.strip()
-        if len(out) > 200:
-            break  # Cluster refuses more hosts than that anyway
     return out
 
 
