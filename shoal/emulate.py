@@ -172,7 +172,7 @@ class Cluster:
     def __post_init__(self) -> None:
         if not 1 <= self.hosts <= 200:
             raise ShoalError(f"--hosts must be between 1 and 200, got {self.hosts}")
-        self.bits = rate_bits(self.rate)
+        rate_bits(self.rate)  # a one-line error for a bad rate, before anything is made
         for flag, given in (("--emulate-slow", self.slow), ("--link-rate", self.links)):
             bad = sorted(h for h in given if not 0 <= h < self.hosts)
             if bad:
