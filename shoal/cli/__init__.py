@@ -64,6 +64,7 @@ def _run(args: argparse.Namespace) -> None:
 def _bench(args: argparse.Namespace, argv: Sequence[str]) -> None:
     from pathlib import Path
 
+    from shoal.core.hostspec import link_rates, slow_hosts
     from shoal.sweep.config import BenchConfig
     from shoal.sweep.runner import run_bench
     from shoal.sweep.spec import parse_strategies
@@ -75,6 +76,9 @@ def _bench(args: argparse.Namespace, argv: Sequence[str]) -> None:
         steps=args.steps, warmup=args.warmup, repeats=args.repeats, dataset=args.dataset,
         synthetic_shape=tuple(args.synthetic_shape), reference=args.reference,
         emulate_bandwidth=args.emulate_bandwidth, out=Path(args.out), lr=args.lr,
+        emulate_slow=slow_hosts(args.emulate_slow) if args.emulate_slow else {},
+        emulate_link_rate=(link_rates(args.emulate_link_rate, "--emulate-link-rate")
+                           if args.emulate_link_rate else {}),
         momentum=args.momentum, schedule=args.schedule, epochs=args.epochs,
         target_accuracy=args.target_accuracy, budget=args.budget,
         run_timeout=args.run_timeout, quiet=args.quiet)

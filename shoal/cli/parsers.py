@@ -174,6 +174,11 @@ def _bench_parser(sub: Any) -> argparse.ArgumentParser:
     p.add_argument("--emulate-bandwidth", default=None, metavar="RATE",
                    help="run multi-worker points across emulated hosts (network namespaces, "
                         "needs root) joined by links of RATE, e.g. 100mbit or 1gbit")
+    p.add_argument("--emulate-slow", default=None, metavar="HOST:FRACTION[,...]",
+                   help="with --emulate-bandwidth: hold a host's processes to a fraction of one "
+                        "core (1:0.25: host 1 at a quarter of a core; a cgroup, needs root)")
+    p.add_argument("--emulate-link-rate", default=None, metavar="HOST:RATE[,...]",
+                   help="with --emulate-bandwidth: a host's own link rate (1:10mbit)")
     p.add_argument("--run-timeout", type=float, default=900.0,
                    help="seconds one training run may take before it is stopped (default 900)")
     p.add_argument("--out", default="runs/bench", help="output directory (default runs/bench)")

@@ -151,7 +151,7 @@ class Network:
     ``host_cost``: add this machine's calibrated endpoint cost (latency and per-byte time of
     Gloo between two local processes) to the link's, as when the nodes are processes of this
     machine behind an emulated link; off, a given link is taken at its nominal values.
-    ``burst_bytes``: the link's token bucket (:func:`shoal.emulate.burst_bytes`; a real link
+    ``burst_bytes``: the link's token bucket (:func:`shoal.core.hostspec.burst_bytes`; a real link
     has none)."""
 
     bytes_per_s: float | None = None

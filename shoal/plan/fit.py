@@ -23,7 +23,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from shoal.emulate import PAYLOAD, burst_bytes, rate_bits
+from shoal.core.hostspec import PAYLOAD, burst_bytes, rate_bits
 from shoal.errors import ShoalError
 from shoal.plan.cost import Calibration, Machine, Network
 from shoal.plan.simulate import Workload, parse_bandwidth, predict, workloads
