@@ -4,11 +4,11 @@ sync``, end to end: every start-up, the probe and the planning included.
 
 Each repeat runs sync, then auto, one after the other on the same workers or hosts. Locally
 both are the ``shoal train`` command a user runs (a subprocess each); on an emulated
-cluster (``--emulate-bandwidth``) each job runs under torchrun across its hosts and auto's
-steps (probe, plan, winner) are driven from here (:func:`shoal.plan.probe_and_train` with
-the cluster's launcher). Times are wall-clock from the command's start: to the target (the
-job's last records give how long it trained after reaching it) and to its end. Writes
-``bench_auto.json`` and prints a table::
+cluster (``--emulate-bandwidth``) each is that command under torchrun across its hosts, so
+auto's probe, plan and winner run on the job's own ranks (planning inside the job). Times
+are wall-clock from the command's start: to the target (the job's last records give how
+long it trained after reaching it) and to its end. Writes ``bench_auto.json`` and prints a
+table::
 
     .venv/bin/python benchmarks/bench_auto.py --task digits --repeats 3
     sudo .venv/bin/python benchmarks/bench_auto.py --task hard --emulate-bandwidth 100mbit --repeats 3
@@ -33,7 +33,6 @@ from bench_plan import TASKS
 from shoal.config import TrainConfig
 from shoal.core.files import read_records
 from shoal.emulate import terminate_as_exception
-from shoal.plan import probe_and_train
 from shoal.plan.planner import run_config
 from shoal.sweep.runner import Launcher
 
@@ -72,12 +71,13 @@ def run_pair(base: TrainConfig, launcher: Launcher, workers: int, root: Path,
     if launcher.emulate_bandwidth is None:
         sync_wall, auto_wall = local_command(sync, workers), local_command(auto, workers)
     else:
-        started = time.monotonic()
-        run_config(launcher, dataclasses.replace(sync, workers=workers), workers, f"sync-r{r}")
-        sync_wall = time.monotonic() - started
-        started = time.monotonic()
-        probe_and_train(dataclasses.replace(auto, workers=workers), launcher)
-        auto_wall = time.monotonic() - started
+        walls = []
+        for cfg in (sync, auto):
+            started = time.monotonic()
+            run_config(launcher, dataclasses.replace(cfg, workers=workers), workers,
+                       Path(cfg.out).name)
+            walls.append(time.monotonic() - started)
+        sync_wall, auto_wall = walls
     target = float(base.target_accuracy or 1.0)
     summary = json.loads((Path(auto.out) / "summary.json").read_text())
     plan = summary.get("plan", {})

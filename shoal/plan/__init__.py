@@ -21,10 +21,10 @@ from typing import Any
 
 from shoal.config import TrainConfig
 from shoal.core.env import detect_environment
-from shoal.core.files import check_output_dir, read_json
+from shoal.core.files import check_output_dir
 from shoal.data import EpochPlan, load_dataset
 from shoal.errors import ShoalError
-from shoal.plan.planner import Planner, PlanOptions, run_config, start_of
+from shoal.plan.planner import Planner, PlanOptions, start_of
 from shoal.plan.search import Plan, Trial
 from shoal.schema import parse_duration
 from shoal.sweep.runner import Launcher
@@ -100,20 +100,19 @@ def plan_and_train(cfg: TrainConfig) -> dict[str, Any] | None:
     return summary
 
 
-def probe_and_train(cfg: TrainConfig, launcher: Launcher | None = None) -> dict[str, Any] | None:
+def probe_and_train(cfg: TrainConfig) -> dict[str, Any] | None:
     """``--strategy auto --plan-budget auto``: train sync, timing its first
     :data:`PROBE_STEPS` steps (:mod:`shoal.train.probe`). Where a tenth of sync's predicted
     time pays for planning, the run stops there; the plan's trials start from its checkpoint
     with that tenth as their budget, and the winner (sync where no trial is predicted to
     reach the target) trains on from it. Otherwise the sync run goes on to its end. The
-    summary's ``plan`` says which, with the probe's numbers. ``launcher``: run the jobs
-    through it (a benchmark's emulated cluster) instead of here."""
+    summary's ``plan`` says which, with the probe's numbers."""
     PlanOptions.of(cfg)  # the planning settings, checked before anything trains
     out, launched = Path(cfg.out), time.time()
     started = cfg.plan_probe_since if cfg.plan_probe_since is not None else launched
     sync = dataclasses.replace(cfg, strategy="sync", strategy_options={}, plan_probe=PROBE_STEPS,
                                plan_probe_since=started)
-    summary = _run(sync, launcher, "probe")
+    summary = train(sync)
     if summary is None:
         return None
     verdict = read_verdict(out, since=launched)
@@ -130,7 +129,7 @@ def probe_and_train(cfg: TrainConfig, launcher: Launcher | None = None) -> dict[
     checkpoint = str(out / "checkpoint.pt")
     go_on = dataclasses.replace(cfg, init_from=checkpoint, init_progress=True,
                                 plan_budget=f"{verdict['budget_s']}s")
-    found = plan(go_on, out / PLAN_DIR, launcher, probe=verdict)
+    found = plan(go_on, out / PLAN_DIR, probe=verdict)
     print(f"shoal: planned in {found.planning_s:.0f} s ({len(found.trials)} trials): "
           f"{found.why}", file=sys.stderr, flush=True)
     best = found.trials[0] if found.winner is not None else None
@@ -142,23 +141,13 @@ def probe_and_train(cfg: TrainConfig, launcher: Launcher | None = None) -> dict[
     else:
         assert found.winner is not None
         winner, label = found.winner, best.candidate.label()
-    summary = _run(dataclasses.replace(winner, overwrite=False, progress=cfg.progress), launcher,
-                   "winner")
+    summary = train(dataclasses.replace(winner, overwrite=False, progress=cfg.progress))
     if summary is not None:
         summary["plan"] = {"skipped": False, "winner": label, "planning_s": found.planning_s,
                            "trials": len(found.trials), "budget_s": verdict["budget_s"],
                            "why": found.why, "probe": verdict}
         write_json(out / "summary.json", summary)
     return summary
-
-
-def _run(cfg: TrainConfig, launcher: Launcher | None, name: str) -> dict[str, Any] | None:
-    """Train ``cfg`` here (:func:`~shoal.train.train`), or as a job of ``launcher``'s; the
-    summary (``None`` on ranks other than 0)."""
-    if launcher is None:
-        return train(cfg)
-    run_config(launcher, cfg, default_workers(cfg), name)
-    return read_json(Path(cfg.out) / "summary.json", "summary of the finished job")
 
 
 def _train_replanning(cfg: TrainConfig, found: Plan, period: float) -> dict[str, Any] | None:

@@ -96,7 +96,7 @@ class Planner:
 
     def __init__(self, cfg: TrainConfig, options: PlanOptions, launcher: Launcher, out: Path,
                  workers: int, show: bool = True, incumbent: Trial | None = None,
-                 probe: dict[str, Any] | None = None) -> None:
+                 probe: dict[str, Any] | None = None, session: Any = None) -> None:
         self.cfg, self.options, self.launcher, self.out = cfg, options, launcher, out
         self.workers, self.show = workers, show
         data = load_dataset(cfg.dataset, data_options(cfg))
@@ -121,10 +121,11 @@ class Planner:
         self._bar: Any = None
         self.measured: list[Trial] = []  # every trial so far
         self.startups: list[float] = []  # the jobs' start-ups (and ends) measured so far
-        #: The trials in the job's own layout run one after another in one set of workers.
-        self.session = PlanningSession(launcher, dataclasses.replace(cfg, out=str(out / "trials")),
-                                       workers, (out / "trials" / "sessions").resolve(),
-                                       timeout=launcher.timeout)
+        #: The trials in the job's own layout run one after another in one set of workers
+        #: (``session``: the job's own ranks, and no launcher: nothing else runs).
+        self.session = session or PlanningSession(
+            launcher, dataclasses.replace(cfg, out=str(out / "trials")), workers,
+            (out / "trials" / "sessions").resolve(), timeout=launcher.timeout)
 
     # -- candidates and their run settings --------------------------------------------------
     def starts(self) -> tuple[list[Candidate], list[Candidate]]:
@@ -135,10 +136,12 @@ class Planner:
 
         w, threads = self.workers, self.cfg.threads_per_worker
         syncs = [Candidate("sync", (), w, threads)]
-        if w > 1 and not self.launcher.emulated(w):
+        if w > 1 and self.launcher is not None and not self.launcher.emulated(w):
             syncs.append(Candidate("sync", (), 1, default_threads(1)))
+        names = [n for n in self.options.candidates if n != "sync"
+                 and (self.launcher is not None or not _asynchronous(n))]
         families = [Candidate(name, (("groups" if name == "groups" else "tau", 1),), w, threads)
-                    for name in self.options.candidates if name != "sync"]
+                    for name in names]
         return syncs, families
 
     def config(self, c: Candidate, out: Path, **changes: Any) -> TrainConfig:

@@ -24,6 +24,7 @@ from typing import Any
 
 from shoal.config import TrainConfig
 from shoal.core.comm import Comm
+from shoal.core.env import detect_environment
 from shoal.core.timeline import Timeline, comm_fraction
 from shoal.train.records import write_json
 
@@ -67,10 +68,12 @@ class Probe:
     ``steps``-th step of this invocation; every rank calls :meth:`stops` after each step)."""
 
     def __init__(self, steps: int, total_steps: int, trial_steps: int, comm: Comm,
-                 out: Path, since: float) -> None:
+                 out: Path, since: float, in_job: bool = False) -> None:
         self.steps, self.total, self.trial_steps = steps, total_steps, trial_steps
         self.comm, self.out = comm, out
         self.since = since  # when the run's launch began (UNIX time)
+        #: The plan runs on this job's ranks (an outside launcher's job): no session to start.
+        self.in_job = in_job
         self.startup_s = 0.0  # until its first step
         self._first: int | None = None  # this invocation's first step
         self._warm: float | None = None  # when the warm-up ended
@@ -84,7 +87,10 @@ class Probe:
         trial = max(4, round(trial_epochs(cfg.epochs, steps_per_epoch, cfg.trial_epochs)
                              * steps_per_epoch))
         since = cfg.plan_probe_since if cfg.plan_probe_since is not None else time.time()
-        return cls(cfg.plan_probe, cfg.epochs * steps_per_epoch, trial, comm, Path(cfg.out), since)
+        env = detect_environment()
+        in_job = env is not None and env.launcher not in ("none", "local")
+        return cls(cfg.plan_probe, cfg.epochs * steps_per_epoch, trial, comm, Path(cfg.out), since,
+                   in_job)
 
     def stops(self, step: int) -> bool:
         """After ``step``: whether the run stops here for planning (decided once)."""
@@ -108,12 +114,13 @@ class Probe:
         budget = PLAN_SHARE * predicted
         # The cheapest trial: the walk's first period, whose steps exchange once in a period.
         trial_s = self.trial_steps * step_s * (1 - share + share / FIRST_PERIOD)
-        needed = self.startup_s + trial_s
+        needed = (0.0 if self.in_job else self.startup_s) + trial_s
         plans = step < self.total and budget >= needed
         why = (f"sync's first {self.steps} steps predict {predicted:.0f} s for the run; "
                + (f"planning for a tenth of it ({budget:.0f} s)" if plans else
-                  f"a tenth of it ({budget:.1f} s) holds no planning session's start-up and "
-                  f"first trial ({needed:.1f} s): planning skipped, sync goes on"))
+                  f"a tenth of it ({budget:.1f} s) holds no "
+                  + ("" if self.in_job else "planning session's start-up and ")
+                  + f"first trial ({needed:.1f} s): planning skipped, sync goes on"))
         verdict = Verdict(step, step_s, share, self.startup_s, predicted, budget, needed, plans,
                           why)
         write_json(self.out / PROBE_FILE, asdict(verdict))
