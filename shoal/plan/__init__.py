@@ -79,6 +79,11 @@ def plan_and_train(cfg: TrainConfig) -> dict[str, Any] | None:
     ``OUT``; its summary says what was planned and how long planning took. With
     ``--plan-budget auto`` (the default) sync's probe comes first (:func:`probe_and_train`);
     with ``--replan-every`` too, every plan's budget is a tenth of the period."""
+    env = detect_environment()
+    if env is not None:  # a rank of torchrun's, Slurm's or mpirun's job: plan on its ranks
+        from shoal.plan.injob import plan_in_job
+
+        return plan_in_job(cfg, env, PROBE_STEPS)
     period = parse_duration(cfg.replan_every, "--replan-every") if cfg.replan_every else None
     if cfg.plan_budget == "auto":
         if period is None:
