@@ -47,9 +47,9 @@ from shoal.schema import parse_duration
 from shoal.strategies import get_strategy
 from shoal.sweep.runner import Launcher
 from shoal.train.checkpoint import load_checkpoint
+from shoal.train.launch import job_topology
 from shoal.train.probe import trial_epochs
 from shoal.train.records import write_json
-from shoal.train.server import is_asynchronous
 from shoal.train.trainer import data_options
 
 #: The strategies ``shoal plan`` considers unless told otherwise.
@@ -355,8 +355,8 @@ def run_config(launcher: Launcher, cfg: TrainConfig, workers: int, name: str) ->
     out.mkdir(parents=True, exist_ok=True)
     config_file = out.parent / f"{out.name}.json"
     config_file.write_text(json.dumps(cfg.to_dict()))
-    servers = int(cfg.strategy_options.get("servers", 1)) if _asynchronous(cfg.strategy) else 0
-    launcher.train(["--config", str(config_file)], workers + servers, workers, out, name)
+    launcher.train(["--config", str(config_file)], job_topology(cfg, workers).world_size, workers,
+                   out, name)
 
 
 @dataclass(frozen=True)
@@ -417,7 +417,9 @@ def _speed(summary: dict[str, Any], out: Path, start: Start, steps_per_epoch: in
 
 
 def _asynchronous(strategy: str) -> bool:
-    return is_asynchronous(get_strategy(strategy))
+    """Whether ``strategy``'s workers meet only through parameter servers."""
+    cls = get_strategy(strategy)
+    return cls.topology(cls.Options(), 1).detached
 
 
 def _whole(epochs: float) -> float:
