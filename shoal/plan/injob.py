@@ -2,7 +2,7 @@
 Slurm or mpirun started.
 
 The job's processes are the only ones there are, so they do everything: they join the job
-once (:func:`~shoal.train.launch.join`), load the data once, train sync's probe
+once (the launch path's :func:`~shoal.train.launch.join`), load the data once, train sync's probe
 (:mod:`shoal.train.probe`; with a given ``--plan-budget``, none: the plan starts at step 0),
 then run the plan's trials one after another as fresh trainers on the job's process group
 (a :class:`JobSession`: rank 0 drives the search and hands each trial to the others, which
@@ -24,19 +24,20 @@ from pathlib import Path
 from typing import Any
 
 from shoal.config import TrainConfig
-from shoal.core.comm import Comm, init_comm
-from shoal.core.env import Environment, default_threads
+from shoal.core.comm import Comm
+from shoal.core.env import Environment
 from shoal.core.failures import first_line
-from shoal.core.timeline import Timeline
 from shoal.data import Dataset
 from shoal.errors import ShoalError
 from shoal.plan.planner import Planner, PlanOptions
 from shoal.train import job_device
+from shoal.train.launch import join, outside_topology
 from shoal.train.optim import resolve_momentum
 from shoal.train.outdir import OutputLock
 from shoal.train.probe import read_verdict
 from shoal.train.records import write_json
-from shoal.train.trainer import Trainer, preflight
+from shoal.train.trainer import Trainer
+from shoal.train.workload import preflight
 
 #: Where the plan goes inside ``--out`` (as ``shoal.plan.PLAN_DIR``).
 PLAN_DIR = "plan"
@@ -96,18 +97,14 @@ def plan_in_job(cfg: TrainConfig, env: Environment, probe_steps: int) -> dict[st
     auto = cfg.plan_budget == "auto"
     sync = dataclasses.replace(cfg, strategy="sync", strategy_options={},
                                plan_probe=probe_steps if auto else None, plan_probe_since=started)
-    if cfg.workers is not None and cfg.workers != env.world_size:
-        raise ShoalError(f"--workers {cfg.workers} contradicts the launcher's world size "
-                         f"{env.world_size} ({env.launcher}); leave --workers out")
-    sync = job_device(resolve_momentum(sync, env.world_size), env.local_world_size,
-                      env.world_size)
-    data = preflight(sync, env.world_size)
+    topology = outside_topology(sync, env)  # the launcher's ranks, all workers of sync's
+    sync = job_device(resolve_momentum(sync, topology.workers), topology,
+                      topology.local_workers(env))
+    work = preflight(sync, topology.workers)
     with OutputLock(Path(cfg.out)) if env.rank == 0 else contextlib.nullcontext():
-        threads = sync.threads_per_worker or default_threads(env.local_world_size)
-        comm = init_comm(env, sync.device, sync.timeout, threads, Timeline(),
-                         heartbeat_timeout=sync.heartbeat_timeout)
+        comm = join(sync, env, topology)  # the launch path's: once, for the probe, trials, winner
         try:
-            summary = _probe_plan_train(cfg, sync, comm, data, auto)
+            summary = _probe_plan_train(cfg, sync, comm, work.data, auto)
         except BaseException as exc:
             comm.abort(first_line(exc))
             raise
