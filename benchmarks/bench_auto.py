@@ -33,7 +33,6 @@ from bench_plan import TASKS
 from shoal.config import TrainConfig
 from shoal.core.files import read_records
 from shoal.emulate import terminate_as_exception
-from shoal.plan.planner import run_config
 from shoal.sweep.runner import Launcher
 
 
@@ -63,6 +62,18 @@ def local_command(cfg: TrainConfig, workers: int) -> float:
     return time.monotonic() - started
 
 
+def emulated_command(launcher: Launcher, cfg: TrainConfig, workers: int) -> float:
+    """``shoal train --config`` (``cfg``) under torchrun across ``workers`` emulated hosts
+    (sync and auto start no servers); its wall time."""
+    out = Path(cfg.out)
+    out.mkdir(parents=True, exist_ok=True)
+    config = out.parent / f"{out.name}.json"
+    config.write_text(json.dumps(dataclasses.replace(cfg, workers=workers).to_dict()))
+    started = time.monotonic()
+    launcher.train(["--config", str(config)], workers, workers, out, out.name)
+    return time.monotonic() - started
+
+
 def run_pair(base: TrainConfig, launcher: Launcher, workers: int, root: Path,
              r: int) -> dict[str, Any]:
     """One repeat: sync, then auto; their times and what auto decided."""
@@ -71,13 +82,7 @@ def run_pair(base: TrainConfig, launcher: Launcher, workers: int, root: Path,
     if launcher.emulate_bandwidth is None:
         sync_wall, auto_wall = local_command(sync, workers), local_command(auto, workers)
     else:
-        walls = []
-        for cfg in (sync, auto):
-            started = time.monotonic()
-            run_config(launcher, dataclasses.replace(cfg, workers=workers), workers,
-                       Path(cfg.out).name)
-            walls.append(time.monotonic() - started)
-        sync_wall, auto_wall = walls
+        sync_wall, auto_wall = (emulated_command(launcher, cfg, workers) for cfg in (sync, auto))
     target = float(base.target_accuracy or 1.0)
     summary = json.loads((Path(auto.out) / "summary.json").read_text())
     plan = summary.get("plan", {})
