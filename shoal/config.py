@@ -154,8 +154,17 @@ class TrainConfig:
                                             "configuration predicted to reach it soonest",
                                             metavar="A", section="planning (--strategy auto, "
                                             "shoal plan; see docs/planning.md)")
-    plan_budget: str = setting("5m", "wall time the planner's trials may take (90s, 5m, 1h)",
+    plan_budget: str = setting("auto", "wall time the planner's trials may take (90s, 5m, 1h); "
+                               "auto: a tenth of sync's predicted time, timed by a probe of "
+                               "sync's first steps (none for a run too short to pay for it)",
                                metavar="TIME")
+    plan_probe: int | None = setting(None, "set by --strategy auto: time this sync run's first "
+                                     "STEPS steps and stop there (checkpointed) if a tenth of "
+                                     "its predicted time pays for planning; else go on",
+                                     metavar="STEPS", at_least=4)
+    plan_probe_since: float | None = setting(None, "when the run's launch began (a UNIX time; "
+                                             "--strategy auto: when it started): the probe's "
+                                             "start-up counts from it", metavar="TIME")
     plan_candidates: tuple[str, ...] = setting(("sync", "local-sgd", "easgd", "diloco", "groups"),
                                                "strategies the planner tunes", metavar="S1,S2",
                                                parse=parse_names)
@@ -318,7 +327,11 @@ class TrainConfig:
         is still a mistake to point out before the run, not after it."""
         if self.target_accuracy is not None and not 0 < self.target_accuracy <= 1:
             raise ShoalError(f"--target-accuracy must be in (0, 1], got {self.target_accuracy}")
-        parse_duration(self.plan_budget, "--plan-budget")
+        if self.plan_budget != "auto":
+            parse_duration(self.plan_budget, "--plan-budget")
+        if self.plan_probe is not None and self.strategy != "sync":
+            raise ShoalError(f"--plan-probe times a sync run; this run has --strategy "
+                             f"{self.strategy}")
         if not self.plan_candidates:
             raise ShoalError("--plan-candidates must name at least one strategy, got none")
         if self.replan_every is not None:

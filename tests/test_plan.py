@@ -246,6 +246,7 @@ def test_auto_trains_the_plans_winner(tmp_path):
     plan = json.loads((out / "plan" / "plan.json").read_text())
     assert set(plan) >= {"target_accuracy", "budget_s", "planning_s", "epochs", "why", "notes",
                          "winner", "trials", "skipped"}
+    assert plan["budget_s"] == 30 and not (out / "probe.json").exists()  # the flag, no probe
     assert plan["target_accuracy"] == 0.9 and plan["epochs"] == 3 and plan["trials"]
     for t in plan["trials"]:
         assert set(t) >= {"label", "strategy", "options", "workers", "threads", "momentum", "lr",

@@ -32,6 +32,7 @@ from shoal.strategies.precision import MixedPrecision, clip_gradients, micro_bat
 from shoal.train.checkpointer import Checkpointer, read_start
 from shoal.train.evaluation import Evaluator
 from shoal.train.optim import build_optimizer, build_schedule
+from shoal.train.probe import Probe
 from shoal.train.recorder import Recorder
 from shoal.train.state import RunState
 from shoal.train.stopping import StopVote
@@ -116,7 +117,8 @@ class Trainer:
             self.checkpointer.go_on_from(start)
         # SIGTERM stops every rank after the same step, voted at the strategy's meeting points.
         self.stop_vote = StopVote(self.strategy.stop_peers, self.strategy.meets_after)
-        self.stop_reason: str | None = None  # "SIGTERM" once the ranks agreed to stop
+        self.probe = Probe.of(cfg, self.plan.steps_per_epoch, comm)  # --plan-probe's
+        self.stop_reason: str | None = None  # "SIGTERM" (the ranks agreed) or "probe"
 
     # -- the loop -----------------------------------------------------------------------------
     def run(self) -> dict[str, Any] | None:
@@ -173,13 +175,15 @@ class Trainer:
         return stopped
 
     def _stop_now(self) -> bool:
-        """Whether to stop after this step: ``--stop-at-step``, or SIGTERM on some rank."""
+        """Whether to stop after this step: ``--stop-at-step``, SIGTERM on some rank, or
+        ``--plan-probe``'s decision."""
         if self.cfg.stop_at_step is not None and self.state.step >= self.cfg.stop_at_step:
             return True
         if self.stop_vote.agreed(self.state.step):
             self.stop_reason = "SIGTERM"
-            return True
-        return False
+        elif self.probe is not None and self.probe.stops(self.state.step):
+            self.stop_reason = "probe"
+        return self.stop_reason is not None
 
     # -- one step -----------------------------------------------------------------------------
     def to_device(self, x: torch.Tensor, y: torch.Tensor,
