@@ -31,6 +31,7 @@ from shoal.core.timeline import (
 from shoal.data import EpochPlan
 from shoal.errors import ShoalError
 from shoal.train.checkpoint import resumes_in_place
+from shoal.train.optim import describe_momentum
 from shoal.train.progress import Progress
 from shoal.train.records import MetricsLog, TensorBoardLog, write_json, write_trace
 from shoal.train.state import RunState
@@ -110,7 +111,7 @@ class Recorder:
         self.progress.line(
             f"shoal: {cfg.model} on {data}; {self.comm.world_size} worker(s), "
             f"strategy {cfg.strategy}, global batch {self.plan.global_batch}, "
-            f"{self.plan.steps_per_epoch} steps/epoch")
+            f"{self.plan.steps_per_epoch} steps/epoch; {describe_momentum(cfg)}")
 
     def start_epoch(self, st: RunState) -> None:
         self.progress.start_epoch(st.epoch + 1, self.cfg.epochs, self.plan.steps_per_epoch,
