@@ -36,7 +36,7 @@ from shoal.emulate import terminate_as_exception
 from shoal.plan import plan
 from shoal.plan.planner import run_config
 from shoal.plan.search import MOMENTA, RATE_FACTORS, TAUS, group_knobs
-from shoal.plan.session import Session
+from shoal.plan.session import PlanningSession
 from shoal.sweep.measure import measure_race
 from shoal.sweep.runner import Launcher
 
@@ -87,7 +87,7 @@ def main() -> int:
                           "planning_s": found.planning_s, "trials": len(found.trials)})
             print(f"plan {r}: {found.trials[0].candidate.label()} ({found.planning_s:.0f} s, "
                   f"{len(found.trials)} trials)", flush=True)
-            session = Session(launcher, base, args.workers, root / f"sessions-r{r}", 3600)
+            session = PlanningSession(launcher, base, args.workers, root / f"sessions-r{r}", 3600)
             try:
                 for i, point in enumerate(points):
                     row = run_point(launcher, session, base, point,
@@ -134,7 +134,7 @@ def main() -> int:
     return 0
 
 
-def run_point(launcher: Launcher, session: Session, base: TrainConfig,
+def run_point(launcher: Launcher, session: PlanningSession, base: TrainConfig,
               point: tuple[str, dict[str, int], float, float], out: Path, workers: int,
               target: float) -> dict:
     """Train one grid point to the end (in ``session`` when it is synchronous); its time to

@@ -1,5 +1,5 @@
 """Parameter-server transport: push+pull round trips per second of a flat float32 vector
-through ``shoal.core.ps`` against a bare Gloo ``send``/``recv`` round trip of the same size
+through ``shoal.ps`` against a bare Gloo ``send``/``recv`` round trip of the same size
 (the limit), in the same run. Prints a markdown table; ``--out`` writes JSON. Run:
 
     .venv/bin/python benchmarks/bench_ps.py --sizes-mb 1 10
@@ -7,8 +7,9 @@ through ``shoal.core.ps`` against a bare Gloo ``send``/``recv`` round trip of th
 
 *Through the server*: each client process calls ``ServerClient.exchange`` (its header and
 the whole vector out, split over ``--servers`` server processes; the reply back into the
-same slices), one at a time; each server applies a locked rule that does the least a rule
-can (``reply = payload``, one copy).
+same slices), one at a time, booked on its Comm as a worker's are; each server applies a
+locked rule that does the least a rule can (``reply = payload``, one copy) and reads the
+header fields async-msgd's rule reads (so the header is the size a training run sends).
 
 *Bare*: the same client process sends the vector with ``ProcessGroupGloo.send`` to an echo
 process of its own, which sends it back (no header, no thread, no copy): what Gloo over
@@ -23,6 +24,7 @@ and the table gives their sum; the bare rows then run that many pairs at once.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import multiprocessing as mp
 import os
@@ -33,9 +35,12 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from shoal.core.ops import split_sizes
+from shoal.core.comm import Comm
+from shoal.core.env import Environment
+from shoal.core.ops import split_ranges
+from shoal.core.pairs import Header
 from shoal.core.processes import loopback_gloo_interface, loopback_store
-from shoal.core.ps import HEADER_SIZE, Header, ServerClient, ShardServer
+from shoal.ps import ServerClient, ShardServer
 
 TIMEOUT = 120.0
 
@@ -44,6 +49,7 @@ class EchoRule:
     """The least a rule can do: send the payload back (one copy), under the shard's lock."""
 
     locked = True
+    fields = ("lr", "momentum", "weight_decay")
 
     def apply(self, header: Header, payload: torch.Tensor, reply: torch.Tensor) -> None:
         reply.copy_(payload)
@@ -57,14 +63,6 @@ class EchoRule:
 
 def floats(mb: float) -> int:
     return int(mb * 1e6) // 4
-
-
-def shard_ranges(n: int, servers: int) -> list[tuple[int, int]]:
-    out, start = [], 0
-    for size in split_sizes(n, servers):
-        out.append((start, start + size))
-        start += size
-    return out
 
 
 def _store(port: int) -> dist.Store:
@@ -85,7 +83,7 @@ def server_main(port: int, server: int, clients: int, sizes: list[float], ready)
     store = _store(port)
     servers = []
     for i, mb in enumerate(sizes):
-        size = shard_ranges(floats(mb), ready["servers"])[server]
+        size = split_ranges(floats(mb), ready["servers"])[server]
         center = torch.zeros(size[1] - size[0])
         ps = ShardServer(dist.PrefixStore(f"size{i}", store), server, clients, EchoRule(),
                          center, timeout=TIMEOUT)
@@ -107,7 +105,7 @@ def echo_main(port: int, client: int, sizes: list[float], blocks: int, reps: int
     torch.set_num_threads(1)
     _pin(1 + client, ready)
     store = _store(port)
-    head = torch.empty(HEADER_SIZE, dtype=torch.float64)
+    head = HEADER.pack(EchoRule.fields)
     for i, mb in enumerate(sizes):
         pg = dist.ProcessGroupGloo(dist.PrefixStore(f"bare/{i}/{client}", store), 0, 2,
                                    timedelta(seconds=TIMEOUT))
@@ -134,10 +132,15 @@ def _timed(trip, reps: int) -> list[float]:
     return times
 
 
+#: A training run's exchange header (async-msgd's rule fields).
+HEADER = Header(0, 0, fields={"lr": 0.1, "momentum": 0.9, "weight_decay": 1e-4})
+
+
 def _time_size(pg, ps: ServerClient, n: int, client: int, blocks: int, reps: int,
                barrier) -> dict:
     payload, reply = torch.randn(n), torch.zeros(n)
-    head, back = Header(0, client).pack(), torch.empty(HEADER_SIZE, dtype=torch.float64)
+    head = HEADER.pack(EchoRule.fields)
+    back = torch.empty_like(head)
 
     def posted(k: int) -> None:  # the receive posted at once
         works = [pg.send([payload], 0, 0), pg.recv([reply], 0, 0)]
@@ -155,7 +158,7 @@ def _time_size(pg, ps: ServerClient, n: int, client: int, blocks: int, reps: int
             w.wait()
 
     def through(k: int) -> None:
-        ps.exchange(payload, reply, Header(0, client, clock=k))
+        ps.exchange(payload, reply, dataclasses.replace(HEADER, client=client, clock=k))
 
     trips = {"posted": posted, "after": after, "framed": framed, "ps": through}
     times: dict[str, list[float]] = {name: [] for name in trips}
@@ -180,8 +183,9 @@ def client_main(port: int, client: int, sizes: list[float], blocks: int, reps: i
         n = floats(mb)
         pg = dist.ProcessGroupGloo(dist.PrefixStore(f"bare/{i}/{client}", store), 1, 2,
                                    timedelta(seconds=TIMEOUT))
+        comm = Comm(Environment(client, ready["clients"]), torch.device("cpu"), peers=False)
         ps = ServerClient(dist.PrefixStore(f"size{i}", store), client,
-                          shard_ranges(n, ready["servers"]), timeout=TIMEOUT)
+                          split_ranges(n, ready["servers"]), timeout=TIMEOUT, comm=comm)
         results.append({"mb": mb, **_time_size(pg, ps, n, client, blocks, reps,
                                                ready["barrier"])})
         ps.close()
@@ -196,7 +200,8 @@ def run(sizes: list[float], servers: int, clients: int, blocks: int, reps: int,
         os.environ["GLOO_SOCKET_IFNAME"] = interface  # the children inherit it
     ctx = mp.get_context("spawn")
     store = loopback_store(TIMEOUT)
-    shared = {"servers": servers, "pin": pin, "barrier": ctx.Barrier(clients), "results": ctx.Queue()}
+    shared = {"servers": servers, "clients": clients, "pin": pin, "barrier": ctx.Barrier(clients),
+              "results": ctx.Queue()}
     procs = []
 
     def start(target, *args) -> None:

@@ -103,9 +103,17 @@ def test_two_servers_shard_the_center_within_the_staleness_bound(tmp_path):
     shards = [s["center"] for s in saved["servers"]]
     assert len(shards) == 2 and sum(s.numel() for s in shards) == summary["parameters"]
     assert abs(shards[0].numel() - shards[1].numel()) <= 1  # contiguous halves
-    hist = {int(k): v for k, v in summary["staleness"]["histogram"].items()}
-    assert sum(hist.values()) == summary["staleness"]["updates"] > 0
+    staleness = summary["staleness"]
+    hist = {int(k): v for k, v in staleness["histogram"].items()}
+    assert sum(hist.values()) == staleness["updates"] > 0
     assert max(hist) <= 2, hist  # no update applied staler than --max-staleness
+    # Over both shards: each applies every exchange, each with its own staleness.
+    shards = staleness["shards"]
+    assert len(shards) == 2 and shards[0]["updates"] == shards[1]["updates"] > 0
+    assert staleness["updates"] == shards[0]["updates"] + shards[1]["updates"]
+    assert staleness["max"] == max(s["max"] for s in shards) <= 2
+    assert [s["histogram"] for s in shards] == [
+        {str(k): v for k, v in sorted(s["staleness"].items())} for s in saved["servers"]]
 
 
 @pytest.mark.parametrize("args, expected", [

@@ -66,7 +66,8 @@ def test_bad_groups_are_one_line(tmp_path, capsys):
 def test_group_bounds_and_leaders():
     assert group_bounds(5, 2) == [(0, 3), (3, 5)]
     assert group_bounds(4, 4) == [(0, 1), (1, 2), (2, 3), (3, 4)]
-    assert ComputeGroups.pushers(GroupOptions(groups=2), 5) == [0, 3]
+    admission = ComputeGroups.admission(GroupOptions(groups=2, max_staleness=1), 5)
+    assert admission.pushers == (0, 3) and admission.max_staleness == 1  # the leaders push
     assert ComputeGroups.asynchronous_groups(GroupOptions(groups=3), 6) == 3
 
 

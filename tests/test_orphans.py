@@ -168,6 +168,14 @@ def _hold_rendezvous(job: Job, ranks: int) -> None:
         _connected_to(pid, ports[0]) for pid in job.workers() if pid != first))
 
 
+def _loads_torch(pid: int) -> bool:
+    """Whether process ``pid`` has torch's library mapped (it is importing torch, or past)."""
+    try:
+        return "libtorch" in Path(f"/proc/{pid}/maps").read_text()
+    except OSError:
+        return False
+
+
 def _has_records(out: Path) -> bool:
     records = out / "metrics.jsonl"
     return records.exists() and records.stat().st_size > 0
@@ -274,16 +282,22 @@ def test_sigterm_during_start_up_stops_it(tmp_path):
         assert wait_gone(job.marker, GONE_S) == []  # the resource tracker ends after it
 
 
-def test_sigterm_to_shoal_train_in_start_up_stops_every_process(tmp_path):
-    """SIGTERM to ``shoal train`` while its workers start: it exits non-zero with one line
-    and none of its processes is left."""
+@pytest.mark.parametrize("started", [1, 2], ids=["while-starting", "while-importing"])
+def test_sigterm_to_shoal_train_in_start_up_stops_every_process(tmp_path, started):
+    """SIGTERM to ``shoal train`` while its workers start (one started), or once both are
+    started but still importing torch (before they take SIGTERM as "checkpoint and stop"):
+    it exits with 143 and one line, and none of its processes is left."""
     cmd = [sys.executable, "-m", "shoal", *JOBS["sync"], "--epochs", "1000", "--out", "out"]
     with Job(cmd, tmp_path) as job:
-        job.wait_until("worker process", job.workers)
+        job.wait_until(f"{started} worker processes", lambda: len(job.workers()) >= started)
+        if started == 2:  # and both have begun to load torch (its library is mapped)
+            job.wait_until("torch loading", lambda: all(_loads_torch(p) for p in job.workers()))
         os.kill(job.proc.pid, signal.SIGTERM)
         job.proc.wait(timeout=30)
-        assert job.proc.returncode != 0
-        assert [ln for ln in job.log.read_text().splitlines() if ln.startswith("shoal:")]
+        # A stop, not a crash, whether the workers were still being started or importing.
+        lines = [ln for ln in job.log.read_text().splitlines() if ln.startswith("shoal:")]
+        assert job.proc.returncode == 143, job.log.read_text()
+        assert len(lines) == 1 and "stopped by SIGTERM" in lines[0], lines
         assert wait_gone(job.marker, GONE_S) == []
 
 

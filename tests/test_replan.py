@@ -116,13 +116,13 @@ class InProcess:
 
     def job(self, program: list[str], processes: int, workers: int, out, name: str,
             secrets: dict[str, str]) -> None:
-        from shoal.plan import session
+        from shoal.plan import worker
 
-        assert program[:2] == ["-m", "shoal.plan.session"]  # one worker: served right here
+        assert program[:2] == ["-m", "shoal.plan.worker"]  # one worker: served right here
         with pytest.MonkeyPatch.context() as mp:
             for key, value in secrets.items():
                 mp.setenv(key, value)
-            assert session.main([*program[2:], "--workers", str(workers)]) == 0
+            assert worker.main([*program[2:], "--workers", str(workers)]) == 0
 
 
 def test_a_replan_trial_starts_from_the_checkpoint(tmp_path):
@@ -143,6 +143,7 @@ def test_a_replan_trial_starts_from_the_checkpoint(tmp_path):
     assert planner.settings.epochs == pytest.approx(3 - 16 / spe)
     assert planner.settings.trial_cost_s == 2.0  # the first trial is costed too
     trial = planner.trial(Candidate("local-sgd", (("tau", 2),), 1, None, momentum=0.5), "x")
+    planner.session.close()
     assert trial.ok, trial.error
     # An epoch of steps from step 16 (12 steps an epoch), tested at whole periods (tau 2:
     # every 2 steps of an epoch: steps 18, 20, 22, the epoch end 24, 26, 28).

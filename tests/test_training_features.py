@@ -10,7 +10,6 @@ from shoal.config import TrainConfig
 from shoal.core.comm import Comm
 from shoal.core.env import Environment
 from shoal.core.flat import FlatParams
-from shoal.core.ps import LoopbackClient
 from shoal.models import build_model
 from shoal.strategies import get_strategy, make_options
 from shoal.strategies.easgd import parameter_order
@@ -19,6 +18,7 @@ from shoal.train.optim import build_optimizer
 from shoal.train.trainer import Trainer
 
 from conftest import checkpoint_params, max_param_diff, train_together
+from ps_doubles import LoopbackClient
 
 DIGITS = ["--model", "lenet5", "--dataset", "digits", "--workers", "2", "--seed", "3"]
 LR, CLIP = 0.1, 0.05

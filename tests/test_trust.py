@@ -1,24 +1,31 @@
-"""Nobody else's files steer shoal: planted planning sessions, trial files, links in --out.
+"""Nobody else's files or messages steer shoal: planted planning sessions, forged commands
+to a session's workers, strangers on its socket, links in --out.
 
 The planning session's trials are instructions (a model to import, an output folder): a
 hostile probe planted ``trials/sessions/session-N/trial-K.json`` in a shared --out and the
-workers ran its model. These tests plant files as another user would and check that shoal
-refuses them in one line and runs nothing of theirs.
+workers ran its model. Trials now travel sealed on the session's links
+(:mod:`shoal.core.pool`). These tests plant files and send commands as someone else would
+and check that shoal refuses them in one line and runs nothing of theirs.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import json
 import os
+import socket
 import stat
 import subprocess
 import sys
+from multiprocessing.connection import Connection
 from pathlib import Path
 
 import pytest
 
 from shoal.core.files import check_output_dir
-from shoal.core.trust import Seal, open_own, private_dir
+from shoal.core.pool import join_pool
+from shoal.core.trust import SEAL_KEY_VAR, Seal, open_own, private_dir
 from shoal.errors import ShoalError
 
 ROOT = os.geteuid() == 0
@@ -41,18 +48,21 @@ def _evil(tmp_path: Path) -> tuple[str, Path]:
 
 
 # -- the pieces ------------------------------------------------------------------------------
-def test_a_seal_accepts_its_own_values_and_refuses_anything_else(tmp_path):
+def test_a_seal_accepts_its_own_tags_and_refuses_anything_else(monkeypatch):
     seal = Seal()
-    value = {"trial": 3, "settings": {"model": "mlp", "lr": 0.1}}
-    assert seal.loads(seal.dumps(value), "x") == value
-    forged = seal.dumps(value).replace("mlp", "/tmp/x/evil.py:make")
-    with pytest.raises(ShoalError, match="not written by this shoal session"):
-        seal.loads(forged, "trial-3.json")
-    with pytest.raises(ShoalError, match="not written by this shoal session"):
-        Seal().loads(seal.dumps(value), "trial-3.json")  # another session's secret
-    for junk in ('{"model": "/tmp/x/evil.py:make"}', "not json", '{"body": 1, "mac": 2}'):
-        with pytest.raises(ShoalError, match="not written by this shoal session"):
-            seal.loads(junk, "trial-3.json")
+    parts = (b"nonce", b"c\x00", b'{"train": {"model": "mlp"}}')
+    tag = seal.tag(*parts)
+    assert len(tag) == 32 and seal.check(tag, *parts)
+    assert Seal(bytes.fromhex(seal.key_hex)).check(tag, *parts)  # the workers' copy
+    assert not seal.check(tag, *parts[:2], b'{"train": {"model": "/tmp/x/evil.py:make"}}')
+    assert not seal.check(tag, b"another nonce", *parts[1:])
+    assert not Seal().check(tag, *parts)  # another session's secret
+    assert not seal.check(tag[:16], *parts) and not seal.check(b"", *parts)
+    monkeypatch.delenv(SEAL_KEY_VAR, raising=False)
+    with pytest.raises(ShoalError, match=f"no session secret in {SEAL_KEY_VAR}"):
+        Seal.from_environment()
+    monkeypatch.setenv(SEAL_KEY_VAR, seal.key_hex)
+    assert Seal.from_environment().check(tag, *parts)
 
 
 def test_a_private_folder_is_made_owner_only_and_refused_when_it_is_not(tmp_path):
@@ -155,28 +165,69 @@ def test_shoal_plan_refuses_a_planted_sessions_folder_and_runs_nothing_of_it(tmp
     assert not marker.exists()
 
 
-def test_a_trial_file_the_planner_did_not_write_is_refused_by_the_session(tmp_path):
-    """Even inside a session's own folder (someone got in), the workers run only trials
-    sealed by their planner: a planted trial ends the session with one line."""
+def test_a_command_the_planner_did_not_send_is_refused_by_the_session_workers(tmp_path):
+    """Whoever reaches a planning session's worker (here: a controller of its own, which the
+    worker joined) cannot make it act: a command naming another model, sealed with any
+    secret but this session's, is refused; the worker leaves with one line, and nothing of
+    the command runs."""
     from shoal.config import TrainConfig
-    from shoal.plan.session import Session
-    from shoal.sweep.runner import Launcher
 
     model, marker = _evil(tmp_path)
+    planted = TrainConfig(model=model, dataset="digits", out=str(tmp_path / "theirs")).to_dict()
+    address = str(tmp_path / "socket")
+    fake = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    fake.bind(address)
+    fake.listen()
+    fake.settimeout(60)
+    worker = subprocess.Popen([sys.executable, "-m", "shoal.plan.worker", address], cwd=tmp_path,
+                              env={**os.environ, SEAL_KEY_VAR: Seal().key_hex},
+                              stderr=subprocess.PIPE, text=True)
+    try:
+        conn = Connection(fake.accept()[0].detach())
+        conn.send_bytes(os.urandom(16))  # the nonce the worker signs
+        assert conn.poll(60) and conn.recv_bytes()  # its hello
+        for kind in ("load", "train"):
+            command = json.dumps({kind: planted}).encode()
+            with contextlib.suppress(OSError):
+                conn.send_bytes(Seal().tag(command) + command)
+        _, err = worker.communicate(timeout=60)
+    finally:
+        worker.kill()
+        fake.close()
+    assert worker.returncode == 1, err
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and "not sent by this shoal session" in lines[0], err
+    assert not marker.exists() and not (tmp_path / "theirs").exists()
+
+
+def test_a_stranger_cannot_take_a_workers_place_in_a_planning_session(tmp_path, capsys):
+    """A connection to the planner's socket that does not hold the session's secret is
+    refused (and said so) before the workers join: it takes no rank, it gets no command,
+    and the session's own worker trains the trial."""
+    from shoal.config import TrainConfig
+    from shoal.plan.session import PlanningSession
+    from shoal.sweep.runner import Launcher
+
+    strangers: list = []
+
+    class StrangerFirst(Launcher):
+        def job(self, program, processes, workers, out, name, secrets=None):
+            strangers.append(join_pool(program[2], 0, Seal(), 10.0))  # as rank 0, its own secret
+            super().job(program, processes, workers, out, name, secrets)
+
     base = TrainConfig(model="mlp", dataset="digits", epochs=2, batch_size=64, workers=1,
                        progress="none", out=str(tmp_path / "base")).validate()
-    with Launcher(None, 120) as launcher:
-        session = Session(launcher, base, 1, tmp_path / "sessions", timeout=120)
+    with StrangerFirst(None, 120) as launcher:
+        session = PlanningSession(launcher, base, 1, tmp_path / "sessions", timeout=120)
         try:
-            good = dataclasses.replace(base, out=str(tmp_path / "good"), workers=None,
-                                       stop_at_step=2)
-            session.run(good)  # the session is up; now plant the next trial
-            planted = dataclasses.replace(good, model=model, out=str(tmp_path / "theirs"))
-            forged = Seal().dumps({"trial": 1, "settings": planted.to_dict()})
-            (session.dir / "trial-1.json").write_text(forged)
-            with pytest.raises(ShoalError, match="not written by this shoal session"):
-                session._wait(session.dir / "trial-1.done", "trial 1")
+            session.run(dataclasses.replace(base, out=str(tmp_path / "good"), workers=None,
+                                            stop_at_step=2))
         finally:
             session.close()
-    assert not marker.exists() and not (tmp_path / "theirs").exists()
+    assert (tmp_path / "good" / "summary.json").is_file()
+    stranger, = strangers
+    assert stranger.poll(10)
+    with pytest.raises(EOFError):
+        stranger.recv_bytes()
+    assert "refused a connection" in capsys.readouterr().err
     assert stat.S_IMODE(session.dir.stat().st_mode) == 0o700

@@ -5,6 +5,8 @@ stands on, and the only place each of these exists.
   device and its threads;
 - :mod:`~shoal.core.processes`: starting and supervising local processes, SIGTERM as
   "stop at the next safe point";
+- :mod:`~shoal.core.pool`: a controller's commands to a set of started workers and their
+  answers (pipes to local workers, sealed sockets to workers started elsewhere);
 - :mod:`~shoal.core.guard`: no process outlives the process that started it;
 - :mod:`~shoal.core.limits`: how many processes and threads this machine can hold;
 - :mod:`~shoal.core.failures`: each rank's failure report and the root cause among them;
@@ -15,29 +17,16 @@ stands on, and the only place each of these exists.
 - :mod:`~shoal.core.ops`: the reduce-op table and even splits;
 - :mod:`~shoal.core.flat`: flat packing of many tensors into one message;
 - :mod:`~shoal.core.timeline`: the time categories and the spans booked into them;
-- :mod:`~shoal.core.ps`: the parameter server's pairs, shard servers and clients.
+- :mod:`~shoal.core.pairs`: the parameter server's transport: two-rank pairs, their
+  messages and failures (the servers themselves are :mod:`shoal.ps`).
 """
 
 from shoal.core.comm import Comm, Handle, init_comm
 from shoal.core.env import Environment, default_threads, detect_environment, pick_device
 from shoal.core.flat import FlatParams
-from shoal.core.ps import (
-    BYE,
-    EXCHANGE,
-    PULL,
-    REPORT,
-    STATE,
-    ChannelError,
-    Header,
-    LoopbackClient,
-    PairChannel,
-    ServerClient,
-    ServerRule,
-    ShardServer,
-)
+from shoal.core.pairs import ChannelError, Client, Header, Kind, PairChannel
 from shoal.core.timeline import Timeline
 
-__all__ = ["BYE", "EXCHANGE", "PULL", "REPORT", "STATE", "ChannelError", "Comm", "Environment",
-           "FlatParams", "Handle", "Header", "LoopbackClient", "PairChannel", "ServerClient",
-           "ServerRule", "ShardServer", "Timeline", "default_threads", "detect_environment",
-           "init_comm", "pick_device"]
+__all__ = ["ChannelError", "Client", "Comm", "Environment", "FlatParams", "Handle", "Header",
+           "Kind", "PairChannel", "Timeline", "default_threads", "detect_environment", "init_comm",
+           "pick_device"]

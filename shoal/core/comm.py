@@ -21,6 +21,7 @@ from shoal.core.env import Environment, pick_device
 from shoal.core.failures import EXIT_ABORTED
 from shoal.core.group import job_store, join_group
 from shoal.core.ops import reduce_op
+from shoal.core.pairs import Client
 from shoal.core.timeline import COMM, WAIT, Event, Timeline
 from shoal.core.waits import (
     CollectiveLog,
@@ -95,7 +96,7 @@ class Comm:
         self._store = dist.PrefixStore(key_prefix(env.attempt), store) if store is not None else None
         self._rank0_hosts = not env.agent_store  # the store (as job_store makes it)
         self.aborted = False  # this rank called abort(): nobody will wait for it at close()
-        self.ps: Any = None  # asynchronous jobs: a ServerClient/LoopbackClient (shoal.core.ps)
+        self.ps: Client | None = None  #: an asynchronous job's worker: its end of the servers
         self.peers = peers
         self._parent: Comm | None = None  # a child's bytes are its parent's too
         self.log = CollectiveLog()  # the collectives this rank issued, for the watchdog
@@ -127,6 +128,15 @@ class Comm:
         self.bytes_sent += int(nbytes)
         if self._parent is not None:
             self._parent.count(nbytes)
+
+    @contextmanager
+    def point_to_point(self, name: str, nbytes: int) -> Iterator[None]:
+        """Book an exchange issued outside this class (a parameter server's push and pull,
+        :mod:`shoal.ps`): its time as communication and, once it succeeded, its ``nbytes``
+        of payload as sent by this rank."""
+        with self.timeline.span(COMM, name):
+            yield
+        self.count(nbytes)
 
     @contextmanager
     def track(self, op: str, name: str | None = None) -> Iterator[None]:

@@ -29,3 +29,12 @@ def reduce_op(op: str, where: str = "") -> dist.ReduceOp:
 def split_sizes(n: int, parts: int) -> list[int]:
     """``n`` rows in ``parts`` shares, the first ``n % parts`` one row larger (rank order)."""
     return [n // parts + (1 if i < n % parts else 0) for i in range(parts)]
+
+
+def split_ranges(n: int, parts: int) -> list[tuple[int, int]]:
+    """The contiguous ``[lo, hi)`` ranges of :func:`split_sizes`' shares, in order."""
+    ranges, lo = [], 0
+    for size in split_sizes(n, parts):
+        ranges.append((lo, lo + size))
+        lo += size
+    return ranges

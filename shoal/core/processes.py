@@ -246,7 +246,15 @@ def spawn(
                                         agent_store=True, error_dir=errdir), job, sigterm)
         if _STOP.is_set():  # a SIGTERM that came before this call
             forward_sigterm(signal.SIGTERM, None)
-        return _supervise(procs, store, errdir, grace, tolerate)
+        try:
+            return _supervise(procs, store, errdir, grace, tolerate)
+        except WorkerError as exc:
+            if sigterm.is_set() and exc.exit_code == -signal.SIGTERM:
+                # Asked to stop, and a rank ended by that very signal (it was still starting,
+                # before it could take SIGTERM as "checkpoint and stop"): a stop, not a crash.
+                raise Terminated(f"stopped by SIGTERM before rank {exc.rank} could take it "
+                                 "(it was still starting)") from None
+            raise
     finally:
         stop_processes(procs, 0.0)
         shutil.rmtree(errdir, ignore_errors=True)

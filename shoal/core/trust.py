@@ -1,26 +1,26 @@
-"""Folders and files shoal acts on later, made so that nobody else can plant or swap them.
+"""Folders, files and messages shoal acts on later, made so that nobody else can plant or
+swap them.
 
-A folder that holds instructions shoal reads back (a planning session's trials, a trial's
-settings) is made by :func:`private_dir`: new, owner-only, or refused in one line when it
-exists and is not this user's own with a safe mode. What is read back from it is opened by
-:func:`open_own` (never through a symbolic link, and only a file this user owns) and, where
-it is an instruction, checked by a :class:`Seal`: an HMAC under a secret that lives only in
-the memory and environment of the processes of one session, so a file that shoal did not
-write there, or wrote for another session, is refused whatever the folder's state.
+A folder that holds what shoal reads back (the planner's trials) is made by
+:func:`private_dir`: new, owner-only, or refused in one line when it exists and is not this
+user's own with a safe mode. A file read back from such a place is opened by
+:func:`open_own` (never through a symbolic link, and only a file this user owns). An
+instruction that crosses between processes a session did not start itself (a planning
+session's commands, :mod:`shoal.core.pool`) is checked by a :class:`Seal`: an HMAC under a
+secret that lives only in the memory and environment of the processes of one session, so
+a message that shoal did not send, or sent for another session, is refused.
 """
 
 from __future__ import annotations
 
 import hashlib
 import hmac
-import json
 import os
 import secrets
 import stat
 from pathlib import Path
-from typing import Any
 
-from shoal.core.files import atomic_write, describe_stat
+from shoal.core.files import describe_stat
 from shoal.errors import ShoalError
 
 #: The environment variable that hands a session's secret to the processes it starts
@@ -78,14 +78,8 @@ def open_own(path: Path, flags: int = os.O_RDONLY, mode: int = 0o600) -> int:
     return fd
 
 
-def read_own_text(path: Path) -> str:
-    """The text of ``path``, a regular file of this user's reached without a link."""
-    with os.fdopen(open_own(path), "r") as f:
-        return f.read()
-
-
 class Seal:
-    """Signs JSON-able values and checks them back (HMAC-SHA256 under a random secret).
+    """Signs messages and checks them back (HMAC-SHA256 under a random secret).
 
     One seal per session: the controller makes it (``Seal()``), hands :attr:`key_hex` to the
     processes it starts through their environment (:data:`SEAL_KEY_VAR`), and they rebuild
@@ -112,34 +106,13 @@ class Seal:
                              "by the shoal process that owns the session")
         return cls(key)
 
-    def _mac(self, body: str) -> str:
-        return hmac.new(self._key, body.encode(), hashlib.sha256).hexdigest()
+    def tag(self, *parts: bytes) -> bytes:
+        """The signature (32 bytes) of ``parts`` taken one after another."""
+        mac = hmac.new(self._key, digestmod=hashlib.sha256)
+        for part in parts:
+            mac.update(part)
+        return mac.digest()
 
-    def dumps(self, value: Any) -> str:
-        """``value`` as one JSON text with its signature."""
-        body = json.dumps(value, sort_keys=True)
-        return json.dumps({"body": body, "mac": self._mac(body)})
-
-    def loads(self, text: str, where: str) -> Any:
-        """The value :meth:`dumps` sealed into ``text``; a one-line :class:`ShoalError`
-        naming ``where`` when it was not sealed by this session."""
-        try:
-            outer = json.loads(text)
-            body, mac = outer["body"], outer["mac"]
-            good = isinstance(body, str) and isinstance(mac, str) and hmac.compare_digest(
-                self._mac(body), mac)
-        except (ValueError, TypeError, KeyError):
-            good = False
-        if not good:
-            raise ShoalError(f"{where} was not written by this shoal session (its signature "
-                             "does not match): refusing to act on it")
-        return json.loads(body)
-
-    def write(self, path: Path, value: Any) -> None:
-        """Write ``value`` sealed to ``path``, atomically (never through a link)."""
-        text = self.dumps(value)
-        atomic_write(path, lambda f: f.write(text.encode()))
-
-    def read(self, path: Path) -> Any:
-        """The sealed value in ``path`` (a file of this user's, checked as :meth:`loads`)."""
-        return self.loads(read_own_text(path), str(path))
+    def check(self, tag: bytes, *parts: bytes) -> bool:
+        """Whether ``tag`` is this seal's :meth:`tag` of ``parts`` (in constant time)."""
+        return hmac.compare_digest(self.tag(*parts), tag)

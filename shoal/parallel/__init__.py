@@ -24,7 +24,7 @@ from shoal.parallel.arrays import SharedArray, shared
 from shoal.parallel.collectives import all_gather, all_reduce, broadcast, gather, reduce, scatter
 from shoal.parallel.functions import Function, function
 from shoal.parallel.protocol import RemoteTraceback
-from shoal.parallel.session import Session, active, close, current
+from shoal.parallel.session import ParallelSession, active, close, current
 from shoal.parallel.spec import MODES
 from shoal.parallel.start import fork
 
@@ -40,6 +40,6 @@ def replicate(*objects: object) -> None:
             session.registry.register(obj)
 
 
-__all__ = ["MODES", "SharedArray", "Function", "RemoteTraceback", "Session", "all_gather", "all_reduce",
-           "broadcast", "close", "current", "fork", "function", "gather", "reduce",
+__all__ = ["MODES", "SharedArray", "Function", "RemoteTraceback", "ParallelSession", "all_gather",
+           "all_reduce", "broadcast", "close", "current", "fork", "function", "gather", "reduce",
            "replicate", "scatter", "shared"]

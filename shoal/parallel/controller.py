@@ -19,7 +19,7 @@ from shoal.parallel.call import Call
 from shoal.parallel.context import Meter, in_function, leave_function
 from shoal.parallel.outputs import describe
 from shoal.parallel.protocol import GO, OP_CALL, SKIP, RemoteTraceback
-from shoal.parallel.session import Session, active
+from shoal.parallel.session import ParallelSession, active
 from shoal.parallel.spec import FunctionSpec
 from shoal.parallel.watcher import Interrupted
 
@@ -33,7 +33,7 @@ def _to_tensor(value: Any, name: str, fname: str) -> torch.Tensor | SharedArray:
                      f"got {type(value).__name__}")
 
 
-def _unreplicated(session: Session | None, value: Any) -> bool:
+def _unreplicated(session: ParallelSession | None, value: Any) -> bool:
     if session is None or session.world_size == 1:
         return False
     return not (isinstance(value, torch.Tensor) and session.registry.knows(value))
@@ -129,7 +129,8 @@ def controller_call(f: FunctionSpec, args: tuple[Any, ...], kwargs: dict[str, An
     return _parallel_call(session, f, call, tensors)
 
 
-def _parallel_call(session: Session, f: FunctionSpec, call: Call, tensors: dict[str, torch.Tensor]) -> Any:
+def _parallel_call(session: ParallelSession, f: FunctionSpec, call: Call,
+                   tensors: dict[str, torch.Tensor]) -> Any:
     message, fresh = _command(session, f, call)
     call.watch = session.watcher.check_alive
     session.begin_call()  # from here a worker's death interrupts rank 0's share at once
@@ -188,7 +189,7 @@ def _parallel_call(session: Session, f: FunctionSpec, call: Call, tensors: dict[
     return result.value(dims)
 
 
-def _check_loaded(session: Session, f: FunctionSpec) -> None:
+def _check_loaded(session: ParallelSession, f: FunctionSpec) -> None:
     """Every worker's word that the new function, arguments and objects loaded."""
     failed = [(r, pickle.loads(m)) for r, m in enumerate(session.recv_all(session.timeout, "load"), 1)]
     failed = [(r, e) for r, e in failed if e is not None]
@@ -203,7 +204,7 @@ def _check_loaded(session: Session, f: FunctionSpec) -> None:
                           tb, user) from RemoteTraceback(tb)
 
 
-def _command(session: Session, f: FunctionSpec, call: Call) -> tuple[bytes, bool]:
+def _command(session: ParallelSession, f: FunctionSpec, call: Call) -> tuple[bytes, bool]:
     """The pickled command for one call (plain arguments only when they changed)."""
     session.check_open()
     registry = session.registry

@@ -4,10 +4,10 @@ registry of objects that live on every worker, and the session's books.
 Rank 0 is the calling process and computes its own share; ranks 1..n-1 are spawned workers
 running the entry point :func:`shoal.fork` gives (``shoal.parallel.worker.worker_main``).
 Tensors move only through torch.distributed (Gloo on CPU, NCCL for CUDA tensors). Commands
-and per-call status travel over one ``multiprocessing`` pipe per worker: a worker may wait
-for its next command for hours (a pipe has no timeout to trip), a dead worker shows up at
-once as its process sentinel, and a small message on a pipe costs tens of microseconds where
-a Gloo collective costs hundreds on a busy machine.
+and per-call status travel through the session's :class:`~shoal.core.pool.Pool`, one pipe
+per worker: a worker may wait for its next command for hours (a pipe has no timeout to
+trip), a dead worker shows up at once as its process sentinel, and a small message on a
+pipe costs tens of microseconds where a Gloo collective costs hundreds on a busy machine.
 
 A :class:`~shoal.parallel.watcher.Watcher` interrupts a call whose worker dies. A session
 that failed stays the current one, *broken*: every later call raises until :func:`fork`
@@ -20,11 +20,8 @@ from __future__ import annotations
 import atexit
 import contextlib
 import json
-import multiprocessing as mp
-import multiprocessing.connection
 import os
 import pickle
-import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -37,7 +34,8 @@ from shoal.core.failures import exit_status, first_line
 from shoal.core.files import atomic_write
 from shoal.core.group import join_group, loopback_gloo
 from shoal.core.limits import check_processes, check_threads
-from shoal.core.processes import loopback_store, start_process, stop_processes
+from shoal.core.pool import Pool, WorkerLost
+from shoal.core.processes import loopback_store
 from shoal.core.timeline import Timeline, chrome_trace
 from shoal.errors import ShoalError, WorkerError
 from shoal.parallel.context import Meter
@@ -46,7 +44,7 @@ from shoal.parallel.registry import Registry
 from shoal.parallel.watcher import Watcher
 
 
-class Session:
+class ParallelSession:
     """A running set of workers; created by :func:`shoal.fork`, which passes the workers'
     entry point ``worker_main``. With ``trace`` (a path) every rank keeps its spans and
     :meth:`close` writes them there as one Chrome trace, one lane per rank."""
@@ -82,8 +80,8 @@ class Session:
         self.closed = False
         self._threads_before = torch.get_num_threads()
         self.threads = default_threads(n) if threads is None else threads
-        self.procs: list[Any] = []
-        self.conns: list[Any] = []
+        self.pool = Pool()  # the workers: rank r's process and pipe
+        self.procs = self.pool.procs
         self._store: Any = None
         # Why the session broke (rank, or None for the controller's own abort; one line).
         self.broken: tuple[int | None, str] | None = None
@@ -116,14 +114,9 @@ class Session:
         # Not daemonic, so a function may start processes of its own (a DataLoader's workers);
         # close() runs at exit and PR_SET_PDEATHSIG covers a controller that dies outright.
         # Workers never run the caller's main program: functions reach them by value.
-        for rank in range(1, self.world_size):
-            ours, theirs = mp.Pipe()
-            p = start_process(worker_main, (rank, self.world_size, self._store.port, device, theirs,
-                                            self.timeout, self.threads, self.trace is not None),
-                              name=f"shoal-worker-{rank}")
-            theirs.close()
-            self.procs.append(p)
-            self.conns.append(ours)
+        self.pool.start(worker_main, range(1, self.world_size),
+                        (self.world_size, self._store.port, device, self.timeout, self.threads,
+                         self.trace is not None), name="shoal-worker")
         # Wait until every worker has imported torch (a dead one shows at once), then join.
         # Starting is allowed a minute even under a short call timeout: a loaded machine
         # can take that long to import torch in n processes.
@@ -175,12 +168,12 @@ class Session:
         lanes: dict[int, tuple[list[dict[str, Any]], int]] = {}
         try:
             if grace:
-                for conn in self.conns:
-                    with contextlib.suppress(OSError):
-                        conn.send_bytes(pickle.dumps((OP_CLOSE,)))
+                with contextlib.suppress(WorkerLost):
+                    self.pool.send_all(pickle.dumps((OP_CLOSE,)))
                 if self.trace is not None:
-                    lanes = self._collect_books(grace)
-            stop_processes(self.procs, grace)
+                    got, _ = self.pool.gather(grace, fail_fast=False)
+                    lanes = {rank: pickle.loads(books) for rank, books in got.items()}
+            self.pool.stop(grace)
         finally:
             self._teardown()
         if self.trace is not None:
@@ -189,17 +182,6 @@ class Session:
             except ShoalError:
                 if grace:  # an abort is on its way out with the error that caused it
                     raise
-
-    def _collect_books(self, grace: float) -> dict[int, tuple[list[dict[str, Any]], int]]:
-        """Each closing worker's Chrome events and bytes sent, by rank (those that answer
-        within ``grace`` seconds)."""
-        got: dict[int, tuple[list[dict[str, Any]], int]] = {}
-        deadline = time.monotonic() + grace
-        for rank, conn in enumerate(self.conns, start=1):
-            with contextlib.suppress(EOFError, OSError):
-                if conn.poll(max(0.0, deadline - time.monotonic())):
-                    got[rank] = pickle.loads(conn.recv_bytes())
-        return got
 
     def _write_trace(self, books: dict[int, tuple[list[dict[str, Any]], int]]) -> None:
         """Write every rank's spans as one Chrome trace, atomically (a failed write is one
@@ -213,8 +195,7 @@ class Session:
 
     def _teardown(self) -> None:
         self.watcher.stop()
-        for conn in self.conns:
-            conn.close()
+        self.pool.close()
         if dist.is_initialized():
             with contextlib.suppress(Exception):
                 dist.destroy_process_group()
@@ -228,7 +209,7 @@ class Session:
         if _CURRENT is self:
             _CURRENT = None
 
-    def __enter__(self) -> Session:
+    def __enter__(self) -> ParallelSession:
         return self
 
     def __exit__(self, exc_type: Any, *exc: Any) -> None:
@@ -246,35 +227,21 @@ class Session:
             raise ShoalError("this parallel session is closed; call shoal.fork() again")
 
     def send_all(self, msg: bytes) -> None:
-        for rank, conn in enumerate(self.conns, start=1):
-            try:
-                conn.send_bytes(msg)
-            except OSError:
-                raise self.failure(f"lost worker {rank}") from None
+        try:
+            self.pool.send_all(msg)
+        except WorkerLost as lost:
+            raise self.failure(f"lost worker {lost.rank}") from None
 
     def recv_all(self, timeout: float, what: str = "answer") -> list[bytes]:
         """One message from every worker, in rank order; a dead or silent worker raises."""
-        got: dict[int, bytes] = {}
-        deadline = time.monotonic() + timeout
-        index = {conn: r for r, conn in enumerate(self.conns, start=1)}
-        sentinels = {p.sentinel: r for r, p in enumerate(self.procs, start=1)}
-        while len(got) < len(self.conns):
-            waiting = [c for c, r in index.items() if r not in got]
-            left = deadline - time.monotonic()
-            if left <= 0:
-                missing = sorted(r for r in index.values() if r not in got)
-                why = f"did not {what} within {timeout:g} s"
-                self.abort((missing[0], why))
-                raise WorkerError(missing[0], f"{why} (raise shoal.fork(timeout=...) for longer calls)")
-            ready = mp.connection.wait(waiting + list(sentinels), timeout=left)
-            for obj in ready:
-                if obj in sentinels:
-                    continue
-                with contextlib.suppress(EOFError, OSError):
-                    got[index[obj]] = obj.recv_bytes()
-            if any(s in ready for s in sentinels):
-                raise self.failure()
-        return [got[r] for r in range(1, self.world_size)]
+        try:
+            return self.pool.recv_all(timeout)
+        except WorkerLost as lost:
+            if not lost.timed_out:
+                raise self.failure() from None
+            why = f"did not {what} within {timeout:g} s"
+            self.abort((lost.rank, why))
+            raise WorkerError(lost.rank, f"{why} (raise shoal.fork(timeout=...) for longer calls)") from None
 
     def failure(self, fallback: str = "the parallel session broke") -> WorkerError:
         """Abort the session and describe why: the first worker that died, if any did."""
@@ -288,15 +255,15 @@ class Session:
         return WorkerError(rank, f"{why}; the parallel session is closed")
 
 
-_CURRENT: Session | None = None
+_CURRENT: ParallelSession | None = None
 
 
-def current() -> Session | None:
+def current() -> ParallelSession | None:
     """The open session of this (controller) process, if any."""
     return _CURRENT if _CURRENT is not None and not _CURRENT.closed else None
 
 
-def active() -> Session | None:
+def active() -> ParallelSession | None:
     """The session a call should use: the open one, or None (the call runs serially). A
     session that broke raises until :func:`fork` starts a new one or :func:`close` ends it."""
     session = _CURRENT
@@ -305,7 +272,7 @@ def active() -> Session | None:
     return session if session is not None and not session.closed else None
 
 
-def make_current(session: Session) -> Session:
+def make_current(session: ParallelSession) -> ParallelSession:
     """Make a newly started ``session`` the one calls use (:func:`shoal.fork` does)."""
     global _CURRENT
     _CURRENT = session

@@ -7,12 +7,12 @@ import os
 
 from shoal.errors import ShoalError
 from shoal.parallel.context import in_function
-from shoal.parallel.session import Session, current, make_current
+from shoal.parallel.session import ParallelSession, current, make_current
 from shoal.parallel.worker import worker_main
 
 
 def fork(n: int, device: str = "cpu", *, timeout: float = 600.0, threads: int | None = None,
-         trace: str | os.PathLike[str] | None = None) -> Session:
+         trace: str | os.PathLike[str] | None = None) -> ParallelSession:
     """Start ``n - 1`` workers; this process is rank 0 and computes its share too.
 
     ``device``: ``cpu`` (Gloo) or ``cuda`` (rank r on GPU r; NCCL for tensors). ``timeout``
@@ -30,4 +30,4 @@ def fork(n: int, device: str = "cpu", *, timeout: float = 600.0, threads: int | 
         raise ShoalError("shoal.fork cannot be called inside a parallel function")
     if current() is not None:
         raise ShoalError("a parallel session is already open; call shoal.close() first")
-    return make_current(Session(n, device, timeout, threads, worker_main=worker_main, trace=trace))
+    return make_current(ParallelSession(n, device, timeout, threads, worker_main=worker_main, trace=trace))

@@ -108,10 +108,10 @@ class Worker:
             return self.conn.recv_bytes()[:1] == GO
 
 
-def worker_main(rank: int, world_size: int, port: int, device: str, conn: Any, timeout: float,
+def worker_main(conn: Any, rank: int, world_size: int, port: int, device: str, timeout: float,
                 threads: int, trace: bool) -> None:
-    """Entry point of a spawned worker (rank >= 1); with ``trace`` it keeps its spans and
-    sends them to the controller when told to close."""
+    """Entry point of a spawned worker (rank >= 1; ``conn``: its pipe in the session's pool);
+    with ``trace`` it keeps its spans and sends them to the controller when told to close."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the controller's to handle
     torch.set_num_threads(threads)
     dev = torch.device("cpu")

@@ -41,7 +41,7 @@ from shoal.plan.search import (
     explain,
     trial_scale,
 )
-from shoal.plan.session import Session
+from shoal.plan.session import PlanningSession
 from shoal.schema import parse_duration
 from shoal.strategies import get_strategy
 from shoal.sweep.runner import Launcher
@@ -119,9 +119,9 @@ class Planner:
         self.measured: list[Trial] = []  # every trial so far
         self.startups: list[float] = []  # the jobs' start-ups (and ends) measured so far
         #: The trials in the job's own layout run one after another in one set of workers.
-        self.session = Session(launcher, dataclasses.replace(cfg, out=str(out / "trials")),
-                               workers, (out / "trials" / "sessions").resolve(),
-                               timeout=launcher.timeout)
+        self.session = PlanningSession(launcher, dataclasses.replace(cfg, out=str(out / "trials")),
+                                       workers, (out / "trials" / "sessions").resolve(),
+                                       timeout=launcher.timeout)
 
     # -- candidates and their run settings --------------------------------------------------
     def starts(self) -> tuple[list[Candidate], list[Candidate]]:

@@ -31,7 +31,8 @@ from typing import Any, ClassVar
 import torch
 from torch import nn
 
-from shoal.core.ps import ORDERS, Header
+from shoal.core.pairs import Header
+from shoal.ps.admission import ORDERS
 from shoal.strategies.asynchronous import AsyncElasticOptions, AsyncStrategy
 from shoal.strategies.registry import register
 
@@ -41,6 +42,7 @@ class ElasticRule:
     with the worker's ``x`` (the payload) and ``alpha`` (its header's)."""
 
     locked = True
+    fields = ("alpha",)  #: the worker's moving rate
 
     def __init__(self, center: torch.Tensor, options: Any = None) -> None:
         self.center = center  # x~: this server's shard, updated in place
@@ -50,7 +52,7 @@ class ElasticRule:
     def apply(self, header: Header, payload: torch.Tensor, reply: torch.Tensor) -> None:
         reply.copy_(self.center)
         d = torch.sub(payload, reply, out=self._d)
-        self.center.add_(d, alpha=header.alpha)
+        self.center.add_(d, alpha=header.fields["alpha"])
 
     def state_dict(self) -> dict:
         return {}

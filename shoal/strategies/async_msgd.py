@@ -25,7 +25,7 @@ from typing import Any
 
 import torch
 
-from shoal.core.ps import Header
+from shoal.core.pairs import Header
 from shoal.strategies.async_sgd import AsyncSGD, SGDRule
 from shoal.strategies.registry import register
 
@@ -34,6 +34,7 @@ class MomentumRule(SGDRule):
     """The server's step for each push: ``v <- mu v + (g + lambda x); x <- x - eta v``."""
 
     locked = True
+    fields = ("lr", "momentum", "weight_decay")
 
     def __init__(self, center: torch.Tensor, options: Any = None) -> None:
         super().__init__(center, options)
@@ -42,8 +43,8 @@ class MomentumRule(SGDRule):
     @torch.no_grad()
     def apply(self, header: Header, payload: torch.Tensor, reply: torch.Tensor) -> None:
         d = self.direction(header, payload)
-        self.velocity.mul_(header.momentum).add_(d)
-        self.center.add_(self.velocity, alpha=-header.lr)
+        self.velocity.mul_(header.fields["momentum"]).add_(d)
+        self.center.add_(self.velocity, alpha=-header.fields["lr"])
         reply.copy_(self.center)
 
     def state_dict(self) -> dict:

@@ -25,7 +25,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from shoal.core.ps import Header
+from shoal.core.pairs import Header
 from shoal.strategies.asynchronous import AsyncOptions, AsyncStrategy, check_server_sgd, one_setting
 from shoal.strategies.registry import register
 
@@ -34,6 +34,8 @@ class SGDRule:
     """The server's step for each push: ``x <- x - eta (g + lambda x)``."""
 
     locked = True
+    #: The worker's learning rate and weight decay at the step it pushed (its optimizer's).
+    fields = ("lr", "weight_decay")
 
     def __init__(self, center: torch.Tensor, options: Any = None) -> None:
         self.center = center  # x: this server's shard, updated in place
@@ -42,13 +44,14 @@ class SGDRule:
     @torch.no_grad()
     def apply(self, header: Header, payload: torch.Tensor, reply: torch.Tensor) -> None:
         d = self.direction(header, payload)
-        self.center.add_(d, alpha=-header.lr)
+        self.center.add_(d, alpha=-header.fields["lr"])
         reply.copy_(self.center)
 
     def direction(self, header: Header, g: torch.Tensor) -> torch.Tensor:
         """``g + lambda x`` (the gradient with weight decay), in a buffer of the rule's."""
-        if header.weight_decay:
-            return torch.add(g, self.center, alpha=header.weight_decay, out=self._d)
+        decay = header.fields["weight_decay"]
+        if decay:
+            return torch.add(g, self.center, alpha=decay, out=self._d)
         return self._d.copy_(g)
 
     def state_dict(self) -> dict:

@@ -2,23 +2,26 @@
 
 A worker of an asynchronous strategy talks only to the parameter server(s) that hold the
 shared vector (the parameters of ``async-sgd``/``async-msgd``, the center ``x~`` of the
-elastic ones), through ``comm.ps``: a :class:`~shoal.core.ps.ServerClient` in a job started
-by ``shoal train``, a :class:`~shoal.core.ps.LoopbackClient` in one process. Every message is
-one flat vector laid out as :func:`~shoal.strategies.easgd.parameter_order` (each optimizer
-group one contiguous slice), split over the servers in contiguous ranges by the client.
+elastic ones), through ``comm.ps`` (a :class:`~shoal.core.pairs.Client`: the
+:class:`~shoal.ps.client.ServerClient` of a job started by ``shoal train``), which books each
+exchange on the worker's Comm. Every message is one flat vector laid out as
+:func:`~shoal.strategies.easgd.parameter_order` (each optimizer group one contiguous slice),
+split over the servers in contiguous ranges by the client.
 
 A strategy class says what runs where:
 
 - the worker: :meth:`AsyncStrategy.step` (its own update, and an exchange when one is due);
 - the server: :attr:`AsyncStrategy.Rule`, built by each server process as
   ``Rule(center_shard, options)`` for its shard; it implements
-  :class:`~shoal.core.ps.ServerRule`: ``apply(header, payload, reply)`` for each EXCHANGE,
-  in the order the server takes them, under the shard's lock unless ``locked`` is False.
+  :class:`~shoal.ps.server.ServerRule`: ``apply(header, payload, reply)`` for each EXCHANGE,
+  in the order the options' :class:`~shoal.ps.admission.Admission` lets them through, under
+  the shard's lock unless ``locked`` is False.
 
-The learning rate, momentum and weight decay a server rule applies travel in each message's
-:class:`~shoal.core.ps.Header` (the worker's optimizer group's values at that step), so
-learning-rate schedules apply on the server as they would locally; the elastic moving rate
-``alpha`` travels there too.
+A rule names the values it reads in ``fields`` (``("lr", "momentum", "weight_decay")``,
+``("alpha",)``); each message's header carries them (:meth:`AsyncStrategy.header`): an
+optimizer setting of the worker's first group at that step, so learning-rate schedules apply
+on the server as they would locally, or else the strategy's attribute of that name (the
+elastic moving rate ``alpha``).
 
 Every strategy here can be built without a server (``comm.ps`` is ``None``: the preflight
 check, ``shoal.strategy`` in a job that has none); only :meth:`AsyncStrategy.step` then says
@@ -36,15 +39,16 @@ import torch
 from torch import nn
 
 from shoal.core import FlatParams
-from shoal.core.ps import EXCHANGE, ORDERS, PULL, REPORT, Header
+from shoal.core.pairs import Client, Header, Kind
 from shoal.errors import ShoalError
+from shoal.ps.admission import ORDERS, Admission, check_settings
 from shoal.schema import flag_name
 from shoal.strategies.base import Strategy
 from shoal.strategies.easgd import parameter_order
 
 if TYPE_CHECKING:
     from shoal.core.comm import Comm
-    from shoal.core.ps import ServerRule
+    from shoal.ps.server import ServerRule
 
 @dataclasses.dataclass
 class AsyncOptions:
@@ -57,6 +61,9 @@ class AsyncOptions:
         "help": "hold a worker's exchange while it would leave another worker more than this "
                 "many server versions behind (at least workers - 1; default: no bound)"})
 
+    #: What one of the clients that push exchanges is called (in messages).
+    pusher: ClassVar[str] = "worker"
+
     @property
     def order(self) -> str:
         """The order in which the server takes exchanges: arrival (first come, first served)."""
@@ -65,18 +72,23 @@ class AsyncOptions:
     def validate(self) -> None:
         if self.servers < 1:
             raise ShoalError(f"{flag_name('servers')} must be at least 1, got {self.servers}")
-        if self.max_staleness is not None and self.max_staleness < 0:
-            raise ShoalError(f"{flag_name('max_staleness')} must be at least 0, "
-                             f"got {self.max_staleness}")
+        check_settings(self.order, self.max_staleness)
+
+    def pushers(self, workers: int) -> list[int]:
+        """The workers that push exchanges to the servers: all of them, unless a strategy's
+        workers share one push (as a compute group's do)."""
+        return list(range(workers))
+
+    def admission(self, workers: int) -> Admission:
+        """When the servers apply the exchanges of ``workers`` workers (order, staleness
+        bound); building it checks that the bound lets every pusher through."""
+        return Admission(tuple(self.pushers(workers)), self.order, self.max_staleness,
+                         self.pusher)
 
     def check_workers(self, workers: int) -> None:
-        """The staleness bound must let every worker through: while one worker waits, the
-        other ``workers - 1`` may each push once (round robin needs exactly that)."""
-        bound = self.max_staleness
-        if bound is not None and workers > 1 and bound < workers - 1:
-            raise ShoalError(f"{flag_name('max_staleness')} {bound} with {workers} workers: a "
-                             f"worker waits for the {workers - 1} others to push, so the bound "
-                             f"must be at least {workers - 1} (workers - 1)")
+        """The staleness bound must let every pusher through: while one waits, the others
+        may each push once (round robin needs exactly that)."""
+        self.admission(workers)
 
 
 @dataclasses.dataclass
@@ -101,9 +113,6 @@ class AsyncElasticOptions(AsyncOptions):
             raise ShoalError(f"{flag_name('tau')} must be at least 1, got {self.tau}")
         if self.alpha is not None and not 0 <= self.alpha <= 1:
             raise ShoalError(f"{flag_name('alpha')} must be in [0, 1], got {self.alpha}")
-        if self.order not in ORDERS:
-            raise ShoalError(f"{flag_name('order')} must be one of {', '.join(ORDERS)}, "
-                             f"got {self.order!r}")
         if self.order not in self.orders:
             raise ShoalError(f"{flag_name('order')} {self.order} is async-easgd's alone (the "
                              "original EASGD's round-robin master); this strategy's server "
@@ -131,7 +140,7 @@ class AsyncStrategy(Strategy):
     shared_memory: ClassVar[bool] = False
     replicas_in_sync: ClassVar[bool] = False
     #: What a server applies to its shard: ``Rule(center_shard, options)`` is a
-    #: :class:`~shoal.core.ps.ServerRule`.
+    #: :class:`~shoal.ps.server.ServerRule`.
     Rule: ClassVar[Callable[[torch.Tensor, Any], ServerRule] | None] = None
 
     def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, comm: Comm,
@@ -150,7 +159,7 @@ class AsyncStrategy(Strategy):
 
     # -- the server ---------------------------------------------------------------------------
     @property
-    def client(self) -> Any:
+    def client(self) -> Client | None:
         """``comm.ps``: this worker's end of the parameter servers, or ``None``."""
         return getattr(self.comm, "ps", None)
 
@@ -161,30 +170,40 @@ class AsyncStrategy(Strategy):
         return True
 
     @classmethod
-    def pushers(cls, options: Any, workers: int) -> list[int]:
-        """The workers that push exchanges to the servers (all, unless a strategy's workers
-        share one push, as a compute group does); the order and the staleness bound are
-        theirs."""
-        return list(range(workers))
+    def admission(cls, options: Any, workers: int) -> Admission:
+        """When the servers apply the exchanges of ``workers`` workers: the options' (the
+        order, the staleness bound, the pushers), or every worker in arrival order."""
+        make = getattr(options, "admission", None)
+        return make(workers) if make is not None else Admission(tuple(range(workers)))
 
-    def server(self) -> Any:
+    def server(self) -> Client:
         """:attr:`client`, which must exist."""
         client = self.client
         if client is None:
             raise ShoalError(f"strategy {self.name} trains through a parameter server, and this "
-                             "job has none: run it with shoal train (or give the Comm a "
-                             "shoal.core.ps.LoopbackClient as comm.ps)")
+                             "job has none: run it with shoal train (or give its Comm a "
+                             "client of the servers as comm.ps)")
         return client
 
     def header(self, kind: int) -> Header:
-        """The header of a message: where this worker stands, and the optimizer's settings
-        of its first group (the server applies them). The client fills in ``version``."""
-        group = self.optimizer.param_groups[0]
+        """The header of a message: where this worker stands and, for an exchange, the
+        values of the fields the server's rule reads. The client fills in ``version``."""
         return Header(kind=kind, client=self.comm.rank, clock=self.clock, step=self.steps,
-                      samples=self.samples, lr=float(group["lr"]),
-                      momentum=float(group.get("momentum", 0.0)),
-                      weight_decay=float(group.get("weight_decay", 0.0)),
-                      alpha=float(getattr(self, "alpha", 0.0)))
+                      samples=self.samples,
+                      fields=self.rule_fields() if kind == Kind.EXCHANGE else {})
+
+    def rule_fields(self) -> dict[str, float]:
+        """Each field of ``Rule.fields``: the optimizer setting of that name in the first
+        group at this step (so schedules apply on the server), else this strategy's
+        attribute of that name."""
+        group, values = self.optimizer.param_groups[0], {}
+        for name in getattr(self.Rule, "fields", ()):
+            value = group[name] if name in group else getattr(self, name, None)
+            if value is None:
+                raise ShoalError(f"strategy {self.name}'s server rule reads {name!r}, which is "
+                                 "neither an optimizer setting nor an attribute of the strategy")
+            values[name] = float(value)
+        return values
 
     @torch.no_grad()
     def start(self) -> None:
@@ -201,7 +220,7 @@ class AsyncStrategy(Strategy):
     def pull(self) -> None:
         """Set the parameters to the server's vector."""
         reply = self._host(self.flat.buffer, "reply")
-        self.server().pull(reply, self.header(PULL))
+        self.server().pull(reply, self.header(Kind.PULL))
         if reply is not self.flat.buffer:
             self.flat.buffer.copy_(reply)
         self.flat.unpack()
@@ -214,7 +233,7 @@ class AsyncStrategy(Strategy):
         sent, back = self._host(payload, "payload"), self._host(reply, "reply")
         if sent is not payload:
             sent.copy_(payload)
-        self.server().exchange(sent, back, self.header(EXCHANGE))
+        self.server().exchange(sent, back, self.header(Kind.EXCHANGE))
         if back is not reply:
             reply.copy_(back)
         self.clock += 1
@@ -233,7 +252,7 @@ class AsyncStrategy(Strategy):
     def report(self, obj: Any) -> None:
         """Send ``obj`` (the trainer's epoch records, checkpoint state, final totals) to the
         coordinator, server 0, with this worker's header (step, samples, exchanges)."""
-        self.server().report(obj, self.header(REPORT))
+        self.server().report(obj, self.header(Kind.REPORT))
 
     def finish(self) -> None:
         """Leave the servers cleanly (BYE): this worker is done, not lost. Idempotent."""

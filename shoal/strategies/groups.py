@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 import torch.distributed as dist
@@ -38,7 +38,7 @@ from torch import nn
 
 from shoal.core.env import Environment
 from shoal.core.group import join_group
-from shoal.core.ops import split_sizes
+from shoal.core.ops import split_ranges, split_sizes
 from shoal.errors import ShoalError
 from shoal.schema import flag_name
 from shoal.strategies.async_msgd import MomentumRule
@@ -60,26 +60,25 @@ class GroupOptions(AsyncOptions):
         if self.groups < 1:
             raise ShoalError(f"{flag_name('groups')} must be at least 1, got {self.groups}")
 
+    #: The groups' leaders push: the staleness bound counts groups.
+    pusher: ClassVar[str] = "group"
+
     def check_workers(self, workers: int) -> None:
         """At most one group per worker; the staleness bound counts groups (their leaders
         push), so it must be at least ``groups - 1``."""
         if self.groups > workers:
             raise ShoalError(f"{flag_name('groups')} {self.groups} with {workers} workers: a "
                              "group needs a worker at least")
-        bound = self.max_staleness
-        if bound is not None and bound < self.groups - 1:
-            raise ShoalError(f"{flag_name('max_staleness')} {bound} with {self.groups} groups: "
-                             f"a group waits for the {self.groups - 1} others to push, so the "
-                             f"bound must be at least {self.groups - 1} (groups - 1)")
+        super().check_workers(workers)
+
+    def pushers(self, workers: int) -> list[int]:
+        """The group leaders: the first worker of each group pushes its group's gradient."""
+        return [first for first, _ in group_bounds(workers, self.groups)]
 
 
 def group_bounds(workers: int, groups: int) -> list[tuple[int, int]]:
     """The ``[first, end)`` workers of each compute group: contiguous, as even as possible."""
-    bounds, first = [], 0
-    for size in split_sizes(workers, groups):
-        bounds.append((first, first + size))
-        first += size
-    return bounds
+    return split_ranges(workers, groups)
 
 
 @register
@@ -129,11 +128,6 @@ class ComputeGroups(AsyncStrategy):
         """A group of several workers all-reduces in NCCL: one GPU each, unless every group
         is one worker."""
         return options.groups >= workers
-
-    @classmethod
-    def pushers(cls, options: GroupOptions, workers: int) -> list[int]:
-        """The group leaders: the first worker of each group pushes its group's gradient."""
-        return [first for first, _ in group_bounds(workers, options.groups)]
 
     @property
     def stop_peers(self) -> Any:

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import torch
 
-from shoal.core.ps import Header
+from shoal.core.pairs import Header
 from shoal.strategies.async_easgd import AsyncElasticBase, ElasticRule
 from shoal.strategies.asynchronous import AsyncElasticOptions
 from shoal.strategies.registry import register
@@ -35,7 +35,7 @@ class UnlockedElasticRule(ElasticRule):
     @torch.no_grad()
     def apply(self, header: Header, payload: torch.Tensor, reply: torch.Tensor) -> None:
         reply.copy_(self.center)
-        self.center.add_(payload - reply, alpha=header.alpha)  # a buffer of this call's own
+        self.center.add_(payload - reply, alpha=header.fields["alpha"])  # a buffer of this call's own
 
 
 @register

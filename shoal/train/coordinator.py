@@ -34,21 +34,15 @@ from shoal.config import TrainConfig
 from shoal.core.comm import Comm
 from shoal.core.env import Environment
 from shoal.core.flat import FlatParams
-from shoal.core.ps import PULL, Header, ServerClient, ShardServer
 from shoal.core.timeline import Timeline
 from shoal.data import Dataset, EpochPlan
 from shoal.errors import JobError, ShoalError
 from shoal.models import count_parameters
+from shoal.ps import ServerClient, ShardServer, keepalive, staleness_summary
 from shoal.train.checkpoint import EVAL_MODEL, save_checkpoint, to_cpu
 from shoal.train.recorder import Recorder
 from shoal.train.records import write_json, write_trace
 from shoal.train.state import RunState
-
-
-def keepalive(timeout: float) -> float:
-    """How often an idle client pings its servers: a worker of hogwild (which only reports
-    at its epochs' ends) or the coordinator must not look lost after ``timeout``."""
-    return min(timeout / 3, 30.0)
 
 
 class WorkerFailed(ShoalError):
@@ -267,7 +261,7 @@ class Coordinator:
         lo, hi = self.ranges[0]
         full[lo:hi] = self.shard.snapshot()[: hi - lo]
         if self.client is not None:
-            self.client.pull(full, Header(PULL, self.workers))
+            self.client.pull(full)
         return full
 
     @torch.no_grad()
@@ -352,18 +346,16 @@ class Coordinator:
         return summary
 
     def _extras(self, shard: ShardServer) -> dict[str, Any]:
-        """What an asynchronous run's summary adds: servers, staleness, lost workers."""
-        hist = shard.staleness
-        updates = sum(hist.values())
+        """What an asynchronous run's summary adds: servers, staleness (every shard's),
+        lost workers."""
+        hists = [dict(shard.staleness)]
+        if self.client is not None:
+            hists += [self.client.fetch_state(s)["staleness"] for s in range(1, self.servers)]
         finals = self.finals.values()
         return {
             "device": ", ".join(sorted({str(r.get("device", "cpu")) for r in finals})),
             "servers": self.servers,
-            "staleness": {"histogram": {str(k): v for k, v in sorted(hist.items())},
-                          "updates": updates,
-                          "max": max(hist) if hist else 0,
-                          "mean": (sum(k * v for k, v in hist.items()) / updates
-                                   if updates else 0.0)},
+            "staleness": staleness_summary(hists),
             "lost_workers": [self.lost[w] for w in sorted(self.lost)],
             "degraded": bool(self.lost),
         }

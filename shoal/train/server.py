@@ -7,12 +7,12 @@ torchrun the first ``k`` ranks (on the node holding the endpoint) are the server
 
 - Server ``s`` holds the ``s``-th contiguous range of the flat parameter vector (the center)
   and serves each worker on a two-rank Gloo pair of its own
-  (:class:`~shoal.core.ps.ShardServer`): one dead worker breaks only its own pair.
+  (:func:`shoal.ps.serve_shard`): one dead worker breaks only its own pair.
 - Server 0 is also the run's **coordinator** (:class:`~shoal.train.coordinator.Coordinator`):
   workers never talk to each other, so it keeps ``--out`` from their reports (epoch
   records, ``checkpoint.pt``, ``summary.json``).
 - Workers run the usual :class:`~shoal.train.trainer.Trainer`, detached: no process group
-  among them, every exchange through their :class:`~shoal.core.ps.ServerClient`. Each stops
+  among them, every exchange through their client (:func:`shoal.ps.connect_worker`). Each stops
   on SIGTERM after its own current step; the checkpoint keeps each one's position.
 
 A worker killed mid-run (``kill -9``) breaks its pairs: the servers mark it lost and the run
@@ -39,17 +39,17 @@ from shoal.core.env import Environment, default_threads, pick_device
 from shoal.core.failures import first_line
 from shoal.core.flat import FlatParams
 from shoal.core.group import job_store
-from shoal.core.ops import split_sizes
-from shoal.core.ps import ServerClient, ShardServer
+from shoal.core.ops import split_ranges
 from shoal.core.timeline import Timeline
 from shoal.data import Dataset, load_dataset
 from shoal.errors import ShoalError
 from shoal.models import build_model
+from shoal.ps import connect_worker, serve_shard
 from shoal.strategies import Strategy, get_strategy, make_options
 from shoal.strategies.easgd import parameter_order
 from shoal.strategies.hogwild import PATH_KEY, create_shared_file, map_shared_file
 from shoal.train.checkpoint import load_checkpoint
-from shoal.train.coordinator import Coordinator, keepalive
+from shoal.train.coordinator import Coordinator
 from shoal.train.optim import build_optimizer
 
 #: Seconds a failing worker waits for server 0 to take its failure report.
@@ -68,11 +68,7 @@ def server_count(cfg: TrainConfig) -> int:
 
 def shard_ranges(n: int, servers: int) -> list[tuple[int, int]]:
     """The contiguous ``[lo, hi)`` range of the flat vector each server holds."""
-    ranges, lo = [], 0
-    for size in split_sizes(n, servers):
-        ranges.append((lo, lo + size))
-        lo += size
-    return ranges
+    return split_ranges(n, servers)
 
 
 def _initial_model(cfg: TrainConfig, data: Dataset, workers: int,
@@ -125,10 +121,7 @@ def _run_worker(cfg: TrainConfig, env: Environment, data: Dataset, worker: int, 
     device = pick_device(cfg.device, max(0, local_rank), max(1, local_workers), share=True)
     comm = Comm(mine, device, Timeline(keep_events=cfg.trace), peers=False)
     model, flat = _initial_model(cfg, data, workers)
-    client = ServerClient(store, worker, shard_ranges(flat.numel, servers), timeout=cfg.timeout,
-                          timeline=comm.timeline, count=comm.count,
-                          keepalive=keepalive(cfg.timeout))
-    comm.ps = client
+    client = connect_worker(store, worker, shard_ranges(flat.numel, servers), cfg.timeout, comm)
     comm.store = store  # hogwild finds the shared file through it
     try:
         Trainer(cfg, comm, data).run()
@@ -173,22 +166,15 @@ def _run_server(cfg: TrainConfig, env: Environment, data: Dataset, server: int, 
     if server == 0:
         coordinator = Coordinator(cfg, data, model, flat, store, ranges, workers, payload,
                                   start if start is not None and cfg.init_progress else None)
-    shard = ShardServer(
-        store, server, workers + (1 if server > 0 else 0), rule, center, timeout=cfg.timeout,
-        max_staleness=getattr(options, "max_staleness", None),
-        order=getattr(options, "order", "arrival"), workers=workers,
-        pushers=strategy_cls.pushers(options, workers),
-        on_report=coordinator.on_report if coordinator is not None else None)
-    if payload is not None and shared_path is None:
-        shard.load_state(payload["servers"][server])
     try:
-        shard.start()
-        if coordinator is not None:
-            return coordinator.run(shard)
-        shard.wait(None)
-        return None
+        return serve_shard(
+            store, server, workers + (1 if server > 0 else 0), rule, center,
+            strategy_cls.admission(options, workers), timeout=cfg.timeout,
+            state=payload["servers"][server] if payload is not None and shared_path is None
+            else None,
+            on_report=coordinator.on_report if coordinator is not None else None,
+            during=coordinator.run if coordinator is not None else None)
     finally:
-        shard.close()
         if shared_path is not None:
             with contextlib.suppress(OSError):
                 os.unlink(shared_path)

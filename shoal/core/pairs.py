@@ -1,0 +1,338 @@
+"""The parameter server's transport: two-rank Gloo pairs, their messages and their failures.
+
+An asynchronous job's servers and clients talk over one pair each (:class:`PairChannel`:
+``ProcessGroupGloo`` on ``PrefixStore(f"ps/{server}/{client}", store)``, server = pair rank
+0, client = pair rank 1), so a dead client breaks only its own pair. Built on Gloo's
+point-to-point ``send``/``recv``, not on ``torch.distributed.rpc``. What a server does with
+the messages is :mod:`shoal.ps`'s; this module knows no server rule and no strategy.
+
+**Messages.** Every request and reply is a :class:`Header` (one small float64 tensor)
+followed by at most one payload: a vector (the client's shard slice, or the shard back) or
+a pickled object. Headers, vectors and pickled bytes travel on three Gloo tags
+(:data:`TAG_HEAD`, :data:`TAG_DATA`, :data:`TAG_BYTES`), each tag's messages matched in
+order, so a server can post the receive of a worker's next vector before its header
+arrives: Gloo moves a message only once its receive is posted.
+
+**Header fields.** A header carries the transport's fields (kind, client, versions and the
+worker's progress) and, opaque here, the named values its server's update rule reads (a
+learning rate, a moving rate): the rule declares their names, the server's end of each pair
+sets them in the pair's store prefix before it connects, and the client's end reads them
+once connected, so both pack the same header.
+
+**Dead and hung peers.** Gloo fails a pending ``send``/``recv`` as soon as the connection is
+reset, so a peer killed with ``kill -9`` is detected within milliseconds. A peer that is
+alive but silent (stopped, hung, or computing longer than ``timeout``) is detected when the
+wait's ``timeout`` expires. Either way the pair is broken for good (Gloo closes a pair whose
+operation timed out) and every later use raises :class:`ChannelError`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import enum
+import pickle
+import threading
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field, replace
+from datetime import timedelta
+from typing import Any, Protocol
+
+import torch
+import torch.distributed as dist
+
+from shoal.errors import ShoalError
+
+
+class Kind(enum.IntEnum):
+    """Message kinds (a request's :attr:`Header.kind`; a reply echoes it, or is ERROR)."""
+
+    EXCHANGE = 0  #: a payload out, the rule's reply back
+    PULL = 1  #: the shard back
+    REPORT = 2  #: a pickled object for server 0's coordinator
+    STATE = 3  #: the shard's state back, pickled
+    BYE = 4  #: a clean leave
+    PING = 5  #: keep-alive from an idle client (no reply)
+    ERROR = 6  #: a reply that carries an error message
+
+
+#: Gloo tags of a pair's messages: each tag's messages are matched in order, so a server
+#: can post the receive of a worker's next vector (``TAG_DATA``) before its header arrives.
+TAG_HEAD, TAG_DATA, TAG_BYTES = 0, 1, 2
+
+#: The transport's own header fields, in the order they travel.
+BASE_FIELDS = ("kind", "client", "clock", "version", "step", "samples", "nbytes")
+HEADER_SIZE = len(BASE_FIELDS)  #: values in a header whose rule reads no field
+#: The most rule fields a header carries (each is one float64 of every message).
+MAX_RULE_FIELDS = 32
+_FIELDS_KEY = "shoal_rule_fields"  # where a pair's server sets its rule's field names
+
+
+@dataclass
+class Header:
+    """The fixed-size part of every message, sent as one float64 tensor (exact for integers
+    below 2**53) before the payload."""
+
+    kind: int
+    client: int
+    clock: int = 0  #: this client's number of exchanges so far (set by the caller)
+    #: in a request: the server version the client last pulled (set by the client per
+    #: server); in a reply: the server's version now
+    version: int = 0
+    step: int = 0  #: the worker's optimizer step count
+    samples: int = 0  #: samples this worker has trained on so far
+    nbytes: int = 0  #: length of a pickled object that follows (REPORT, STATE, ERROR)
+    #: the values the server's rule reads, by name (missing ones travel as 0)
+    fields: dict[str, float] = field(default_factory=dict)
+
+    def pack(self, names: Sequence[str] = ()) -> torch.Tensor:
+        """This header as a float64 tensor: the transport's fields, then ``names``' values."""
+        values = [float(getattr(self, name)) for name in BASE_FIELDS]
+        values += [float(self.fields.get(name, 0.0)) for name in names]
+        return torch.tensor(values, dtype=torch.float64)
+
+    @classmethod
+    def unpack(cls, t: torch.Tensor, names: Sequence[str] = ()) -> Header:
+        """The header packed in ``t`` (as :meth:`pack` made it with ``names``)."""
+        values = t.tolist()
+        base = [int(v) for v in values[:HEADER_SIZE]]
+        return cls(*base, fields=dict(zip(names, values[HEADER_SIZE:], strict=True)))
+
+
+class ChannelError(ShoalError):
+    """The peer of a pair is gone (connection closed: killed, crashed, exited) or was silent
+    past the timeout. The message names the pair and the reason, on one line."""
+
+    #: The echo of another process's failure: a launcher reports that one as the cause.
+    echo = True
+
+
+class Client(Protocol):
+    """A worker's end of the parameter servers, as its :class:`~shoal.core.comm.Comm` holds
+    it (``comm.ps``): :class:`shoal.ps.client.ServerClient` in a job, a test's in-process
+    double. Its exchanges are booked on that Comm (time as communication, payload bytes)."""
+
+    versions: list[int]  #: the last version seen of each server
+    timeout: float  #: seconds any wait for a server may take
+
+    def exchange(self, payload: torch.Tensor, reply: torch.Tensor, header: Header) -> None:
+        """Send every server its slice of ``payload``; receive each reply into ``reply``."""
+
+    def pull(self, reply: torch.Tensor, header: Header | None = None) -> None:
+        """Receive every server's shard into its slice of ``reply``."""
+
+    def report(self, obj: Any, header: Header | None = None,
+               timeout: float | None = None) -> None:
+        """Send ``obj`` to server 0's coordinator; returns once it was handled."""
+
+    def close(self) -> None:
+        """Leave the servers cleanly (done, not lost); never raises."""
+
+
+def _reason(exc: BaseException, peer: str, timeout: float) -> str:
+    text = str(exc)
+    if "Timed out" in text or "timed out" in text or "wait timeout" in text:
+        return f"{peer} sent nothing for {timeout:g} s (hung, stopped or too slow)"
+    if "closed by peer" in text or "Connection reset" in text or "closure" in text \
+            or "Broken pipe" in text or "EPIPE" in text:
+        return f"{peer} closed the connection (killed, crashed or exited)"
+    first = (text.strip().splitlines() or [type(exc).__name__])[0]
+    return f"{peer}: {first[:200]}"
+
+
+class Pending:
+    """Gloo works posted on one channel, finished by :meth:`PairChannel.finish`."""
+
+    __slots__ = ("works", "what")
+
+    def __init__(self, works: list[Any], what: str) -> None:
+        self.works, self.what = works, what
+
+
+def check_field_names(names: Sequence[str], whose: str) -> tuple[str, ...]:
+    """``names`` as a tuple, if they can name a header's rule fields (identifiers, unique,
+    none of the transport's own, at most :data:`MAX_RULE_FIELDS`); else one line."""
+    names = tuple(names)
+    bad = [n for n in names if not (isinstance(n, str) and n.isidentifier()) or n in BASE_FIELDS]
+    if bad or len(set(names)) != len(names) or len(names) > MAX_RULE_FIELDS:
+        raise ShoalError(f"{whose}: header fields {list(names)!r} must be at most "
+                         f"{MAX_RULE_FIELDS} distinct names, none of {', '.join(BASE_FIELDS)}")
+    return names
+
+
+class PairChannel:
+    """Two-rank Gloo group between server ``server`` (pair rank 0) and client ``client``
+    (pair rank 1), in the store prefix ``ps/{server}/{client}``.
+
+    ``fields``: on the server's end, the names of its rule's header fields (set in the
+    pair's prefix before connecting); on the client's end ``None``: read once connected.
+    Connecting waits up to ``connect_timeout`` seconds (default: ``timeout``) for the peer.
+    Every send and receive is bounded by a timeout; a failure raises :class:`ChannelError`
+    and breaks the channel for good. Tensors travel whole, one message each, and must be
+    contiguous CPU tensors. One exchange at a time: callers that share a channel between
+    threads hold :attr:`lock` around a request and its reply.
+    """
+
+    def __init__(self, store: dist.Store, server: int, client: int, timeout: float,
+                 connect_timeout: float | None = None,
+                 fields: Sequence[str] | None = None) -> None:
+        self.server, self.client, self.is_server = server, client, fields is not None
+        self.timeout = float(timeout)
+        self.peer = f"client {client}" if self.is_server else f"server {server}"
+        self.name = f"parameter-server pair (server {server}, client {client})"
+        self.lock = threading.Lock()
+        self.broken: str | None = None
+        self.last_sent = time.monotonic()
+        self._peer_rank = 1 if self.is_server else 0
+        # A store client of its own: a TCPStore client serializes its calls, and a pair
+        # waiting in it for its peer must not hold up the other pairs of this process.
+        with contextlib.suppress(RuntimeError, NotImplementedError):
+            store = store.clone()
+        prefix = dist.PrefixStore(f"ps/{server}/{client}", store)
+        if fields is not None:
+            prefix.set(_FIELDS_KEY, ",".join(check_field_names(fields, self.name)))
+        self._pg: Any = self._connect(prefix, self.timeout if connect_timeout is None
+                                      else float(connect_timeout))
+        if fields is None:
+            text = prefix.get(_FIELDS_KEY).decode()
+            fields = check_field_names(text.split(",") if text else (), self.name)
+        self.fields: tuple[str, ...] = tuple(fields)  #: the rule's fields in every header
+        self.header_size = HEADER_SIZE + len(self.fields)
+
+    def _connect(self, prefix: dist.Store, connect: float) -> Any:
+        try:
+            pg = dist.ProcessGroupGloo(prefix, 0 if self.is_server else 1, 2,
+                                       timedelta(seconds=connect))
+            pg._set_default_timeout(timedelta(seconds=self.timeout))
+            return pg
+        except (RuntimeError, ValueError) as exc:
+            text = str(exc)
+            if "timeout" in text or "Timed out" in text or "timed out" in text:
+                self.broken = f"{self.peer} did not connect within {connect:g} s"
+            else:
+                first = (text.strip().splitlines() or [type(exc).__name__])[0][:200]
+                self.broken = f"could not connect to {self.peer}: {first}"
+            raise ChannelError(f"{self.name}: {self.broken}") from None
+
+    # -- headers ----------------------------------------------------------------------------
+    def pack(self, header: Header) -> torch.Tensor:
+        """``header`` as this pair's messages carry it (with the rule's fields)."""
+        return header.pack(self.fields)
+
+    def unpack(self, buf: torch.Tensor) -> Header:
+        return Header.unpack(buf, self.fields)
+
+    def header_buffer(self) -> torch.Tensor:
+        """A tensor to receive one of this pair's headers into."""
+        return torch.empty(self.header_size, dtype=torch.float64)
+
+    # -- non-blocking halves ----------------------------------------------------------------
+    def isend(self, tensors: list[torch.Tensor], tags: Sequence[int] | None = None) -> Pending:
+        """Start sending each of ``tensors`` as one message (with ``tags``, default
+        :data:`TAG_HEAD`); :meth:`finish` waits."""
+        pending = self._post("send", tensors, tags)
+        self.last_sent = time.monotonic()
+        return pending
+
+    def irecv(self, tensors: list[torch.Tensor], tags: Sequence[int] | None = None) -> Pending:
+        """Start receiving the next messages of ``tags`` (default :data:`TAG_HEAD`) into
+        ``tensors`` (their sizes must match the sent ones'); :meth:`finish` waits."""
+        return self._post("recv", tensors, tags)
+
+    def _post(self, what: str, tensors: list[torch.Tensor],
+              tags: Sequence[int] | None) -> Pending:
+        self._check()
+        op = getattr(self._pg, what)
+        tags = tags or [TAG_HEAD] * len(tensors)
+        try:
+            works = [op([t], self._peer_rank, tag) for t, tag in zip(tensors, tags, strict=True)]
+        except RuntimeError as exc:
+            raise self._fail(exc, self.timeout) from None
+        return Pending(works, what)
+
+    def finish(self, pending: Pending, timeout: float | None = None) -> None:
+        """Wait for ``pending`` to complete, at most ``timeout`` seconds (default: the
+        channel's) in all."""
+        limit = self.timeout if timeout is None else float(timeout)
+        deadline = time.monotonic() + limit
+        for work in pending.works:
+            self._check()
+            left = max(deadline - time.monotonic(), 0.001)
+            try:
+                work.wait(timedelta(seconds=left))
+            except RuntimeError as exc:
+                raise self._fail(exc, limit) from None
+
+    # -- blocking ---------------------------------------------------------------------------
+    def send(self, tensors: list[torch.Tensor], timeout: float | None = None,
+             tags: Sequence[int] | None = None) -> None:
+        """Send each of ``tensors`` whole; blocks until the peer has received them (Gloo
+        hands the data over when the peer's receive is posted), at most ``timeout``."""
+        self.finish(self.isend(tensors, tags), timeout)
+
+    def recv(self, tensors: list[torch.Tensor], timeout: float | None = None,
+             tags: Sequence[int] | None = None) -> None:
+        """Receive the next messages into ``tensors``, waiting at most ``timeout`` seconds
+        (default: the channel's) in all."""
+        self.finish(self.irecv(tensors, tags), timeout)
+
+    def send_object(self, obj: Any, kind: int, header: Header | None = None,
+                    timeout: float | None = None) -> None:
+        """Send ``obj`` pickled: a header (``kind``, ``nbytes``) and the bytes as uint8."""
+        data = to_bytes(obj)
+        head = replace(header or Header(kind, self.client), kind=kind, nbytes=data.numel())
+        self.send([self.pack(head), data], timeout, [TAG_HEAD, TAG_BYTES])
+
+    def recv_answer(self, timeout: float | None = None) -> Header:
+        """Receive a reply's header; an ``Kind.ERROR`` reply raises its message as a
+        :class:`~shoal.errors.ShoalError` naming the server."""
+        buf = self.header_buffer()
+        self.recv([buf], timeout)
+        return self.check_answer(self.unpack(buf))
+
+    def check_answer(self, head: Header) -> Header:
+        """``head``, unless it is an ``Kind.ERROR`` reply: then its message (which follows)
+        is raised as one line naming the server."""
+        if head.kind == Kind.ERROR:
+            raise ShoalError(f"server {self.server}: {from_bytes(self.recv_bytes(head.nbytes))}")
+        return head
+
+    def recv_object(self, timeout: float | None = None) -> Any:
+        """Receive what :meth:`send_object` sent; an ``Kind.ERROR`` header raises its message
+        as a :class:`~shoal.errors.ShoalError`."""
+        head = self.recv_answer(timeout)
+        return from_bytes(self.recv_bytes(head.nbytes, timeout))
+
+    def recv_bytes(self, nbytes: int, timeout: float | None = None) -> torch.Tensor:
+        """Receive ``nbytes`` bytes (one message) as a uint8 tensor."""
+        buf = torch.empty(nbytes, dtype=torch.uint8)
+        if nbytes:
+            self.recv([buf], timeout, [TAG_BYTES])
+        return buf
+
+    def close(self) -> None:
+        """Leave the pair (no message; the peer sees the connection close)."""
+        if self.broken is None:
+            self.broken = "closed"
+        self._pg = None
+
+    # -- failures ---------------------------------------------------------------------------
+    def _check(self) -> None:
+        if self.broken is not None:
+            raise ChannelError(f"{self.name}: {self.broken}")
+
+    def _fail(self, exc: BaseException, timeout: float) -> ChannelError:
+        if self.broken is None:
+            self.broken = _reason(exc, self.peer, timeout)
+        return ChannelError(f"{self.name}: {self.broken}")
+
+
+def to_bytes(obj: Any) -> torch.Tensor:
+    """``obj`` pickled, as a uint8 tensor (one message)."""
+    data = pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
+    return torch.frombuffer(bytearray(data), dtype=torch.uint8)
+
+
+def from_bytes(buf: torch.Tensor) -> Any:
+    """The object :func:`to_bytes` made ``buf`` of."""
+    return pickle.loads(buf.numpy().tobytes())

@@ -1,0 +1,75 @@
+"""A serving thread's end of one client's pair (:class:`Session`): its buffers, the early
+receive of a pusher's next payload, and the replies."""
+
+from __future__ import annotations
+
+import torch
+
+from shoal.core.pairs import (
+    TAG_BYTES,
+    TAG_DATA,
+    TAG_HEAD,
+    Header,
+    Kind,
+    PairChannel,
+    Pending,
+    to_bytes,
+)
+
+
+class Session:
+    """A serving thread's end of one client's pair: its header buffer, the payload and
+    reply vectors (a shard each), and the payload's receive, posted ahead of the header."""
+
+    def __init__(self, channel: PairChannel, center: torch.Tensor | None) -> None:
+        self.channel = channel
+        self.head = channel.header_buffer()
+        self.payload: torch.Tensor | None = None
+        self.reply: torch.Tensor | None = None
+        self._posted: Pending | None = None
+        self.ahead = center is not None  #: a pusher: post its next payload's receive early
+        if center is not None:
+            self.allocate(center)
+
+    def allocate(self, center: torch.Tensor) -> None:
+        self.payload, self.reply = torch.empty_like(center), torch.empty_like(center)
+
+    def _post(self) -> None:
+        """Post the receive of the next payload (once): Gloo hands a message over only when
+        its receive is posted, so posting it ahead saves a round of that handshake. It is
+        matched by tag, so other requests in between leave it waiting."""
+        if self._posted is None:
+            assert self.payload is not None
+            self._posted = self.channel.irecv([self.payload], tags=[TAG_DATA])
+
+    def next_request(self) -> Header:
+        """The client's next request header (a pusher's next payload receive posted first)."""
+        if self.ahead:
+            self._post()
+        self.channel.recv([self.head], tags=[TAG_HEAD])
+        return self.channel.unpack(self.head)
+
+    def receive_payload(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The payload that follows an exchange's header, and the reply buffer."""
+        self._post()
+        assert self._posted is not None and self.payload is not None and self.reply is not None
+        pending, self._posted = self._posted, None
+        self.channel.finish(pending)
+        return self.payload, self.reply
+
+    def reply_with(self, kind: int, version: int, vector: torch.Tensor | None,
+                   error: str | None) -> None:
+        """Header (and the vector the client expects, even with an error: the client has
+        posted its receive), then the error message."""
+        ch = self.channel
+        head = Header(kind, ch.client, version=version)
+        out, tags = [ch.pack(head)], [TAG_HEAD]
+        if vector is not None:
+            out.append(vector)
+            tags.append(TAG_DATA)
+        if error is not None:
+            data = to_bytes(error.strip().splitlines()[0] if error.strip() else error)
+            out[0] = ch.pack(Header(Kind.ERROR, ch.client, version=version, nbytes=data.numel()))
+            out.append(data)
+            tags.append(TAG_BYTES)
+        ch.send(out, tags=tags)
