@@ -192,6 +192,9 @@ class TrainConfig:
                                     "epoch end)", metavar="STEPS", at_least=0)
     stop_at_step: int | None = setting(None, "checkpoint and stop after STEP steps (split a run "
                                        "into jobs)", metavar="STEP", at_least=1)
+    allow_collapse: bool = setting(False, "go on when the training loss has sat at chance (ln "
+                                   "C for C classes) for 3 epochs after having done better, "
+                                   "and exit 0 (the summary still says \"collapsed\")")
     log_every: int = setting(10, "log the training loss every STEPS steps", metavar="STEPS",
                              at_least=1)
     eval_every: int = setting(1, "evaluate every EPOCHS epochs", metavar="EPOCHS", at_least=1)

@@ -67,7 +67,7 @@ class Coordinator:
         # The records are the Recorder's, as in a synchronous run: its comm has no peers,
         # its timeline's totals are the workers' summed and its bytes theirs.
         self.comm = Comm(Environment(0, workers), torch.device("cpu"), Timeline())
-        self.recorder = Recorder(cfg, self.comm, self.plan)
+        self.recorder = Recorder(cfg, self.comm, self.plan, data.num_classes)
         self.state = RunState(self.comm, torch.Generator(), lr=cfg.base_lr(workers))
         self.reports: queue.Queue[tuple[int, Any]] = queue.Queue()
         self.client = (ServerClient(store, workers, ranges[1:], timeout=cfg.timeout,
@@ -295,6 +295,9 @@ class Coordinator:
         for w, r in reports.items():
             self.own[w], self.saved[w] = r["own"], r["step"]
         full = self.center()
+        if not torch.isfinite(full).all():
+            raise ShoalError(f"the center became non-finite by step {slowest['step']}; checkpoint "
+                             "not written, the last good one is kept (lower --lr?)")
         self.flat.unpack(full.to(self.flat.tensors[0].dtype))
         servers = [self.shard.state()]
         if self.client is not None:

@@ -155,7 +155,8 @@ class Trainer:
         torch.manual_seed(cfg.seed + 1 + self.rank)  # dropout differs between ranks
         augment = torch.Generator().manual_seed(cfg.seed + 10_007 * (self.rank + 1))
         self.state = RunState(comm, augment, lr=self.optimizer.param_groups[0]["lr"])
-        self.recorder = Recorder(cfg, comm, self.plan, writes=not self.detached)
+        self.recorder = Recorder(cfg, comm, self.plan, self.data.num_classes,
+                                 writes=not self.detached)
         # Every strategy starts all workers from rank 0's model (--init-from: the checkpoint's
         # evaluation model); a resumed run then puts back what each worker had.
         self.strategy = strategy_cls(self.model, self.optimizer, comm,
@@ -212,6 +213,11 @@ class Trainer:
             rec.epoch(st, test)
             if not cfg.checkpoint_every:
                 self.save()
+            # Collapsed: every rank saw the same reduced numbers. (An asynchronous run's
+            # coordinator judges its records; its workers train on.)
+            if rec.health.stop and not self.detached:
+                stopped = True
+                break
         rec.stop_profiler(st)  # a --profile window past the last step
         self.stop_vote.settle()
         if self.saved_at != st.step:  # stopped, or the last checkpoint was before the end
