@@ -44,7 +44,7 @@ from shoal.train.checkpoint import (
     save_checkpoint,
     to_cpu,
 )
-from shoal.train.optim import build_optimizer, build_schedule, schedule_at
+from shoal.train.optim import build_optimizer, build_schedule, resolve_momentum, schedule_at
 from shoal.train.recorder import Recorder
 from shoal.train.records import require_tensorboard
 from shoal.train.state import RunState
@@ -60,6 +60,7 @@ def preflight(cfg: TrainConfig, world: int, data: Dataset | None = None) -> Data
     """Everything that can be checked before workers start: data, model fit, strategy
     options, output directory and resume file. Returns the loaded dataset (``data`` when
     given: a dataset handed over in Python)."""
+    cfg = resolve_momentum(cfg, world)  # a no-op where the launcher resolved it
     strategy_cls = get_strategy(cfg.strategy)
     options = make_options(strategy_cls, cfg.strategy_options, world)
     if cfg.eval_every_steps and getattr(strategy_cls, "asynchronous", False):
@@ -125,6 +126,9 @@ class Trainer:
     """Trains ``cfg.model`` on ``cfg.dataset`` in this worker; call :meth:`run`."""
 
     def __init__(self, cfg: TrainConfig, comm: Comm, data: Dataset | None = None) -> None:
+        # --momentum auto and the lr it scales, where no launcher resolved them (a Trainer
+        # made in Python); resolved settings stay as they are.
+        cfg = resolve_momentum(cfg, comm.world_size)
         self.cfg, self.comm = cfg, comm
         self.rank, self.world = comm.rank, comm.world_size
         self.device = comm.device
