@@ -12,6 +12,7 @@ import math
 import os
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
+from datetime import timedelta
 from typing import Any
 
 import torch
@@ -19,7 +20,7 @@ import torch.distributed as dist
 
 from shoal.core.env import Environment, pick_device
 from shoal.core.failures import EXIT_ABORTED
-from shoal.core.group import job_store, join_group
+from shoal.core.group import all_joined, job_store, join_group
 from shoal.core.ops import reduce_op
 from shoal.core.pairs import Client
 from shoal.core.timeline import COMM, WAIT, Event, Timeline
@@ -28,6 +29,7 @@ from shoal.core.waits import (
     Keys,
     Waits,
     describe,
+    ended_key,
     generation_key,
     key_prefix,
     say_left,
@@ -71,9 +73,11 @@ class Comm:
     not come (:mod:`shoal.core.waits`); ``timeout`` is the collectives' own (the process
     group's), which the watchdog ends such a wait just before.
 
-    ``peers=False``: a worker of an asynchronous job, whose peers are its parameter servers
-    only (``ps``): no collective goes anywhere, even once this process joins a process group
-    of its own (a compute group's, spoken for by a :meth:`child`).
+    ``peers=False``: a rank of a job without a process group of all its ranks (an
+    asynchronous job's worker or server, whose peers are the parameter servers only: ``ps``):
+    no collective goes anywhere and no watchdog runs (a lost worker is no failure of the
+    others), even once this process joins a process group of its own (a compute group's,
+    spoken for by :attr:`subgroup`). :attr:`store` is the job's store all the same.
     """
 
     def __init__(
@@ -93,16 +97,21 @@ class Comm:
         self.device = device
         self.timeline = timeline or Timeline()
         self.bytes_sent = 0  # payload handed to collectives by this rank during training
+        #: The job's store (``None``: a process alone), as its launcher serves it.
+        self.store = store
         self._store = dist.PrefixStore(key_prefix(env.attempt), store) if store is not None else None
         self._rank0_hosts = not env.agent_store  # the store (as job_store makes it)
         self.aborted = False  # this rank called abort(): nobody will wait for it at close()
         self.ps: Client | None = None  #: an asynchronous job's worker: its end of the servers
+        #: The Comm of the group this process computes with inside a job without a process
+        #: group of all its ranks (:meth:`join_subgroup`); ``None``: no such group.
+        self.subgroup: Comm | None = None
         self.peers = peers
         self._parent: Comm | None = None  # a child's bytes are its parent's too
         self.log = CollectiveLog()  # the collectives this rank issued, for the watchdog
         self._keys = Keys(0)
         self._watchdog: Watchdog | None = None
-        if self._store is not None and self.world_size > 1:
+        if self._store is not None and self.world_size > 1 and peers:
             self._keys = Keys(next(_GENERATIONS))
             self._store.set(generation_key(self.rank), str(self._keys.generation))
             waits = Waits(self.rank, self.world_size, self.log, self._keys, timeout)
@@ -121,6 +130,20 @@ class Comm:
         comm = Comm(env, self.device, self.timeline)
         comm._parent = self
         return comm
+
+    def join_subgroup(self, name: str, rank: int, size: int, timeout: float) -> Comm:
+        """Join the process group ``name`` of ``size`` processes on the job's store (a compute
+        group of an asynchronous job, whose ranks share no process group of the whole job) as
+        its rank ``rank``; its Comm is :attr:`subgroup` (a :meth:`child` of this one)."""
+        if self.store is None:
+            raise ShoalError(f"{name}: a group meets through the job's store, and this process "
+                             "has none")
+        if dist.is_initialized():
+            raise ShoalError(f"{name}: this process already belongs to a process group")
+        join_group(dist.PrefixStore(name, self.store), rank, size, self.device.type, timeout,
+                   where=f"the group {name}")
+        self.subgroup = self.child(Environment(rank=rank, world_size=size, local_world_size=size))
+        return self.subgroup
 
     # -- accounting -------------------------------------------------------------------------
     def count(self, nbytes: int) -> None:
@@ -239,15 +262,29 @@ class Comm:
         return box[0]
 
     # -- failure handling -------------------------------------------------------------------
+    def ended(self, rank: int, timeout: float) -> str | None:
+        """How the process of rank ``rank`` (of the job), lost to it, ended (``killed by
+        signal 9``), as shoal's launcher says in the job's store, waiting up to ``timeout``
+        seconds for it; ``None`` if it does not say (another launcher, a process alive)."""
+        if self._store is None:
+            return None
+        key = ended_key(rank)
+        try:
+            self._store.wait([key], timedelta(seconds=timeout))
+            return self._store.get(key).decode()
+        except Exception:  # not said in time, or the store is gone
+            return None
+
     def abort(self, message: str) -> None:
         """Tell every other rank that this one failed, so they exit instead of waiting.
 
         The first report stands (a later one is most likely its echo). A rank that another
         rank's watchdog already reported (hung while it did not run, gone, never come) leaves
         here at once, without a report of its own: what it raises is the echo of that.
+        Without peers (an asynchronous job's rank) nobody waits on this one: nothing to tell.
         """
         self.aborted = True  # first: this rank's watchdog must not take the report for another's
-        if self._store is None:
+        if self._store is None or not self.peers:
             return
         first = (message.strip().splitlines() or ["failed"])[0][:300]
         report = f"rank {self.rank}: {first}"
@@ -301,6 +338,8 @@ def init_comm(
     threads: int | None = None,
     timeline: Timeline | None = None,
     heartbeat_timeout: float | None = 10.0,
+    *,
+    place: Environment | None = None,
 ) -> Comm:
     """Join the job described by ``env`` and return its :class:`Comm`.
 
@@ -309,6 +348,12 @@ def init_comm(
     ``None``: never) is how long a rank may send no heartbeat (stopped, swapped out) before
     the job stops and names it; a rank that only computes or waits keeps beating.
     ``threads`` sets this process's intra-op threads.
+
+    ``place``: the job has no process group of all its ranks (an asynchronous job, whose
+    ranks meet through their parameter servers); this process joins only the job's store
+    and its Comm, with no peers, speaks for ``place`` (its rank among the workers); it
+    returns once every rank has joined. Such processes may share GPUs: they meet in no NCCL
+    group of the job's.
     """
     if heartbeat_timeout is not None and not (math.isfinite(heartbeat_timeout)
                                               and heartbeat_timeout > 0):
@@ -316,10 +361,16 @@ def init_comm(
                          f"got {heartbeat_timeout}")
     if threads is not None:
         torch.set_num_threads(max(1, threads))
-    dev = pick_device(device, env.local_rank, env.local_world_size)
+    mine = place or env
+    dev = pick_device(device, mine.local_rank, mine.local_world_size, share=place is not None)
     store = None
-    if env.world_size > 1 and not dist.is_initialized():
+    if env.world_size > 1 and (place is not None or not dist.is_initialized()):
         store = job_store(env, timeout)
+    if place is not None:
+        if store is not None:
+            all_joined(store, env, timeout)
+        return Comm(place, dev, timeline, store, peers=False, timeout=timeout)
+    if store is not None:
         join_group(store, env.rank, env.world_size, dev.type, timeout,
                    where=f"the job at {env.master_addr}:{env.master_port}")
     return Comm(env, dev, timeline, store, heartbeat_timeout, timeout=timeout)

@@ -96,6 +96,11 @@ def say_gone(store: Any, rank: int, world_size: int, how: str) -> None:
             say_left(store, keys, rank, world_size, how, None)
 
 
+def ended_key(rank: int) -> str:
+    """Where shoal's launcher says how the process of ``rank``, lost to the job, ended."""
+    return f"ended/{rank}"
+
+
 def beat(count: int, published: int) -> int:
     """What to add to this rank's heartbeat counter to beat once and carry the collective
     count ``count`` instead of ``published``."""
