@@ -70,7 +70,7 @@ class Health:
         if math.isfinite(loss):
             return
         kept = f"{checkpoint} keeps the last good state" if checkpoint.exists() \
-            else "no checkpoint was written"
+            else "no checkpoint holds it"
         raise NonFiniteLoss(
             f"training loss became {loss} at step {step} (epoch {epoch}); "
             f"{kept}; try a lower --lr (this step's was {lr:.3g}), --clip-grad-norm 1 or "
