@@ -45,6 +45,9 @@ PROGRESS = ("auto", "bar", "plain", "none")
 #: ``--precision``: float32, or autocast to bfloat16 / float16 (the latter with a GradScaler).
 PRECISIONS = ("32", "bf16-mixed", "16-mixed")
 
+#: ``--lr`` unless given: sync's; an asynchronous strategy's under ``--momentum auto`` is
+#: scaled from it (:func:`shoal.train.optim.resolve_momentum`).
+DEFAULT_LR = 0.05
 #: ``--seed`` is at most this (NumPy's range): seeds derived from it (``seed * 1_000_003 +
 #: epoch`` for the data order, ``seed + 10_007 * (rank + 1)`` for augmentation) must still fit
 #: the 64 bits ``torch.manual_seed`` takes.
@@ -128,14 +131,19 @@ class TrainConfig:
     channels_last: bool = setting(False, "channels-last memory format for the model and its "
                                   "image inputs (convolutional models)")
     optimizer: str = setting("sgd", choices=OPTIMIZERS)
-    lr: float = setting(0.05, "peak learning rate", positive=True)
-    momentum: float | str = setting(0.9, "SGD momentum, below 1; auto: Omnivore's max(0, T - "
-                                    "(1 - 1/g)) for a run of g asynchronous groups (auto:T, "
-                                    "default target T 0.9)", metavar="M|auto[:T]",
+    lr: float | None = setting(None, f"peak learning rate (default {DEFAULT_LR}; with SGD and "
+                               "--momentum auto, an asynchronous strategy's is scaled to take "
+                               "sync's step per sample)", positive=True)
+    momentum: float | str = setting("auto", "SGD momentum, below 1; auto (the default): T = 0.9 "
+                                    "(auto:T for another), less the momentum 1 - 1/g that g "
+                                    "groups updating asynchronously add (Omnivore): max(0, T - "
+                                    "(1 - 1/g))", metavar="M|auto[:T]",
                                     parse=float_or_text, kind="a number, auto or auto:T")
-    #: What ``--momentum auto`` became (target, groups, implicit and explicit momentum); set
-    #: when the run starts (:func:`shoal.train.optim.resolve_momentum`), kept in config.json.
+    #: What ``--momentum auto`` became (target, groups, implicit and explicit momentum), and
+    #: the learning rate it scaled (base, factor); set when the run starts
+    #: (:func:`shoal.train.optim.resolve_momentum`), kept in config.json.
     momentum_auto: dict[str, float] | None = setting(None, flag=False)
+    lr_auto: dict[str, float] | None = setting(None, flag=False)
     nesterov: bool = setting(False, "Nesterov momentum (needs --momentum > 0)")
     weight_decay: float = setting(0.0, at_least=0)
     schedule: str = setting("cosine", "learning rate schedule after the warm-up",
@@ -193,6 +201,9 @@ class TrainConfig:
                                     "epoch end)", metavar="STEPS", at_least=0)
     stop_at_step: int | None = setting(None, "checkpoint and stop after STEP steps (split a run "
                                        "into jobs)", metavar="STEP", at_least=1)
+    allow_collapse: bool = setting(False, "go on when the training loss has sat at chance (ln "
+                                   "C for C classes) for 3 epochs after having done better, "
+                                   "and exit 0 (the summary still says \"collapsed\")")
     log_every: int = setting(10, "log the training loss every STEPS steps", metavar="STEPS",
                              at_least=1)
     eval_every: int = setting(1, "evaluate every EPOCHS epochs", metavar="EPOCHS", at_least=1)
@@ -219,8 +230,10 @@ class TrainConfig:
         return self.global_batch_size or self.batch_size * world * self.accumulate
 
     def base_lr(self, world: int) -> float:
-        """The peak learning rate: ``lr``, times the workers with ``--scale-lr``."""
-        return self.lr * world if self.scale_lr else self.lr
+        """The peak learning rate: ``lr`` (:data:`DEFAULT_LR` unless given or resolved), times
+        the workers with ``--scale-lr``."""
+        lr = self.lr if self.lr is not None else DEFAULT_LR
+        return lr * world if self.scale_lr else lr
 
     @property
     def checkpoint_path(self) -> Path:
@@ -318,7 +331,7 @@ class TrainConfig:
         for name in hints:  # what the checks above leave: floats finite float32, ints int64
             check_bounds(getattr(self, name), flag_name(name))
         if self.scale_lr and self.workers is not None and self.base_lr(self.workers) > MAX_FLOAT:
-            raise ShoalError(f"--lr {self.lr:g} --scale-lr with {self.workers} workers is "
+            raise ShoalError(f"--lr {self.base_lr(1):g} --scale-lr with {self.workers} workers is "
                              f"beyond float32 ({MAX_FLOAT:.3g})")
         return self
 

@@ -142,3 +142,25 @@ def counted_digits(seed=0):
 
     _note("data")
     return load_dataset("digits", DataOptions(seed=seed))
+
+
+class _NanFrom(nn.Module):
+    """`tiny`, whose training outputs are NaN from its ``SHOAL_TEST_NAN_AT``-th training forward
+    on (every rank): a run that diverges at a known step."""
+
+    def __init__(self, input_shape, num_classes):
+        super().__init__()
+        self.net = tiny(input_shape, num_classes)
+        self.calls = 0
+
+    def forward(self, x):
+        out = self.net(x)
+        if self.training:
+            self.calls += 1
+            if self.calls >= int(os.environ.get("SHOAL_TEST_NAN_AT", "1000000000")):
+                return out * float("nan")
+        return out
+
+
+def nan_from(input_shape, num_classes):
+    return _NanFrom(input_shape, num_classes)

@@ -28,6 +28,9 @@ EXIT_INTERRUPTED = 130
 EXIT_TERMINATED = 143
 #: An asynchronous run that completed without some of its workers (see shoal.train.server).
 EXIT_DEGRADED = 3
+#: A run that collapsed to chance or learned nothing (see shoal.train.health), unless
+#: --allow-collapse.
+EXIT_COLLAPSED = 4
 
 
 def _run(args: argparse.Namespace) -> None:
@@ -176,6 +179,8 @@ def _train(args: argparse.Namespace) -> int:
         summary = train(cfg)
     if _stopped_by_sigterm(summary):
         return EXIT_TERMINATED
+    if summary is not None and summary.get("collapsed") and not cfg.allow_collapse:
+        return EXIT_COLLAPSED  # its line replaced done: (shoal.train.health)
     if summary is not None and summary.get("degraded"):
         for lost in summary["lost_workers"]:
             print(f"shoal: completed without worker {lost['worker']} (lost at step "

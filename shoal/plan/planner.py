@@ -109,7 +109,7 @@ class Planner:
         numeric = cfg.momentum if not isinstance(cfg.momentum, str) else None
         self.settings = SearchSettings(
             target=options.target, epochs=cfg.epochs - self.start.step / self.steps_per_epoch,
-            chance=max(chance, self.start.accuracy), budget_s=options.budget_s or math.inf, lr=cfg.lr,
+            chance=max(chance, self.start.accuracy), budget_s=options.budget_s or math.inf, lr=cfg.base_lr(1),
             momentum=numeric, trial_cost_s=incumbent.cost_s if incumbent is not None else 0.0)
         self._count = 0
         self._bar: Any = None

@@ -69,8 +69,7 @@ class AsyncSGD(AsyncStrategy):
     name = "async-sgd"
     Options = AsyncOptions
     Rule = SGDRule
-    #: The server's rule uses the optimizer's momentum (async-msgd).
-    server_momentum = False
+    applies_momentum = False  # the server's rule is plain SGD (async-msgd's has momentum)
 
     @classmethod
     def asynchronous_groups(cls, options: AsyncOptions, workers: int) -> int:
@@ -84,7 +83,7 @@ class AsyncSGD(AsyncStrategy):
 
     def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, comm,
                  options: AsyncOptions | None = None) -> None:
-        check_server_sgd(self.name, model, optimizer, self.server_momentum)
+        check_server_sgd(self.name, model, optimizer, self.applies_momentum)
         super().__init__(model, optimizer, comm, options)
         self._grad = torch.zeros_like(self.flat.buffer)
         self._grad_views = self.flat.views(self._grad)

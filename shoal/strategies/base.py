@@ -88,6 +88,9 @@ class Strategy:
     #: True when every rank holds identical parameters and optimizer state after each step,
     #: so checkpoints keep one copy; False when replicas drift (local SGD, EASGD, ...).
     replicas_in_sync: ClassVar[bool] = True
+    #: Whether the optimizer's momentum moves the model (async-sgd's server applies none):
+    #: ``--momentum auto`` then carries the whole step in the learning rate.
+    applies_momentum: ClassVar[bool] = True
 
     @classmethod
     def asynchronous_groups(cls, options: Any, workers: int) -> int:

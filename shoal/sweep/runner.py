@@ -123,7 +123,9 @@ class Launcher:
         except subprocess.TimeoutExpired:
             raise ShoalError(f"benchmark run {name} did not finish in {self.timeout:.0f} s") from None
         if res.returncode != 0:
-            last = (res.stderr.strip().splitlines() or ["(no output)"])[-1]
+            # A collapsed run's line (exit 4) is its last on stdout.
+            last = (res.stderr.strip().splitlines() or res.stdout.strip().splitlines()
+                    or ["(no output)"])[-1]
             raise ShoalError(f"benchmark run {name} failed: {last}")
 
     def torchrun(self, program: list[str], hosts: int, out: Path, name: str,

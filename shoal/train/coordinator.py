@@ -76,7 +76,7 @@ class Coordinator:
         # the records' eval_s, not the workers' time split.
         self.evaluator = Evaluator(cfg, comm, ShardLoader(data, self.plan, 0),
                                    lambda x, y: (x, y), Timeline())
-        self.recorder = Recorder(cfg, comm, self.plan, self.evaluator)
+        self.recorder = Recorder(cfg, comm, self.plan, self.evaluator, classes=data.num_classes)
         self.state = RunState(comm, torch.Generator(), lr=cfg.base_lr(self.workers))
         self.reports: queue.Queue[tuple[int, Any]] = queue.Queue()
         self.live = set(range(self.workers))
@@ -286,7 +286,11 @@ class Coordinator:
         slowest = min(reports.values(), key=lambda r: (r["step"], r["worker"]))
         for w, r in reports.items():
             self.own[w], self.saved[w] = r["own"], r["step"]
-        self.flat.unpack(self.center().to(self.flat.tensors[0].dtype))
+        full = self.center()
+        if not torch.isfinite(full).all():
+            raise ShoalError(f"the center became non-finite by step {slowest['step']}; checkpoint "
+                             "not written, the last good one is kept (lower --lr?)")
+        self.flat.unpack(full.to(self.flat.tensors[0].dtype))
         servers = [self.shard.state()]
         if self.client is not None:
             servers += [self.client.fetch_state(s) for s in range(1, self.servers)]

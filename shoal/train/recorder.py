@@ -29,9 +29,10 @@ from shoal.core.timeline import (
     time_split,
 )
 from shoal.data import EpochPlan
-from shoal.errors import ShoalError
 from shoal.train.checkpoint import resumes_in_place
 from shoal.train.evaluation import Evaluator
+from shoal.train.health import Health
+from shoal.train.optim import describe_momentum
 from shoal.train.progress import Progress
 from shoal.train.records import MetricsLog, TensorBoardLog, write_json, write_trace
 from shoal.train.state import RunState
@@ -58,8 +59,10 @@ class Recorder:
     writes = True
 
     def __init__(self, cfg: TrainConfig, comm: Comm, plan: EpochPlan,
-                 evaluator: Evaluator | None = None) -> None:
+                 evaluator: Evaluator | None = None, *, classes: int) -> None:
         self.cfg, self.comm, self.plan = cfg, comm, plan
+        #: Whether the run learns (non-finite loss, collapse): ``classes`` is the data's C.
+        self.health = Health(classes, cfg.allow_collapse)
         self.tl = comm.timeline
         self.evaluator = evaluator
         self.is_main = comm.rank == 0 and self.writes
@@ -118,7 +121,7 @@ class Recorder:
         self.progress.line(
             f"shoal: {cfg.model} on {data}; {self.comm.world_size} worker(s), "
             f"strategy {cfg.strategy}, global batch {self.plan.global_batch}, "
-            f"{self.plan.steps_per_epoch} steps/epoch")
+            f"{self.plan.steps_per_epoch} steps/epoch; {describe_momentum(cfg)}")
 
     def start_epoch(self, st: RunState) -> None:
         self.progress.start_epoch(st.epoch + 1, self.cfg.epochs, self.plan.steps_per_epoch,
@@ -149,15 +152,15 @@ class Recorder:
         self._interval_samples += samples
         self._epoch_samples += samples
         due = st.step % self.cfg.log_every == 0 or st.epoch_step == self.plan.steps_per_epoch
+        if due or self.comm.device.type == "cpu":  # on a GPU, a check waits for the device
+            self.health.check_loss(float(self._interval_sums[0]), st.step, st.epoch + 1, st.lr,
+                                   self.cfg.checkpoint_path)
         if not due:
             self.progress.step()
             return
         now = self.tl.snapshot()
         loss_sum, correct, count = self._interval_sums.tolist()
         n = int(count)
-        if not math.isfinite(loss_sum):
-            raise ShoalError(f"training loss became {loss_sum / max(n, 1)} by step {st.step} "
-                             f"(epoch {st.epoch + 1}); lower --lr or check the data")
         if self.log is not None:
             self.log.write(self._record(
                 "step", st.epoch + 1, st, {"loss": loss_sum / n, "accuracy": correct / n},
@@ -176,12 +179,11 @@ class Recorder:
         loss_sum, correct, n = self.comm.reduce_values(self._epoch_sums.tolist())
         self._epoch_sums.zero_()
         train_loss, train_acc = self.last_train = (loss_sum / n, correct / n)
-        if not math.isfinite(train_loss):
-            raise ShoalError(f"training loss became {train_loss} in epoch {st.epoch}; "
-                             "lower --lr or check the data")
+        self.health.check_loss(train_loss, st.step, st.epoch, st.lr, self.cfg.checkpoint_path)
+        test_loss, test_acc = test
+        collapse = self.health.epoch(st.epoch, train_loss, train_acc, test_acc)
         if not self.is_main:
             return
-        test_loss, test_acc = test
         times = step_times(Timeline.delta(self.tl.snapshot(), self._epoch_start))
         assert self.log is not None
         self.log.write(self._record(
@@ -195,6 +197,8 @@ class Recorder:
             f"acc {100 * train_acc:.1f}%{shown}  "
             f"{self._epoch_samples / max(sum(times.values()), 1e-9):,.0f} samples/s"
             f"  comm {100 * comm_fraction(times):.0f}%{input_bound(times)}")
+        if collapse:
+            self.progress.line(f"shoal: {collapse}")
 
     def evaluation(self, st: RunState, test: tuple[float, float]) -> None:
         """A test inside an epoch (``--eval-every-steps``): the ``eval`` record, whose
@@ -260,12 +264,17 @@ class Recorder:
             "bytes_per_sample": total_bytes / st.samples if st.samples else None,
             "parameters": parameters,
             **({"momentum_auto": cfg.momentum_auto} if cfg.momentum_auto else {}),
+            **({"lr_auto": cfg.lr_auto} if cfg.lr_auto else {}),
+            **({"collapsed": verdict} if (verdict := self.health.verdict()) else {}),
             "torch_version": torch.__version__, "shoal_version": __version__, **(extra or {}),
         }
         write_json(self.out / "summary.json", summary)
         if stop_reason:
             self.progress.line(f"stopped by {stop_reason} at step {st.step}; checkpoint in "
                                f"{cfg.checkpoint_path} (continue with --resume)")
+        elif verdict:
+            self.progress.line(f"{verdict['kind']}: test accuracy {100 * test_acc:.2f}% after "
+                               f"{st.epoch} epochs; {self.health.line()}")
         elif stopped:
             self.progress.line(f"stopped at step {st.step} as asked; checkpoint in "
                                f"{cfg.checkpoint_path} (continue with --resume)")

@@ -59,8 +59,8 @@ class RemoteRecorder(Recorder):
     writes = False
 
     def __init__(self, cfg: TrainConfig, comm: Comm, plan: EpochPlan, report: Reporter,
-                 model: nn.Module) -> None:
-        super().__init__(cfg, comm, plan)
+                 model: nn.Module, classes: int) -> None:
+        super().__init__(cfg, comm, plan, classes=classes)
         self.report, self.model = report, model
 
     def epoch(self, st: RunState, test: tuple[float, float]) -> None:
@@ -100,7 +100,7 @@ def remote_components(client: Any) -> Callable[[Trainer], Components]:
     (for :class:`~shoal.train.trainer.Trainer`'s ``components``)."""
     def make(t: Trainer) -> Components:
         report = Reporter(client, t.comm)
-        recorder = RemoteRecorder(t.cfg, t.comm, t.plan, report, t.model)
+        recorder = RemoteRecorder(t.cfg, t.comm, t.plan, report, t.model, t.data.num_classes)
         checkpointer = RemoteCheckpointer(t.cfg, t.comm, t.plan, t.state, recorder, t.amp,
                                           t.scheduler, t.strategy, report=report)
         return RemoteEvaluator(), recorder, checkpointer

@@ -31,7 +31,7 @@ from shoal.strategies import get_strategy, make_options
 from shoal.strategies.precision import MixedPrecision, clip_gradients, micro_batches
 from shoal.train.checkpointer import Checkpointer, read_start
 from shoal.train.evaluation import Evaluator
-from shoal.train.optim import build_optimizer, build_schedule
+from shoal.train.optim import build_optimizer, build_schedule, resolve_momentum
 from shoal.train.probe import Probe
 from shoal.train.recorder import Recorder
 from shoal.train.state import RunState
@@ -56,7 +56,7 @@ Components = tuple[Tester, Recorder, Checkpointer]
 def local_components(t: Trainer) -> Components:
     """The components of a worker that tests, records and checkpoints with its peers."""
     evaluator = Evaluator(t.cfg, t.comm, t.loader, t.to_device, t.tl)
-    recorder = Recorder(t.cfg, t.comm, t.plan, evaluator)
+    recorder = Recorder(t.cfg, t.comm, t.plan, evaluator, classes=t.data.num_classes)
     return evaluator, recorder, Checkpointer(t.cfg, t.comm, t.plan, t.state, recorder, t.amp,
                                              t.scheduler, t.strategy)
 
@@ -76,6 +76,9 @@ class Trainer:
                  model: nn.Module | None = None, *,
                  components: Callable[[Trainer], Components] = local_components,
                  extra: dict[str, Any] | None = None) -> None:
+        # --momentum auto and the lr it scales, where no launcher resolved them (a Trainer
+        # made in Python); resolved settings stay as they are.
+        cfg = resolve_momentum(cfg, comm.world_size)
         self.cfg, self.comm, self.extra = cfg, comm, extra
         self.rank, self.world = comm.rank, comm.world_size
         self.device = comm.device
@@ -139,6 +142,11 @@ class Trainer:
             rec.epoch(st, test)
             if not cfg.checkpoint_every:
                 self.checkpointer.save()
+            # Collapsed: every rank saw the same reduced numbers. (An asynchronous run's
+            # coordinator judges its records; its workers train on.)
+            if rec.health.stop and rec.writes:
+                stopped = True
+                break
         rec.stop_profiler(st)  # a --profile window past the last step
         self.stop_vote.settle()
         if self.checkpointer.saved_at != st.step:  # stopped, or the last one was before the end

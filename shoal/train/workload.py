@@ -33,7 +33,7 @@ from shoal.train.checkpoint import (
     load_eval_model,
     resumes_in_place,
 )
-from shoal.train.optim import build_optimizer
+from shoal.train.optim import build_optimizer, resolve_momentum
 from shoal.train.records import require_tensorboard
 
 
@@ -63,6 +63,7 @@ def preflight(cfg: TrainConfig, world: int, data: Dataset | None = None) -> Work
     """Everything that can be checked before workers start: data, model fit, strategy
     options, output directory and resume file. Returns the loaded workload (its model
     untouched: the checks work on a copy)."""
+    cfg = resolve_momentum(cfg, world)  # a no-op where the launcher resolved it
     strategy_cls = get_strategy(cfg.strategy)
     options = make_options(strategy_cls, cfg.strategy_options, world)
     if cfg.eval_every_steps and strategy_cls.topology(options, world).detached:
