@@ -10,16 +10,17 @@ from __future__ import annotations
 import itertools
 import math
 import os
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 import torch.distributed as dist
 
 from shoal.core.env import Environment, pick_device
 from shoal.core.failures import EXIT_ABORTED
-from shoal.core.group import job_store, join_group
+from shoal.core.group import backend_for, job_store, join_group
+from shoal.core.membership import Membership
 from shoal.core.ops import reduce_op
 from shoal.core.pairs import Client
 from shoal.core.timeline import COMM, WAIT, Event, Timeline
@@ -34,6 +35,8 @@ from shoal.core.waits import (
 )
 from shoal.core.watchdog import ABORT_KEY, Watchdog
 from shoal.errors import ShoalError
+
+_T = TypeVar("_T")
 
 
 class Handle:
@@ -74,6 +77,11 @@ class Comm:
     ``peers=False``: a worker of an asynchronous job, whose peers are its parameter servers
     only (``ps``): no collective goes anywhere, even once this process joins a process group
     of its own (a compute group's, spoken for by a :meth:`child`).
+
+    ``elastic``: the job goes on without a worker that dies or stops answering
+    (:mod:`shoal.core.membership`): every collective is voted on in the store and, after a
+    failed one, held again in a re-formed group; :attr:`rank` and :attr:`world_size` are
+    then the new group's. The watchdog judges no peer (a lost one is not the job's end).
     """
 
     def __init__(
@@ -86,6 +94,7 @@ class Comm:
         *,
         peers: bool = True,
         timeout: float | None = None,
+        elastic: bool = False,
     ) -> None:
         self.rank = env.rank
         self.world_size = env.world_size
@@ -102,11 +111,34 @@ class Comm:
         self.log = CollectiveLog()  # the collectives this rank issued, for the watchdog
         self._keys = Keys(0)
         self._watchdog: Watchdog | None = None
+        self.membership: Membership | None = None
         if self._store is not None and self.world_size > 1:
             self._keys = Keys(next(_GENERATIONS))
             self._store.set(generation_key(self.rank), str(self._keys.generation))
             waits = Waits(self.rank, self.world_size, self.log, self._keys, timeout)
-            self._watchdog = Watchdog(env, store, heartbeat_timeout, lambda: self.aborted, waits)
+            self._watchdog = Watchdog(env, store, heartbeat_timeout, lambda: self.aborted, waits,
+                                      judge_peers=not elastic)
+            if elastic:
+                self.membership = Membership(
+                    self._store, self.rank, self.world_size, self._keys.heartbeat,
+                    heartbeat_timeout or 10.0, timeout or 300.0, backend_for(device.type))
+                self.membership.listeners.append(self._regrouped)
+
+    @property
+    def elastic(self) -> bool:
+        """Whether the job goes on when a worker is lost (see the class docstring)."""
+        return self.membership is not None
+
+    def _regrouped(self, lost: list[int], ranks: list[int]) -> None:
+        self.rank, self.world_size = self.membership.rank, self.membership.world_size
+
+    def _meet(self, run: Callable[[], _T], restore: Callable[[], Any] | None = None) -> _T | None:
+        """``run()`` a collective; elastic: voted on, held again in a re-formed group after
+        ``restore()`` (:meth:`Membership.meet`), skipped once this worker is alone."""
+        if self.membership is None:
+            return run()
+        return self.membership.meet(lambda: run() if self.active else None,
+                                    restore or (lambda: None))
 
     @property
     def active(self) -> bool:
@@ -147,7 +179,17 @@ class Comm:
             yield
             return
         with self.log.track(describe(op, name)):
-            yield
+            if self.membership is None:
+                yield
+                return
+            failed: list[RuntimeError] = []
+            try:
+                yield
+            except RuntimeError as exc:  # DDP's all-reduce with a peer lost
+                failed.append(exc)
+            # Held again it cannot be: a failed one re-forms the group and raises
+            # MembershipChanged, for the caller to redo its step.
+            self.membership.meet(lambda: _raise_first(failed))
 
     # -- collectives ------------------------------------------------------------------------
     def all_reduce(self, tensor: torch.Tensor, op: str = "sum", name: str = "allreduce") -> torch.Tensor:
@@ -160,6 +202,13 @@ class Comm:
         if not self.active:
             return Handle(self, None, tensor, op, name)
         self.count(tensor.numel() * tensor.element_size())
+        if self.membership is not None:  # voted, so finished here: no overlap
+            saved = tensor.clone()
+            with self.timeline.span(COMM, name), self.log.track(_what("all_reduce", name)):
+                self._meet(lambda: dist.all_reduce(tensor, op=red), lambda: tensor.copy_(saved))
+            if op == "avg":
+                tensor.div_(self.world_size)
+            return Handle(self, None, tensor, op, name)
         seq = self.log.start(_what("all_reduce", name, "allreduce"))  # finished by its wait
         with self.timeline.span(COMM, name):
             work = dist.all_reduce(tensor, op=red, async_op=True)
@@ -186,13 +235,13 @@ class Comm:
         if self.active:
             self.count(tensor.numel() * tensor.element_size())
             with self.timeline.span(COMM, name), self.log.track(_what("broadcast", name)):
-                dist.broadcast(tensor, src=src)
+                self._meet(lambda: dist.broadcast(tensor, src=src))
         return tensor
 
     def barrier(self) -> None:
         if self.active:
             with self.timeline.span(WAIT, "barrier"), self.log.track("barrier"):
-                dist.barrier()
+                self._meet(dist.barrier)
 
     # -- time learnt later: collectives timed from outside (DDP's, in backward) -------------
     def book_exposed(self, start: float, end: float, name: str = "allreduce") -> Event | None:
@@ -214,8 +263,9 @@ class Comm:
         """All-reduce a few Python numbers (metrics); returns the reduced list."""
         t = torch.tensor(list(values), dtype=torch.float64, device=self.device)
         if self.active:
+            saved = t.clone()
             with self.log.track(describe("all_reduce", "values")):
-                dist.all_reduce(t, op=reduce_op(op))
+                self._meet(lambda: dist.all_reduce(t, op=reduce_op(op)), lambda: t.copy_(saved))
             if op == "avg":
                 t /= self.world_size
         return t.tolist()
@@ -224,10 +274,15 @@ class Comm:
         """Pickle-gather ``obj`` from every rank to ``dst`` (others get ``None``)."""
         if not self.active:
             return [obj]
-        out = [None] * self.world_size if self.rank == dst else None
-        with self.log.track(describe("gather", "objects")):
+
+        def gather() -> list[Any] | None:
+            out = [None] * self.world_size if self.rank == dst else None
             dist.gather_object(obj, out, dst=dst)
-        return out
+            return out
+
+        with self.log.track(describe("gather", "objects")):
+            out = self._meet(gather)
+        return out if self.active or self.rank != dst else [obj]
 
     def broadcast_object(self, obj: Any, src: int = 0) -> Any:
         """Send a picklable object from ``src`` to every rank and return it."""
@@ -235,7 +290,7 @@ class Comm:
             return obj
         box = [obj]
         with self.log.track(describe("broadcast", "object")):
-            dist.broadcast_object_list(box, src=src)
+            self._meet(lambda: dist.broadcast_object_list(box, src=src))
         return box[0]
 
     # -- failure handling -------------------------------------------------------------------
@@ -271,7 +326,9 @@ class Comm:
         """
         finished = False
         try:
-            if self.active and not self.aborted:
+            if self.membership is not None and not self.aborted:
+                self.barrier()  # voted: a worker lost at the end is not waited for
+            elif self.membership is None and self.active and not self.aborted:
                 with self.log.at_end():
                     if self._store is None:
                         dist.barrier()
@@ -301,6 +358,7 @@ def init_comm(
     threads: int | None = None,
     timeline: Timeline | None = None,
     heartbeat_timeout: float | None = 10.0,
+    elastic: bool = False,
 ) -> Comm:
     """Join the job described by ``env`` and return its :class:`Comm`.
 
@@ -308,7 +366,8 @@ def init_comm(
     rendezvous, so a lost peer is an error, never a hang. ``heartbeat_timeout`` (seconds;
     ``None``: never) is how long a rank may send no heartbeat (stopped, swapped out) before
     the job stops and names it; a rank that only computes or waits keeps beating.
-    ``threads`` sets this process's intra-op threads.
+    ``threads`` sets this process's intra-op threads. ``elastic``: the job goes on without
+    a lost worker; its collectives time out after ``heartbeat_timeout`` (see :class:`Comm`).
     """
     if heartbeat_timeout is not None and not (math.isfinite(heartbeat_timeout)
                                               and heartbeat_timeout > 0):
@@ -320,13 +379,19 @@ def init_comm(
     store = None
     if env.world_size > 1 and not dist.is_initialized():
         store = job_store(env, timeout)
-        join_group(store, env.rank, env.world_size, dev.type, timeout,
+        join_group(store, env.rank, env.world_size, dev.type,
+                   (heartbeat_timeout or timeout) if elastic else timeout,
                    where=f"the job at {env.master_addr}:{env.master_port}")
-    return Comm(env, dev, timeline, store, heartbeat_timeout, timeout=timeout)
+    return Comm(env, dev, timeline, store, heartbeat_timeout, timeout=timeout, elastic=elastic)
 
 
 #: Comms made on a job's store by this process so far (see :class:`~shoal.core.waits.Keys`).
 _GENERATIONS = itertools.count()
+
+
+def _raise_first(errors: list[RuntimeError]) -> None:
+    if errors:
+        raise errors[0]
 
 
 def _what(op: str, name: str, default: str | None = None) -> str:

@@ -282,6 +282,8 @@ def _supervise(procs: list[BaseProcess], store: Any, errdir: str, grace: float,
     """
     import torch.distributed as dist
 
+    from shoal.core.membership import mark_gone
+
     pending = list(procs)
     lost: dict[int, Lost] = {}
     started = time.monotonic()
@@ -296,6 +298,7 @@ def _supervise(procs: list[BaseProcess], store: Any, errdir: str, grace: float,
             if (code is not None and code < 0 and tolerate is not None and tolerate(rank)
                     and not _finished(errdir, rank)):
                 lost[rank] = Lost(rank, code, time.monotonic() - started)
+                mark_gone(keys, rank, exit_status(code))  # elastic peers need not wait for it
             if code == 0 and not _finished(errdir, rank):
                 say_gone(keys, rank, len(procs), "exited with status 0")
         failed = any(code not in (None, 0) and rank not in lost and not _finished(errdir, rank)

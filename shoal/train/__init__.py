@@ -27,6 +27,7 @@ from shoal.data.loader import loader_processes
 from shoal.errors import ShoalError, WorkerError
 from shoal.strategies import get_strategy, make_options
 from shoal.train.checkpoint import checkpoint_step
+from shoal.train.elastic import check_elastic
 from shoal.train.optim import resolve_momentum
 from shoal.train.outdir import OutputLock
 from shoal.train.records import write_json
@@ -41,7 +42,7 @@ def run_worker(cfg: TrainConfig, data: Dataset | None = None) -> dict[str, Any] 
     previous = stop_on_sigterm()
     try:
         comm = init_comm(env, cfg.device, cfg.timeout, threads, Timeline(keep_events=cfg.trace),
-                         heartbeat_timeout=cfg.heartbeat_timeout)
+                         heartbeat_timeout=cfg.heartbeat_timeout, elastic=cfg.elastic)
         try:
             summary = Trainer(cfg, comm, data).run()
         except BaseException as exc:
@@ -107,8 +108,10 @@ def _run_with_restarts(cfg: TrainConfig, world: int, servers: int = 0,
         try:
             if servers:
                 results = _spawn_async(attempt_cfg, world, servers, data)
-            else:
-                results = spawn(world, run_worker, (attempt_cfg, data))
+            else:  # --elastic: the job goes on without a worker killed, but worker 0's
+                # records go with it (a restart then, with --max-restarts)
+                results = spawn(world, run_worker, (attempt_cfg, data),
+                                tolerate=(lambda rank: rank > 0) if cfg.elastic else None)
             return restarts, results
         except WorkerError as exc:
             if exc.user_error or len(restarts) >= cfg.max_restarts or stop_requested():
@@ -155,6 +158,7 @@ def train(cfg: TrainConfig, dataset: Any = None) -> dict[str, Any] | None:
         given = as_dataset(dataset)
         cfg = dataclasses.replace(cfg, dataset=given.name)
     env = detect_environment()
+    check_elastic(cfg, env.launcher if env is not None else None)
     asynchronous = is_asynchronous(get_strategy(cfg.strategy))
     if env is not None:
         return _train_as_rank(cfg, env, asynchronous, given)

@@ -74,6 +74,8 @@ class Recorder:
         self.eval_s = 0.0
         self._profiler: Any = None  # torch.profiler.profile, inside the --profile window
         self._profiled_from = 0
+        #: More for summary.json (``--elastic``: the membership changes).
+        self.notes: dict[str, Any] = {}
 
     # -- checkpoints: the epoch's sums so far -------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
@@ -209,7 +211,8 @@ class Recorder:
                 "samples_per_s": samples / step_time if step_time > 0 else None,
                 "time_s": time_split(times), "comm_fraction": comm_fraction(times),
                 "bytes_sent": self.comm.bytes_sent, "eval_s": self.eval_s,
-                "elapsed_s": st.elapsed_s()}
+                "elapsed_s": st.elapsed_s(),
+                **({"workers": self.comm.world_size} if self.cfg.elastic else {})}
 
     def finish(self, st: RunState, stopped: bool, stop_reason: str | None,
                test: tuple[float, float], parameters: int) -> dict[str, Any] | None:
@@ -249,7 +252,7 @@ class Recorder:
             "bytes_per_sample": total_bytes / st.samples if st.samples else None,
             "parameters": parameters,
             **({"momentum_auto": cfg.momentum_auto} if cfg.momentum_auto else {}),
-            "torch_version": torch.__version__, "shoal_version": __version__,
+            "torch_version": torch.__version__, "shoal_version": __version__, **self.notes,
         }
         write_json(self.out / "summary.json", summary)
         if stop_reason:

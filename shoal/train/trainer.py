@@ -44,6 +44,7 @@ from shoal.train.checkpoint import (
     save_checkpoint,
     to_cpu,
 )
+from shoal.train.elastic import Elastic
 from shoal.train.optim import build_optimizer, build_schedule, schedule_at
 from shoal.train.recorder import Recorder
 from shoal.train.records import require_tensorboard
@@ -171,6 +172,7 @@ class Trainer:
         self.stop_vote = StopVote(self.strategy.stop_peers, self.strategy.meets_after)
         self.stop_reason: str | None = None  # "SIGTERM" once the ranks agreed to stop
         self.saved_at = -1  # the step of the last checkpoint this invocation wrote
+        self.elastic = Elastic(self)  # --elastic: who trains what after a worker is lost
 
     # -- the loop -----------------------------------------------------------------------------
     def run(self) -> dict[str, Any] | None:
@@ -181,16 +183,18 @@ class Trainer:
         stopped = False
         test = (float("nan"), float("nan"))  # the last evaluation's loss and accuracy
         while st.epoch < cfg.epochs:
-            batches = self.loader.epoch(st.epoch, st.epoch_step)  # resumed: from its step
+            self.elastic.start_epoch()
+            self.batches = self.loader.epoch(st.epoch, st.epoch_step)  # resumed: from its step
             self.strategy.module.train()
             rec.start_epoch(st)
-            while st.epoch_step < self.plan.steps_per_epoch and not stopped:
+            while not stopped and self.elastic.steps_left():  # the last closes the epoch
                 rec.before_step(st)  # --profile's window may open here
                 started = time.perf_counter()
                 with self.tl.span(OTHER, "step"):
-                    loss_sum, correct, n, n_global = self.train_step(batches)
+                    loss_sum, correct, n, n_global = self.elastic.step(self.train_step)
                     rec.add(loss_sum, correct, n)
                 st.step_done(n_global, time.perf_counter() - started)
+                self.elastic.step_done()
                 rec.step(st, n_global)  # step record, progress
                 stopped = self._stop_now()
                 if cfg.eval_every_steps and st.epoch_step < self.plan.steps_per_epoch and (
@@ -202,7 +206,6 @@ class Trainer:
             rec.end_steps()
             if stopped:
                 break
-            self.strategy.end_epoch(st.epoch)
             st.epoch_done()
             if self.detached:
                 self._report("epoch", epoch=st.epoch, sums=rec.epoch_sums(),
@@ -285,7 +288,8 @@ class Trainer:
             if self.amp.unscale(self.optimizer) and cfg.clip_grad_norm is not None:
                 clip_gradients(self.model, cfg.clip_grad_norm)  # after sync's all-reduce
             self.state.lr = self.optimizer.param_groups[0]["lr"]  # the rate this step used
-            strategy.step()
+            with self.elastic.updating():
+                strategy.step()
             self.amp.update()
             self.scheduler.step()
             strategy.zero_grad()

@@ -1,0 +1,218 @@
+"""Elastic membership (``--elastic``): the workers alive go on when one dies or stops answering.
+
+Every collective a :class:`~shoal.core.comm.Comm` issues is a *meeting*. Under elastic
+membership each meeting ends with a vote in the job's store (:meth:`Membership.meet`): every
+member says whether its collective succeeded, and one decision key, written once
+(``compare_set``), says whether the meeting counts. A member that died never votes: the
+launcher marks it gone (:func:`mark_gone`), or its heartbeat (the watchdog's) stops; the
+others then decide that the meeting failed. So every member alive takes the same view of
+every meeting, even when a collective finished on some and failed on others.
+
+After a failed meeting the members alive agree on who is left (:meth:`Membership._reform`:
+each announces itself for the next *membership epoch*, one ``compare_set`` fixes the list)
+and join a new process group for that epoch over the same store (its own key prefix), with
+new ranks in the order of the members' ids (each worker keeps the id it started with).
+Then the meeting is held again from its inputs (``restore``), or, where it cannot be (DDP's
+all-reduce inside backward), :class:`MembershipChanged` tells the caller to redo its step.
+Listeners (the trainer) hear of every change first: the lost members' unfinished work is
+theirs to hand out.
+
+This is torchft's quorum and commit vote in shoal's terms (a quorum per membership epoch, a
+``should_commit`` per meeting), on torch.distributed's own store and process groups.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from datetime import timedelta
+from typing import Any, TypeVar
+
+import torch.distributed as dist
+
+from shoal.errors import ShoalError
+
+_T = TypeVar("_T")
+POLL = 0.02  # seconds between two looks at the store while a member is awaited
+#: A meeting that fails although every member is alive is held again this many times; then
+#: its error is raised (it is the program's, not a lost member's).
+MAX_RETRIES = 3
+Listener = Callable[[list[int], list[int]], None]
+
+
+class MembershipChanged(Exception):
+    """A meeting failed and the group was re-formed; the caller redoes its step. ``lost``:
+    the ids of the members that left."""
+
+    def __init__(self, lost: list[int]) -> None:
+        super().__init__(f"the workers {lost} left; the group was re-formed")
+        self.lost = lost
+
+
+def mark_gone(store: Any, worker: int, why: str) -> None:
+    """For the launcher: worker ``worker``'s process ended (``why``), so nobody waits for it.
+    ``store``: the job's store under :func:`~shoal.core.waits.key_prefix`."""
+    store.set(f"elastic/gone/{worker}", why)
+
+
+class Membership:
+    """This worker's view of who is in the job (see the module's docstring).
+
+    ``store``: the job's store under :func:`~shoal.core.waits.key_prefix`; ``me``: this
+    worker's id (its first rank); ``heartbeat(id)``: the key of that worker's heartbeat
+    counter; ``timeout``: the collectives' timeout in a re-formed group, and how long a
+    heartbeat may stand still before its worker counts as gone; ``patience``: the longest
+    wait for a member that still beats.
+    """
+
+    def __init__(self, store: Any, me: int, world: int, heartbeat: Callable[[int], str],
+                 timeout: float, patience: float, backend: str) -> None:
+        self._raw = store
+        self._store = dist.PrefixStore("elastic", store)
+        self.me, self.members = me, list(range(world))
+        self._heartbeat, self.timeout, self.patience = heartbeat, timeout, patience
+        self._backend = backend
+        self.epoch = 0  # the membership epoch: one per group
+        self._seq = 0  # meetings held in this epoch
+        self._beats: dict[int, tuple[int, float]] = {}  # a member's counter, when it moved
+        self.listeners: list[Listener] = []
+
+    @property
+    def rank(self) -> int:
+        return self.members.index(self.me)
+
+    @property
+    def world_size(self) -> int:
+        return len(self.members)
+
+    # -- meetings ------------------------------------------------------------------------------
+    def meet(self, run: Callable[[], _T], restore: Callable[[], None] | None = None) -> _T:
+        """``run()`` a collective and agree with the others that it succeeded; after a failed
+        meeting re-form the group, ``restore()`` the inputs and hold it again (without
+        ``restore``: raise :class:`MembershipChanged` once re-formed)."""
+        retries = 0
+        while True:
+            error: Exception | None = None
+            try:
+                result = run()
+            except RuntimeError as exc:  # Gloo: a peer closed its connection, or timed out
+                error, result = exc, None
+            if self._agree(error is None):
+                return result  # type: ignore[return-value]
+            lost = self._reform()
+            retries = 0 if lost else retries + 1
+            if retries >= MAX_RETRIES:
+                if error is not None:
+                    raise error
+                raise ShoalError(f"a collective failed {MAX_RETRIES} times with every worker alive")
+            if restore is None:
+                raise MembershipChanged(lost)
+            restore()
+
+    def _agree(self, ok: bool) -> bool:
+        """Whether meeting ``seq`` of this epoch counts: all members said it succeeded."""
+        base = f"{self.epoch}/{self._seq}"
+        self._seq += 1
+        decision, done = f"{base}/decision", f"{base}/all"
+        self._store.set(f"{base}/vote/{self.me}", "1" if ok else "0")
+        if not ok:
+            self._store.compare_set(decision, "", "abort")
+            self._store.set(done, "1")
+            return False
+        if self._store.add(f"{base}/ok", 1) >= len(self.members):
+            self._store.set(done, "1")
+        proposal = "commit"
+        while not self._wait(done, 4 * POLL):
+            if self._store.check([decision]):
+                break
+            if any(self._gone(m) for m in self.members
+                   if not self._store.check([f"{base}/vote/{m}"])):
+                proposal = "abort"
+                break
+        counts = self._store.compare_set(decision, "", proposal).decode() == "commit"
+        if counts and self.rank == 0 and self._seq > 1:
+            self._forget(f"{self.epoch}/{self._seq - 2}")
+        return counts
+
+    def _forget(self, base: str) -> None:
+        """Delete a meeting's keys once every member is past it (all voted on the next),
+        so that the store does not grow with the steps."""
+        for key in ("decision", "all", "ok", *(f"vote/{m}" for m in self.members)):
+            self._store.delete_key(f"{base}/{key}")
+
+    # -- re-forming ----------------------------------------------------------------------------
+    def _reform(self) -> list[int]:
+        """Agree on the members alive, join their new group; returns the ids that left."""
+        before = list(self.members)
+        while True:
+            old, nxt = list(self.members), self.epoch + 1
+            here = f"{nxt}/here"
+            self._store.set(f"{here}/{self.me}", "1")
+            started = time.monotonic()
+            while time.monotonic() - started < self.patience:
+                waiting = [m for m in old if not self._store.check([f"{here}/{m}"])]
+                if all(self._gone(m) for m in waiting):
+                    break
+                time.sleep(POLL)
+            alive = [m for m in old if self._store.check([f"{here}/{m}"])]
+            agreed = self._store.compare_set(f"{nxt}/members", "", ",".join(map(str, alive)))
+            members = [int(m) for m in agreed.decode().split(",")]
+            if self.me not in members:
+                raise ShoalError(f"worker {self.me} was left out of the job's group "
+                                 f"(too late to the re-forming after a lost worker)")
+            self.epoch, self.members, self._seq = nxt, members, 0
+            if self._join():
+                break
+        lost = [m for m in before if m not in members]
+        for listener in self.listeners:
+            listener(lost, [before.index(m) for m in lost])
+        return lost
+
+    def _join(self) -> bool:
+        """Leave the old process group and join this epoch's; False when a member did not
+        come (the members are then agreed again)."""
+        if dist.is_initialized():
+            dist.destroy_process_group()
+        if len(self.members) == 1:
+            return True
+        try:
+            dist.init_process_group(
+                self._backend, store=dist.PrefixStore(f"elastic/{self.epoch}/group", self._raw),
+                rank=self.rank, world_size=len(self.members),
+                timeout=timedelta(seconds=self.timeout))
+        except (RuntimeError, ValueError):
+            return False
+        return True
+
+    def reason(self, member: int) -> str:
+        """Why ``member`` left, as far as the store knows."""
+        if self._store.check([f"gone/{member}"]):
+            return f"worker {member} {self._store.get(f'gone/{member}').decode()}"
+        return f"worker {member} stopped answering (no heartbeat for {self.timeout:g} s)"
+
+    # -- who is alive --------------------------------------------------------------------------
+    def _gone(self, member: int) -> bool:
+        """Whether ``member`` ended (its launcher said so) or its heartbeat stood still for
+        ``timeout`` seconds."""
+        if member == self.me:
+            return False
+        if self._store.check([f"gone/{member}"]):
+            return True
+        count = self._raw.add(self._heartbeat(member), 0)
+        now = time.monotonic()
+        seen, since = self._beats.get(member, (None, now))
+        if count != seen:
+            self._beats[member] = (count, now)
+            return False
+        return now - since > self.timeout
+
+    def _wait(self, key: str, seconds: float) -> bool:
+        """Whether ``key`` is in the store within ``seconds``. Polled: a store's own wait
+        that times out logs a warning each time."""
+        deadline, pause = time.monotonic() + seconds, 0.0005
+        while not self._store.check([key]):
+            if time.monotonic() > deadline:
+                return False
+            time.sleep(pause)
+            pause = min(2 * pause, POLL / 4)
+        return True
