@@ -88,3 +88,22 @@ def test_what_elastic_does_not_take_is_one_line(tmp_path, capsys, args, expected
     assert code == 2
     assert expected in one_error_line(capsys.readouterr().err)
     assert not (tmp_path / "run").exists()
+
+
+def test_a_worker_that_stops_answering_is_left_out(tmp_path):
+    """Worker 1 stops (SIGSTOP) mid-epoch: the others drop it after the collectives' and the
+    heartbeat's timeouts, finish the run with its share, and the launcher ends it."""
+    env = shoal_env()
+    env.update(SHOAL_TEST_KILL_RANK="1", SHOAL_TEST_KILL_AT="train:40", SHOAL_TEST_KILL_SIGNAL="19")
+    out = tmp_path / "run"
+    res = shoal("train", "--out", str(out), "--progress", "plain", "--model",
+                "tests.fixtures_models:killed_at", "--dataset", "digits", "--workers", "3",
+                "--epochs", str(EPOCHS), "--strategy", "local-sgd", "--tau", "4", "--elastic",
+                "--heartbeat-timeout", "5", "--record-samples", env=env, timeout=500)
+    assert res.returncode == 0, res.stderr
+    assert res.stray == []
+    [change] = json.loads((out / "summary.json").read_text())["membership_changes"]
+    assert change["left"] == [1] and change["why"]["1"].startswith("worker 1 stopped answering")
+    counts = samples_trained(out)
+    assert set(counts.values()) == {1}
+    assert sorted(counts) == [(e, s) for e in range(EPOCHS) for s in range(TRAIN_ROWS)]

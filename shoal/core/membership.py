@@ -23,6 +23,9 @@ This is torchft's quorum and commit vote in shoal's terms (a quorum per membersh
 
 from __future__ import annotations
 
+import os
+import signal
+import sys
 import time
 from collections.abc import Callable
 from datetime import timedelta
@@ -34,8 +37,9 @@ from shoal.errors import ShoalError
 
 _T = TypeVar("_T")
 POLL = 0.02  # seconds between two looks at the store while a member is awaited
-#: A meeting that fails although every member is alive is held again this many times; then
-#: its error is raised (it is the program's, not a lost member's).
+#: A meeting that fails although every member is alive, other than by a timeout (a slow
+#: member), is held again this many times; then its error is raised (it is the program's,
+#: not a lost member's).
 MAX_RETRIES = 3
 Listener = Callable[[list[int], list[int]], None]
 
@@ -47,6 +51,14 @@ class MembershipChanged(Exception):
     def __init__(self, lost: list[int]) -> None:
         super().__init__(f"the workers {lost} left; the group was re-formed")
         self.lost = lost
+
+
+def members_now(store: Any) -> list[int] | None:
+    """For the launcher: the ids in the job's latest group, once one was re-formed."""
+    if not store.check(["elastic/latest"]):
+        return None
+    latest = store.get("elastic/latest").decode()
+    return [int(m) for m in store.get(f"elastic/{latest}/members").decode().split(",")]
 
 
 def mark_gone(store: Any, worker: int, why: str) -> None:
@@ -100,7 +112,8 @@ class Membership:
             if self._agree(error is None):
                 return result  # type: ignore[return-value]
             lost = self._reform()
-            retries = 0 if lost else retries + 1
+            slow = error is not None and "timed out" in str(error).lower()
+            retries = 0 if lost or slow else retries + 1
             if retries >= MAX_RETRIES:
                 if error is not None:
                     raise error
@@ -157,9 +170,11 @@ class Membership:
             alive = [m for m in old if self._store.check([f"{here}/{m}"])]
             agreed = self._store.compare_set(f"{nxt}/members", "", ",".join(map(str, alive)))
             members = [int(m) for m in agreed.decode().split(",")]
-            if self.me not in members:
-                raise ShoalError(f"worker {self.me} was left out of the job's group "
-                                 f"(too late to the re-forming after a lost worker)")
+            if self.me not in members:  # it did not answer in time: lost, as if killed
+                print(f"shoal: worker {self.me} was left out of the job's group (it did not "
+                      "answer in time); it stops", file=sys.stderr, flush=True)
+                os.kill(os.getpid(), signal.SIGKILL)
+            self._store.set("latest", str(nxt))
             self.epoch, self.members, self._seq = nxt, members, 0
             if self._join():
                 break

@@ -282,7 +282,7 @@ def _supervise(procs: list[BaseProcess], store: Any, errdir: str, grace: float,
     """
     import torch.distributed as dist
 
-    from shoal.core.membership import mark_gone
+    from shoal.core.membership import mark_gone, members_now
 
     pending = list(procs)
     lost: dict[int, Lost] = {}
@@ -303,6 +303,8 @@ def _supervise(procs: list[BaseProcess], store: Any, errdir: str, grace: float,
                 say_gone(keys, rank, len(procs), "exited with status 0")
         failed = any(code not in (None, 0) and rank not in lost and not _finished(errdir, rank)
                      for rank, code in codes.items())
+        if tolerate is not None:
+            _end_left_out(procs, members_now(keys), errdir)
         pending = [procs[rank] for rank, code in codes.items() if code is None]
     if not failed:
         return _results(procs, errdir, lost)
@@ -313,6 +315,17 @@ def _supervise(procs: list[BaseProcess], store: Any, errdir: str, grace: float,
              if p.exitcode is not None and not _finished(errdir, r) and r not in lost}
     stop_processes(procs, grace)
     raise root_cause(errdir, exits)
+
+
+def _end_left_out(procs: list[BaseProcess], members: list[int] | None, errdir: str) -> None:
+    """Elastic: once every worker of the job's latest group finished, end those left out
+    of it (stopped, or too late to come back), which nobody waits for any more."""
+    if members is None or not all(_finished(errdir, rank) for rank in members):
+        return
+    for rank, p in enumerate(procs):
+        if rank not in members and p.exitcode is None and p.pid is not None:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(p.pid, signal.SIGKILL)
 
 
 def _results(procs: list[BaseProcess], errdir: str, lost: dict[int, Lost]) -> list[Any]:
