@@ -4,7 +4,7 @@ Every collective a :class:`~shoal.core.comm.Comm` issues is a *meeting*. Under e
 membership each meeting ends with a vote in the job's store (:meth:`Membership.meet`): every
 member says whether its collective succeeded, and one decision key, written once
 (``compare_set``), says whether the meeting counts. A member that died never votes: the
-launcher marks it gone (:func:`mark_gone`), or its heartbeat (the watchdog's) stops; the
+launcher marks it gone (:func:`~shoal.core.waits.mark_gone`), or its heartbeat (the watchdog's) stops; the
 others then decide that the meeting failed. So every member alive takes the same view of
 every meeting, even when a collective finished on some and failed on others.
 
@@ -33,10 +33,18 @@ from typing import Any, TypeVar
 
 import torch.distributed as dist
 
+from shoal.core.processes import stop_requested
+from shoal.core.waits import ELASTIC
 from shoal.errors import ShoalError
 
 _T = TypeVar("_T")
 POLL = 0.02  # seconds between two looks at the store while a member is awaited
+#: A vote for a meeting counts 1, plus this when its member was asked to stop (SIGTERM).
+STOP = 1 << 20
+#: Seconds a vote waits in the store's own wait (woken at once when the last member votes)
+#: before it looks for lost members: only a member lost after its collective succeeded
+#: here is noticed this late.
+WAKE = 1.0
 #: A meeting that fails although every member is alive, other than by a timeout (a slow
 #: member), is held again this many times; then its error is raised (it is the program's,
 #: not a lost member's).
@@ -53,20 +61,6 @@ class MembershipChanged(Exception):
         self.lost = lost
 
 
-def members_now(store: Any) -> list[int] | None:
-    """For the launcher: the ids in the job's latest group, once one was re-formed."""
-    if not store.check(["elastic/latest"]):
-        return None
-    latest = store.get("elastic/latest").decode()
-    return [int(m) for m in store.get(f"elastic/{latest}/members").decode().split(",")]
-
-
-def mark_gone(store: Any, worker: int, why: str) -> None:
-    """For the launcher: worker ``worker``'s process ended (``why``), so nobody waits for it.
-    ``store``: the job's store under :func:`~shoal.core.waits.key_prefix`."""
-    store.set(f"elastic/gone/{worker}", why)
-
-
 class Membership:
     """This worker's view of who is in the job (see the module's docstring).
 
@@ -80,13 +74,16 @@ class Membership:
     def __init__(self, store: Any, me: int, world: int, heartbeat: Callable[[int], str],
                  timeout: float, patience: float, backend: str) -> None:
         self._raw = store
-        self._store = dist.PrefixStore("elastic", store)
+        self._store = dist.PrefixStore(ELASTIC, store)
         self.me, self.members = me, list(range(world))
         self._heartbeat, self.timeout, self.patience = heartbeat, timeout, patience
         self._backend = backend
         self.epoch = 0  # the membership epoch: one per group
         self._seq = 0  # meetings held in this epoch
         self._beats: dict[int, tuple[int, float]] = {}  # a member's counter, when it moved
+        #: Whether a member was asked to stop (SIGTERM) when it voted on the last meeting:
+        #: every member's stop vote, with no collective of its own.
+        self.stop_voted = False
         self.listeners: list[Listener] = []
 
     @property
@@ -123,26 +120,25 @@ class Membership:
             restore()
 
     def _agree(self, ok: bool) -> bool:
-        """Whether meeting ``seq`` of this epoch counts: all members said it succeeded."""
+        """Whether meeting ``seq`` of this epoch counts: all members said it succeeded. The
+        last to say so, or the first to see it failed, writes the decision (once)."""
         base = f"{self.epoch}/{self._seq}"
         self._seq += 1
-        decision, done = f"{base}/decision", f"{base}/all"
-        self._store.set(f"{base}/vote/{self.me}", "1" if ok else "0")
+        decision = f"{base}/decision"
         if not ok:
             self._store.compare_set(decision, "", "abort")
-            self._store.set(done, "1")
             return False
-        if self._store.add(f"{base}/ok", 1) >= len(self.members):
-            self._store.set(done, "1")
-        proposal = "commit"
-        while not self._wait(done, 4 * POLL):
-            if self._store.check([decision]):
-                break
-            if any(self._gone(m) for m in self.members
-                   if not self._store.check([f"{base}/vote/{m}"])):
-                proposal = "abort"
-                break
-        counts = self._store.compare_set(decision, "", proposal).decode() == "commit"
+        total = self._store.add(f"{base}/ok", 1 + (STOP if stop_requested() else 0))
+        if total % STOP >= len(self.members):
+            verdict = self._store.compare_set(decision, "", "commit+stop" if total >= STOP
+                                              else "commit")
+        else:
+            while not self._wait(decision, 4 * POLL, first=WAKE):
+                if any(self._gone(m) for m in self.members):  # it will never say so
+                    self._store.compare_set(decision, "", "abort")
+            verdict = self._store.get(decision)
+        counts = verdict.decode().startswith("commit")
+        self.stop_voted = verdict.decode() == "commit+stop"
         if counts and self.rank == 0 and self._seq > 1:
             self._forget(f"{self.epoch}/{self._seq - 2}")
         return counts
@@ -150,8 +146,8 @@ class Membership:
     def _forget(self, base: str) -> None:
         """Delete a meeting's keys once every member is past it (all voted on the next),
         so that the store does not grow with the steps."""
-        for key in ("decision", "all", "ok", *(f"vote/{m}" for m in self.members)):
-            self._store.delete_key(f"{base}/{key}")
+        self._store.delete_key(f"{base}/decision")
+        self._store.delete_key(f"{base}/ok")
 
     # -- re-forming ----------------------------------------------------------------------------
     def _reform(self) -> list[int]:
@@ -192,7 +188,7 @@ class Membership:
             return True
         try:
             dist.init_process_group(
-                self._backend, store=dist.PrefixStore(f"elastic/{self.epoch}/group", self._raw),
+                self._backend, store=dist.PrefixStore(f"{ELASTIC}/{self.epoch}/group", self._raw),
                 rank=self.rank, world_size=len(self.members),
                 timeout=timedelta(seconds=self.timeout))
         except (RuntimeError, ValueError):
@@ -221,9 +217,16 @@ class Membership:
             return False
         return now - since > self.timeout
 
-    def _wait(self, key: str, seconds: float) -> bool:
-        """Whether ``key`` is in the store within ``seconds``. Polled: a store's own wait
-        that times out logs a warning each time."""
+    def _wait(self, key: str, seconds: float, first: float = 0.0) -> bool:
+        """Whether ``key`` is in the store within ``seconds``: the store's own wait for the
+        ``first`` seconds (it wakes at once), then polled (a wait that times out logs a
+        warning each time)."""
+        if first:
+            try:
+                self._store.wait([key], timedelta(seconds=first))
+                return True
+            except RuntimeError:  # DistStoreError: not there yet (a member may be lost)
+                pass
         deadline, pause = time.monotonic() + seconds, 0.0005
         while not self._store.check([key]):
             if time.monotonic() > deadline:

@@ -33,7 +33,7 @@ from shoal.core.env import Environment, set_environment
 from shoal.core.failures import exit_status, first_line, record_failure, root_cause
 from shoal.core.guard import guarded_name
 from shoal.core.limits import check_processes
-from shoal.core.waits import key_prefix, say_gone
+from shoal.core.waits import key_prefix, mark_gone, members_now, say_gone
 from shoal.errors import ShoalError, Terminated, WorkerError
 
 _STOP = threading.Event()  # SIGTERM arrived: finish the step, checkpoint, stop
@@ -281,8 +281,6 @@ def _supervise(procs: list[BaseProcess], store: Any, errdir: str, grace: float,
     runs the same code.
     """
     import torch.distributed as dist
-
-    from shoal.core.membership import mark_gone, members_now
 
     pending = list(procs)
     lost: dict[int, Lost] = {}
