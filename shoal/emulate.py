@@ -53,6 +53,20 @@ def rate_bits(rate: str) -> float:
     return float(m.group(1)) * _UNITS[m.group(2).lower()]
 
 
+#: The share of a link's rate that carries a TCP stream's payload: ``tbf`` counts whole
+#: Ethernet frames, 1,514 bytes for 1,448 of payload (1500-byte MTU, IPv4 and TCP headers
+#: with timestamps).
+PAYLOAD = 1448 / 1514
+
+
+def burst_bytes(bits: float) -> int:
+    """The token bucket of a link of ``bits`` per second: 10 ms worth of bytes (at least
+    15,000, ``tbf``'s minimum for a 1500-byte MTU). A link idle that long passes that many
+    bytes at once, at the machine's speed; the cost model counts it
+    (:class:`shoal.plan.cost.Network`'s ``burst_bytes``)."""
+    return max(15_000, int(bits / 8 / 100))
+
+
 def _ip(*args: str, netns: str | None = None, check: bool = True) -> subprocess.CompletedProcess:
     cmd = ["ip", *(["-n", netns] if netns else []), *args]
     res = subprocess.run(cmd, capture_output=True, text=True)
@@ -164,7 +178,7 @@ class Cluster:
             self._add_netns(self.switch)
             _ip("link", "add", "br0", "type", "bridge", netns=self.switch)
             _ip("link", "set", "br0", "up", netns=self.switch)
-            burst = max(15_000, int(self.bits / 8 / 100))  # 10 ms worth of bytes
+            burst = burst_bytes(self.bits)
             for i in range(self.hosts):
                 ns, mine, port = self.host(i), self.ifname(i), f"se{self.tag}s{i}"
                 self._add_netns(ns)

@@ -153,10 +153,10 @@ def _train_runs(runs: list[list[str]]) -> None:
     for flags in runs:
         cfg = config_from_args(build_parser().parse_args(["train", *flags]))
         assert cfg.workers in (None, comm.world_size), flags
-        data = preflight(cfg, comm.world_size)
+        work = preflight(cfg, comm.world_size)
         own = init_comm(env, cfg.device, cfg.timeout, timeline=Timeline(keep_events=cfg.trace),
                         heartbeat_timeout=None)
-        Trainer(cfg, own, data).run()
+        Trainer(cfg, own, work.data, work.model).run()
 
 
 def train_together(runs: dict[Path, list[str]], workers: int) -> dict[Path, dict[str, Any]]:

@@ -117,3 +117,28 @@ class _SigtermAt(nn.Module):
 
 def sigterm_at(input_shape, num_classes):
     return _SigtermAt(input_shape, num_classes)
+
+
+def _note(what):
+    """Append ``what`` and this process's id to the file ``SHOAL_TEST_COUNT_FILE``."""
+    path = os.environ.get("SHOAL_TEST_COUNT_FILE")
+    if path:
+        with open(path, "a") as f:
+            f.write(f"{what} {os.getpid()}\n")
+
+
+def counted(input_shape, num_classes):
+    """The zoo's mlp; each build noted (:func:`_note`)."""
+    from shoal.models import build_model
+
+    _note("model")
+    return build_model("mlp", input_shape, num_classes)
+
+
+def counted_digits(seed=0):
+    """The digits data set (``--dataset tests.fixtures_models:counted_digits``); each load
+    noted (:func:`_note`)."""
+    from shoal.data import DataOptions, load_dataset
+
+    _note("data")
+    return load_dataset("digits", DataOptions(seed=seed))

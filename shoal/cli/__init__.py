@@ -84,10 +84,18 @@ def _bench(args: argparse.Namespace, argv: Sequence[str]) -> None:
     run_bench(cfg, "shoal " + " ".join(argv))
 
 
-def _plan(args: argparse.Namespace) -> int:
-    from shoal.plan.model import run_simulate, simulate_keys
+def _simulate_keys(args: argparse.Namespace) -> dict[str, Any]:
+    """Take the ``--simulate`` flags out of ``args`` (so the rest are ``shoal train``'s)."""
+    found = {k: v for k, v in vars(args).items() if k.startswith("sim_")}
+    for k in found:
+        delattr(args, k)
+    return found
 
-    simulation = simulate_keys(args)
+
+def _plan(args: argparse.Namespace) -> int:
+    from shoal.plan.simulate import run_simulate
+
+    simulation = _simulate_keys(args)
     if simulation.pop("sim_simulate", False):
         return run_simulate(config_from_args(args), simulation)
     if simulation:

@@ -7,11 +7,13 @@ on the job's store: a failing or hung rank ends the job within seconds.
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import math
 import os
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
+from datetime import timedelta
 from typing import Any, TypeVar
 
 import torch
@@ -19,7 +21,8 @@ import torch.distributed as dist
 
 from shoal.core.env import Environment, pick_device
 from shoal.core.failures import EXIT_ABORTED
-from shoal.core.group import backend_for, job_store, join_group
+from shoal.core.group import all_joined, job_store, join_group
+from shoal.core.handle import Handle
 from shoal.core.membership import Membership
 from shoal.core.ops import reduce_op
 from shoal.core.pairs import Client
@@ -29,6 +32,7 @@ from shoal.core.waits import (
     Keys,
     Waits,
     describe,
+    ended_key,
     generation_key,
     key_prefix,
     say_left,
@@ -37,30 +41,6 @@ from shoal.core.watchdog import ABORT_KEY, Watchdog
 from shoal.errors import ShoalError
 
 _T = TypeVar("_T")
-
-
-class Handle:
-    """A collective in flight (number ``seq`` in its Comm's log). :meth:`wait` blocks and books
-    the waiting as communication."""
-
-    def __init__(self, comm: Comm, work: Any, tensor: torch.Tensor, op: str, name: str,
-                 seq: int = 0) -> None:
-        self._comm, self._work, self._tensor, self._op, self._name = comm, work, tensor, op, name
-        self._seq = seq
-
-    def wait(self) -> torch.Tensor:
-        if self._work is not None:
-            log = self._comm.log
-            try:
-                with self._comm.timeline.span(COMM, self._name), log.blocked(self._seq):
-                    self._work.wait()
-            finally:
-                log.finish(self._seq)
-            self._work = None
-            if self._op == "avg":
-                self._tensor.div_(self._comm.world_size)
-        return self._tensor
-
 
 class Comm:
     """This process's view of the job: rank, world size, device and timed collectives.
@@ -74,14 +54,14 @@ class Comm:
     not come (:mod:`shoal.core.waits`); ``timeout`` is the collectives' own (the process
     group's), which the watchdog ends such a wait just before.
 
-    ``peers=False``: a worker of an asynchronous job, whose peers are its parameter servers
-    only (``ps``): no collective goes anywhere, even once this process joins a process group
-    of its own (a compute group's, spoken for by a :meth:`child`).
+    ``peers=False``: a rank of a job without a process group of all its ranks (an
+    asynchronous job's worker or server, whose peers are the parameter servers only: ``ps``):
+    no collective goes anywhere and no watchdog runs (a lost worker is no failure of the
+    others), even once this process joins a process group of its own (a compute group's,
+    spoken for by :attr:`subgroup`). :attr:`store` is the job's store all the same.
 
-    ``elastic``: the job goes on without a worker that dies or stops answering
-    (:mod:`shoal.core.membership`): every collective is voted on in the store and, after a
-    failed one, held again in a re-formed group; :attr:`rank` and :attr:`world_size` are
-    then the new group's. The watchdog judges no peer (a lost one is not the job's end).
+    ``elastic``: the job goes on without a lost worker (:mod:`shoal.core.membership`); the
+    watchdog judges no peer.
     """
 
     def __init__(
@@ -102,43 +82,36 @@ class Comm:
         self.device = device
         self.timeline = timeline or Timeline()
         self.bytes_sent = 0  # payload handed to collectives by this rank during training
+        #: The job's store (``None``: a process alone), as its launcher serves it.
+        self.store = store
         self._store = dist.PrefixStore(key_prefix(env.attempt), store) if store is not None else None
         self._rank0_hosts = not env.agent_store  # the store (as job_store makes it)
         self.aborted = False  # this rank called abort(): nobody will wait for it at close()
         self.ps: Client | None = None  #: an asynchronous job's worker: its end of the servers
+        #: The Comm of the group this process computes with inside a job without a process
+        #: group of all its ranks (:meth:`join_subgroup`); ``None``: no such group.
+        self.subgroup: Comm | None = None
         self.peers = peers
         self._parent: Comm | None = None  # a child's bytes are its parent's too
         self.log = CollectiveLog()  # the collectives this rank issued, for the watchdog
         self._keys = Keys(0)
         self._watchdog: Watchdog | None = None
         self.membership: Membership | None = None
-        if self._store is not None and self.world_size > 1:
+        if self._store is not None and self.world_size > 1 and peers:
             self._keys = Keys(next(_GENERATIONS))
             self._store.set(generation_key(self.rank), str(self._keys.generation))
             waits = Waits(self.rank, self.world_size, self.log, self._keys, timeout)
             self._watchdog = Watchdog(env, store, heartbeat_timeout, lambda: self.aborted, waits,
                                       judge_peers=not elastic)
-            if elastic:
-                self.membership = Membership(
-                    self._store, self.rank, self.world_size, self._keys.heartbeat,
-                    heartbeat_timeout or 10.0, timeout or 300.0, backend_for(device.type))
-                self.membership.listeners.append(self._regrouped)
+            if elastic:  # after a change its rank and world size are the new group's
+                self.membership = Membership.of(self, self._store, heartbeat_timeout, timeout)
 
-    @property
-    def elastic(self) -> bool:
-        """Whether the job goes on when a worker is lost (see the class docstring)."""
-        return self.membership is not None
-
-    def _regrouped(self, lost: list[int], ranks: list[int]) -> None:
-        self.rank, self.world_size = self.membership.rank, self.membership.world_size
-
-    def _meet(self, run: Callable[[], _T], restore: Callable[[], Any] | None = None) -> _T | None:
-        """``run()`` a collective; elastic: voted on, held again in a re-formed group after
-        ``restore()`` (:meth:`Membership.meet`), skipped once this worker is alone."""
+    def _meet(self, run: Callable[[], _T], keep: torch.Tensor | None = None) -> _T | None:
+        """``run()`` a collective; elastic: voted on, held again in a re-formed group from
+        ``keep``'s value now (:meth:`Membership.meet`), skipped once this worker is alone."""
         if self.membership is None:
             return run()
-        return self.membership.meet(lambda: run() if self.active else None,
-                                    restore or (lambda: None))
+        return self.membership.meet(lambda: run() if self.active else None, keep)
 
     @property
     def active(self) -> bool:
@@ -153,6 +126,20 @@ class Comm:
         comm = Comm(env, self.device, self.timeline)
         comm._parent = self
         return comm
+
+    def join_subgroup(self, name: str, rank: int, size: int, timeout: float) -> Comm:
+        """Join the process group ``name`` of ``size`` processes on the job's store (a compute
+        group of an asynchronous job, whose ranks share no process group of the whole job) as
+        its rank ``rank``; its Comm is :attr:`subgroup` (a :meth:`child` of this one)."""
+        if self.store is None:
+            raise ShoalError(f"{name}: a group meets through the job's store, and this process "
+                             "has none")
+        if dist.is_initialized():
+            raise ShoalError(f"{name}: this process already belongs to a process group")
+        join_group(dist.PrefixStore(name, self.store), rank, size, self.device.type, timeout,
+                   where=f"the group {name}")
+        self.subgroup = self.child(Environment(rank=rank, world_size=size, local_world_size=size))
+        return self.subgroup
 
     # -- accounting -------------------------------------------------------------------------
     def count(self, nbytes: int) -> None:
@@ -178,18 +165,9 @@ class Comm:
         if not self.active:
             yield
             return
-        with self.log.track(describe(op, name)):
-            if self.membership is None:
-                yield
-                return
-            failed: list[RuntimeError] = []
-            try:
-                yield
-            except RuntimeError as exc:  # DDP's all-reduce with a peer lost
-                failed.append(exc)
-            # Held again it cannot be: a failed one re-forms the group and raises
-            # MembershipChanged, for the caller to redo its step.
-            self.membership.meet(lambda: _raise_first(failed))
+        with self.log.track(describe(op, name)), (
+                self.membership.voted() if self.membership else contextlib.nullcontext()):
+            yield
 
     # -- collectives ------------------------------------------------------------------------
     def all_reduce(self, tensor: torch.Tensor, op: str = "sum", name: str = "allreduce") -> torch.Tensor:
@@ -203,12 +181,10 @@ class Comm:
             return Handle(self, None, tensor, op, name)
         self.count(tensor.numel() * tensor.element_size())
         if self.membership is not None:  # voted, so finished here: no overlap
-            saved = tensor.clone()
             with self.timeline.span(COMM, name), self.log.track(_what("all_reduce", name)):
-                self._meet(lambda: dist.all_reduce(tensor, op=red), lambda: tensor.copy_(saved))
-            if op == "avg":
-                tensor.div_(self.world_size)
-            return Handle(self, None, tensor, op, name)
+                self._meet(lambda: dist.all_reduce(tensor, op=red), keep=tensor)
+            return Handle(self, None, tensor.div_(self.world_size) if op == "avg" else tensor,
+                          op, name)
         seq = self.log.start(_what("all_reduce", name, "allreduce"))  # finished by its wait
         with self.timeline.span(COMM, name):
             work = dist.all_reduce(tensor, op=red, async_op=True)
@@ -263,9 +239,8 @@ class Comm:
         """All-reduce a few Python numbers (metrics); returns the reduced list."""
         t = torch.tensor(list(values), dtype=torch.float64, device=self.device)
         if self.active:
-            saved = t.clone()
             with self.log.track(describe("all_reduce", "values")):
-                self._meet(lambda: dist.all_reduce(t, op=reduce_op(op)), lambda: t.copy_(saved))
+                self._meet(lambda: dist.all_reduce(t, op=reduce_op(op)), keep=t)
             if op == "avg":
                 t /= self.world_size
         return t.tolist()
@@ -294,15 +269,29 @@ class Comm:
         return box[0]
 
     # -- failure handling -------------------------------------------------------------------
+    def ended(self, rank: int, timeout: float) -> str | None:
+        """How the process of rank ``rank`` (of the job), lost to it, ended (``killed by
+        signal 9``), as shoal's launcher says in the job's store, waiting up to ``timeout``
+        seconds for it; ``None`` if it does not say (another launcher, a process alive)."""
+        if self._store is None:
+            return None
+        key = ended_key(rank)
+        try:
+            self._store.wait([key], timedelta(seconds=timeout))
+            return self._store.get(key).decode()
+        except Exception:  # not said in time, or the store is gone
+            return None
+
     def abort(self, message: str) -> None:
         """Tell every other rank that this one failed, so they exit instead of waiting.
 
         The first report stands (a later one is most likely its echo). A rank that another
         rank's watchdog already reported (hung while it did not run, gone, never come) leaves
         here at once, without a report of its own: what it raises is the echo of that.
+        Without peers (an asynchronous job's rank) nobody waits on this one: nothing to tell.
         """
         self.aborted = True  # first: this rank's watchdog must not take the report for another's
-        if self._store is None:
+        if self._store is None or not self.peers:
             return
         first = (message.strip().splitlines() or ["failed"])[0][:300]
         report = f"rank {self.rank}: {first}"
@@ -358,6 +347,8 @@ def init_comm(
     threads: int | None = None,
     timeline: Timeline | None = None,
     heartbeat_timeout: float | None = 10.0,
+    *,
+    place: Environment | None = None,
     elastic: bool = False,
 ) -> Comm:
     """Join the job described by ``env`` and return its :class:`Comm`.
@@ -366,8 +357,15 @@ def init_comm(
     rendezvous, so a lost peer is an error, never a hang. ``heartbeat_timeout`` (seconds;
     ``None``: never) is how long a rank may send no heartbeat (stopped, swapped out) before
     the job stops and names it; a rank that only computes or waits keeps beating.
-    ``threads`` sets this process's intra-op threads. ``elastic``: the job goes on without
-    a lost worker; its collectives time out after ``heartbeat_timeout`` (see :class:`Comm`).
+    ``threads`` sets this process's intra-op threads.
+
+    ``place``: the job has no process group of all its ranks (an asynchronous job, whose
+    ranks meet through their parameter servers); this process joins only the job's store
+    and its Comm, with no peers, speaks for ``place`` (its rank among the workers); it
+    returns once every rank has joined. Such processes may share GPUs: they meet in no NCCL
+    group of the job's. ``elastic``: the job goes on
+    without a lost worker; its collectives time out after ``heartbeat_timeout`` (see
+    :class:`Comm`).
     """
     if heartbeat_timeout is not None and not (math.isfinite(heartbeat_timeout)
                                               and heartbeat_timeout > 0):
@@ -375,10 +373,16 @@ def init_comm(
                          f"got {heartbeat_timeout}")
     if threads is not None:
         torch.set_num_threads(max(1, threads))
-    dev = pick_device(device, env.local_rank, env.local_world_size)
+    mine = place or env
+    dev = pick_device(device, mine.local_rank, mine.local_world_size, share=place is not None)
     store = None
-    if env.world_size > 1 and not dist.is_initialized():
+    if env.world_size > 1 and (place is not None or not dist.is_initialized()):
         store = job_store(env, timeout)
+    if place is not None:
+        if store is not None:
+            all_joined(store, env, timeout)
+        return Comm(place, dev, timeline, store, peers=False, timeout=timeout)
+    if store is not None:
         join_group(store, env.rank, env.world_size, dev.type,
                    (heartbeat_timeout or timeout) if elastic else timeout,
                    where=f"the job at {env.master_addr}:{env.master_port}")
@@ -387,11 +391,6 @@ def init_comm(
 
 #: Comms made on a job's store by this process so far (see :class:`~shoal.core.waits.Keys`).
 _GENERATIONS = itertools.count()
-
-
-def _raise_first(errors: list[RuntimeError]) -> None:
-    if errors:
-        raise errors[0]
 
 
 def _what(op: str, name: str, default: str | None = None) -> str:

@@ -4,7 +4,7 @@ Every collective a :class:`~shoal.core.comm.Comm` issues is a *meeting*. Under e
 membership each meeting ends with a vote in the job's store (:meth:`Membership.meet`): every
 member says whether its collective succeeded, and one decision key, written once
 (``compare_set``), says whether the meeting counts. A member that died never votes: the
-launcher marks it gone (:func:`~shoal.core.waits.mark_gone`), or its heartbeat (the watchdog's) stops; the
+launcher says it ended (:func:`~shoal.core.waits.ended_key`), or its heartbeat (the watchdog's) stops; the
 others then decide that the meeting failed. So every member alive takes the same view of
 every meeting, even when a collective finished on some and failed on others.
 
@@ -23,18 +23,20 @@ This is torchft's quorum and commit vote in shoal's terms (a quorum per membersh
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from datetime import timedelta
 from typing import Any, TypeVar
 
+import torch
 import torch.distributed as dist
 
 from shoal.core.processes import stop_requested
-from shoal.core.waits import ELASTIC
+from shoal.core.waits import ELASTIC, ended_key
 from shoal.errors import ShoalError
 
 _T = TypeVar("_T")
@@ -86,6 +88,22 @@ class Membership:
         self.stop_voted = False
         self.listeners: list[Listener] = []
 
+    @classmethod
+    def of(cls, comm: Any, store: Any, heartbeat_timeout: float | None,
+           timeout: float | None) -> Membership:
+        """``comm``'s membership (``store``: the job's under its key prefix), which keeps
+        its rank and world size those of the group after every change."""
+        from shoal.core.group import backend_for
+
+        membership = cls(store, comm.rank, comm.world_size, comm._keys.heartbeat,
+                         heartbeat_timeout or 10.0, timeout or 300.0, backend_for(comm.device.type))
+
+        def regrouped(lost: list[int], ranks: list[int]) -> None:
+            comm.rank, comm.world_size = membership.rank, membership.world_size
+
+        membership.listeners.append(regrouped)
+        return membership
+
     @property
     def rank(self) -> int:
         return self.members.index(self.me)
@@ -95,10 +113,11 @@ class Membership:
         return len(self.members)
 
     # -- meetings ------------------------------------------------------------------------------
-    def meet(self, run: Callable[[], _T], restore: Callable[[], None] | None = None) -> _T:
+    def meet(self, run: Callable[[], _T], keep: torch.Tensor | None = None) -> _T:
         """``run()`` a collective and agree with the others that it succeeded; after a failed
-        meeting re-form the group, ``restore()`` the inputs and hold it again (without
-        ``restore``: raise :class:`MembershipChanged` once re-formed)."""
+        meeting re-form the group, put ``keep`` (the collective's input, changed in place)
+        back as it was and hold it again."""
+        kept = keep.clone() if keep is not None else None
         retries = 0
         while True:
             error: Exception | None = None
@@ -115,9 +134,24 @@ class Membership:
                 if error is not None:
                     raise error
                 raise ShoalError(f"a collective failed {MAX_RETRIES} times with every worker alive")
-            if restore is None:
-                raise MembershipChanged(lost)
-            restore()
+            if keep is not None:
+                keep.copy_(kept)
+
+    @contextlib.contextmanager
+    def voted(self) -> Iterator[None]:
+        """A collective run by the body (DDP's all-reduce inside backward), voted on after
+        it. Held again it cannot be: a failed one re-forms the group and raises
+        :class:`MembershipChanged`, for the caller to redo its step."""
+        error: RuntimeError | None = None
+        try:
+            yield
+        except RuntimeError as exc:  # a peer lost
+            error = exc
+        if not self._agree(error is None):
+            lost = self._reform()
+            if not lost and error is not None and "timed out" not in str(error).lower():
+                raise error  # every member alive: the program's error, not a lost member's
+            raise MembershipChanged(lost)
 
     def _agree(self, ok: bool) -> bool:
         """Whether meeting ``seq`` of this epoch counts: all members said it succeeded. The
@@ -197,8 +231,8 @@ class Membership:
 
     def reason(self, member: int) -> str:
         """Why ``member`` left, as far as the store knows."""
-        if self._store.check([f"gone/{member}"]):
-            return f"worker {member} {self._store.get(f'gone/{member}').decode()}"
+        if self._raw.check([ended_key(member)]):
+            return f"worker {member} {self._raw.get(ended_key(member)).decode()}"
         return f"worker {member} stopped answering (no heartbeat for {self.timeout:g} s)"
 
     # -- who is alive --------------------------------------------------------------------------
@@ -207,7 +241,7 @@ class Membership:
         ``timeout`` seconds."""
         if member == self.me:
             return False
-        if self._store.check([f"gone/{member}"]):
+        if self._raw.check([ended_key(member)]):
             return True
         count = self._raw.add(self._heartbeat(member), 0)
         now = time.monotonic()

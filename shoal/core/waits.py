@@ -96,6 +96,11 @@ def say_gone(store: Any, rank: int, world_size: int, how: str) -> None:
             say_left(store, keys, rank, world_size, how, None)
 
 
+def ended_key(rank: int) -> str:
+    """Where shoal's launcher says how the process of ``rank``, lost to the job, ended."""
+    return f"ended/{rank}"
+
+
 #: Where elastic membership (:mod:`shoal.core.membership`) keeps its keys.
 ELASTIC = "elastic"
 
@@ -106,12 +111,6 @@ def members_now(store: Any) -> list[int] | None:
         return None
     latest = store.get(f"{ELASTIC}/latest").decode()
     return [int(m) for m in store.get(f"{ELASTIC}/{latest}/members").decode().split(",")]
-
-
-def mark_gone(store: Any, worker: int, why: str) -> None:
-    """For the launcher: worker ``worker``'s process ended (``why``), so nobody waits for it.
-    ``store``: the job's store under :func:`~shoal.core.waits.key_prefix`."""
-    store.set(f"{ELASTIC}/gone/{worker}", why)
 
 
 def beat(count: int, published: int) -> int:

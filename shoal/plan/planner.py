@@ -32,22 +32,16 @@ from shoal.core.files import read_json, read_records
 from shoal.core.trust import private_dir
 from shoal.data import EpochPlan, load_dataset
 from shoal.errors import ShoalError
-from shoal.plan.search import (
-    Candidate,
-    Omnivore,
-    Plan,
-    SearchSettings,
-    Trial,
-    explain,
-    trial_scale,
-)
+from shoal.plan.cost import fitted_link, step_cost
+from shoal.plan.search import Omnivore, Plan, SearchSettings, explain
 from shoal.plan.session import PlanningSession
+from shoal.plan.trials import HARDWARE, Candidate, Phase, Trial
 from shoal.schema import parse_duration
 from shoal.strategies import get_strategy
 from shoal.sweep.runner import Launcher
 from shoal.train.checkpoint import load_checkpoint
+from shoal.train.launch import job_topology
 from shoal.train.records import write_json
-from shoal.train.server import is_asynchronous
 from shoal.train.trainer import data_options
 
 #: The strategies ``shoal plan`` considers unless told otherwise.
@@ -156,11 +150,11 @@ class Planner:
         return (c.workers == self.workers and c.threads == self.cfg.threads_per_worker
                 and not _asynchronous(c.strategy))
 
-    def speed_only(self, c: Candidate, phase: str) -> bool:
+    def speed_only(self, c: Candidate, phase: Phase) -> bool:
         """Whether ``c``'s trial measures its speed only: an asynchronous candidate (tested
         by its server at epoch ends only) on the walk toward asynchrony, which needs its
         time per epoch, not whole epochs of it."""
-        return phase == "hardware" and _asynchronous(c.strategy)
+        return phase == HARDWARE and _asynchronous(c.strategy)
 
     def length(self, c: Candidate, scale: int = 1) -> dict[str, Any]:
         """Where ``c``'s trial stops, and how often it is tested (``--stop-at-step``,
@@ -188,41 +182,36 @@ class Planner:
             return {"stop_at_step": None, "eval_every_steps": every}
         return {"stop_at_step": stop + 1 if stop % spe == 0 else stop, "eval_every_steps": every}
 
-    def steps(self, c: Candidate, phase: str) -> int:
+    def steps(self, c: Candidate, phase: Phase) -> int:
         """The steps ``c``'s trial trains (:meth:`length`, or a speed-only trial's)."""
         if self.speed_only(c, phase):
             return min(self.steps_per_epoch, max(8, round(self.trial_epochs * self.steps_per_epoch / 4)))
-        stop = self.length(c, trial_scale(phase))["stop_at_step"]
+        stop = self.length(c, phase.scale)["stop_at_step"]
         return (stop if stop is not None else self.cfg.epochs * self.steps_per_epoch) - self.start.step
 
-    def estimate(self, c: Candidate, phase: str) -> float | None:
-        """``c``'s trial cost, from the fastest tested trial in the job's layout so far
-        (``None``: none yet): its compute and its exchange per step (the all-reduce of the
-        whole model: communication time per step times its period). ``c``'s step computes
-        the same and exchanges as its strategy does: every step (sync), once a period
-        (``tau``), or a push and a pull of the whole model (``groups``: twice a ring
-        all-reduce's bytes per worker). A job of its own adds a start-up (the longest one
-        measured, else 10 s)."""
+    def estimate(self, c: Candidate, phase: Phase) -> float | None:
+        """``c``'s trial cost from the cost model (:mod:`shoal.plan.cost`), fitted to the
+        fastest tested trial in the job's layout so far (``None``: none yet): its compute per
+        step, and the link on which its own pattern communicated what it measured. ``c``'s
+        step computes the same and exchanges on that link as its pattern says. A job of its
+        own adds a start-up (the longest one measured, else 10 s)."""
         tested = [t for t in self.measured if t.ok and t.curve and self.in_session(t.candidate)
                   and t.comm_fraction is not None]
         if not tested:
             return None
         ref = min(tested, key=lambda t: t.epoch_s)
         step, share = ref.epoch_s / self.steps_per_epoch, float(ref.comm_fraction or 0.0)
-        compute, comm = step * (1 - share), step * share
-        exchange = comm * (ref.candidate.knob if ref.candidate.strategy != "sync" else 1)
-        if _asynchronous(c.strategy):
-            per_step = compute + 2 * exchange
-        elif c.strategy == "sync":
-            per_step = compute + exchange
-        else:
-            per_step = compute + exchange / max(1, c.knob)
-        cost = self.steps(c, phase) * per_step
+        measured, pattern = ref.candidate.pattern(), c.pattern()
+        if measured is None or pattern is None:
+            return None
+        link = fitted_link(measured, ref.candidate.workers, step * share)
+        cost = self.steps(c, phase) * step_cost(pattern, c.workers, step * (1 - share), 1.0,
+                                                link).step_s
         if not self.in_session(c):
             cost += max(self.startups, default=10.0)
         return cost
 
-    def trial(self, c: Candidate, phase: str) -> Trial:
+    def trial(self, c: Candidate, phase: Phase) -> Trial:
         """Run candidate ``c``'s trial (in the session, or a job of its own); what it
         measured."""
         self._count += 1
@@ -234,7 +223,7 @@ class Planner:
         speed_only = self.speed_only(c, phase)
         # Speed only: a quarter of the trial's steps (at least 8, at most an epoch), untested.
         length = ({"stop_at_step": self.start.step + self.steps(c, phase), "eval_every_steps": None}
-                  if speed_only else self.length(c, trial_scale(phase)))
+                  if speed_only else self.length(c, phase.scale))
         cfg = self.config(c, out, **length, eval_every=1, checkpoint_every=10**9,
                           progress="none", log_every=10, max_restarts=0, trace=False,
                           tensorboard=False, profile=None)
@@ -336,8 +325,8 @@ def run_config(launcher: Launcher, cfg: TrainConfig, workers: int, name: str) ->
     out.mkdir(parents=True, exist_ok=True)
     config_file = out.parent / f"{out.name}.json"
     config_file.write_text(json.dumps(cfg.to_dict()))
-    servers = int(cfg.strategy_options.get("servers", 1)) if _asynchronous(cfg.strategy) else 0
-    launcher.train(["--config", str(config_file)], workers + servers, workers, out, name)
+    launcher.train(["--config", str(config_file)], job_topology(cfg, workers).world_size, workers,
+                   out, name)
 
 
 @dataclass(frozen=True)
@@ -398,7 +387,9 @@ def _speed(summary: dict[str, Any], out: Path, start: Start, steps_per_epoch: in
 
 
 def _asynchronous(strategy: str) -> bool:
-    return is_asynchronous(get_strategy(strategy))
+    """Whether ``strategy``'s workers meet only through parameter servers."""
+    cls = get_strategy(strategy)
+    return cls.topology(cls.Options(), 1).detached
 
 
 def _whole(epochs: float) -> float:

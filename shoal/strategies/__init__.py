@@ -27,7 +27,8 @@ from shoal.strategies.base import (
     make_options,
     option_fields,
 )
+from shoal.strategies.communication import Exchange, Pattern
 from shoal.strategies.registry import STRATEGIES, get_strategy, register
 
-__all__ = ["STRATEGIES", "PeriodicOptions", "PeriodicStrategy", "Strategy", "get_strategy",
-           "make_options", "option_fields", "register"]
+__all__ = ["STRATEGIES", "Exchange", "Pattern", "PeriodicOptions", "PeriodicStrategy", "Strategy",
+           "get_strategy", "make_options", "option_fields", "register"]

@@ -27,6 +27,7 @@ from torch import nn
 
 from shoal.core.pairs import Header
 from shoal.strategies.asynchronous import AsyncOptions, AsyncStrategy, check_server_sgd, one_setting
+from shoal.strategies.communication import Pattern
 from shoal.strategies.registry import register
 
 
@@ -75,6 +76,11 @@ class AsyncSGD(AsyncStrategy):
     def asynchronous_groups(cls, options: AsyncOptions, workers: int) -> int:
         """Every worker pushes its own gradient, on its own time: ``workers`` groups."""
         return workers
+
+    @classmethod
+    def communication(cls, options: AsyncOptions, workers: int) -> Pattern:
+        """Every worker pushes its gradient and pulls the parameters, every step."""
+        return cls.through_servers(options, workers, "gradients, then parameters")
 
     def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, comm,
                  options: AsyncOptions | None = None) -> None:

@@ -33,7 +33,9 @@ from shoal.data.base import num_rows, take_rows
 from shoal.data.sharding import EpochPlan
 from shoal.errors import ShoalError
 from shoal.schema import check_bounds, check_value, field_kind, flag_name
+from shoal.strategies.communication import Pattern
 from shoal.strategies.period import AUTO_START, AdaptivePeriod, first_period, parse_period
+from shoal.strategies.topology import Topology
 
 
 @dataclasses.dataclass
@@ -93,6 +95,24 @@ class Strategy:
         workers move in step). ``--momentum auto`` lowers the explicit momentum by the
         implicit momentum ``1 - 1/g`` such asynchrony adds (Omnivore)."""
         return 1
+
+    @classmethod
+    def servers(cls, options: Any) -> int:
+        """Parameter-server processes this strategy runs beside its workers (none)."""
+        return 0
+
+    @classmethod
+    def topology(cls, options: Any, workers: int) -> Topology:
+        """How a job of ``workers`` workers lays out its processes: every rank a worker,
+        all of them one group (the job's process group)."""
+        return Topology(workers)
+
+    @classmethod
+    def communication(cls, options: Any, workers: int) -> Pattern | None:
+        """What ``workers`` workers with ``options`` exchange, how often and with whom
+        (:class:`~shoal.strategies.communication.Pattern`): what the cost model prices.
+        ``None``: no pattern to price (nothing crosses a network)."""
+        return None
 
     def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, comm: Comm,
                  options: Any = None) -> None:

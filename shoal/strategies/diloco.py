@@ -31,6 +31,8 @@ from shoal.core import FlatParams
 from shoal.errors import ShoalError
 from shoal.strategies.averaging import ModelCopy, average_buffers
 from shoal.strategies.base import PeriodicOptions, PeriodicStrategy
+from shoal.strategies.communication import Exchange, Pattern
+from shoal.strategies.period import first_period
 from shoal.strategies.registry import register
 
 
@@ -54,6 +56,11 @@ class DiLoCo(PeriodicStrategy):
 
     name = "diloco"
     Options = DiLoCoOptions
+
+    @classmethod
+    def communication(cls, options: DiLoCoOptions, workers: int) -> Pattern:
+        """The pseudo-gradients' all-reduce every ``tau`` steps, waited for at once."""
+        return Pattern(Exchange.ALL_REDUCE, "pseudo-gradients", every=first_period(options.tau))
 
     def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, comm,
                  options: DiLoCoOptions | None = None) -> None:

@@ -40,6 +40,8 @@ from shoal.core import FlatParams, Handle
 from shoal.errors import ShoalError
 from shoal.strategies.averaging import ModelCopy, average_buffers
 from shoal.strategies.base import PeriodicOptions, PeriodicStrategy
+from shoal.strategies.communication import Exchange, Pattern
+from shoal.strategies.period import first_period
 from shoal.strategies.registry import register
 
 #: The center update ``x~ <- (1 - beta) x~ + beta mean(x)`` diverges for ``beta > 2``.
@@ -90,6 +92,13 @@ class ElasticAveraging(PeriodicStrategy):
 
     name = "easgd"
     Options = ElasticOptions
+
+    @classmethod
+    def communication(cls, options: ElasticOptions, workers: int) -> Pattern:
+        """The elastic pulls' all-reduce every ``tau`` steps, behind the next steps'
+        compute (``--no-overlap``: waited for at once)."""
+        return Pattern(Exchange.ALL_REDUCE, "elastic pulls", every=first_period(options.tau),
+                       hidden=options.overlap)
 
     def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, comm,
                  options: ElasticOptions | None = None) -> None:

@@ -27,6 +27,8 @@ from torch import nn
 from shoal.core import FlatParams
 from shoal.strategies.averaging import average_buffers, average_into
 from shoal.strategies.base import PeriodicOptions, PeriodicStrategy
+from shoal.strategies.communication import Exchange, Pattern
+from shoal.strategies.period import first_period
 from shoal.strategies.registry import register
 
 
@@ -35,6 +37,12 @@ class LocalSGD(PeriodicStrategy):
     """Local steps; every --tau steps the models are averaged (one packed all-reduce)."""
 
     name = "local-sgd"
+
+    @classmethod
+    def communication(cls, options: PeriodicOptions, workers: int) -> Pattern:
+        """The parameters' all-reduce every ``tau`` steps (its first, for ``--tau auto``),
+        waited for at once."""
+        return Pattern(Exchange.ALL_REDUCE, "parameters", every=first_period(options.tau))
 
     def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, comm,
                  options: PeriodicOptions | None = None) -> None:

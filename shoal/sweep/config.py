@@ -9,7 +9,6 @@ from shoal.core.env import default_threads
 from shoal.core.limits import check_processes, check_threads
 from shoal.errors import ShoalError
 from shoal.schema import MAX_DURATION_S
-from shoal.strategies import get_strategy
 from shoal.sweep.spec import REFERENCE, StrategySpec
 
 SCALINGS = ("weak", "strong")
@@ -80,7 +79,7 @@ class BenchConfig:
 
             rate_bits(self.emulate_bandwidth)
             for spec in self.strategies:
-                if getattr(get_strategy(spec.name), "shared_memory", False):
+                if spec.topology(1).shared_memory:
                     raise ShoalError(f"--emulate-bandwidth: {spec.name} shares memory on one "
                                      "host; sweep it without --emulate-bandwidth")
             why = can_emulate()
@@ -132,10 +131,7 @@ class Point:
     @property
     def servers(self) -> int:
         """Parameter-server processes beside the workers (an asynchronous strategy's)."""
-        if self.strategy is None or not getattr(get_strategy(self.strategy.name),
-                                                "asynchronous", False):
-            return 0
-        return int(dict(self.strategy.options).get("servers", 1))
+        return 0 if self.strategy is None else self.strategy.topology(self.world_size).servers
 
     @property
     def processes(self) -> int:

@@ -188,7 +188,8 @@ class Elastic:
         t.loader = ShardLoader(t.data, t.plan, t.comm.rank,
                                resolve_workers(t.cfg.loader_workers, t.data.train),
                                pin_memory=t.device.type == "cuda", seed=t.cfg.seed)
-        t.recorder.plan = t.plan
+        t.recorder.plan = t.checkpointer.plan = t.plan  # the records', the checkpoints' plan
+        t.evaluator.loader = t.loader
         t.batches = t.loader.epoch(t.state.epoch, 0)
 
     # -- a change -----------------------------------------------------------------------------
@@ -217,7 +218,7 @@ class Elastic:
         self.changes.append({"step": st.step, "epoch": st.epoch + 1, "left": lost, "why": why,
                              "workers": world, "samples_dealt_again": len(order)})
         t.recorder.notes["membership_changes"] = self.changes
-        if t.is_main:
+        if t.comm.rank == 0:
             print(f"shoal: {_workers(lost)} left at step {st.step} ({'; '.join(why.values())}); "
                   f"{world} go on with the {len(order)} samples left of epoch {st.epoch + 1}",
                   file=sys.stderr, flush=True)

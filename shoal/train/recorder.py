@@ -31,6 +31,7 @@ from shoal.core.timeline import (
 from shoal.data import EpochPlan
 from shoal.errors import ShoalError
 from shoal.train.checkpoint import resumes_in_place
+from shoal.train.evaluation import Evaluator
 from shoal.train.progress import Progress
 from shoal.train.records import MetricsLog, TensorBoardLog, write_json, write_trace
 from shoal.train.state import RunState
@@ -50,14 +51,18 @@ def input_bound(times: dict[str, float]) -> str:
 
 
 class Recorder:
-    """One worker's records: every rank keeps sums and checks the loss; rank 0 writes."""
+    """One worker's records: every rank keeps sums and checks the loss; rank 0 writes.
+    ``evaluator``: whose testing time the records report (``eval_s``)."""
 
-    def __init__(self, cfg: TrainConfig, comm: Comm, plan: EpochPlan, writes: bool = True) -> None:
+    #: Whether rank 0 writes (a subclass that reports its records elsewhere does not).
+    writes = True
+
+    def __init__(self, cfg: TrainConfig, comm: Comm, plan: EpochPlan,
+                 evaluator: Evaluator | None = None) -> None:
         self.cfg, self.comm, self.plan = cfg, comm, plan
         self.tl = comm.timeline
-        #: Rank 0 writes (unless ``writes`` is False: an asynchronous job's workers, whose
-        #: coordinator writes from their reports).
-        self.is_main = comm.rank == 0 and writes
+        self.evaluator = evaluator
+        self.is_main = comm.rank == 0 and self.writes
         self.out = Path(cfg.out)
         self.progress = Progress(cfg.progress, enabled=self.is_main)
         self.log: MetricsLog | None = None  # rank 0's, from :meth:`begin`
@@ -70,12 +75,15 @@ class Recorder:
         self._epoch_start: dict[str, float] = {}
         self._interval_start: dict[str, float] = {}
         self.last_train = (float("nan"), float("nan"))  # the last epoch's loss and accuracy
-        #: Seconds this invocation spent testing (in the records: ``eval_s``).
-        self.eval_s = 0.0
         self._profiler: Any = None  # torch.profiler.profile, inside the --profile window
         self._profiled_from = 0
         #: More for summary.json (``--elastic``: the membership changes).
         self.notes: dict[str, Any] = {}
+
+    @property
+    def eval_s(self) -> float:
+        """Seconds this invocation spent testing (in the records: ``eval_s``)."""
+        return self.evaluator.eval_s if self.evaluator is not None else 0.0
 
     # -- checkpoints: the epoch's sums so far -------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
@@ -215,9 +223,12 @@ class Recorder:
                 **({"workers": self.comm.world_size} if self.cfg.elastic else {})}
 
     def finish(self, st: RunState, stopped: bool, stop_reason: str | None,
-               test: tuple[float, float], parameters: int) -> dict[str, Any] | None:
+               test: tuple[float, float], parameters: int, extra: dict[str, Any] | None = None,
+               lanes: list[Any] | None = None) -> dict[str, Any] | None:
         """The end: the time split and bytes over all ranks, the trace, ``summary.json`` and
-        the last line. Rank 0 returns the summary."""
+        the last line. Rank 0 returns the summary, with ``extra`` at its end (the launcher's
+        restarts, an asynchronous run's servers). ``lanes``: the trace's, else each rank's
+        timeline."""
         totals = self.tl.totals
         summed = self.comm.reduce_values([totals.get(k, 0.0) for k in CATEGORIES]
                                          + [float(self.comm.bytes_sent)])
@@ -225,7 +236,7 @@ class Recorder:
         times = {k: v / world for k, v in zip(CATEGORIES, summed[:-1], strict=False)}
         total_bytes = summed[-1]
         if self.cfg.trace:
-            self._write_trace(st)
+            self._write_trace(st, lanes)
         if self.log is not None:
             self.log.close()
         if not self.is_main:
@@ -253,6 +264,7 @@ class Recorder:
             "parameters": parameters,
             **({"momentum_auto": cfg.momentum_auto} if cfg.momentum_auto else {}),
             "torch_version": torch.__version__, "shoal_version": __version__, **self.notes,
+            **(extra or {}),
         }
         write_json(self.out / "summary.json", summary)
         if stop_reason:
@@ -291,9 +303,11 @@ class Recorder:
             self.progress.line(f"profiled steps {self._profiled_from}-{st.step} into "
                                f"{path.parent}/rank*.json")
 
-    def _write_trace(self, st: RunState) -> None:
-        """Gather every rank's spans to rank 0 and write ``trace.json`` (one lane per rank)."""
-        lanes = self.comm.gather_objects(self.tl.chrome_events(self.comm.rank))
+    def _write_trace(self, st: RunState, lanes: list[Any] | None) -> None:
+        """Gather every rank's spans to rank 0 (unless the ``lanes`` are given) and write
+        ``trace.json`` (one lane per rank)."""
+        if lanes is None:
+            lanes = self.comm.gather_objects(self.tl.chrome_events(self.comm.rank))
         if self.is_main:
             assert lanes is not None
             write_trace(self.out / "trace.json", chrome_trace(lanes, {

@@ -25,7 +25,8 @@ class StopVote:
         self.meets, self.comm = meets, comm
         # Elastic: the meetings' votes carry it, as a group of its own would not outlive a
         # lost worker.
-        self._group = dist.new_group(backend="gloo") if comm.active and not comm.elastic else None
+        self._group = dist.new_group(backend="gloo") \
+            if comm.active and comm.membership is None else None
         self._vote: tuple[Any, torch.Tensor] | None = None
 
     def agreed(self, step: int) -> bool:
