@@ -55,7 +55,7 @@ class _KilledAt(nn.Module):
     """`tiny`, whose process kills itself (SIGKILL, as `kill -9` does) on its
     ``SHOAL_TEST_KILL_AT``-th forward pass (``train:N`` or ``eval:N``) in the process of rank
     ``SHOAL_TEST_KILL_RANK``: an asynchronous job's worker mid-epoch, or its server 0 (rank
-    0) at its N-th evaluation."""
+    0) at its N-th evaluation. ``SHOAL_TEST_KILL_SIGNAL``: another signal (19: SIGSTOP)."""
 
     def __init__(self, input_shape, num_classes):
         super().__init__()
@@ -68,7 +68,7 @@ class _KilledAt(nn.Module):
         if os.environ.get("RANK") == os.environ.get("SHOAL_TEST_KILL_RANK"):
             when, _, count = os.environ.get("SHOAL_TEST_KILL_AT", "").partition(":")
             if when == mode and self.calls[mode] == int(count):
-                os.kill(os.getpid(), 9)
+                os.kill(os.getpid(), int(os.environ.get("SHOAL_TEST_KILL_SIGNAL", "9")))
         return self.net(x)
 
 

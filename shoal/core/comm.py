@@ -7,13 +7,14 @@ on the job's store: a failing or hung rank ends the job within seconds.
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import math
 import os
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from datetime import timedelta
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -21,6 +22,8 @@ import torch.distributed as dist
 from shoal.core.env import Environment, pick_device
 from shoal.core.failures import EXIT_ABORTED
 from shoal.core.group import all_joined, job_store, join_group
+from shoal.core.handle import Handle
+from shoal.core.membership import Membership
 from shoal.core.ops import reduce_op
 from shoal.core.pairs import Client
 from shoal.core.timeline import COMM, WAIT, Event, Timeline
@@ -37,29 +40,7 @@ from shoal.core.waits import (
 from shoal.core.watchdog import ABORT_KEY, Watchdog
 from shoal.errors import ShoalError
 
-
-class Handle:
-    """A collective in flight (number ``seq`` in its Comm's log). :meth:`wait` blocks and books
-    the waiting as communication."""
-
-    def __init__(self, comm: Comm, work: Any, tensor: torch.Tensor, op: str, name: str,
-                 seq: int = 0) -> None:
-        self._comm, self._work, self._tensor, self._op, self._name = comm, work, tensor, op, name
-        self._seq = seq
-
-    def wait(self) -> torch.Tensor:
-        if self._work is not None:
-            log = self._comm.log
-            try:
-                with self._comm.timeline.span(COMM, self._name), log.blocked(self._seq):
-                    self._work.wait()
-            finally:
-                log.finish(self._seq)
-            self._work = None
-            if self._op == "avg":
-                self._tensor.div_(self._comm.world_size)
-        return self._tensor
-
+_T = TypeVar("_T")
 
 class Comm:
     """This process's view of the job: rank, world size, device and timed collectives.
@@ -78,6 +59,9 @@ class Comm:
     no collective goes anywhere and no watchdog runs (a lost worker is no failure of the
     others), even once this process joins a process group of its own (a compute group's,
     spoken for by :attr:`subgroup`). :attr:`store` is the job's store all the same.
+
+    ``elastic``: the job goes on without a lost worker (:mod:`shoal.core.membership`); the
+    watchdog judges no peer.
     """
 
     def __init__(
@@ -90,6 +74,7 @@ class Comm:
         *,
         peers: bool = True,
         timeout: float | None = None,
+        elastic: bool = False,
     ) -> None:
         self.rank = env.rank
         self.world_size = env.world_size
@@ -111,11 +96,22 @@ class Comm:
         self.log = CollectiveLog()  # the collectives this rank issued, for the watchdog
         self._keys = Keys(0)
         self._watchdog: Watchdog | None = None
+        self.membership: Membership | None = None
         if self._store is not None and self.world_size > 1 and peers:
             self._keys = Keys(next(_GENERATIONS))
             self._store.set(generation_key(self.rank), str(self._keys.generation))
             waits = Waits(self.rank, self.world_size, self.log, self._keys, timeout)
-            self._watchdog = Watchdog(env, store, heartbeat_timeout, lambda: self.aborted, waits)
+            self._watchdog = Watchdog(env, store, heartbeat_timeout, lambda: self.aborted, waits,
+                                      judge_peers=not elastic)
+            if elastic:  # after a change its rank and world size are the new group's
+                self.membership = Membership.of(self, self._store, heartbeat_timeout, timeout)
+
+    def _meet(self, run: Callable[[], _T], keep: torch.Tensor | None = None) -> _T | None:
+        """``run()`` a collective; elastic: voted on, held again in a re-formed group from
+        ``keep``'s value now (:meth:`Membership.meet`), skipped once this worker is alone."""
+        if self.membership is None:
+            return run()
+        return self.membership.meet(lambda: run() if self.active else None, keep)
 
     @property
     def active(self) -> bool:
@@ -169,7 +165,8 @@ class Comm:
         if not self.active:
             yield
             return
-        with self.log.track(describe(op, name)):
+        with self.log.track(describe(op, name)), (
+                self.membership.voted() if self.membership else contextlib.nullcontext()):
             yield
 
     # -- collectives ------------------------------------------------------------------------
@@ -183,6 +180,11 @@ class Comm:
         if not self.active:
             return Handle(self, None, tensor, op, name)
         self.count(tensor.numel() * tensor.element_size())
+        if self.membership is not None:  # voted, so finished here: no overlap
+            with self.timeline.span(COMM, name), self.log.track(_what("all_reduce", name)):
+                self._meet(lambda: dist.all_reduce(tensor, op=red), keep=tensor)
+            return Handle(self, None, tensor.div_(self.world_size) if op == "avg" else tensor,
+                          op, name)
         seq = self.log.start(_what("all_reduce", name, "allreduce"))  # finished by its wait
         with self.timeline.span(COMM, name):
             work = dist.all_reduce(tensor, op=red, async_op=True)
@@ -209,13 +211,13 @@ class Comm:
         if self.active:
             self.count(tensor.numel() * tensor.element_size())
             with self.timeline.span(COMM, name), self.log.track(_what("broadcast", name)):
-                dist.broadcast(tensor, src=src)
+                self._meet(lambda: dist.broadcast(tensor, src=src))
         return tensor
 
     def barrier(self) -> None:
         if self.active:
             with self.timeline.span(WAIT, "barrier"), self.log.track("barrier"):
-                dist.barrier()
+                self._meet(dist.barrier)
 
     # -- time learnt later: collectives timed from outside (DDP's, in backward) -------------
     def book_exposed(self, start: float, end: float, name: str = "allreduce") -> Event | None:
@@ -238,7 +240,7 @@ class Comm:
         t = torch.tensor(list(values), dtype=torch.float64, device=self.device)
         if self.active:
             with self.log.track(describe("all_reduce", "values")):
-                dist.all_reduce(t, op=reduce_op(op))
+                self._meet(lambda: dist.all_reduce(t, op=reduce_op(op)), keep=t)
             if op == "avg":
                 t /= self.world_size
         return t.tolist()
@@ -247,10 +249,15 @@ class Comm:
         """Pickle-gather ``obj`` from every rank to ``dst`` (others get ``None``)."""
         if not self.active:
             return [obj]
-        out = [None] * self.world_size if self.rank == dst else None
-        with self.log.track(describe("gather", "objects")):
+
+        def gather() -> list[Any] | None:
+            out = [None] * self.world_size if self.rank == dst else None
             dist.gather_object(obj, out, dst=dst)
-        return out
+            return out
+
+        with self.log.track(describe("gather", "objects")):
+            out = self._meet(gather)
+        return out if self.active or self.rank != dst else [obj]
 
     def broadcast_object(self, obj: Any, src: int = 0) -> Any:
         """Send a picklable object from ``src`` to every rank and return it."""
@@ -258,7 +265,7 @@ class Comm:
             return obj
         box = [obj]
         with self.log.track(describe("broadcast", "object")):
-            dist.broadcast_object_list(box, src=src)
+            self._meet(lambda: dist.broadcast_object_list(box, src=src))
         return box[0]
 
     # -- failure handling -------------------------------------------------------------------
@@ -308,7 +315,9 @@ class Comm:
         """
         finished = False
         try:
-            if self.active and not self.aborted:
+            if self.membership is not None and not self.aborted:
+                self.barrier()  # voted: a worker lost at the end is not waited for
+            elif self.membership is None and self.active and not self.aborted:
                 with self.log.at_end():
                     if self._store is None:
                         dist.barrier()
@@ -340,6 +349,7 @@ def init_comm(
     heartbeat_timeout: float | None = 10.0,
     *,
     place: Environment | None = None,
+    elastic: bool = False,
 ) -> Comm:
     """Join the job described by ``env`` and return its :class:`Comm`.
 
@@ -353,7 +363,9 @@ def init_comm(
     ranks meet through their parameter servers); this process joins only the job's store
     and its Comm, with no peers, speaks for ``place`` (its rank among the workers); it
     returns once every rank has joined. Such processes may share GPUs: they meet in no NCCL
-    group of the job's.
+    group of the job's. ``elastic``: the job goes on
+    without a lost worker; its collectives time out after ``heartbeat_timeout`` (see
+    :class:`Comm`).
     """
     if heartbeat_timeout is not None and not (math.isfinite(heartbeat_timeout)
                                               and heartbeat_timeout > 0):
@@ -371,9 +383,10 @@ def init_comm(
             all_joined(store, env, timeout)
         return Comm(place, dev, timeline, store, peers=False, timeout=timeout)
     if store is not None:
-        join_group(store, env.rank, env.world_size, dev.type, timeout,
+        join_group(store, env.rank, env.world_size, dev.type,
+                   (heartbeat_timeout or timeout) if elastic else timeout,
                    where=f"the job at {env.master_addr}:{env.master_port}")
-    return Comm(env, dev, timeline, store, heartbeat_timeout, timeout=timeout)
+    return Comm(env, dev, timeline, store, heartbeat_timeout, timeout=timeout, elastic=elastic)
 
 
 #: Comms made on a job's store by this process so far (see :class:`~shoal.core.waits.Keys`).

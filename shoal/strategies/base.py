@@ -210,6 +210,11 @@ class Strategy:
     def end_epoch(self, epoch: int) -> None:
         """Called once after each epoch, on every rank, before evaluation."""
 
+    def regroup(self) -> None:
+        """The job's group was re-formed without a lost worker (``--elastic``): its Comm now
+        has the new rank and world size, and its collectives the new group. A strategy that
+        holds something of the old group (DDP's process group) renews it here."""
+
     @property
     def stop_peers(self) -> Comm:
         """The ranks that stop after the same step on SIGTERM (they vote through this Comm):

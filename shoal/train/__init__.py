@@ -22,6 +22,7 @@ from shoal.data.loader import loader_processes
 from shoal.errors import WorkerError
 from shoal.strategies.topology import Topology
 from shoal.train.checkpoint import checkpoint_step
+from shoal.train.elastic import check_elastic
 from shoal.train.launch import job_topology, outside_topology, run_rank
 from shoal.train.optim import resolve_momentum
 from shoal.train.outdir import OutputLock
@@ -81,7 +82,7 @@ def _run_with_restarts(cfg: TrainConfig, topology: Topology, data: Dataset | Non
         extra = {"restarts": restarts} if restarts else None
         try:
             return spawn(topology.world_size, _spawned_rank, (attempt_cfg, topology, data, extra),
-                         tolerate=lambda rank: topology.detached and rank >= topology.servers)[0]
+                         tolerate=lambda rank: _tolerated(cfg, topology, rank))[0]
         except WorkerError as exc:
             exc = _by_role(exc, topology)
             if exc.user_error or len(restarts) >= cfg.max_restarts or stop_requested():
@@ -147,6 +148,7 @@ def train(cfg: TrainConfig, dataset: Any = None) -> dict[str, Any] | None:
         given = as_dataset(dataset)
         cfg = dataclasses.replace(cfg, dataset=given.name)
     env = detect_environment()
+    check_elastic(cfg, env.launcher if env is not None else None)
     if env is not None:
         return _train_as_rank(cfg, env, given)
     cfg = resolve_auto_resume(cfg)
@@ -159,6 +161,13 @@ def train(cfg: TrainConfig, dataset: Any = None) -> dict[str, Any] | None:
         if topology.world_size == 1 and cfg.max_restarts == 0:  # here, in this process
             return run_rank(cfg, Environment(), topology, work)
         return _run_with_restarts(cfg, topology, given)
+
+
+def _tolerated(cfg: TrainConfig, topology: Topology, rank: int) -> bool:
+    """Whether the job goes on when ``rank`` is killed: an asynchronous job's workers;
+    with ``--elastic`` every worker but worker 0, whose records go with it (a restart
+    then, with ``--max-restarts``)."""
+    return (topology.detached and rank >= topology.servers) or (cfg.elastic and rank > 0)
 
 
 def _train_as_rank(cfg: TrainConfig, env: Environment, given: Dataset | None

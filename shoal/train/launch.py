@@ -98,7 +98,7 @@ def join(cfg: TrainConfig, env: Environment, topology: Topology) -> Comm:
     if not topology.detached:
         threads = cfg.threads_per_worker or default_threads(env.local_world_size)
         return init_comm(env, cfg.device, cfg.timeout, threads, timeline,
-                         heartbeat_timeout=cfg.heartbeat_timeout)
+                         heartbeat_timeout=cfg.heartbeat_timeout, elastic=cfg.elastic)
     place = topology.place(env)
     if topology.role(env.rank).is_server:
         return init_comm(env, "cpu", cfg.timeout, 1, timeline, place=place)

@@ -80,6 +80,8 @@ class Recorder:
         self.last_train = (float("nan"), float("nan"))  # the last epoch's loss and accuracy
         self._profiler: Any = None  # torch.profiler.profile, inside the --profile window
         self._profiled_from = 0
+        #: More for summary.json (``--elastic``: the membership changes).
+        self.notes: dict[str, Any] = {}
 
     @property
     def eval_s(self) -> float:
@@ -221,7 +223,8 @@ class Recorder:
                 "samples_per_s": samples / step_time if step_time > 0 else None,
                 "time_s": time_split(times), "comm_fraction": comm_fraction(times),
                 "bytes_sent": self.comm.bytes_sent, "eval_s": self.eval_s,
-                "elapsed_s": st.elapsed_s()}
+                "elapsed_s": st.elapsed_s(),
+                **({"workers": self.comm.world_size} if self.cfg.elastic else {})}
 
     def finish(self, st: RunState, stopped: bool, stop_reason: str | None,
                test: tuple[float, float], parameters: int, extra: dict[str, Any] | None = None,
@@ -266,7 +269,8 @@ class Recorder:
             **({"momentum_auto": cfg.momentum_auto} if cfg.momentum_auto else {}),
             **({"lr_auto": cfg.lr_auto} if cfg.lr_auto else {}),
             **({"collapsed": verdict} if (verdict := self.health.verdict()) else {}),
-            "torch_version": torch.__version__, "shoal_version": __version__, **(extra or {}),
+            "torch_version": torch.__version__, "shoal_version": __version__, **self.notes,
+            **(extra or {}),
         }
         write_json(self.out / "summary.json", summary)
         if stop_reason:

@@ -30,6 +30,7 @@ from shoal.models import build_model, count_parameters
 from shoal.strategies import get_strategy, make_options
 from shoal.strategies.precision import MixedPrecision, clip_gradients, micro_batches
 from shoal.train.checkpointer import Checkpointer, read_start
+from shoal.train.elastic import Elastic
 from shoal.train.evaluation import Evaluator
 from shoal.train.optim import build_optimizer, build_schedule, resolve_momentum
 from shoal.train.probe import Probe
@@ -122,6 +123,7 @@ class Trainer:
         self.stop_vote = StopVote(self.strategy.stop_peers, self.strategy.meets_after)
         self.probe = Probe.of(cfg, self.plan.steps_per_epoch, comm)  # --plan-probe's
         self.stop_reason: str | None = None  # "SIGTERM" (the ranks agreed) or "probe"
+        self.elastic = Elastic(self)  # --elastic: who trains what after a worker is lost
 
     # -- the loop -----------------------------------------------------------------------------
     def run(self) -> dict[str, Any] | None:
@@ -135,7 +137,6 @@ class Trainer:
             stopped = self._epoch()
             if stopped:
                 break
-            self.strategy.end_epoch(st.epoch)
             st.epoch_done()
             if st.epoch % cfg.eval_every == 0 or st.epoch == cfg.epochs:
                 test = self.test()
@@ -160,17 +161,19 @@ class Trainer:
     def _epoch(self) -> bool:
         """The steps of the current epoch (resumed: from its step); whether to stop."""
         cfg, st, rec = self.cfg, self.state, self.recorder
-        batches = self.loader.epoch(st.epoch, st.epoch_step)
+        self.elastic.start_epoch()
+        self.batches = self.loader.epoch(st.epoch, st.epoch_step)
         self.strategy.module.train()
         rec.start_epoch(st)
         stopped = False
-        while st.epoch_step < self.plan.steps_per_epoch and not stopped:
+        while not stopped and self.elastic.steps_left():  # the last closes the epoch
             rec.before_step(st)  # --profile's window may open here
             started = time.perf_counter()
             with self.tl.span(OTHER, "step"):
-                loss_sum, correct, n, n_global = self.train_step(batches)
+                loss_sum, correct, n, n_global = self.elastic.step(self.train_step)
                 rec.add(loss_sum, correct, n)
             st.step_done(n_global, time.perf_counter() - started)
+            self.elastic.step_done()
             rec.step(st, n_global)  # step record, progress
             stopped = self._stop_now()
             if cfg.eval_every_steps and st.epoch_step < self.plan.steps_per_epoch and (
@@ -236,7 +239,8 @@ class Trainer:
             if self.amp.unscale(self.optimizer) and cfg.clip_grad_norm is not None:
                 clip_gradients(self.model, cfg.clip_grad_norm)  # after sync's all-reduce
             self.state.lr = self.optimizer.param_groups[0]["lr"]  # the rate this step used
-            strategy.step()
+            with self.elastic.updating():
+                strategy.step()
             self.amp.update()
             self.scheduler.step()
             strategy.zero_grad()
