@@ -3,6 +3,9 @@ PYTHON ?= python3
 VENV   ?= .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.shoal-installed
+# The Python that test-gpu runs: the venv's, or a GPU image's own with shoal already installed
+# (`make test-gpu PY=python3` on an offline machine whose torch has CUDA: no venv is built).
+PY     ?= $(BIN)/python
 # Without an NVIDIA GPU, pin the CPU build of torch (a multi-GB CUDA build otherwise).
 CONSTRAINTS := $(if $(shell command -v nvidia-smi 2>/dev/null),,-c constraints-cpu.txt)
 
@@ -25,13 +28,13 @@ test: $(STAMP)
 
 # On a machine with an NVIDIA GPU: what it is, every CUDA test (pytest -m gpu), then a short
 # GPU benchmark (benchmarks/bench_gpu.py; its table in runs/bench-gpu/). Minutes in all.
-test-gpu: $(STAMP)
-	@$(BIN)/python -c "import sys, torch; sys.exit(not torch.cuda.is_available())" 2>/dev/null \
+test-gpu: $(if $(filter $(BIN)/python,$(PY)),$(STAMP))
+	@$(PY) -c "import sys, torch; sys.exit(not torch.cuda.is_available())" 2>/dev/null \
 		|| { echo "make test-gpu needs a CUDA GPU; none is visible" >&2; exit 1; }
 	@if command -v nvidia-smi >/dev/null; then nvidia-smi; fi
-	$(BIN)/python benchmarks/bench_gpu.py --facts
-	$(BIN)/python -m pytest -m gpu -v
-	$(BIN)/python benchmarks/bench_gpu.py --out runs/bench-gpu
+	$(PY) benchmarks/bench_gpu.py --facts
+	$(PY) -m pytest -m gpu -v
+	$(PY) benchmarks/bench_gpu.py --out runs/bench-gpu
 
 lint: $(STAMP)
 	$(BIN)/ruff check shoal tests benchmarks examples

@@ -1,129 +1,193 @@
-"""The cost model of ``shoal plan --simulate`` against what can be measured here, then its
-predictions for clusters that cannot be run here.
+"""The cost model of ``shoal plan --simulate`` against what can be measured here, with a
+held-out check, then its predictions for clusters that cannot be run here.
 
-1. Calibrate the model on this machine (:func:`shoal.plan.model.calibrate`: LeNet-5's compute
-   per sample at batch 32 with one thread, a local Gloo all-reduce's latency and bandwidth).
-2. Measure real throughput (``shoal bench``'s runner: ``shoal train`` runs, ``--warmup``
-   untimed steps then ``--steps`` timed ones, weak scaling, batch 32 per worker, one thread
-   per worker) of sync, local-sgd (tau 4), easgd (tau 4), async-sgd (one server) and
-   groups (g = 2) at 1, 2 and 4 workers: as local processes, and across the emulated
-   cluster (network namespaces, ``tbf``) at 100 Mbit/s and 1 Gbit/s (one host per process,
-   servers included; one worker alone runs locally). Needs root for the emulated points.
-3. Predict every point with the model (the workers share this machine's cores: compute per
-   worker is slowed by ``max(1, workers / cores)``; the emulated links add the calibrated
-   endpoint cost, ``--host-cost``) and report each point's error and the largest.
-4. Predict 64 and 256 nodes at 10 Gbit/s and 5 us (nominal link, one node = this machine's
+1. Measure (``--out``; or ``--from`` an earlier ``bench_model.json``): real throughput
+   (``shoal bench``'s runner: ``shoal train`` runs, ``--warmup`` untimed steps then
+   ``--steps`` timed ones, weak scaling, batch 32 per worker, one thread per worker) of
+   sync, local-sgd (tau 4), easgd (tau 4), async-sgd (one server) and groups (g = 2) at 1, 2
+   and 4 workers: as local processes, and across the emulated cluster (network namespaces,
+   ``tbf``) at 100 Mbit/s and 1 Gbit/s (one host per process, servers included; one worker
+   alone runs locally). ``--repeats`` rounds of every point, each round after a calibration
+   of the machine (:func:`shoal.plan.calibrate.calibrate`); needs root for the emulated
+   points. The results are written after every run, so an interrupted sweep keeps them.
+2. Fit and check (:mod:`model_fit`): a point's throughput is the best of its rounds (load
+   from other jobs only ever slows a run down), the calibration the best of its rounds; the
+   model's free parameters are fitted on the training points and every point is predicted,
+   the held-out ones with parameters that never saw them.
+3. Predict 64 and 256 nodes at 10 Gbit/s and 5 us (nominal link, one node = this machine's
    cores) for each strategy, with weak-scaling efficiency, and name those the model expects
    to beat the SC17 paper's 91.5%.
 
-Writes ``bench_model.json`` into ``--out`` and prints the tables. Run (about 10 minutes):
+Writes ``bench_model.json`` into ``--out`` and prints the tables. Run (about 30 minutes):
 
-    sudo flock -x /work/bench.lock .venv/bin/python benchmarks/bench_model.py
+    sudo .venv/bin/python benchmarks/bench_model.py --out runs/bench-model
+    .venv/bin/python benchmarks/bench_model.py --from runs/bench-model/bench_model.json \\
+        --out runs/bench-model-2   # fit and predict again, measuring nothing
 """
 
 from __future__ import annotations
 
 import argparse
+import atexit
+import contextlib
 import json
 import os
-import statistics
 import sys
+import threading
 import time
 from pathlib import Path
 from typing import Any
 
+from model_fit import check_model, cluster_table, point_table
+
 from shoal.config import TrainConfig
+from shoal.core.timeline import COMM, WAIT
 from shoal.emulate import can_emulate
 from shoal.errors import ShoalError
-from shoal.plan.model import (
-    SC17_EFFICIENCY,
-    Calibration,
-    Network,
-    calibrate,
-    parse_bandwidth,
-    parse_latency,
-    predict,
-    workloads,
-)
+from shoal.plan.calibrate import all_reduce_times, calibrate, collective_bytes, collectives_cost
 from shoal.sweep.config import BenchConfig, Point
-from shoal.sweep.measure import measure_run
-from shoal.sweep.runner import Runner, train_command
+from shoal.sweep.measure import _results
+from shoal.sweep.runner import Launcher, Runner, train_command
 from shoal.sweep.spec import parse_strategies
 
 #: The validated strategies (groups of 2 need 2 workers at least).
 MEASURED = "sync,local-sgd:tau=4,easgd:tau=4,async-sgd,groups:groups=2"
-#: The strategies predicted for the clusters that cannot be run here.
-PREDICTED = ("sync,local-sgd:tau=4,local-sgd:tau=16,easgd:tau=4,easgd:tau=16,diloco:tau=16,"
-             "async-sgd,async-sgd:servers=16,async-easgd:tau=4,async-easgd:tau=4,servers=16,"
-             "groups:groups=4,groups:groups=16,servers=16")
 
 
-def run_point(runner: Runner, cfg: BenchConfig, p: Point, repeat: int) -> float:
-    """Point ``p``'s samples/s after the warm-up. An asynchronous strategy's workers log no
-    step records of their own: the coordinator logs one per epoch, so its run has epochs of
-    ``cfg.warmup`` steps (the first is the warm-up) and is timed between their records."""
-    if not p.servers:
-        return runner.run(p, repeat)["samples_per_s"]
+def run_point(runner: Runner, cfg: BenchConfig, p: Point, repeat: int) -> dict[str, Any]:
+    """Point ``p``'s samples/s after the warm-up, and (where its ranks log steps) a step's
+    time split: ``busy_s`` (everything but communication and waiting) and ``comm_s``. An
+    asynchronous strategy's workers log no step records of their own: the coordinator logs
+    one per epoch, so its run has three epochs of half ``cfg.steps`` (the first is the
+    warm-up; long epochs, so that an epoch's end, its records and reports, weighs little)
+    and is timed between their records."""
     out = (cfg.out / "runs" / p.name(repeat)).resolve()
-    epoch = cfg.warmup * cfg.batch_size * p.world_size
-    args = [*train_command(cfg, p, out), "--synthetic-samples", str(epoch),
-            "--epochs", str((cfg.warmup + cfg.steps) // cfg.warmup), "--log-every",
-            str(cfg.warmup), "--checkpoint-every", str(10**9)]
+    args, warmup = train_command(cfg, p, out), cfg.warmup
+    if p.servers:
+        warmup = cfg.steps // 2
+        args += ["--synthetic-samples", str(warmup * cfg.batch_size * p.world_size),
+                 "--epochs", "3", "--log-every", str(warmup), "--checkpoint-every", str(10**9)]
     runner.train(args, p.processes, p.world_size, out, p.name(repeat))
     (out / "checkpoint.pt").unlink(missing_ok=True)
-    return measure_run(out, cfg.warmup)["samples_per_s"]
+    summary, records = _results(out)
+    kind = "epoch" if p.servers else "step"
+    timed = [r for r in records if r["event"] == kind and r["step"] >= warmup]
+    if len(timed) < 2:
+        raise ShoalError(f"run in {out} logged no records after the warm-up")
+    first, last = timed[0], timed[-1]
+    steps = last["step"] - first["step"]
+    result = {"samples_per_s": steps * summary["global_batch"]
+              / (last["elapsed_s"] - first["elapsed_s"]), "steps": steps}
+    if not p.servers:
+        split = {k: sum(r["time_s"][k] for r in timed[1:]) / steps for k in timed[-1]["time_s"]}
+        result.update(busy_s=sum(v for k, v in split.items() if k not in (COMM, WAIT)),
+                      comm_s=split[COMM] + split[WAIT])
+    return result
 
 
-def measure(networks: list[str | None], workers: list[int], a: argparse.Namespace
-            ) -> list[dict[str, Any]]:
-    """Every point's measured throughput (median of ``a.repeats``)."""
-    rows = []
+def raise_priority(nice: int) -> None:
+    """Give this process's session, and that of every process it starts (an emulated
+    host's torchrun runs in a session of its own), the scheduler's autogroup ``nice``: on a
+    machine other jobs share, the runs then take the cores when they need them. A daemon
+    thread looks for new processes twice a second (reading only the new ones' parents)."""
+    parents: dict[int, int] = {}
+
+    def descendants() -> set[int]:
+        alive = {int(e) for e in os.listdir("/proc") if e.isdigit()}
+        for pid in list(parents):
+            if pid not in alive:
+                del parents[pid]
+        for pid in alive - parents.keys():
+            with contextlib.suppress(OSError, ValueError, IndexError):
+                parents[pid] = int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1]
+                                   .split()[1])
+        mine, new = {os.getpid()}, {os.getpid()}
+        while new:
+            new = {pid for pid, parent in parents.items() if parent in new} - mine
+            mine |= new
+        return mine
+
+    def loop() -> None:
+        done: set[int] = set()
+        while True:
+            for pid in descendants():
+                with contextlib.suppress(OSError):
+                    sid = os.getsid(pid)
+                    if sid not in done:
+                        Path(f"/proc/{pid}/autogroup").write_text(str(nice))
+                        done.add(sid)
+            time.sleep(0.5)
+
+    mine = Path("/proc/self/autogroup")
+    before = mine.read_text().rsplit(" ", 1)[1].strip()  # "/autogroup-N nice X"
+    atexit.register(mine.write_text, before)  # this session's other processes: as they were
+    threading.Thread(target=loop, daemon=True).start()
+
+
+def emulated_collectives(out: Path, nbytes: int) -> tuple[float, float]:
+    """The endpoint cost of the emulated cluster's links, ``(alpha, bytes per second)``: an
+    all-reduce between two of its hosts at a rate no ``tbf`` holds back (100 Gbit/s), as
+    :func:`shoal.plan.calibrate.measure_collectives` times two local processes. Its
+    messages cross veth pairs and a bridge in 1500-byte frames, not loopback's 64 KB."""
+    out.mkdir(parents=True, exist_ok=True)
+    target = out / "collectives.json"
+    with Launcher("100gbit", 120.0) as launcher:
+        launcher.torchrun([str(Path(__file__).resolve()), "--collectives", str(target),
+                           "--bytes", str(nbytes)], 2, out, "collectives")
+    return collectives_cost(nbytes, *json.loads(target.read_text()))
+
+
+def measure(a: argparse.Namespace, base: TrainConfig, result: dict[str, Any], save: Any) -> None:
+    """Every point's runs, ``a.repeats`` rounds, each after a calibration; ``save()`` after
+    every run."""
+    networks = [None if n == "local" else n for n in a.networks.split(",") if n]
+    if any(networks) and can_emulate() is not None:
+        print(f"skipping the emulated networks: {can_emulate()}", file=sys.stderr)
+        networks = [None]
+    workers = [int(w) for w in a.workers.split(",")]
     specs = parse_strategies(a.strategies)
-    for net in networks:
-        cfg = BenchConfig(models=["lenet5"], strategies=specs, workers=workers, threads=[1],
-                          scaling=["weak"], batch_size=a.batch, steps=a.steps, warmup=a.warmup,
-                          repeats=a.repeats, reference=False, emulate_bandwidth=net,
-                          out=Path(a.out) / (net or "local"), run_timeout=300.0, quiet=True)
-        counts = [w for w in workers if net is None or w > 1]  # one worker alone: local
-        todo = [Point("lenet5", s, "weak", w, 1) for w in counts for s in specs
-                if int(dict(s.options).get("groups", 1)) <= w]
-        results: dict[Point, list[float]] = {p: [] for p in todo}
-        with Runner(cfg) as runner:
-            for r in range(a.repeats):  # repeats outside: a drift hits every point alike
+    first = result["repeats"]
+    for r in range(first, first + a.repeats):  # rounds outside: a drift hits every point alike
+        cal, params = calibrate(base, threads=1)
+        result["params"] = params
+        result["calibrations"].append({**cal.to_dict(), "load": os.getloadavg()[0]})
+        print(f"round {r}: {1e6 * cal.compute_s_per_sample:.1f} us/sample, alpha "
+              f"{1e6 * cal.alpha_host_s:.1f} us, {cal.host_bytes_per_s / 1e6:,.0f} MB/s",
+              flush=True)
+        if any(networks):
+            alpha, rate = emulated_collectives(Path(a.out) / "collectives" / f"r{r}",
+                                               collective_bytes(4 * params))
+            result["calibrations"][-1].update(emulated_alpha_s=alpha, emulated_bytes_per_s=rate)
+            print(f"  emulated links' endpoints: alpha {1e6 * alpha:.1f} us, "
+                  f"{rate / 1e6:,.0f} MB/s", flush=True)
+        for net in networks:
+            cfg = BenchConfig(models=["lenet5"], strategies=specs, workers=workers, threads=[1],
+                              scaling=["weak"], batch_size=a.batch, steps=a.steps,
+                              warmup=a.warmup, repeats=a.repeats, reference=False,
+                              emulate_bandwidth=net, out=Path(a.out) / (net or "local"),
+                              run_timeout=300.0, quiet=True)
+            todo = [Point("lenet5", s, "weak", w, 1) for w in workers for s in specs
+                    if (net is None or w > 1) and int(dict(s.options).get("groups", 1)) <= w]
+            with Runner(cfg) as runner:
                 for p in todo:
-                    t0 = time.perf_counter()
+                    run = {"network": net or "local", "strategy": p.strategy_label,
+                           "workers": p.world_size, "round": r, "load": os.getloadavg()[0]}
                     try:
-                        thr = run_point(runner, cfg, p, r)
-                    except ShoalError as exc:  # one failed point does not lose the others
-                        print(f"  {net or 'local'} {p.strategy_label} w{p.world_size}: {exc}",
+                        run.update(run_point(runner, cfg, p, r))
+                    except ShoalError as exc:  # one failed run does not lose the others
+                        print(f"  {run['network']} {p.strategy_label} w{p.world_size}: {exc}",
                               flush=True)
                         continue
-                    results[p].append(thr)
-                    print(f"  {net or 'local'} {p.strategy_label} w{p.world_size} r{r}: "
-                          f"{thr:,.0f} samples/s ({time.perf_counter() - t0:.1f} s)", flush=True)
-        for p, thr in results.items():
-            if not thr:
-                continue
-            rows.append({"network": net or "local", "strategy": p.strategy_label,
-                         "workers": p.world_size, "measured": statistics.median(thr),
-                         "runs": thr})
-    return rows
+                    result["runs"].append(run)
+                    save()
+                    time.sleep(a.pause)  # the machine's other jobs catch up
+                    print(f"  {run['network']} {p.strategy_label} w{p.world_size} r{r}: "
+                          f"{run['samples_per_s']:,.0f} samples/s (load {run['load']:.1f})",
+                          flush=True)
 
 
-def add_predictions(rows: list[dict[str, Any]], cal: Calibration, params: int, batch: int,
-                    spec: str) -> None:
-    """Each row's predicted samples/s and its error against the measurement."""
-    loads = {s.label: w for s, w in zip(parse_strategies(spec), workloads(spec, {}), strict=True)}
-    for r in rows:
-        net = Network() if r["network"] == "local" else \
-            Network(parse_bandwidth(r["network"]), 0.0, host_cost=True)
-        p = predict(loads[r["strategy"]], r["workers"], batch, params, cal, net,
-                    shared_cores=cal.cores)
-        r.update(predicted=p.samples_per_s, error=(p.samples_per_s - r["measured"]) / r["measured"],
-                 bound=p.bound, comm_fraction=p.comm_s / p.step_s)
-
-
-def main() -> int:
+def parser() -> argparse.ArgumentParser:
+    """The benchmark's flags."""
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--strategies", default=MEASURED)
     p.add_argument("--workers", default="1,2,4")
@@ -131,92 +195,68 @@ def main() -> int:
     p.add_argument("--batch", type=int, default=32)
     p.add_argument("--steps", type=int, default=40)
     p.add_argument("--warmup", type=int, default=10)
-    p.add_argument("--repeats", type=int, default=1)
+    p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--nodes", default="64,256")
     p.add_argument("--bandwidth", default="10gbit")
     p.add_argument("--latency", default="5us")
     p.add_argument("--out", default="runs/bench-model")
+    p.add_argument("--pause", type=float, default=0.0, metavar="S",
+                   help="seconds to rest after each run (with --priority, other jobs' turn)")
+    p.add_argument("--priority", type=int, default=None, metavar="NICE",
+                   help="the runs' scheduler autogroup nice (-20..19; root for below 0): on a "
+                        "machine other jobs share, -10 lets the runs take the cores")
     p.add_argument("--from", dest="source", default=None, metavar="JSON",
-                   help="re-predict the measured points of an earlier bench_model.json "
-                        "(its calibration) instead of measuring")
+                   help="fit and predict the runs of an earlier bench_model.json instead of "
+                        "measuring")
+    p.add_argument("--add-to", dest="add_to", default=None, metavar="JSON",
+                   help="measure --repeats more rounds and add them to an earlier "
+                        "bench_model.json's (a quieter hour's runs join a busier one's)")
+    p.add_argument("--collectives", default=None, help=argparse.SUPPRESS)  # under torchrun
+    p.add_argument("--bytes", type=int, default=8 << 20, help=argparse.SUPPRESS)
+    return p
+
+
+def main() -> int:
+    p = parser()
     a = p.parse_args()
+    if a.collectives:  # a rank of emulated_collectives' job
+        times = all_reduce_times([4, a.bytes], 20)
+        if os.environ.get("RANK") == "0":
+            Path(a.collectives).write_text(json.dumps(times))
+        return 0
+    if a.steps % a.warmup or a.steps % 2:
+        p.error("--steps must be even and a multiple of --warmup")
     out = Path(a.out).resolve()
     out.mkdir(parents=True, exist_ok=True)
-    networks = [None if n == "local" else n for n in a.networks.split(",") if n]
-    if any(networks) and can_emulate() is not None:
-        print(f"skipping the emulated networks: {can_emulate()}", file=sys.stderr)
-        networks = [None]
-    workers = [int(w) for w in a.workers.split(",")]
-    if a.steps % a.warmup:
-        p.error("--steps must be a multiple of --warmup (the asynchronous runs' epochs)")
+    target = out / "bench_model.json"
     base = TrainConfig(model="lenet5", dataset="synthetic", synthetic_shape=(3, 32, 32),
                        batch_size=a.batch, threads_per_worker=1).validate()
     started = time.perf_counter()
+    if a.priority is not None and not a.source:
+        raise_priority(a.priority)
     if a.source:
-        old = json.loads(Path(a.source).read_text())
-        cal = Calibration.from_dict(old["calibration"], a.source)
-        after = Calibration.from_dict(old["calibration_after"], a.source)
-        params, rows = old["params"], old["points"]
+        result = json.loads(Path(a.source).read_text())
     else:
-        cal, params = calibrate(base, threads=1)
-    print(f"calibration (1 thread): {1e6 * cal.compute_s_per_sample:.1f} us/sample, alpha "
-          f"{1e6 * cal.alpha_host_s:.1f} us, {cal.host_bytes_per_s / 1e6:,.0f} MB/s; "
-          f"{params:,} parameters", flush=True)
-    if not a.source:
-        rows = measure(networks, workers, a)
-        # the machine after the runs, too: the calibration's drift is part of the error
-        after, _ = calibrate(base, threads=1)
-    add_predictions(rows, cal, params, a.batch, a.strategies)
-    worst = max(rows, key=lambda r: abs(r["error"]))
-    print("\n| network | strategy | workers | measured samples/s | predicted | error |")
-    print("|---|---|---:|---:|---:|---:|")
-    for r in rows:
-        print(f"| {r['network']} | {r['strategy']} | {r['workers']} | {r['measured']:,.0f} | "
-              f"{r['predicted']:,.0f} | {100 * r['error']:+.1f}% |")
-    within = sum(abs(r["error"]) <= 0.2 for r in rows)
-    print(f"\nmax |error| {100 * abs(worst['error']):.1f}% ({worst['network']} "
-          f"{worst['strategy']} w{worst['workers']}); {within}/{len(rows)} points within 20%; "
-          f"compute after the runs {1e6 * after.compute_s_per_sample:.1f} us/sample")
+        result = json.loads(Path(a.add_to).read_text()) if a.add_to else \
+            {"batch": a.batch, "steps": a.steps, "warmup": a.warmup, "repeats": 0,
+             "cores": len(os.sched_getaffinity(0)), "calibrations": [], "runs": []}
+        if (result["batch"], result["steps"], result["warmup"]) != (a.batch, a.steps, a.warmup):
+            p.error(f"--add-to {a.add_to} measured other --batch, --steps or --warmup")
 
-    # -- the clusters that cannot be run here -----------------------------------------------
-    if a.source and "node_calibration" in old:
-        node = Calibration.from_dict(old["node_calibration"], a.source)
-    else:  # a node: this machine's cores, one worker
-        node, _ = calibrate(base, threads=cal.cores)
-    net = Network(parse_bandwidth(a.bandwidth), parse_latency(a.latency))
-    nodes = [int(n) for n in a.nodes.split(",")]
-    labels = [s.label for s in parse_strategies(PREDICTED)]
-    big = []
-    for label, w in zip(labels, workloads(PREDICTED, {}), strict=True):
-        for n in nodes:
-            q = predict(w, n, a.batch, params, node, net)
-            big.append({"strategy": w.label, "spec": label, "nodes": n,
-                        "samples_per_s": q.samples_per_s, "efficiency": q.efficiency,
-                        "comm_fraction": q.comm_s / q.step_s, "bound": q.bound})
-    print(f"\nPredicted at {a.bandwidth}, {a.latency} (nominal), batch {a.batch} per node, "
-          f"{1e6 * node.compute_s_per_sample:.1f} us/sample with {node.threads} threads:\n")
-    print("| strategy | " + " | ".join(f"{n} nodes: samples/s | efficiency" for n in nodes) + " |")
-    print("|---|" + "---:|---:|" * len(nodes))
-    by = {(r["strategy"], r["nodes"]): r for r in big}
-    names = list(dict.fromkeys(r["strategy"] for r in big))
-    for name in names:
-        cells = [f"{by[name, n]['samples_per_s']:,.0f} | {100 * by[name, n]['efficiency']:.1f}%"
-                 for n in nodes]
-        print(f"| {name} | " + " | ".join(cells) + " |")
-    beats = {n: [s for s in names if by[s, n]["efficiency"] >= SC17_EFFICIENCY] for n in nodes}
-    for n in nodes:
-        print(f"beat SC17's {100 * SC17_EFFICIENCY:.1f}% at {n} nodes: "
-              + (", ".join(beats[n]) or "none"))
-    result = {"calibration": cal.to_dict(), "calibration_after": after.to_dict(),
-              "node_calibration": node.to_dict(), "params": params, "batch": a.batch,
-              "steps": a.steps, "warmup": a.warmup, "repeats": a.repeats,
-              "cores": len(os.sched_getaffinity(0)), "points": rows,
-              "max_abs_error": abs(worst["error"]), "within_20pct": within,
-              "cluster": {"bandwidth": a.bandwidth, "latency": a.latency, "rows": big,
-                          "beats_sc17": {str(n): b for n, b in beats.items()}},
-              "seconds": time.perf_counter() - started}
-    (out / "bench_model.json").write_text(json.dumps(result, indent=2))
-    print(f"\nwrote {out / 'bench_model.json'} ({result['seconds']:.0f} s)")
+        def save() -> None:
+            target.write_text(json.dumps(result, indent=2))
+
+        measure(a, base, result, save)
+        result["repeats"] += a.repeats
+        result["priority"] = a.priority
+        node, _ = calibrate(base, threads=result["cores"])  # a node: this machine's cores
+        result["node_calibration"] = node.to_dict()
+    result["check"] = check_model(result)
+    print(point_table(result["check"]))
+    result["cluster"] = cluster_table(result, a.nodes, a.bandwidth, a.latency)
+    result["seconds"] = result.get("seconds", 0.0) + time.perf_counter() - started
+    target.write_text(json.dumps(result, indent=2))
+    print(f"\nwrote {target} ({time.perf_counter() - started:.0f} s)")
     return 0
 
 

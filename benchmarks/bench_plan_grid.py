@@ -48,7 +48,7 @@ def grid(base: TrainConfig, workers: int) -> list[tuple[str, dict[str, int], flo
     shapes: list[tuple[str, dict[str, int]]] = [("sync", {})]
     shapes += [(name, {"tau": tau}) for name in FAMILIES for tau in TAUS]
     shapes += [("groups", {"groups": g}) for g in group_knobs(workers)[1:]]
-    return [(name, opts, mu, base.lr * f) for name, opts in shapes
+    return [(name, opts, mu, base.base_lr(1) * f) for name, opts in shapes
             for f in RATE_FACTORS for mu in MOMENTA]
 
 

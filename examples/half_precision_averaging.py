@@ -19,6 +19,7 @@ import torch
 from shoal import Strategy
 from shoal.core import FlatParams
 from shoal.errors import ShoalError
+from shoal.strategies import Exchange, Pattern
 
 
 @dataclass
@@ -36,6 +37,11 @@ class HalfPrecisionAveraging(Strategy):
     name = "half-precision-averaging"
     Options = Options
     replicas_in_sync = False  # workers differ between averages: checkpoint each one
+
+    @classmethod
+    def communication(cls, options: Options, workers: int) -> Pattern:
+        """For shoal plan's cost model: half the model's bytes, all-reduced every tau steps."""
+        return Pattern(Exchange.ALL_REDUCE, "bfloat16 moves", every=options.tau, size=0.5)
 
     def __init__(self, model, optimizer, comm, options=None) -> None:  # noqa: ANN001
         super().__init__(model, optimizer, comm, options)

@@ -45,6 +45,9 @@ PROGRESS = ("auto", "bar", "plain", "none")
 #: ``--precision``: float32, or autocast to bfloat16 / float16 (the latter with a GradScaler).
 PRECISIONS = ("32", "bf16-mixed", "16-mixed")
 
+#: ``--lr`` unless given: sync's; an asynchronous strategy's under ``--momentum auto`` is
+#: scaled from it (:func:`shoal.train.optim.resolve_momentum`).
+DEFAULT_LR = 0.05
 #: ``--seed`` is at most this (NumPy's range): seeds derived from it (``seed * 1_000_003 +
 #: epoch`` for the data order, ``seed + 10_007 * (rank + 1)`` for augmentation) must still fit
 #: the 64 bits ``torch.manual_seed`` takes.
@@ -108,6 +111,13 @@ class TrainConfig:
                                        "deadlocked)", metavar="S", positive=True)
     max_restarts: int = setting(0, "when a worker fails, restart the job from its last "
                                 "checkpoint, up to N times", metavar="N", at_least=0)
+    elastic: bool = setting(False, "go on without a worker that dies or stops answering: the "
+                            "others re-form the group at the next meeting and train its "
+                            "unfinished share of the epoch (sync, local-sgd, easgd, eamsgd, "
+                            "diloco; docs/elastic.md)")
+    record_samples: bool = setting(False, "with --elastic: write OUT/samples/worker<i>.jsonl, "
+                                   "the samples each worker trained, once they count (a check "
+                                   "that none is lost or trained twice)")
     # each strategy's Options: one flag per field, under the strategy options' heading
     strategy_options: dict[str, Any] = setting(factory=dict, section="strategy options",
                                                flag=False)
@@ -128,14 +138,19 @@ class TrainConfig:
     channels_last: bool = setting(False, "channels-last memory format for the model and its "
                                   "image inputs (convolutional models)")
     optimizer: str = setting("sgd", choices=OPTIMIZERS)
-    lr: float = setting(0.05, "peak learning rate", positive=True)
-    momentum: float | str = setting(0.9, "SGD momentum, below 1; auto: Omnivore's max(0, T - "
-                                    "(1 - 1/g)) for a run of g asynchronous groups (auto:T, "
-                                    "default target T 0.9)", metavar="M|auto[:T]",
+    lr: float | None = setting(None, f"peak learning rate (default {DEFAULT_LR}; with SGD and "
+                               "--momentum auto, an asynchronous strategy's is scaled to take "
+                               "sync's step per sample)", positive=True)
+    momentum: float | str = setting("auto", "SGD momentum, below 1; auto (the default): T = 0.9 "
+                                    "(auto:T for another), less the momentum 1 - 1/g that g "
+                                    "groups updating asynchronously add (Omnivore): max(0, T - "
+                                    "(1 - 1/g))", metavar="M|auto[:T]",
                                     parse=float_or_text, kind="a number, auto or auto:T")
-    #: What ``--momentum auto`` became (target, groups, implicit and explicit momentum); set
-    #: when the run starts (:func:`shoal.train.optim.resolve_momentum`), kept in config.json.
+    #: What ``--momentum auto`` became (target, groups, implicit and explicit momentum), and
+    #: the learning rate it scaled (base, factor); set when the run starts
+    #: (:func:`shoal.train.optim.resolve_momentum`), kept in config.json.
     momentum_auto: dict[str, float] | None = setting(None, flag=False)
+    lr_auto: dict[str, float] | None = setting(None, flag=False)
     nesterov: bool = setting(False, "Nesterov momentum (needs --momentum > 0)")
     weight_decay: float = setting(0.0, at_least=0)
     schedule: str = setting("cosine", "learning rate schedule after the warm-up",
@@ -154,8 +169,17 @@ class TrainConfig:
                                             "configuration predicted to reach it soonest",
                                             metavar="A", section="planning (--strategy auto, "
                                             "shoal plan; see docs/planning.md)")
-    plan_budget: str = setting("5m", "wall time the planner's trials may take (90s, 5m, 1h)",
+    plan_budget: str = setting("auto", "wall time the planner's trials may take (90s, 5m, 1h); "
+                               "auto: a tenth of sync's predicted time, timed by a probe of "
+                               "sync's first steps (none for a run too short to pay for it)",
                                metavar="TIME")
+    plan_probe: int | None = setting(None, "set by --strategy auto: time this sync run's first "
+                                     "STEPS steps and stop there (checkpointed) if a tenth of "
+                                     "its predicted time pays for planning; else go on",
+                                     metavar="STEPS", at_least=4)
+    plan_probe_since: float | None = setting(None, "when the run's launch began (a UNIX time; "
+                                             "--strategy auto: when it started): the probe's "
+                                             "start-up counts from it", metavar="TIME")
     plan_candidates: tuple[str, ...] = setting(("sync", "local-sgd", "easgd", "diloco", "groups"),
                                                "strategies the planner tunes", metavar="S1,S2",
                                                parse=parse_names)
@@ -184,6 +208,9 @@ class TrainConfig:
                                     "epoch end)", metavar="STEPS", at_least=0)
     stop_at_step: int | None = setting(None, "checkpoint and stop after STEP steps (split a run "
                                        "into jobs)", metavar="STEP", at_least=1)
+    allow_collapse: bool = setting(False, "go on when the training loss has sat at chance (ln "
+                                   "C for C classes) for 3 epochs after having done better, "
+                                   "and exit 0 (the summary still says \"collapsed\")")
     log_every: int = setting(10, "log the training loss every STEPS steps", metavar="STEPS",
                              at_least=1)
     eval_every: int = setting(1, "evaluate every EPOCHS epochs", metavar="EPOCHS", at_least=1)
@@ -210,8 +237,10 @@ class TrainConfig:
         return self.global_batch_size or self.batch_size * world * self.accumulate
 
     def base_lr(self, world: int) -> float:
-        """The peak learning rate: ``lr``, times the workers with ``--scale-lr``."""
-        return self.lr * world if self.scale_lr else self.lr
+        """The peak learning rate: ``lr`` (:data:`DEFAULT_LR` unless given or resolved), times
+        the workers with ``--scale-lr``."""
+        lr = self.lr if self.lr is not None else DEFAULT_LR
+        return lr * world if self.scale_lr else lr
 
     @property
     def checkpoint_path(self) -> Path:
@@ -309,7 +338,7 @@ class TrainConfig:
         for name in hints:  # what the checks above leave: floats finite float32, ints int64
             check_bounds(getattr(self, name), flag_name(name))
         if self.scale_lr and self.workers is not None and self.base_lr(self.workers) > MAX_FLOAT:
-            raise ShoalError(f"--lr {self.lr:g} --scale-lr with {self.workers} workers is "
+            raise ShoalError(f"--lr {self.base_lr(1):g} --scale-lr with {self.workers} workers is "
                              f"beyond float32 ({MAX_FLOAT:.3g})")
         return self
 
@@ -318,7 +347,11 @@ class TrainConfig:
         is still a mistake to point out before the run, not after it."""
         if self.target_accuracy is not None and not 0 < self.target_accuracy <= 1:
             raise ShoalError(f"--target-accuracy must be in (0, 1], got {self.target_accuracy}")
-        parse_duration(self.plan_budget, "--plan-budget")
+        if self.plan_budget != "auto":
+            parse_duration(self.plan_budget, "--plan-budget")
+        if self.plan_probe is not None and self.strategy != "sync":
+            raise ShoalError(f"--plan-probe times a sync run; this run has --strategy "
+                             f"{self.strategy}")
         if not self.plan_candidates:
             raise ShoalError("--plan-candidates must name at least one strategy, got none")
         if self.replan_every is not None:

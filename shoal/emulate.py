@@ -9,6 +9,10 @@ runs across them with ``torchrun``, one node per namespace, through c10d rendezv
 
     sudo python -m shoal.emulate --hosts 2 --rate 100mbit -- -m shoal train --model lenet5 ...
 
+Hosts can be uneven: ``--emulate-slow 1:0.25`` runs host 1's processes in a cgroup of their
+own that lets them use a quarter of one core (:mod:`shoal.core.cpulimit`: the kernel throttles
+them), and ``--link-rate 1:10mbit`` gives host 1's link its own rate.
+
 Everything carries a unique name prefix and is torn down on exit, on errors and on
 SIGINT/SIGTERM; ``python -m shoal.emulate --cleanup`` removes what a killed run left behind.
 Needs root (``CAP_NET_ADMIN``). netem (latency, loss) is not used: only ``tbf``.
@@ -19,7 +23,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import os
-import re
 import shutil
 import signal
 import subprocess
@@ -32,7 +35,10 @@ from pathlib import Path
 from types import FrameType
 from typing import Any
 
+from shoal.core import cpulimit
+from shoal.core.cpulimit import CpuLimit, check_fraction
 from shoal.core.guard import guarded_command
+from shoal.core.hostspec import burst_bytes, link_rates, rate_bits, slow_hosts
 from shoal.core.limits import check_processes
 from shoal.core.trust import open_own
 from shoal.errors import ShoalError
@@ -41,18 +47,6 @@ from shoal.errors import ShoalError
 PREFIX = "shoalemu"
 SUBNET = "10.77.0"
 RENDEZVOUS_PORT = 29400
-_RATE = re.compile(r"^(\d+(?:\.\d+)?)(bit|kbit|mbit|gbit)$", re.IGNORECASE)
-_UNITS = {"bit": 1, "kbit": 1e3, "mbit": 1e6, "gbit": 1e9}
-
-
-def rate_bits(rate: str) -> float:
-    """Bits per second of a tc rate like ``100mbit`` or ``1gbit``; a one-line error otherwise."""
-    m = _RATE.match(rate.strip())
-    if not m or float(m.group(1)) <= 0:
-        raise ShoalError(f"bandwidth {rate!r}: expected a rate like 100mbit, 1gbit or 500kbit")
-    return float(m.group(1)) * _UNITS[m.group(2).lower()]
-
-
 def _ip(*args: str, netns: str | None = None, check: bool = True) -> subprocess.CompletedProcess:
     cmd = ["ip", *(["-n", netns] if netns else []), *args]
     res = subprocess.run(cmd, capture_output=True, text=True)
@@ -94,12 +88,13 @@ def can_emulate() -> str | None:
 
 
 def cleanup(prefix: str = PREFIX) -> list[str]:
-    """Kill what runs in, and delete, every namespace starting with ``prefix``; return them."""
+    """Kill what runs in, and delete, every namespace and cpu cgroup starting with ``prefix``;
+    return them."""
     found = namespaces(prefix)
     for ns in found:
         _kill_namespace(ns)
         _ip("netns", "del", ns, check=False)
-    return found
+    return found + cpulimit.cleanup(prefix)
 
 
 def _kill_namespace(ns: str) -> None:
@@ -112,20 +107,38 @@ def _kill_namespace(ns: str) -> None:
 
 @dataclass
 class Cluster:
-    """``hosts`` namespaces joined through a bridge, each link limited to ``rate`` both ways.
+    """``hosts`` namespaces joined through a bridge, each link limited to ``rate`` both ways
+    (``links``: host -> its own rate), the processes of each host in ``slow`` held to that
+    fraction of one core.
 
     Use as a context manager; :meth:`torchrun` runs a job with one node per host.
     """
 
     hosts: int = 2
     rate: str = "1gbit"
+    slow: dict[int, float] = field(default_factory=dict)
+    links: dict[int, str] = field(default_factory=dict)
     tag: str = field(default_factory=lambda: uuid.uuid4().hex[:6])
     _made: list[str] = field(default_factory=list, init=False, repr=False)
+    _limits: dict[int, CpuLimit] = field(default_factory=dict, init=False, repr=False)
 
     def __post_init__(self) -> None:
         if not 1 <= self.hosts <= 200:
             raise ShoalError(f"--hosts must be between 1 and 200, got {self.hosts}")
-        self.bits = rate_bits(self.rate)
+        rate_bits(self.rate)  # a one-line error for a bad rate, before anything is made
+        for flag, given in (("--emulate-slow", self.slow), ("--link-rate", self.links)):
+            bad = sorted(h for h in given if not 0 <= h < self.hosts)
+            if bad:
+                raise ShoalError(f"{flag}: host {bad[0]} is out of range: the cluster has "
+                                 f"{self.hosts} hosts (0-{self.hosts - 1})")
+        for host, fraction in self.slow.items():
+            check_fraction(fraction, f"--emulate-slow {host}:{fraction:g}")
+        for rate in self.links.values():
+            rate_bits(rate)
+
+    def host_rate(self, i: int) -> str:
+        """Host ``i``'s link rate, each way."""
+        return self.links.get(i, self.rate)
 
     # -- names --------------------------------------------------------------------------------
     @property
@@ -156,15 +169,15 @@ class Cluster:
         self.teardown()
 
     def setup(self) -> None:
-        """Create the switch, the hosts and their rate-limited links (tears down on failure)."""
-        why = can_emulate()
+        """Create the switch, the hosts, their rate-limited links and the slow hosts' CPU
+        throttles (tears down on failure)."""
+        why = can_emulate() or (cpulimit.can_throttle() if self.slow else None)
         if why is not None:
             raise ShoalError(f"cannot emulate a cluster: {why}")
         try:
             self._add_netns(self.switch)
             _ip("link", "add", "br0", "type", "bridge", netns=self.switch)
             _ip("link", "set", "br0", "up", netns=self.switch)
-            burst = max(15_000, int(self.bits / 8 / 100))  # 10 ms worth of bytes
             for i in range(self.hosts):
                 ns, mine, port = self.host(i), self.ifname(i), f"se{self.tag}s{i}"
                 self._add_netns(ns)
@@ -172,11 +185,15 @@ class Cluster:
                     "netns", self.switch)
                 _ip("link", "set", port, "master", "br0", netns=self.switch)
                 _ip("addr", "add", f"{self.address(i)}/24", "dev", mine, netns=ns)
+                burst = burst_bytes(rate_bits(self.host_rate(i)))
                 for where, dev in ((ns, mine), (self.switch, port)):
                     _ip("link", "set", dev, "up", netns=where)
-                    _tc(where, "qdisc", "add", "dev", dev, "root", "tbf", "rate", self.rate,
-                        "burst", str(burst), "latency", "50ms")
+                    _tc(where, "qdisc", "add", "dev", dev, "root", "tbf", "rate",
+                        self.host_rate(i), "burst", str(burst), "latency", "50ms")
                 _ip("link", "set", "lo", "up", netns=ns)
+            for i, fraction in sorted(self.slow.items()):
+                self._limits[i] = CpuLimit(self.host(i), fraction)
+                self._limits[i].create()
         except BaseException:
             self.teardown()
             raise
@@ -186,11 +203,14 @@ class Cluster:
         self._made.append(name)
 
     def teardown(self) -> None:
-        """Kill everything inside this cluster's namespaces and delete them."""
+        """Kill everything inside this cluster's namespaces and delete them and its cgroups."""
         for ns in reversed(self._made):
             _kill_namespace(ns)
             _ip("netns", "del", ns, check=False)
         self._made.clear()
+        for limit in self._limits.values():
+            limit.remove()
+        self._limits.clear()
         cleanup(self.prefix)  # whatever a failed set-up made before it was booked
 
     # -- running jobs -------------------------------------------------------------------------
@@ -240,6 +260,8 @@ class Cluster:
                 procs.append(subprocess.Popen(guarded_command(cmd), start_new_session=True,
                                               stdout=out, env=node_env,
                                               stderr=subprocess.STDOUT if out else None))
+                if i in self._limits:  # before it forks: only exec()s come first (guard, ip, env)
+                    self._limits[i].add(procs[-1].pid)
             deadline = time.monotonic() + timeout
             while True:
                 codes = [p.poll() for p in procs]
@@ -284,10 +306,15 @@ def main(argv: Sequence[str] | None = None) -> int:
                     "rate-limited links. Needs root.")
     p.add_argument("--hosts", type=int, default=2, help="emulated machines (default 2)")
     p.add_argument("--rate", default="1gbit", help="per-link bandwidth, each way (default 1gbit)")
+    p.add_argument("--emulate-slow", "--slow", default=None, metavar="HOST:FRACTION[,...]",
+                   help="hold a host's processes to a fraction of one core (1:0.25: host 1 at a "
+                        "quarter of a core), with a cgroup of the cpu controller")
+    p.add_argument("--link-rate", "--emulate-link-rate", default=None,
+                   metavar="HOST:RATE[,...]", help="a host's own link rate (1:10mbit)")
     p.add_argument("--nproc-per-node", type=int, default=1, help="workers per host (default 1)")
     p.add_argument("--timeout", type=float, default=3600, help="seconds before giving up")
     p.add_argument("--cleanup", action="store_true",
-                   help=f"only remove namespaces named {PREFIX}-* left by killed runs")
+                   help=f"only remove namespaces and cgroups named {PREFIX}-* left by killed runs")
     p.add_argument("--check", action="store_true", help="only say whether emulation works here")
     p.add_argument("program", nargs=argparse.REMAINDER,
                    help="after --: torchrun's program, e.g. -m shoal train --model lenet5")
@@ -295,7 +322,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         if args.cleanup:
             removed = cleanup()
-            print(f"removed {len(removed)} namespace(s)" + (": " + ", ".join(removed) if removed else ""))
+            print(f"removed {len(removed)} namespace(s) and cgroup(s)"
+                  + (": " + ", ".join(removed) if removed else ""))
             return 0
         if args.check:
             why = can_emulate()
@@ -305,7 +333,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         if not program:
             raise ShoalError("nothing to run: give torchrun's program after --, "
                              "e.g. -- -m shoal train --model lenet5")
-        with terminate_as_exception(), Cluster(args.hosts, args.rate) as cluster:
+        slow = slow_hosts(args.emulate_slow) if args.emulate_slow else {}
+        links = link_rates(args.link_rate) if args.link_rate else {}
+        with terminate_as_exception(), Cluster(args.hosts, args.rate, slow, links) as cluster:
             return cluster.torchrun(program, args.nproc_per_node, args.timeout)
     except ShoalError as exc:
         print(f"shoal: error: {exc}", file=sys.stderr)

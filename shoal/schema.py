@@ -223,12 +223,33 @@ def add_flag(group: Any, f: dataclasses.Field, hint: Any, *, dest: str | None = 
     if kind is bool:
         options["action"] = argparse.BooleanOptionalAction if negatable else "store_true"
     else:
-        parse = meta.get("parse", kind if kind in (int, float) else str)
+        parse = _text_parser(f, kind)
         choices = meta.get("choices")
         options.update(type=parse, choices=choices,
                        metavar=meta.get("metavar", None if choices else f.name.upper()))
         options.update({k: meta[k] for k in ("nargs", "const") if k in meta})
     group.add_argument(flag_name(f.name), **options)
+
+
+def _text_parser(f: dataclasses.Field, kind: Any) -> Callable[[str], Any]:
+    """What turns the text of field ``f``'s flag into its value (``kind``: its base type)."""
+    return f.metadata.get("parse", kind if kind in (int, float) else str)
+
+
+def parse_text(f: dataclasses.Field, hint: Any, text: str) -> Any:
+    """The value of field ``f`` (annotation ``hint``) written as its flag's text, as in a
+    spec such as ``local-sgd:tau=16`` (a ``bool``: true or false); a one-line error naming
+    the flag otherwise."""
+    kind = _base_type(hint)
+    if kind is bool:
+        if text.strip().lower() not in ("true", "false"):
+            raise ShoalError(f"{flag_name(f.name)} must be true or false, got {show_value(text)}")
+        return text.strip().lower() == "true"
+    try:
+        return _text_parser(f, kind)(text)
+    except ValueError:
+        raise ShoalError(f"{flag_name(f.name)} must be {f.metadata.get('kind') or _describe(hint)}, "
+                         f"got {show_value(text)}") from None
 
 
 # -- checks ----------------------------------------------------------------------------------

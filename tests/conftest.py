@@ -143,8 +143,8 @@ def _train_runs(runs: list[list[str]]) -> None:
     times in its summary are its own."""
     import shoal
     from shoal.cli import build_parser, config_from_args
-    from shoal.core.comm import init_comm
     from shoal.core.env import detect_environment
+    from shoal.core.join import init_comm
     from shoal.core.timeline import Timeline
     from shoal.train.trainer import Trainer, preflight
 
@@ -153,10 +153,10 @@ def _train_runs(runs: list[list[str]]) -> None:
     for flags in runs:
         cfg = config_from_args(build_parser().parse_args(["train", *flags]))
         assert cfg.workers in (None, comm.world_size), flags
-        data = preflight(cfg, comm.world_size)
+        work = preflight(cfg, comm.world_size)
         own = init_comm(env, cfg.device, cfg.timeout, timeline=Timeline(keep_events=cfg.trace),
                         heartbeat_timeout=None)
-        Trainer(cfg, own, data).run()
+        Trainer(cfg, own, work.data, work.model).run()
 
 
 def train_together(runs: dict[Path, list[str]], workers: int) -> dict[Path, dict[str, Any]]:

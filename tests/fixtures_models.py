@@ -55,7 +55,7 @@ class _KilledAt(nn.Module):
     """`tiny`, whose process kills itself (SIGKILL, as `kill -9` does) on its
     ``SHOAL_TEST_KILL_AT``-th forward pass (``train:N`` or ``eval:N``) in the process of rank
     ``SHOAL_TEST_KILL_RANK``: an asynchronous job's worker mid-epoch, or its server 0 (rank
-    0) at its N-th evaluation."""
+    0) at its N-th evaluation. ``SHOAL_TEST_KILL_SIGNAL``: another signal (19: SIGSTOP)."""
 
     def __init__(self, input_shape, num_classes):
         super().__init__()
@@ -68,7 +68,7 @@ class _KilledAt(nn.Module):
         if os.environ.get("RANK") == os.environ.get("SHOAL_TEST_KILL_RANK"):
             when, _, count = os.environ.get("SHOAL_TEST_KILL_AT", "").partition(":")
             if when == mode and self.calls[mode] == int(count):
-                os.kill(os.getpid(), 9)
+                os.kill(os.getpid(), int(os.environ.get("SHOAL_TEST_KILL_SIGNAL", "9")))
         return self.net(x)
 
 
@@ -117,3 +117,50 @@ class _SigtermAt(nn.Module):
 
 def sigterm_at(input_shape, num_classes):
     return _SigtermAt(input_shape, num_classes)
+
+
+def _note(what):
+    """Append ``what`` and this process's id to the file ``SHOAL_TEST_COUNT_FILE``."""
+    path = os.environ.get("SHOAL_TEST_COUNT_FILE")
+    if path:
+        with open(path, "a") as f:
+            f.write(f"{what} {os.getpid()}\n")
+
+
+def counted(input_shape, num_classes):
+    """The zoo's mlp; each build noted (:func:`_note`)."""
+    from shoal.models import build_model
+
+    _note("model")
+    return build_model("mlp", input_shape, num_classes)
+
+
+def counted_digits(seed=0):
+    """The digits data set (``--dataset tests.fixtures_models:counted_digits``); each load
+    noted (:func:`_note`)."""
+    from shoal.data import DataOptions, load_dataset
+
+    _note("data")
+    return load_dataset("digits", DataOptions(seed=seed))
+
+
+class _NanFrom(nn.Module):
+    """`tiny`, whose training outputs are NaN from its ``SHOAL_TEST_NAN_AT``-th training forward
+    on (every rank): a run that diverges at a known step."""
+
+    def __init__(self, input_shape, num_classes):
+        super().__init__()
+        self.net = tiny(input_shape, num_classes)
+        self.calls = 0
+
+    def forward(self, x):
+        out = self.net(x)
+        if self.training:
+            self.calls += 1
+            if self.calls >= int(os.environ.get("SHOAL_TEST_NAN_AT", "1000000000")):
+                return out * float("nan")
+        return out
+
+
+def nan_from(input_shape, num_classes):
+    return _NanFrom(input_shape, num_classes)

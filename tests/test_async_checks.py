@@ -160,7 +160,7 @@ def test_without_a_server_only_the_step_refuses(name):
     model = torch.nn.Linear(DIM, 1)
     strategy = shoal.strategy(name, model, torch.optim.SGD(model.parameters(), lr=LR, momentum=0.9),
                               comm=Comm(Environment(), torch.device("cpu")))
-    assert strategy.asynchronous and not strategy.replicas_in_sync
+    assert strategy.topology(strategy.options, 1).detached and not strategy.replicas_in_sync
     model(torch.ones(1, DIM)).sum().backward()
     with pytest.raises(ShoalError) as exc:
         strategy.step()

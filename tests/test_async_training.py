@@ -10,6 +10,7 @@ import signal
 import subprocess
 import sys
 import time
+from collections import Counter
 from pathlib import Path
 
 import pytest
@@ -17,7 +18,7 @@ import torch
 
 from shoal.cli import main
 
-from conftest import REPO, one_error_line, shoal, shoal_env, train_here, wait_gone
+from conftest import REPO, one_error_line, run, shoal, shoal_env, train_here, wait_gone
 
 COMMON = ["--model", "mlp", "--dataset", "digits", "--workers", "2", "--epochs", "4"]
 STRATEGY_ARGS = {
@@ -64,34 +65,80 @@ def test_sigterm_and_resume_lose_and_double_nothing(tmp_path, strategy):
                 env=_signalled(1, signalled), timeout=120)
     assert res.returncode == 143, res.stderr
     assert res.stray == []
-    summary = json.loads((tmp_path / "summary.json").read_text())
-    saved = torch.load(tmp_path / "checkpoint.pt", map_location="cpu", weights_only=True)
+    check_stopped(tmp_path, res.stderr, together=strategy == "groups")
+    check_resumed(tmp_path, train_here(tmp_path, *args, "--resume"),
+                  counted=strategy != "hogwild")
+
+
+def check_stopped(out, stderr, together=False):
+    """A run stopped by SIGTERM, worker 0 signalled in step 90 (the last of epoch 2): its
+    stop line, summary.json, the checkpoint and the epoch records agree; ``together``: the
+    workers stop after the same step (a compute group's, 89 or 90)."""
+    summary = json.loads((out / "summary.json").read_text())
+    saved = torch.load(out / "checkpoint.pt", map_location="cpu", weights_only=True)
     mine, theirs = (own["progress"] for own in saved["ranks"])
-    if strategy == "groups":
+    if together:
         assert theirs["step"] == mine["step"] in (89, 90), "a compute group stops as one"
     else:
         assert (mine["epoch"], mine["epoch_step"], mine["step"]) == (1, STEPS_PER_EPOCH, 90)
     step = min(mine["step"], theirs["step"])
     assert summary["stopped_by"] == "SIGTERM" and summary["steps"] == saved["progress"]["step"]
     assert saved["progress"]["step"] == step, "the checkpoint is the slowest worker's position"
-    assert f"stopped by SIGTERM at step {step};" in res.stderr
+    assert f"stopped by SIGTERM at step {step};" in stderr
     epochs = min(mine["epoch"], theirs["epoch"])  # the epochs both workers have finished
-    assert [r["epoch"] for r in epoch_records(tmp_path)] == list(range(1, epochs + 1))
+    assert [r["epoch"] for r in epoch_records(out)] == list(range(1, epochs + 1))
     assert summary["epochs"] == saved["progress"]["epoch"] == saved["coordinator"]["epoch"] == epochs
 
-    resumed = train_here(tmp_path, *args, "--resume")
+
+def check_resumed(out, resumed, counted=True):
+    """The run stopped by :func:`check_stopped`, resumed to its end (``resumed``: its
+    summary): every epoch recorded once, every worker's steps and rows trained exactly once,
+    and it learns; ``counted``: every exchange went through the server and was counted."""
     assert resumed["completed"] and not resumed["degraded"]
-    assert [r["epoch"] for r in epoch_records(tmp_path)] == [1, 2, 3, 4]
+    assert [r["epoch"] for r in epoch_records(out)] == [1, 2, 3, 4]
     assert resumed["steps"] == 4 * STEPS_PER_EPOCH and resumed["samples"] == 4 * sum(SHARD_ROWS)
-    final = torch.load(tmp_path / "checkpoint.pt", map_location="cpu", weights_only=True)
+    final = torch.load(out / "checkpoint.pt", map_location="cpu", weights_only=True)
     for own, rows in zip(final["ranks"], SHARD_ROWS, strict=True):
         assert own["strategy"]["steps"] == 4 * STEPS_PER_EPOCH  # none lost or redone
         assert own["strategy"]["samples"] == 4 * rows
     assert resumed["test_accuracy"] >= 0.93, resumed["test_accuracy"]
     assert resumed["workers"] == 2 and resumed["servers"] == 1 and len(final["servers"]) == 1
-    if strategy != "hogwild":  # every exchange went through the server and was counted
+    if counted:
         assert resumed["staleness"]["updates"] > 0 and resumed["bytes_sent"] > 0
         assert 0 < resumed["comm_fraction"] < 1
+
+
+def test_sigterm_under_torchrun_checkpoints_and_resumes_exactly(tmp_path):
+    """torchrun (as Slurm's srun) starts the server and the workers itself; its SIGTERM
+    reaches every rank, which stops, checkpoints and says so, as under shoal's launcher; the
+    job started again with --resume loses and doubles nothing."""
+    job = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
+           "3", "-m", "shoal", "train", "--out", str(tmp_path), "--progress", "plain",
+           "--model", "tests.fixtures_models:sigterm_at", *COMMON[2:], "--strategy", "async-sgd"]
+    res = run(job, env=_signalled(1, 2 * STEPS_PER_EPOCH), timeout=150)
+    assert res.stray == []
+    check_stopped(tmp_path, res.stderr)
+    again = run([*job, "--resume"], timeout=150)
+    assert again.returncode == 0, again.stderr
+    check_resumed(tmp_path, json.loads((tmp_path / "summary.json").read_text()))
+
+
+@pytest.mark.parametrize("flags, processes", [
+    (["--workers", "2", "--strategy", "async-sgd"], 4),  # the launcher, the server, 2 workers
+    (["--workers", "1", "--strategy", "sync"], 1),  # the launcher trains, in its process
+])
+def test_each_process_builds_the_model_and_loads_the_data_once(tmp_path, flags, processes):
+    counts = tmp_path / "counts"
+    env = shoal_env()
+    env["SHOAL_TEST_COUNT_FILE"] = str(counts)
+    res = shoal("train", "--out", str(tmp_path / "run"), "--model", "tests.fixtures_models:counted",
+                "--dataset", "tests.fixtures_models:counted_digits", "--epochs", "1", *flags,
+                env=env)
+    assert res.returncode == 0, res.stderr
+    notes = Counter(tuple(line.split()) for line in counts.read_text().splitlines())
+    pids = {pid for _, pid in notes}
+    assert len(pids) == processes, notes
+    assert notes == {(what, pid): 1 for what in ("model", "data") for pid in pids}, notes
 
 
 def test_two_servers_shard_the_center_within_the_staleness_bound(tmp_path):

@@ -4,9 +4,9 @@ the values (durations of every shape, empty and unknown lists, negative numbers 
 like options, counts, hostile text), the command ends with success or one ``shoal: error:``
 line (exit 0 or 2), never a traceback, an exit 1 or a file outside ``--out``.
 
-The commands run up to the work they would start (a plan's search, a job's processes), which
-these examples leave out (:func:`checks_only`): everything that reads and checks the values,
-the data, the model and ``--out`` runs for real, in this process.
+The commands run up to the work they would start (a plan's search, a job's processes, auto's
+probe of sync), which these examples leave out (:func:`checks_only`): everything that reads
+and checks the values, the data, the model and ``--out`` runs for real, in this process.
 """
 
 from __future__ import annotations
@@ -38,13 +38,14 @@ def checks_only() -> Iterator[None]:
     reads and checks the flags, the data, the model and ``--out`` runs for real."""
     with mock.patch.object(Planner, "run", _search), \
             mock.patch("shoal.train._run_with_restarts", side_effect=Valid), \
+            mock.patch("shoal.train.run_rank", side_effect=Valid), \
             mock.patch("shoal.runtime.launch", side_effect=Valid):
         yield
 
 
 #: Durations of every shape, and the lists the planner reads.
-DURATIONS = ["90s", "5m", "1h", "0.5s", "-5m", "-1", "0", "1e99", "99999999999h", "168h",
-             "169h", "nan", "inf", "-inf", "nanm", "1e400", "", " ", "5 min", "m", "s5", "1e-300s",
+DURATIONS = ["90s", "5m", "1h", "0.5s", "auto", "-5m", "-1", "0", "1e99", "99999999999h",
+             "168h", "169h", "nan", "inf", "-inf", "nanm", "1e400", "", " ", "5 min", "m", "s5", "1e-300s",
              "5M", "1h30m"]
 CANDIDATES = ["sync", ",", "", " ", " , ,", "sync,,", "local-sgd,easgd", "groups", "eamsgd",
               "hogwild", "async-sgd", "magic", "sync,magic", "shoal:Strategy", "diloco,diloco"]
@@ -73,7 +74,8 @@ ASYNCHRONOUS = ["async-easgd", "async-measgd", "async-sgd", "async-msgd", "group
                 "hogwild-easgd"]
 RUN_POOLS = {"--workers": COUNTS + ["-5m", HUGE], "--threads-per-worker": COUNTS + [HUGE]}
 #: Good values, drawn more often than the others, so that many examples pass every check.
-VALID = {"--plan-budget": ["90s", "5m", "0.5s", "168h", "10"], "--replan-every": ["1h", "30s"],
+VALID = {"--plan-budget": ["90s", "5m", "0.5s", "168h", "10", "auto"],
+         "--replan-every": ["1h", "30s"],
          "--plan-candidates": ["sync", "local-sgd,easgd", "groups", " diloco , eamsgd "],
          "--trial-epochs": ["0.25", "1"], "--target-accuracy": ["0.5", "1"],
          "--out": ["run", "run/sub"], "--epochs": ["1", "2"], "--servers": ["1", "2"],

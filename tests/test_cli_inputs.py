@@ -207,7 +207,7 @@ def test_a_trial_that_leaves_no_summary_fails_alone_and_planning_goes_on(tmp_pat
     its line, and the next trial measures as ever."""
     from shoal.config import TrainConfig
     from shoal.plan.planner import Planner, PlanOptions
-    from shoal.plan.search import Candidate
+    from shoal.plan.trials import HARDWARE, Candidate
     from shoal.sweep.runner import Launcher
 
     def tear(out: Path) -> None:
@@ -226,7 +226,7 @@ def test_a_trial_that_leaves_no_summary_fails_alone_and_planning_goes_on(tmp_pat
     with Losing(None, 120) as launcher:
         planner = Planner(cfg, PlanOptions.of(cfg), launcher, tmp_path, 2, show=False)
         # one process (not the job's layout of two): a job of its own, through the launcher
-        trials = [planner.trial(Candidate("sync", (), 1, 1), "hardware") for _ in range(3)]
+        trials = [planner.trial(Candidate("sync", (), 1, 1), HARDWARE) for _ in range(3)]
     outs = sorted(p for p in (tmp_path / "trials").glob("0*-sync*") if p.is_dir())
     assert trials[0].error == f"no trial's summary at {outs[0] / 'summary.json'}"
     assert trials[1].error.startswith(f"the trial's records {outs[1] / 'metrics.jsonl'} has "

@@ -5,25 +5,32 @@ and monotonicity (more bandwidth is never slower)."""
 from __future__ import annotations
 
 import json
+import math
 
 import pytest
 
 from shoal.cli import main
 from shoal.errors import ShoalError
-from shoal.plan.model import (
-    SC17_EFFICIENCY,
+from shoal.plan.cost import (
     Calibration,
+    Link,
+    Machine,
     Network,
-    Workload,
     broadcast_s,
     exchange_s,
+    ring_allreduce_s,
+    server_cycle_s,
+    slowest,
+)
+from shoal.plan.simulate import (
+    SC17_EFFICIENCY,
+    Workload,
     parse_bandwidth,
     parse_latency,
     predict,
-    ring_allreduce_s,
-    server_cycle_s,
     workloads,
 )
+from shoal.strategies import STRATEGIES
 
 from conftest import one_error_line
 
@@ -55,7 +62,7 @@ def test_other_collectives_by_hand():
 
 
 def test_sync_prediction_is_compute_plus_ring_allreduce():
-    p = predict(Workload("sync"), 4, 32, PARAMS, CAL, GBIT)
+    p = predict(Workload.of("sync"), 4, 32, PARAMS, CAL, GBIT)
     compute = 32 * 1e-4
     step = compute + 12.06e-3
     assert p.compute_s == pytest.approx(compute)
@@ -63,37 +70,37 @@ def test_sync_prediction_is_compute_plus_ring_allreduce():
     assert p.samples_per_s == pytest.approx(4 * 32 / step)
     assert p.efficiency == pytest.approx(compute / step)
     assert p.bound == "network"
-    one = predict(Workload("sync"), 1, 32, PARAMS, CAL, GBIT)
+    one = predict(Workload.of("sync"), 1, 32, PARAMS, CAL, GBIT)
     assert one.step_s == pytest.approx(compute) and one.efficiency == pytest.approx(1.0)
 
 
 def test_periodic_strategies_amortize_the_allreduce_over_tau():
     compute, ring = 32 * 1e-4, 12.06e-3
-    local = predict(Workload("local-sgd", tau=4), 4, 32, PARAMS, CAL, GBIT)
+    local = predict(Workload.of("local-sgd", tau=4), 4, 32, PARAMS, CAL, GBIT)
     assert local.step_s == pytest.approx(compute + ring / 4)
-    assert predict(Workload("diloco", tau=4), 4, 32, PARAMS, CAL, GBIT).step_s == local.step_s
+    assert predict(Workload.of("diloco", tau=4), 4, 32, PARAMS, CAL, GBIT).step_s == local.step_s
     # EASGD hides the all-reduce behind the round's other tau - 1 steps
-    easgd = predict(Workload("easgd", tau=4), 4, 32, PARAMS, CAL, GBIT)
+    easgd = predict(Workload.of("easgd", tau=4), 4, 32, PARAMS, CAL, GBIT)
     assert easgd.step_s == pytest.approx((compute + max(3 * compute, ring)) / 4)
-    hidden = predict(Workload("easgd", tau=16), 4, 32, PARAMS, CAL, GBIT)
+    hidden = predict(Workload.of("easgd", tau=16), 4, 32, PARAMS, CAL, GBIT)
     assert hidden.step_s == pytest.approx(compute) and hidden.efficiency == pytest.approx(1.0)
-    exposed = predict(Workload("easgd", tau=4, overlap=False), 4, 32, PARAMS, CAL, GBIT)
+    exposed = predict(Workload.of("easgd", tau=4, overlap=False), 4, 32, PARAMS, CAL, GBIT)
     assert exposed.step_s == pytest.approx(local.step_s)
 
 
 def test_parameter_server_queues_when_demand_exceeds_its_link():
     compute, ex = 32 * 1e-4, 16e-3 + 20e-6
-    alone = predict(Workload("async-sgd"), 1, 32, PARAMS, CAL, GBIT)
+    alone = predict(Workload.of("async-sgd"), 1, 32, PARAMS, CAL, GBIT)
     assert alone.step_s == pytest.approx(compute + ex)
     # 64 workers on one server's link: each waits its turn, 64 * 8 ms per cycle
-    crowded = predict(Workload("async-sgd"), 64, 32, PARAMS, CAL, GBIT)
+    crowded = predict(Workload.of("async-sgd"), 64, 32, PARAMS, CAL, GBIT)
     assert crowded.step_s == pytest.approx(64 * 8e-3) and crowded.bound == "server"
     assert crowded.samples_per_s == pytest.approx(125e6 / 1e6 * 32)  # the link's exchanges/s
     # k shards: k times the server bandwidth
-    sharded = predict(Workload("async-sgd", servers=4), 64, 32, PARAMS, CAL, GBIT)
+    sharded = predict(Workload.of("async-sgd", servers=4), 64, 32, PARAMS, CAL, GBIT)
     assert sharded.step_s == pytest.approx(16 * 8e-3)
     # the elastic form exchanges every tau steps
-    elastic = predict(Workload("async-easgd", tau=4), 2, 32, PARAMS, CAL, GBIT)
+    elastic = predict(Workload.of("async-easgd", tau=4), 2, 32, PARAMS, CAL, GBIT)
     assert elastic.step_s == pytest.approx((4 * compute + ex) / 4)
 
 
@@ -101,15 +108,74 @@ def test_groups_by_hand():
     # 8 workers in 2 groups of 4: ring inside, broadcast inside, the leader's exchange
     compute = 32 * 1e-4
     inside = ring_allreduce_s(4, 1e6, 1 / 125e6, 10e-6) + broadcast_s(4, 1e6, 1 / 125e6, 10e-6)
-    p = predict(Workload("groups", groups=2), 8, 32, PARAMS, CAL, GBIT)
+    p = predict(Workload.of("groups", groups=2), 8, 32, PARAMS, CAL, GBIT)
     assert p.step_s == pytest.approx(compute + inside + 16e-3 + 20e-6)
 
 
-def test_shared_cores_slow_compute():
-    p = predict(Workload("sync"), 4, 32, PARAMS, CAL, Network(), shared_cores=2)
-    assert p.compute_s == pytest.approx(2 * 32 * 1e-4)
-    assert predict(Workload("sync"), 2, 32, PARAMS, CAL, Network(),
-                   shared_cores=2).compute_s == pytest.approx(32 * 1e-4)
+def test_a_token_bucket_passes_its_burst_at_the_endpoints_speed():
+    """tbf's bucket (the emulated cluster's links): after an idle long enough to refill it,
+    a message's first ``burst`` bytes cost only the endpoints' time; a shorter idle refills
+    only what the link's rate brings in meanwhile."""
+    link = Link(alpha=0.0, beta=1 / 125e6 + 1e-9, burst=250e3, host_beta=1e-9)
+    assert link.wire_s(1e6) == pytest.approx(750e3 / 125e6)  # 6 ms: what the bucket does not hold
+    assert link.wire_s(200e3) == 0.0
+    assert link.wire_s(1e6, idle_s=1e-3) == pytest.approx((1e6 - 125e3) / 125e6)
+    # sync on 2 nodes computing 3.2 ms: the bucket refills 400 kB worth, so holds its 250 kB
+    tbf = Network(125e6, 0.0, host_cost=True, burst_bytes=250e3)
+    cal = Calibration(1e-4, 1, alpha_host_s=0.0, host_bytes_per_s=1e9, cores=2)
+    step = predict(Workload.of("sync"), 2, 32, PARAMS, cal, tbf).step_s
+    assert step == pytest.approx(32e-4 + 1e6 * 1e-9 + 750e3 / 125e6)
+    assert step < predict(Workload.of("sync"), 2, 32, PARAMS, cal, Network(125e6, 0.0, True)).step_s
+
+
+def test_workers_that_share_cores_queue_for_them():
+    """On one machine of 2 cores, 4 synchronous workers compute on half a core each (and
+    ``contention`` slower side by side); asynchronous ones drift apart, so the cores bound
+    them only by all the work they hold, the server's included."""
+    local = Network()
+    cal = Calibration(1e-4, 1, alpha_host_s=0.0, host_bytes_per_s=1e12, cores=2)
+    machine = Machine(cores=2, contention=0.25, noise=0.0, server_work=0.0)
+    sync = predict(Workload.of("sync"), 4, 32, PARAMS, cal, local, machine)
+    assert sync.compute_s == pytest.approx(2 * 1.25 * 32e-4)
+    assert sync.step_s == pytest.approx(2 * 1.25 * 32e-4, rel=1e-3)
+    alone = predict(Workload.of("sync"), 1, 32, PARAMS, cal, local, machine)
+    assert alone.step_s == pytest.approx(32e-4, rel=1e-3)  # one process: no contention
+    asynchronous = predict(Workload.of("async-sgd"), 4, 32, PARAMS, cal, local, machine)
+    assert asynchronous.step_s == pytest.approx(4 * 1.25 * 32e-4 / 2, rel=1e-2)
+
+
+def test_synchronous_workers_wait_for_the_slowest():
+    """A step's compute that varies (``noise``: its standard deviation over its mean) makes
+    workers that meet wait for the slowest: ``slowest(p)`` standard deviations of a round
+    (sqrt(tau) steps' worth); a hidden exchange has the round's other steps to absorb it,
+    and asynchronous workers never wait."""
+    assert slowest(1) == 0.0 and slowest(2) == pytest.approx(1 / math.sqrt(math.pi), rel=1e-4)
+    assert slowest(4) == pytest.approx(1.0294, rel=1e-3) and slowest(256) > slowest(64)
+    cal = Calibration(1e-4, 1, alpha_host_s=0.0, host_bytes_per_s=1e12, cores=2)
+    noisy = Machine(cores=8, contention=0.0, noise=0.5, server_work=0.0)
+    c = 32e-4
+    sync = predict(Workload.of("sync"), 4, 32, PARAMS, cal, Network(), noisy)
+    assert sync.step_s == pytest.approx(c + slowest(4) * 0.5 * c, rel=1e-3)
+    local = predict(Workload.of("local-sgd", tau=4), 4, 32, PARAMS, cal, Network(), noisy)
+    assert local.step_s == pytest.approx(c + slowest(4) * 0.5 * c * 2 / 4, rel=1e-3)
+    easgd = predict(Workload.of("easgd", tau=4), 4, 32, PARAMS, cal, Network(), noisy)
+    assert easgd.step_s == pytest.approx(c, rel=1e-3)
+    assert predict(Workload.of("async-sgd"), 4, 32, PARAMS, cal, Network(),
+                   noisy).step_s < sync.step_s
+
+
+def test_a_server_works_on_every_exchange():
+    """A server's rule costs ``server_work`` endpoint per-byte times per byte of its shard:
+    on each exchange's path, and in its queue of every pusher's exchanges."""
+    cal = Calibration(1e-4, 1, alpha_host_s=0.0, host_bytes_per_s=1e9, cores=2)
+    busy = Machine(cores=None, server_work=10.0)
+    free = Machine(cores=None, server_work=0.0)
+    one, more = (predict(Workload.of("async-sgd"), 1, 32, PARAMS, cal, Network(), m)
+                 for m in (free, busy))
+    assert more.step_s - one.step_s == pytest.approx(10.0 * 1e6 * 1e-9)
+    crowded = predict(Workload.of("async-sgd"), 64, 32, PARAMS, cal, Network(), busy)
+    assert crowded.step_s == pytest.approx(64 * 1e6 * (1e-9 + 10.0 * 1e-9))
+    assert crowded.bound == "server"
 
 
 def test_host_cost_adds_the_calibrated_endpoint():
@@ -126,7 +192,7 @@ def test_host_cost_adds_the_calibrated_endpoint():
 @pytest.mark.parametrize("strategy", ["sync", "local-sgd", "easgd", "diloco", "async-sgd",
                                       "async-easgd", "groups"])
 def test_more_bandwidth_or_less_latency_is_never_slower(strategy):
-    w = Workload(strategy, tau=4, groups=4)
+    w, = workloads(strategy, {"tau": 4, "groups": 4})
     for nodes in (1, 2, 4, 16, 64, 256):
         times = [predict(w, nodes, 32, PARAMS, CAL, Network(bw, 5e-6)).step_s
                  for bw in (1e6, 1e7, 1e8, 1e9, 1e10)]
@@ -142,6 +208,86 @@ def test_workloads_take_knobs_from_the_spec_then_the_flags():
                                      "async-sgd k=2"]
     with pytest.raises(ShoalError, match="no formula for strategy 'hogwild'"):
         workloads("hogwild", {})
+
+
+def test_spec_options_reach_the_pattern():
+    """A spec's options are the strategy's own, parsed as its flags: a half-precision hook
+    sends half the bytes, --tau auto starts at 16, --no-overlap waits for the all-reduce."""
+    half, plain, auto, exposed = workloads("sync:compress=fp16,sync,local-sgd:tau=auto,"
+                                           "easgd:tau=4,overlap=false", {})
+    assert [w.label for w in (half, plain, auto, exposed)] == [
+        "sync fp16", "sync", "local-sgd tau=16", "easgd tau=4 no-overlap"]
+    assert predict(half, 4, 32, PARAMS, CAL, GBIT).bytes_per_step == pytest.approx(
+        predict(plain, 4, 32, PARAMS, CAL, GBIT).bytes_per_step / 2)
+    assert auto.pattern(4).every == 16 and not exposed.pattern(4).hidden
+    with pytest.raises(ShoalError, match=r"--strategies: easgd:overlap=maybe: --overlap must be "
+                                         r"true or false"):
+        workloads("easgd:overlap=maybe", {})
+
+
+def test_outer_precision_prices_its_bytes():
+    """--outer-precision's messages, by hand: bf16 halves the all-reduce; int4 sends a 4-byte
+    scale and 128 bytes of codes per 256 values (132 / 1024 of float32) and is all-gathered,
+    which on p = 4 carries what an all-reduce of p / 2 = 2 times as many bytes does."""
+    compute, ring = 32 * 1e-4, 12.06e-3  # p = 4, 1 MB: test_ring_allreduce_by_hand
+    plain = predict(Workload.of("local-sgd", tau=4), 4, 32, PARAMS, CAL, GBIT)
+    half = predict(Workload.of("local-sgd", tau=4, outer_precision="bf16"), 4, 32, PARAMS, CAL,
+                   GBIT)
+    int4 = predict(Workload.of("diloco", tau=4, outer_precision="int4"), 4, 32, PARAMS, CAL, GBIT)
+    assert half.bytes_per_step == pytest.approx(plain.bytes_per_step / 2)
+    assert int4.bytes_per_step == pytest.approx(plain.bytes_per_step * 132 / 1024 * 2)
+    # the latency term does not shrink with the bytes: 6 alpha = 60 us per ring
+    gathered = (ring - 60e-6) * 132 / 1024 * 2 + 60e-6
+    assert int4.step_s == pytest.approx(compute + gathered / 4)
+    assert STRATEGIES["easgd"].communication(
+        STRATEGIES["easgd"].Options(outer_precision="int8"), 2).size == pytest.approx(260 / 1024)
+
+
+PRICED = sorted(n for n, c in STRATEGIES.items() if c.communication(c.Options(), 2) is not None)
+
+
+def test_every_strategy_but_hogwild_states_its_pattern():
+    assert set(STRATEGIES) - set(PRICED) == {"hogwild"}  # one host's shared memory
+
+
+@pytest.mark.parametrize("strategy", PRICED)
+def test_the_planner_and_the_simulator_price_a_strategy_alike(tmp_path, strategy):
+    """The planner's estimate of a trial (fitted to a measured sync trial) and --simulate's
+    prediction (calibrated to the same compute and link) read the same pattern, and agree."""
+    from shoal.config import TrainConfig
+    from shoal.plan.planner import Planner, PlanOptions
+    from shoal.plan.trials import HARDWARE, Candidate, Trial
+
+    cfg = TrainConfig(model="mlp", dataset="digits", epochs=10, batch_size=16, workers=2,
+                      target_accuracy=0.9, progress="none", out=str(tmp_path)).validate()
+    planner = Planner(cfg, PlanOptions.of(cfg), NoLauncher(), tmp_path, 2, show=False)
+    cal = Calibration(compute_s_per_sample=5e-3 / 16, threads=1, alpha_host_s=0.0,
+                      host_bytes_per_s=1e30, source="test")
+    net = Network(bytes_per_s=125e6)  # 1 MB: 8 ms a one-way transfer
+    sync = predict(Workload.of("sync"), 2, 16, PARAMS, cal, net)
+    planner.measured.append(Trial(Candidate("sync", (), 2, None), curve=[(1, 0.5, 1.0)],
+                                  epoch_s=sync.step_s * planner.steps_per_epoch,
+                                  comm_fraction=sync.comm_s / sync.step_s))
+    candidate = Candidate(strategy, (), 2, None)
+    assert candidate.pattern() == Workload.of(strategy).pattern(2)
+    startup = 0.0 if planner.in_session(candidate) else 10.0
+    per_step = (planner.estimate(candidate, HARDWARE) - startup) / planner.steps(candidate, HARDWARE)
+    assert per_step == pytest.approx(predict(Workload.of(strategy), 2, 16, PARAMS, cal, net).step_s)
+
+
+class NoLauncher:
+    """A launcher the estimate never calls."""
+
+    timeout = 10.0
+
+
+def test_the_calibration_times_a_real_all_reduce():
+    """Two processes started as shoal starts a job's (core.processes.spawn, core.group):
+    a message costs something, and the bandwidth is finite."""
+    from shoal.plan.calibrate import measure_collectives
+
+    alpha, bandwidth = measure_collectives(1 << 20, reps=5)
+    assert 0 < alpha < 0.1 and 1e6 < bandwidth < 1e12
 
 
 # -- units ---------------------------------------------------------------------------------------

@@ -7,7 +7,8 @@ import sys
 import pytest
 
 from shoal import emulate
-from shoal.emulate import Cluster, can_emulate, namespaces, rate_bits
+from shoal.core.hostspec import rate_bits
+from shoal.emulate import Cluster, can_emulate, namespaces
 from shoal.errors import ShoalError
 
 from conftest import REPO, run

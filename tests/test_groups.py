@@ -74,7 +74,8 @@ def test_group_bounds_and_leaders():
 @pytest.mark.parametrize("strategy, options, workers, explicit", [
     ("sync", {}, 4, 0.9),                  # synchronous: no implicit momentum
     ("easgd", {}, 4, 0.9),
-    ("async-sgd", {}, 4, 0.15),            # 4 asynchronous workers: 1 - 1/4 = 0.75
+    ("async-msgd", {}, 4, 0.15),           # 4 asynchronous workers: 1 - 1/4 = 0.75
+    ("async-sgd", {}, 4, 0.0),             # its server applies no momentum
     ("hogwild", {}, 2, 0.4),
     ("groups", {"groups": 2}, 4, 0.4),
     ("groups", {"groups": 4}, 4, 0.15),

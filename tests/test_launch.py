@@ -88,3 +88,65 @@ def test_crash_after_finishing_keeps_the_results(capfd):
 def test_crash_before_finishing_is_an_error():
     with pytest.raises(WorkerError, match="rank 1: worker process killed by signal 6"):
         spawn(2, _abort_on_rank_1)
+
+
+# -- each strategy's layout of a job: its Topology ---------------------------------------------
+def _topology(strategy, workers, **options):
+    from shoal.strategies import get_strategy, make_options
+
+    cls = get_strategy(strategy)
+    return cls.topology(make_options(cls, options), workers)
+
+
+def test_every_rank_of_a_synchronous_job_is_a_worker_of_one_group():
+    t = _topology("local-sgd", 4)
+    assert (t.servers, t.workers, t.world_size, t.groups) == (0, 4, 4, ((0, 4),))
+    assert [str(t.role(r)) for r in range(4)] == [f"worker {r}" for r in range(4)]
+    assert not t.detached and not t.shares_gpus
+
+
+def test_an_asynchronous_job_puts_its_servers_first():
+    t = _topology("async-sgd", 3, servers=2)
+    assert (t.servers, t.world_size, t.detached, t.shares_gpus) == (2, 5, True, True)
+    assert [str(t.role(r)) for r in range(5)] == ["server 0", "server 1", "worker 0",
+                                                  "worker 1", "worker 2"]
+    assert t.groups == ((0, 1), (1, 2), (2, 3))  # each worker alone
+    with pytest.raises(ShoalError, match="rank 5 is outside a job of 5 processes"):
+        t.role(5)
+    assert _topology("hogwild", 2).shared_memory and not _topology("async-easgd", 2).shared_memory
+
+
+def test_compute_groups_are_the_groups_of_the_topology():
+    t = _topology("groups", 5, groups=2)
+    assert t.groups == ((0, 3), (3, 5)) and t.group(4) == (3, 5) and not t.shares_gpus
+    assert _topology("groups", 3, groups=3).shares_gpus  # groups of one meet in no NCCL group
+
+
+def test_a_worker_s_place_on_two_hosts_of_torchrun():
+    """Two hosts of 3 ranks, one server: the server is rank 0 on the first host; the workers
+    are ranks 0..4 of the workers, two on the first host and three on the second."""
+    from shoal.core.env import Environment
+
+    t = _topology("async-sgd", 5)
+    places = [t.place(Environment(rank=r, world_size=6, local_rank=r % 3, local_world_size=3))
+              for r in range(6)]
+    assert [(p.rank, p.world_size, p.local_rank, p.local_world_size) for p in places] == [
+        (0, 5, 0, 1),  # server 0 speaks for the 5 workers (the records)
+        (0, 5, 0, 2), (1, 5, 1, 2), (2, 5, 0, 3), (3, 5, 1, 3), (4, 5, 2, 3)]
+
+
+@pytest.mark.parametrize("workers, world, message", [
+    (3, 3, "--workers 3 and --servers 1 contradict the launcher's world size 3 (torchrun)"),
+    (None, 1, "--servers 1 needs at least 2 ranks; the launcher started 1"),
+])
+def test_an_outside_launcher_s_world_must_fit_the_topology(workers, world, message):
+    from shoal.config import TrainConfig
+    from shoal.core.env import Environment
+    from shoal.train.launch import outside_topology
+
+    cfg = TrainConfig(strategy="async-sgd", workers=workers)
+    with pytest.raises(ShoalError) as exc:
+        outside_topology(cfg, Environment(rank=0, world_size=world, launcher="torchrun"))
+    assert str(exc.value).startswith(message)
+    assert outside_topology(TrainConfig(strategy="async-sgd"),
+                            Environment(rank=0, world_size=4)).workers == 3

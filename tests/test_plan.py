@@ -12,15 +12,8 @@ import pytest
 from shoal.cli import main
 from shoal.emulate import can_emulate
 from shoal.errors import ShoalError
-from shoal.plan.search import (
-    Candidate,
-    Omnivore,
-    SearchSettings,
-    Trial,
-    epochs_to_target,
-    group_knobs,
-    rank,
-)
+from shoal.plan.search import Omnivore, SearchSettings, epochs_to_target, group_knobs, rank
+from shoal.plan.trials import HARDWARE, STATISTICAL, Candidate, Phase, Trial
 from shoal.schema import parse_duration
 
 from conftest import one_error_line
@@ -46,7 +39,7 @@ def run_with(speeds: dict, progress=lambda c: 0.3, diverges=lambda c: False, clo
     clock = clock or Clock()
     asked: list[Candidate] = []
 
-    def run(c: Candidate, phase: str) -> Trial:
+    def run(c: Candidate, phase: Phase) -> Trial:
         asked.append(c)
         clock.now += cost
         if diverges(c):
@@ -78,10 +71,10 @@ def test_the_walk_goes_while_an_epoch_gets_ten_percent_faster():
     speeds = {("sync", 1, 4): 10.0, ("easgd", 4, 4): 8.0, ("easgd", 16, 4): 7.3,
               ("easgd", 64, 4): 5.0}
     search, asked = run_with(speeds)
-    search.walk(search.trial(SYNC, "hardware"), EASGD, (4, 16, 64))
+    search.walk(search.trial(SYNC, HARDWARE), EASGD, (4, 16, 64))
     knobs = [c.knob for c in asked if c.strategy == "easgd"]
     assert knobs == [4, 16]  # 8.0 is 20% faster than 10; 7.3 only 8.75% faster than 8: stop
-    assert search.walk(search.trial(SYNC, "hardware"), EASGD, (4, 16, 64)) == EASGD.with_knob(4)
+    assert search.walk(search.trial(SYNC, HARDWARE), EASGD, (4, 16, 64)) == EASGD.with_knob(4)
     # A family no step of which is 10% faster than sync is not tuned at all.
     slow = {("sync", 1, 4): 10.0, ("easgd", 4, 4): 9.5}
     search, asked = run_with(slow)
@@ -159,8 +152,8 @@ def test_a_speed_only_trial_does_not_answer_the_grid():
     search, asked = run_with(speeds)
     fast = Candidate("groups", (("groups", 2),), 4, 1)
     search.trials.append(Trial(fast, epoch_s=0.5, hardware_only=True))
-    assert search.trial(fast, "hardware").hardware_only  # the walk reuses it
-    assert search.trial(fast, "statistical").curve and asked == [fast]
+    assert search.trial(fast, HARDWARE).hardware_only  # the walk reuses it
+    assert search.trial(fast, STATISTICAL).curve and asked == [fast]
 
 
 def test_the_leaders_are_measured_longer():
@@ -170,13 +163,13 @@ def test_the_leaders_are_measured_longer():
     B on long ones, and B wins."""
     a, b = (Candidate("local-sgd", (("tau", 64),), 4, 1), Candidate("diloco", (("tau", 64),), 4, 1))
     others = [Candidate("easgd", (("tau", t),), 4, 1) for t in (4, 16)]
-    asked: list[tuple[Candidate, str]] = []
+    asked: list[tuple[Candidate, Phase]] = []
     clock = Clock()
 
-    def run(c: Candidate, phase: str) -> Trial:
+    def run(c: Candidate, phase: Phase) -> Trial:
         asked.append((c, phase))
         clock.now += 1.0
-        epochs = 3 * (int(phase.rsplit("x", 1)[1]) if phase.startswith("refine") else 1)
+        epochs = 3 * phase.scale
         if c == a:  # falls fast toward a floor: reaches 90% at epoch 14.6
             curve = [(e, 1 - (0.08 + 0.5 * e ** -1.2), e) for e in range(1, epochs + 1)]
         elif c == b:  # a power law: reaches 90% at epoch 8.7 (predicted so from any length)
@@ -187,20 +180,36 @@ def test_the_leaders_are_measured_longer():
 
     search = Omnivore(SETTINGS, run, clock)
     for c in (a, b, *others):
-        search.trial(c, "hardware")
+        search.trial(c, HARDWARE)
     assert epochs_to_target(search.trials[0].curve, 0.9, 0.1) \
         < epochs_to_target(search.trials[1].curve, 0.9, 0.1)  # A leads after 3 epochs (and 6)
     search.refine()
-    assert [p for _, p in asked[4:]] == ["refine x2"] * 4 + ["refine x4"] * 2
+    assert [str(p) for _, p in asked[4:]] == ["refine x2"] * 4 + ["refine x4"] * 2
     ranked = rank(search.trials)
-    assert ranked[0].candidate == b and ranked[0].phase == "refine x4"
+    assert ranked[0].candidate == b and ranked[0].phase == Phase.refine(4)
     # a budget that holds no longer trial leaves the ranking to the short ones
     clock.now = 0.0
     search = Omnivore(dataclasses.replace(SETTINGS, budget_s=4.5), run, clock)
     for c in (a, b, *others):
-        search.trial(c, "hardware")
+        search.trial(c, HARDWARE)
     search.refine()
     assert rank(search.trials)[0].candidate == a and len(search.trials) == 4
+
+
+def test_phases_are_typed_and_written_as_words():
+    """A trial's phase is a Phase (its stage and length), written into plan.json as before:
+    ``hardware``, ``refine x4``."""
+    from shoal.plan.search import Plan
+    from shoal.plan.trials import INCUMBENT
+
+    assert [str(p) for p in (INCUMBENT, HARDWARE, STATISTICAL, Phase.refine(4))] == [
+        "incumbent", "hardware", "statistical", "refine x4"]
+    assert Phase.refine(4).scale == 4 and HARDWARE.scale == 1
+    trial = Trial(SYNC, curve=[(1, 0.5, 1.0)], epoch_s=1.0, phase=Phase.refine(2))
+    record = Plan([trial], [(SYNC, STATISTICAL)], None, "", [], 1.0).to_dict(SETTINGS)
+    assert record["trials"][0]["phase"] == "refine x2"
+    assert record["skipped"] == [{"label": SYNC.label(), "phase": "statistical"}]
+    assert json.loads(json.dumps(record)) == record
 
 
 def test_epochs_to_target():
@@ -237,6 +246,7 @@ def test_auto_trains_the_plans_winner(tmp_path):
     plan = json.loads((out / "plan" / "plan.json").read_text())
     assert set(plan) >= {"target_accuracy", "budget_s", "planning_s", "epochs", "why", "notes",
                          "winner", "trials", "skipped"}
+    assert plan["budget_s"] == 30 and not (out / "probe.json").exists()  # the flag, no probe
     assert plan["target_accuracy"] == 0.9 and plan["epochs"] == 3 and plan["trials"]
     for t in plan["trials"]:
         assert set(t) >= {"label", "strategy", "options", "workers", "threads", "momentum", "lr",
@@ -287,7 +297,7 @@ def test_an_asynchronous_walk_step_measures_speed_only(tmp_path):
                       target_accuracy=0.9, progress="none", out=str(tmp_path)).validate()
     with Launcher(None, 120) as launcher:
         planner = Planner(cfg, PlanOptions.of(cfg), launcher, tmp_path, 2, show=False)
-        trial = planner.trial(Candidate("groups", (("groups", 2),), 2, None), "hardware")
+        trial = planner.trial(Candidate("groups", (("groups", 2),), 2, None), HARDWARE)
     assert trial.ok and trial.hardware_only and not trial.curve and 0 < trial.epoch_s < 60
     summary = json.loads(next((tmp_path / "trials").glob("01-groups*/summary.json")).read_text())
     assert summary["steps"] == 11  # a quarter of a trial (1 epoch of 45 steps), at least 8
@@ -306,17 +316,17 @@ def test_a_trials_cost_is_estimated_from_the_fastest_tested_one(tmp_path):
                       target_accuracy=0.9, progress="none", out=str(tmp_path)).validate()
     planner = Planner(cfg, PlanOptions.of(cfg), NoLauncher(), tmp_path, 2, show=False)
     sync = Candidate("sync", (), 2, None)
-    assert planner.estimate(sync, "hardware") is None  # nothing measured yet
+    assert planner.estimate(sync, HARDWARE) is None  # nothing measured yet
     # 45 steps an epoch: 0.1 s a step, of which 0.06 s an all-reduce
     planner.measured.append(Trial(sync, curve=[(1, 0.5, 4.5)], epoch_s=4.5, comm_fraction=0.6))
     # a trial: a tenth of 10 epochs, one step past the epoch's end
-    assert planner.steps_per_epoch == 45 and planner.steps(sync, "hardware") == 46
-    assert planner.estimate(sync, "hardware") == pytest.approx(46 * 0.1)
+    assert planner.steps_per_epoch == 45 and planner.steps(sync, HARDWARE) == 46
+    assert planner.estimate(sync, HARDWARE) == pytest.approx(46 * 0.1)
     tau16 = Candidate("local-sgd", (("tau", 16),), 2, None)
-    assert planner.steps(tau16, "hardware") == 48  # three whole periods
-    assert planner.estimate(tau16, "hardware") == pytest.approx(48 * (0.04 + 0.06 / 16))
+    assert planner.steps(tau16, HARDWARE) == 48  # three whole periods
+    assert planner.estimate(tau16, HARDWARE) == pytest.approx(48 * (0.04 + 0.06 / 16))
     groups = Candidate("groups", (("groups", 2),), 2, None)
-    assert planner.estimate(groups, "hardware") == pytest.approx(11 * (0.04 + 0.12) + 10)
+    assert planner.estimate(groups, HARDWARE) == pytest.approx(11 * (0.04 + 0.12) + 10)
     search = Omnivore(planner.settings, lambda c, p: None, Clock(), planner.estimate)
     search.trials = [Trial(sync, cost_s=60.0)]
     assert search.expected_cost(tau16) == pytest.approx(48 * (0.04 + 0.06 / 16))

@@ -17,7 +17,8 @@ from shoal.core.comm import Comm
 from shoal.core.env import Environment
 from shoal.errors import ShoalError
 from shoal.plan.planner import Planner, PlanOptions
-from shoal.plan.search import Candidate, Plan, Trial
+from shoal.plan.search import Plan
+from shoal.plan.trials import STATISTICAL, Candidate, Trial
 from shoal.schema import parse_duration
 from shoal.train.optim import lr_factor
 from shoal.train.trainer import Trainer
@@ -142,7 +143,7 @@ def test_a_replan_trial_starts_from_the_checkpoint(tmp_path):
     assert planner.start.step == 16 and planner.settings.chance == tested[-1]
     assert planner.settings.epochs == pytest.approx(3 - 16 / spe)
     assert planner.settings.trial_cost_s == 2.0  # the first trial is costed too
-    trial = planner.trial(Candidate("local-sgd", (("tau", 2),), 1, None, momentum=0.5), "x")
+    trial = planner.trial(Candidate("local-sgd", (("tau", 2),), 1, None, momentum=0.5), STATISTICAL)
     planner.session.close()
     assert trial.ok, trial.error
     # An epoch of steps from step 16 (12 steps an epoch), tested at whole periods (tau 2:

@@ -14,7 +14,7 @@ from shoal.models import build_model
 from shoal.strategies import get_strategy, make_options
 from shoal.strategies.easgd import parameter_order
 from shoal.strategies.precision import MixedPrecision, micro_batches
-from shoal.train.optim import build_optimizer
+from shoal.train.optim import build_optimizer, resolve_momentum
 from shoal.train.trainer import Trainer
 
 from conftest import checkpoint_params, max_param_diff, train_together
@@ -100,14 +100,15 @@ def one_thread():
 def train_in_process(out, **settings):
     """One worker's Trainer in this process (no worker processes to start); an asynchronous
     strategy's server is a LoopbackClient holding the initial model. Returns the trainer."""
-    cfg = TrainConfig(model="mlp", dataset="digits", epochs=1, out=str(out), progress="none",
-                      schedule="constant", **settings).validate()
+    cfg = resolve_momentum(TrainConfig(model="mlp", dataset="digits", epochs=1, out=str(out),
+                                       progress="none", schedule="constant",
+                                       **settings).validate(), 1)
     comm = Comm(Environment(), torch.device("cpu"), peers=False)
     cls = get_strategy(cfg.strategy)
     if getattr(cls, "Rule", None) is not None:
         torch.manual_seed(cfg.seed)
         model = build_model(cfg.model, (1, 8, 8), 10)
-        order = parameter_order(model, build_optimizer(cfg, model.parameters(), cfg.lr))
+        order = parameter_order(model, build_optimizer(cfg, model.parameters(), cfg.base_lr(1)))
         center = FlatParams(order).pack().clone()
         comm.ps = LoopbackClient([cls.Rule(center, make_options(cls, {}))], [center])
     trainer = Trainer(cfg, comm)

@@ -66,3 +66,17 @@ def test_example_strategy_plugs_into_shoal_train(tmp_path):
     assert summary["test_accuracy"] >= 0.9
     full_precision = 2 * 4 * summary["parameters"] / (4 * 32)  # as local SGD would send
     assert summary["bytes_per_sample"] == pytest.approx(full_precision / 2, rel=0.05)
+
+
+def test_example_strategy_states_what_it_sends():
+    """The example's pattern says what the test above measures: half local SGD's bytes,
+    every tau steps; shoal plan's cost model prices it from that."""
+    from shoal.plan.cost import Link, step_cost
+
+    example, local = load_object(EXAMPLE, "strategy"), get_strategy("local-sgd")
+    mine = example.communication(example.Options(tau=TAU), 2)
+    theirs = local.communication(local.Options(tau=TAU), 2)
+    assert mine.every == theirs.every == TAU
+    link = Link(alpha=0.0, beta=1e-8)
+    assert step_cost(mine, 2, 1e-3, 1e6, link).bytes_per_step == pytest.approx(
+        step_cost(theirs, 2, 1e-3, 1e6, link).bytes_per_step / 2)

@@ -28,6 +28,9 @@ EXIT_INTERRUPTED = 130
 EXIT_TERMINATED = 143
 #: An asynchronous run that completed without some of its workers (see shoal.train.server).
 EXIT_DEGRADED = 3
+#: A run that collapsed to chance or learned nothing (see shoal.train.health), unless
+#: --allow-collapse.
+EXIT_COLLAPSED = 4
 
 
 def _run(args: argparse.Namespace) -> None:
@@ -64,6 +67,7 @@ def _run(args: argparse.Namespace) -> None:
 def _bench(args: argparse.Namespace, argv: Sequence[str]) -> None:
     from pathlib import Path
 
+    from shoal.core.hostspec import link_rates, slow_hosts
     from shoal.sweep.config import BenchConfig
     from shoal.sweep.runner import run_bench
     from shoal.sweep.spec import parse_strategies
@@ -75,6 +79,9 @@ def _bench(args: argparse.Namespace, argv: Sequence[str]) -> None:
         steps=args.steps, warmup=args.warmup, repeats=args.repeats, dataset=args.dataset,
         synthetic_shape=tuple(args.synthetic_shape), reference=args.reference,
         emulate_bandwidth=args.emulate_bandwidth, out=Path(args.out), lr=args.lr,
+        emulate_slow=slow_hosts(args.emulate_slow) if args.emulate_slow else {},
+        emulate_link_rate=(link_rates(args.emulate_link_rate, "--emulate-link-rate")
+                           if args.emulate_link_rate else {}),
         momentum=args.momentum, schedule=args.schedule, epochs=args.epochs,
         target_accuracy=args.target_accuracy, budget=args.budget,
         run_timeout=args.run_timeout, quiet=args.quiet)
@@ -84,10 +91,18 @@ def _bench(args: argparse.Namespace, argv: Sequence[str]) -> None:
     run_bench(cfg, "shoal " + " ".join(argv))
 
 
-def _plan(args: argparse.Namespace) -> int:
-    from shoal.plan.model import run_simulate, simulate_keys
+def _simulate_keys(args: argparse.Namespace) -> dict[str, Any]:
+    """Take the ``--simulate`` flags out of ``args`` (so the rest are ``shoal train``'s)."""
+    found = {k: v for k, v in vars(args).items() if k.startswith("sim_")}
+    for k in found:
+        delattr(args, k)
+    return found
 
-    simulation = simulate_keys(args)
+
+def _plan(args: argparse.Namespace) -> int:
+    from shoal.plan.simulate import run_simulate
+
+    simulation = _simulate_keys(args)
     if simulation.pop("sim_simulate", False):
         return run_simulate(config_from_args(args), simulation)
     if simulation:
@@ -164,6 +179,8 @@ def _train(args: argparse.Namespace) -> int:
         summary = train(cfg)
     if _stopped_by_sigterm(summary):
         return EXIT_TERMINATED
+    if summary is not None and summary.get("collapsed") and not cfg.allow_collapse:
+        return EXIT_COLLAPSED  # its line replaced done: (shoal.train.health)
     if summary is not None and summary.get("degraded"):
         for lost in summary["lost_workers"]:
             print(f"shoal: completed without worker {lost['worker']} (lost at step "

@@ -60,11 +60,38 @@ def _plan_parser(sub: Any) -> argparse.ArgumentParser:
                     "plan.json, plan.md and plan.png to --out. Takes shoal train's flags. "
                     "With --simulate, predict instead each strategy's throughput on clusters "
                     "that cannot be run here (a calibrated cost model; simulate.json).")
-    from shoal.plan.model import add_simulate_flags
-
     _add_train_flags(p)
-    add_simulate_flags(p)
+    _add_simulate_flags(p)
     return p
+
+
+def _add_simulate_flags(parser: argparse.ArgumentParser) -> None:
+    """``shoal plan``'s flags for ``--simulate`` (their ``dest`` start with ``sim_``)."""
+    from shoal.plan.simulate import DEFAULT_STRATEGIES
+
+    g = parser.add_argument_group(
+        "simulation (--simulate: predict clusters that cannot be run here)",
+        "An alpha-beta cost model, calibrated on this machine, predicts each strategy's "
+        "throughput and weak-scaling efficiency on --nodes nodes; writes simulate.json to --out.")
+    g.add_argument("--simulate", dest="sim_simulate", action="store_true", default=False,
+                   help="predict with the cost model instead of planning with trials")
+    g.add_argument("--nodes", dest="sim_nodes", default=argparse.SUPPRESS, metavar="N1,N2",
+                   help="node counts to predict (one worker per node; default 4,16,64,256)")
+    g.add_argument("--bandwidth", dest="sim_bandwidth", default=argparse.SUPPRESS, metavar="RATE",
+                   help="each node's link, each way: 10gbit, 100mbit, 1gbit (default: none, "
+                        "the processes of this machine)")
+    g.add_argument("--latency", dest="sim_latency", default=argparse.SUPPRESS, metavar="TIME",
+                   help="latency of a message on the link: 5us, 1ms (default 0us)")
+    g.add_argument("--strategies", dest="sim_strategies", default=argparse.SUPPRESS,
+                   metavar="SPEC", help="strategies with their knobs, as shoal bench's "
+                                        f"--strategies (default {DEFAULT_STRATEGIES})")
+    g.add_argument("--host-cost", dest="sim_host_cost", action=argparse.BooleanOptionalAction,
+                   default=argparse.SUPPRESS,
+                   help="add this machine's measured per-message and per-byte cost of Gloo "
+                        "to --bandwidth's and --latency's (default off: the link's nominal "
+                        "values; always on without --bandwidth)")
+    g.add_argument("--calibration", dest="sim_calibration", default=argparse.SUPPRESS, metavar="FILE",
+                   help="take the calibration from FILE (a simulate.json) instead of measuring")
 
 
 def _add_train_flags(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
@@ -147,6 +174,11 @@ def _bench_parser(sub: Any) -> argparse.ArgumentParser:
     p.add_argument("--emulate-bandwidth", default=None, metavar="RATE",
                    help="run multi-worker points across emulated hosts (network namespaces, "
                         "needs root) joined by links of RATE, e.g. 100mbit or 1gbit")
+    p.add_argument("--emulate-slow", default=None, metavar="HOST:FRACTION[,...]",
+                   help="with --emulate-bandwidth: hold a host's processes to a fraction of one "
+                        "core (1:0.25: host 1 at a quarter of a core; a cgroup, needs root)")
+    p.add_argument("--emulate-link-rate", default=None, metavar="HOST:RATE[,...]",
+                   help="with --emulate-bandwidth: a host's own link rate (1:10mbit)")
     p.add_argument("--run-timeout", type=float, default=900.0,
                    help="seconds one training run may take before it is stopped (default 900)")
     p.add_argument("--out", default="runs/bench", help="output directory (default runs/bench)")

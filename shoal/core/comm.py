@@ -1,5 +1,5 @@
-"""Timed, byte-counted collectives: the :class:`Comm` every strategy talks through, and
-:func:`init_comm`, which joins a job and returns it.
+"""Timed, byte-counted collectives: the :class:`Comm` every strategy talks through
+(:func:`~shoal.core.join.init_comm` joins a job and returns it).
 
 Every rank of a job of several processes also runs a :class:`~shoal.core.watchdog.Watchdog`
 on the job's store: a failing or hung rank ends the job within seconds.
@@ -7,19 +7,22 @@ on the job's store: a failing or hung rank ends the job within seconds.
 
 from __future__ import annotations
 
+import contextlib
 import itertools
-import math
 import os
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
-from typing import Any
+from datetime import timedelta
+from typing import Any, TypeVar
 
 import torch
 import torch.distributed as dist
 
-from shoal.core.env import Environment, pick_device
+from shoal.core.env import Environment
 from shoal.core.failures import EXIT_ABORTED
-from shoal.core.group import job_store, join_group
+from shoal.core.group import join_group
+from shoal.core.handle import Handle
+from shoal.core.membership import Membership
 from shoal.core.ops import reduce_op
 from shoal.core.pairs import Client
 from shoal.core.timeline import COMM, WAIT, Event, Timeline
@@ -28,6 +31,7 @@ from shoal.core.waits import (
     Keys,
     Waits,
     describe,
+    ended_key,
     generation_key,
     key_prefix,
     say_left,
@@ -35,30 +39,7 @@ from shoal.core.waits import (
 from shoal.core.watchdog import ABORT_KEY, Watchdog
 from shoal.errors import ShoalError
 
-
-class Handle:
-    """A collective in flight (number ``seq`` in its Comm's log). :meth:`wait` blocks and books
-    the waiting as communication."""
-
-    def __init__(self, comm: Comm, work: Any, tensor: torch.Tensor, op: str, name: str,
-                 seq: int = 0, nbytes: int = 0) -> None:
-        self._comm, self._work, self._tensor, self._op, self._name = comm, work, tensor, op, name
-        self._seq, self._nbytes = seq, nbytes
-
-    def wait(self) -> torch.Tensor:
-        if self._work is not None:
-            log = self._comm.log
-            try:
-                with self._comm.timeline.span(COMM, self._name), log.blocked(self._seq):
-                    self._work.wait()
-            finally:
-                log.finish(self._seq)
-                self._comm.in_flight -= self._nbytes
-            self._work = None
-            if self._op == "avg":
-                self._tensor.div_(self._comm.world_size)
-        return self._tensor
-
+_T = TypeVar("_T")
 
 class Comm:
     """This process's view of the job: rank, world size, device and timed collectives.
@@ -72,9 +53,14 @@ class Comm:
     not come (:mod:`shoal.core.waits`); ``timeout`` is the collectives' own (the process
     group's), which the watchdog ends such a wait just before.
 
-    ``peers=False``: a worker of an asynchronous job, whose peers are its parameter servers
-    only (``ps``): no collective goes anywhere, even once this process joins a process group
-    of its own (a compute group's, spoken for by a :meth:`child`).
+    ``peers=False``: a rank of a job without a process group of all its ranks (an
+    asynchronous job's worker or server, whose peers are the parameter servers only: ``ps``):
+    no collective goes anywhere and no watchdog runs (a lost worker is no failure of the
+    others), even once this process joins a process group of its own (a compute group's,
+    spoken for by :attr:`subgroup`). :attr:`store` is the job's store all the same.
+
+    ``elastic``: the job goes on without a lost worker (:mod:`shoal.core.membership`); the
+    watchdog judges no peer.
     """
 
     def __init__(
@@ -87,6 +73,7 @@ class Comm:
         *,
         peers: bool = True,
         timeout: float | None = None,
+        elastic: bool = False,
     ) -> None:
         self.rank = env.rank
         self.world_size = env.world_size
@@ -96,20 +83,36 @@ class Comm:
         self.bytes_sent = 0  # payload handed to collectives by this rank during training
         self.in_flight = 0  # payload bytes of this rank's collectives started, not yet waited for
         self.peak_in_flight = 0  # the most there ever were
+        #: The job's store (``None``: a process alone), as its launcher serves it.
+        self.store = store
         self._store = dist.PrefixStore(key_prefix(env.attempt), store) if store is not None else None
         self._rank0_hosts = not env.agent_store  # the store (as job_store makes it)
         self.aborted = False  # this rank called abort(): nobody will wait for it at close()
         self.ps: Client | None = None  #: an asynchronous job's worker: its end of the servers
+        #: The Comm of the group this process computes with inside a job without a process
+        #: group of all its ranks (:meth:`join_subgroup`); ``None``: no such group.
+        self.subgroup: Comm | None = None
         self.peers = peers
         self._parent: Comm | None = None  # a child's bytes are its parent's too
         self.log = CollectiveLog()  # the collectives this rank issued, for the watchdog
         self._keys = Keys(0)
         self._watchdog: Watchdog | None = None
-        if self._store is not None and self.world_size > 1:
+        self.membership: Membership | None = None
+        if self._store is not None and self.world_size > 1 and peers:
             self._keys = Keys(next(_GENERATIONS))
             self._store.set(generation_key(self.rank), str(self._keys.generation))
             waits = Waits(self.rank, self.world_size, self.log, self._keys, timeout)
-            self._watchdog = Watchdog(env, store, heartbeat_timeout, lambda: self.aborted, waits)
+            self._watchdog = Watchdog(env, store, heartbeat_timeout, lambda: self.aborted, waits,
+                                      judge_peers=not elastic)
+            if elastic:  # after a change its rank and world size are the new group's
+                self.membership = Membership.of(self, self._store, heartbeat_timeout, timeout)
+
+    def _meet(self, run: Callable[[], _T], keep: torch.Tensor | None = None) -> _T | None:
+        """``run()`` a collective; elastic: voted on, held again in a re-formed group from
+        ``keep``'s value now (:meth:`Membership.meet`), skipped once this worker is alone."""
+        if self.membership is None:
+            return run()
+        return self.membership.meet(lambda: run() if self.active else None, keep)
 
     @property
     def active(self) -> bool:
@@ -124,6 +127,20 @@ class Comm:
         comm = Comm(env, self.device, self.timeline)
         comm._parent = self
         return comm
+
+    def join_subgroup(self, name: str, rank: int, size: int, timeout: float) -> Comm:
+        """Join the process group ``name`` of ``size`` processes on the job's store (a compute
+        group of an asynchronous job, whose ranks share no process group of the whole job) as
+        its rank ``rank``; its Comm is :attr:`subgroup` (a :meth:`child` of this one)."""
+        if self.store is None:
+            raise ShoalError(f"{name}: a group meets through the job's store, and this process "
+                             "has none")
+        if dist.is_initialized():
+            raise ShoalError(f"{name}: this process already belongs to a process group")
+        join_group(dist.PrefixStore(name, self.store), rank, size, self.device.type, timeout,
+                   where=f"the group {name}")
+        self.subgroup = self.child(Environment(rank=rank, world_size=size, local_world_size=size))
+        return self.subgroup
 
     # -- accounting -------------------------------------------------------------------------
     def count(self, nbytes: int) -> None:
@@ -149,7 +166,8 @@ class Comm:
         if not self.active:
             yield
             return
-        with self.log.track(describe(op, name)):
+        with self.log.track(describe(op, name)), (
+                self.membership.voted() if self.membership else contextlib.nullcontext()):
             yield
 
     # -- collectives ------------------------------------------------------------------------
@@ -162,6 +180,12 @@ class Comm:
         red = reduce_op(op)
         if not self.active:
             return Handle(self, None, tensor, op, name)
+        if self.membership is not None:  # voted, so finished here: no overlap
+            self.count(tensor.numel() * tensor.element_size())
+            with self.timeline.span(COMM, name), self.log.track(_what("all_reduce", name)):
+                self._meet(lambda: dist.all_reduce(tensor, op=red), keep=tensor)
+            return Handle(self, None, tensor.div_(self.world_size) if op == "avg" else tensor,
+                          op, name)
         nbytes = self._start(tensor)
         seq = self.log.start(_what("all_reduce", name, "allreduce"))  # finished by its wait
         with self.timeline.span(COMM, name):
@@ -211,13 +235,13 @@ class Comm:
         if self.active:
             self.count(tensor.numel() * tensor.element_size())
             with self.timeline.span(COMM, name), self.log.track(_what("broadcast", name)):
-                dist.broadcast(tensor, src=src)
+                self._meet(lambda: dist.broadcast(tensor, src=src))
         return tensor
 
     def barrier(self) -> None:
         if self.active:
             with self.timeline.span(WAIT, "barrier"), self.log.track("barrier"):
-                dist.barrier()
+                self._meet(dist.barrier)
 
     # -- time learnt later: collectives timed from outside (DDP's, in backward) -------------
     def book_exposed(self, start: float, end: float, name: str = "allreduce") -> Event | None:
@@ -240,7 +264,7 @@ class Comm:
         t = torch.tensor(list(values), dtype=torch.float64, device=self.device)
         if self.active:
             with self.log.track(describe("all_reduce", "values")):
-                dist.all_reduce(t, op=reduce_op(op))
+                self._meet(lambda: dist.all_reduce(t, op=reduce_op(op)), keep=t)
             if op == "avg":
                 t /= self.world_size
         return t.tolist()
@@ -249,10 +273,15 @@ class Comm:
         """Pickle-gather ``obj`` from every rank to ``dst`` (others get ``None``)."""
         if not self.active:
             return [obj]
-        out = [None] * self.world_size if self.rank == dst else None
-        with self.log.track(describe("gather", "objects")):
+
+        def gather() -> list[Any] | None:
+            out = [None] * self.world_size if self.rank == dst else None
             dist.gather_object(obj, out, dst=dst)
-        return out
+            return out
+
+        with self.log.track(describe("gather", "objects")):
+            out = self._meet(gather)
+        return out if self.active or self.rank != dst else [obj]
 
     def broadcast_object(self, obj: Any, src: int = 0) -> Any:
         """Send a picklable object from ``src`` to every rank and return it."""
@@ -260,19 +289,33 @@ class Comm:
             return obj
         box = [obj]
         with self.log.track(describe("broadcast", "object")):
-            dist.broadcast_object_list(box, src=src)
+            self._meet(lambda: dist.broadcast_object_list(box, src=src))
         return box[0]
 
     # -- failure handling -------------------------------------------------------------------
+    def ended(self, rank: int, timeout: float) -> str | None:
+        """How the process of rank ``rank`` (of the job), lost to it, ended (``killed by
+        signal 9``), as shoal's launcher says in the job's store, waiting up to ``timeout``
+        seconds for it; ``None`` if it does not say (another launcher, a process alive)."""
+        if self._store is None:
+            return None
+        key = ended_key(rank)
+        try:
+            self._store.wait([key], timedelta(seconds=timeout))
+            return self._store.get(key).decode()
+        except Exception:  # not said in time, or the store is gone
+            return None
+
     def abort(self, message: str) -> None:
         """Tell every other rank that this one failed, so they exit instead of waiting.
 
         The first report stands (a later one is most likely its echo). A rank that another
         rank's watchdog already reported (hung while it did not run, gone, never come) leaves
         here at once, without a report of its own: what it raises is the echo of that.
+        Without peers (an asynchronous job's rank) nobody waits on this one: nothing to tell.
         """
         self.aborted = True  # first: this rank's watchdog must not take the report for another's
-        if self._store is None:
+        if self._store is None or not self.peers:
             return
         first = (message.strip().splitlines() or ["failed"])[0][:300]
         report = f"rank {self.rank}: {first}"
@@ -296,7 +339,9 @@ class Comm:
         """
         finished = False
         try:
-            if self.active and not self.aborted:
+            if self.membership is not None and not self.aborted:
+                self.barrier()  # voted: a worker lost at the end is not waited for
+            elif self.membership is None and self.active and not self.aborted:
                 with self.log.at_end():
                     if self._store is None:
                         dist.barrier()
@@ -317,37 +362,6 @@ class Comm:
             finally:
                 if dist.is_initialized():
                     dist.destroy_process_group()
-
-
-def init_comm(
-    env: Environment,
-    device: str = "auto",
-    timeout: float = 300.0,
-    threads: int | None = None,
-    timeline: Timeline | None = None,
-    heartbeat_timeout: float | None = 10.0,
-) -> Comm:
-    """Join the job described by ``env`` and return its :class:`Comm`.
-
-    Gloo on CPU, NCCL on CUDA. ``timeout`` (seconds) bounds every collective and the
-    rendezvous, so a lost peer is an error, never a hang. ``heartbeat_timeout`` (seconds;
-    ``None``: never) is how long a rank may send no heartbeat (stopped, swapped out) before
-    the job stops and names it; a rank that only computes or waits keeps beating.
-    ``threads`` sets this process's intra-op threads.
-    """
-    if heartbeat_timeout is not None and not (math.isfinite(heartbeat_timeout)
-                                              and heartbeat_timeout > 0):
-        raise ShoalError(f"heartbeat timeout must be a positive number of seconds (or None), "
-                         f"got {heartbeat_timeout}")
-    if threads is not None:
-        torch.set_num_threads(max(1, threads))
-    dev = pick_device(device, env.local_rank, env.local_world_size)
-    store = None
-    if env.world_size > 1 and not dist.is_initialized():
-        store = job_store(env, timeout)
-        join_group(store, env.rank, env.world_size, dev.type, timeout,
-                   where=f"the job at {env.master_addr}:{env.master_port}")
-    return Comm(env, dev, timeline, store, heartbeat_timeout, timeout=timeout)
 
 
 #: Comms made on a job's store by this process so far (see :class:`~shoal.core.waits.Keys`).

@@ -114,25 +114,35 @@ def detect_environment(env: Mapping[str, str] | None = None) -> Environment | No
             agent_store=env.get("TORCHELASTIC_USE_AGENT_STORE") == "True",
             attempt=_int(env, "TORCHELASTIC_RESTART_COUNT", default=0),
         )
-    if "SLURM_PROCID" in env and _int(env, "SLURM_NTASKS", default=1) > 1:
-        addr = env.get("MASTER_ADDR")
-        if addr is None:
-            nodes = env.get("SLURM_STEP_NODELIST") or env.get("SLURM_JOB_NODELIST")
-            if not nodes:
-                raise ShoalError("under Slurm, set MASTER_ADDR or SLURM_JOB_NODELIST")
-            addr = expand_hostlist(nodes)[0]
-        job = _int(env, "SLURM_JOB_ID", default=0)
-        return Environment(
-            rank=_int(env, "SLURM_PROCID"),
-            world_size=_int(env, "SLURM_NTASKS"),
-            local_rank=_int(env, "SLURM_LOCALID", default=0),
-            local_world_size=_int(env, "SLURM_NTASKS_PER_NODE", default=1)
-            if env.get("SLURM_NTASKS_PER_NODE", "").isdigit()
-            else 1,
-            master_addr=addr,
-            master_port=_int(env, "MASTER_PORT", default=10000 + job % 20000),
-            launcher="slurm",
-        )
+    return _slurm(env) or _mpi(env)
+
+
+def _slurm(env: Mapping[str, str]) -> Environment | None:
+    """The job of ``srun`` with more than one task, else ``None``."""
+    if "SLURM_PROCID" not in env or _int(env, "SLURM_NTASKS", default=1) <= 1:
+        return None
+    addr = env.get("MASTER_ADDR")
+    if addr is None:
+        nodes = env.get("SLURM_STEP_NODELIST") or env.get("SLURM_JOB_NODELIST")
+        if not nodes:
+            raise ShoalError("under Slurm, set MASTER_ADDR or SLURM_JOB_NODELIST")
+        addr = expand_hostlist(nodes)[0]
+    job = _int(env, "SLURM_JOB_ID", default=0)
+    return Environment(
+        rank=_int(env, "SLURM_PROCID"),
+        world_size=_int(env, "SLURM_NTASKS"),
+        local_rank=_int(env, "SLURM_LOCALID", default=0),
+        local_world_size=_int(env, "SLURM_NTASKS_PER_NODE", default=1)
+        if env.get("SLURM_NTASKS_PER_NODE", "").isdigit()
+        else 1,
+        master_addr=addr,
+        master_port=_int(env, "MASTER_PORT", default=10000 + job % 20000),
+        launcher="slurm",
+    )
+
+
+def _mpi(env: Mapping[str, str]) -> Environment | None:
+    """The job of OpenMPI's or MPICH/Hydra's ``mpirun`` with more than one rank, else ``None``."""
     for size, rank, local, local_size in (
         ("OMPI_COMM_WORLD_SIZE", "OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_LOCAL_RANK",
          "OMPI_COMM_WORLD_LOCAL_SIZE"),

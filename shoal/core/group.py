@@ -1,6 +1,6 @@
 """Joining a job's process group: its rendezvous store and ``init_process_group``, both
 bounded by a timeout, with one-line errors. Every front end joins through here: training
-ranks (:func:`shoal.core.comm.init_comm`), the ranks of a parallel session, and the
+ranks (:func:`shoal.core.join.init_comm`), the ranks of a parallel session, and the
 controller that starts them."""
 
 from __future__ import annotations
@@ -14,6 +14,7 @@ import torch.distributed as dist
 
 from shoal.core.env import Environment
 from shoal.core.processes import loopback_gloo_interface
+from shoal.core.waits import key_prefix
 from shoal.errors import ShoalError
 
 
@@ -28,6 +29,21 @@ def job_store(env: Environment, timeout: float) -> dist.Store:
     except (RuntimeError, ValueError) as exc:
         raise ShoalError(f"could not reach the job's store at {env.master_addr}:{env.master_port} "
                          f"as rank {env.rank} of {env.world_size}: {exc}") from exc
+
+
+def all_joined(store: dist.Store, env: Environment, timeout: float) -> None:
+    """Say in the job's ``store`` that ``env``'s rank joined, and wait until every rank did
+    (at most ``timeout`` seconds): the rendezvous of a job without a process group of all
+    its ranks, after which each rank knows the others have passed their checks."""
+    keys = dist.PrefixStore(key_prefix(env.attempt), store)
+    if keys.add("joined", 1) >= env.world_size:
+        keys.set("joined/all", "1")
+    try:
+        keys.wait(["joined/all"], timedelta(seconds=timeout))
+    except RuntimeError as exc:
+        raise ShoalError(f"not every rank of the job at {env.master_addr}:{env.master_port} "
+                         f"joined within {timeout:g} s (rank {env.rank} of {env.world_size})"
+                         ) from exc
 
 
 def backend_for(device_type: str) -> str:

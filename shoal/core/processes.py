@@ -33,7 +33,7 @@ from shoal.core.env import Environment, set_environment
 from shoal.core.failures import exit_status, first_line, record_failure, root_cause
 from shoal.core.guard import guarded_name
 from shoal.core.limits import check_processes
-from shoal.core.waits import key_prefix, say_gone
+from shoal.core.waits import ended_key, key_prefix, members_now, say_gone
 from shoal.errors import ShoalError, Terminated, WorkerError
 
 _STOP = threading.Event()  # SIGTERM arrived: finish the step, checkpoint, stop
@@ -276,7 +276,8 @@ def _supervise(procs: list[BaseProcess], store: Any, errdir: str, grace: float,
     failure is raised. Ctrl-C stops them all.
 
     ``tolerate(rank)``: whether the job goes on without ``rank`` when a signal kills it (an
-    asynchronous job's workers); its result is then a :class:`Lost`. A tolerated rank that
+    asynchronous job's workers); its result is then a :class:`Lost`, and how it ended is
+    said in the store for the ranks that go on (:meth:`~shoal.core.comm.Comm.ended`). A tolerated rank that
     fails by itself (an exception, an exit status) still fails the job, as every rank
     runs the same code.
     """
@@ -296,10 +297,13 @@ def _supervise(procs: list[BaseProcess], store: Any, errdir: str, grace: float,
             if (code is not None and code < 0 and tolerate is not None and tolerate(rank)
                     and not _finished(errdir, rank)):
                 lost[rank] = Lost(rank, code, time.monotonic() - started)
+                keys.set(ended_key(rank), lost[rank].status)  # for the ranks that go on
             if code == 0 and not _finished(errdir, rank):
                 say_gone(keys, rank, len(procs), "exited with status 0")
         failed = any(code not in (None, 0) and rank not in lost and not _finished(errdir, rank)
                      for rank, code in codes.items())
+        if tolerate is not None:
+            _end_left_out(procs, members_now(keys), errdir)
         pending = [procs[rank] for rank, code in codes.items() if code is None]
     if not failed:
         return _results(procs, errdir, lost)
@@ -310,6 +314,17 @@ def _supervise(procs: list[BaseProcess], store: Any, errdir: str, grace: float,
              if p.exitcode is not None and not _finished(errdir, r) and r not in lost}
     stop_processes(procs, grace)
     raise root_cause(errdir, exits)
+
+
+def _end_left_out(procs: list[BaseProcess], members: list[int] | None, errdir: str) -> None:
+    """Elastic: once every worker of the job's latest group finished, end those left out
+    of it (stopped, or too late to come back), which nobody waits for any more."""
+    if members is None or not all(_finished(errdir, rank) for rank in members):
+        return
+    for rank, p in enumerate(procs):
+        if rank not in members and p.exitcode is None and p.pid is not None:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(p.pid, signal.SIGKILL)
 
 
 def _results(procs: list[BaseProcess], errdir: str, lost: dict[int, Lost]) -> list[Any]:

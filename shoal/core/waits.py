@@ -96,6 +96,23 @@ def say_gone(store: Any, rank: int, world_size: int, how: str) -> None:
             say_left(store, keys, rank, world_size, how, None)
 
 
+def ended_key(rank: int) -> str:
+    """Where shoal's launcher says how the process of ``rank``, lost to the job, ended."""
+    return f"ended/{rank}"
+
+
+#: Where elastic membership (:mod:`shoal.core.membership`) keeps its keys.
+ELASTIC = "elastic"
+
+
+def members_now(store: Any) -> list[int] | None:
+    """For the launcher: the ids in the job's latest group, once one was re-formed."""
+    if not store.check([f"{ELASTIC}/latest"]):
+        return None
+    latest = store.get(f"{ELASTIC}/latest").decode()
+    return [int(m) for m in store.get(f"{ELASTIC}/{latest}/members").decode().split(",")]
+
+
 def beat(count: int, published: int) -> int:
     """What to add to this rank's heartbeat counter to beat once and carry the collective
     count ``count`` instead of ``published``."""

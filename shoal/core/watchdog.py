@@ -61,16 +61,19 @@ class Watchdog:
     responding, and this process exits saying so.
 
     Both discount time in which this process itself did not run (a whole job stopped with
-    Ctrl-Z and resumed): nobody can be judged over a time nobody was watching.
+    Ctrl-Z and resumed): nobody can be judged over a time nobody was watching. With
+    ``judge_peers`` False (elastic membership) it beats and watches for ``abort`` only: a
+    lost peer is :mod:`shoal.core.membership`'s to handle.
     """
 
     def __init__(self, env: Environment, store: dist.Store, heartbeat_timeout: float | None,
-                 leaving: Callable[[], bool], waits: Waits) -> None:
+                 leaving: Callable[[], bool], waits: Waits, *, judge_peers: bool = True) -> None:
         self._env = env
         self._leaving = leaving  # whether this rank itself reported a failure and is leaving
         self._rank, self._world = env.rank, env.world_size
         self._limit = heartbeat_timeout
         self._waits = waits  # this rank's collectives, and what to make of a long wait
+        self._judge = judge_peers  # False (elastic): beat, but end nothing for a lost peer
         self._store = store
         if isinstance(store, dist.TCPStore):
             self._address = f"{store.host}:{store.port}"
@@ -148,7 +151,7 @@ class Watchdog:
                 seen, seen_at = None, now  # this process did not run: judge nobody for it
                 waits.resumed()
             looked_at = now
-            if limit is not None:
+            if limit is not None and self._judge:
                 counter = self._call(store.add, keys.heartbeat(peer), 0)  # reads (never waits)
                 if counter != seen:
                     seen, seen_at = counter, now
@@ -157,7 +160,7 @@ class Watchdog:
                     self._blame(store, peer, message, "TimeoutError",
                                 f"rank {peer} did not run; rank {self._rank}'s watchdog saw its "
                                 "heartbeat stop")
-            found = None if self._leaving() else waits.look(store, self._call)
+            found = None if self._leaving() or not self._judge else waits.look(store, self._call)
             if found is not None:
                 self._blame(store, *found, "", f"rank {self._rank}'s watchdog found it out "
                             "from the job's store while waiting for it")

@@ -42,17 +42,24 @@ def batch_bounds(n: int, global_batch: int, world: int) -> list[tuple[int, int]]
 
 
 class EpochPlan:
-    """The order in which one epoch's samples are read, by step and rank."""
+    """The order in which one epoch's samples are read, by step and rank.
 
-    def __init__(self, n: int, global_batch: int, world: int, seed: int) -> None:
+    ``order``: the samples to read, instead of the epoch's seeded permutation of all ``n``:
+    what is left of an epoch after a worker was lost (:meth:`remaining`)."""
+
+    def __init__(self, n: int, global_batch: int, world: int, seed: int,
+                 order: torch.Tensor | None = None) -> None:
         self.n, self.global_batch, self.world, self.seed = n, global_batch, world, seed
-        self.bounds = batch_bounds(n, global_batch, world)
+        self.order = order
+        self.bounds = [] if n == 0 and order is not None else batch_bounds(n, global_batch, world)
 
     @property
     def steps_per_epoch(self) -> int:
         return len(self.bounds)
 
     def permutation(self, epoch: int) -> torch.Tensor:
+        if self.order is not None:
+            return self.order
         gen = torch.Generator().manual_seed(self.seed * 1_000_003 + epoch)
         return torch.randperm(self.n, generator=gen)
 
@@ -61,3 +68,11 @@ class EpochPlan:
         start, end = self.bounds[step]
         lo, hi = shard_range(end - start, self.world, rank)
         return perm[start + lo : start + hi], end - start
+
+    def lost_shards(self, perm: torch.Tensor, steps: range, ranks: list[int]) -> list[torch.Tensor]:
+        """The samples that ranks ``ranks`` read at ``steps``, step by step, in rank order."""
+        return [self.local(perm, step, rank)[0] for step in steps for rank in sorted(ranks)]
+
+    def rest(self, perm: torch.Tensor, done: int) -> torch.Tensor:
+        """The samples of the steps after the first ``done``."""
+        return perm[self.bounds[done][0]:] if done < len(self.bounds) else perm[:0]

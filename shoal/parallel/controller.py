@@ -63,12 +63,36 @@ def controller_call(f: FunctionSpec, args: tuple[Any, ...], kwargs: dict[str, An
     except TypeError as exc:
         raise ShoalError(f"{f.name}: {exc}") from None
     bound.apply_defaults()
-    arguments = dict(bound.arguments)
     slices = int(num_slices)
     if slices < 1:
         raise ShoalError(f"{f.name}: num_slices must be at least 1, got {num_slices}")
     idx = _batch_indices(f, batch)
+    roles, values, tensors, rows = _place_arguments(f, dict(bound.arguments), idx, session, device)
+    if rows is None:
+        if slices > 1:
+            raise ShoalError(f"{f.name}: num_slices needs scatter arguments to slice")
+        rows = world_size  # one share per rank, weighted equally
+    elif rows < world_size * slices:
+        raise ShoalError(f"{f.name}: {rows} rows cannot be split over {world_size} processes x {slices} "
+                         "slices (each needs at least one row)")
 
+    # A call without a session is booked nowhere (a meter of its own).
+    meter = session.meter if session is not None else Meter()
+    call = Call(f, roles, values, rows, slices, idx, 0, world_size, device, meter)
+    if session is None or world_size == 1:
+        result, exc = call.run(call.transfer_arguments(tensors))
+        if exc is not None:
+            raise exc
+        result.signature()
+        return result.value(None)
+    return _parallel_call(session, f, call, tensors)
+
+
+def _place_arguments(f: FunctionSpec, arguments: dict[str, Any], idx: torch.Tensor | None,
+                     session: ParallelSession | None, device: torch.device
+                     ) -> tuple[list[tuple[Any, ...]], dict[str, Any], dict[str, torch.Tensor], int | None]:
+    """Each argument's role (scatter, broadcast, plain), the values sent in the command, the
+    tensors moved by collectives, and the scatter arguments' common number of rows."""
     roles: list[tuple[Any, ...]] = []
     values: dict[str, Any] = {}
     tensors: dict[str, torch.Tensor] = {}
@@ -109,24 +133,7 @@ def controller_call(f: FunctionSpec, args: tuple[Any, ...], kwargs: dict[str, An
         else:
             roles.append((name, "plain"))
             values[name] = value
-    if rows is None:
-        if slices > 1:
-            raise ShoalError(f"{f.name}: num_slices needs scatter arguments to slice")
-        rows = world_size  # one share per rank, weighted equally
-    elif rows < world_size * slices:
-        raise ShoalError(f"{f.name}: {rows} rows cannot be split over {world_size} processes x {slices} "
-                         "slices (each needs at least one row)")
-
-    # A call without a session is booked nowhere (a meter of its own).
-    meter = session.meter if session is not None else Meter()
-    call = Call(f, roles, values, rows, slices, idx, 0, world_size, device, meter)
-    if session is None or world_size == 1:
-        result, exc = call.run(call.transfer_arguments(tensors))
-        if exc is not None:
-            raise exc
-        result.signature()
-        return result.value(None)
-    return _parallel_call(session, f, call, tensors)
+    return roles, values, tensors, rows
 
 
 def _parallel_call(session: ParallelSession, f: FunctionSpec, call: Call,

@@ -31,6 +31,7 @@ from shoal.sweep.runner import Launcher
 from shoal.train import default_workers, preflight, train
 from shoal.train.checkpoint import load_checkpoint, save_checkpoint
 from shoal.train.outdir import OutputLock
+from shoal.train.probe import PLAN_SHARE, read_verdict
 from shoal.train.records import write_json
 from shoal.train.trainer import data_options
 
@@ -38,14 +39,20 @@ from shoal.train.trainer import data_options
 #: ``plan-<k>``.
 PLAN_DIR = "plan"
 #: A re-plan may take at most this share of the period it follows (Omnivore's overhead).
-REPLAN_SHARE = 0.10
+REPLAN_SHARE = PLAN_SHARE
+#: The sync steps ``--strategy auto``'s probe times (the run's own first steps).
+PROBE_STEPS = 20
+#: ``shoal plan --plan-budget auto``: a bound on a trial's (and a session's) job before the
+#: budget is known.
+AUTO_TIMEOUT_S = 6 * 3600.0
 
 
 def plan(cfg: TrainConfig, out: Path | None = None, launcher: Launcher | None = None,
-         incumbent: Trial | None = None) -> Plan:
+         incumbent: Trial | None = None, probe: dict[str, Any] | None = None) -> Plan:
     """Plan ``cfg`` (``shoal plan``): trials in ``out`` (default ``cfg.out``), with
     ``launcher`` (default: local processes); writes plan.json, plan.md, plan.png there. A
-    re-plan (``cfg`` goes on from a checkpoint) measures the ``incumbent`` first."""
+    re-plan (``cfg`` goes on from a checkpoint) measures the ``incumbent`` first; a plan
+    after ``--strategy auto``'s ``probe`` (from its checkpoint) takes sync's speed from it."""
     cfg.validate()
     options = PlanOptions.of(cfg)
     if launcher is None and detect_environment() is not None:
@@ -61,15 +68,27 @@ def plan(cfg: TrainConfig, out: Path | None = None, launcher: Launcher | None = 
     preflight(dataclasses.replace(cfg, strategy="sync", strategy_options={}, momentum=0.0,
                                   out=str(out / "trials" / "check")), workers)
     # A planning session lives through the whole plan (its budget and a last trial past it).
-    with OutputLock(out), Launcher(None, 60.0 + 2 * options.budget_s) as local:
+    timeout = AUTO_TIMEOUT_S if options.budget_s is None else 60.0 + 2 * options.budget_s
+    with OutputLock(out), Launcher(None, timeout) as local:
         return Planner(cfg, options, launcher or local, out, workers,
-                       incumbent=incumbent).run()
+                       incumbent=incumbent, probe=probe).run()
 
 
 def plan_and_train(cfg: TrainConfig) -> dict[str, Any] | None:
     """``shoal train --strategy auto``: plan into ``OUT/plan``, then train the winner in
-    ``OUT``; its summary says what was planned and how long planning took."""
+    ``OUT``; its summary says what was planned and how long planning took. With
+    ``--plan-budget auto`` (the default) sync's probe comes first (:func:`probe_and_train`);
+    with ``--replan-every`` too, every plan's budget is a tenth of the period."""
+    env = detect_environment()
+    if env is not None:  # a rank of torchrun's, Slurm's or mpirun's job: plan on its ranks
+        from shoal.plan.injob import plan_in_job
+
+        return plan_in_job(cfg, env, PROBE_STEPS)
     period = parse_duration(cfg.replan_every, "--replan-every") if cfg.replan_every else None
+    if cfg.plan_budget == "auto":
+        if period is None:
+            return probe_and_train(cfg)
+        cfg = dataclasses.replace(cfg, plan_budget=f"{REPLAN_SHARE * period}s")
     found = plan(cfg, Path(cfg.out) / PLAN_DIR)
     if found.winner is None:
         raise ShoalError(f"planning found no configuration that trains: see {cfg.out}/"
@@ -83,6 +102,56 @@ def plan_and_train(cfg: TrainConfig) -> dict[str, Any] | None:
                            "planning_s": found.planning_s, "trials": len(found.trials),
                            "why": found.why}
         write_json(Path(cfg.out) / "summary.json", summary)
+    return summary
+
+
+def probe_and_train(cfg: TrainConfig) -> dict[str, Any] | None:
+    """``--strategy auto --plan-budget auto``: train sync, timing its first
+    :data:`PROBE_STEPS` steps (:mod:`shoal.train.probe`). Where a tenth of sync's predicted
+    time pays for planning, the run stops there; the plan's trials start from its checkpoint
+    with that tenth as their budget, and the winner (sync where no trial is predicted to
+    reach the target) trains on from it. Otherwise the sync run goes on to its end. The
+    summary's ``plan`` says which, with the probe's numbers."""
+    PlanOptions.of(cfg)  # the planning settings, checked before anything trains
+    out, launched = Path(cfg.out), time.time()
+    started = cfg.plan_probe_since if cfg.plan_probe_since is not None else launched
+    sync = dataclasses.replace(cfg, strategy="sync", strategy_options={}, plan_probe=PROBE_STEPS,
+                               plan_probe_since=started)
+    summary = train(sync)
+    if summary is None:
+        return None
+    verdict = read_verdict(out, since=launched)
+    if summary.get("stopped_by") != "probe":  # the run was sync's, to its end
+        why = verdict["why"] if verdict is not None else (
+            f"the run is shorter than sync's probe ({PROBE_STEPS} steps): planning skipped")
+        if verdict is None:
+            print(f"shoal: {why}", file=sys.stderr, flush=True)
+        summary["plan"] = {"skipped": True, "why": why, "probe": verdict}
+        write_json(out / "summary.json", summary)
+        return summary
+    if verdict is None:
+        raise ShoalError(f"the probe stopped the run but left no decision in {out}")
+    checkpoint = str(out / "checkpoint.pt")
+    go_on = dataclasses.replace(cfg, init_from=checkpoint, init_progress=True,
+                                plan_budget=f"{verdict['budget_s']}s")
+    found = plan(go_on, out / PLAN_DIR, probe=verdict)
+    print(f"shoal: planned in {found.planning_s:.0f} s ({len(found.trials)} trials): "
+          f"{found.why}", file=sys.stderr, flush=True)
+    best = found.trials[0] if found.winner is not None else None
+    if best is None or not math.isfinite(best.predicted_s):  # nothing beats going on
+        winner, label = dataclasses.replace(sync, plan_probe=None, plan_probe_since=None,
+                                            init_from=checkpoint,
+                                            init_progress=True), "sync (no trial is predicted " \
+            "to reach the target)"
+    else:
+        assert found.winner is not None
+        winner, label = found.winner, best.candidate.label()
+    summary = train(dataclasses.replace(winner, overwrite=False, progress=cfg.progress))
+    if summary is not None:
+        summary["plan"] = {"skipped": False, "winner": label, "planning_s": found.planning_s,
+                           "trials": len(found.trials), "budget_s": verdict["budget_s"],
+                           "why": found.why, "probe": verdict}
+        write_json(out / "summary.json", summary)
     return summary
 
 

@@ -32,29 +32,22 @@ from shoal.core.files import read_json, read_records
 from shoal.core.trust import private_dir
 from shoal.data import EpochPlan, load_dataset
 from shoal.errors import ShoalError
-from shoal.plan.search import (
-    Candidate,
-    Omnivore,
-    Plan,
-    SearchSettings,
-    Trial,
-    explain,
-    trial_scale,
-)
+from shoal.plan.budget import auto_budget, probe_trial
+from shoal.plan.cost import fitted_link, step_cost
+from shoal.plan.search import Omnivore, Plan, SearchSettings, explain
 from shoal.plan.session import PlanningSession
+from shoal.plan.trials import HARDWARE, Candidate, Phase, Trial
 from shoal.schema import parse_duration
 from shoal.strategies import get_strategy
 from shoal.sweep.runner import Launcher
 from shoal.train.checkpoint import load_checkpoint
+from shoal.train.launch import job_topology
+from shoal.train.probe import trial_epochs
 from shoal.train.records import write_json
-from shoal.train.server import is_asynchronous
 from shoal.train.trainer import data_options
 
 #: The strategies ``shoal plan`` considers unless told otherwise.
 CANDIDATES = ("sync", "local-sgd", "easgd", "diloco", "groups")
-#: A trial's default length: a tenth of the run's epochs, at most this many steps (Omnivore's
-#: trials are short slices of a run, whatever its data's size).
-TRIAL_STEPS = 100
 #: Errors of a trial that mean its settings diverged, not that something is broken.
 DIVERGED = ("non-finite", "loss became")
 
@@ -65,7 +58,7 @@ class PlanOptions:
     ``--plan-candidates``, ``--trial-epochs``), checked."""
 
     target: float  #: test accuracy to reach, in (0, 1]
-    budget_s: float  #: wall time the trials may take
+    budget_s: float | None  #: wall time the trials may take (``None``: auto, after sync's trial)
     candidates: tuple[str, ...]
     trial_epochs: float | None  #: epochs per trial (a fraction: part of an epoch; None: default)
 
@@ -81,8 +74,9 @@ class PlanOptions:
         if cfg.trial_epochs is not None and cfg.trial_epochs > cfg.epochs:
             raise ShoalError(f"--trial-epochs {cfg.trial_epochs} is more than --epochs "
                              f"{cfg.epochs}")
-        return cls(cfg.target_accuracy, parse_duration(cfg.plan_budget, "--plan-budget"),
-                   cfg.plan_candidates, cfg.trial_epochs)
+        budget = None if cfg.plan_budget == "auto" else parse_duration(cfg.plan_budget,
+                                                                       "--plan-budget")
+        return cls(cfg.target_accuracy, budget, cfg.plan_candidates, cfg.trial_epochs)
 
 
 def _periodic(name: str) -> bool:
@@ -95,33 +89,37 @@ class Planner:
     """Plans ``cfg`` (its model, data, workers, batch, epochs; its strategy is replaced)."""
 
     def __init__(self, cfg: TrainConfig, options: PlanOptions, launcher: Launcher, out: Path,
-                 workers: int, show: bool = True, incumbent: Trial | None = None) -> None:
+                 workers: int, show: bool = True, incumbent: Trial | None = None,
+                 probe: dict[str, Any] | None = None, session: Any = None) -> None:
         self.cfg, self.options, self.launcher, self.out = cfg, options, launcher, out
         self.workers, self.show = workers, show
         data = load_dataset(cfg.dataset, data_options(cfg))
         self.global_batch = cfg.global_batch(workers)
         self.steps_per_epoch = EpochPlan(len(data.train), self.global_batch, workers,
                                          cfg.seed).steps_per_epoch
-        self.trial_epochs = options.trial_epochs or min(cfg.epochs / 10,
-                                                        TRIAL_STEPS / self.steps_per_epoch)
+        self.trial_epochs = trial_epochs(cfg.epochs, self.steps_per_epoch, options.trial_epochs)
         #: Where the trials start (a re-plan: the checkpoint's step and wall time), and the
         #: configuration training until then, measured first.
         self.start = start_of(cfg)
         self.incumbent = incumbent
+        #: ``--strategy auto``'s probe of sync (its ``probe.json`` and ``comm_fraction``):
+        #: sync's speed in the job's layout, measured already, where the trials start.
+        self.probe = probe
         chance = 1.0 / data.num_classes
         numeric = cfg.momentum if not isinstance(cfg.momentum, str) else None
         self.settings = SearchSettings(
             target=options.target, epochs=cfg.epochs - self.start.step / self.steps_per_epoch,
-            chance=max(chance, self.start.accuracy), budget_s=options.budget_s, lr=cfg.lr,
+            chance=max(chance, self.start.accuracy), budget_s=options.budget_s or math.inf, lr=cfg.base_lr(1),
             momentum=numeric, trial_cost_s=incumbent.cost_s if incumbent is not None else 0.0)
         self._count = 0
         self._bar: Any = None
         self.measured: list[Trial] = []  # every trial so far
         self.startups: list[float] = []  # the jobs' start-ups (and ends) measured so far
-        #: The trials in the job's own layout run one after another in one set of workers.
-        self.session = PlanningSession(launcher, dataclasses.replace(cfg, out=str(out / "trials")),
-                                       workers, (out / "trials" / "sessions").resolve(),
-                                       timeout=launcher.timeout)
+        #: The trials in the job's own layout run one after another in one set of workers
+        #: (``session``: the job's own ranks, and no launcher: nothing else runs).
+        self.session = session or PlanningSession(
+            launcher, dataclasses.replace(cfg, out=str(out / "trials")), workers,
+            (out / "trials" / "sessions").resolve(), timeout=launcher.timeout)
 
     # -- candidates and their run settings --------------------------------------------------
     def starts(self) -> tuple[list[Candidate], list[Candidate]]:
@@ -132,10 +130,12 @@ class Planner:
 
         w, threads = self.workers, self.cfg.threads_per_worker
         syncs = [Candidate("sync", (), w, threads)]
-        if w > 1 and not self.launcher.emulated(w):
+        if w > 1 and self.launcher is not None and not self.launcher.emulated(w):
             syncs.append(Candidate("sync", (), 1, default_threads(1)))
+        names = [n for n in self.options.candidates if n != "sync"
+                 and (self.launcher is not None or not _asynchronous(n))]
         families = [Candidate(name, (("groups" if name == "groups" else "tau", 1),), w, threads)
-                    for name in self.options.candidates if name != "sync"]
+                    for name in names]
         return syncs, families
 
     def config(self, c: Candidate, out: Path, **changes: Any) -> TrainConfig:
@@ -156,11 +156,11 @@ class Planner:
         return (c.workers == self.workers and c.threads == self.cfg.threads_per_worker
                 and not _asynchronous(c.strategy))
 
-    def speed_only(self, c: Candidate, phase: str) -> bool:
+    def speed_only(self, c: Candidate, phase: Phase) -> bool:
         """Whether ``c``'s trial measures its speed only: an asynchronous candidate (tested
         by its server at epoch ends only) on the walk toward asynchrony, which needs its
         time per epoch, not whole epochs of it."""
-        return phase == "hardware" and _asynchronous(c.strategy)
+        return phase == HARDWARE and _asynchronous(c.strategy)
 
     def length(self, c: Candidate, scale: int = 1) -> dict[str, Any]:
         """Where ``c``'s trial stops, and how often it is tested (``--stop-at-step``,
@@ -188,41 +188,36 @@ class Planner:
             return {"stop_at_step": None, "eval_every_steps": every}
         return {"stop_at_step": stop + 1 if stop % spe == 0 else stop, "eval_every_steps": every}
 
-    def steps(self, c: Candidate, phase: str) -> int:
+    def steps(self, c: Candidate, phase: Phase) -> int:
         """The steps ``c``'s trial trains (:meth:`length`, or a speed-only trial's)."""
         if self.speed_only(c, phase):
             return min(self.steps_per_epoch, max(8, round(self.trial_epochs * self.steps_per_epoch / 4)))
-        stop = self.length(c, trial_scale(phase))["stop_at_step"]
+        stop = self.length(c, phase.scale)["stop_at_step"]
         return (stop if stop is not None else self.cfg.epochs * self.steps_per_epoch) - self.start.step
 
-    def estimate(self, c: Candidate, phase: str) -> float | None:
-        """``c``'s trial cost, from the fastest tested trial in the job's layout so far
-        (``None``: none yet): its compute and its exchange per step (the all-reduce of the
-        whole model: communication time per step times its period). ``c``'s step computes
-        the same and exchanges as its strategy does: every step (sync), once a period
-        (``tau``), or a push and a pull of the whole model (``groups``: twice a ring
-        all-reduce's bytes per worker). A job of its own adds a start-up (the longest one
-        measured, else 10 s)."""
+    def estimate(self, c: Candidate, phase: Phase) -> float | None:
+        """``c``'s trial cost from the cost model (:mod:`shoal.plan.cost`), fitted to the
+        fastest tested trial in the job's layout so far (``None``: none yet): its compute per
+        step, and the link on which its own pattern communicated what it measured. ``c``'s
+        step computes the same and exchanges on that link as its pattern says. A job of its
+        own adds a start-up (the longest one measured, else 10 s)."""
         tested = [t for t in self.measured if t.ok and t.curve and self.in_session(t.candidate)
                   and t.comm_fraction is not None]
         if not tested:
             return None
         ref = min(tested, key=lambda t: t.epoch_s)
         step, share = ref.epoch_s / self.steps_per_epoch, float(ref.comm_fraction or 0.0)
-        compute, comm = step * (1 - share), step * share
-        exchange = comm * (ref.candidate.knob if ref.candidate.strategy != "sync" else 1)
-        if _asynchronous(c.strategy):
-            per_step = compute + 2 * exchange
-        elif c.strategy == "sync":
-            per_step = compute + exchange
-        else:
-            per_step = compute + exchange / max(1, c.knob)
-        cost = self.steps(c, phase) * per_step
+        measured, pattern = ref.candidate.pattern(), c.pattern()
+        if measured is None or pattern is None:
+            return None
+        link = fitted_link(measured, ref.candidate.workers, step * share)
+        cost = self.steps(c, phase) * step_cost(pattern, c.workers, step * (1 - share), 1.0,
+                                                link).step_s
         if not self.in_session(c):
             cost += max(self.startups, default=10.0)
         return cost
 
-    def trial(self, c: Candidate, phase: str) -> Trial:
+    def trial(self, c: Candidate, phase: Phase) -> Trial:
         """Run candidate ``c``'s trial (in the session, or a job of its own); what it
         measured."""
         self._count += 1
@@ -234,7 +229,7 @@ class Planner:
         speed_only = self.speed_only(c, phase)
         # Speed only: a quarter of the trial's steps (at least 8, at most an epoch), untested.
         length = ({"stop_at_step": self.start.step + self.steps(c, phase), "eval_every_steps": None}
-                  if speed_only else self.length(c, trial_scale(phase)))
+                  if speed_only else self.length(c, phase.scale))
         cfg = self.config(c, out, **length, eval_every=1, checkpoint_every=10**9,
                           progress="none", log_every=10, max_restarts=0, trace=False,
                           tensorboard=False, profile=None)
@@ -254,6 +249,9 @@ class Planner:
         finally:
             (out / "checkpoint.pt").unlink(missing_ok=True)
         trial.cost_s = time.monotonic() - started
+        if self.options.budget_s is None and not self.measured:  # auto: sync's trial sets it
+            self.settings.budget_s, line = auto_budget(trial, self.settings.epochs)
+            self._say_line(line)
         self.measured.append(trial)
         self._say(trial)
         return trial
@@ -282,9 +280,12 @@ class Planner:
         what = ("diverged" if t.diverged else f"failed: {t.error}" if t.error else
                 f"{t.epoch_s:.2f} s/epoch (speed only)" if t.hardware_only else
                 f"{t.epoch_s:.2f} s/epoch, {100 * t.accuracy:.1f}% after {t.curve[-1][0]:.3g} epochs")
-        line = f"trial {self._count}: {t.candidate.label()}: {what} ({t.cost_s:.0f} s)"
         if self._bar is not None:
             self._bar.update(min(t.cost_s, self._bar.total - self._bar.n))
+        self._say_line(f"trial {self._count}: {t.candidate.label()}: {what} ({t.cost_s:.0f} s)")
+
+    def _say_line(self, line: str) -> None:
+        if self._bar is not None:
             self._bar.write(line)
         elif self.show:
             print(line, flush=True)
@@ -293,7 +294,7 @@ class Planner:
     def run(self) -> Plan:
         """Search, write ``plan.json``, ``plan.md`` and ``plan.png`` into ``out``."""
         self.out.mkdir(parents=True, exist_ok=True)
-        if self.show and sys.stderr.isatty():
+        if self.show and sys.stderr.isatty() and self.options.budget_s is not None:
             from tqdm import tqdm
 
             self._bar = tqdm(total=self.options.budget_s, unit="s", desc="planning",
@@ -301,6 +302,13 @@ class Planner:
                              bar_format="{desc} {bar} {n:.0f}/{total:.0f} s")
         started = time.monotonic()
         search = Omnivore(self.settings, self.trial, time.monotonic, self.estimate)
+        if self.probe is not None:  # sync's speed is known: the walk starts from it
+            seed = probe_trial(self.probe, Candidate("sync", (), self.workers,
+                                                     self.cfg.threads_per_worker),
+                               self.steps_per_epoch)
+            search.trials.append(seed)
+            self.measured.append(seed)
+            self._say(seed)
         try:
             ranked = search.search(*self.starts(), incumbent=self.incumbent and
                                    self.incumbent.candidate)
@@ -336,8 +344,8 @@ def run_config(launcher: Launcher, cfg: TrainConfig, workers: int, name: str) ->
     out.mkdir(parents=True, exist_ok=True)
     config_file = out.parent / f"{out.name}.json"
     config_file.write_text(json.dumps(cfg.to_dict()))
-    servers = int(cfg.strategy_options.get("servers", 1)) if _asynchronous(cfg.strategy) else 0
-    launcher.train(["--config", str(config_file)], workers + servers, workers, out, name)
+    launcher.train(["--config", str(config_file)], job_topology(cfg, workers).world_size, workers,
+                   out, name)
 
 
 @dataclass(frozen=True)
@@ -398,7 +406,9 @@ def _speed(summary: dict[str, Any], out: Path, start: Start, steps_per_epoch: in
 
 
 def _asynchronous(strategy: str) -> bool:
-    return is_asynchronous(get_strategy(strategy))
+    """Whether ``strategy``'s workers meet only through parameter servers."""
+    cls = get_strategy(strategy)
+    return cls.topology(cls.Options(), 1).detached
 
 
 def _whole(epochs: float) -> float:

@@ -36,6 +36,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from shoal.plan.trials import HARDWARE, INCUMBENT, STATISTICAL, Candidate, Phase, Trial
+
 if TYPE_CHECKING:
     from shoal.config import TrainConfig
 
@@ -46,73 +48,8 @@ MOMENTA = (0.0, 0.3, 0.6, 0.9)
 RATE_FACTORS = (1.0, 0.1)
 #: The periods a periodic family's walk tries, from the synchronous end (sync is tau = 1).
 TAUS = (4, 16, 64)
-#: How many leaders the refinement measures longer, and its trials' phase.
+#: How many leaders the refinement measures longer.
 LEADERS = 4
-REFINE = "refine"
-
-
-@dataclass(frozen=True)
-class Candidate:
-    """One configuration a trial can run: a strategy with its knob, the workers and their
-    threads, and (``None``: the user's) explicit momentum and learning rate."""
-
-    strategy: str
-    options: tuple[tuple[str, Any], ...] = ()
-    workers: int = 1
-    threads: int | None = None
-    momentum: float | None = None
-    lr: float | None = None
-
-    @property
-    def knob(self) -> int:
-        """``g`` for groups, ``tau`` for the periodic strategies, 1 for sync."""
-        opts = dict(self.options)
-        return int(opts.get("groups", opts.get("tau", 1)))
-
-    def with_knob(self, value: int) -> Candidate:
-        key = "groups" if self.strategy == "groups" else "tau"
-        opts = {**dict(self.options), key: value}
-        return dataclasses.replace(self, options=tuple(sorted(opts.items())))
-
-    def label(self) -> str:
-        opts = ",".join(f"{k}={v}" for k, v in self.options)
-        text = f"{self.strategy}{':' + opts if opts else ''} {self.workers}x{self.threads or 'auto'}"
-        if self.momentum is not None:
-            text += f" mu={self.momentum:g}"
-        if self.lr is not None:
-            text += f" lr={self.lr:g}"
-        return text
-
-
-@dataclass
-class Trial:
-    """What a trial measured. ``curve``: (epoch, test accuracy, elapsed s) after each epoch;
-    ``epoch_s``: seconds an epoch takes (its last one: warm, evaluation included);
-    ``diverged``: the loss became non-finite or grew; ``error``: it failed otherwise."""
-
-    candidate: Candidate
-    curve: list[tuple[float, float, float]] = field(default_factory=list)
-    epoch_s: float = math.inf
-    diverged: bool = False
-    error: str | None = None
-    cost_s: float = 0.0  # wall time the trial took, start-up included
-    startup_s: float = 0.0  # of which starting its planning session (0: one was running)
-    phase: str = "hardware"
-    predicted_epochs: float = math.inf
-    predicted_s: float = math.inf
-
-    #: Measured its speed only (an asynchronous candidate's walk step: a few steps of a job,
-    #: not the whole epochs its server needs to test it): ``epoch_s``, no ``curve``.
-    hardware_only: bool = False
-    comm_fraction: float | None = None  # of its steps' time spent communicating
-
-    @property
-    def ok(self) -> bool:
-        return not self.diverged and self.error is None and (bool(self.curve) or self.hardware_only)
-
-    @property
-    def accuracy(self) -> float:
-        return self.curve[-1][1] if self.curve else 0.0
 
 
 def epochs_to_target(curve: Sequence[tuple[float, float, float]], target: float,
@@ -164,14 +101,14 @@ class SearchSettings:
 class Omnivore:
     """The search (see the module docstring). ``run(candidate, phase)`` runs one trial."""
 
-    def __init__(self, settings: SearchSettings, run: Callable[[Candidate, str], Trial],
+    def __init__(self, settings: SearchSettings, run: Callable[[Candidate, Phase], Trial],
                  clock: Callable[[], float],
-                 estimate: Callable[[Candidate, str], float | None] | None = None) -> None:
+                 estimate: Callable[[Candidate, Phase], float | None] | None = None) -> None:
         self.settings, self._run, self._clock = settings, run, clock
         #: A trial's expected cost from what was measured (the planner's; ``None``: unknown).
         self._estimate = estimate
         self.trials: list[Trial] = []
-        self.skipped: list[tuple[Candidate, str]] = []
+        self.skipped: list[tuple[Candidate, Phase]] = []
         self.notes: list[str] = []  # what the walk and the grid decided, in words
         self._started = clock()
 
@@ -179,11 +116,12 @@ class Omnivore:
     def spent(self) -> float:
         return self._clock() - self._started
 
-    def expected_cost(self, candidate: Candidate, phase: str = "hardware") -> float:
+    def expected_cost(self, candidate: Candidate, phase: Phase = HARDWARE) -> float:
         """What ``candidate``'s trial is expected to take (start-ups aside): the most its
         configuration's tested trials took (the grid's points share a speed), else the
-        ``estimate`` from what was measured, else the median of all trials so far (a
-        re-plan's first: ``trial_cost_s``)."""
+        ``estimate`` from what was measured (the planner's: the cost model,
+        :mod:`shoal.plan.cost`, fitted to a tested trial), else the median of all trials so
+        far (a re-plan's first: ``trial_cost_s``)."""
         costs = [t.cost_s - t.startup_s for t in self.trials]
         own = [t.cost_s - t.startup_s for t in self.trials if not t.hardware_only
                and (t.candidate.strategy, t.candidate.options, t.candidate.workers)
@@ -195,14 +133,13 @@ class Omnivore:
             return guess
         return statistics.median(costs) if costs else self.settings.trial_cost_s
 
-    def trial(self, candidate: Candidate, phase: str) -> Trial | None:
+    def trial(self, candidate: Candidate, phase: Phase) -> Trial | None:
         """The trial of ``candidate`` (run once; ``None`` when the budget has no room)."""
-        scale = trial_scale(phase)
         for t in self.trials:  # a speed-only trial does not answer the statistical phase
-            if t.candidate == candidate and (phase == "hardware" or not t.hardware_only) \
-                    and trial_scale(t.phase) == scale:
+            if t.candidate == candidate and (phase == HARDWARE or not t.hardware_only) \
+                    and t.phase.scale == phase.scale:
                 return t
-        if self.spent() + self.expected_cost(candidate, phase) * scale > self.settings.budget_s:
+        if self.spent() + self.expected_cost(candidate, phase) * phase.scale > self.settings.budget_s:
             self.skipped.append((candidate, phase))
             return None
         t = self._run(candidate, phase)
@@ -224,7 +161,7 @@ class Omnivore:
         best, chosen = sync, None
         for knob in knobs:
             candidate = family.with_knob(knob)
-            t = self.trial(candidate, "hardware")
+            t = self.trial(candidate, HARDWARE)
             if t is None:
                 self.notes.append(f"{candidate.label()}: over the budget; the walk stops")
                 break
@@ -253,7 +190,7 @@ class Omnivore:
                 # The user's own setting is the walk's trial (None: as given).
                 point = dataclasses.replace(base, momentum=None if mu == s.momentum else mu,
                                             lr=None if factor == 1.0 else eta)
-                t = self.trial(point, "statistical")
+                t = self.trial(point, STATISTICAL)
                 if t is None:
                     continue
                 if not t.ok:
@@ -290,8 +227,8 @@ class Omnivore:
         ``incumbent`` (the configuration training now) first: however little of the search
         its budget holds, the new winner is compared with it."""
         if incumbent is not None:
-            self.trial(incumbent, "incumbent")
-        measured = [t for t in (self.trial(c, "hardware") for c in syncs) if t is not None and t.ok]
+            self.trial(incumbent, INCUMBENT)
+        measured = [t for t in (self.trial(c, HARDWARE) for c in syncs) if t is not None and t.ok]
         if not measured:
             return rank(self.trials)
         sync = min(measured, key=lambda t: t.epoch_s)
@@ -304,7 +241,7 @@ class Omnivore:
             elif any(t.candidate.strategy == family.strategy for t in self.trials):
                 self.notes.append(f"{family.strategy}: no step toward asynchrony made an epoch "
                                   f"{FASTER:.0%} faster than sync; not tuned further")
-        speed = {c: self.trial(c, "hardware") for c in chosen}
+        speed = {c: self.trial(c, HARDWARE) for c in chosen}
         for c in sorted(chosen, key=lambda c: speed[c].epoch_s if speed[c] is not None
                         else math.inf):
             (self.groups if c.strategy == "groups" else self.grid)(c)
@@ -322,7 +259,7 @@ class Omnivore:
         scale = 1
         while len(leaders) > 1:
             scale *= 2
-            longer = [self.trial(t.candidate, f"{REFINE} x{scale}") for t in leaders]
+            longer = [self.trial(t.candidate, Phase.refine(scale)) for t in leaders]
             done = [t for t in longer if t is not None and t.ok and t.curve]
             if len(done) < len(leaders):
                 break
@@ -334,7 +271,7 @@ class Plan:
     """What the search found: every trial (best first), the winner's run settings, why."""
 
     trials: list[Trial]
-    skipped: list[tuple[Candidate, str]]
+    skipped: list[tuple[Candidate, Phase]]
     winner: TrainConfig | None
     why: str
     notes: list[str]
@@ -346,7 +283,7 @@ class Plan:
             c = t.candidate
             return {"label": c.label(), "strategy": c.strategy, "options": dict(c.options),
                     "workers": c.workers, "threads": c.threads, "momentum": c.momentum,
-                    "lr": c.lr, "phase": t.phase, "curve": [list(p) for p in t.curve],
+                    "lr": c.lr, "phase": str(t.phase), "curve": [list(p) for p in t.curve],
                     "epoch_s": _finite(t.epoch_s), "diverged": t.diverged, "error": t.error,
                     "predicted_epochs": _finite(t.predicted_epochs),
                     "predicted_s": _finite(t.predicted_s), "cost_s": t.cost_s,
@@ -358,7 +295,7 @@ class Plan:
             "why": self.why, "notes": self.notes,
             "winner": self.winner.to_dict() if self.winner is not None else None,
             "trials": [trial(t) for t in self.trials],
-            "skipped": [{"label": c.label(), "phase": phase} for c, phase in self.skipped],
+            "skipped": [{"label": c.label(), "phase": str(phase)} for c, phase in self.skipped],
         }
 
 
@@ -391,14 +328,9 @@ def rank(trials: Sequence[Trial]) -> list[Trial]:
     longest: dict[Candidate, float] = {}
     for t in trials:
         if t.ok and t.curve:
-            longest[t.candidate] = max(longest.get(t.candidate, 0.0), trial_scale(t.phase))
-    return sorted(trials, key=lambda t: (not t.ok, trial_scale(t.phase) < longest.get(t.candidate, 0.0),
+            longest[t.candidate] = max(longest.get(t.candidate, 0), t.phase.scale)
+    return sorted(trials, key=lambda t: (not t.ok, t.phase.scale < longest.get(t.candidate, 0),
                                          *_key(t)))
-
-
-def trial_scale(phase: str) -> int:
-    """How many times the usual length a trial of ``phase`` trains (``refine x4``: 4)."""
-    return int(phase.rsplit("x", 1)[1]) if phase.startswith(REFINE) else 1
 
 
 def explain(ranked: Sequence[Trial], settings: SearchSettings) -> str:

@@ -21,8 +21,9 @@ from shoal.strategies import (  # noqa: F401 - importing registers
     hogwild_easgd,
 )
 from shoal.strategies.base import Strategy, make_options, option_fields
+from shoal.strategies.communication import Exchange, Pattern
 from shoal.strategies.periodic import PeriodicOptions, PeriodicStrategy
 from shoal.strategies.registry import STRATEGIES, get_strategy, register
 
-__all__ = ["STRATEGIES", "PeriodicOptions", "PeriodicStrategy", "Strategy", "get_strategy",
-           "make_options", "option_fields", "register"]
+__all__ = ["STRATEGIES", "Exchange", "Pattern", "PeriodicOptions", "PeriodicStrategy", "Strategy",
+           "get_strategy", "make_options", "option_fields", "register"]

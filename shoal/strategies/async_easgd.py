@@ -34,6 +34,7 @@ from torch import nn
 from shoal.core.pairs import Header
 from shoal.ps.admission import ORDERS
 from shoal.strategies.asynchronous import AsyncElasticOptions, AsyncStrategy
+from shoal.strategies.communication import Pattern
 from shoal.strategies.registry import register
 
 
@@ -73,6 +74,11 @@ class AsyncElasticBase(AsyncStrategy):
     master every ``tau`` local steps (at the step's start), then the local step."""
 
     Options: ClassVar[type] = AsyncElasticOptions
+
+    @classmethod
+    def communication(cls, options: AsyncElasticOptions, workers: int) -> Pattern:
+        """Every worker sends its parameters and pulls the center, every ``tau`` steps."""
+        return cls.through_servers(options, workers, "parameters, then the center", options.tau)
 
     def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, comm,
                  options: AsyncElasticOptions | None = None) -> None:

@@ -60,4 +60,4 @@ class AsyncMomentumSGD(AsyncSGD):
 
     name = "async-msgd"
     Rule = MomentumRule
-    server_momentum = True
+    applies_momentum = True

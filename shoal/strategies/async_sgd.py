@@ -27,6 +27,7 @@ from torch import nn
 
 from shoal.core.pairs import Header
 from shoal.strategies.asynchronous import AsyncOptions, AsyncStrategy, check_server_sgd, one_setting
+from shoal.strategies.communication import Pattern
 from shoal.strategies.registry import register
 
 
@@ -68,17 +69,21 @@ class AsyncSGD(AsyncStrategy):
     name = "async-sgd"
     Options = AsyncOptions
     Rule = SGDRule
-    #: The server's rule uses the optimizer's momentum (async-msgd).
-    server_momentum = False
+    applies_momentum = False  # the server's rule is plain SGD (async-msgd's has momentum)
 
     @classmethod
     def asynchronous_groups(cls, options: AsyncOptions, workers: int) -> int:
         """Every worker pushes its own gradient, on its own time: ``workers`` groups."""
         return workers
 
+    @classmethod
+    def communication(cls, options: AsyncOptions, workers: int) -> Pattern:
+        """Every worker pushes its gradient and pulls the parameters, every step."""
+        return cls.through_servers(options, workers, "gradients, then parameters")
+
     def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, comm,
                  options: AsyncOptions | None = None) -> None:
-        check_server_sgd(self.name, model, optimizer, self.server_momentum)
+        check_server_sgd(self.name, model, optimizer, self.applies_momentum)
         super().__init__(model, optimizer, comm, options)
         self._grad = torch.zeros_like(self.flat.buffer)
         self._grad_views = self.flat.views(self._grad)

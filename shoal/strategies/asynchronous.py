@@ -44,7 +44,9 @@ from shoal.errors import ShoalError
 from shoal.ps.admission import ORDERS, Admission, check_settings
 from shoal.schema import flag_name
 from shoal.strategies.base import Strategy
+from shoal.strategies.communication import Exchange, Pattern
 from shoal.strategies.easgd import parameter_order
+from shoal.strategies.topology import Topology
 
 if TYPE_CHECKING:
     from shoal.core.comm import Comm
@@ -133,10 +135,8 @@ class AsyncStrategy(Strategy):
     """
 
     Options: ClassVar[type] = AsyncOptions
-    #: The trainer runs such a strategy's workers detached: no process group between them, no
-    #: evaluation or records of their own; they :meth:`report` to the coordinator (server 0).
-    asynchronous: ClassVar[bool] = True
-    #: The coordinator creates a shared-memory file of the parameters (hogwild).
+    #: The workers step one parameter vector in one host's memory (hogwild): the coordinator
+    #: creates it as a shared file.
     shared_memory: ClassVar[bool] = False
     replicas_in_sync: ClassVar[bool] = False
     #: What a server applies to its shard: ``Rule(center_shard, options)`` is a
@@ -153,7 +153,6 @@ class AsyncStrategy(Strategy):
                              "parameters, and each server holds one at least")
         self.clock = 0  # exchanges this worker has made with the servers
         self.samples = 0  # samples this worker has trained on (its shares of the batches)
-        self._finished = False
         self._host_buffers: dict[str, torch.Tensor] = {}  # a GPU model's messages, on the host
         self.start()
 
@@ -164,10 +163,16 @@ class AsyncStrategy(Strategy):
         return getattr(self.comm, "ps", None)
 
     @classmethod
-    def may_share_gpus(cls, options: Any, workers: int) -> bool:
-        """Whether several of the ``workers`` may compute on one GPU: they meet only through
-        the servers, in host memory, never in NCCL (which runs one rank per GPU)."""
-        return True
+    def servers(cls, options: Any) -> int:
+        """``--servers`` (1 for a strategy without the option)."""
+        return int(getattr(options, "servers", 1))
+
+    @classmethod
+    def topology(cls, options: Any, workers: int) -> Topology:
+        """The servers first, then the workers, each on its own: they meet only through the
+        servers (and server 0 keeps the run's records from their reports)."""
+        return Topology(workers, cls.servers(options),
+                        tuple((w, w + 1) for w in range(workers)), cls.shared_memory)
 
     @classmethod
     def admission(cls, options: Any, workers: int) -> Admission:
@@ -175,6 +180,13 @@ class AsyncStrategy(Strategy):
         order, the staleness bound, the pushers), or every worker in arrival order."""
         make = getattr(options, "admission", None)
         return make(workers) if make is not None else Admission(tuple(range(workers)))
+
+    @classmethod
+    def through_servers(cls, options: Any, workers: int, what: str, every: int = 1) -> Pattern:
+        """The pattern of a push of ``what`` and a pull of the reply every ``every`` steps,
+        by each of the pushers (:meth:`admission`'s), to ``--servers`` servers."""
+        return Pattern(Exchange.SERVER, what, every=every, servers=options.servers,
+                       pushers=len(cls.admission(options, workers).pushers))
 
     def server(self) -> Client:
         """:attr:`client`, which must exist."""
@@ -248,18 +260,6 @@ class AsyncStrategy(Strategy):
                                  pin_memory=torch.cuda.is_available())
             self._host_buffers[role] = buffer
         return buffer
-
-    def report(self, obj: Any) -> None:
-        """Send ``obj`` (the trainer's epoch records, checkpoint state, final totals) to the
-        coordinator, server 0, with this worker's header (step, samples, exchanges)."""
-        self.server().report(obj, self.header(Kind.REPORT))
-
-    def finish(self) -> None:
-        """Leave the servers cleanly (BYE): this worker is done, not lost. Idempotent."""
-        client = self.client
-        if client is not None and not self._finished:
-            client.close()
-        self._finished = True
 
     # -- the training step --------------------------------------------------------------------
     def step(self) -> None:

@@ -33,6 +33,8 @@ from shoal.data.base import num_rows, take_rows
 from shoal.data.sharding import EpochPlan
 from shoal.errors import ShoalError
 from shoal.schema import check_bounds, check_value, field_kind, flag_name
+from shoal.strategies.communication import Pattern
+from shoal.strategies.topology import Topology
 
 
 @dataclasses.dataclass
@@ -69,6 +71,9 @@ class Strategy:
     #: True when every rank holds identical parameters and optimizer state after each step,
     #: so checkpoints keep one copy; False when replicas drift (local SGD, EASGD, ...).
     replicas_in_sync: ClassVar[bool] = True
+    #: Whether the optimizer's momentum moves the model (async-sgd's server applies none):
+    #: ``--momentum auto`` then carries the whole step in the learning rate.
+    applies_momentum: ClassVar[bool] = True
 
     @classmethod
     def asynchronous_groups(cls, options: Any, workers: int) -> int:
@@ -76,6 +81,24 @@ class Strategy:
         workers move in step). ``--momentum auto`` lowers the explicit momentum by the
         implicit momentum ``1 - 1/g`` such asynchrony adds (Omnivore)."""
         return 1
+
+    @classmethod
+    def servers(cls, options: Any) -> int:
+        """Parameter-server processes this strategy runs beside its workers (none)."""
+        return 0
+
+    @classmethod
+    def topology(cls, options: Any, workers: int) -> Topology:
+        """How a job of ``workers`` workers lays out its processes: every rank a worker,
+        all of them one group (the job's process group)."""
+        return Topology(workers)
+
+    @classmethod
+    def communication(cls, options: Any, workers: int) -> Pattern | None:
+        """What ``workers`` workers with ``options`` exchange, how often and with whom
+        (:class:`~shoal.strategies.communication.Pattern`): what the cost model prices.
+        ``None``: no pattern to price (nothing crosses a network)."""
+        return None
 
     def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, comm: Comm,
                  options: Any = None) -> None:
@@ -169,6 +192,11 @@ class Strategy:
 
     def end_epoch(self, epoch: int) -> None:
         """Called once after each epoch, on every rank, before evaluation."""
+
+    def regroup(self) -> None:
+        """The job's group was re-formed without a lost worker (``--elastic``): its Comm now
+        has the new rank and world size, and its collectives the new group. A strategy that
+        holds something of the old group (DDP's process group) renews it here."""
 
     @property
     def stop_peers(self) -> Comm:

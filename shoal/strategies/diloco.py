@@ -33,6 +33,7 @@ from torch import nn
 from shoal.core import FlatParams
 from shoal.errors import ShoalError
 from shoal.strategies.averaging import ModelCopy, average_buffers
+from shoal.strategies.communication import Pattern
 from shoal.strategies.periodic import PeriodicOptions, PeriodicStrategy
 from shoal.strategies.registry import register
 from shoal.strategies.streaming import Fragment
@@ -64,6 +65,11 @@ class DiLoCo(PeriodicStrategy):
 
     name = "diloco"
     Options = DiLoCoOptions
+
+    @classmethod
+    def communication(cls, options: DiLoCoOptions, workers: int) -> Pattern:
+        """The pseudo-gradients' all-reduce every ``tau`` steps, waited for at once."""
+        return cls.outer_pattern(options, workers, "pseudo-gradients")
 
     def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, comm,
                  options: DiLoCoOptions | None = None) -> None:

@@ -40,6 +40,7 @@ from torch import nn
 from shoal.core import FlatParams
 from shoal.errors import ShoalError
 from shoal.strategies.averaging import ModelCopy, average_buffers
+from shoal.strategies.communication import Pattern
 from shoal.strategies.periodic import PeriodicOptions, PeriodicStrategy
 from shoal.strategies.registry import register
 from shoal.strategies.streaming import Fragment
@@ -92,6 +93,12 @@ class ElasticAveraging(PeriodicStrategy):
 
     name = "easgd"
     Options = ElasticOptions
+
+    @classmethod
+    def communication(cls, options: ElasticOptions, workers: int) -> Pattern:
+        """The elastic pulls' all-reduce every ``tau`` steps, behind the next steps'
+        compute (``--no-overlap``: waited for at once)."""
+        return cls.outer_pattern(options, workers, "elastic pulls", hidden=options.overlap)
 
     def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, comm,
                  options: ElasticOptions | None = None) -> None:

@@ -20,10 +20,11 @@ each other: their pushes are on average ``g - 1`` versions stale. Mitliagkas et 
 about ``1 - 1/g``; Omnivore therefore lowers the explicit ``mu`` as ``g`` grows
 (``--momentum auto``: ``max(0, target - (1 - 1/g))``).
 
-Each group is its own process group (``ProcessGroupGloo`` on the store prefix
-``groups/k``, this process's default group): a group's all-reduce and broadcast never touch
-another group. The trainer's own :class:`~shoal.core.comm.Comm` stays detached
-(``peers=False``); the group's is its :meth:`~shoal.core.comm.Comm.child`.
+Each group of several workers is its own process group (``ProcessGroupGloo`` on the store
+prefix ``groups/<first>``, this process's default group), declared by :meth:`topology` and
+joined by the launch path before the strategy is built: a group's all-reduce and broadcast
+never touch another group. The worker's own :class:`~shoal.core.comm.Comm` has no peers
+(it meets the others through the servers); the group's is its ``subgroup``.
 """
 
 from __future__ import annotations
@@ -33,18 +34,18 @@ import dataclasses
 from typing import Any, ClassVar
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
 from shoal.core.env import Environment
-from shoal.core.group import join_group
 from shoal.core.ops import split_ranges, split_sizes
 from shoal.errors import ShoalError
 from shoal.schema import flag_name
 from shoal.strategies.async_msgd import MomentumRule
 from shoal.strategies.asynchronous import AsyncOptions, AsyncStrategy, check_server_sgd, one_setting
+from shoal.strategies.communication import Exchange, Pattern
 from shoal.strategies.registry import register
 from shoal.strategies.sync import Synchronous
+from shoal.strategies.topology import Topology
 
 
 @dataclasses.dataclass
@@ -94,40 +95,40 @@ class ComputeGroups(AsyncStrategy):
         check_server_sgd(self.name, model, optimizer, momentum=True)
         opts = options if options is not None else GroupOptions()
         opts.check_workers(comm.world_size)
-        self.first, self.end = next(
-            b for b in group_bounds(comm.world_size, opts.groups) if b[0] <= comm.rank < b[1])
+        self.first, self.end = self.topology(opts, comm.world_size).group(comm.rank)
         size, rank = self.end - self.first, comm.rank - self.first
-        if size > 1 and getattr(comm, "ps", None) is not None:
-            self._join(comm, self.first, rank, size)
-        self.group = comm.child(Environment(rank=rank, world_size=size, local_world_size=size))
+        if size > 1 and comm.ps is not None and comm.subgroup is None:
+            raise ShoalError("groups: a compute group of several workers meets in a process "
+                             "group of its own, which shoal train joins (run it with shoal train)")
+        # The group's Comm: the one the launch path joined, else (no server: the preflight's
+        # strategy alone, a loop of one's own) a group with no one to talk to.
+        self.group = comm.subgroup if comm.subgroup is not None else \
+            comm.child(Environment(rank=rank, world_size=size, local_world_size=size))
         # Inside the group the step is sync's: DDP, its loss weights and time booking.
         self.inner = Synchronous(model, optimizer, self.group)
         super().__init__(model, optimizer, comm, opts)
         self._grad = torch.zeros_like(self.flat.buffer)
         self._grad_views = self.flat.views(self._grad)
 
-    @staticmethod
-    def _join(comm: Any, first: int, rank: int, size: int) -> None:
-        """Join this group's process group (the job's store, prefix ``groups/<first>``)."""
-        store = getattr(comm, "store", None)
-        if store is None:
-            raise ShoalError("groups: a compute group meets through the job's store, and this "
-                             "process has none (run it with shoal train)")
-        if dist.is_initialized():
-            raise ShoalError("groups: this process already belongs to a process group; a "
-                             "compute group's worker joins its group's own")
-        join_group(dist.PrefixStore(f"groups/{first}", store), rank, size, comm.device.type,
-                   comm.ps.timeout, where=f"the compute group of workers {first}..")
-
     @classmethod
     def asynchronous_groups(cls, options: GroupOptions, workers: int) -> int:
         return options.groups
 
     @classmethod
-    def may_share_gpus(cls, options: GroupOptions, workers: int) -> bool:
-        """A group of several workers all-reduces in NCCL: one GPU each, unless every group
-        is one worker."""
-        return options.groups >= workers
+    def topology(cls, options: GroupOptions, workers: int) -> Topology:
+        """The servers, then the workers in ``--groups`` compute groups: a group of several
+        workers has a process group of its own (its all-reduce and broadcast), which the
+        launch path joins before the strategy is built."""
+        return Topology(workers, cls.servers(options), tuple(group_bounds(workers, options.groups)))
+
+    @classmethod
+    def communication(cls, options: GroupOptions, workers: int) -> Pattern:
+        """Every step, each group all-reduces its gradients, its leader pushes them and
+        pulls the parameters, and the group takes them from the leader (at most one group
+        per worker)."""
+        groups = max(1, min(options.groups, workers))
+        return Pattern(Exchange.GROUP_SERVER, "gradients, then parameters",
+                       servers=options.servers, pushers=groups, groups=groups)
 
     @property
     def stop_peers(self) -> Any:

@@ -147,7 +147,7 @@ class Hogwild(AsyncStrategy):
 
 def shared_path(comm: Any) -> str:
     """The shared parameter file's path, as the coordinator set it in the job's store."""
-    store = getattr(comm, "store", None)
+    store = comm.store
     if store is None:
         raise ShoalError("hogwild: this job's coordinator hands out the shared parameter file "
                          "through the job's store, and this process has no store")

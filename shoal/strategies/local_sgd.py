@@ -28,6 +28,7 @@ from torch import nn
 
 from shoal.core import FlatParams
 from shoal.strategies.averaging import average_buffers
+from shoal.strategies.communication import Pattern
 from shoal.strategies.periodic import PeriodicOptions, PeriodicStrategy
 from shoal.strategies.registry import register
 from shoal.strategies.streaming import Fragment
@@ -38,6 +39,12 @@ class LocalSGD(PeriodicStrategy):
     """Local steps; every --tau steps the models are averaged (one packed all-reduce)."""
 
     name = "local-sgd"
+
+    @classmethod
+    def communication(cls, options: PeriodicOptions, workers: int) -> Pattern:
+        """The parameters' all-reduce every ``tau`` steps (its first, for ``--tau auto``),
+        waited for at once, in ``--outer-precision``."""
+        return cls.outer_pattern(options, workers, "parameters")
 
     def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, comm,
                  options: PeriodicOptions | None = None) -> None:

@@ -11,9 +11,10 @@ from torch import nn
 
 from shoal.core.comm import Comm
 from shoal.core.flat import FlatParams
-from shoal.core.quantize import PRECISIONS, check_precision, error_feedback
+from shoal.core.quantize import CHUNK, PRECISIONS, Codec, check_precision, error_feedback
 from shoal.errors import ShoalError
 from shoal.strategies.base import Strategy
+from shoal.strategies.communication import Exchange, Pattern
 from shoal.strategies.period import AUTO_START, AdaptivePeriod, first_period, parse_period
 from shoal.strategies.streaming import Exchanges, Fragment
 
@@ -81,6 +82,21 @@ class PeriodicStrategy(Strategy):
         self.adaptive = AdaptivePeriod(self.period, comm) \
             if isinstance(self.options.tau, str) else None
         self.exchanges: Exchanges | None = None
+
+    @classmethod
+    def outer_pattern(cls, options: PeriodicOptions, workers: int, what: str,
+                      hidden: bool = False) -> Pattern:
+        """The cost model's pattern of an exchange of ``what`` every ``tau`` steps (its first,
+        for ``--tau auto``) in ``--outer-precision``: its messages' bytes relative to float32
+        (a chunk's codes and scale); a precision that cannot be summed is all-gathered, and a
+        ring all-gather of ``m`` bytes a worker sends what a ring all-reduce of ``workers * m / 2``
+        does."""
+        codec = Codec(options.outer_precision)
+        size = codec.payload_bytes(CHUNK) / (4 * CHUNK)
+        if not codec.reduces:
+            size *= max(workers, 2) / 2
+        return Pattern(Exchange.ALL_REDUCE, what, every=first_period(options.tau), size=size,
+                       hidden=hidden)
 
     def stream(self, flat: FlatParams) -> Exchanges:
         """Exchange ``flat``'s tensors (the strategy's parameter order) as the options say."""

@@ -34,6 +34,7 @@ from shoal.core.comm import Handle
 from shoal.core.timeline import Event
 from shoal.errors import ShoalError
 from shoal.strategies.base import Strategy
+from shoal.strategies.communication import Exchange, Pattern
 from shoal.strategies.registry import register
 from shoal.strategies.sync_hooks import PowerSGDMemory, compress_hook, powersgd_hook
 
@@ -71,6 +72,14 @@ class Synchronous(Strategy):
     name = "sync"
     Options = SyncOptions
 
+    @classmethod
+    def communication(cls, options: SyncOptions, workers: int) -> Pattern:
+        """The gradients' all-reduce every step, half the bytes with a 16-bit hook.
+        PowerSGD's share depends on the layers' shapes, which a pattern does not see: it is
+        priced uncompressed (an upper bound)."""
+        size = 0.5 if options.compress in ("fp16", "bf16") else 1.0
+        return Pattern(Exchange.ALL_REDUCE, "gradients", size=size)
+
     def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, comm, options=None):
         super().__init__(model, optimizer, comm, options)
         self.ddp: DistributedDataParallel | None = None
@@ -80,6 +89,14 @@ class Synchronous(Strategy):
         self._pending: tuple[Handle, float, float, Event | None] | None = None
         self._step_bytes = 0  # sent by the all-reduce of one step, when no hook counts it
         self._powersgd: PowerSGDMemory | None = None
+        self._stale = False  # the group was re-formed: DDP is wrapped again before forward
+        self._hooked = False
+        self._wrap()
+
+    def _wrap(self) -> None:
+        """Wrap the model in DDP over the job's group (none when alone)."""
+        comm, model = self.comm, self.model
+        self.ddp, self._stale = None, False
         if not comm.active:
             return
         opts: SyncOptions = self.options
@@ -90,8 +107,10 @@ class Synchronous(Strategy):
             gradient_as_bucket_view=True,
         )
         params = [p for p in model.parameters() if p.requires_grad]
-        for p in params:
-            p.register_post_accumulate_grad_hook(self._gradient_ready)
+        if not self._hooked:  # once: the hooks are the parameters', whatever wraps them
+            self._hooked = True
+            for p in params:
+                p.register_post_accumulate_grad_hook(self._gradient_ready)
         if opts.compress == "none":
             # DDP sends every gradient once a step, as is; with compression, the hook counts
             # what is actually sent.
@@ -109,6 +128,9 @@ class Synchronous(Strategy):
 
     @property
     def module(self) -> nn.Module:
+        if self._stale:  # DDP's first broadcast is the re-formed group's meeting
+            with self.comm.track("broadcast", "model"):
+                self._wrap()
         return self.ddp if self.ddp is not None else self.model
 
     def no_sync(self, enabled: bool = True) -> contextlib.AbstractContextManager[Any]:
@@ -119,6 +141,9 @@ class Synchronous(Strategy):
         # DDP averages gradients with equal weights; weighting each rank's mean loss by its
         # share makes uneven last batches give exactly the global-batch gradient.
         return n_local * self.comm.world_size / n_global
+
+    def regroup(self) -> None:
+        self._stale = True
 
     def backward(self, loss: torch.Tensor) -> None:
         self._settle_wait()

@@ -9,7 +9,6 @@ from shoal.core.env import default_threads
 from shoal.core.limits import check_processes, check_threads
 from shoal.errors import ShoalError
 from shoal.schema import MAX_DURATION_S
-from shoal.strategies import get_strategy
 from shoal.sweep.spec import REFERENCE, StrategySpec
 
 SCALINGS = ("weak", "strong")
@@ -35,6 +34,10 @@ class BenchConfig:
     synthetic_shape: tuple[int, ...] = (3, 32, 32)
     reference: bool = True
     emulate_bandwidth: str | None = None
+    #: Uneven emulated hosts: host -> fraction of one core (``--emulate-slow``), host -> its
+    #: own link rate (``--emulate-link-rate``).
+    emulate_slow: dict[int, float] = field(default_factory=dict)
+    emulate_link_rate: dict[int, str] = field(default_factory=dict)
     out: Path = Path("runs/bench")
     lr: float = 0.02
     momentum: float = 0.9
@@ -75,17 +78,7 @@ class BenchConfig:
         if not self.models:
             raise ShoalError("--models is empty")
         self._validate_race()
-        if self.emulate_bandwidth is not None:
-            from shoal.emulate import can_emulate, rate_bits
-
-            rate_bits(self.emulate_bandwidth)
-            for spec in self.strategies:
-                if getattr(get_strategy(spec.name), "shared_memory", False):
-                    raise ShoalError(f"--emulate-bandwidth: {spec.name} shares memory on one "
-                                     "host; sweep it without --emulate-bandwidth")
-            why = can_emulate()
-            if why is not None:
-                raise ShoalError(f"--emulate-bandwidth: cannot emulate a cluster here: {why}")
+        self._validate_emulated()
         if "strong" in self.scaling:
             g = self.strong_global_batch()
             for world_size in self.workers:
@@ -93,6 +86,48 @@ class BenchConfig:
                     raise ShoalError(f"strong scaling: the global batch {g} does not divide "
                                      f"among {world_size} workers; set --global-batch-size")
         return self
+
+    def _validate_emulated(self) -> None:
+        uneven = [flag for flag, given in (("--emulate-slow", self.emulate_slow),
+                                           ("--emulate-link-rate", self.emulate_link_rate)) if given]
+        if self.emulate_bandwidth is None:
+            if uneven:
+                raise ShoalError(f"{uneven[0]} sets a host of the emulated cluster: give "
+                                 "--emulate-bandwidth too")
+            return
+        from shoal.core.cpulimit import can_throttle
+        from shoal.core.hostspec import rate_bits
+        from shoal.emulate import Cluster, can_emulate
+
+        rate_bits(self.emulate_bandwidth)
+        for spec in self.strategies:
+            if spec.topology(1).shared_memory:
+                raise ShoalError(f"--emulate-bandwidth: {spec.name} shares memory on one "
+                                 "host; sweep it without --emulate-bandwidth")
+        for p in points(self):  # the hosts named exist in every emulated point's cluster
+            if p.world_size > 1:
+                try:
+                    Cluster(p.processes, self.emulate_bandwidth, self.emulate_slow,
+                            self.emulate_link_rate)
+                except ShoalError as exc:
+                    raise ShoalError(f"{exc} for {p.strategy_label} with {p.world_size} "
+                                     "workers") from None
+        why = can_emulate() or (can_throttle() if self.emulate_slow else None)
+        if why is not None:
+            raise ShoalError(f"--emulate-bandwidth: cannot emulate a cluster here: {why}")
+
+    def hosts_label(self, p: Point) -> str:
+        """Who runs on each emulated host of point ``p`` and how fast: its share of a core
+        (``full``: unthrottled) and its link where it is not ``--emulate-bandwidth``'s."""
+        if self.emulate_bandwidth is None or p.world_size == 1:
+            return "local"
+        hosts = []
+        for i in range(p.processes):
+            role = f"s{i}" if i < p.servers else f"w{i - p.servers}"
+            speed = f"{self.emulate_slow[i]:g} core" if i in self.emulate_slow else "full"
+            link = f" @{self.emulate_link_rate[i]}" if i in self.emulate_link_rate else ""
+            hosts.append(f"{role} {speed}{link}")
+        return ", ".join(hosts)
 
     def _validate_race(self) -> None:
         if self.epochs is not None and self.epochs < 1:
@@ -132,10 +167,7 @@ class Point:
     @property
     def servers(self) -> int:
         """Parameter-server processes beside the workers (an asynchronous strategy's)."""
-        if self.strategy is None or not getattr(get_strategy(self.strategy.name),
-                                                "asynchronous", False):
-            return 0
-        return int(dict(self.strategy.options).get("servers", 1))
+        return 0 if self.strategy is None else self.strategy.topology(self.world_size).servers
 
     @property
     def processes(self) -> int:

@@ -34,7 +34,7 @@ from shoal.sweep.measure import (
     summarize_race,
 )
 from shoal.sweep.reference import Workload, run_reference
-from shoal.sweep.tables import markdown_table, write_outputs
+from shoal.sweep.tables import HOSTS_FIELD, markdown_table, write_outputs
 
 
 def train_command(cfg: BenchConfig, p: Point, out: Path) -> list[str]:
@@ -68,11 +68,15 @@ def train_command(cfg: BenchConfig, p: Point, out: Path) -> list[str]:
 class Launcher:
     """Starts ``shoal train`` jobs locally (a subprocess that spawns its workers) or, with
     ``emulate_bandwidth``, across an emulated cluster (one host per process, the cluster
-    kept up per host count); every job bounded by ``timeout`` seconds. A context manager:
-    leaving it tears the clusters down."""
+    kept up per host count; ``slow`` and ``links``: uneven hosts, as :class:`Cluster` takes
+    them); every job bounded by ``timeout`` seconds. A context manager: leaving it tears the
+    clusters down."""
 
-    def __init__(self, emulate_bandwidth: str | None = None, timeout: float = 900.0) -> None:
+    def __init__(self, emulate_bandwidth: str | None = None, timeout: float = 900.0,
+                 slow: dict[int, float] | None = None, links: dict[int, str] | None = None
+                 ) -> None:
         self.emulate_bandwidth, self.timeout = emulate_bandwidth, timeout
+        self.slow, self.links = slow or {}, links or {}
         self._clusters: dict[int, Cluster] = {}
         self._stack = contextlib.ExitStack()
 
@@ -86,7 +90,7 @@ class Launcher:
         if hosts not in self._clusters:
             assert self.emulate_bandwidth is not None
             self._clusters[hosts] = self._stack.enter_context(
-                Cluster(hosts, self.emulate_bandwidth))
+                Cluster(hosts, self.emulate_bandwidth, self.slow, self.links))
         return self._clusters[hosts]
 
     def emulated(self, workers: int) -> bool:
@@ -119,7 +123,9 @@ class Launcher:
         except subprocess.TimeoutExpired:
             raise ShoalError(f"benchmark run {name} did not finish in {self.timeout:.0f} s") from None
         if res.returncode != 0:
-            last = (res.stderr.strip().splitlines() or ["(no output)"])[-1]
+            # A collapsed run's line (exit 4) is its last on stdout.
+            last = (res.stderr.strip().splitlines() or res.stdout.strip().splitlines()
+                    or ["(no output)"])[-1]
             raise ShoalError(f"benchmark run {name} failed: {last}")
 
     def torchrun(self, program: list[str], hosts: int, out: Path, name: str,
@@ -137,7 +143,8 @@ class Runner(Launcher):
     """Runs the points of a sweep, locally or across an emulated cluster."""
 
     def __init__(self, cfg: BenchConfig) -> None:
-        super().__init__(cfg.emulate_bandwidth, cfg.run_timeout)
+        super().__init__(cfg.emulate_bandwidth, cfg.run_timeout, cfg.emulate_slow,
+                         cfg.emulate_link_rate)
         self.cfg = cfg
 
     def run(self, p: Point, repeat: int) -> dict[str, Any]:
@@ -206,6 +213,9 @@ def run_bench(cfg: BenchConfig, command: str = "shoal bench") -> list[dict[str, 
     else:
         rows = [summarize(p, results[p]) for p in todo]
         add_efficiency(rows)
+    if cfg.emulate_bandwidth is not None:
+        for p, row in zip(todo, rows, strict=True):
+            row[HOSTS_FIELD] = cfg.hosts_label(p)
     paths = write_outputs(cfg, rows, command, results)
     if not cfg.quiet:
         print("\n" + markdown_table(rows, cfg))

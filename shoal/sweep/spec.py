@@ -4,8 +4,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import yaml
+
 from shoal.errors import ShoalError
 from shoal.schema import flag_name
+from shoal.strategies import get_strategy, make_options, option_fields
+from shoal.strategies.topology import Topology
 
 #: The label of the hand-written DDP loop's rows; not a strategy one can name.
 REFERENCE = "ddp-reference"
@@ -28,6 +32,14 @@ class StrategySpec:
         opts = ",".join(f"{k}={v}" for k, v in self.options)
         return f"{self.name}:{opts}" if opts else self.name
 
+    def topology(self, workers: int) -> Topology:
+        """How this strategy lays out a run of ``workers`` workers, with its options (their
+        text read as a ``--config`` file's values are)."""
+        cls = get_strategy(self.name)
+        known = {f.name for f in option_fields(cls)}
+        values = {k: yaml.safe_load(v) for k, v in self.options if k in known}
+        return cls.topology(make_options(cls, values), workers)
+
     def flags(self) -> list[str]:
         """``shoal train`` flags for the options (``tau=4`` -> ``--tau 4``)."""
         out = ["--strategy", self.name]
@@ -47,7 +59,6 @@ def parse_strategies(text: str, common: str = "") -> list[StrategySpec]:
     with an option; a bare ``key=value`` adds an option to the strategy before it.
     ``common`` options (``tau=4``) go to every strategy that takes them.
     """
-    from shoal.strategies import get_strategy, option_fields
 
     specs: list[tuple[str, dict[str, str]]] = []
     for item in (t.strip() for t in text.split(",")):

@@ -24,6 +24,8 @@ RACE_FIELDS = ("model", "strategy", "scaling", "workers", "processes", "threads"
                "accuracy_at_budget", "accuracy_at_budget_min", "accuracy_at_budget_max",
                "final_accuracy", "train_time_s", "samples_per_s", "comm_fraction",
                "wait_fraction", "bytes_per_sample")
+#: On an emulated cluster: who runs on each host, and how fast (:meth:`BenchConfig.hosts_label`).
+HOSTS_FIELD = "hosts"
 
 
 def _pct(v: float | None) -> str:
@@ -60,6 +62,16 @@ def race_table(rows: Sequence[dict[str, Any]], target: float | None) -> str:
             f"{speedup} | {_pct1(r['accuracy_at_budget'])} | {at} | {_pct1(r['final_accuracy'])} | "
             f"{r['samples_per_s']:,.0f} | {_pct(r['comm_fraction'])} | "
             f"{_bytes(r.get('bytes_per_sample'))} |")
+    return _with_hosts(lines, rows)
+
+
+def _with_hosts(lines: list[str], rows: Sequence[dict[str, Any]]) -> str:
+    """The table's ``lines`` (header, rule, one per row), with the hosts' column when the
+    rows ran on an emulated cluster."""
+    if rows and HOSTS_FIELD in rows[0]:
+        lines[0] += " hosts (cores, link) |"
+        lines[1] += "---|"
+        lines[2:] = [f"{line} {r[HOSTS_FIELD]} |" for line, r in zip(lines[2:], rows, strict=True)]
     return "\n".join(lines) + "\n"
 
 
@@ -83,7 +95,7 @@ def markdown_table(rows: Sequence[dict[str, Any]], cfg: BenchConfig | None = Non
             f"{r['samples_per_s_min']:,.0f}–{r['samples_per_s_max']:,.0f} | {eff} | "
             f"{_pct(r['comm_fraction'])} | {_pct(r['wait_fraction'])} | "
             f"{_bytes(r.get('bytes_per_sample'))} |")
-    return "\n".join(lines) + "\n"
+    return _with_hosts(lines, rows)
 
 
 def write_outputs(cfg: BenchConfig, rows: list[dict[str, Any]], command: str,
@@ -96,7 +108,8 @@ def write_outputs(cfg: BenchConfig, rows: list[dict[str, Any]], command: str,
 
     cfg.out.mkdir(parents=True, exist_ok=True)
     paths = {"csv": cfg.out / "bench.csv", "md": cfg.out / "bench.md", "png": cfg.out / "bench.png"}
-    fields = RACE_FIELDS if cfg.race else CSV_FIELDS
+    fields = (RACE_FIELDS if cfg.race else CSV_FIELDS) + \
+        ((HOSTS_FIELD,) if cfg.emulate_bandwidth is not None else ())
     with paths["csv"].open("w", newline="") as f:
         writer = csv.DictWriter(f, fieldnames=fields)
         writer.writeheader()
@@ -104,6 +117,10 @@ def write_outputs(cfg: BenchConfig, rows: list[dict[str, Any]], command: str,
             writer.writerow({k: r.get(k) for k in fields})
     where = f"emulated hosts at {cfg.emulate_bandwidth} per link" if cfg.emulate_bandwidth \
         else "local worker processes"
+    if cfg.emulate_slow or cfg.emulate_link_rate:
+        uneven = [f"host {h} at {f:g} of a core" for h, f in sorted(cfg.emulate_slow.items())]
+        uneven += [f"host {h}'s link at {r}" for h, r in sorted(cfg.emulate_link_rate.items())]
+        where += f" ({', '.join(uneven)})"
     machine = (f"{len(os.sched_getaffinity(0))} CPU cores, {where}, torch {torch.__version__}, "
                f"{time.strftime('%Y-%m-%d %H:%M %Z')}")
     if cfg.race:

@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from torch import nn
 
 from shoal.config import TrainConfig
 from shoal.core.files import atomic_write
@@ -168,6 +169,16 @@ def eval_model(payload: dict[str, Any]) -> dict[str, Any]:
     """The evaluation model's state dict in ``payload`` (checkpoints from before it had its
     own key: ``"model"``, which held it)."""
     return payload[EVAL_MODEL] if EVAL_MODEL in payload else payload["model"]
+
+
+def load_eval_model(model: nn.Module, payload: dict[str, Any], source: str | Path) -> None:
+    """Put ``payload``'s evaluation model into ``model``, or a one-line error."""
+    try:
+        model.load_state_dict(eval_model(payload))
+    except RuntimeError as exc:
+        first = (str(exc).strip().splitlines() or [""])[-1].strip()
+        raise ShoalError(f"the evaluation model of {source} does not fit this run's model "
+                         f"({first})") from None
 
 
 def resumes_in_place(cfg: TrainConfig) -> bool:

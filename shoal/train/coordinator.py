@@ -24,24 +24,22 @@ import math
 import queue
 import time
 from collections import Counter
-from pathlib import Path
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 
 from shoal.config import TrainConfig
 from shoal.core.comm import Comm
-from shoal.core.env import Environment
 from shoal.core.flat import FlatParams
 from shoal.core.timeline import Timeline
-from shoal.data import Dataset, EpochPlan
+from shoal.data import Dataset, EpochPlan, ShardLoader
 from shoal.errors import JobError, ShoalError
 from shoal.models import count_parameters
-from shoal.ps import ServerClient, ShardServer, keepalive, staleness_summary
-from shoal.train.checkpoint import EVAL_MODEL, save_checkpoint, to_cpu
+from shoal.ps import ServerClient, ShardServer, staleness_summary
+from shoal.train.checkpoint import to_cpu
+from shoal.train.checkpointer import write_checkpoint
+from shoal.train.evaluation import Evaluator
 from shoal.train.recorder import Recorder
-from shoal.train.records import write_json, write_trace
 from shoal.train.state import RunState
 
 
@@ -53,28 +51,35 @@ class WorkerFailed(ShoalError):
 
 
 class Coordinator:
-    """Server 0's records of an asynchronous run, from its workers' reports."""
+    """Server 0's records of an asynchronous run, from its workers' reports, kept by the
+    trainer's own components: an :class:`Evaluator` of the center, a :class:`Recorder`
+    and :func:`write_checkpoint`.
 
-    def __init__(self, cfg: TrainConfig, data: Dataset, model: torch.nn.Module,
-                 flat: FlatParams, store: Any, ranges: list[tuple[int, int]], workers: int,
-                 payload: dict[str, Any] | None, start: dict[str, Any] | None = None) -> None:
-        """``payload``: the checkpoint a resumed run goes on with; ``start``: the one
-        ``--init-from --init-progress`` goes on from (its position only)."""
-        self.cfg, self.data, self.model, self.flat = cfg, data, model, flat
-        self.ranges, self.workers = ranges, workers
-        self.servers = len(ranges)
-        self.plan = EpochPlan(len(data.train), cfg.global_batch(workers), workers, cfg.seed)
-        # The records are the Recorder's, as in a synchronous run: its comm has no peers,
-        # its timeline's totals are the workers' summed and its bytes theirs.
-        self.comm = Comm(Environment(0, workers), torch.device("cpu"), Timeline())
-        self.recorder = Recorder(cfg, self.comm, self.plan)
-        self.state = RunState(self.comm, torch.Generator(), lr=cfg.base_lr(workers))
+    ``comm``: this process's (rank 0 of the workers, no peers: its timeline's totals are
+    the workers' summed, its bytes theirs); ``client``: its end of the other servers (they
+    hold the rest of the center), ``None`` with one server. ``payload``: the checkpoint a
+    resumed run goes on with; ``start``: the one ``--init-from --init-progress`` goes on
+    from (its position only); ``extra``: what the summary adds (the launcher's restarts);
+    ``ended(rank)``: how a lost worker's process ended, as its launcher says.
+    """
+
+    def __init__(self, cfg: TrainConfig, comm: Comm, data: Dataset, model: torch.nn.Module,
+                 flat: FlatParams, client: ServerClient | None, ranges: list[tuple[int, int]],
+                 payload: dict[str, Any] | None, start: dict[str, Any] | None = None,
+                 extra: dict[str, Any] | None = None, ended: Any = None) -> None:
+        self.cfg, self.comm, self.data, self.model, self.flat = cfg, comm, data, model, flat
+        self.client, self.ranges, self.workers = client, ranges, comm.world_size
+        self.servers, self.extra, self.ended = len(ranges), extra or {}, ended
+        self.plan = EpochPlan(len(data.train), cfg.global_batch(self.workers), self.workers,
+                              cfg.seed)
+        # The center is tested on the whole test set (this Comm has no peers); its time is
+        # the records' eval_s, not the workers' time split.
+        self.evaluator = Evaluator(cfg, comm, ShardLoader(data, self.plan, 0),
+                                   lambda x, y: (x, y), Timeline())
+        self.recorder = Recorder(cfg, comm, self.plan, self.evaluator, classes=data.num_classes)
+        self.state = RunState(comm, torch.Generator(), lr=cfg.base_lr(self.workers))
         self.reports: queue.Queue[tuple[int, Any]] = queue.Queue()
-        self.client = (ServerClient(store, workers, ranges[1:], timeout=cfg.timeout,
-                                    servers=list(range(1, self.servers)),
-                                    keepalive=keepalive(cfg.timeout))
-                       if self.servers > 1 else None)
-        self.live = set(range(workers))
+        self.live = set(range(self.workers))
         self.latest: dict[int, dict[str, Any]] = {}  # each worker's last report
         self.epochs: dict[int, dict[int, dict[str, Any]]] = {}  # epochs not yet recorded
         self.checkpoints: dict[int, dict[int, dict[str, Any]]] = {}  # step -> reports
@@ -211,7 +216,7 @@ class Coordinator:
             if step is not None and (not ready or step < epoch * self.plan.steps_per_epoch):
                 reports = self.checkpoints.pop(step)
                 if step > self.saved_step:
-                    self._save({w: r for w, r in reports.items() if w in self.live})
+                    self._checkpoint({w: r for w, r in reports.items() if w in self.live})
             elif ready:
                 self._epoch_record(epoch, self.epochs.pop(epoch))
             else:
@@ -233,23 +238,20 @@ class Coordinator:
         self.comm.bytes_sent = sent
 
     def _epoch_record(self, epoch: int, reports: dict[int, dict[str, Any]]) -> None:
+        """Record epoch ``epoch`` from every live worker's report of it, as a trainer
+        records its epochs: its sums and position, its test, its record."""
         st, rec = self.state, self.recorder
         sums = torch.tensor([r["sums"] for r in reports.values()], dtype=torch.float64).sum(0)
         rec.add(sums[0], sums[1], int(sums[2]))
         self._sum_workers(reports)
-        st.step = max(r["step"] for r in reports.values())
-        st.samples += int(sums[2])
-        st.lr = reports[min(reports)]["lr"]
-        st.train_time_s = st.elapsed_s()
-        st.epoch_step = self.plan.steps_per_epoch
+        st.reported(max(r["step"] for r in reports.values()), self.plan.steps_per_epoch,
+                    int(sums[2]), reports[min(reports)]["lr"])
         rec.step(st, int(sums[2]))
         rec.end_steps()
         st.epoch_done()
         tested = st.epoch % self.cfg.eval_every == 0 or st.epoch == self.cfg.epochs
         if tested:
-            started = time.perf_counter()
-            self.test = self.evaluate(reports)
-            rec.eval_s += time.perf_counter() - started
+            self.test = self.evaluator.test(self._center_model(reports))
         rec.epoch(st, self.test if tested else (float("nan"), float("nan")))
         if st.epoch < self.cfg.epochs:
             rec.start_epoch(st)
@@ -265,8 +267,9 @@ class Coordinator:
         return full
 
     @torch.no_grad()
-    def evaluate(self, reports: dict[int, dict[str, Any]] | None = None) -> tuple[float, float]:
-        """Test loss and accuracy of the center (buffers: the reporting workers' mean)."""
+    def _center_model(self, reports: dict[int, dict[str, Any]] | None) -> torch.nn.Module:
+        """The model the run evaluates: the center, with the reporting workers' buffers
+        (their mean)."""
         self.flat.unpack(self.center().to(self.flat.tensors[0].dtype))
         buffers = [r["buffers"] for r in (reports or {}).values() if r.get("buffers")]
         for name, buf in self.model.named_buffers():
@@ -274,27 +277,19 @@ class Coordinator:
             if values:
                 buf.copy_(torch.stack(values).float().mean(0) if buf.is_floating_point()
                           else values[0])
-        model = self.model
-        model.eval()
-        test = self.data.test
-        loss_sum = correct = 0.0
-        batch = max(256, 2 * self.cfg.batch_size)
-        for start in range(0, len(test), batch):
-            x, y = test.get_batch(torch.arange(start, min(start + batch, len(test))))
-            out = model(x)
-            loss_sum += float(F.cross_entropy(out, y, reduction="sum"))
-            correct += float((out.argmax(1) == y).sum())
-        model.train()
-        return loss_sum / len(test), correct / len(test)
+        return self.model
 
     # -- checkpoints ----------------------------------------------------------------------
-    def _save(self, reports: dict[int, dict[str, Any]]) -> None:
+    def _checkpoint(self, reports: dict[int, dict[str, Any]]) -> None:
         """Write ``checkpoint.pt`` with each reporting worker's state (the others': their
         last), the centers and the records' position; the slowest worker's is the file's."""
         slowest = min(reports.values(), key=lambda r: (r["step"], r["worker"]))
         for w, r in reports.items():
             self.own[w], self.saved[w] = r["own"], r["step"]
         full = self.center()
+        if not torch.isfinite(full).all():
+            raise ShoalError(f"the center became non-finite by step {slowest['step']}; checkpoint "
+                             "not written, the last good one is kept (lower --lr?)")
         self.flat.unpack(full.to(self.flat.tensors[0].dtype))
         servers = [self.shard.state()]
         if self.client is not None:
@@ -304,17 +299,15 @@ class Coordinator:
         # The epoch reports each worker sent before its state: the epochs to record next.
         pending = {e: {w: r for w, r in got.items() if w in reports
                        and r["step"] <= reports[w]["step"]} for e, got in self.epochs.items()}
-        payload = {
-            "config": self.cfg.to_dict(), "global_batch": self.plan.global_batch,
-            "world_size": self.workers, "progress": slowest["own"]["progress"],
-            "scheduler": slowest["own"]["scheduler"],
-            "ranks": [self.own.get(w) for w in range(self.workers)],
-            "model": center, EVAL_MODEL: center, "servers": to_cpu(servers),
-            "coordinator": {"epoch": st.epoch, "samples": st.samples,
-                            "train_time_s": st.train_time_s, "wall_time_s": st.elapsed_s(),
-                            "lr": st.lr, "pending": {e: got for e, got in pending.items() if got}},
-        }
-        save_checkpoint(self.cfg.checkpoint_path, payload)
+        write_checkpoint(
+            self.cfg, self.plan, progress=slowest["own"]["progress"],
+            scheduler=slowest["own"]["scheduler"],
+            ranks=[self.own.get(w) for w in range(self.workers)], evaluated=center,
+            shared={"model": center, "servers": to_cpu(servers),
+                    "coordinator": {"epoch": st.epoch, "samples": st.samples,
+                                    "train_time_s": st.train_time_s,
+                                    "wall_time_s": st.elapsed_s(), "lr": st.lr,
+                                    "pending": {e: got for e, got in pending.items() if got}}})
         self.saved_step = slowest["step"]
 
     # -- the end --------------------------------------------------------------------------
@@ -327,31 +320,31 @@ class Coordinator:
         finals = self.finals
         last = {w: self.last[w] for w in finals if w in self.last}
         if any(self.saved.get(w) != r["step"] for w, r in last.items()):
-            self._save(last)  # stopped (SIGTERM) at different steps: their last states
+            self._checkpoint(last)  # stopped (SIGTERM) at different steps: their last states
         self._sum_workers()
         st.step = min(r["step"] for r in finals.values())  # the checkpoint's, as the file says
         stopped = any(r["stopped"] for r in finals.values())
         reason = next((r["stopped_by"] for r in finals.values() if r["stopped_by"]), None)
         st.train_time_s = st.elapsed_s()
         if math.isnan(self.test[1]) and not stopped:
-            self.test = self.evaluate(None)
-        summary = rec.finish(st, stopped, reason, self.test, count_parameters(self.model))
+            self.test = self.evaluator.test(self._center_model(None))
+        lanes = [r["trace"] for _, r in sorted(finals.items()) if r.get("trace")]
+        summary = rec.finish(st, stopped, reason, self.test, count_parameters(self.model),
+                             {**self._extras(shard), **self.extra}, lanes)
         assert summary is not None
-        if self.cfg.trace:
-            self._write_trace(finals)
-        summary.update(self._extras(shard))
-        write_json(Path(self.cfg.out) / "summary.json", summary)
-        if self.client is not None:
-            self.client.close()
         return summary
 
     def _extras(self, shard: ShardServer) -> dict[str, Any]:
         """What an asynchronous run's summary adds: servers, staleness (every shard's),
-        lost workers."""
+        lost workers (and how their processes ended, where the launcher says)."""
         hists = [dict(shard.staleness)]
         if self.client is not None:
             hists += [self.client.fetch_state(s)["staleness"] for s in range(1, self.servers)]
         finals = self.finals.values()
+        for worker, record in self.lost.items():
+            status = self.ended(self.servers + worker) if self.ended is not None else None
+            if status is not None:
+                record["exit_status"] = status
         return {
             "device": ", ".join(sorted({str(r.get("device", "cpu")) for r in finals})),
             "servers": self.servers,
@@ -359,11 +352,3 @@ class Coordinator:
             "lost_workers": [self.lost[w] for w in sorted(self.lost)],
             "degraded": bool(self.lost),
         }
-
-    def _write_trace(self, finals: dict[int, dict[str, Any]]) -> None:
-        from shoal.core.timeline import chrome_trace
-
-        lanes = [r["trace"] for _, r in sorted(finals.items()) if r.get("trace")]
-        write_trace(Path(self.cfg.out) / "trace.json", chrome_trace(lanes, {
-            "model": self.cfg.model, "strategy": self.cfg.strategy,
-            "workers": self.workers, "steps": self.state.step}))

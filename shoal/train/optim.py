@@ -9,7 +9,7 @@ from collections.abc import Iterable
 import torch
 from torch.optim.lr_scheduler import LambdaLR
 
-from shoal.config import TrainConfig
+from shoal.config import DEFAULT_LR, TrainConfig
 from shoal.strategies import get_strategy, make_options
 
 
@@ -25,24 +25,55 @@ def build_optimizer(cfg: TrainConfig, params: Iterable[torch.nn.Parameter],
 
 def resolve_momentum(cfg: TrainConfig, workers: int) -> TrainConfig:
     """``cfg`` with ``--momentum auto[:T]`` made a number for this run's strategy on
-    ``workers`` workers, and what it became in ``momentum_auto``.
+    ``workers`` workers, and ``--lr`` with it (unless given); ``momentum_auto`` and
+    ``lr_auto`` say how.
 
     Omnivore (Hadjis et al. 2016, after Mitliagkas et al. 2016, "Asynchrony begets
     momentum"): ``g`` groups that update the model asynchronously act as an implicit momentum
     of about ``1 - 1/g``, so the explicit momentum is ``max(0, T - (1 - 1/g))`` for a target
-    total ``T``. ``g`` is the strategy's :meth:`~shoal.strategies.Strategy.asynchronous_groups`:
-    1 for every synchronous strategy (auto is then ``T``), the workers for async-sgd,
+    total ``T`` (0 for a strategy that applies none: async-sgd). ``g`` is the strategy's
+    :meth:`~shoal.strategies.Strategy.asynchronous_groups`: 1 for every synchronous strategy
+    and the elastic ones (auto is then ``T``, the lr as given), the workers for async-sgd,
     async-msgd and hogwild, ``--groups`` for groups.
+
+    The learning rate keeps sync's step per sample: sync steps ``lr / (1 - T)`` per global
+    batch; here ``g`` updates share that batch, so each steps ``lr' / (1 - explicit)`` with
+    ``lr' = lr (1 - explicit) / (g (1 - T))`` (at 2 workers 3 x lr, async-sgd's 5 x). The
+    momentum alone, at sync's lr, trains 2 to 9 points below sync in 10 epochs; see
+    docs/asynchronous.md. Only with SGD (Adam's step does not grow with momentum) and an lr
+    not given.
     """
+    given = cfg.lr if cfg.lr is not None else DEFAULT_LR
     target = cfg.momentum_target()
     if target is None:
-        return cfg
+        return dataclasses.replace(cfg, lr=given)
     cls = get_strategy(cfg.strategy)
     groups = cls.asynchronous_groups(make_options(cls, cfg.strategy_options, workers), workers)
     implicit = 1.0 - 1.0 / groups
-    explicit = round(max(0.0, target - implicit), 12)  # 0.45, not 0.44999999999999996
-    return dataclasses.replace(cfg, momentum=explicit, momentum_auto={
+    # 0.45, not 0.44999999999999996
+    explicit = round(max(0.0, target - implicit), 12) if cls.applies_momentum else 0.0
+    lr, lr_auto = given, None
+    if cfg.lr is None and cfg.optimizer == "sgd" and groups > 1:
+        factor = round((1.0 - explicit) / (groups * (1.0 - target)), 12)
+        lr, lr_auto = round(given * factor, 12), {"base": given, "factor": factor}
+    return dataclasses.replace(cfg, momentum=explicit, lr=lr, lr_auto=lr_auto, momentum_auto={
         "target": target, "groups": groups, "implicit": implicit, "explicit": explicit})
+
+
+def describe_momentum(cfg: TrainConfig) -> str:
+    """``momentum 0.4 (auto: ...), lr 0.15 (auto: ...)``: the run's momentum and learning rate
+    as resolved (:func:`resolve_momentum`), and where auto made them, how."""
+    momentum, lr = f"momentum {cfg.momentum:g}", f"lr {cfg.base_lr(1):g}"
+    auto = cfg.momentum_auto
+    if auto and auto["groups"] > 1:
+        if get_strategy(cfg.strategy).applies_momentum:
+            momentum += (f" (auto: {auto['target']:g} less {auto['implicit']:g} implicit in "
+                         f"{auto['groups']:g} asynchronous groups)")
+        else:
+            momentum += f" (auto: {cfg.strategy} applies none)"
+    if cfg.lr_auto:
+        lr += f" (auto: {cfg.lr_auto['base']:g} x {cfg.lr_auto['factor']:g}, sync's step per sample)"
+    return f"{momentum}, {lr}"
 
 
 def lr_factor(step: int, total: int, warmup: int, schedule: str,

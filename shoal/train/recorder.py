@@ -29,8 +29,10 @@ from shoal.core.timeline import (
     time_split,
 )
 from shoal.data import EpochPlan
-from shoal.errors import ShoalError
 from shoal.train.checkpoint import resumes_in_place
+from shoal.train.evaluation import Evaluator
+from shoal.train.health import Health
+from shoal.train.optim import describe_momentum
 from shoal.train.progress import Progress
 from shoal.train.records import MetricsLog, TensorBoardLog, write_json, write_trace
 from shoal.train.state import RunState
@@ -50,14 +52,20 @@ def input_bound(times: dict[str, float]) -> str:
 
 
 class Recorder:
-    """One worker's records: every rank keeps sums and checks the loss; rank 0 writes."""
+    """One worker's records: every rank keeps sums and checks the loss; rank 0 writes.
+    ``evaluator``: whose testing time the records report (``eval_s``)."""
 
-    def __init__(self, cfg: TrainConfig, comm: Comm, plan: EpochPlan, writes: bool = True) -> None:
+    #: Whether rank 0 writes (a subclass that reports its records elsewhere does not).
+    writes = True
+
+    def __init__(self, cfg: TrainConfig, comm: Comm, plan: EpochPlan,
+                 evaluator: Evaluator | None = None, *, classes: int) -> None:
         self.cfg, self.comm, self.plan = cfg, comm, plan
+        #: Whether the run learns (non-finite loss, collapse): ``classes`` is the data's C.
+        self.health = Health(classes, cfg.allow_collapse)
         self.tl = comm.timeline
-        #: Rank 0 writes (unless ``writes`` is False: an asynchronous job's workers, whose
-        #: coordinator writes from their reports).
-        self.is_main = comm.rank == 0 and writes
+        self.evaluator = evaluator
+        self.is_main = comm.rank == 0 and self.writes
         self.out = Path(cfg.out)
         self.progress = Progress(cfg.progress, enabled=self.is_main)
         self.log: MetricsLog | None = None  # rank 0's, from :meth:`begin`
@@ -70,10 +78,15 @@ class Recorder:
         self._epoch_start: dict[str, float] = {}
         self._interval_start: dict[str, float] = {}
         self.last_train = (float("nan"), float("nan"))  # the last epoch's loss and accuracy
-        #: Seconds this invocation spent testing (in the records: ``eval_s``).
-        self.eval_s = 0.0
         self._profiler: Any = None  # torch.profiler.profile, inside the --profile window
         self._profiled_from = 0
+        #: More for summary.json (``--elastic``: the membership changes).
+        self.notes: dict[str, Any] = {}
+
+    @property
+    def eval_s(self) -> float:
+        """Seconds this invocation spent testing (in the records: ``eval_s``)."""
+        return self.evaluator.eval_s if self.evaluator is not None else 0.0
 
     # -- checkpoints: the epoch's sums so far -------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
@@ -110,7 +123,7 @@ class Recorder:
         self.progress.line(
             f"shoal: {cfg.model} on {data}; {self.comm.world_size} worker(s), "
             f"strategy {cfg.strategy}, global batch {self.plan.global_batch}, "
-            f"{self.plan.steps_per_epoch} steps/epoch")
+            f"{self.plan.steps_per_epoch} steps/epoch; {describe_momentum(cfg)}")
 
     def start_epoch(self, st: RunState) -> None:
         self.progress.start_epoch(st.epoch + 1, self.cfg.epochs, self.plan.steps_per_epoch,
@@ -141,15 +154,15 @@ class Recorder:
         self._interval_samples += samples
         self._epoch_samples += samples
         due = st.step % self.cfg.log_every == 0 or st.epoch_step == self.plan.steps_per_epoch
+        if due or self.comm.device.type == "cpu":  # on a GPU, a check waits for the device
+            self.health.check_loss(float(self._interval_sums[0]), st.step, st.epoch + 1, st.lr,
+                                   self.cfg.checkpoint_path)
         if not due:
             self.progress.step()
             return
         now = self.tl.snapshot()
         loss_sum, correct, count = self._interval_sums.tolist()
         n = int(count)
-        if not math.isfinite(loss_sum):
-            raise ShoalError(f"training loss became {loss_sum / max(n, 1)} by step {st.step} "
-                             f"(epoch {st.epoch + 1}); lower --lr or check the data")
         if self.log is not None:
             self.log.write(self._record(
                 "step", st.epoch + 1, st, {"loss": loss_sum / n, "accuracy": correct / n},
@@ -168,12 +181,11 @@ class Recorder:
         loss_sum, correct, n = self.comm.reduce_values(self._epoch_sums.tolist())
         self._epoch_sums.zero_()
         train_loss, train_acc = self.last_train = (loss_sum / n, correct / n)
-        if not math.isfinite(train_loss):
-            raise ShoalError(f"training loss became {train_loss} in epoch {st.epoch}; "
-                             "lower --lr or check the data")
+        self.health.check_loss(train_loss, st.step, st.epoch, st.lr, self.cfg.checkpoint_path)
+        test_loss, test_acc = test
+        collapse = self.health.epoch(st.epoch, train_loss, train_acc, test_acc)
         if not self.is_main:
             return
-        test_loss, test_acc = test
         times = step_times(Timeline.delta(self.tl.snapshot(), self._epoch_start))
         assert self.log is not None
         self.log.write(self._record(
@@ -187,6 +199,8 @@ class Recorder:
             f"acc {100 * train_acc:.1f}%{shown}  "
             f"{self._epoch_samples / max(sum(times.values()), 1e-9):,.0f} samples/s"
             f"  comm {100 * comm_fraction(times):.0f}%{input_bound(times)}")
+        if collapse:
+            self.progress.line(f"shoal: {collapse}")
 
     def evaluation(self, st: RunState, test: tuple[float, float]) -> None:
         """A test inside an epoch (``--eval-every-steps``): the ``eval`` record, whose
@@ -209,12 +223,16 @@ class Recorder:
                 "samples_per_s": samples / step_time if step_time > 0 else None,
                 "time_s": time_split(times), "comm_fraction": comm_fraction(times),
                 "bytes_sent": self.comm.bytes_sent, "eval_s": self.eval_s,
-                "elapsed_s": st.elapsed_s()}
+                "elapsed_s": st.elapsed_s(),
+                **({"workers": self.comm.world_size} if self.cfg.elastic else {})}
 
     def finish(self, st: RunState, stopped: bool, stop_reason: str | None,
-               test: tuple[float, float], parameters: int) -> dict[str, Any] | None:
+               test: tuple[float, float], parameters: int, extra: dict[str, Any] | None = None,
+               lanes: list[Any] | None = None) -> dict[str, Any] | None:
         """The end: the time split and bytes over all ranks, the trace, ``summary.json`` and
-        the last line. Rank 0 returns the summary."""
+        the last line. Rank 0 returns the summary, with ``extra`` at its end (the launcher's
+        restarts, an asynchronous run's servers). ``lanes``: the trace's, else each rank's
+        timeline."""
         totals = self.tl.totals
         summed = self.comm.reduce_values([totals.get(k, 0.0) for k in CATEGORIES]
                                          + [float(self.comm.bytes_sent)])
@@ -223,7 +241,7 @@ class Recorder:
         total_bytes = summed[-1]
         peak = self.comm.reduce_values([float(self.comm.peak_in_flight)], op="max")[0]
         if self.cfg.trace:
-            self._write_trace(st)
+            self._write_trace(st, lanes)
         if self.log is not None:
             self.log.close()
         if not self.is_main:
@@ -251,12 +269,18 @@ class Recorder:
             "peak_bytes_in_flight": int(peak),
             "parameters": parameters,
             **({"momentum_auto": cfg.momentum_auto} if cfg.momentum_auto else {}),
-            "torch_version": torch.__version__, "shoal_version": __version__,
+            **({"lr_auto": cfg.lr_auto} if cfg.lr_auto else {}),
+            **({"collapsed": verdict} if (verdict := self.health.verdict()) else {}),
+            "torch_version": torch.__version__, "shoal_version": __version__, **self.notes,
+            **(extra or {}),
         }
         write_json(self.out / "summary.json", summary)
         if stop_reason:
             self.progress.line(f"stopped by {stop_reason} at step {st.step}; checkpoint in "
                                f"{cfg.checkpoint_path} (continue with --resume)")
+        elif verdict:
+            self.progress.line(f"{verdict['kind']}: test accuracy {100 * test_acc:.2f}% after "
+                               f"{st.epoch} epochs; {self.health.line()}")
         elif stopped:
             self.progress.line(f"stopped at step {st.step} as asked; checkpoint in "
                                f"{cfg.checkpoint_path} (continue with --resume)")
@@ -290,9 +314,11 @@ class Recorder:
             self.progress.line(f"profiled steps {self._profiled_from}-{st.step} into "
                                f"{path.parent}/rank*.json")
 
-    def _write_trace(self, st: RunState) -> None:
-        """Gather every rank's spans to rank 0 and write ``trace.json`` (one lane per rank)."""
-        lanes = self.comm.gather_objects(self.tl.chrome_events(self.comm.rank))
+    def _write_trace(self, st: RunState, lanes: list[Any] | None) -> None:
+        """Gather every rank's spans to rank 0 (unless the ``lanes`` are given) and write
+        ``trace.json`` (one lane per rank)."""
+        if lanes is None:
+            lanes = self.comm.gather_objects(self.tl.chrome_events(self.comm.rank))
         if self.is_main:
             assert lanes is not None
             write_trace(self.out / "trace.json", chrome_trace(lanes, {

@@ -46,6 +46,14 @@ class RunState:
         self.epoch_step += 1
         self.samples += samples
 
+    def reported(self, step: int, epoch_step: int, samples: int, lr: float) -> None:
+        """A coordinator's run, which trains nothing itself, moved to where its workers'
+        reports put it: ``step`` (``epoch_step`` of its epoch), ``samples`` more trained, the
+        last step's rate ``lr``; its training time is its wall time so far."""
+        self.step, self.epoch_step, self.lr = step, epoch_step, lr
+        self.samples += samples
+        self.train_time_s = self.elapsed_s()
+
     def epoch_done(self) -> None:
         self.epoch += 1
         self.epoch_step = 0

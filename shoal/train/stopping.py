@@ -22,12 +22,17 @@ class StopVote:
     """
 
     def __init__(self, comm: Comm, meets: Callable[[int], bool]) -> None:
-        self.meets = meets
-        self._group = dist.new_group(backend="gloo") if comm.active else None
+        self.meets, self.comm = meets, comm
+        # Elastic: the meetings' votes carry it, as a group of its own would not outlive a
+        # lost worker.
+        self._group = dist.new_group(backend="gloo") \
+            if comm.active and comm.membership is None else None
         self._vote: tuple[Any, torch.Tensor] | None = None
 
     def agreed(self, step: int) -> bool:
         """Whether every rank stops after ``step`` (call after each step, on every rank)."""
+        if self.comm.membership is not None:  # carried by the meeting's own vote
+            return self.meets(step) and self.comm.membership.stop_voted
         if self._group is None:
             return stop_requested()
         if not self.meets(step):

@@ -1,0 +1,270 @@
+"""Elastic membership (``--elastic``): the workers alive go on when one dies or stops answering.
+
+Every collective a :class:`~shoal.core.comm.Comm` issues is a *meeting*. Under elastic
+membership each meeting ends with a vote in the job's store (:meth:`Membership.meet`): every
+member says whether its collective succeeded, and one decision key, written once
+(``compare_set``), says whether the meeting counts. A member that died never votes: the
+launcher says it ended (:func:`~shoal.core.waits.ended_key`), or its heartbeat (the watchdog's) stops; the
+others then decide that the meeting failed. So every member alive takes the same view of
+every meeting, even when a collective finished on some and failed on others.
+
+After a failed meeting the members alive agree on who is left (:meth:`Membership._reform`:
+each announces itself for the next *membership epoch*, one ``compare_set`` fixes the list)
+and join a new process group for that epoch over the same store (its own key prefix), with
+new ranks in the order of the members' ids (each worker keeps the id it started with).
+Then the meeting is held again from its inputs (``restore``), or, where it cannot be (DDP's
+all-reduce inside backward), :class:`MembershipChanged` tells the caller to redo its step.
+Listeners (the trainer) hear of every change first: the lost members' unfinished work is
+theirs to hand out.
+
+This is torchft's quorum and commit vote in shoal's terms (a quorum per membership epoch, a
+``should_commit`` per meeting), on torch.distributed's own store and process groups.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import sys
+import time
+from collections.abc import Callable, Iterator
+from datetime import timedelta
+from typing import Any, TypeVar
+
+import torch
+import torch.distributed as dist
+
+from shoal.core.processes import stop_requested
+from shoal.core.waits import ELASTIC, ended_key
+from shoal.errors import ShoalError
+
+_T = TypeVar("_T")
+POLL = 0.02  # seconds between two looks at the store while a member is awaited
+#: A vote for a meeting counts 1, plus this when its member was asked to stop (SIGTERM).
+STOP = 1 << 20
+#: Seconds a vote waits in the store's own wait (woken at once when the last member votes)
+#: before it looks for lost members: only a member lost after its collective succeeded
+#: here is noticed this late.
+WAKE = 1.0
+#: A meeting that fails although every member is alive, other than by a timeout (a slow
+#: member), is held again this many times; then its error is raised (it is the program's,
+#: not a lost member's).
+MAX_RETRIES = 3
+Listener = Callable[[list[int], list[int]], None]
+
+
+class MembershipChanged(Exception):
+    """A meeting failed and the group was re-formed; the caller redoes its step. ``lost``:
+    the ids of the members that left."""
+
+    def __init__(self, lost: list[int]) -> None:
+        super().__init__(f"the workers {lost} left; the group was re-formed")
+        self.lost = lost
+
+
+class Membership:
+    """This worker's view of who is in the job (see the module's docstring).
+
+    ``store``: the job's store under :func:`~shoal.core.waits.key_prefix`; ``me``: this
+    worker's id (its first rank); ``heartbeat(id)``: the key of that worker's heartbeat
+    counter; ``timeout``: the collectives' timeout in a re-formed group, and how long a
+    heartbeat may stand still before its worker counts as gone; ``patience``: the longest
+    wait for a member that still beats.
+    """
+
+    def __init__(self, store: Any, me: int, world: int, heartbeat: Callable[[int], str],
+                 timeout: float, patience: float, backend: str) -> None:
+        self._raw = store
+        self._store = dist.PrefixStore(ELASTIC, store)
+        self.me, self.members = me, list(range(world))
+        self._heartbeat, self.timeout, self.patience = heartbeat, timeout, patience
+        self._backend = backend
+        self.epoch = 0  # the membership epoch: one per group
+        self._seq = 0  # meetings held in this epoch
+        self._beats: dict[int, tuple[int, float]] = {}  # a member's counter, when it moved
+        #: Whether a member was asked to stop (SIGTERM) when it voted on the last meeting:
+        #: every member's stop vote, with no collective of its own.
+        self.stop_voted = False
+        self.listeners: list[Listener] = []
+
+    @classmethod
+    def of(cls, comm: Any, store: Any, heartbeat_timeout: float | None,
+           timeout: float | None) -> Membership:
+        """``comm``'s membership (``store``: the job's under its key prefix), which keeps
+        its rank and world size those of the group after every change."""
+        from shoal.core.group import backend_for
+
+        membership = cls(store, comm.rank, comm.world_size, comm._keys.heartbeat,
+                         heartbeat_timeout or 10.0, timeout or 300.0, backend_for(comm.device.type))
+
+        def regrouped(lost: list[int], ranks: list[int]) -> None:
+            comm.rank, comm.world_size = membership.rank, membership.world_size
+
+        membership.listeners.append(regrouped)
+        return membership
+
+    @property
+    def rank(self) -> int:
+        return self.members.index(self.me)
+
+    @property
+    def world_size(self) -> int:
+        return len(self.members)
+
+    # -- meetings ------------------------------------------------------------------------------
+    def meet(self, run: Callable[[], _T], keep: torch.Tensor | None = None) -> _T:
+        """``run()`` a collective and agree with the others that it succeeded; after a failed
+        meeting re-form the group, put ``keep`` (the collective's input, changed in place)
+        back as it was and hold it again."""
+        kept = keep.clone() if keep is not None else None
+        retries = 0
+        while True:
+            error: Exception | None = None
+            try:
+                result = run()
+            except RuntimeError as exc:  # Gloo: a peer closed its connection, or timed out
+                error, result = exc, None
+            if self._agree(error is None):
+                return result  # type: ignore[return-value]
+            lost = self._reform()
+            slow = error is not None and "timed out" in str(error).lower()
+            retries = 0 if lost or slow else retries + 1
+            if retries >= MAX_RETRIES:
+                if error is not None:
+                    raise error
+                raise ShoalError(f"a collective failed {MAX_RETRIES} times with every worker alive")
+            if keep is not None:
+                keep.copy_(kept)
+
+    @contextlib.contextmanager
+    def voted(self) -> Iterator[None]:
+        """A collective run by the body (DDP's all-reduce inside backward), voted on after
+        it. Held again it cannot be: a failed one re-forms the group and raises
+        :class:`MembershipChanged`, for the caller to redo its step."""
+        error: RuntimeError | None = None
+        try:
+            yield
+        except RuntimeError as exc:  # a peer lost
+            error = exc
+        if not self._agree(error is None):
+            lost = self._reform()
+            if not lost and error is not None and "timed out" not in str(error).lower():
+                raise error  # every member alive: the program's error, not a lost member's
+            raise MembershipChanged(lost)
+
+    def _agree(self, ok: bool) -> bool:
+        """Whether meeting ``seq`` of this epoch counts: all members said it succeeded. The
+        last to say so, or the first to see it failed, writes the decision (once)."""
+        base = f"{self.epoch}/{self._seq}"
+        self._seq += 1
+        decision = f"{base}/decision"
+        if not ok:
+            self._store.compare_set(decision, "", "abort")
+            return False
+        total = self._store.add(f"{base}/ok", 1 + (STOP if stop_requested() else 0))
+        if total % STOP >= len(self.members):
+            verdict = self._store.compare_set(decision, "", "commit+stop" if total >= STOP
+                                              else "commit")
+        else:
+            while not self._wait(decision, 4 * POLL, first=WAKE):
+                if any(self._gone(m) for m in self.members):  # it will never say so
+                    self._store.compare_set(decision, "", "abort")
+            verdict = self._store.get(decision)
+        counts = verdict.decode().startswith("commit")
+        self.stop_voted = verdict.decode() == "commit+stop"
+        if counts and self.rank == 0 and self._seq > 1:
+            self._forget(f"{self.epoch}/{self._seq - 2}")
+        return counts
+
+    def _forget(self, base: str) -> None:
+        """Delete a meeting's keys once every member is past it (all voted on the next),
+        so that the store does not grow with the steps."""
+        self._store.delete_key(f"{base}/decision")
+        self._store.delete_key(f"{base}/ok")
+
+    # -- re-forming ----------------------------------------------------------------------------
+    def _reform(self) -> list[int]:
+        """Agree on the members alive, join their new group; returns the ids that left."""
+        before = list(self.members)
+        while True:
+            old, nxt = list(self.members), self.epoch + 1
+            here = f"{nxt}/here"
+            self._store.set(f"{here}/{self.me}", "1")
+            started = time.monotonic()
+            while time.monotonic() - started < self.patience:
+                waiting = [m for m in old if not self._store.check([f"{here}/{m}"])]
+                if all(self._gone(m) for m in waiting):
+                    break
+                time.sleep(POLL)
+            alive = [m for m in old if self._store.check([f"{here}/{m}"])]
+            agreed = self._store.compare_set(f"{nxt}/members", "", ",".join(map(str, alive)))
+            members = [int(m) for m in agreed.decode().split(",")]
+            if self.me not in members:  # it did not answer in time: lost, as if killed
+                print(f"shoal: worker {self.me} was left out of the job's group (it did not "
+                      "answer in time); it stops", file=sys.stderr, flush=True)
+                os.kill(os.getpid(), signal.SIGKILL)
+            self._store.set("latest", str(nxt))
+            self.epoch, self.members, self._seq = nxt, members, 0
+            if self._join():
+                break
+        lost = [m for m in before if m not in members]
+        for listener in self.listeners:
+            listener(lost, [before.index(m) for m in lost])
+        return lost
+
+    def _join(self) -> bool:
+        """Leave the old process group and join this epoch's; False when a member did not
+        come (the members are then agreed again)."""
+        if dist.is_initialized():
+            dist.destroy_process_group()
+        if len(self.members) == 1:
+            return True
+        try:
+            dist.init_process_group(
+                self._backend, store=dist.PrefixStore(f"{ELASTIC}/{self.epoch}/group", self._raw),
+                rank=self.rank, world_size=len(self.members),
+                timeout=timedelta(seconds=self.timeout))
+        except (RuntimeError, ValueError):
+            return False
+        return True
+
+    def reason(self, member: int) -> str:
+        """Why ``member`` left, as far as the store knows."""
+        if self._raw.check([ended_key(member)]):
+            return f"worker {member} {self._raw.get(ended_key(member)).decode()}"
+        return f"worker {member} stopped answering (no heartbeat for {self.timeout:g} s)"
+
+    # -- who is alive --------------------------------------------------------------------------
+    def _gone(self, member: int) -> bool:
+        """Whether ``member`` ended (its launcher said so) or its heartbeat stood still for
+        ``timeout`` seconds."""
+        if member == self.me:
+            return False
+        if self._raw.check([ended_key(member)]):
+            return True
+        count = self._raw.add(self._heartbeat(member), 0)
+        now = time.monotonic()
+        seen, since = self._beats.get(member, (None, now))
+        if count != seen:
+            self._beats[member] = (count, now)
+            return False
+        return now - since > self.timeout
+
+    def _wait(self, key: str, seconds: float, first: float = 0.0) -> bool:
+        """Whether ``key`` is in the store within ``seconds``: the store's own wait for the
+        ``first`` seconds (it wakes at once), then polled (a wait that times out logs a
+        warning each time)."""
+        if first:
+            try:
+                self._store.wait([key], timedelta(seconds=first))
+                return True
+            except RuntimeError:  # DistStoreError: not there yet (a member may be lost)
+                pass
+        deadline, pause = time.monotonic() + seconds, 0.0005
+        while not self._store.check([key]):
+            if time.monotonic() > deadline:
+                return False
+            time.sleep(pause)
+            pause = min(2 * pause, POLL / 4)
+        return True

@@ -1,0 +1,175 @@
+"""Planning inside the job: ``shoal train --strategy auto`` as a rank of a job that torchrun,
+Slurm or mpirun started.
+
+The job's processes are the only ones there are, so they do everything: they join the job
+once (the launch path's :func:`~shoal.train.launch.join`), load the data once, train sync's probe
+(:mod:`shoal.train.probe`; with a given ``--plan-budget``, none: the plan starts at step 0),
+then run the plan's trials one after another as fresh trainers on the job's process group
+(a :class:`JobSession`: rank 0 drives the search and hands each trial to the others, which
+follow), and finally train the winner on the same processes, from the probe's checkpoint.
+No planning session starts, so the plan's least cost is its first trial. Only what fits the
+started processes is tried: the job's own layout, strategies whose workers meet in the job's
+process group (``groups``, which needs parameter-server processes, is left out and the
+plan's notes say so).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import math
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from shoal.config import TrainConfig
+from shoal.core.comm import Comm
+from shoal.core.env import Environment
+from shoal.core.failures import first_line
+from shoal.data import Dataset
+from shoal.errors import ShoalError
+from shoal.plan.planner import Planner, PlanOptions
+from shoal.train import job_device
+from shoal.train.launch import join, outside_topology
+from shoal.train.optim import resolve_momentum
+from shoal.train.outdir import OutputLock
+from shoal.train.probe import read_verdict
+from shoal.train.records import write_json
+from shoal.train.trainer import Trainer
+from shoal.train.workload import preflight
+
+#: Where the plan goes inside ``--out`` (as ``shoal.plan.PLAN_DIR``).
+PLAN_DIR = "plan"
+
+
+class JobSession:
+    """The planner's trials on the job's own ranks (rank 0's side): each trial's settings go
+    to every rank, every rank trains them as a fresh :class:`Trainer` on ``comm``, and rank 0
+    gathers how it went. What :class:`~shoal.plan.session.PlanningSession` is to a job of
+    its own."""
+
+    def __init__(self, comm: Comm, data: Dataset) -> None:
+        self.comm, self.data = comm, data
+
+    def run(self, cfg: TrainConfig) -> float:
+        """Run one trial on every rank; a failed one raises its line (the job goes on)."""
+        self.comm.broadcast_object({"train": cfg.to_dict()})
+        errors = self.comm.gather_objects(_trial(cfg.to_dict(), self.comm, self.data)) or []
+        error = next((e for e in errors if e is not None), None)
+        if error is not None:
+            raise ShoalError(error)
+        return 0.0  # no start-up: the ranks are running
+
+    def close(self) -> None:
+        """Nothing to end: the ranks go on with the winner."""
+
+
+def _trial(settings: dict[str, Any], comm: Comm, data: Dataset) -> str | None:
+    """Train one trial's ``settings`` on this rank; its error's line, or ``None``."""
+    try:
+        Trainer(resolve_momentum(TrainConfig.from_dict(settings), comm.world_size), comm,
+                data).run()
+    except ShoalError as exc:
+        return first_line(exc)
+    return None
+
+
+def follow(comm: Comm, data: Dataset) -> TrainConfig:
+    """A rank other than 0 during the plan: train each trial rank 0 hands out, until it
+    hands out the winner (returned)."""
+    while True:
+        command = comm.broadcast_object(None)
+        if "final" in command:
+            return TrainConfig.from_dict(command["final"])
+        comm.gather_objects(_trial(command["train"], comm, data))
+
+
+def plan_in_job(cfg: TrainConfig, env: Environment, probe_steps: int) -> dict[str, Any] | None:
+    """``shoal train --strategy auto`` as rank ``env.rank`` of an outside launcher's job:
+    probe sync (``probe_steps``; with a given ``--plan-budget``, no probe), plan on the
+    job's ranks if it pays, train the winner; rank 0 returns the summary."""
+    if cfg.replan_every is not None:
+        raise ShoalError("--replan-every re-plans between jobs of shoal's launcher; under "
+                         f"{env.launcher} leave it out (the plan runs once, inside the job)")
+    PlanOptions.of(cfg)  # the planning settings, checked before anything trains
+    started = cfg.plan_probe_since if cfg.plan_probe_since is not None else time.time()
+    auto = cfg.plan_budget == "auto"
+    sync = dataclasses.replace(cfg, strategy="sync", strategy_options={},
+                               plan_probe=probe_steps if auto else None, plan_probe_since=started)
+    topology = outside_topology(sync, env)  # the launcher's ranks, all workers of sync's
+    sync = job_device(resolve_momentum(sync, topology.workers), topology,
+                      topology.local_workers(env))
+    work = preflight(sync, topology.workers)
+    with OutputLock(Path(cfg.out)) if env.rank == 0 else contextlib.nullcontext():
+        comm = join(sync, env, topology)  # the launch path's: once, for the probe, trials, winner
+        try:
+            summary = _probe_plan_train(cfg, sync, comm, work.data, auto)
+        except BaseException as exc:
+            comm.abort(first_line(exc))
+            raise
+        comm.close()
+    return summary
+
+
+def _probe_plan_train(cfg: TrainConfig, sync: TrainConfig, comm: Comm, data: Dataset,
+                      auto: bool) -> dict[str, Any] | None:
+    """The probe, the plan and the winner on ``comm``'s ranks."""
+    out, launched = Path(cfg.out), time.time()
+    go_on, verdict = cfg, None
+    if auto:
+        summary = Trainer(sync, comm, data).run()
+        if comm.rank == 0:
+            assert summary is not None
+            verdict = read_verdict(out, since=launched)
+        if not comm.broadcast_object(verdict is not None and verdict["plans"]):
+            return _skipped(summary, verdict, out) if comm.rank == 0 else None
+    if comm.rank != 0:
+        Trainer(_final(follow(comm, data), comm), comm, data).run()
+        return None
+    if verdict is not None:
+        go_on = dataclasses.replace(cfg, init_from=str(out / "checkpoint.pt"), init_progress=True,
+                                    plan_budget=f"{verdict['budget_s']}s")
+    planner = Planner(go_on, PlanOptions.of(go_on), None, out / PLAN_DIR, comm.world_size,
+                      probe=verdict, session=JobSession(comm, data))
+    found = planner.run()
+    print(f"shoal: planned on the job's {comm.world_size} ranks in {found.planning_s:.0f} s "
+          f"({len(found.trials)} trials): {found.why}", file=sys.stderr, flush=True)
+    best = found.trials[0] if found.winner is not None else None
+    if best is None or not math.isfinite(best.predicted_s):
+        winner, label = dataclasses.replace(sync, plan_probe=None, **_from(go_on)), \
+            "sync (no trial is predicted to reach the target)"
+    else:
+        assert found.winner is not None
+        winner, label = found.winner, best.candidate.label()
+    comm.broadcast_object({"final": winner.to_dict()})
+    summary = Trainer(_final(winner, comm), comm, data).run()
+    assert summary is not None
+    summary["plan"] = {"skipped": False, "winner": label, "planning_s": found.planning_s,
+                       "trials": len(found.trials), "why": found.why, "probe": verdict,
+                       "in_job": True}
+    write_json(out / "summary.json", summary)
+    return summary
+
+
+def _from(go_on: TrainConfig) -> dict[str, Any]:
+    return {"init_from": go_on.init_from, "init_progress": go_on.init_progress}
+
+
+def _final(winner: TrainConfig, comm: Comm) -> TrainConfig:
+    """The winner's settings as this job trains them (its momentum for the job's ranks)."""
+    return resolve_momentum(dataclasses.replace(winner, overwrite=False, workers=None),
+                            comm.world_size)
+
+
+def _skipped(summary: dict[str, Any] | None, verdict: dict[str, Any] | None,
+             out: Path) -> dict[str, Any] | None:
+    """Rank 0's summary of a run the probe let go on as sync."""
+    assert summary is not None
+    why = verdict["why"] if verdict is not None else "the run is shorter than sync's probe: " \
+        "planning skipped"
+    if verdict is None:
+        print(f"shoal: {why}", file=sys.stderr, flush=True)
+    summary["plan"] = {"skipped": True, "why": why, "probe": verdict, "in_job": True}
+    write_json(out / "summary.json", summary)
+    return summary

@@ -1,0 +1,235 @@
+"""A training run under elastic membership (``--elastic``): who trains what after a worker
+is lost, and what the run keeps of it.
+
+The core (:mod:`shoal.core.membership`) re-forms the group; this module hears of it and
+hands the lost workers' unfinished work to the workers left, so that every sample of every
+epoch is trained exactly once. A worker's samples *count* once a meeting carried them into
+the shared state: every step for ``sync``, every exchange for the periodic strategies, and
+every epoch's end. After a loss the rest of the epoch is dealt again over the workers left:
+first what the lost workers read since their work last counted (their shards of those
+steps, from every plan since), then the steps nobody started. Each worker keeps its own
+per-worker batch (``--batch-size``; with ``--global-batch-size`` the global batch is kept
+instead), so the global batch shrinks with the world and an epoch takes more steps; the
+learning rate is not rescaled, and its schedule follows the share of the epochs trained,
+not the count of steps.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, TypeVar
+
+import torch
+
+from shoal.config import TrainConfig
+from shoal.core.membership import MembershipChanged
+from shoal.data import EpochPlan, ShardLoader, resolve_workers
+from shoal.errors import ShoalError
+from shoal.train.optim import schedule_at
+
+_Step = TypeVar("_Step")
+#: The strategies that take ``--elastic``.
+ELASTIC = ("sync", "local-sgd", "easgd", "eamsgd", "diloco")
+
+
+def check_elastic(cfg: TrainConfig, launcher: str | None) -> None:
+    """One line where ``--elastic`` cannot work (before any worker starts)."""
+    if not cfg.elastic:
+        if cfg.record_samples:
+            raise ShoalError("--record-samples records what each worker trained under --elastic; "
+                             "add --elastic")
+        return
+    if cfg.strategy not in ELASTIC:
+        raise ShoalError(f"--elastic works with {', '.join(ELASTIC)} (not yet with "
+                         f"{cfg.strategy})")
+    if launcher is not None:
+        raise ShoalError(f"--elastic runs under shoal's own launcher (--workers N), not yet "
+                         f"under {launcher}")
+    if cfg.strategy_options.get("compress", "none") != "none":
+        raise ShoalError("--elastic does not take --compress yet (its hooks keep per-group state)")
+    streamed = [flag for flag, value, plain in (("--fragments", "fragments", 1),
+                                                 ("--overlap-steps", "overlap_steps", 0),
+                                                 ("--outer-precision", "outer_precision", "fp32"))
+                if cfg.strategy_options.get(value, plain) != plain]
+    if streamed:  # exchanges in flight, or all-gathered, are not voted on (one meeting each)
+        raise ShoalError(f"--elastic does not take {', '.join(streamed)} yet: it exchanges whole "
+                         "models in fp32")
+
+
+@dataclass
+class Reading:
+    """A plan of this epoch whose steps from ``start`` to ``end`` (``None``: the steps done
+    so far) have not counted yet; ``members``: the workers' ids, in rank order."""
+
+    plan: EpochPlan
+    order: torch.Tensor
+    members: list[int]
+    start: int
+    end: int | None = None
+
+
+class Elastic:
+    """The trainer's side of elastic membership; a no-op without ``--elastic``."""
+
+    def __init__(self, trainer: Any) -> None:
+        self.t = trainer
+        self.membership = trainer.comm.membership
+        self.changes: list[dict[str, Any]] = []  # summary.json's "membership_changes"
+        self._updating = False  # this step's local update is done (a periodic exchange runs)
+        self._next: EpochPlan | None = None  # the rest of the epoch, dealt anew
+        self._uncounted: list[Reading] = []
+        self._trained: list[torch.Tensor] = []  # this worker's samples since they last counted
+        self._record: Path | None = None
+        self._steps = trainer.plan.steps_per_epoch  # an epoch's steps for the schedule
+        if self.membership is None:
+            return
+        self.membership.listeners.append(self._changed)
+        if trainer.cfg.record_samples:
+            self._record = Path(trainer.cfg.out) / "samples" / f"worker{self.membership.me}.jsonl"
+            self._record.parent.mkdir(parents=True, exist_ok=True)
+
+    @contextmanager
+    def updating(self) -> Iterator[None]:
+        """The strategy's step: the local update is done when its exchange meets."""
+        self._updating = True
+        try:
+            yield
+        finally:
+            self._updating = False
+
+    def start_epoch(self) -> None:
+        """A new epoch: dealt over the workers there are now (from the step resumed at)."""
+        t = self.t
+        if self.membership is None:
+            return
+        if t.plan.order is not None or t.plan.world != t.comm.world_size:
+            t.plan = EpochPlan(len(t.data.train), t.cfg.global_batch(t.comm.world_size),
+                               t.comm.world_size, t.cfg.seed)
+            self._new_loader()
+        st = t.state
+        self._uncounted = [Reading(t.plan, t.plan.permutation(st.epoch),
+                                   list(self.membership.members), st.epoch_step)]
+
+    # -- the loop -----------------------------------------------------------------------------
+    def steps_left(self) -> bool:
+        """Whether the epoch has a step left; after its last the strategy closes the epoch
+        (``end_epoch``), and a worker lost meanwhile may leave steps to take."""
+        t = self.t
+        if t.state.epoch_step < t.plan.steps_per_epoch:
+            return True
+        t.strategy.end_epoch(t.state.epoch)
+        if self.settle():
+            return True
+        self.counted()
+        return False
+
+    def step(self, train_step: Callable[[Any], _Step]) -> _Step:
+        """``train_step`` on the next batch; a worker lost in the step's all-reduce
+        (``sync``) leaves the step untaken: it is taken on the rest of the epoch, dealt
+        over the workers left."""
+        while True:
+            try:
+                return train_step(self.t.batches)
+            except MembershipChanged:
+                self.t.strategy.zero_grad()
+                self.settle()
+
+    # -- a step -------------------------------------------------------------------------------
+    def step_done(self) -> None:
+        """After each step: this worker's samples of it, the new plan if the group changed,
+        and what counts now."""
+        if self.membership is None:
+            return
+        t, st = self.t, self.t.state
+        reading = self._uncounted[-1]
+        rank = reading.members.index(self.membership.me)  # in the plan the step was read by
+        self._trained.append(reading.plan.local(reading.order, st.epoch_step - 1, rank)[0])
+        self.settle()
+        if t.strategy.meets_after(st.step):
+            self.counted()
+        if self.changes:  # the schedule follows the share of the epochs trained
+            plan, steps = t.plan, self._steps
+            left = plan.n - plan.bounds[st.epoch_step][0] if st.epoch_step < plan.steps_per_epoch \
+                else 0
+            schedule_at(t.scheduler, st.epoch * steps + round(steps * (1 - left / len(t.data.train))))
+
+    def counted(self) -> None:
+        """A meeting carried every worker's work so far into the shared state."""
+        if self.membership is None:
+            return
+        t = self.t
+        self._uncounted = [Reading(t.plan, t.plan.permutation(t.state.epoch),
+                                   list(self.membership.members), t.state.epoch_step)]
+        if self._record is not None and self._trained:
+            line = json.dumps({"epoch": t.state.epoch,
+                               "samples": torch.cat(self._trained).tolist()}) + "\n"
+            fd = os.open(self._record, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
+            try:
+                os.write(fd, line.encode())  # one write: a kill leaves no half line
+            finally:
+                os.close(fd)
+        self._trained = []
+
+    def settle(self) -> bool:
+        """Install the rest of the epoch dealt anew after a change, if any; returns whether
+        it has steps to take."""
+        plan, self._next = self._next, None
+        if plan is None:
+            return False
+        t = self.t
+        t.plan = plan
+        self._new_loader()
+        t.state.epoch_step = 0
+        self._uncounted.append(Reading(plan, plan.permutation(0), list(self.membership.members), 0))
+        return plan.steps_per_epoch > 0
+
+    def _new_loader(self) -> None:
+        t = self.t
+        t.loader.close()
+        t.loader = ShardLoader(t.data, t.plan, t.comm.rank,
+                               resolve_workers(t.cfg.loader_workers, t.data.train),
+                               pin_memory=t.device.type == "cuda", seed=t.cfg.seed)
+        t.recorder.plan = t.checkpointer.plan = t.plan  # the records', the checkpoints' plan
+        t.evaluator.loader = t.loader
+        t.batches = t.loader.epoch(t.state.epoch, 0)
+
+    # -- a change -----------------------------------------------------------------------------
+    def _changed(self, lost: list[int], ranks: list[int]) -> None:
+        """The group was re-formed without ``lost``: deal the rest of the epoch anew."""
+        t, st = self.t, self.t.state
+        t.rank, t.world = t.comm.rank, t.comm.world_size
+        t.strategy.regroup()
+        current = self._uncounted[-1]
+        if self._next is not None:  # changed again before the last change was settled
+            tail = self._next.order
+        else:
+            current.end = st.epoch_step + (1 if self._updating else 0)
+            tail = current.plan.rest(current.order, current.end)
+        parts = []
+        for reading in self._uncounted:
+            ranks_there = [reading.members.index(m) for m in lost if m in reading.members]
+            parts += reading.plan.lost_shards(reading.order, range(reading.start, reading.end),
+                                              ranks_there)
+        order = torch.cat([*parts, tail])
+        world = t.comm.world_size
+        self._next = EpochPlan(len(order), t.cfg.global_batch(world), world, t.cfg.seed, order)
+        if not lost:
+            return
+        why = {m: self.membership.reason(m) for m in lost}
+        self.changes.append({"step": st.step, "epoch": st.epoch + 1, "left": lost, "why": why,
+                             "workers": world, "samples_dealt_again": len(order)})
+        t.recorder.notes["membership_changes"] = self.changes
+        if t.comm.rank == 0:
+            print(f"shoal: {_workers(lost)} left at step {st.step} ({'; '.join(why.values())}); "
+                  f"{world} go on with the {len(order)} samples left of epoch {st.epoch + 1}",
+                  file=sys.stderr, flush=True)
+
+
+def _workers(ids: list[int]) -> str:
+    return f"worker {ids[0]}" if len(ids) == 1 else "workers " + ", ".join(map(str, ids))

@@ -1,0 +1,129 @@
+"""Whether a run is learning: a non-finite loss, a collapse to chance, a run that learned nothing.
+
+Every strategy's records pass through the :class:`~shoal.train.recorder.Recorder` (a
+synchronous run's rank 0, an asynchronous run's coordinator), which hands each step's loss and
+each epoch's numbers to a :class:`Health`:
+
+- A non-finite training loss stops the run at once (:meth:`Health.check_loss`, every step on
+  the CPU, every ``--log-every`` steps on a GPU where a per-step check would wait for the
+  device) with one line: the step (the launcher names the rank), the checkpoint kept (never
+  overwritten by a non-finite state: the trainer and the coordinator check the parameters
+  before writing) and what to try.
+- A run whose training loss sits at chance (for C classes, at least :data:`CHANCE_SHARE` of
+  ln C, the loss of predicting 1/C for every class) with accuracy at most
+  :data:`CHANCE_ACCURACY` / C for :data:`COLLAPSE_EPOCHS` epochs after having done better has
+  *collapsed* (momentum too high for the asynchrony, a learning rate past the edge): one line
+  when seen, and the trainer stops (unless ``--allow-collapse``).
+- A run whose last :data:`COLLAPSE_EPOCHS` epochs were at chance without ever doing better
+  *learned nothing*.
+
+Either verdict goes into ``summary.json`` as ``"collapsed"`` and replaces the ``done:`` line;
+``shoal train`` then exits with status 4 (``shoal.cli.EXIT_COLLAPSED``) unless
+``--allow-collapse``.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from shoal.errors import ShoalError
+
+#: Epochs at chance that make a collapse (and, at the end, a run that learned nothing).
+COLLAPSE_EPOCHS = 3
+#: A training loss of at least this share of ln C is at chance ...
+CHANCE_SHARE = 0.95
+#: ... with an accuracy (training, and test where measured) of at most this many times 1/C.
+CHANCE_ACCURACY = 1.5
+#: An epoch did better than chance: a training loss below this share of ln C, or a test
+#: accuracy of at least this many times 1/C.
+BETTER_SHARE, BETTER_ACCURACY = 0.8, 2.0
+
+
+class NonFiniteLoss(ShoalError):
+    """The training loss became NaN or infinite: the run stops at once."""
+
+
+@dataclass
+class Health:
+    """One run's watch over its epochs (``classes``: C, the number of classes)."""
+
+    classes: int
+    #: ``--allow-collapse``: a collapse is recorded, the run goes on.
+    allow_collapse: bool = False
+    better: bool = False  # some epoch did better than chance
+    at_chance: int = 0  # epochs at chance in a row, up to the last
+    since: int | None = None  # the first of them
+    last: dict[str, float] = field(default_factory=dict)
+    #: Said once, when the collapse is first seen.
+    announced: bool = False
+
+    @property
+    def chance_loss(self) -> float:
+        return math.log(self.classes)
+
+    def check_loss(self, loss: float, step: int, epoch: int, lr: float, checkpoint: Path) -> None:
+        """Raise :class:`NonFiniteLoss` (its one line; the launcher names the rank) when
+        ``loss`` is not finite."""
+        if math.isfinite(loss):
+            return
+        kept = f"{checkpoint} keeps the last good state" if checkpoint.exists() \
+            else "no checkpoint holds it"
+        raise NonFiniteLoss(
+            f"training loss became {loss} at step {step} (epoch {epoch}); "
+            f"{kept}; try a lower --lr (this step's was {lr:.3g}), --clip-grad-norm 1 or "
+            "--warmup-epochs 1")
+
+    def epoch(self, epoch: int, train_loss: float, train_acc: float, test_acc: float) -> str | None:
+        """Take epoch ``epoch``'s numbers (``test_acc`` NaN where not tested); the one line
+        to show when this epoch makes the run collapsed, else ``None``."""
+        chance_acc = CHANCE_ACCURACY / self.classes
+        tested = math.isfinite(test_acc)
+        if train_loss >= CHANCE_SHARE * self.chance_loss and train_acc <= chance_acc \
+                and (not tested or test_acc <= chance_acc):
+            self.since = epoch if self.at_chance == 0 else self.since
+            self.at_chance += 1
+        else:
+            self.at_chance, self.since = 0, None
+            self.better = self.better or train_loss < BETTER_SHARE * self.chance_loss \
+                or (tested and test_acc >= BETTER_ACCURACY / self.classes)
+        self.last = {"epoch": epoch, "train_loss": train_loss, "train_accuracy": train_acc,
+                     "test_accuracy": test_acc}
+        if not self.collapsed or self.announced:
+            return None
+        self.announced = True
+        return self.line() + ("; going on (--allow-collapse)" if self.allow_collapse else
+                              "; stopping (--allow-collapse goes on)")
+
+    @property
+    def collapsed(self) -> bool:
+        """Did better, then sat at chance for :data:`COLLAPSE_EPOCHS` epochs."""
+        return self.better and self.at_chance >= COLLAPSE_EPOCHS
+
+    @property
+    def stop(self) -> bool:
+        """Whether the trainer stops now (collapsed, not ``--allow-collapse``)."""
+        return self.collapsed and not self.allow_collapse
+
+    def verdict(self) -> dict[str, Any] | None:
+        """``summary.json``'s ``"collapsed"``: collapsed, or learned nothing (the last
+        :data:`COLLAPSE_EPOCHS` epochs at chance, never better); ``None`` for a run that
+        learned."""
+        if self.at_chance < COLLAPSE_EPOCHS:
+            return None
+        return {"kind": "collapsed" if self.better else "learned nothing",
+                "since_epoch": self.since, "epochs_at_chance": self.at_chance,
+                "chance_loss": self.chance_loss, **self.last}
+
+    def line(self) -> str:
+        """The one line that says what happened and what to try."""
+        last = self.last
+        what = (f"training collapsed: since epoch {self.since} the training loss has sat at "
+                f"chance" if self.better else
+                f"training learned nothing: for the last {self.at_chance} epochs the training "
+                "loss sat at chance")
+        return (f"{what} (ln {self.classes} = {self.chance_loss:.4f}; epoch {last['epoch']}: "
+                f"{last['train_loss']:.4f}, accuracy {100 * last['train_accuracy']:.1f}%); try a "
+                "lower --lr or --momentum, --clip-grad-norm 1 or --warmup-epochs 1")

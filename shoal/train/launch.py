@@ -1,0 +1,134 @@
+"""One rank of a training job, whatever started it: :func:`run_rank`.
+
+shoal's own launcher, torchrun, Slurm's srun, mpirun, or a process alone: every rank runs
+the same function. It stops at the next safe point on SIGTERM (Slurm's preemption notice),
+tells the others when it fails, builds its :class:`~shoal.core.comm.Comm` as the strategy's
+:class:`~shoal.strategies.topology.Topology` says (the job's process group, or none: the
+servers' store and a compute group's process group, joined before the strategy is built),
+builds the model and loads the data once, then plays its role: worker (a
+:class:`~shoal.train.trainer.Trainer`) or parameter server (:mod:`shoal.train.server`).
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+from typing import Any
+
+from shoal.config import TrainConfig
+from shoal.core.comm import Comm
+from shoal.core.env import Environment, default_threads
+from shoal.core.failures import record_failure
+from shoal.core.join import init_comm
+from shoal.core.processes import stop_on_sigterm
+from shoal.core.timeline import Timeline
+from shoal.data import Dataset
+from shoal.errors import ShoalError
+from shoal.strategies import get_strategy, make_options
+from shoal.strategies.topology import Topology
+from shoal.train.remote import remote_components
+from shoal.train.server import connect, leave, run_server
+from shoal.train.trainer import Trainer
+from shoal.train.workload import Workload, load_workload
+
+
+def job_topology(cfg: TrainConfig, workers: int) -> Topology:
+    """How ``cfg``'s strategy lays out a job of ``workers`` workers."""
+    cls = get_strategy(cfg.strategy)
+    return cls.topology(make_options(cls, cfg.strategy_options), workers)
+
+
+def outside_topology(cfg: TrainConfig, env: Environment) -> Topology:
+    """The layout of a job an outside launcher started with ``env.world_size`` processes:
+    the strategy's servers first, the rest workers; a one-line error unless they fit
+    (``--workers`` when given, at least one worker)."""
+    cls = get_strategy(cfg.strategy)
+    options = make_options(cls, cfg.strategy_options)
+    servers = cls.servers(options)
+    also = f" and --servers {servers}" if servers else ""
+    if cfg.workers is not None and cfg.workers + servers != env.world_size:
+        raise ShoalError(f"--workers {cfg.workers}{also} contradict the launcher's world size "
+                         f"{env.world_size} ({env.launcher}); leave --workers out")
+    if env.world_size <= servers:
+        raise ShoalError(f"--servers {servers} needs at least {servers + 1} ranks; "
+                         f"the launcher started {env.world_size}")
+    return cls.topology(options, env.world_size - servers)
+
+
+def run_rank(cfg: TrainConfig, env: Environment, topology: Topology, work: Workload | None = None,
+             data: Dataset | None = None, extra: dict[str, Any] | None = None
+             ) -> dict[str, Any] | None:
+    """Run rank ``env.rank`` of the job ``topology`` lays out; rank 0 returns the summary.
+
+    ``work``: this process's workload, when it is loaded already (else loaded here, from
+    ``data`` when given: a dataset handed over in Python); ``extra``: what the summary adds
+    (the launcher's restarts). A failure is told to the others (the job's abort key; a
+    detached worker's coordinator) before it is raised; under shoal's launcher the rank then
+    reports it and exits at once (tearing down the Gloo pairs of a failed rank can block on
+    a peer that is failing too, which would hold the job's end for seconds).
+    """
+    previous = stop_on_sigterm()
+    try:
+        comm = join(cfg, env, topology)
+        try:
+            work = work or load_workload(cfg, data)
+            if topology.role(env.rank).is_server:
+                result = run_server(cfg, env, comm, topology, work, extra)
+            else:
+                result = _train(cfg, comm, topology, work, extra)
+        except BaseException as exc:
+            comm.abort(str(exc) or type(exc).__name__)
+            if comm.ps is not None:
+                leave(comm.ps, exc)
+            if isinstance(exc, Exception) and env.error_dir is not None:
+                _exit_failed(env, exc)
+            raise
+        comm.close()
+        return result
+    finally:
+        if previous is not None:
+            signal.signal(signal.SIGTERM, previous)
+
+
+def join(cfg: TrainConfig, env: Environment, topology: Topology) -> Comm:
+    """This rank's Comm: the job's process group; or, in a job whose workers meet only
+    through their servers, the job's store and the process group of this worker's compute
+    group (before the strategy is built). A server computes little: one thread."""
+    timeline = Timeline(keep_events=cfg.trace)
+    if not topology.detached:
+        threads = cfg.threads_per_worker or default_threads(env.local_world_size)
+        return init_comm(env, cfg.device, cfg.timeout, threads, timeline,
+                         heartbeat_timeout=cfg.heartbeat_timeout, elastic=cfg.elastic)
+    place = topology.place(env)
+    if topology.role(env.rank).is_server:
+        return init_comm(env, "cpu", cfg.timeout, 1, timeline, place=place)
+    threads = cfg.threads_per_worker or default_threads(place.local_world_size)
+    comm = init_comm(env, cfg.device, cfg.timeout, threads, timeline, place=place)
+    first, end = topology.group(place.rank)
+    if end - first > 1:
+        comm.join_subgroup(f"groups/{first}", place.rank - first, end - first, cfg.timeout)
+    return comm
+
+
+def _train(cfg: TrainConfig, comm: Comm, topology: Topology, work: Workload,
+           extra: dict[str, Any] | None) -> dict[str, Any] | None:
+    """A worker's run; a detached one's through its servers, reporting to server 0."""
+    if not topology.detached:
+        return Trainer(cfg, comm, work.data, work.model, extra=extra).run()
+    client = connect(cfg, comm, topology, work.model)
+    Trainer(cfg, comm, work.data, work.model, components=remote_components(client)).run()
+    leave(client)
+    return None
+
+
+def _exit_failed(env: Environment, exc: Exception) -> None:
+    """Report ``exc`` to shoal's launcher and leave at once."""
+    assert env.error_dir is not None
+    record_failure(env.error_dir, env.rank, exc)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(1)
+
+
+__all__ = ["job_topology", "join", "outside_topology", "run_rank"]

@@ -1,0 +1,108 @@
+"""A detached worker's components: they report to the coordinator instead of writing.
+
+An asynchronous job's workers never wait for each other, so none of them tests the model or
+writes into ``--out``: the trainer of such a worker gets these versions of its evaluation,
+records and checkpoints, which send what the real ones would use to server 0, the
+coordinator, over the parameter-server client's report channel. The coordinator runs the
+real components (:mod:`shoal.train.coordinator`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+from torch import nn
+
+from shoal.config import TrainConfig
+from shoal.core.comm import Comm
+from shoal.data import EpochPlan
+from shoal.train.checkpoint import to_cpu
+from shoal.train.checkpointer import Checkpointer
+from shoal.train.recorder import Recorder
+from shoal.train.state import RunState
+
+if TYPE_CHECKING:
+    from shoal.train.trainer import Components, Trainer
+
+
+class Reporter:
+    """Sends a detached worker's reports to the coordinator through ``client`` (its end of
+    the parameter servers): each says where the worker is (step, samples, time and byte
+    totals, learning rate) besides what it is about."""
+
+    def __init__(self, client: Any, comm: Comm) -> None:
+        self.client, self.comm = client, comm
+
+    def __call__(self, kind: str, st: RunState, **fields: Any) -> None:
+        """Report ``kind`` (epoch, checkpoint, final) with ``fields``."""
+        self.client.report({"kind": kind, "worker": self.comm.rank, "step": st.step,
+                            "samples": st.samples, "times": dict(self.comm.timeline.totals),
+                            "bytes": self.comm.bytes_sent, "lr": st.lr,
+                            "elapsed_s": st.elapsed_s(), **fields})
+
+
+class RemoteEvaluator:
+    """Leaves testing to the coordinator, which tests the center: no result here (NaN)."""
+
+    eval_s = 0.0
+
+    def test(self, model: nn.Module) -> tuple[float, float]:
+        return float("nan"), float("nan")
+
+
+class RemoteRecorder(Recorder):
+    """Keeps this worker's sums and checks its loss as every rank does, writes nothing, and
+    reports each epoch's sums (with the model's buffers, which the coordinator's test of the
+    center uses) and the run's end."""
+
+    writes = False
+
+    def __init__(self, cfg: TrainConfig, comm: Comm, plan: EpochPlan, report: Reporter,
+                 model: nn.Module, classes: int) -> None:
+        super().__init__(cfg, comm, plan, classes=classes)
+        self.report, self.model = report, model
+
+    def epoch(self, st: RunState, test: tuple[float, float]) -> None:
+        self.report("epoch", st, epoch=st.epoch, sums=self.epoch_sums(),
+                    buffers=to_cpu(dict(self.model.named_buffers())))
+        super().epoch(st, test)
+
+    def finish(self, st: RunState, stopped: bool, stop_reason: str | None,
+               test: tuple[float, float], parameters: int, extra: dict[str, Any] | None = None,
+               lanes: list[Any] | None = None) -> dict[str, Any] | None:
+        super().finish(st, stopped, stop_reason, test, parameters)
+        self.report("final", st, stopped=stopped, stopped_by=stop_reason, epoch=st.epoch,
+                    train_time_s=st.train_time_s, device=str(self.comm.device),
+                    trace=self.tl.chrome_events(self.comm.rank) if self.cfg.trace else None)
+        return None
+
+
+class RemoteCheckpointer(Checkpointer):
+    """Sends this worker's part of a checkpoint, with its own position (after SIGTERM each
+    worker stops at its own step), to the coordinator, which writes the file once every live
+    worker sent its part for the same step."""
+
+    def __init__(self, *parts: Any, report: Reporter) -> None:
+        """``parts``: the :class:`Checkpointer`'s."""
+        super().__init__(*parts)
+        self.report = report
+
+    def position(self, progress: dict[str, Any]) -> dict[str, Any]:
+        return {"progress": progress, "scheduler": self.scheduler.state_dict()}
+
+    def keep(self, own: dict[str, Any], progress: dict[str, Any]) -> None:
+        self.report("checkpoint", self.state, own=own)
+
+
+def remote_components(client: Any) -> Callable[[Trainer], Components]:
+    """The components of a detached worker whose end of the parameter servers is ``client``
+    (for :class:`~shoal.train.trainer.Trainer`'s ``components``)."""
+    def make(t: Trainer) -> Components:
+        report = Reporter(client, t.comm)
+        recorder = RemoteRecorder(t.cfg, t.comm, t.plan, report, t.model, t.data.num_classes)
+        checkpointer = RemoteCheckpointer(t.cfg, t.comm, t.plan, t.state, recorder, t.amp,
+                                          t.scheduler, t.strategy, report=report)
+        return RemoteEvaluator(), recorder, checkpointer
+
+    return make

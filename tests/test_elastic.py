@@ -1,0 +1,113 @@
+"""Elastic membership (--elastic): a worker killed mid-epoch (kill -9) does not stop the job;
+the others re-form the group at the next meeting and train its unfinished share, so every
+sample of every epoch is trained exactly once. Real processes, Gloo on CPU."""
+
+from __future__ import annotations
+
+import collections
+import json
+
+import pytest
+import torch
+
+from shoal.cli import main
+from shoal.data.sharding import EpochPlan
+
+from conftest import one_error_line, shoal, shoal_env
+
+pytestmark = pytest.mark.timeout(600)
+
+EPOCHS, TRAIN_ROWS = 2, 1437  # digits
+
+
+def samples_trained(out) -> collections.Counter:
+    """How often each (epoch, sample) was trained, from every worker's --record-samples."""
+    counts: collections.Counter = collections.Counter()
+    for path in (out / "samples").glob("worker*.jsonl"):
+        for line in path.read_text().splitlines():
+            record = json.loads(line)
+            counts.update((record["epoch"], s) for s in record["samples"])
+    return counts
+
+
+@pytest.mark.parametrize("strategy, killed", [
+    ("sync", 2), ("local-sgd", 1), ("easgd", 1), ("diloco", 2)])
+def test_a_killed_worker_leaves_and_the_others_train_its_share(tmp_path, strategy, killed):
+    # 3 workers x 16 rows: 30 steps an epoch; the worker kills itself (SIGKILL) at its 40th
+    # training forward, step 10 of epoch 2, inside a round of --tau 4 (the last exchange
+    # was at step 36).
+    env = shoal_env()
+    env.update(SHOAL_TEST_KILL_RANK=str(killed), SHOAL_TEST_KILL_AT="train:40")
+    out = tmp_path / "run"
+    res = shoal("train", "--out", str(out), "--progress", "plain", "--model",
+                "tests.fixtures_models:killed_at", "--dataset", "digits", "--workers", "3",
+                "--epochs", str(EPOCHS), "--schedule", "constant", "--log-every", "1",
+                "--strategy", strategy,
+                *([] if strategy == "sync" else ["--tau", "4"]), "--elastic",
+                "--record-samples", env=env, timeout=500)
+    assert res.returncode == 0, res.stderr
+    assert res.stray == []
+    assert f"worker {killed} left at step 39" in res.stderr
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["completed"] and "restarts" not in summary
+    [change] = summary["membership_changes"]
+    assert change["left"] == [killed] and change["workers"] == 2
+    assert change["why"] == {str(killed): f"worker {killed} killed by signal 9"}
+    counts = samples_trained(out)
+    assert set(counts.values()) == {1}, "a sample was trained twice"
+    assert sorted(counts) == [(e, s) for e in range(EPOCHS) for s in range(TRAIN_ROWS)]
+    steps = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    workers = {r["step"]: r["workers"] for r in steps if r.get("event") == "step"}
+    assert workers[39] == 3 and workers[40] == 2 and max(workers) > 60  # more, smaller steps
+
+
+def test_the_rest_of_an_epoch_after_a_loss():
+    """Lost rank 1 of 3 read 2 uncounted steps (2 and 3 of 5): its shards of those steps,
+    then the steps nobody started, dealt over 2 workers; nothing dropped or repeated."""
+    plan = EpochPlan(30, 6, 3, seed=0)
+    perm = plan.permutation(0)
+    lost = plan.lost_shards(perm, range(2, 4), [1])
+    assert [t.tolist() for t in lost] == [perm[14:16].tolist(), perm[20:22].tolist()]
+    order = torch.cat([*lost, plan.rest(perm, 4)])
+    assert order.tolist() == perm[14:16].tolist() + perm[20:22].tolist() + perm[24:].tolist()
+    rest = EpochPlan(len(order), 4, 2, seed=0, order=order)
+    read = torch.cat([rest.local(rest.permutation(5), s, r)[0]
+                      for s in range(rest.steps_per_epoch) for r in range(2)])
+    assert read.tolist() == order.tolist()
+    assert EpochPlan(0, 4, 2, seed=0, order=order[:0]).steps_per_epoch == 0
+
+
+@pytest.mark.parametrize("args, expected", [
+    (["--strategy", "async-sgd", "--elastic"], "--elastic works with sync, local-sgd"),
+    (["--elastic", "--compress", "fp16"], "--elastic does not take --compress"),
+    (["--record-samples"], "add --elastic"),
+    (["--strategy", "diloco", "--elastic", "--tau", "4", "--fragments", "2"],
+     "--elastic does not take --fragments yet"),
+    (["--strategy", "local-sgd", "--elastic", "--outer-precision", "int4", "--overlap-steps", "1"],
+     "--elastic does not take --overlap-steps, --outer-precision yet"),
+])
+def test_what_elastic_does_not_take_is_one_line(tmp_path, capsys, args, expected):
+    code = main(["train", "--out", str(tmp_path / "run"), "--workers", "2", "--epochs", "1",
+                 "--dataset", "digits", *args])
+    assert code == 2
+    assert expected in one_error_line(capsys.readouterr().err)
+    assert not (tmp_path / "run").exists()
+
+
+def test_a_worker_that_stops_answering_is_left_out(tmp_path):
+    """Worker 1 stops (SIGSTOP) mid-epoch: the others drop it after the collectives' and the
+    heartbeat's timeouts, finish the run with its share, and the launcher ends it."""
+    env = shoal_env()
+    env.update(SHOAL_TEST_KILL_RANK="1", SHOAL_TEST_KILL_AT="train:40", SHOAL_TEST_KILL_SIGNAL="19")
+    out = tmp_path / "run"
+    res = shoal("train", "--out", str(out), "--progress", "plain", "--model",
+                "tests.fixtures_models:killed_at", "--dataset", "digits", "--workers", "3",
+                "--epochs", str(EPOCHS), "--strategy", "local-sgd", "--tau", "4", "--elastic",
+                "--heartbeat-timeout", "5", "--record-samples", env=env, timeout=500)
+    assert res.returncode == 0, res.stderr
+    assert res.stray == []
+    [change] = json.loads((out / "summary.json").read_text())["membership_changes"]
+    assert change["left"] == [1] and change["why"]["1"].startswith("worker 1 stopped answering")
+    counts = samples_trained(out)
+    assert set(counts.values()) == {1}
+    assert sorted(counts) == [(e, s) for e in range(EPOCHS) for s in range(TRAIN_ROWS)]

@@ -1,0 +1,96 @@
+"""A run that stops learning says so: a non-finite loss stops it at once (the last good
+checkpoint kept), a collapse to chance stops it with its line and a non-zero exit, for the
+synchronous trainer and an asynchronous run's coordinator alike (real processes, Gloo)."""
+
+import json
+import math
+
+import pytest
+import torch
+
+from shoal.train.health import COLLAPSE_EPOCHS, Health
+
+from conftest import one_error_line, shoal, shoal_env
+
+LN10 = math.log(10)
+DIGITS = ["--dataset", "digits", "--workers", "2", "--progress", "plain"]
+
+
+def feed(health: Health, epochs: list[tuple[float, float, float]]) -> list[str | None]:
+    return [health.epoch(i + 1, *e) for i, e in enumerate(epochs)]
+
+
+def test_collapse_needs_better_epochs_then_several_at_chance():
+    chance = (LN10, 0.1, 0.1)
+    health = Health(10)
+    lines = feed(health, [(1.2, 0.6, 0.8), chance, chance])
+    assert lines == [None, None, None] and not health.collapsed and health.verdict() is None
+    line = health.epoch(4, LN10 + 0.01, 0.11, float("nan"))  # untested epochs count too
+    assert line is not None and "collapsed: since epoch 2" in line and "ln 10" in line
+    assert health.stop and health.verdict()["kind"] == "collapsed"
+    assert health.verdict()["epochs_at_chance"] == COLLAPSE_EPOCHS
+    assert health.epoch(5, *chance) is None  # said once
+    assert not Health(10, allow_collapse=True).stop
+
+
+def test_a_slow_start_is_no_collapse_and_a_recovery_resets():
+    health = Health(10)
+    # At chance from the start (a deep net's first epochs): never a collapse, never a stop;
+    # it learned nothing only if the run ends there.
+    assert feed(health, [(LN10, 0.1, 0.1)] * 4) == [None] * 4 and not health.stop
+    assert health.verdict()["kind"] == "learned nothing"
+    health.epoch(5, 1.0, 0.7, 0.75)
+    assert health.verdict() is None
+    feed(health, [(LN10, 0.1, 0.1)] * 2 + [(1.0, 0.7, 0.75)] + [(LN10, 0.1, 0.1)] * 2)
+    assert not health.collapsed  # two, a recovery, two: never three in a row
+    # A loss near ln C with a good accuracy is not chance (calibration, not collapse).
+    assert feed(Health(10), [(1.0, 0.7, 0.7)] + [(LN10, 0.6, 0.6)] * 4) == [None] * 5
+
+
+def test_collapsing_run_stops_with_its_line_and_exit_status(tmp_path):
+    """mlp on digits with the lr warming up to 0.5: it learns in epoch 1, blows up in 2-3,
+    then sits at ln 10: stopped after 3 epochs at chance, exit 4, not `done:`; with
+    --allow-collapse it trains every epoch and exits 0, the summary saying so all the same."""
+    args = [*DIGITS, "--model", "mlp", "--epochs", "7", "--lr", "0.5", "--warmup-epochs", "2"]
+    res = shoal("train", "--out", str(tmp_path / "stop"), *args, timeout=240)
+    assert res.returncode == 4, res.stdout + res.stderr
+    assert "done:" not in res.stdout and "Traceback" not in res.stderr
+    said = [ln for ln in res.stdout.splitlines() if "training collapsed: since epoch" in ln]
+    assert len(said) == 2 and said[0].startswith("shoal: training collapsed"), res.stdout
+    assert said[1].startswith("collapsed: test accuracy"), res.stdout
+    summary = json.loads((tmp_path / "stop" / "summary.json").read_text())
+    assert summary["collapsed"]["kind"] == "collapsed" and not summary["completed"]
+    assert summary["epochs"] < 7 and summary["test_accuracy"] < 0.15
+    go_on = shoal("train", "--out", str(tmp_path / "on"), *args, "--allow-collapse", timeout=240)
+    assert go_on.returncode == 0, go_on.stdout + go_on.stderr
+    summary = json.loads((tmp_path / "on" / "summary.json").read_text())
+    assert summary["completed"] and summary["epochs"] == 7 and summary["collapsed"]
+    assert "done:" not in go_on.stdout and "going on (--allow-collapse)" in go_on.stdout
+
+
+@pytest.mark.parametrize("strategy", ["sync", "local-sgd", "async-sgd", "groups"])
+def test_nan_stops_at_once_and_keeps_the_last_good_checkpoint(tmp_path, strategy):
+    """The outputs turn NaN at step 60 (epoch 2 of 45 steps): the run stops at that step with
+    one line (step, what to try, the checkpoint kept), exit 2; the checkpoint is epoch 1's,
+    finite, never overwritten by the NaN state. (An asynchronous run's coordinator writes
+    epoch 1's checkpoint once both workers sent their part, which the failure may overtake:
+    there, whatever checkpoint exists is an earlier, finite one.)"""
+    env = shoal_env()
+    env["SHOAL_TEST_NAN_AT"] = "60"
+    res = shoal("train", "--out", str(tmp_path / "run"), *DIGITS, "--strategy", strategy,
+                "--model", "tests.fixtures_models:nan_from", "--epochs", "3", env=env,
+                timeout=240)
+    assert res.returncode == 2, res.stdout + res.stderr
+    line = one_error_line(res.stderr)
+    assert "training loss became nan at step 60 (epoch 2)" in line, line
+    assert "--lr" in line and "done:" not in res.stdout, line
+    path = tmp_path / "run" / "checkpoint.pt"
+    if strategy in ("async-sgd", "groups"):  # a coordinator writes the checkpoints
+        assert "keeps the last good state" in line or "no checkpoint holds it" in line, line
+        if not path.exists():
+            return
+    else:
+        assert "keeps the last good state" in line, line
+    saved = torch.load(path, map_location="cpu", weights_only=True)
+    assert saved["progress"]["step"] == 45
+    assert all(torch.isfinite(t).all() for t in saved["eval_model"].values())
