@@ -10,7 +10,6 @@ line here.
 from __future__ import annotations
 
 import dataclasses
-import json
 import math
 from dataclasses import dataclass
 from pathlib import Path
@@ -52,10 +51,6 @@ DEFAULT_LR = 0.05
 #: epoch`` for the data order, ``seed + 10_007 * (rank + 1)`` for augmentation) must still fit
 #: the 64 bits ``torch.manual_seed`` takes.
 MAX_SEED = 2**32 - 1
-#: ``--timeout`` and ``--heartbeat-timeout`` are at most a week, in seconds: far beyond any
-#: sane wait, and far below what ``timedelta`` (about 8.6e13 s) and Gloo's rendezvous (which
-#: fails at once from about 1e10 s) can hold.
-MAX_TIMEOUT = MAX_DURATION_S
 
 
 def _models() -> str:
@@ -276,16 +271,10 @@ class TrainConfig:
 
     # -- validation -----------------------------------------------------------------------
     def validate(self) -> TrainConfig:
-        """Raise :class:`ShoalError` naming the first bad value; return ``self``.
-
-        Every field is first checked against its annotation (an ``int`` field takes no float,
-        string or bool; a ``float`` field takes ints; tuples take lists) and normalized
-        (``float`` fields hold floats, sequences tuples); then against its metadata's
-        choices and range (:func:`~shoal.schema.check_rules`), then the checks that involve
-        more than one field or a bound of their own; last what
-        :func:`~shoal.schema.check_bounds` asks of every field (floats finite and within
-        float32, ints within int64, no NUL in text).
-        """
+        """Raise :class:`ShoalError` naming the first bad value; return ``self``. Each field
+        is checked against its annotation and normalized, then its metadata's choices and
+        range (:func:`~shoal.schema.check_rules`), then the checks across fields, last
+        :func:`~shoal.schema.check_bounds` (floats finite within float32, ints int64)."""
         hints = {k: v for k, v in field_types(TrainConfig).items()
                  if k != "profile" or self.profile is None}  # parse_step_window checks it
         for name, hint in hints.items():
@@ -295,14 +284,28 @@ class TrainConfig:
                 value = {str(k).replace("-", "_"): v for k, v in value.items()}
             setattr(self, name, value)
         check_rules(self)
+        self._check_combinations()
+        self._check_planning()
+        if self.profile is not None:
+            self.profile = parse_step_window(self.profile)
+        for name in hints:  # what the checks above leave: floats finite float32, ints int64
+            check_bounds(getattr(self, name), flag_name(name))
+        if self.scale_lr and self.workers is not None and self.base_lr(self.workers) > MAX_FLOAT:
+            raise ShoalError(f"--lr {self.base_lr(1):g} --scale-lr with {self.workers} workers is "
+                             f"beyond float32 ({MAX_FLOAT:.3g})")
+        return self
+
+    def _check_combinations(self) -> None:
+        """The checks that involve more than one field, or a bound of their own (timeouts at
+        most a week: far below what ``timedelta`` and Gloo's rendezvous can hold)."""
         if self.global_batch_size is not None and self.workers is not None \
                 and self.global_batch_size < self.workers:
             raise ShoalError(f"--global-batch-size {self.global_batch_size} is smaller than "
                              f"--workers {self.workers}")
         for name in ("timeout", "heartbeat_timeout"):
             value = getattr(self, name)
-            if value > MAX_TIMEOUT:
-                raise ShoalError(f"{flag_name(name)} must be at most {MAX_TIMEOUT:.0f} seconds "
+            if value > MAX_DURATION_S:
+                raise ShoalError(f"{flag_name(name)} must be at most {MAX_DURATION_S:.0f} seconds "
                                  f"(a week), got {value:g}")
         if not 0 <= self.seed <= MAX_SEED:
             raise ShoalError(f"--seed must be from 0 to {MAX_SEED}, got {show_value(self.seed)}")
@@ -332,15 +335,6 @@ class TrainConfig:
         if self.init_from is not None and self.resume not in (None, "auto"):
             raise ShoalError("--init-from and --resume contradict each other (--resume goes on "
                              "with this run's own checkpoint)")
-        self._check_planning()
-        if self.profile is not None:
-            self.profile = parse_step_window(self.profile)
-        for name in hints:  # what the checks above leave: floats finite float32, ints int64
-            check_bounds(getattr(self, name), flag_name(name))
-        if self.scale_lr and self.workers is not None and self.base_lr(self.workers) > MAX_FLOAT:
-            raise ShoalError(f"--lr {self.base_lr(1):g} --scale-lr with {self.workers} workers is "
-                             f"beyond float32 ({MAX_FLOAT:.3g})")
-        return self
 
     def _check_planning(self) -> None:
         """The planning settings, whatever the strategy: a setting that only planning reads
@@ -402,23 +396,3 @@ def check_values(values: dict[str, Any], source: str) -> None:
         elif key in hints:  # the ranges: validate(), whose errors the caller may rename
             check_value(value, hints[key], f"{source}: {key}", bounds=False,
                         kind=field_kind(TrainConfig, key))
-
-
-def load_config_file(path: str) -> dict[str, Any]:
-    """Read a YAML or JSON mapping of configuration keys (dashes or underscores)."""
-    import yaml
-
-    p = Path(path)
-    if not p.is_file():
-        raise ShoalError(f"config file {p} does not exist")
-    try:
-        text = p.read_text()
-        data = json.loads(text) if p.suffix == ".json" else yaml.safe_load(text)
-    except (OSError, ValueError, yaml.YAMLError) as exc:
-        first = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
-        raise ShoalError(f"config file {p}: cannot parse: {first}") from None
-    if data is None:
-        return {}
-    if not isinstance(data, dict):
-        raise ShoalError(f"config file {p}: expected a mapping of keys to values")
-    return {str(k).replace("-", "_"): v for k, v in data.items()}

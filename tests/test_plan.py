@@ -151,8 +151,8 @@ def test_a_speed_only_trial_does_not_answer_the_grid():
     speeds = {("sync", 1, 4): 1.0, ("groups", 2, 4): 0.5}
     search, asked = run_with(speeds)
     fast = Candidate("groups", (("groups", 2),), 4, 1)
-    search.trials.append(Trial(fast, epoch_s=0.5, hardware_only=True))
-    assert search.trial(fast, HARDWARE).hardware_only  # the walk reuses it
+    search.trials.append(Trial(fast, epoch_s=0.5, speed_only=True))
+    assert search.trial(fast, HARDWARE).speed_only  # the walk reuses it
     assert search.trial(fast, STATISTICAL).curve and asked == [fast]
 
 
@@ -298,7 +298,7 @@ def test_an_asynchronous_walk_step_measures_speed_only(tmp_path):
     with Launcher(None, 120) as launcher:
         planner = Planner(cfg, PlanOptions.of(cfg), launcher, tmp_path, 2, show=False)
         trial = planner.trial(Candidate("groups", (("groups", 2),), 2, None), HARDWARE)
-    assert trial.ok and trial.hardware_only and not trial.curve and 0 < trial.epoch_s < 60
+    assert trial.ok and trial.speed_only and not trial.curve and 0 < trial.epoch_s < 60
     summary = json.loads(next((tmp_path / "trials").glob("01-groups*/summary.json")).read_text())
     assert summary["steps"] == 11  # a quarter of a trial (1 epoch of 45 steps), at least 8
     assert trial.epoch_s == pytest.approx(summary["wall_time_s"] / 11 * 45)

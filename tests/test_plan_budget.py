@@ -66,7 +66,7 @@ def test_a_run_that_pays_for_planning_stops_plans_and_goes_on_from_the_probe(tmp
     assert probe["plans"] and probe["startup_s"] == 0 and 0 < probe["comm_fraction"] < 1
     plan = json.loads((out / "plan" / "plan.json").read_text())
     assert plan["budget_s"] == pytest.approx(probe["budget_s"])
-    seed = next(t for t in plan["trials"] if t["strategy"] == "sync" and t["hardware_only"])
+    seed = next(t for t in plan["trials"] if t["strategy"] == "sync" and t["speed_only"])
     assert seed["workers"] == 2 and seed["epoch_s"] == pytest.approx(probe["step_s"] * 45)
     summary = json.loads((out / "summary.json").read_text())
     assert not summary["plan"]["skipped"] and summary["plan"]["probe"] == probe

@@ -30,7 +30,7 @@ def test_auto_under_torchrun_plans_on_the_jobs_ranks_and_trains_the_winner_there
     assert not res.stray
     plan = json.loads((out / "plan" / "plan.json").read_text())
     labels = [t["label"] for t in plan["trials"]]
-    assert any(t["hardware_only"] and t["strategy"] == "sync" for t in plan["trials"])  # the probe
+    assert any(t["speed_only"] and t["strategy"] == "sync" for t in plan["trials"])  # the probe
     assert any(t["strategy"] == "local-sgd" and t["curve"] for t in plan["trials"]), labels
     assert all(t["workers"] == 2 for t in plan["trials"])  # only the job's own layout
     assert not (out / "plan" / "trials" / "sessions").exists()  # no planning session started

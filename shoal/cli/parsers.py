@@ -156,6 +156,20 @@ def _bench_parser(sub: Any) -> argparse.ArgumentParser:
     setting("momentum", "SGD momentum of every run and of the reference (default 0.9; 0 for "
                         "the EASGD paper's plain local steps)")
     setting("schedule")
+    _add_race_flags(p)
+    p.add_argument("--no-reference", dest="reference", action="store_false",
+                   help="leave out the hand-written DDP loop")
+    _add_emulation_flags(p)
+    p.add_argument("--run-timeout", type=float, default=900.0,
+                   help="seconds one training run may take before it is stopped (default 900)")
+    p.add_argument("--out", default="runs/bench", help="output directory (default runs/bench)")
+    p.add_argument("--quiet", action="store_true", help="print nothing but errors")
+    p.add_argument("--debug", action="store_true", default=argparse.SUPPRESS)
+    return p
+
+
+def _add_race_flags(p: argparse.ArgumentParser) -> None:
+    """``shoal bench``'s race: time to accuracy instead of throughput."""
     race = p.add_argument_group(
         "a race: time to accuracy instead of throughput",
         "With --epochs, every point trains that many epochs on --dataset (digits works), "
@@ -169,8 +183,10 @@ def _bench_parser(sub: Any) -> argparse.ArgumentParser:
     race.add_argument("--budget", type=float, default=None, metavar="S",
                       help="race: compare test accuracy after S seconds of training (default: "
                            "when the quickest point finished)")
-    p.add_argument("--no-reference", dest="reference", action="store_false",
-                   help="leave out the hand-written DDP loop")
+
+
+def _add_emulation_flags(p: argparse.ArgumentParser) -> None:
+    """``shoal bench``'s emulated cluster: the link, slow hosts, a host's own link."""
     p.add_argument("--emulate-bandwidth", default=None, metavar="RATE",
                    help="run multi-worker points across emulated hosts (network namespaces, "
                         "needs root) joined by links of RATE, e.g. 100mbit or 1gbit")
@@ -179,12 +195,6 @@ def _bench_parser(sub: Any) -> argparse.ArgumentParser:
                         "core (1:0.25: host 1 at a quarter of a core; a cgroup, needs root)")
     p.add_argument("--emulate-link-rate", default=None, metavar="HOST:RATE[,...]",
                    help="with --emulate-bandwidth: a host's own link rate (1:10mbit)")
-    p.add_argument("--run-timeout", type=float, default=900.0,
-                   help="seconds one training run may take before it is stopped (default 900)")
-    p.add_argument("--out", default="runs/bench", help="output directory (default runs/bench)")
-    p.add_argument("--quiet", action="store_true", help="print nothing but errors")
-    p.add_argument("--debug", action="store_true", default=argparse.SUPPRESS)
-    return p
 
 
 def _report_parser(sub: Any) -> argparse.ArgumentParser:

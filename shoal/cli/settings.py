@@ -4,6 +4,8 @@ type-checked, an error about a file's value naming the file and the key."""
 from __future__ import annotations
 
 import argparse
+import json
+from pathlib import Path
 from typing import Any
 
 from shoal.errors import ShoalError
@@ -57,7 +59,7 @@ def _blame(exc: ShoalError, source: str, keys: set[str]) -> ShoalError:
 
 def _config_file(path: str, flags: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
     """A ``--config`` file's settings and strategy options, each value type-checked."""
-    from shoal.config import TrainConfig, load_config_file
+    from shoal.config import TrainConfig
     from shoal.strategies import STRATEGIES, get_strategy, option_fields
 
     source = f"config file {path}"
@@ -84,3 +86,23 @@ def _config_file(path: str, flags: dict[str, Any]) -> tuple[dict[str, Any], dict
                 check_value(value, hints[key], f"{source}: {key}", bounds=False,
                             kind=field_kind(get_strategy(strategy).Options, key))
     return values, options
+
+
+def load_config_file(path: str) -> dict[str, Any]:
+    """Read a YAML or JSON mapping of configuration keys (dashes or underscores)."""
+    import yaml
+
+    p = Path(path)
+    if not p.is_file():
+        raise ShoalError(f"config file {p} does not exist")
+    try:
+        text = p.read_text()
+        data = json.loads(text) if p.suffix == ".json" else yaml.safe_load(text)
+    except (OSError, ValueError, yaml.YAMLError) as exc:
+        first = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+        raise ShoalError(f"config file {p}: cannot parse: {first}") from None
+    if data is None:
+        return {}
+    if not isinstance(data, dict):
+        raise ShoalError(f"config file {p}: expected a mapping of keys to values")
+    return {str(k).replace("-", "_"): v for k, v in data.items()}

@@ -12,7 +12,6 @@ period) and goes on with the new winner from there.
 from __future__ import annotations
 
 import dataclasses
-import json
 import math
 import sys
 import time
@@ -24,7 +23,8 @@ from shoal.core.env import detect_environment
 from shoal.core.files import check_output_dir
 from shoal.data import EpochPlan, load_dataset
 from shoal.errors import ShoalError
-from shoal.plan.planner import Planner, PlanOptions, start_of
+from shoal.plan.outcome import start_of
+from shoal.plan.planner import Planner, PlanOptions
 from shoal.plan.search import Plan, Trial
 from shoal.schema import parse_duration
 from shoal.sweep.runner import Launcher
@@ -163,7 +163,7 @@ def _train_replanning(cfg: TrainConfig, found: Plan, period: float) -> dict[str,
     ``segments`` (each one's winner, steps and wall time), ``replans`` and the planning and
     training times. A re-plan's time is added to the checkpoint's wall time, so the records'
     ``elapsed_s`` count it."""
-    out, checkpoint = Path(cfg.out), Path(cfg.out) / "checkpoint.pt"
+    checkpoint = Path(cfg.out) / "checkpoint.pt"
     budget = min(parse_duration(cfg.plan_budget, "--plan-budget"), REPLAN_SHARE * period)
     go_on = dataclasses.replace(cfg, init_from=str(checkpoint), init_progress=True,
                                 overwrite=cfg.overwrite, plan_budget=f"{budget}s")
@@ -176,13 +176,7 @@ def _train_replanning(cfg: TrainConfig, found: Plan, period: float) -> dict[str,
     first = at = start_of(cfg).step  # 0, or the user's --init-from --init-progress
     best, summary = found.trials[0], None
     while True:
-        steps = max(1, round(period / best.epoch_s * spe))
-        stop: int | None = at + steps
-        if steps >= spe:  # a period of an epoch or more re-plans at an epoch's end (one
-            # step past it, as a trial stops: the epoch's test and record are this segment's)
-            stop = max(round(stop / spe) * spe + 1, at + 1)
-        if stop + steps / 2 >= total:  # the last period takes a remainder under half one
-            stop = None
+        stop = _segment_end(at, max(1, round(period / best.epoch_s * spe)), spe, total)
         segment = dataclasses.replace(found.winner, progress=cfg.progress, stop_at_step=stop,
                                       overwrite=cfg.overwrite if at == first else False,
                                       **({} if at == first else {"init_from": str(checkpoint),
@@ -196,35 +190,51 @@ def _train_replanning(cfg: TrainConfig, found: Plan, period: float) -> dict[str,
         if stop is None or summary.get("stopped_by"):
             break
         at = summary["steps"]
-        k = len(replans) + 1
-        entry: dict[str, Any] = {"at_step": at, "at_epoch": at / spe, "budget_s": budget,
-                                 "dir": f"{PLAN_DIR}-{k}"}
-        reached = start_of(go_on).accuracy >= (cfg.target_accuracy or math.inf)
-        if reached or best.cost_s > budget:  # nothing to chase, or not one trial would fit
-            entry.update(planning_s=0.0, trials=0, winner=best.candidate.label(), changed=False,
-                         why="the run has reached the target" if reached else
-                         f"a trial ({best.cost_s:.0f} s) does not fit the budget",
-                         skipped=True)
-            replans.append(entry)
-            continue
-        print(f"shoal: re-planning from step {at} (budget {budget:.0f} s)", file=sys.stderr,
-              flush=True)
-        started = time.monotonic()
-        again = plan(go_on, out / entry["dir"], incumbent=best)
-        took = time.monotonic() - started
-        _add_wall_time(checkpoint, took)
-        if again.winner is not None and again.trials[0].ok:
-            found, best = again, again.trials[0]
-        entry.update(planning_s=took, trials=len(again.trials), winner=best.candidate.label(),
-                     changed=best.candidate.label() != segments[-1]["winner"], why=again.why)
+        entry, found, best = _replan_at(cfg, go_on, found, best, at, spe, budget,
+                                        len(replans) + 1, segments[-1]["winner"])
         replans.append(entry)
-        print(f"shoal: re-planned in {took:.0f} s: {again.why}", file=sys.stderr, flush=True)
     replanning = sum(r["planning_s"] for r in replans)
     training = sum(s["wall_s"] for s in segments)
     summary.update({"replan_every_s": period, "segments": segments, "replans": replans,
                     "replanning_s": replanning, "training_s": training,
                     "replan_overhead": replanning / training if training > 0 else None})
     return summary
+
+
+def _segment_end(at: int, steps: int, spe: int, total: int) -> int | None:
+    """Where a segment of ``steps`` steps from step ``at`` stops (``None``: the run's end)."""
+    stop = at + steps
+    if steps >= spe:  # a period of an epoch or more re-plans at an epoch's end (one step
+        # past it, as a trial stops: the epoch's test and record are this segment's)
+        stop = max(round(stop / spe) * spe + 1, at + 1)
+    return None if stop + steps / 2 >= total else stop  # the last takes a remainder < half
+
+
+def _replan_at(cfg: TrainConfig, go_on: TrainConfig, found: Plan, best: Any, at: int,
+               spe: int, budget: float, k: int, previous: str) -> tuple[dict[str, Any], Plan, Any]:
+    """The ``k``-th re-plan, from the checkpoint at step ``at``: its record, and the plan and
+    best trial to go on with (the same ones when it is skipped or finds nothing better)."""
+    out, checkpoint = Path(cfg.out), Path(cfg.out) / "checkpoint.pt"
+    entry: dict[str, Any] = {"at_step": at, "at_epoch": at / spe, "budget_s": budget,
+                             "dir": f"{PLAN_DIR}-{k}"}
+    reached = start_of(go_on).accuracy >= (cfg.target_accuracy or math.inf)
+    if reached or best.cost_s > budget:  # nothing to chase, or not one trial would fit
+        entry.update(planning_s=0.0, trials=0, winner=best.candidate.label(), changed=False,
+                     why="the run has reached the target" if reached else
+                     f"a trial ({best.cost_s:.0f} s) does not fit the budget", skipped=True)
+        return entry, found, best
+    print(f"shoal: re-planning from step {at} (budget {budget:.0f} s)", file=sys.stderr,
+          flush=True)
+    started = time.monotonic()
+    again = plan(go_on, out / entry["dir"], incumbent=best)
+    took = time.monotonic() - started
+    _add_wall_time(checkpoint, took)
+    if again.winner is not None and again.trials[0].ok:
+        found, best = again, again.trials[0]
+    entry.update(planning_s=took, trials=len(again.trials), winner=best.candidate.label(),
+                 changed=best.candidate.label() != previous, why=again.why)
+    print(f"shoal: re-planned in {took:.0f} s: {again.why}", file=sys.stderr, flush=True)
+    return entry, found, best
 
 
 def _add_wall_time(checkpoint: Path, seconds: float) -> None:
@@ -235,9 +245,4 @@ def _add_wall_time(checkpoint: Path, seconds: float) -> None:
                                  if k not in ("format", "version")})
 
 
-def read_plan(path: Path) -> dict[str, Any]:
-    """A ``plan.json`` as written by :func:`plan`."""
-    return json.loads(Path(path).read_text())
-
-
-__all__ = ["Plan", "PlanOptions", "Planner", "plan", "plan_and_train", "read_plan"]
+__all__ = ["Plan", "PlanOptions", "Planner", "plan", "plan_and_train"]

@@ -33,4 +33,4 @@ def probe_trial(probe: dict[str, Any], sync: Candidate, steps_per_epoch: int) ->
     job's layout)."""
     step_s = float(probe["step_s"])
     return Trial(sync, epoch_s=step_s * steps_per_epoch, cost_s=step_s * int(probe["steps"]),
-                 hardware_only=True, comm_fraction=float(probe["comm_fraction"]))
+                 speed_only=True, comm_fraction=float(probe["comm_fraction"]))

@@ -28,19 +28,19 @@ from pathlib import Path
 from typing import Any
 
 from shoal.config import TrainConfig
-from shoal.core.files import read_json, read_records
+from shoal.core.files import read_json
 from shoal.core.trust import private_dir
 from shoal.data import EpochPlan, load_dataset
 from shoal.errors import ShoalError
 from shoal.plan.budget import auto_budget, probe_trial
 from shoal.plan.cost import fitted_link, step_cost
+from shoal.plan.outcome import start_of, trial_curve, trial_speed
 from shoal.plan.search import Omnivore, Plan, SearchSettings, explain
 from shoal.plan.session import PlanningSession
 from shoal.plan.trials import HARDWARE, Candidate, Phase, Trial
 from shoal.schema import parse_duration
 from shoal.strategies import get_strategy
 from shoal.sweep.runner import Launcher
-from shoal.train.checkpoint import load_checkpoint
 from shoal.train.launch import job_topology
 from shoal.train.probe import trial_epochs
 from shoal.train.records import write_json
@@ -234,7 +234,7 @@ class Planner:
                           progress="none", log_every=10, max_restarts=0, trace=False,
                           tensorboard=False, profile=None)
         started = time.monotonic()
-        trial = Trial(c, hardware_only=speed_only)
+        trial = Trial(c, speed_only=speed_only)
         try:
             if self.in_session(c):
                 out.mkdir(parents=True, exist_ok=True)
@@ -262,10 +262,10 @@ class Planner:
         failed run does, and the search goes on."""
         summary = read_json(out / "summary.json", "trial's summary")
         try:
-            if trial.hardware_only:
-                trial.epoch_s = _speed(summary, out, self.start, self.steps_per_epoch)
+            if trial.speed_only:
+                trial.epoch_s = trial_speed(summary, out, self.start, self.steps_per_epoch)
             else:
-                trial.curve, trial.epoch_s = _curve(out, self.start, self.steps_per_epoch,
+                trial.curve, trial.epoch_s = trial_curve(out, self.start, self.steps_per_epoch,
                                                     self.cfg.eval_every)
             share = summary.get("comm_fraction")
             trial.comm_fraction = float(share) if share is not None else None
@@ -278,7 +278,7 @@ class Planner:
 
     def _say(self, t: Trial) -> None:
         what = ("diverged" if t.diverged else f"failed: {t.error}" if t.error else
-                f"{t.epoch_s:.2f} s/epoch (speed only)" if t.hardware_only else
+                f"{t.epoch_s:.2f} s/epoch (speed only)" if t.speed_only else
                 f"{t.epoch_s:.2f} s/epoch, {100 * t.accuracy:.1f}% after {t.curve[-1][0]:.3g} epochs")
         if self._bar is not None:
             self._bar.update(min(t.cost_s, self._bar.total - self._bar.n))
@@ -348,69 +348,7 @@ def run_config(launcher: Launcher, cfg: TrainConfig, workers: int, name: str) ->
                    out, name)
 
 
-@dataclass(frozen=True)
-class Start:
-    """Where a plan's trials start: step 0 of a new run, or (a re-plan) the checkpoint of
-    ``--init-from --init-progress``: its step, wall time and the run's last test accuracy."""
-
-    step: int = 0
-    wall_s: float = 0.0
-    accuracy: float = 0.0
-
-
-def start_of(cfg: TrainConfig) -> Start:
-    """The :class:`Start` of ``cfg``'s trials (the accuracy from the run's metrics.jsonl)."""
-    if not (cfg.init_from and cfg.init_progress):
-        return Start()
-    path = Path(cfg.init_from)
-    progress = load_checkpoint(path, mmap=True)["progress"]
-    log = path.parent / "metrics.jsonl"
-    records = read_records(log, "run's records") if log.is_file() else []
-    try:
-        tested = [r["test_accuracy"] for r in records if r.get("event") == "epoch"
-                  and r["step"] <= progress["step"] and r.get("test_accuracy") is not None]
-        return Start(int(progress["step"]), float(progress["wall_time_s"]),
-                     float(tested[-1]) if tested else 0.0)
-    except (KeyError, TypeError, ValueError) as exc:
-        raise ShoalError(f"{log} holds a malformed record ({type(exc).__name__}: {exc})") from None
-
-
-def _curve(out: Path, start: Start, steps_per_epoch: int, eval_every: int = 1
-           ) -> tuple[list[tuple[float, float, float]], float]:
-    """A finished trial's (epochs, test accuracy, elapsed s) since ``start`` (its tests
-    inside epochs and at their ends), and the seconds an epoch of the run takes: the
-    training time between its first and last test (warm: the first includes starting up)
-    over the epochs between them, plus a test's time every ``eval_every`` epochs (as the run
-    will test; the trial's many tests are not counted)."""
-    records = read_records(out / "metrics.jsonl", "trial's records")
-    tested = [r for r in records if r["event"] in ("epoch", "eval") and r["step"] > start.step
-              and r.get("test_accuracy") is not None and math.isfinite(r["test_accuracy"])]
-    if not tested:
-        raise ShoalError(f"trial in {out} recorded no test accuracy")
-    curve = [(_whole((r["step"] - start.step) / steps_per_epoch), float(r["test_accuracy"]),
-              float(r["elapsed_s"]) - start.wall_s) for r in tested]
-    training = [float(r["elapsed_s"]) - start.wall_s - float(r.get("eval_s", 0.0)) for r in tested]
-    (e0, t0), (e1, t1) = ((curve[0][0], training[0]) if len(curve) > 1 else (0.0, 0.0),
-                          (curve[-1][0], training[-1]))
-    one_test = float(tested[-1].get("eval_s", 0.0)) / len(tested)
-    return curve, (t1 - t0) / (e1 - e0) + one_test / eval_every
-
-
-def _speed(summary: dict[str, Any], out: Path, start: Start, steps_per_epoch: int) -> float:
-    """A speed-only trial's seconds an epoch, from its ``summary`` (its run in ``out``): its
-    wall time since ``start`` over its steps (the first step's warm-up included)."""
-    steps = int(summary["steps"]) - start.step
-    if steps <= 0:
-        raise ShoalError(f"trial in {out} trained no step")
-    return (float(summary["wall_time_s"]) - start.wall_s) / steps * steps_per_epoch
-
-
 def _asynchronous(strategy: str) -> bool:
     """Whether ``strategy``'s workers meet only through parameter servers."""
     cls = get_strategy(strategy)
     return cls.topology(cls.Options(), 1).detached
-
-
-def _whole(epochs: float) -> float:
-    """``epochs``, an ``int`` when whole (the epochs of a trial from a run's start)."""
-    return int(epochs) if epochs.is_integer() else epochs

@@ -123,7 +123,7 @@ class Omnivore:
         :mod:`shoal.plan.cost`, fitted to a tested trial), else the median of all trials so
         far (a re-plan's first: ``trial_cost_s``)."""
         costs = [t.cost_s - t.startup_s for t in self.trials]
-        own = [t.cost_s - t.startup_s for t in self.trials if not t.hardware_only
+        own = [t.cost_s - t.startup_s for t in self.trials if not t.speed_only
                and (t.candidate.strategy, t.candidate.options, t.candidate.workers)
                == (candidate.strategy, candidate.options, candidate.workers)]
         if own:
@@ -136,7 +136,7 @@ class Omnivore:
     def trial(self, candidate: Candidate, phase: Phase) -> Trial | None:
         """The trial of ``candidate`` (run once; ``None`` when the budget has no room)."""
         for t in self.trials:  # a speed-only trial does not answer the statistical phase
-            if t.candidate == candidate and (phase == HARDWARE or not t.hardware_only) \
+            if t.candidate == candidate and (phase == HARDWARE or not t.speed_only) \
                     and t.phase.scale == phase.scale:
                 return t
         if self.spent() + self.expected_cost(candidate, phase) * phase.scale > self.settings.budget_s:
@@ -287,7 +287,7 @@ class Plan:
                     "epoch_s": _finite(t.epoch_s), "diverged": t.diverged, "error": t.error,
                     "predicted_epochs": _finite(t.predicted_epochs),
                     "predicted_s": _finite(t.predicted_s), "cost_s": t.cost_s,
-                    "startup_s": t.startup_s, "hardware_only": t.hardware_only}
+                    "startup_s": t.startup_s, "speed_only": t.speed_only}
 
         return {
             "target_accuracy": settings.target, "budget_s": settings.budget_s,

@@ -98,12 +98,12 @@ class Trial:
 
     #: Measured its speed only (an asynchronous candidate's walk step: a few steps of a job,
     #: not the whole epochs its server needs to test it): ``epoch_s``, no ``curve``.
-    hardware_only: bool = False
+    speed_only: bool = False
     comm_fraction: float | None = None  # of its steps' time spent communicating
 
     @property
     def ok(self) -> bool:
-        return not self.diverged and self.error is None and (bool(self.curve) or self.hardware_only)
+        return not self.diverged and self.error is None and (bool(self.curve) or self.speed_only)
 
     @property
     def accuracy(self) -> float:

@@ -1,0 +1,36 @@
+"""The code's shape rules, checked: no module of ``shoal/`` over 400 lines and no function over
+60 (docstring included), so that each file can be read whole and each function at a glance
+(docs/design.md). A module that must be longer says why in its first lines and is listed here.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import shoal
+
+ROOT = Path(shoal.__file__).parent
+MODULE_LINES = 400
+FUNCTION_LINES = 60
+
+
+def sources() -> list[Path]:
+    return sorted(ROOT.rglob("*.py"))
+
+
+def test_no_module_is_over_400_lines():
+    long = {str(p.relative_to(ROOT)): n for p in sources()
+            if (n := p.read_text().count("\n")) > MODULE_LINES}
+    assert long == {}
+
+
+def test_no_function_is_over_60_lines():
+    long = {}
+    for path in sources():
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                lines = node.end_lineno - node.lineno + 1
+                if lines > FUNCTION_LINES:
+                    long[f"{path.relative_to(ROOT)}:{node.lineno} {node.name}"] = lines
+    assert long == {}
