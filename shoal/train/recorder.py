@@ -275,6 +275,14 @@ class Recorder:
             **(extra or {}),
         }
         write_json(self.out / "summary.json", summary)
+        self._last_line(st, stopped, stop_reason, verdict, test_acc, wall)
+        return summary
+
+    def _last_line(self, st: RunState, stopped: bool, stop_reason: str | None,
+                   verdict: dict[str, Any] | None, test_acc: float, wall: float) -> None:
+        """The run's last line: how it stopped, or what it learned (``done:`` only for a
+        completed run that did not collapse)."""
+        cfg = self.cfg
         if stop_reason:
             self.progress.line(f"stopped by {stop_reason} at step {st.step}; checkpoint in "
                                f"{cfg.checkpoint_path} (continue with --resume)")
@@ -287,7 +295,6 @@ class Recorder:
         else:
             self.progress.line(f"done: test accuracy {100 * test_acc:.2f}% after {st.epoch} "
                                f"epochs in {wall:.1f} s; results in {self.out}")
-        return summary
 
     # -- profiling and tracing ----------------------------------------------------------------
     def _start_profiler(self, first: int) -> None:
