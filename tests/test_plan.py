@@ -259,8 +259,14 @@ def test_auto_trains_the_plans_winner(tmp_path):
         if t["strategy"] == "sync" and not t["phase"].startswith("refine"):
             assert len(t["curve"]) >= 4 and t["curve"][-1][0] < 1.2 and t["curve"][0][0] < 0.5
     winner, config = plan["winner"], json.loads((out / "config.json").read_text())
-    for key in ("strategy", "strategy_options", "momentum", "lr", "threads_per_worker"):
+    for key in ("strategy", "strategy_options", "threads_per_worker"):
         assert config[key] == winner[key], key  # the final run is the winner
+    # its momentum and lr as the winner gave them, or (auto, unset) resolved for its strategy
+    if isinstance(winner["momentum"], str):
+        assert config["momentum_auto"]["explicit"] == config["momentum"]
+    else:
+        assert config["momentum"] == winner["momentum"]
+    assert config["lr"] == winner["lr"] or (winner["lr"] is None and config["lr"] is not None)
     assert config["world_size"] == plan["trials"][0]["workers"]
     summary = json.loads((out / "summary.json").read_text())
     assert summary["plan"]["winner"] == plan["trials"][0]["label"] and summary["completed"]
