@@ -16,9 +16,10 @@ from collections.abc import Callable
 from types import TracebackType
 from typing import TYPE_CHECKING, Any, TypeVar
 
-from shoal.core.comm import Comm, init_comm
+from shoal.core.comm import Comm
 from shoal.core.env import Environment, default_threads, detect_environment
 from shoal.core.failures import first_line
+from shoal.core.join import init_comm
 from shoal.core.processes import spawn
 from shoal.errors import ShoalError
 from shoal.strategies import get_strategy, make_options

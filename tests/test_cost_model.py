@@ -225,6 +225,24 @@ def test_spec_options_reach_the_pattern():
         workloads("easgd:overlap=maybe", {})
 
 
+def test_outer_precision_prices_its_bytes():
+    """--outer-precision's messages, by hand: bf16 halves the all-reduce; int4 sends a 4-byte
+    scale and 128 bytes of codes per 256 values (132 / 1024 of float32) and is all-gathered,
+    which on p = 4 carries what an all-reduce of p / 2 = 2 times as many bytes does."""
+    compute, ring = 32 * 1e-4, 12.06e-3  # p = 4, 1 MB: test_ring_allreduce_by_hand
+    plain = predict(Workload.of("local-sgd", tau=4), 4, 32, PARAMS, CAL, GBIT)
+    half = predict(Workload.of("local-sgd", tau=4, outer_precision="bf16"), 4, 32, PARAMS, CAL,
+                   GBIT)
+    int4 = predict(Workload.of("diloco", tau=4, outer_precision="int4"), 4, 32, PARAMS, CAL, GBIT)
+    assert half.bytes_per_step == pytest.approx(plain.bytes_per_step / 2)
+    assert int4.bytes_per_step == pytest.approx(plain.bytes_per_step * 132 / 1024 * 2)
+    # the latency term does not shrink with the bytes: 6 alpha = 60 us per ring
+    gathered = (ring - 60e-6) * 132 / 1024 * 2 + 60e-6
+    assert int4.step_s == pytest.approx(compute + gathered / 4)
+    assert STRATEGIES["easgd"].communication(
+        STRATEGIES["easgd"].Options(outer_precision="int8"), 2).size == pytest.approx(260 / 1024)
+
+
 PRICED = sorted(n for n, c in STRATEGIES.items() if c.communication(c.Options(), 2) is not None)
 
 

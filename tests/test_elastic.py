@@ -81,6 +81,10 @@ def test_the_rest_of_an_epoch_after_a_loss():
     (["--strategy", "async-sgd", "--elastic"], "--elastic works with sync, local-sgd"),
     (["--elastic", "--compress", "fp16"], "--elastic does not take --compress"),
     (["--record-samples"], "add --elastic"),
+    (["--strategy", "diloco", "--elastic", "--tau", "4", "--fragments", "2"],
+     "--elastic does not take --fragments yet"),
+    (["--strategy", "local-sgd", "--elastic", "--outer-precision", "int4", "--overlap-steps", "1"],
+     "--elastic does not take --overlap-steps, --outer-precision yet"),
 ])
 def test_what_elastic_does_not_take_is_one_line(tmp_path, capsys, args, expected):
     code = main(["train", "--out", str(tmp_path / "run"), "--workers", "2", "--epochs", "1",

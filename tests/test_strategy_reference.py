@@ -348,3 +348,20 @@ def test_restart_from_saved_state_changes_nothing(shoal_results, name, world):
     EASGD's pending pull, EAMSGD's x and v, DiLoCo's outer momentum."""
     for rank in range(world):
         assert shoal_results[world][rank]["restarted"][name] == shoal_results[world][rank][name]
+
+
+#: Every case above as the code before --fragments, --overlap-steps and --outer-precision
+#: computed it (``main`` at a3be51b; regenerate only on purpose).
+GOLDEN = Path(__file__).parent / "data" / "periodic_golden.json"
+
+
+@pytest.mark.parametrize("world", [1, 2, 3])
+def test_plain_rounds_are_the_earlier_code_bit_for_bit(shoal_results, world):
+    """One fragment, no overlap, fp32: every number equal to the earlier code's, bit for bit
+    (JSON keeps Python floats exactly)."""
+    golden = json.loads(GOLDEN.read_text())[str(world)]
+    for rank in range(world):
+        for name in CASES:
+            got = shoal_results[world][rank][name]
+            assert (got["x"], got["eval"]) == (golden[rank][name]["x"], golden[rank][name]["eval"]), \
+                f"{name}, rank {rank}"

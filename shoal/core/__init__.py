@@ -14,6 +14,7 @@ stands on, and the only place each of these exists.
 - :mod:`~shoal.core.watchdog`: a failing or hung rank ends the job within seconds;
 - :mod:`~shoal.core.waits`: whom a waiting rank waits for; a rank that left or never comes;
 - :mod:`~shoal.core.comm`: timed, byte-counted collectives (:class:`Comm`);
+- :mod:`~shoal.core.join`: joining a job (:func:`init_comm`);
 - :mod:`~shoal.core.ops`: the reduce-op table and even splits;
 - :mod:`~shoal.core.flat`: flat packing of many tensors into one message;
 - :mod:`~shoal.core.timeline`: the time categories and the spans booked into them;
@@ -21,9 +22,11 @@ stands on, and the only place each of these exists.
   messages and failures (the servers themselves are :mod:`shoal.ps`).
 """
 
-from shoal.core.comm import Comm, Handle, init_comm
+from shoal.core.comm import Comm
 from shoal.core.env import Environment, default_threads, detect_environment, pick_device
 from shoal.core.flat import FlatParams
+from shoal.core.handle import Handle
+from shoal.core.join import init_comm
 from shoal.core.pairs import ChannelError, Client, Header, Kind, PairChannel
 from shoal.core.timeline import Timeline
 

@@ -1,5 +1,5 @@
-"""Timed, byte-counted collectives: the :class:`Comm` every strategy talks through, and
-:func:`init_comm`, which joins a job and returns it.
+"""Timed, byte-counted collectives: the :class:`Comm` every strategy talks through
+(:func:`~shoal.core.join.init_comm` joins a job and returns it).
 
 Every rank of a job of several processes also runs a :class:`~shoal.core.watchdog.Watchdog`
 on the job's store: a failing or hung rank ends the job within seconds.
@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import contextlib
 import itertools
-import math
 import os
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
@@ -19,9 +18,9 @@ from typing import Any, TypeVar
 import torch
 import torch.distributed as dist
 
-from shoal.core.env import Environment, pick_device
+from shoal.core.env import Environment
 from shoal.core.failures import EXIT_ABORTED
-from shoal.core.group import all_joined, job_store, join_group
+from shoal.core.group import join_group
 from shoal.core.handle import Handle
 from shoal.core.membership import Membership
 from shoal.core.ops import reduce_op
@@ -82,6 +81,8 @@ class Comm:
         self.device = device
         self.timeline = timeline or Timeline()
         self.bytes_sent = 0  # payload handed to collectives by this rank during training
+        self.in_flight = 0  # payload bytes of this rank's collectives started, not yet waited for
+        self.peak_in_flight = 0  # the most there ever were
         #: The job's store (``None``: a process alone), as its launcher serves it.
         self.store = store
         self._store = dist.PrefixStore(key_prefix(env.attempt), store) if store is not None else None
@@ -179,16 +180,39 @@ class Comm:
         red = reduce_op(op)
         if not self.active:
             return Handle(self, None, tensor, op, name)
-        self.count(tensor.numel() * tensor.element_size())
         if self.membership is not None:  # voted, so finished here: no overlap
+            self.count(tensor.numel() * tensor.element_size())
             with self.timeline.span(COMM, name), self.log.track(_what("all_reduce", name)):
                 self._meet(lambda: dist.all_reduce(tensor, op=red), keep=tensor)
             return Handle(self, None, tensor.div_(self.world_size) if op == "avg" else tensor,
                           op, name)
+        nbytes = self._start(tensor)
         seq = self.log.start(_what("all_reduce", name, "allreduce"))  # finished by its wait
         with self.timeline.span(COMM, name):
             work = dist.all_reduce(tensor, op=red, async_op=True)
-        return Handle(self, work, tensor, op, name, seq)
+        return Handle(self, work, tensor, op, name, seq, nbytes)
+
+    def all_gather_async(self, tensor: torch.Tensor, name: str = "allgather") -> Handle:
+        """Start gathering the 1-D ``tensor`` of every rank; the handle's ``wait()`` returns
+        them as the rows of a ``(world_size, len)`` tensor, in rank order. This rank's bytes
+        are its own ``tensor``'s."""
+        if not self.active:
+            return Handle(self, None, tensor.view(1, -1), "gather", name)
+        out = torch.empty(self.world_size * tensor.numel(), dtype=tensor.dtype, device=tensor.device)
+        nbytes = self._start(tensor)
+        seq = self.log.start(_what("all_gather", name, "allgather"))  # finished by its wait
+        with self.timeline.span(COMM, name):
+            work = dist.all_gather(list(out.view(self.world_size, -1).unbind(0)), tensor,
+                                   async_op=True)
+        return Handle(self, work, out.view(self.world_size, -1), "gather", name, seq, nbytes)
+
+    def _start(self, tensor: torch.Tensor) -> int:
+        """Count ``tensor``'s bytes as sent and in flight (until its handle's wait)."""
+        nbytes = tensor.numel() * tensor.element_size()
+        self.count(nbytes)
+        self.in_flight += nbytes
+        self.peak_in_flight = max(self.peak_in_flight, self.in_flight)
+        return nbytes
 
     def all_reduce_future(self, tensor: torch.Tensor) -> torch.futures.Future:
         """Start an in-place sum of ``tensor`` for a DDP communication hook; returns the
@@ -338,55 +362,6 @@ class Comm:
             finally:
                 if dist.is_initialized():
                     dist.destroy_process_group()
-
-
-def init_comm(
-    env: Environment,
-    device: str = "auto",
-    timeout: float = 300.0,
-    threads: int | None = None,
-    timeline: Timeline | None = None,
-    heartbeat_timeout: float | None = 10.0,
-    *,
-    place: Environment | None = None,
-    elastic: bool = False,
-) -> Comm:
-    """Join the job described by ``env`` and return its :class:`Comm`.
-
-    Gloo on CPU, NCCL on CUDA. ``timeout`` (seconds) bounds every collective and the
-    rendezvous, so a lost peer is an error, never a hang. ``heartbeat_timeout`` (seconds;
-    ``None``: never) is how long a rank may send no heartbeat (stopped, swapped out) before
-    the job stops and names it; a rank that only computes or waits keeps beating.
-    ``threads`` sets this process's intra-op threads.
-
-    ``place``: the job has no process group of all its ranks (an asynchronous job, whose
-    ranks meet through their parameter servers); this process joins only the job's store
-    and its Comm, with no peers, speaks for ``place`` (its rank among the workers); it
-    returns once every rank has joined. Such processes may share GPUs: they meet in no NCCL
-    group of the job's. ``elastic``: the job goes on
-    without a lost worker; its collectives time out after ``heartbeat_timeout`` (see
-    :class:`Comm`).
-    """
-    if heartbeat_timeout is not None and not (math.isfinite(heartbeat_timeout)
-                                              and heartbeat_timeout > 0):
-        raise ShoalError(f"heartbeat timeout must be a positive number of seconds (or None), "
-                         f"got {heartbeat_timeout}")
-    if threads is not None:
-        torch.set_num_threads(max(1, threads))
-    mine = place or env
-    dev = pick_device(device, mine.local_rank, mine.local_world_size, share=place is not None)
-    store = None
-    if env.world_size > 1 and (place is not None or not dist.is_initialized()):
-        store = job_store(env, timeout)
-    if place is not None:
-        if store is not None:
-            all_joined(store, env, timeout)
-        return Comm(place, dev, timeline, store, peers=False, timeout=timeout)
-    if store is not None:
-        join_group(store, env.rank, env.world_size, dev.type,
-                   (heartbeat_timeout or timeout) if elastic else timeout,
-                   where=f"the job at {env.master_addr}:{env.master_port}")
-    return Comm(env, dev, timeline, store, heartbeat_timeout, timeout=timeout, elastic=elastic)
 
 
 #: Comms made on a job's store by this process so far (see :class:`~shoal.core.waits.Keys`).

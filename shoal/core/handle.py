@@ -15,9 +15,9 @@ class Handle:
     the waiting as communication."""
 
     def __init__(self, comm: Any, work: Any, tensor: torch.Tensor, op: str, name: str,
-                 seq: int = 0) -> None:
+                 seq: int = 0, nbytes: int = 0) -> None:
         self._comm, self._work, self._tensor, self._op, self._name = comm, work, tensor, op, name
-        self._seq = seq
+        self._seq, self._nbytes = seq, nbytes  # ``nbytes``: in flight until the wait
 
     def wait(self) -> torch.Tensor:
         if self._work is not None:
@@ -27,6 +27,7 @@ class Handle:
                     self._work.wait()
             finally:
                 log.finish(self._seq)
+                self._comm.in_flight -= self._nbytes
             self._work = None
             if self._op == "avg":
                 self._tensor.div_(self._comm.world_size)

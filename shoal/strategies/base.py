@@ -34,29 +34,12 @@ from shoal.data.sharding import EpochPlan
 from shoal.errors import ShoalError
 from shoal.schema import check_bounds, check_value, field_kind, flag_name
 from shoal.strategies.communication import Pattern
-from shoal.strategies.period import AUTO_START, AdaptivePeriod, first_period, parse_period
 from shoal.strategies.topology import Topology
 
 
 @dataclasses.dataclass
 class NoOptions:
     """A strategy without options."""
-
-
-@dataclasses.dataclass
-class PeriodicOptions:
-    """Options of the strategies that exchange models every ``tau`` local steps."""
-
-    tau: int | str = dataclasses.field(default=4, metadata={
-        "help": "local steps between two exchanges; auto: AdaComm's adaptive period, from "
-                f"auto:N steps (default {AUTO_START}) down as the loss falls",
-        "parse": parse_period, "metavar": "N|auto[:N]", "kind": "an integer, auto or auto:N"})
-    measure_wait: bool = dataclasses.field(default=False, metadata={
-        "help": "book the time spent waiting for the slowest rank as wait, not comm "
-                "(one tiny extra message per exchange)"})
-
-    def validate(self) -> None:
-        first_period(self.tau)
 
 
 def check_options(options: Any, workers: int | None) -> None:
@@ -297,64 +280,3 @@ def make_options(cls: type[Strategy], values: dict[str, Any], workers: int | Non
     options = cls.Options(**values)
     check_options(options, workers)
     return options
-
-
-class PeriodicStrategy(Strategy):
-    """Base of the strategies that step alone and :meth:`exchange` every ``tau`` steps
-    (``--tau auto``: a period that adapts, :mod:`shoal.strategies.period`)."""
-
-    Options: ClassVar[type] = PeriodicOptions
-    replicas_in_sync: ClassVar[bool] = False
-
-    def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, comm: Comm,
-                 options: Any = None) -> None:
-        super().__init__(model, optimizer, comm, options)
-        self.period = first_period(self.options.tau)  #: local steps of the current round
-        self.last_exchange = 0  #: the step that closed the last round
-        self.adaptive = AdaptivePeriod(self.period, comm) \
-            if isinstance(self.options.tau, str) else None
-
-    @property
-    def in_round(self) -> bool:
-        """Whether local steps were taken since the last round closed (an epoch's end then
-        exchanges once more)."""
-        return self.steps > self.last_exchange
-
-    def meets_after(self, step: int) -> bool:
-        return step == self.last_exchange
-
-    def backward(self, loss: torch.Tensor) -> None:
-        if self.adaptive is not None:
-            self.adaptive.observe(loss)
-        super().backward(loss)
-
-    def step(self) -> None:
-        super().step()
-        if self.adaptive is not None:
-            self.adaptive.step_done()
-        if self.steps - self.last_exchange >= self.period:
-            if self.options.measure_wait:
-                self.comm.barrier()  # a straggler's lead is booked as wait, not as transfer
-            self.exchange()
-            self.last_exchange = self.steps
-            if self.adaptive is not None:
-                self.period = self.adaptive.next_period(float(self.optimizer.param_groups[0]["lr"]))
-
-    def exchange(self) -> None:
-        """Communicate: called after the last local step of every round (``tau`` steps)."""
-        raise NotImplementedError
-
-    def state_dict(self) -> dict[str, Any]:
-        state = {**super().state_dict(), "last_exchange": self.last_exchange}
-        if self.adaptive is not None:
-            state["period"] = self.adaptive.state_dict()
-        return state
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        super().load_state_dict(state)
-        # A checkpoint of a fixed period from before the rounds were kept: its multiples.
-        self.last_exchange = int(state.get("last_exchange",
-                                           self.steps - self.steps % self.period))
-        if self.adaptive is not None and "period" in state:
-            self.adaptive.load_state_dict(state["period"])
-            self.period = self.adaptive.period

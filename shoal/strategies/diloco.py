@@ -16,7 +16,10 @@ model evaluated and saved). shoal steps it with ``torch.optim.SGD(nesterov=True)
 stores exactly that look-ahead point and, at the constant outer learning rate, moves it as
 Sutskever's form does (tests/test_strategy_reference.py checks it against the form above).
 With ``--outer-lr 1 --outer-momentum 0`` this is local SGD. Every worker needs theta at the
-start of the next round, so the all-reduce cannot be hidden. An epoch's end closes the round
+start of the next round, so the all-reduce cannot be hidden, unless Streaming DiLoCo's
+``--fragments`` and ``--overlap-steps`` (:mod:`shoal.strategies.streaming`) let each fragment's
+exchange travel behind the next steps; the landed fragment is then mixed with the local one,
+``alpha * local + (1 - alpha) * global`` (``--mix-alpha``). An epoch's end closes the round
 in progress, so the model evaluated and saved has seen every step of the epoch.
 """
 
@@ -30,10 +33,10 @@ from torch import nn
 from shoal.core import FlatParams
 from shoal.errors import ShoalError
 from shoal.strategies.averaging import ModelCopy, average_buffers
-from shoal.strategies.base import PeriodicOptions, PeriodicStrategy
-from shoal.strategies.communication import Exchange, Pattern
-from shoal.strategies.period import first_period
+from shoal.strategies.communication import Pattern
+from shoal.strategies.periodic import PeriodicOptions, PeriodicStrategy
 from shoal.strategies.registry import register
+from shoal.strategies.streaming import Fragment
 
 
 @dataclass
@@ -41,6 +44,9 @@ class DiLoCoOptions(PeriodicOptions):
     outer_lr: float = field(default=0.7, metadata={"help": "outer (Nesterov SGD) learning rate"})
     outer_momentum: float = field(default=0.5, metadata={
         "help": "outer Nesterov momentum (the paper: 0.9, with inner AdamW)"})
+    mix_alpha: float = field(default=0.5, metadata={
+        "help": "with --overlap-steps: a fragment becomes alpha * local + (1 - alpha) * global "
+                "when its outer step lands (Streaming DiLoCo's mixing; torchft's default is 0)"})
 
     def validate(self) -> None:
         super().validate()
@@ -48,11 +54,14 @@ class DiLoCoOptions(PeriodicOptions):
             raise ShoalError(f"--outer-lr must be positive, got {self.outer_lr}")
         if not 0 <= self.outer_momentum < 1:
             raise ShoalError(f"--outer-momentum must be in [0, 1), got {self.outer_momentum}")
+        if not 0 <= self.mix_alpha <= 1:
+            raise ShoalError(f"--mix-alpha must be in [0, 1], got {self.mix_alpha}")
 
 
 @register
 class DiLoCo(PeriodicStrategy):
-    """DiLoCo: --tau inner steps, then an outer Nesterov step on the averaged pseudo-gradient."""
+    """DiLoCo: --tau inner steps, then an outer Nesterov step on the averaged pseudo-gradient;
+    Streaming DiLoCo with --fragments and --overlap-steps."""
 
     name = "diloco"
     Options = DiLoCoOptions
@@ -60,7 +69,7 @@ class DiLoCo(PeriodicStrategy):
     @classmethod
     def communication(cls, options: DiLoCoOptions, workers: int) -> Pattern:
         """The pseudo-gradients' all-reduce every ``tau`` steps, waited for at once."""
-        return Pattern(Exchange.ALL_REDUCE, "pseudo-gradients", every=first_period(options.tau))
+        return cls.outer_pattern(options, workers, "pseudo-gradients")
 
     def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, comm,
                  options: DiLoCoOptions | None = None) -> None:
@@ -70,36 +79,56 @@ class DiLoCo(PeriodicStrategy):
         self.theta = ModelCopy(model)
         comm.broadcast(self.theta.vector, src=0, name="global-model")
         self.flat.unpack(self.theta.vector)  # line 3: every worker starts from theta
-        # The outer optimizer steps theta in place; its gradient is the pseudo-gradient.
-        self._outer_param = nn.Parameter(self.theta.vector, requires_grad=False)
-        self._outer_param.grad = torch.zeros_like(self.theta.vector)
-        self.outer = torch.optim.SGD([self._outer_param], lr=opts.outer_lr,
-                                     momentum=opts.outer_momentum,
-                                     nesterov=opts.outer_momentum > 0)
+        self.delta = torch.zeros_like(self.theta.vector)  # the pseudo-gradient, by fragment
+        # One outer optimizer a fragment: it steps theta's slice in place; its gradient is
+        # the fragment's averaged pseudo-gradient.
+        self.outer = []
+        for fragment in self.stream(self.flat).fragments:
+            param = nn.Parameter(self.theta.vector[fragment.lo:fragment.hi], requires_grad=False)
+            param.grad = self.delta[fragment.lo:fragment.hi]
+            self.outer.append(torch.optim.SGD([param], lr=opts.outer_lr,
+                                              momentum=opts.outer_momentum,
+                                              nesterov=opts.outer_momentum > 0))
 
     @property
     def eval_module(self) -> nn.Module:
         return self.theta.with_buffers_of(self.model)
 
     @torch.no_grad()
-    def exchange(self) -> None:
-        """Lines 9-12 (the outer step) and line 3 of the next round."""
-        delta = self._outer_param.grad
-        torch.sub(self.theta.vector, self.flat.pack(), out=delta)
-        self.comm.all_reduce(delta, "avg", "pseudo-gradient")
-        self.outer.step()
-        self.flat.unpack(self.theta.vector)
+    def launch(self, fragment: Fragment) -> dict:
+        """Lines 9-11 for one fragment: its pseudo-gradient, on its way to be averaged."""
+        lo, hi = fragment.lo, fragment.hi
+        delta = self.delta[lo:hi]
+        torch.sub(self.theta.vector[lo:hi], fragment.flat.pack(self.flat.buffer[lo:hi]), out=delta)
+        return {"exchange": self.exchanges.send(fragment, delta, "pseudo-gradient")}
+
+    @torch.no_grad()
+    def complete(self, fragment: Fragment, kept: dict, moved: bool) -> None:
+        """Line 12 (the outer step) for the fragment, and line 3 of its next round: the
+        fragment becomes the global one, or (after overlapped steps) the mix of the two."""
+        lo, hi = fragment.lo, fragment.hi
+        mean = kept["exchange"].wait()
+        if mean.data_ptr() != self.delta.data_ptr() + lo * self.delta.element_size():
+            self.delta[lo:hi].copy_(mean)
+        self.outer[fragment.index].step()
+        theta = self.theta.vector[lo:hi]
+        if moved and self.options.mix_alpha > 0:
+            local = fragment.flat.pack(self.flat.buffer[lo:hi])
+            theta = torch.lerp(theta, local, self.options.mix_alpha)
+        fragment.flat.unpack(theta)
 
     def end_epoch(self, epoch: int) -> None:
-        if self.in_round:  # close the round in progress
-            self.exchange()
+        self.close_rounds()  # the model evaluated and saved has seen every step
         average_buffers(self.model, self.comm)
 
     def state_dict(self) -> dict:
+        outer = [o.state_dict() for o in self.outer]
         return {**super().state_dict(), "theta": self.theta.vector.clone(),
-                "outer": self.outer.state_dict()}
+                "outer": outer[0] if len(outer) == 1 else outer}
 
     def load_state_dict(self, state: dict) -> None:
         super().load_state_dict(state)
         self.theta.vector.copy_(state["theta"])
-        self.outer.load_state_dict(state["outer"])
+        outer = state["outer"] if isinstance(state["outer"], list) else [state["outer"]]
+        for mine, saved in zip(self.outer, outer, strict=True):
+            mine.load_state_dict(saved)

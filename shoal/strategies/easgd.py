@@ -32,17 +32,18 @@ the local steps, written in the paper's own variables (see :class:`ElasticAverag
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 from torch import nn
 
-from shoal.core import FlatParams, Handle
+from shoal.core import FlatParams
 from shoal.errors import ShoalError
 from shoal.strategies.averaging import ModelCopy, average_buffers
-from shoal.strategies.base import PeriodicOptions, PeriodicStrategy
-from shoal.strategies.communication import Exchange, Pattern
-from shoal.strategies.period import first_period
+from shoal.strategies.communication import Pattern
+from shoal.strategies.periodic import PeriodicOptions, PeriodicStrategy
 from shoal.strategies.registry import register
+from shoal.strategies.streaming import Fragment
 
 #: The center update ``x~ <- (1 - beta) x~ + beta mean(x)`` diverges for ``beta > 2``.
 MAX_BETA = 2.0
@@ -97,8 +98,7 @@ class ElasticAveraging(PeriodicStrategy):
     def communication(cls, options: ElasticOptions, workers: int) -> Pattern:
         """The elastic pulls' all-reduce every ``tau`` steps, behind the next steps'
         compute (``--no-overlap``: waited for at once)."""
-        return Pattern(Exchange.ALL_REDUCE, "elastic pulls", every=first_period(options.tau),
-                       hidden=options.overlap)
+        return cls.outer_pattern(options, workers, "elastic pulls", hidden=options.overlap)
 
     def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, comm,
                  options: ElasticOptions | None = None) -> None:
@@ -110,9 +110,11 @@ class ElasticAveraging(PeriodicStrategy):
         comm.broadcast(self.center.vector, src=0, name="center")  # one center to start from
         self.flat.unpack(self.center.vector)  # and x^i = x~ (the algorithms' initialization)
         self._pull = torch.zeros_like(self.center.vector)  # d = alpha (x - x~): line a), pending
-        self._pull_due = False
         self._sum = torch.zeros_like(self.center.vector)  # every worker's d, being summed: b)
-        self._pending: Handle | None = None
+        self.stream(self.flat)
+        count = len(self.exchanges.fragments)
+        self._pull_due = [False] * count  # each fragment's d, to subtract at the next step
+        self._pending: list[Any] = [None] * count  # each fragment's sum in flight
 
     @property
     def eval_module(self) -> nn.Module:
@@ -133,31 +135,58 @@ class ElasticAveraging(PeriodicStrategy):
                 x.sub_(d)
 
     def _take_pull(self) -> torch.Tensor | None:
-        """Line a)'s ``d``, decided at the last exchange, if it has not been applied yet."""
-        if not self._pull_due:
+        """Line a)'s ``d``, decided at the last exchange, if it has not been applied yet
+        (zero on the fragments whose ``d`` is not due)."""
+        if not any(self._pull_due):
             return None
-        self._pull_due = False
+        for fragment, due in zip(self.exchanges.fragments, self._pull_due, strict=True):
+            if not due:
+                self._pull[fragment.lo:fragment.hi].zero_()
+        self._pull_due = [False] * len(self._pull_due)
         return self._pull
 
     @torch.no_grad()
-    def exchange(self) -> None:
-        """Lines a) and b) of the next step, from the worker's x after this one."""
-        self._finish()
-        torch.sub(self.worker_vector(), self.center.vector, out=self._pull).mul_(self.alpha)
-        self._pull_due = True
-        self._sum.copy_(self._pull)
-        self._pending = self.comm.all_reduce_async(self._sum, "sum", "elastic")
+    def launch(self, fragment: Fragment) -> dict:
+        """Lines a) and b) of the next step for the fragment, from the worker's x now."""
+        lo, hi = fragment.lo, fragment.hi
+        self._finish(fragment.index)
+        pull = self._pull[lo:hi]
+        torch.sub(self.worker_vector()[lo:hi], self.center.vector[lo:hi], out=pull).mul_(self.alpha)
+        self._sum[lo:hi].copy_(pull)
+        self._pending[fragment.index] = self.exchanges.send(fragment, self._sum[lo:hi], "elastic",
+                                                            mean=False)
         if not self.options.overlap:
-            self._finish()
+            self._finish(fragment.index)
+        return {}
 
     @torch.no_grad()
-    def _finish(self) -> None:
-        """Line b) for every worker: add the sum of their pulls to the center."""
-        if self._pending is not None:
-            self.center.vector.add_(self._pending.wait())
-            self._pending = None
+    def complete(self, fragment: Fragment, kept: dict, moved: bool) -> None:
+        """Line a): at the next step, or, after overlapped steps, now; and line b) now."""
+        if not moved:
+            self._pull_due[fragment.index] = True
+            return
+        self.apply_pull(fragment)
+        self._finish(fragment.index)
+
+    @torch.no_grad()
+    def apply_pull(self, fragment: Fragment) -> None:
+        """``x^i <- x^i - d`` on the fragment, at once."""
+        pull = self._pull[fragment.lo:fragment.hi]
+        for x, d in zip(fragment.flat.tensors, fragment.flat.views(pull), strict=True):
+            x.sub_(d)
+
+    @torch.no_grad()
+    def _finish(self, index: int | None = None) -> None:
+        """Line b) for every worker: add the sum of their pulls to the center (of fragment
+        ``index``, or all of them)."""
+        for fragment in self.exchanges.fragments:
+            pending = self._pending[fragment.index]
+            if pending is not None and index in (None, fragment.index):
+                self.center.vector[fragment.lo:fragment.hi].add_(pending.wait())
+                self._pending[fragment.index] = None
 
     def end_epoch(self, epoch: int) -> None:
+        self.drain()
         self._finish()
         self.comm.broadcast(self.center.vector, src=0, name="center")
         average_buffers(self.model, self.comm)
@@ -165,14 +194,15 @@ class ElasticAveraging(PeriodicStrategy):
     def state_dict(self) -> dict:
         self._finish()
         return {**super().state_dict(), "center": self.center.vector.clone(),
-                "pull": self._pull.clone(), "pull_due": self._pull_due}
+                "pull": self._pull.clone(), "pull_due": list(self._pull_due)}
 
     def load_state_dict(self, state: dict) -> None:
         super().load_state_dict(state)
         self.center.vector.copy_(state["center"])
         if "pull" in state:
             self._pull.copy_(state["pull"])
-            self._pull_due = bool(state["pull_due"])
+            due = state["pull_due"]
+            self._pull_due = list(due) if isinstance(due, list) else [bool(due)] * len(self._pull_due)
 
 
 def check_nesterov_sgd(name: str, optimizer: torch.optim.Optimizer) -> None:
@@ -276,6 +306,11 @@ class ElasticAveragingMomentum(ElasticAveraging):
     def local_step(self) -> None:
         """Algorithm 2's local step (:class:`NesterovLocalSteps`), with line a) if it is due."""
         self.nesterov.step(self._take_pull())
+
+    @torch.no_grad()
+    def apply_pull(self, fragment: Fragment) -> None:
+        self.x[fragment.lo:fragment.hi].sub_(self._pull[fragment.lo:fragment.hi])
+        self.nesterov.move_to_look_ahead()
 
     def state_dict(self) -> dict:
         return {**super().state_dict(), "x": self.x.clone(), "v": self.v.clone()}

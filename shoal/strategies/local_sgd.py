@@ -15,8 +15,10 @@ its state (momentum, Adam moments) stays local, as in Lin et al. (2020) and
 torch.distributed's ``PeriodicModelAverager``.
 
 The average is needed by the very next step, so there is nothing to hide it behind: its
-communication is all exposed. At each epoch's end the models (and batch-norm statistics)
-are averaged once more, so the model evaluated and saved is the consensus.
+communication is all exposed, unless ``--overlap-steps`` lets it land later (each worker then
+moves by the average minus what it sent, keeping the steps taken meanwhile). At each
+epoch's end the models (and batch-norm statistics) are averaged once more, so the model
+evaluated and saved is the consensus.
 """
 
 from __future__ import annotations
@@ -25,11 +27,11 @@ import torch
 from torch import nn
 
 from shoal.core import FlatParams
-from shoal.strategies.averaging import average_buffers, average_into
-from shoal.strategies.base import PeriodicOptions, PeriodicStrategy
-from shoal.strategies.communication import Exchange, Pattern
-from shoal.strategies.period import first_period
+from shoal.strategies.averaging import average_buffers
+from shoal.strategies.communication import Pattern
+from shoal.strategies.periodic import PeriodicOptions, PeriodicStrategy
 from shoal.strategies.registry import register
+from shoal.strategies.streaming import Fragment
 
 
 @register
@@ -41,8 +43,8 @@ class LocalSGD(PeriodicStrategy):
     @classmethod
     def communication(cls, options: PeriodicOptions, workers: int) -> Pattern:
         """The parameters' all-reduce every ``tau`` steps (its first, for ``--tau auto``),
-        waited for at once."""
-        return Pattern(Exchange.ALL_REDUCE, "parameters", every=first_period(options.tau))
+        waited for at once, in ``--outer-precision``."""
+        return cls.outer_pattern(options, workers, "parameters")
 
     def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, comm,
                  options: PeriodicOptions | None = None) -> None:
@@ -50,11 +52,45 @@ class LocalSGD(PeriodicStrategy):
         self.flat = FlatParams(model.parameters())
         comm.broadcast(self.flat.pack(), src=0, name="start")  # every worker starts from x_0
         self.flat.unpack()
+        self.stream(self.flat)
+        # Compressed, the workers send how far they moved from the last average (which
+        # every worker holds), not their models.
+        self.anchor = None if self.options.outer_precision == "fp32" else self.flat.pack().clone()
 
-    def exchange(self) -> None:
-        average_into(self.flat, self.comm, "average")
+    @torch.no_grad()
+    def launch(self, fragment: Fragment) -> dict:
+        lo, hi = fragment.lo, fragment.hi
+        x = fragment.flat.pack(self.flat.buffer[lo:hi])
+        kept = {"sent": x.clone()} if self.exchanges.streaming else {}
+        if self.anchor is not None:
+            x = x - self.anchor[lo:hi]
+        elif self.exchanges.streaming:
+            x = x.clone()  # reduced in place while the buffer packs the next steps' model
+        kept["exchange"] = self.exchanges.send(fragment, x, "average")
+        return kept
+
+    @torch.no_grad()
+    def complete(self, fragment: Fragment, kept: dict, moved: bool) -> None:
+        """The fragment becomes the average; after overlapped steps it moves by the average
+        minus what it sent, keeping those steps' progress."""
+        lo, hi = fragment.lo, fragment.hi
+        average = kept["exchange"].wait()
+        if self.anchor is not None:
+            average = self.anchor[lo:hi].add_(average)
+        if moved:
+            x = fragment.flat.pack(self.flat.buffer[lo:hi])
+            average = x.add_(average).sub_(kept["sent"])
+        fragment.flat.unpack(average)
 
     def end_epoch(self, epoch: int) -> None:
-        if self.in_round:  # else the last step has just averaged
-            self.exchange()
+        self.close_rounds()  # else the last step has just averaged
         average_buffers(self.model, self.comm)
+
+    def state_dict(self) -> dict:
+        state = super().state_dict()
+        return state if self.anchor is None else {**state, "anchor": self.anchor.clone()}
+
+    def load_state_dict(self, state: dict) -> None:
+        super().load_state_dict(state)
+        if self.anchor is not None and "anchor" in state:
+            self.anchor.copy_(state["anchor"])

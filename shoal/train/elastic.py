@@ -53,6 +53,13 @@ def check_elastic(cfg: TrainConfig, launcher: str | None) -> None:
                          f"under {launcher}")
     if cfg.strategy_options.get("compress", "none") != "none":
         raise ShoalError("--elastic does not take --compress yet (its hooks keep per-group state)")
+    streamed = [flag for flag, value, plain in (("--fragments", "fragments", 1),
+                                                 ("--overlap-steps", "overlap_steps", 0),
+                                                 ("--outer-precision", "outer_precision", "fp32"))
+                if cfg.strategy_options.get(value, plain) != plain]
+    if streamed:  # exchanges in flight, or all-gathered, are not voted on (one meeting each)
+        raise ShoalError(f"--elastic does not take {', '.join(streamed)} yet: it exchanges whole "
+                         "models in fp32")
 
 
 @dataclass

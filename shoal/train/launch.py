@@ -17,9 +17,10 @@ import sys
 from typing import Any
 
 from shoal.config import TrainConfig
-from shoal.core.comm import Comm, init_comm
+from shoal.core.comm import Comm
 from shoal.core.env import Environment, default_threads
 from shoal.core.failures import record_failure
+from shoal.core.join import init_comm
 from shoal.core.processes import stop_on_sigterm
 from shoal.core.timeline import Timeline
 from shoal.data import Dataset

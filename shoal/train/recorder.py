@@ -239,6 +239,7 @@ class Recorder:
         world = self.comm.world_size
         times = {k: v / world for k, v in zip(CATEGORIES, summed[:-1], strict=False)}
         total_bytes = summed[-1]
+        peak = self.comm.reduce_values([float(self.comm.peak_in_flight)], op="max")[0]
         if self.cfg.trace:
             self._write_trace(st, lanes)
         if self.log is not None:
@@ -265,6 +266,7 @@ class Recorder:
             "step_time_s": sum(times.values()) / st.step if st.step else None,
             "bytes_sent": total_bytes,
             "bytes_per_sample": total_bytes / st.samples if st.samples else None,
+            "peak_bytes_in_flight": int(peak),
             "parameters": parameters,
             **({"momentum_auto": cfg.momentum_auto} if cfg.momentum_auto else {}),
             **({"lr_auto": cfg.lr_auto} if cfg.lr_auto else {}),
@@ -273,6 +275,14 @@ class Recorder:
             **(extra or {}),
         }
         write_json(self.out / "summary.json", summary)
+        self._last_line(st, stopped, stop_reason, verdict, test_acc, wall)
+        return summary
+
+    def _last_line(self, st: RunState, stopped: bool, stop_reason: str | None,
+                   verdict: dict[str, Any] | None, test_acc: float, wall: float) -> None:
+        """The run's last line: how it stopped, or what it learned (``done:`` only for a
+        completed run that did not collapse)."""
+        cfg = self.cfg
         if stop_reason:
             self.progress.line(f"stopped by {stop_reason} at step {st.step}; checkpoint in "
                                f"{cfg.checkpoint_path} (continue with --resume)")
@@ -285,7 +295,6 @@ class Recorder:
         else:
             self.progress.line(f"done: test accuracy {100 * test_acc:.2f}% after {st.epoch} "
                                f"epochs in {wall:.1f} s; results in {self.out}")
-        return summary
 
     # -- profiling and tracing ----------------------------------------------------------------
     def _start_profiler(self, first: int) -> None:
