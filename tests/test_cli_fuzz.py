@@ -379,6 +379,8 @@ def test_any_config_file_ends_in_success_or_one_error_line(config, args):
     for flag in ("--model", "--dataset", "--epochs", "--out"):
         i = pinned.index(flag)
         del pinned[i:i + 2]
-    args = args[:2] if args[:1] not in (["--config"], ["--out"]) else []
+    # the first drawn flag and its value, if it takes one (--allow-collapse takes none)
+    first = args[:1 if args and FLAGS[args[0]] is None else 2]
+    args = first if first[:1] not in (["--config"], ["--out"]) else []
     text, out = config
     run_shoal(["train", "--config", "{cfg}/fuzz.yaml", *args, *pinned], text, out)

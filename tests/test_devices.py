@@ -19,6 +19,7 @@ from shoal.core.env import pick_device, resolve_device
 from shoal.core.processes import loopback_gloo_interface
 from shoal.errors import ShoalError
 from shoal.train import job_device
+from shoal.train.launch import job_topology
 
 from conftest import marked_processes, one_error_line, shoal_env
 from conftest import shoal as shoal_command
@@ -73,20 +74,25 @@ def cfg(strategy: str, device: str = "auto", **options) -> TrainConfig:
     return TrainConfig(strategy=strategy, device=device, strategy_options=options)
 
 
+def device_of(c: TrainConfig, workers: int) -> TrainConfig:
+    """``c`` with its device picked for a job of ``workers`` workers, all on this host."""
+    return job_device(c, job_topology(c, workers), workers)
+
+
 def test_the_job_picks_its_device_once_by_its_strategy(gpus):
     gpus(1)
-    assert job_device(cfg("sync"), 1, 1).device == "cuda"
-    assert job_device(cfg("sync"), 2, 2).device == "cpu"
+    assert device_of(cfg("sync"), 1).device == "cuda"
+    assert device_of(cfg("sync"), 2).device == "cpu"
     # Asynchronous workers exchange through host memory: two share the one GPU ...
-    assert job_device(cfg("async-sgd", "cuda"), 2, 2).device == "cuda"
-    assert job_device(cfg("async-easgd"), 3, 3).device == "cuda"
-    assert job_device(cfg("groups", "cuda", groups=2), 2, 2).device == "cuda"
+    assert device_of(cfg("async-sgd", "cuda"), 2).device == "cuda"
+    assert device_of(cfg("async-easgd"), 3).device == "cuda"
+    assert device_of(cfg("groups", "cuda", groups=2), 2).device == "cuda"
     # ... but a compute group of two all-reduces in NCCL, and hogwild steps host memory.
     with pytest.raises(ShoalError, match="2 processes on this host need a GPU each"):
-        job_device(cfg("groups", "cuda", groups=1), 2, 2)
-    assert job_device(cfg("groups", groups=1), 2, 2).device == "cpu"
-    assert job_device(cfg("hogwild"), 2, 2).device == "cpu"
-    assert job_device(cfg("sync", "cpu"), 1, 1).device == "cpu"
+        device_of(cfg("groups", "cuda", groups=1), 2)
+    assert device_of(cfg("groups", groups=1), 2).device == "cpu"
+    assert device_of(cfg("hogwild"), 2).device == "cpu"
+    assert device_of(cfg("sync", "cpu"), 1).device == "cpu"
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks a machine without a GPU")
