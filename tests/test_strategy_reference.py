@@ -156,21 +156,28 @@ def starting_points(comm: Comm) -> dict[str, list[float]]:
     return found
 
 
-def run_all(out_dir: str) -> None:
+def run_all(out_dir: str, cases) -> None:
+    """One rank of a job: ``cases(comm)``'s results, written as this rank's JSON."""
     comm = shoal.init(device="cpu")
-    Path(out_dir, f"rank{comm.rank}.json").write_text(json.dumps(run_cases(comm)))
+    Path(out_dir, f"rank{comm.rank}.json").write_text(json.dumps(cases(comm)))
     shoal.shutdown()
+
+
+def results_by_world(tmp_path_factory, cases) -> dict[int, list[dict]]:
+    """world size -> each rank's results of ``cases`` (a module-level function of a Comm),
+    in this process alone and in jobs of 2 and 3 real processes."""
+    found = {1: [cases(Comm(Environment(), torch.device("cpu")))]}
+    for world in (2, 3):
+        out = tmp_path_factory.mktemp(f"world{world}")
+        spawn(world, run_all, (str(out), cases))
+        found[world] = [json.loads((out / f"rank{r}.json").read_text()) for r in range(world)]
+    return found
 
 
 @pytest.fixture(scope="module")
 def shoal_results(tmp_path_factory) -> dict[int, list[dict]]:
     """world size -> each rank's results for every case."""
-    found = {1: [run_cases(Comm(Environment(), torch.device("cpu")))]}
-    for world in (2, 3):
-        out = tmp_path_factory.mktemp(f"world{world}")
-        spawn(world, run_all, (str(out),))
-        found[world] = [json.loads((out / f"rank{r}.json").read_text()) for r in range(world)]
-    return found
+    return results_by_world(tmp_path_factory, run_cases)
 
 
 # -- the references, from the papers ---------------------------------------------------------

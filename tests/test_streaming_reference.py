@@ -14,18 +14,13 @@ case also restarts from saved state mid-flight and must not notice.
 
 from __future__ import annotations
 
-import json
-from pathlib import Path
-
 import pytest
 import torch
 from test_quantize import reference_scaled
-from test_strategy_reference import LR, STEPS, grad, problem, rows
+from test_strategy_reference import LR, STEPS, grad, problem, results_by_world, rows
 
 import shoal
 from shoal.core.comm import Comm
-from shoal.core.env import Environment
-from shoal.core.processes import spawn
 
 TAU = 4
 # name: (strategy, options, inner momentum, restart after this many steps)
@@ -85,20 +80,9 @@ def run_cases(comm: Comm) -> dict:
         f"{name}-restarted": run_case(name, comm, CASES[name][3]) for name in CASES}
 
 
-def run_all(out_dir: str) -> None:
-    comm = shoal.init(device="cpu")
-    Path(out_dir, f"rank{comm.rank}.json").write_text(json.dumps(run_cases(comm)))
-    shoal.shutdown()
-
-
 @pytest.fixture(scope="module")
 def results(tmp_path_factory) -> dict[int, list[dict]]:
-    found = {1: [run_cases(Comm(Environment(), torch.device("cpu")))]}
-    for world in (2, 3):
-        out = tmp_path_factory.mktemp(f"world{world}")
-        spawn(world, run_all, (str(out),))
-        found[world] = [json.loads((out / f"rank{r}.json").read_text()) for r in range(world)]
-    return found
+    return results_by_world(tmp_path_factory, run_cases)
 
 
 # -- the references ----------------------------------------------------------------------------
