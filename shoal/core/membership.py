@@ -35,6 +35,7 @@ from typing import Any, TypeVar
 import torch
 import torch.distributed as dist
 
+from shoal.core.group import join_group
 from shoal.core.processes import stop_requested
 from shoal.core.waits import ELASTIC, ended_key
 from shoal.errors import ShoalError
@@ -74,12 +75,12 @@ class Membership:
     """
 
     def __init__(self, store: Any, me: int, world: int, heartbeat: Callable[[int], str],
-                 timeout: float, patience: float, backend: str) -> None:
+                 timeout: float, patience: float, device_type: str) -> None:
         self._raw = store
         self._store = dist.PrefixStore(ELASTIC, store)
         self.me, self.members = me, list(range(world))
         self._heartbeat, self.timeout, self.patience = heartbeat, timeout, patience
-        self._backend = backend
+        self._device_type = device_type
         self.epoch = 0  # the membership epoch: one per group
         self._seq = 0  # meetings held in this epoch
         self._beats: dict[int, tuple[int, float]] = {}  # a member's counter, when it moved
@@ -93,10 +94,8 @@ class Membership:
            timeout: float | None) -> Membership:
         """``comm``'s membership (``store``: the job's under its key prefix), which keeps
         its rank and world size those of the group after every change."""
-        from shoal.core.group import backend_for
-
         membership = cls(store, comm.rank, comm.world_size, comm._keys.heartbeat,
-                         heartbeat_timeout or 10.0, timeout or 300.0, backend_for(comm.device.type))
+                         heartbeat_timeout or 10.0, timeout or 300.0, comm.device.type)
 
         def regrouped(lost: list[int], ranks: list[int]) -> None:
             comm.rank, comm.world_size = membership.rank, membership.world_size
@@ -221,11 +220,9 @@ class Membership:
         if len(self.members) == 1:
             return True
         try:
-            dist.init_process_group(
-                self._backend, store=dist.PrefixStore(f"{ELASTIC}/{self.epoch}/group", self._raw),
-                rank=self.rank, world_size=len(self.members),
-                timeout=timedelta(seconds=self.timeout))
-        except (RuntimeError, ValueError):
+            join_group(dist.PrefixStore(f"{ELASTIC}/{self.epoch}/group", self._raw), self.rank,
+                       len(self.members), self._device_type, self.timeout)
+        except ShoalError:
             return False
         return True
 
