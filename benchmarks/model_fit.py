@@ -13,9 +13,9 @@ from __future__ import annotations
 import statistics
 from typing import Any
 
-from shoal.plan.cost import Calibration, Network
 from shoal.plan.fit import Setting, check
 from shoal.plan.simulate import SC17_EFFICIENCY, parse_bandwidth, parse_latency, predict, workloads
+from shoal.strategies.cost import Calibration, Network
 
 #: The strategies predicted for the clusters that cannot be run here.
 PREDICTED = ("sync,local-sgd:tau=4,local-sgd:tau=16,easgd:tau=4,easgd:tau=16,diloco:tau=16,"

@@ -8,10 +8,10 @@ import pytest
 
 from shoal.errors import ShoalError
 from shoal.plan.calibrate import collectives_cost
-from shoal.plan.cost import Calibration, Machine
 from shoal.plan.fit import GRIDS, Setting, check, fit, network, predicted
 from shoal.plan.simulate import predict, workloads
 from shoal.strategies.communication import Exchange
+from shoal.strategies.cost import Calibration, Machine
 
 N = 1e6  # bytes of the model: 250,000 float32 parameters
 P = 4  # workers

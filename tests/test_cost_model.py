@@ -11,7 +11,16 @@ import pytest
 
 from shoal.cli import main
 from shoal.errors import ShoalError
-from shoal.plan.cost import (
+from shoal.plan.simulate import (
+    SC17_EFFICIENCY,
+    Workload,
+    parse_bandwidth,
+    parse_latency,
+    predict,
+    workloads,
+)
+from shoal.strategies import STRATEGIES
+from shoal.strategies.cost import (
     Calibration,
     Link,
     Machine,
@@ -22,15 +31,6 @@ from shoal.plan.cost import (
     server_cycle_s,
     slowest,
 )
-from shoal.plan.simulate import (
-    SC17_EFFICIENCY,
-    Workload,
-    parse_bandwidth,
-    parse_latency,
-    predict,
-    workloads,
-)
-from shoal.strategies import STRATEGIES
 
 from conftest import one_error_line
 

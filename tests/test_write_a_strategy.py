@@ -71,7 +71,7 @@ def test_example_strategy_plugs_into_shoal_train(tmp_path):
 def test_example_strategy_states_what_it_sends():
     """The example's pattern says what the test above measures: half local SGD's bytes,
     every tau steps; shoal plan's cost model prices it from that."""
-    from shoal.plan.cost import Link, step_cost
+    from shoal.strategies.cost import Link, step_cost
 
     example, local = load_object(EXAMPLE, "strategy"), get_strategy("local-sgd")
     mine = example.communication(example.Options(tau=TAU), 2)

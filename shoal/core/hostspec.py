@@ -32,7 +32,7 @@ def burst_bytes(bits: float) -> int:
     """The token bucket of a link of ``bits`` per second: 10 ms worth of bytes (at least
     15,000, ``tbf``'s minimum for a 1500-byte MTU). A link idle that long passes that many
     bytes at once, at the machine's speed; the cost model counts it
-    (:class:`shoal.plan.cost.Network`'s ``burst_bytes``)."""
+    (:class:`shoal.strategies.cost.Network`'s ``burst_bytes``)."""
     return max(15_000, int(bits / 8 / 100))
 
 

@@ -1,4 +1,4 @@
-"""Measuring this machine for the cost model (:class:`~shoal.plan.cost.Calibration`): the
+"""Measuring this machine for the cost model (:class:`~shoal.strategies.cost.Calibration`): the
 model's compute per sample (a few timed training steps) and a Gloo all-reduce's latency and
 bandwidth between two local processes (started and joined as every shoal job is:
 :func:`shoal.core.processes.spawn`, :func:`shoal.core.group.join_group`)."""
@@ -12,7 +12,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from shoal.errors import ShoalError
-from shoal.plan.cost import Calibration
+from shoal.strategies.cost import Calibration
 
 #: Seconds the calibration's two processes wait for each other at most.
 TIMEOUT_S = 60.0

@@ -1,4 +1,4 @@
-"""Fitting the cost model's :class:`~shoal.plan.cost.Machine` to measured throughputs, with a
+"""Fitting the cost model's :class:`~shoal.strategies.cost.Machine` to measured throughputs, with a
 held-out check (benchmarks/bench_model.py; docs/performance.md#cost-model).
 
 What the calibration cannot measure alone are the things of processes that share one
@@ -25,8 +25,8 @@ from typing import Any
 
 from shoal.core.hostspec import PAYLOAD, burst_bytes, rate_bits
 from shoal.errors import ShoalError
-from shoal.plan.cost import Calibration, Machine, Network
 from shoal.plan.simulate import Workload, parse_bandwidth, predict, workloads
+from shoal.strategies.cost import Calibration, Machine, Network
 
 #: The free parameters and the grids they are fitted on.
 GRIDS = {"contention": tuple(i / 100 for i in range(0, 101, 2)),

@@ -33,13 +33,13 @@ from shoal.core.trust import private_dir
 from shoal.data import EpochPlan, load_dataset
 from shoal.errors import ShoalError
 from shoal.plan.budget import auto_budget, probe_trial
-from shoal.plan.cost import fitted_link, step_cost
 from shoal.plan.outcome import start_of, trial_curve, trial_speed
 from shoal.plan.search import Omnivore, Plan, SearchSettings, explain
 from shoal.plan.session import PlanningSession
 from shoal.plan.trials import HARDWARE, Candidate, Phase, Trial
 from shoal.schema import parse_duration
 from shoal.strategies import get_strategy
+from shoal.strategies.cost import fitted_link, step_cost
 from shoal.sweep.runner import Launcher
 from shoal.train.launch import job_topology
 from shoal.train.probe import trial_epochs
@@ -196,7 +196,7 @@ class Planner:
         return (stop if stop is not None else self.cfg.epochs * self.steps_per_epoch) - self.start.step
 
     def estimate(self, c: Candidate, phase: Phase) -> float | None:
-        """``c``'s trial cost from the cost model (:mod:`shoal.plan.cost`), fitted to the
+        """``c``'s trial cost from the cost model (:mod:`shoal.strategies.cost`), fitted to the
         fastest tested trial in the job's layout so far (``None``: none yet): its compute per
         step, and the link on which its own pattern communicated what it measured. ``c``'s
         step computes the same and exchanges on that link as its pattern says. A job of its

@@ -120,7 +120,7 @@ class Omnivore:
         """What ``candidate``'s trial is expected to take (start-ups aside): the most its
         configuration's tested trials took (the grid's points share a speed), else the
         ``estimate`` from what was measured (the planner's: the cost model,
-        :mod:`shoal.plan.cost`, fitted to a tested trial), else the median of all trials so
+        :mod:`shoal.strategies.cost`, fitted to a tested trial), else the median of all trials so
         far (a re-plan's first: ``trial_cost_s``)."""
         costs = [t.cost_s - t.startup_s for t in self.trials]
         own = [t.cost_s - t.startup_s for t in self.trials if not t.speed_only

@@ -1,10 +1,10 @@
 """``shoal plan --simulate``: each strategy's throughput and weak-scaling efficiency on
-clusters that cannot be run here, from the cost model (:mod:`shoal.plan.cost`) calibrated on
+clusters that cannot be run here, from the cost model (:mod:`shoal.strategies.cost`) calibrated on
 this machine (:mod:`shoal.plan.calibrate`).
 
 Compute is ``c * b`` for ``b`` samples, ``c`` measured with the real model; every node is
 a machine of its own (benchmarks/bench_model.py also predicts nodes that share one, the
-emulated cluster's, with :class:`~shoal.plan.cost.Machine`). The network's ``alpha`` and
+emulated cluster's, with :class:`~shoal.strategies.cost.Machine`). The network's ``alpha`` and
 ``beta`` are ``--latency`` and
 ``1 / --bandwidth`` taken at their nominal values, or with ``--host-cost`` plus this
 machine's calibrated endpoint cost (how the emulated cluster of this machine is predicted:
@@ -26,8 +26,8 @@ from typing import Any
 
 from shoal.core.files import check_output_dir, make_output_dir
 from shoal.errors import ShoalError
-from shoal.plan.cost import APART, Calibration, Machine, Network, pattern_of, step_cost
 from shoal.strategies.communication import Pattern
+from shoal.strategies.cost import APART, Calibration, Machine, Network, pattern_of, step_cost
 
 #: The SC17 paper's weak-scaling efficiency (You, Buluc & Demmel: 91.5% on 4,253 KNL cores).
 SC17_EFFICIENCY = 0.915

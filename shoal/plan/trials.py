@@ -9,8 +9,8 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
-from shoal.plan.cost import pattern_of
 from shoal.strategies.communication import Pattern
+from shoal.strategies.cost import pattern_of
 
 
 class Stage(enum.Enum):

@@ -1,7 +1,7 @@
 """What a strategy's workers exchange, how often and with whom: a :class:`Pattern`.
 
 Each strategy class states its pattern (``Strategy.communication(options, workers)``) next
-to the code that does the exchanging; :mod:`shoal.plan.cost` turns a pattern, a model's size,
+to the code that does the exchanging; :mod:`shoal.strategies.cost` turns a pattern, a model's size,
 a step's compute and a network into time. The planner's trial estimates, the search's
 expected costs and ``shoal plan --simulate`` all read the same patterns, so a strategy's
 cost is described once, by the strategy.

@@ -6,8 +6,9 @@ start-up and at least one trial. So ``auto`` starts training ``sync`` for real; 
 ``STEPS`` steps rank 0 predicts sync's whole time (the job's start-up, from
 ``--plan-probe-since`` to its first step, plus every step at the probe's warm speed) and
 allows planning a tenth of it (:data:`PLAN_SHARE`). Where that tenth holds a session's
-start-up (about this job's own) and the plan's cheapest trial (its first period of
-:data:`FIRST_PERIOD` steps, from the probe's compute and communication per step), the run
+start-up (about this job's own) and the plan's cheapest trial (local SGD with its first
+period of :data:`FIRST_PERIOD` steps, priced by the one cost model,
+:mod:`shoal.strategies.cost`, on the link the probe's own sync steps measured), the run
 stops there, checkpointed, and auto plans from that checkpoint; otherwise it goes on as the
 sync run it already is. Either way the probe's steps are the run's own. Rank 0 writes the
 decision to ``probe.json`` in ``--out`` and says it in one line; every rank learns it from
@@ -26,6 +27,7 @@ from shoal.config import TrainConfig
 from shoal.core.comm import Comm
 from shoal.core.env import detect_environment
 from shoal.core.timeline import Timeline, comm_fraction
+from shoal.strategies.cost import fitted_link, pattern_of, step_cost
 from shoal.train.records import write_json
 
 #: The share of sync's predicted time that planning may take (Omnivore's overhead).
@@ -112,8 +114,7 @@ class Probe:
         share = comm_fraction(Timeline.delta(self.comm.timeline.snapshot(), self._times))
         predicted = self.startup_s + (self.total - self._first) * step_s
         budget = PLAN_SHARE * predicted
-        # The cheapest trial: the walk's first period, whose steps exchange once in a period.
-        trial_s = self.trial_steps * step_s * (1 - share + share / FIRST_PERIOD)
+        trial_s = self.trial_steps * cheapest_step_s(step_s, share, self.comm.world_size)
         needed = (0.0 if self.in_job else self.startup_s) + trial_s
         plans = step < self.total and budget >= needed
         why = (f"sync's first {self.steps} steps predict {predicted:.0f} s for the run; "
@@ -126,6 +127,18 @@ class Probe:
         write_json(self.out / PROBE_FILE, asdict(verdict))
         print(f"shoal: {why}", file=sys.stderr, flush=True)
         return verdict
+
+
+def cheapest_step_s(step_s: float, share: float, workers: int) -> float:
+    """A step of the plan's cheapest trial (local SGD exchanging every :data:`FIRST_PERIOD`
+    steps) from sync's measured ``step_s`` and its communicating ``share``: the cost model's
+    step on the link where sync's own pattern communicated that much."""
+    sync, cheapest = pattern_of("sync", {}, workers), pattern_of("local-sgd",
+                                                                {"tau": FIRST_PERIOD}, workers)
+    if sync is None or cheapest is None:
+        return step_s
+    link = fitted_link(sync, workers, step_s * share)
+    return step_cost(cheapest, workers, step_s * (1 - share), 1.0, link).step_s
 
 
 def read_verdict(out: Path, since: float) -> dict[str, Any] | None:
