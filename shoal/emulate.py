@@ -14,7 +14,9 @@ own that lets them use a quarter of one core (:mod:`shoal.core.cpulimit`: the ke
 them), and ``--link-rate 1:10mbit`` gives host 1's link its own rate.
 
 Everything carries a unique name prefix and is torn down on exit, on errors and on
-SIGINT/SIGTERM; ``python -m shoal.emulate --cleanup`` removes what a killed run left behind.
+SIGINT/SIGTERM; when the process that made a cluster is killed outright (SIGKILL), a watcher
+it started first (:func:`shoal.core.guard.after_death`) removes the cluster within seconds.
+``python -m shoal.emulate --cleanup`` removes every ``shoalemu-*`` left all the same.
 Needs root (``CAP_NET_ADMIN``). netem (latency, loss) is not used: only ``tbf``.
 """
 
@@ -23,6 +25,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -37,7 +40,7 @@ from typing import Any
 
 from shoal.core import cpulimit
 from shoal.core.cpulimit import CpuLimit, check_fraction
-from shoal.core.guard import guarded_command
+from shoal.core.guard import after_death, guarded_command
 from shoal.core.hostspec import burst_bytes, link_rates, rate_bits, slow_hosts
 from shoal.core.limits import check_processes
 from shoal.core.trust import open_own
@@ -121,6 +124,7 @@ class Cluster:
     tag: str = field(default_factory=lambda: uuid.uuid4().hex[:6])
     _made: list[str] = field(default_factory=list, init=False, repr=False)
     _limits: dict[int, CpuLimit] = field(default_factory=dict, init=False, repr=False)
+    _reaper: subprocess.Popen | None = field(default=None, init=False, repr=False)
 
     def __post_init__(self) -> None:
         if not 1 <= self.hosts <= 200:
@@ -175,6 +179,7 @@ class Cluster:
         if why is not None:
             raise ShoalError(f"cannot emulate a cluster: {why}")
         try:
+            self._start_reaper()
             self._add_netns(self.switch)
             _ip("link", "add", "br0", "type", "bridge", netns=self.switch)
             _ip("link", "set", "br0", "up", netns=self.switch)
@@ -198,6 +203,13 @@ class Cluster:
             self.teardown()
             raise
 
+    def _start_reaper(self) -> None:
+        """A watcher that removes this cluster's namespaces and cgroups if this process dies
+        without tearing them down (SIGKILL): :func:`shoal.core.guard.after_death`."""
+        cmd = [sys.executable, "-m", "shoal.emulate", "--cleanup-tag", self.tag]
+        self._reaper = subprocess.Popen(after_death(cmd), stdin=subprocess.DEVNULL,
+                                        stdout=subprocess.DEVNULL, start_new_session=True)
+
     def _add_netns(self, name: str) -> None:
         _ip("netns", "add", name)
         self._made.append(name)
@@ -212,6 +224,10 @@ class Cluster:
             limit.remove()
         self._limits.clear()
         cleanup(self.prefix)  # whatever a failed set-up made before it was booked
+        if self._reaper is not None:  # nothing left for it: stopped before it runs anything
+            self._reaper.kill()
+            self._reaper.wait(timeout=10)
+            self._reaper = None
 
     # -- running jobs -------------------------------------------------------------------------
     def exec_args(self, i: int, env: dict[str, str] | None = None) -> list[str]:
@@ -315,11 +331,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--timeout", type=float, default=3600, help="seconds before giving up")
     p.add_argument("--cleanup", action="store_true",
                    help=f"only remove namespaces and cgroups named {PREFIX}-* left by killed runs")
+    p.add_argument("--cleanup-tag", default=None, help=argparse.SUPPRESS)  # a cluster's reaper
     p.add_argument("--check", action="store_true", help="only say whether emulation works here")
     p.add_argument("program", nargs=argparse.REMAINDER,
                    help="after --: torchrun's program, e.g. -m shoal train --model lenet5")
     args = p.parse_args(argv)
     try:
+        if args.cleanup_tag is not None:  # the reaper of a cluster whose owner died
+            if not re.fullmatch(r"[0-9a-f]{6}", args.cleanup_tag):
+                raise ShoalError(f"--cleanup-tag: not a cluster's tag: {args.cleanup_tag!r}")
+            cleanup(f"{PREFIX}-{args.cleanup_tag}")
+            return 0
         if args.cleanup:
             removed = cleanup()
             print(f"removed {len(removed)} namespace(s) and cgroup(s)"

@@ -5,6 +5,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 import uuid
 from pathlib import Path
 
@@ -226,3 +227,36 @@ def test_no_cgroup_is_left_after_a_failure(monkeypatch):
     with pytest.raises(ShoalError, match="cannot write cpu.cfs_period_us"):
         cluster.setup()
     assert ours(cluster.prefix) == [] and namespaces(cluster.prefix) == []
+
+
+KILLED_OWNER = """from shoal.emulate import Cluster
+import time
+cluster = Cluster(hosts=2, rate="100mbit", slow={1: 0.5})
+cluster.setup()
+print(cluster.prefix, flush=True)
+time.sleep(120)"""
+
+
+@needs_cluster
+def test_a_cluster_whose_owner_is_killed_is_removed():
+    """kill -9 of the process that made an emulated cluster (no teardown runs): its
+    namespaces and cgroups are removed all the same, by the cluster's watcher, within
+    seconds; nothing is left for `--cleanup`."""
+    owner = subprocess.Popen([sys.executable, "-c", KILLED_OWNER], stdout=subprocess.PIPE,
+                             text=True, cwd=REPO)
+    prefix = ""
+    try:
+        prefix = owner.stdout.readline().strip()
+        assert prefix.startswith(f"{emulate.PREFIX}-"), prefix
+        assert len(namespaces(prefix)) == 3 and ours(prefix) == [f"{prefix}-h1"]
+        owner.kill()
+        owner.wait(timeout=10)
+        deadline = time.monotonic() + 60
+        while (namespaces(prefix) or ours(prefix)) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert namespaces(prefix) == [] and ours(prefix) == []
+    finally:
+        owner.kill()
+        owner.wait(timeout=10)
+        if prefix:
+            emulate.cleanup(prefix)

@@ -15,6 +15,10 @@ within milliseconds of the child's start, not after seconds of importing torch:
   which guards itself and then ``exec``s ``CMD`` (PDEATHSIG survives ``exec``; the pid
   stays the same).
 
+What a process leaves outside processes (the emulated cluster's namespaces and cgroups) is
+cleaned up by :func:`after_death`: a watcher that waits, doing nothing, for its parent's
+death, whatever kills it, and only then runs the cleanup command.
+
 SIGKILL, not SIGTERM: a training worker takes SIGTERM as "checkpoint and stop", which needs
 its launcher and its peers, and an orphan has neither.
 """
@@ -62,6 +66,27 @@ def guarded_command(cmd: list[str]) -> list[str]:
     return [sys.executable, "-I", "-S", os.path.abspath(__file__), str(os.getpid()), "--", *cmd]
 
 
+def after_death(cmd: list[str]) -> list[str]:
+    """A command that waits for this process to die (however: SIGKILL included), then runs
+    ``cmd`` and exits; start it in a session of its own so a kill of this process's group
+    spares it. Stopping it with SIGKILL before this process dies runs nothing."""
+    return [sys.executable, "-I", "-S", os.path.abspath(__file__), "--after", str(os.getpid()),
+            "--", *cmd]
+
+
+def _exec_after(argv: list[str]) -> None:
+    """``guard.py --after PARENT -- CMD...``: wait for ``PARENT`` to die, become ``CMD``."""
+    parent = int(argv[0])
+    signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})  # taken by sigtimedwait
+    if sys.platform.startswith("linux"):
+        with contextlib.suppress(OSError, AttributeError):
+            ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+    while os.getppid() == parent:  # a parent that died before the prctl shows here
+        signal.sigtimedwait({signal.SIGTERM}, 5.0)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGTERM})
+    os.execvp(argv[2], argv[2:])
+
+
 def _exec_guarded(argv: list[str]) -> None:
     """``guard.py PARENT -- CMD...``: guard this process against ``PARENT``, become ``CMD``."""
     if len(argv) < 3 or argv[1] != "--" or not argv[0].isdigit():
@@ -77,5 +102,8 @@ if __name__ == "__mp_main__":  # a child of start_process, before its target is 
     _launcher = launcher_of(multiprocessing.current_process().name)
     if _launcher is not None:
         die_with_parent(_launcher)
+elif __name__ == "__main__" and sys.argv[1:2] == ["--after"] and sys.argv[4:5] \
+        and sys.argv[2].isdigit() and sys.argv[3] == "--":
+    _exec_after(sys.argv[2:])
 elif __name__ == "__main__":
     _exec_guarded(sys.argv[1:])
