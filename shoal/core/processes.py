@@ -208,6 +208,7 @@ def spawn(
     *,
     grace: float = 2.0,
     tolerate: Callable[[int], bool] | None = None,
+    on_store: Callable[[int], None] | None = None,
 ) -> list[Any]:
     """Run ``target(*args)`` in ``world_size`` fresh processes joined as one job on this machine.
 
@@ -221,12 +222,16 @@ def spawn(
     :func:`stop_requested`; the workers decide what it means (training checkpoints and
     stops; other functions end as SIGTERM ends them). While
     they start, SIGTERM stops them and raises :class:`~shoal.errors.Terminated`.
+    ``on_store(port)``: called once the job's store listens (on loopback), before any rank
+    starts (an elastic job publishes where a joiner finds it).
     """
     job = _pack_job(world_size, target, args)
     # The launcher serves the job's store (on loopback only, see loopback_store): it
     # outlives any worker, so a dead or stopped rank 0 cannot take the rendezvous with it.
     store = loopback_store(timeout=60.0)
     port = store.port
+    if on_store is not None:
+        on_store(port)
     errdir = tempfile.mkdtemp(prefix="shoal-errors-")
     procs: list[BaseProcess] = []
     sigterm = threading.Event()  # a SIGTERM came while this call runs
@@ -317,9 +322,11 @@ def _supervise(procs: list[BaseProcess], store: Any, errdir: str, grace: float,
 
 
 def _end_left_out(procs: list[BaseProcess], members: list[int] | None, errdir: str) -> None:
-    """Elastic: once every worker of the job's latest group finished, end those left out
-    of it (stopped, or too late to come back), which nobody waits for any more."""
-    if members is None or not all(_finished(errdir, rank) for rank in members):
+    """Elastic: once every worker of the job's latest group that this launcher started
+    finished (a joiner is its own ``shoal join``'s), end those left out of it (stopped, or
+    too late to come back), which nobody waits for any more."""
+    if members is None or not all(_finished(errdir, rank) for rank in members
+                                  if rank < len(procs)):
         return
     for rank, p in enumerate(procs):
         if rank not in members and p.exitcode is None and p.pid is not None:
