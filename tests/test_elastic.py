@@ -12,8 +12,7 @@ import torch
 from shoal.cli import main
 from shoal.data.sharding import EpochPlan
 
-from conftest import one_error_line, shoal, shoal_env
-from elastic_helpers import EPOCHS, TRAIN_ROWS, samples_trained
+from conftest import EPOCHS, TRAIN_ROWS, one_error_line, samples_trained, shoal, shoal_env
 
 pytestmark = pytest.mark.timeout(600)
 

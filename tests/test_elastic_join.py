@@ -12,11 +12,20 @@ import subprocess
 import sys
 import threading
 import time
+import uuid
 
 import pytest
 
-from conftest import REPO, one_error_line, shoal, shoal_env, wait_gone
-from elastic_helpers import TRAIN_ROWS, samples_trained, step_workers
+from conftest import (
+    REPO,
+    TRAIN_ROWS,
+    one_error_line,
+    samples_trained,
+    shoal,
+    shoal_env,
+    step_workers,
+    wait_gone,
+)
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -100,7 +109,9 @@ def test_a_worker_joins_in_place_of_a_killed_one(held, strategy):
     job = held("--strategy", strategy, *([] if strategy == "sync" else ["--tau", "4"]),
                "--elastic", "--record-samples")
     job.wait_line("worker 2 left at step 39")
-    joined = shoal("join", str(job.out), env=job.env, timeout=240)
+    # its own marker: no process of the joiner's outlives it
+    joined = shoal("join", str(job.out), env={**job.env, "SHOAL_TEST_MARKER": uuid.uuid4().hex},
+                   timeout=240)
     assert job.finish() == 0, job.stderr
     assert joined.returncode == 0, joined.stderr
     assert "joining the job" in joined.stderr and joined.stray == []

@@ -213,21 +213,16 @@ def spawn(
     """Run ``target(*args)`` in ``world_size`` fresh processes joined as one job on this machine.
 
     Each process gets ``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``, ``LOCAL_WORLD_SIZE``,
-    ``MASTER_ADDR`` and ``MASTER_PORT`` (a free port) in its environment, and its
-    :class:`~shoal.core.env.Environment` as an object. ``target`` and ``args`` travel pickled
-    with cloudpickle (by value when not importable, e.g. from ``__main__``); the main program
-    is not run again in the workers. Returns the ranks' results, or raises the root-cause
-    failure, as :func:`_supervise` says (``grace``, ``tolerate``: see there). SIGTERM to this
-    process (called from the main thread) is passed on to the workers and sets
-    :func:`stop_requested`; the workers decide what it means (training checkpoints and
-    stops; other functions end as SIGTERM ends them). While
-    they start, SIGTERM stops them and raises :class:`~shoal.errors.Terminated`.
-    ``on_store(port)``: called once the job's store listens (on loopback), before any rank
-    starts (an elastic job publishes where a joiner finds it).
-    """
+    ``MASTER_ADDR``, ``MASTER_PORT`` (a free port) and its :class:`~shoal.core.env.Environment`.
+    ``target`` and ``args`` travel cloudpickled (by value when not importable); the main
+    program is not run again. Returns the ranks' results, or raises the root-cause failure,
+    as :func:`_supervise` says (``grace``, ``tolerate``). SIGTERM to this process (on the main
+    thread) is passed on to the workers and sets :func:`stop_requested` (training checkpoints
+    and stops); while they start, it stops them and raises :class:`~shoal.errors.Terminated`.
+    ``on_store(port)``: told the store's port before any rank starts (where joiners find it)."""
     job = _pack_job(world_size, target, args)
-    # The launcher serves the job's store (on loopback only, see loopback_store): it
-    # outlives any worker, so a dead or stopped rank 0 cannot take the rendezvous with it.
+    # Served by the launcher (on loopback only, see loopback_store): it outlives any
+    # worker, so a dead or stopped rank 0 cannot take the rendezvous with it.
     store = loopback_store(timeout=60.0)
     port = store.port
     if on_store is not None:
