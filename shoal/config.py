@@ -110,6 +110,8 @@ class TrainConfig:
                             "others re-form the group at the next meeting and train its "
                             "unfinished share of the epoch (sync, local-sgd, easgd, eamsgd, "
                             "diloco; docs/elastic.md)")
+    max_workers: int | None = setting(None, "with --elastic: the most workers once some join "
+                                      "(shoal join OUT; default --workers)", at_least=1)
     record_samples: bool = setting(False, "with --elastic: write OUT/samples/worker<i>.jsonl, "
                                    "the samples each worker trained, once they count (a check "
                                    "that none is lost or trained twice)")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import json
 import os
@@ -298,3 +299,23 @@ def is_loopback(address: str) -> bool:
     ip = ipaddress.ip_address(address)
     return ip.is_loopback or (ip.version == 6 and ip.ipv4_mapped is not None
                               and ip.ipv4_mapped.is_loopback)
+
+
+# -- elastic membership (tests/test_elastic.py, tests/test_elastic_join.py) ------------------
+EPOCHS, TRAIN_ROWS = 2, 1437  # digits
+
+
+def samples_trained(out) -> collections.Counter:
+    """How often each (epoch, sample) was trained, from every worker's --record-samples."""
+    counts: collections.Counter = collections.Counter()
+    for path in (out / "samples").glob("worker*.jsonl"):
+        for line in path.read_text().splitlines():
+            record = json.loads(line)
+            counts.update((record["epoch"], s) for s in record["samples"])
+    return counts
+
+
+def step_workers(out) -> dict[int, int]:
+    """Each step record's ``workers``, by step."""
+    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    return {r["step"]: r["workers"] for r in records if r.get("event") == "step"}

@@ -76,6 +76,24 @@ def killed_at(input_shape, num_classes):
     return _KilledAt(input_shape, num_classes)
 
 
+class _KilledThenHeld(_KilledAt):
+    """`killed_at`, whose other processes, once past the forward the kill comes at, sleep
+    ``SHOAL_TEST_PACE`` seconds in each training forward while the file ``SHOAL_TEST_HOLD``
+    exists: a job that waits (slowly training on) for a worker to join it."""
+
+    def forward(self, x):
+        out = super().forward(x)
+        count = int(os.environ.get("SHOAL_TEST_KILL_AT", "train:0").partition(":")[2])
+        if self.training and self.calls["train"] > count \
+                and os.path.exists(os.environ.get("SHOAL_TEST_HOLD", "")):
+            time.sleep(float(os.environ.get("SHOAL_TEST_PACE", "0.1")))
+        return out
+
+
+def killed_then_held(input_shape, num_classes):
+    return _KilledThenHeld(input_shape, num_classes)
+
+
 def _hold(path):
     with open(path, "w"):
         pass

@@ -4,7 +4,6 @@ sample of every epoch is trained exactly once. Real processes, Gloo on CPU."""
 
 from __future__ import annotations
 
-import collections
 import json
 
 import pytest
@@ -13,21 +12,9 @@ import torch
 from shoal.cli import main
 from shoal.data.sharding import EpochPlan
 
-from conftest import one_error_line, shoal, shoal_env
+from conftest import EPOCHS, TRAIN_ROWS, one_error_line, samples_trained, shoal, shoal_env
 
 pytestmark = pytest.mark.timeout(600)
-
-EPOCHS, TRAIN_ROWS = 2, 1437  # digits
-
-
-def samples_trained(out) -> collections.Counter:
-    """How often each (epoch, sample) was trained, from every worker's --record-samples."""
-    counts: collections.Counter = collections.Counter()
-    for path in (out / "samples").glob("worker*.jsonl"):
-        for line in path.read_text().splitlines():
-            record = json.loads(line)
-            counts.update((record["epoch"], s) for s in record["samples"])
-    return counts
 
 
 @pytest.mark.parametrize("strategy, killed", [

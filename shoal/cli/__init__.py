@@ -1,5 +1,5 @@
-"""The ``shoal`` command: ``shoal train``, ``shoal plan``, ``shoal run``, ``shoal bench``,
-``shoal report``, ``shoal list``: each subcommand's hand-off, and :func:`main`, which maps
+"""The ``shoal`` command: ``shoal train``, ``shoal plan``, ``shoal run``, ``shoal join``,
+``shoal bench``, ``shoal report``, ``shoal list``: each subcommand's hand-off, and :func:`main`, which maps
 errors to exit codes.
 
 Errors a user can fix print one line (``shoal: error: ...``, the one prefix whatever the
@@ -223,6 +223,12 @@ def main(argv: Sequence[str] | None = None) -> int:
             return _train(args)
         if args.command == "plan":
             return _plan(args)
+        if args.command == "join":
+            from pathlib import Path
+
+            from shoal.train.joiner import join_job
+
+            return join_job(Path(args.out))
         if args.command == "run":
             _run(args)
         elif args.command == "bench":

@@ -208,6 +208,19 @@ def _report_parser(sub: Any) -> argparse.ArgumentParser:
     return p
 
 
+def _join_parser(sub: Any) -> argparse.ArgumentParser:
+    p = sub.add_parser(
+        "join", help="add a worker to a running --elastic job",
+        description="Start a new worker that joins the --elastic job running in OUT (its "
+                    "--out) at its next step or round: it takes the model and every other "
+                    "state from a live worker and trains the rest with the others until the "
+                    "job ends (docs/elastic.md).")
+    p.add_argument("out", metavar="OUT", help="the running job's output directory")
+    p.add_argument("--debug", action="store_true", default=argparse.SUPPRESS,
+                   help="show tracebacks of errors")
+    return p
+
+
 def _run_parser(sub: Any) -> argparse.ArgumentParser:
     p = sub.add_parser(
         "run", help="run your own script on N local processes (no torchrun)",
@@ -240,6 +253,7 @@ def build_parser() -> argparse.ArgumentParser:
     _train_parser(sub)
     _plan_parser(sub)
     _run_parser(sub)
+    _join_parser(sub)
     _bench_parser(sub)
     _report_parser(sub)
     sub.add_parser("list", help="list models, datasets and strategies")

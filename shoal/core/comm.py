@@ -99,13 +99,32 @@ class Comm:
         self._watchdog: Watchdog | None = None
         self.membership: Membership | None = None
         if self._store is not None and self.world_size > 1 and peers:
-            self._keys = Keys(next(_GENERATIONS))
-            self._store.set(generation_key(self.rank), str(self._keys.generation))
-            waits = Waits(self.rank, self.world_size, self.log, self._keys, timeout)
-            self._watchdog = Watchdog(env, store, heartbeat_timeout, lambda: self.aborted, waits,
-                                      judge_peers=not elastic)
-            if elastic:  # after a change its rank and world size are the new group's
-                self.membership = Membership.of(self, self._store, heartbeat_timeout, timeout)
+            self._watch(env, heartbeat_timeout, timeout, elastic)
+
+    def _watch(self, env: Environment, heartbeat_timeout: float | None, timeout: float | None,
+               elastic: bool) -> None:
+        """Beat and watch in the job's store (the watchdog); elastic: vote on meetings."""
+        self._keys = Keys(next(_GENERATIONS))
+        self._store.set(generation_key(self.rank), str(self._keys.generation))
+        waits = Waits(self.rank, self.world_size, self.log, self._keys, timeout)
+        self._watchdog = Watchdog(env, self.store, heartbeat_timeout, lambda: self.aborted, waits,
+                                  judge_peers=not elastic)
+        if elastic:  # after a change its rank and world size are the new group's
+            self.membership = Membership.of(self, self._store, heartbeat_timeout, timeout)
+
+    def watch_as_joiner(self, env: Environment, store: dist.Store,
+                        heartbeat_timeout: float | None, timeout: float | None) -> Membership:
+        """A worker joining a running elastic job (:mod:`shoal.core.joining`), whose Comm
+        had no peers so far (its trainer was built alone): beat in the job's ``store`` as
+        worker ``env.rank`` of a job first of ``env.world_size``, with a membership of no
+        group yet (until :meth:`Membership.enter`)."""
+        self.store = store
+        self._store = dist.PrefixStore(key_prefix(env.attempt), store)
+        self._rank0_hosts = False
+        self._watch(env, heartbeat_timeout, timeout, elastic=True)
+        assert self.membership is not None
+        self.membership.members = []
+        return self.membership
 
     def _meet(self, run: Callable[[], _T], keep: torch.Tensor | None = None) -> _T | None:
         """``run()`` a collective; elastic: voted on, held again in a re-formed group from

@@ -88,6 +88,12 @@ class Membership:
         #: every member's stop vote, with no collective of its own.
         self.stop_voted = False
         self.listeners: list[Listener] = []
+        #: Joining (:mod:`shoal.core.joining`): the job's first size (ids from it on are
+        #: joiners'), whether a meeting's decision said a worker asks to join, the requests
+        #: answered so far (the same on every member), the ids that joined at the last change.
+        self.first_world, self.join_asked, self.joins_handled = world, False, 0
+        self.joined: list[int] = []
+        self.seal: Any = None  # the job's join secret (shoal.core.trust.Seal), on worker 0
 
     @classmethod
     def of(cls, comm: Any, store: Any, heartbeat_timeout: float | None,
@@ -163,18 +169,29 @@ class Membership:
             return False
         total = self._store.add(f"{base}/ok", 1 + (STOP if stop_requested() else 0))
         if total % STOP >= len(self.members):
-            verdict = self._store.compare_set(decision, "", "commit+stop" if total >= STOP
-                                              else "commit")
+            verdict = self._store.compare_set(decision, "", "commit" + ("+stop" if total >= STOP
+                                              else "") + ("+join" if self._asked() else ""))
         else:
             while not self._wait(decision, 4 * POLL, first=WAKE):
                 if any(self._gone(m) for m in self.members):  # it will never say so
                     self._store.compare_set(decision, "", "abort")
             verdict = self._store.get(decision)
-        counts = verdict.decode().startswith("commit")
-        self.stop_voted = verdict.decode() == "commit+stop"
+        parts = verdict.decode().split("+")
+        counts = parts[0] == "commit"
+        self.stop_voted = counts and "stop" in parts
+        self.join_asked = self.join_asked or (counts and "join" in parts)
         if counts and self.rank == 0 and self._seq > 1:
             self._forget(f"{self.epoch}/{self._seq - 2}")
         return counts
+
+    def _asked(self) -> bool:
+        """Whether a worker asked to join since the requests last answered."""
+        return self._store.add("join/asked", 0) > self.joins_handled
+
+    @property
+    def keys(self) -> Any:
+        """The job's store under the elastic prefix (where joining keeps its keys too)."""
+        return self._store
 
     def _forget(self, base: str) -> None:
         """Delete a meeting's keys once every member is past it (all voted on the next),
@@ -203,14 +220,33 @@ class Membership:
                 print(f"shoal: worker {self.me} was left out of the job's group (it did not "
                       "answer in time); it stops", file=sys.stderr, flush=True)
                 os.kill(os.getpid(), signal.SIGKILL)
-            self._store.set("latest", str(nxt))
-            self.epoch, self.members, self._seq = nxt, members, 0
-            if self._join():
+            if self.enter(nxt, members):
                 break
         lost = [m for m in before if m not in members]
+        self.joined = []
         for listener in self.listeners:
             listener(lost, [before.index(m) for m in lost])
         return lost
+
+    def enter(self, epoch: int, members: list[int]) -> bool:
+        """Make ``members`` (their ids, in rank order) the group of membership epoch
+        ``epoch`` and join its process group; False when a member did not come."""
+        self._store.set("latest", str(epoch))
+        self.epoch, self.members, self._seq = epoch, members, 0
+        return self._join()
+
+    def grow(self, epoch: int, members: list[int], joined: list[int]) -> list[int]:
+        """The members and the workers ``joined`` (admitted by :mod:`shoal.core.joining`)
+        form the group of ``epoch``; listeners hear of it as of a change that lost no one.
+        A joiner that does not come is lost at once (the group is agreed again). Returns
+        the ids that joined."""
+        if not self.enter(epoch, members):
+            self._reform()
+            return []
+        self.joined = list(joined)
+        for listener in self.listeners:
+            listener([], [])
+        return self.joined
 
     def _join(self) -> bool:
         """Leave the old process group and join this epoch's; False when a member did not

@@ -208,25 +208,25 @@ def spawn(
     *,
     grace: float = 2.0,
     tolerate: Callable[[int], bool] | None = None,
+    on_store: Callable[[int], None] | None = None,
 ) -> list[Any]:
     """Run ``target(*args)`` in ``world_size`` fresh processes joined as one job on this machine.
 
     Each process gets ``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``, ``LOCAL_WORLD_SIZE``,
-    ``MASTER_ADDR`` and ``MASTER_PORT`` (a free port) in its environment, and its
-    :class:`~shoal.core.env.Environment` as an object. ``target`` and ``args`` travel pickled
-    with cloudpickle (by value when not importable, e.g. from ``__main__``); the main program
-    is not run again in the workers. Returns the ranks' results, or raises the root-cause
-    failure, as :func:`_supervise` says (``grace``, ``tolerate``: see there). SIGTERM to this
-    process (called from the main thread) is passed on to the workers and sets
-    :func:`stop_requested`; the workers decide what it means (training checkpoints and
-    stops; other functions end as SIGTERM ends them). While
-    they start, SIGTERM stops them and raises :class:`~shoal.errors.Terminated`.
-    """
+    ``MASTER_ADDR``, ``MASTER_PORT`` (a free port) and its :class:`~shoal.core.env.Environment`.
+    ``target`` and ``args`` travel cloudpickled (by value when not importable); the main
+    program is not run again. Returns the ranks' results, or raises the root-cause failure,
+    as :func:`_supervise` says (``grace``, ``tolerate``). SIGTERM to this process (on the main
+    thread) is passed on to the workers and sets :func:`stop_requested` (training checkpoints
+    and stops); while they start, it stops them and raises :class:`~shoal.errors.Terminated`.
+    ``on_store(port)``: told the store's port before any rank starts (where joiners find it)."""
     job = _pack_job(world_size, target, args)
-    # The launcher serves the job's store (on loopback only, see loopback_store): it
-    # outlives any worker, so a dead or stopped rank 0 cannot take the rendezvous with it.
+    # Served by the launcher (on loopback only, see loopback_store): it outlives any
+    # worker, so a dead or stopped rank 0 cannot take the rendezvous with it.
     store = loopback_store(timeout=60.0)
     port = store.port
+    if on_store is not None:
+        on_store(port)
     errdir = tempfile.mkdtemp(prefix="shoal-errors-")
     procs: list[BaseProcess] = []
     sigterm = threading.Event()  # a SIGTERM came while this call runs
@@ -317,9 +317,11 @@ def _supervise(procs: list[BaseProcess], store: Any, errdir: str, grace: float,
 
 
 def _end_left_out(procs: list[BaseProcess], members: list[int] | None, errdir: str) -> None:
-    """Elastic: once every worker of the job's latest group finished, end those left out
-    of it (stopped, or too late to come back), which nobody waits for any more."""
-    if members is None or not all(_finished(errdir, rank) for rank in members):
+    """Elastic: once every worker of the job's latest group that this launcher started
+    finished (a joiner is its own ``shoal join``'s), end those left out of it (stopped, or
+    too late to come back), which nobody waits for any more."""
+    if members is None or not all(_finished(errdir, rank) for rank in members
+                                  if rank < len(procs)):
         return
     for rank, p in enumerate(procs):
         if rank not in members and p.exitcode is None and p.pid is not None:

@@ -17,12 +17,14 @@ from shoal.core.env import Environment, default_threads, detect_environment, res
 from shoal.core.failures import exit_status
 from shoal.core.limits import check_processes
 from shoal.core.processes import spawn, stop_requested
+from shoal.core.trust import Seal
 from shoal.data import Dataset, as_dataset
 from shoal.data.loader import loader_processes
 from shoal.errors import WorkerError
 from shoal.strategies.topology import Topology
 from shoal.train.checkpoint import checkpoint_step
 from shoal.train.elastic import check_elastic
+from shoal.train.jobfile import publish, withdraw
 from shoal.train.launch import job_topology, outside_topology, run_rank
 from shoal.train.optim import resolve_momentum
 from shoal.train.outdir import OutputLock
@@ -77,12 +79,18 @@ def _run_with_restarts(cfg: TrainConfig, topology: Topology, data: Dataset | Non
     ``cfg.max_restarts`` times. Returns rank 0's summary, which says what each restart
     redid."""
     attempt_cfg, restarts = cfg, []
+    # --elastic: the job's join secret, which only its workers and its user's ``shoal join``
+    # learn (through the job file, shoal.train.jobfile).
+    seal = Seal() if cfg.elastic and data is None else None
     while True:
         started = time.monotonic()
         extra = {"restarts": restarts} if restarts else None
         try:
-            return spawn(topology.world_size, _spawned_rank, (attempt_cfg, topology, data, extra),
-                         tolerate=lambda rank: _tolerated(cfg, topology, rank))[0]
+            return spawn(topology.world_size, _spawned_rank,
+                         (attempt_cfg, topology, data, extra, seal and seal.key_hex),
+                         tolerate=lambda rank: _tolerated(cfg, topology, rank),
+                         on_store=seal and (lambda port: publish(cfg, port, seal.key_hex,
+                                                                 topology.workers)))[0]
         except WorkerError as exc:
             exc = _by_role(exc, topology)
             if exc.user_error or len(restarts) >= cfg.max_restarts or stop_requested():
@@ -104,11 +112,13 @@ def _run_with_restarts(cfg: TrainConfig, topology: Topology, data: Dataset | Non
 
 
 def _spawned_rank(cfg: TrainConfig, topology: Topology, data: Dataset | None,
-                  extra: dict[str, Any] | None) -> dict[str, Any] | None:
-    """A rank shoal's launcher started; ``data``: a dataset given in Python."""
+                  extra: dict[str, Any] | None, key: str | None) -> dict[str, Any] | None:
+    """A rank shoal's launcher started; ``data``: a dataset given in Python; ``key``: an
+    elastic job's join secret (hex)."""
     env = detect_environment()
     assert env is not None
-    return run_rank(cfg, env, topology, data=data, extra=extra)
+    return run_rank(cfg, env, topology, data=data, extra=extra,
+                    seal=Seal(bytes.fromhex(key)) if key else None)
 
 
 def _by_role(exc: WorkerError, topology: Topology) -> WorkerError:
@@ -160,7 +170,11 @@ def train(cfg: TrainConfig, dataset: Any = None) -> dict[str, Any] | None:
     with OutputLock(Path(cfg.out)):
         if topology.world_size == 1 and cfg.max_restarts == 0:  # here, in this process
             return run_rank(cfg, Environment(), topology, work)
-        return _run_with_restarts(cfg, topology, given)
+        try:
+            return _run_with_restarts(cfg, topology, given)
+        finally:
+            if cfg.elastic:
+                withdraw(Path(cfg.out))
 
 
 def _tolerated(cfg: TrainConfig, topology: Topology, rank: int) -> bool:

@@ -19,6 +19,7 @@ from __future__ import annotations
 import json
 import os
 import sys
+import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -28,9 +29,11 @@ from typing import Any, TypeVar
 import torch
 
 from shoal.config import TrainConfig
+from shoal.core.joining import admit
 from shoal.core.membership import MembershipChanged
 from shoal.data import EpochPlan, ShardLoader, resolve_workers
 from shoal.errors import ShoalError
+from shoal.train import handover
 from shoal.train.optim import schedule_at
 
 _Step = TypeVar("_Step")
@@ -41,10 +44,13 @@ ELASTIC = ("sync", "local-sgd", "easgd", "eamsgd", "diloco")
 def check_elastic(cfg: TrainConfig, launcher: str | None) -> None:
     """One line where ``--elastic`` cannot work (before any worker starts)."""
     if not cfg.elastic:
-        if cfg.record_samples:
-            raise ShoalError("--record-samples records what each worker trained under --elastic; "
-                             "add --elastic")
+        for flag, value in (("--record-samples", cfg.record_samples),
+                            ("--max-workers", cfg.max_workers is not None)):
+            if value:
+                raise ShoalError(f"{flag} is for --elastic jobs; add --elastic")
         return
+    if cfg.max_workers is not None and cfg.workers is not None and cfg.max_workers < cfg.workers:
+        raise ShoalError(f"--max-workers {cfg.max_workers} is less than --workers {cfg.workers}")
     if cfg.strategy not in ELASTIC:
         raise ShoalError(f"--elastic works with {', '.join(ELASTIC)} (not yet with "
                          f"{cfg.strategy})")
@@ -87,6 +93,8 @@ class Elastic:
         self._trained: list[torch.Tensor] = []  # this worker's samples since they last counted
         self._record: Path | None = None
         self._steps = trainer.plan.steps_per_epoch  # an epoch's steps for the schedule
+        self._resized = False  # the group changed: the schedule follows the epochs' share
+        self._joined = False  # a joiner's first epoch goes on from the plan it took over
         if self.membership is None:
             return
         self.membership.listeners.append(self._changed)
@@ -106,7 +114,8 @@ class Elastic:
     def start_epoch(self) -> None:
         """A new epoch: dealt over the workers there are now (from the step resumed at)."""
         t = self.t
-        if self.membership is None:
+        if self.membership is None or self._joined:
+            self._joined = False
             return
         if t.plan.order is not None or t.plan.world != t.comm.world_size:
             t.plan = EpochPlan(len(t.data.train), t.cfg.global_batch(t.comm.world_size),
@@ -122,6 +131,8 @@ class Elastic:
         (``end_epoch``), and a worker lost meanwhile may leave steps to take."""
         t = self.t
         if t.state.epoch_step < t.plan.steps_per_epoch:
+            if self.membership is not None and self.membership.join_asked and self._all_counted():
+                self._admit()
             return True
         t.strategy.end_epoch(t.state.epoch)
         if self.settle():
@@ -153,7 +164,7 @@ class Elastic:
         self.settle()
         if t.strategy.meets_after(st.step):
             self.counted()
-        if self.changes:  # the schedule follows the share of the epochs trained
+        if self._resized:  # the schedule follows the share of the epochs trained
             plan, steps = t.plan, self._steps
             left = plan.n - plan.bounds[st.epoch_step][0] if st.epoch_step < plan.steps_per_epoch \
                 else 0
@@ -205,6 +216,7 @@ class Elastic:
         t, st = self.t, self.t.state
         t.rank, t.world = t.comm.rank, t.comm.world_size
         t.strategy.regroup()
+        self._resized = True
         current = self._uncounted[-1]
         if self._next is not None:  # changed again before the last change was settled
             tail = self._next.order
@@ -229,6 +241,51 @@ class Elastic:
             print(f"shoal: {_workers(lost)} left at step {st.step} ({'; '.join(why.values())}); "
                   f"{world} go on with the {len(order)} samples left of epoch {st.epoch + 1}",
                   file=sys.stderr, flush=True)
+
+
+    # -- a join -------------------------------------------------------------------------------
+    def _all_counted(self) -> bool:
+        """Whether all work so far counts (a meeting point, nothing dealt anew pending)."""
+        reading = self._uncounted[-1]
+        return (len(self._uncounted) == 1 and reading.start == self.t.state.epoch_step
+                and not self._trained and self._next is None)
+
+    def _admit(self) -> None:
+        """Workers asked to join (every member saw it in a meeting's decision) and all work
+        so far counts: admit them (:mod:`shoal.core.joining`), deal the rest of the epoch
+        over the grown group, and hand them worker 0's live state."""
+        t, st = self.t, self.t.state
+        started = time.perf_counter()
+        joined = admit(self.membership, t.cfg.max_workers or self.membership.first_world,
+                       t.cfg.timeout)
+        self.settle()  # the rest dealt anew (over the joiners too, or without one lost)
+        self.counted()
+        if not joined:
+            return
+        mine, theirs = handover.send(t, joined)
+        self.changes.append({
+            "step": st.step, "epoch": st.epoch + 1, "joined": joined,
+            "why": {m: "joined" for m in joined}, "workers": t.comm.world_size,
+            "samples_dealt_again": t.plan.n, "state_sha256": mine,
+            "joiner_state_sha256": theirs, "stall_s": round(time.perf_counter() - started, 4)})
+        t.recorder.notes["membership_changes"] = self.changes
+        if t.comm.rank == 0:
+            print(f"shoal: {_workers(joined)} joined at step {st.step}; {t.comm.world_size} go "
+                  f"on with the {t.plan.n} samples left of epoch {st.epoch + 1}",
+                  file=sys.stderr, flush=True)
+
+    def handover_state(self) -> dict[str, Any]:
+        """What a joiner takes of this worker's side (:mod:`shoal.train.handover`)."""
+        return {"steps": self._steps, "resized": self._resized}
+
+    def take_over(self, order: torch.Tensor, state: dict[str, Any]) -> None:
+        """A joiner: the rest of the epoch (``order``) dealt over its new group, and
+        :meth:`handover_state`'s ``state``."""
+        t, world = self.t, self.t.comm.world_size
+        self._steps, self._resized, self._joined = state["steps"], state["resized"], True
+        t.plan = EpochPlan(len(order), t.cfg.global_batch(world), world, t.cfg.seed, order)
+        self._new_loader()
+        self._uncounted = [Reading(t.plan, order, list(self.membership.members), 0)]
 
 
 def _workers(ids: list[int]) -> str:

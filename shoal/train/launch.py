@@ -23,6 +23,7 @@ from shoal.core.failures import record_failure
 from shoal.core.join import init_comm
 from shoal.core.processes import stop_on_sigterm
 from shoal.core.timeline import Timeline
+from shoal.core.trust import Seal
 from shoal.data import Dataset
 from shoal.errors import ShoalError
 from shoal.strategies import get_strategy, make_options
@@ -57,13 +58,14 @@ def outside_topology(cfg: TrainConfig, env: Environment) -> Topology:
 
 
 def run_rank(cfg: TrainConfig, env: Environment, topology: Topology, work: Workload | None = None,
-             data: Dataset | None = None, extra: dict[str, Any] | None = None
-             ) -> dict[str, Any] | None:
+             data: Dataset | None = None, extra: dict[str, Any] | None = None,
+             seal: Seal | None = None) -> dict[str, Any] | None:
     """Run rank ``env.rank`` of the job ``topology`` lays out; rank 0 returns the summary.
 
     ``work``: this process's workload, when it is loaded already (else loaded here, from
     ``data`` when given: a dataset handed over in Python); ``extra``: what the summary adds
-    (the launcher's restarts). A failure is told to the others (the job's abort key; a
+    (the launcher's restarts); ``seal``: an elastic job's join secret (joiners prove they
+    know it, :mod:`shoal.core.joining`). A failure is told to the others (the job's abort key; a
     detached worker's coordinator) before it is raised; under shoal's launcher the rank then
     reports it and exits at once (tearing down the Gloo pairs of a failed rank can block on
     a peer that is failing too, which would hold the job's end for seconds).
@@ -71,6 +73,8 @@ def run_rank(cfg: TrainConfig, env: Environment, topology: Topology, work: Workl
     previous = stop_on_sigterm()
     try:
         comm = join(cfg, env, topology)
+        if comm.membership is not None:
+            comm.membership.seal = seal
         try:
             work = work or load_workload(cfg, data)
             if topology.role(env.rank).is_server:

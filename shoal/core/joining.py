@@ -1,0 +1,113 @@
+"""A worker joins a running elastic job (``shoal join``): the request, its proof and its answer,
+in the job's store (under the elastic prefix, :mod:`shoal.core.membership`).
+
+A joiner takes a *ticket* (``join/tickets``, counted by the store), which fixes its worker
+id: the job's first size plus the tickets before it (fresh, never a lost worker's), and
+writes its *proof*: an HMAC under the job's secret (:class:`~shoal.core.trust.Seal`; the
+launcher publishes it to its user only) of the ticket. A process that does not know the
+secret cannot be admitted; a proof read from the store is good for its own ticket only,
+which is answered once. It then counts itself in ``join/asked``.
+
+The members see the request in a meeting's decision (its decider looks at ``join/asked``:
+one store call a meeting) and, at their next meeting point where all their work counted,
+:func:`admit`: worker 0 checks every request's proof and the bound on the workers, answers
+each (``join/<ticket>/answer``) and writes the round's record; every member reads it and
+forms the next membership epoch's group with the joiners (:meth:`Membership.grow`).
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from datetime import timedelta
+from typing import Any
+
+from shoal.core.membership import Membership
+from shoal.errors import ShoalError
+
+PROOF_WAIT = 5.0  # seconds worker 0 waits for the proof of a ticket counted as asked
+_CONTEXT = b"shoal-join"
+
+
+def worker_id(first_world: int, ticket: int) -> int:
+    """The id of the joiner holding ``ticket`` (counted from 1)."""
+    return first_world + ticket - 1
+
+
+def take_ticket(store: Any) -> int:
+    """A new ticket (``store``: the job's store under the elastic prefix)."""
+    return int(store.add("join/tickets", 1))
+
+
+def ask(store: Any, seal: Any, ticket: int) -> None:
+    """Ask to join with ``ticket``, proved under the job's ``seal``."""
+    store.set(f"join/{ticket}/proof", seal.tag(_CONTEXT, str(ticket).encode()).hex())
+    store.add("join/asked", 1)
+
+
+def answer(store: Any, ticket: int, timeout: float) -> dict[str, Any]:
+    """The members' answer to ``ticket`` (``{"epoch", "members"}``, or ``{"refused"}``),
+    waiting up to ``timeout`` seconds: a one-line error when none comes."""
+    key = f"join/{ticket}/answer"
+    try:
+        store.wait([key], timedelta(seconds=timeout))
+    except RuntimeError as exc:
+        if "timeout" not in str(exc).lower():
+            raise ShoalError(f"the job ended before it admitted this worker ({exc})") from None
+        raise ShoalError(f"the job did not admit this worker within {timeout:g} s (it meets "
+                         "again only after its next step or round)") from None
+    return json.loads(store.get(key))
+
+
+def admit(m: Membership, cap: int, timeout: float) -> list[int]:
+    """Answer the join requests at a meeting point every member reached (they all saw
+    :attr:`Membership.join_asked`): worker 0 decides, all form the new group with those
+    admitted. Returns the ids that joined (none: the group is unchanged)."""
+    m.join_asked = False
+    round_key = f"join/round/{m.joins_handled}"
+    if m.rank == 0:
+        _decide(m, cap, round_key)
+    m.keys.wait([round_key], timedelta(seconds=timeout))
+    record = json.loads(m.keys.get(round_key))
+    m.joins_handled = record["handled"]
+    if not record["joined"]:
+        return []
+    return m.grow(m.epoch + 1, record["members"], record["joined"])
+
+
+def _decide(m: Membership, cap: int, round_key: str) -> None:
+    """Worker 0: check and answer every request asked so far; write the round's record."""
+    store, asked = m.keys, int(m.keys.add("join/asked", 0))
+    epoch, members, joined = m.epoch + 1, list(m.members), []
+    refused: dict[int, str | None] = {}
+    for ticket in range(m.joins_handled + 1, asked + 1):
+        refused[ticket] = _refusal(m, store, ticket, len(members), cap)
+        if refused[ticket] is None:
+            joined.append(worker_id(m.first_world, ticket))
+            members.append(joined[-1])
+    if joined:
+        store.compare_set(f"{epoch}/members", "", ",".join(map(str, members)))
+    for ticket, why in refused.items():
+        reply = {"refused": why} if why else {"epoch": epoch, "members": members,
+                                              "joined": joined, "handled": asked}
+        store.set(f"join/{ticket}/answer", json.dumps(reply))
+    store.set(round_key, json.dumps({"handled": asked, "joined": joined, "members": members}))
+
+
+def _refusal(m: Membership, store: Any, ticket: int, workers: int, cap: int) -> str | None:
+    """Why ``ticket``'s request is refused, or ``None`` to admit it."""
+    key = f"join/{ticket}/proof"
+    deadline = time.monotonic() + PROOF_WAIT
+    while not store.check([key]) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    try:
+        good = store.check([key]) and m.seal is not None and m.seal.check(
+            bytes.fromhex(store.get(key).decode()), _CONTEXT, str(ticket).encode())
+    except ValueError:
+        good = False
+    if not good:
+        return "its proof does not match this job's secret"
+    if workers >= cap:
+        return (f"the job has {workers} workers, its most (--max-workers {cap}); "
+                "a worker may join once one is lost")
+    return None

@@ -1,0 +1,101 @@
+"""Where ``shoal join`` finds a running elastic job: ``OUT/.shoal-join/job.json``.
+
+shoal's launcher of a ``--elastic`` job publishes (:func:`publish`) its store's loopback
+address, the job's join secret, its own pid, the job's size and bound, and its settings,
+in a file made fresh (``atomic_write``: a new owner-only file renamed into place) in a
+folder only its user can enter (:func:`~shoal.core.trust.private_dir`), and takes it away
+when the job ends (:func:`withdraw`). ``shoal join`` trusts the file only when the folder
+and the file are its user's own, not links, and readable by nobody else (:func:`read_job`);
+every other case is one line naming it: no job, a finished one, one without ``--elastic``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import stat
+from pathlib import Path
+from typing import Any
+
+from shoal.config import TrainConfig
+from shoal.core.files import atomic_write, describe_stat
+from shoal.core.trust import check_private_dir, open_own, private_dir
+from shoal.errors import ShoalError
+
+FOLDER, NAME = ".shoal-join", "job.json"
+MAX_BYTES = 1 << 20  # a job file is a few kB; anything larger is not one of shoal's
+
+
+def publish(cfg: TrainConfig, port: int, key: str, workers: int) -> None:
+    """Write the job file of ``cfg``'s job: its store on 127.0.0.1:``port``, its secret
+    ``key`` (hex), ``workers`` at the start and at most ``cfg.max_workers`` (default: ``workers``)."""
+    folder = private_dir(Path(cfg.out) / FOLDER, "the join folder")
+    job = {"store": ["127.0.0.1", port], "key": key, "launcher": os.getpid(),
+           "workers": workers, "max_workers": cfg.max_workers or workers,
+           "config": cfg.to_dict()}
+    atomic_write(folder / NAME, lambda f: f.write(json.dumps(job).encode()), "join file")
+
+
+def withdraw(out: Path) -> None:
+    """Take the job file away (the job ended); the folder too once empty."""
+    folder = Path(out) / FOLDER
+    (folder / NAME).unlink(missing_ok=True)
+    with contextlib.suppress(OSError):  # not there, or holds something: left as it is
+        folder.rmdir()
+
+
+def read_job(out: Path) -> dict[str, Any]:
+    """The job file of the job running in ``out``, checked, or a one-line error."""
+    out = Path(out)
+    if not out.is_dir():
+        raise ShoalError(f"{out} is not a folder (shoal join takes a running job's --out)")
+    folder = out / FOLDER
+    if not os.path.lexists(folder / NAME) and not os.path.islink(folder):
+        raise ShoalError(_no_job(out))
+    check_private_dir(folder, "the join folder")
+    fd = open_own(folder / NAME)
+    try:
+        st = os.fstat(fd)
+        if stat.S_IMODE(st.st_mode) & 0o077:
+            raise ShoalError(f"{folder / NAME} is readable or writable by others "
+                             f"({describe_stat(st)}): shoal did not write it so; not trusted")
+        raw = os.read(fd, MAX_BYTES + 1)
+    finally:
+        os.close(fd)
+    try:
+        job = json.loads(raw) if len(raw) <= MAX_BYTES else None
+        config = TrainConfig.from_dict(job["config"])
+        address, port = job["store"]
+        checked = {"address": str(address), "port": int(port), "key": str(job["key"]),
+                   "launcher": int(job["launcher"]), "workers": int(job["workers"]),
+                   "max_workers": int(job["max_workers"]), "config": config}
+    except (ValueError, TypeError, KeyError, ShoalError):
+        raise ShoalError(f"{folder / NAME} is not a job file of shoal's") from None
+    if not _alive(checked["launcher"]):
+        raise ShoalError(f"no running job in {out}: its launcher (pid {checked['launcher']}) "
+                         "is gone")
+    return checked
+
+
+def _no_job(out: Path) -> str:
+    """Why ``out`` holds no job to join."""
+    if (out / "summary.json").is_file():
+        return f"the job in {out} has finished (it wrote summary.json); there is nothing to join"
+    try:
+        elastic = json.loads((out / "config.json").read_text()).get("elastic")
+    except (OSError, ValueError, AttributeError):
+        elastic = None
+    if elastic is False:
+        return f"the job in {out} was started without --elastic: it takes no joiners"
+    return f"no running elastic job in {out} (no {FOLDER}/{NAME} there)"
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True

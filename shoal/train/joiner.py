@@ -1,0 +1,146 @@
+"""``shoal join OUT``: a new worker joins the elastic job running in ``OUT``.
+
+The command reads the job file its launcher published (:mod:`shoal.train.jobfile`: checked
+to be its user's own), takes a ticket in the job's store (its worker id:
+:func:`~shoal.core.joining.worker_id`), and starts the worker in a child process that dies
+with it (:func:`~shoal.core.processes.start_process`). The worker loads the data and builds
+the trainer alone, then starts beating in the store, asks to join with the job's secret,
+and, admitted at the job's next meeting point, joins the new group, takes worker 0's live
+state (:mod:`shoal.train.handover`) and trains with the others to the job's end. The
+command waits for it and, when it dies by a signal, says so in the store, as the
+launcher does for its own workers; a worker whose store goes away (the job ended or
+failed) stops within seconds (its watchdog).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import os
+import sys
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+from shoal.core.failures import exit_status
+from shoal.core.joining import answer, ask, take_ticket, worker_id
+from shoal.core.processes import loopback_gloo_interface, start_process
+from shoal.core.waits import ELASTIC, ended_key, key_prefix, members_now
+from shoal.errors import JobError, ShoalError
+from shoal.train.jobfile import read_job
+
+
+def join_job(out: Path) -> int:
+    """Run ``shoal join OUT``: returns 0 once the joined worker finished with the job."""
+    import multiprocessing as mp
+
+    job = read_job(out)
+    store = _store(job, timeout=10.0)
+    keys = _prefixed(store)
+    members = members_now(keys) or list(range(job["workers"]))
+    if len(members) >= job["max_workers"]:
+        raise ShoalError(f"the job in {out} has {len(members)} workers, its most "
+                         f"(--max-workers {job['max_workers']}); join once one is lost")
+    me = worker_id(job["workers"], take_ticket(_prefixed(store, ELASTIC)))
+    print(f"shoal: joining the job in {out} as worker {me}", file=sys.stderr, flush=True)
+    theirs, mine = mp.get_context("spawn").Pipe(duplex=False)
+    worker = start_process(_worker_main, (job, me, mine), name=f"shoal-join-{me}")
+    mine.close()
+    worker.join()
+    try:
+        report = theirs.recv() if theirs.poll() else None
+    except EOFError:  # it ended without a report
+        report = None
+    if report is None and worker.exitcode == 0:
+        print(f"shoal: worker {me} finished with the job", file=sys.stderr, flush=True)
+        return 0
+    if worker.exitcode is not None and worker.exitcode < 0:
+        with contextlib.suppress(Exception):  # the store gone: so is the job
+            keys.set(ended_key(me), exit_status(worker.exitcode))  # for the members
+    if report is not None:
+        raise (ShoalError if report[1] else JobError)(f"worker {me}: {report[0]}")
+    raise JobError(f"worker {me}: process {exit_status(worker.exitcode or 1)}")
+
+
+def _store(job: dict[str, Any], timeout: float) -> Any:
+    """A client of the job's store, or a one-line error when it does not answer."""
+    import torch.distributed as dist
+
+    try:
+        return dist.TCPStore(job["address"], job["port"], None, False,
+                             timeout=timedelta(seconds=timeout), wait_for_workers=False)
+    except (RuntimeError, ValueError) as exc:
+        raise ShoalError(f"the job's store at {job['address']}:{job['port']} does not answer "
+                         f"(the job ended?): {str(exc).splitlines()[0] if str(exc) else exc}"
+                         ) from None
+
+
+def _prefixed(store: Any, *under: str) -> Any:
+    import torch.distributed as dist
+
+    keys = dist.PrefixStore(key_prefix(0), store)
+    for prefix in under:
+        keys = dist.PrefixStore(prefix, keys)
+    return keys
+
+
+def _worker_main(job: dict[str, Any], me: int, report: Any) -> None:
+    """The joining worker's process: :func:`run_worker`; a failure goes back to the
+    command in one line, and the process leaves at once (no teardown that could wait)."""
+    interface = loopback_gloo_interface()
+    if interface is not None:
+        os.environ["GLOO_SOCKET_IFNAME"] = interface
+    try:
+        run_worker(job, me)
+    except BaseException as exc:  # noqa: BLE001 - told to the command, whatever it is
+        line = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+        shown = line if isinstance(exc, ShoalError) else f"{type(exc).__name__}: {line}"
+        report.send((shown, isinstance(exc, ShoalError) and exc.user_error))
+        report.close()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(1)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
+
+
+def run_worker(job: dict[str, Any], me: int) -> None:
+    """Build the trainer alone, ask to join, take the state handed over, train to the end."""
+    import torch
+
+    from shoal.core.comm import Comm
+    from shoal.core.env import Environment, default_threads, pick_device
+    from shoal.core.timeline import Timeline
+    from shoal.core.trust import Seal
+    from shoal.train import handover
+    from shoal.train.elastic import Elastic
+    from shoal.train.stopping import StopVote
+    from shoal.train.trainer import Trainer
+    from shoal.train.workload import load_workload
+
+    cfg = dataclasses.replace(job["config"], resume=None, init_from=None)
+    first = job["workers"]
+    torch.set_num_threads(cfg.threads_per_worker or default_threads(first + 1))
+    env = Environment(rank=me, world_size=first, local_rank=me, local_world_size=me + 1,
+                      master_addr=job["address"], master_port=job["port"], launcher="local",
+                      agent_store=True)
+    comm = Comm(env, pick_device(cfg.device, me, me + 1), Timeline(keep_events=cfg.trace))
+    work = load_workload(cfg)
+    t = Trainer(cfg, comm, work.data, work.model)  # alone: its collectives go nowhere
+    m = comm.watch_as_joiner(env, _store(job, cfg.timeout), cfg.heartbeat_timeout, cfg.timeout)
+    ask(m.keys, Seal(bytes.fromhex(job["key"])), me - first + 1)
+    reply = answer(m.keys, me - first + 1, cfg.timeout)
+    if "refused" in reply:
+        raise ShoalError(f"the job refused it: {reply['refused']}")
+    m.first_world, m.joins_handled = first, reply["handled"]
+    if not m.enter(reply["epoch"], reply["members"]):
+        raise JobError("a member did not come to the group it was admitted to")
+    comm.rank, comm.world_size = m.rank, m.world_size
+    t.rank, t.world = comm.rank, comm.world_size
+    t.elastic = Elastic(t)
+    t.stop_vote = StopVote(t.strategy.stop_peers, t.strategy.meets_after)
+    t.strategy.regroup()
+    handover.receive(t, reply["joined"])
+    t.run()
+    comm.close()

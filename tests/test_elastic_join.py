@@ -1,0 +1,193 @@
+"""Joining a running elastic job (shoal join OUT): worker 2 of 3 is killed (kill -9) mid-epoch,
+a new worker joins at the next meeting point, takes its state from worker 0 over the process
+group, and the job ends with 3 workers, every sample of every epoch trained exactly once.
+And every way ``shoal join`` refuses, in one line. Real processes, Gloo on CPU."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+import uuid
+
+import pytest
+
+from conftest import (
+    REPO,
+    TRAIN_ROWS,
+    one_error_line,
+    samples_trained,
+    shoal,
+    shoal_env,
+    step_workers,
+    wait_gone,
+)
+
+pytestmark = pytest.mark.timeout(300)
+
+EPOCHS = 3
+
+
+class HeldJob:
+    """``shoal train`` in the background whose workers (all but rank ``SHOAL_TEST_KILL_RANK``,
+    which dies at its 40th forward) train slowly while ``hold`` exists; its stderr lines are
+    collected, and the hold is let go once a worker joined (or at :meth:`release`)."""
+
+    def __init__(self, tmp_path, *args: str, kill: bool = True, workers: int = 3) -> None:
+        self.out, self.hold = tmp_path / "run", tmp_path / "hold"
+        self.hold.touch()
+        self.env = shoal_env()
+        self.env.update(SHOAL_TEST_KILL_AT="train:40", SHOAL_TEST_HOLD=str(self.hold),
+                        SHOAL_TEST_PACE="0.2", **({"SHOAL_TEST_KILL_RANK": "2"} if kill else {}))
+        self.lines: list[str] = []
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "shoal", "train", "--out", str(self.out), "--progress", "plain",
+             "--model", "tests.fixtures_models:killed_then_held", "--dataset", "digits",
+             "--workers", str(workers), "--epochs", str(EPOCHS), "--schedule", "constant",
+             "--log-every", "1", *args], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+            text=True, env=self.env, cwd=REPO, start_new_session=True)
+        self._reader = threading.Thread(target=self._read, daemon=True)
+        self._reader.start()
+
+    def _read(self) -> None:
+        for line in self.proc.stderr:
+            self.lines.append(line)
+            if " joined at step " in line:
+                self.release()
+
+    def release(self) -> None:
+        self.hold.unlink(missing_ok=True)
+
+    def wait_for(self, found, what: str, timeout: float = 120.0) -> None:
+        deadline = time.monotonic() + timeout
+        while not found():
+            assert self.proc.poll() is None, f"the job ended before {what}:\n{self.stderr}"
+            assert time.monotonic() < deadline, f"no {what} in {timeout:g} s:\n{self.stderr}"
+            time.sleep(0.1)
+
+    def wait_line(self, text: str) -> None:
+        self.wait_for(lambda: any(text in line for line in self.lines), repr(text))
+
+    @property
+    def stderr(self) -> str:
+        return "".join(self.lines)
+
+    def finish(self, timeout: float = 180.0) -> int:
+        self.release()
+        code = self.proc.wait(timeout=timeout)
+        self._reader.join(timeout=10)
+        return code
+
+    def stop(self) -> None:
+        """Clean-up, whatever happened: the whole session killed."""
+        self.release()
+        if self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.wait(timeout=30)
+        wait_gone(self.env["SHOAL_TEST_MARKER"], 5.0)
+
+
+@pytest.fixture
+def held(tmp_path):
+    jobs: list[HeldJob] = []
+
+    def start(*args: str, **kwargs) -> HeldJob:
+        jobs.append(HeldJob(tmp_path, *args, **kwargs))
+        return jobs[-1]
+
+    yield start
+    for job in jobs:
+        job.stop()
+
+
+@pytest.mark.parametrize("strategy", ["sync", "local-sgd", "easgd", "diloco"])
+def test_a_worker_joins_in_place_of_a_killed_one(held, strategy):
+    job = held("--strategy", strategy, *([] if strategy == "sync" else ["--tau", "4"]),
+               "--elastic", "--record-samples")
+    job.wait_line("worker 2 left at step 39")
+    # its own marker: no process of the joiner's outlives it
+    joined = shoal("join", str(job.out), env={**job.env, "SHOAL_TEST_MARKER": uuid.uuid4().hex},
+                   timeout=240)
+    assert job.finish() == 0, job.stderr
+    assert joined.returncode == 0, joined.stderr
+    assert "joining the job" in joined.stderr and joined.stray == []
+    summary = json.loads((job.out / "summary.json").read_text())
+    assert summary["completed"] and summary["workers"] == 3
+    left, join = summary["membership_changes"]
+    assert left["left"] == [2] and left["workers"] == 2
+    assert join["joined"] == [3] and join["why"] == {"3": "joined"} and join["workers"] == 3
+    # the joiner's state, digested after it took it, is worker 0's at the join
+    assert join["joiner_state_sha256"] == {"3": join["state_sha256"]}
+    assert f"worker 3 joined at step {join['step']}" in job.stderr
+    counts = samples_trained(job.out)
+    assert set(counts.values()) == {1}, "a sample was trained twice"
+    assert sorted(counts) == [(e, s) for e in range(EPOCHS) for s in range(TRAIN_ROWS)]
+    assert (job.out / "samples" / "worker3.jsonl").stat().st_size > 0
+    workers = step_workers(job.out)
+    assert workers[join["step"]] == 2 and workers[join["step"] + 1] == 3
+    assert workers[max(workers)] == 3
+    assert not (job.out / ".shoal-join").exists()  # taken away at the end
+
+
+def test_join_refuses_a_job_at_its_size_then_a_finished_one(held):
+    job = held("--elastic", kill=False, workers=2)
+    job.wait_for(lambda: (job.out / ".shoal-join" / "job.json").exists(), "the job file")
+    res = shoal("join", str(job.out), env=job.env, timeout=120)
+    assert res.returncode == 2
+    assert "has 2 workers, its most (--max-workers 2)" in one_error_line(res.stderr)
+    assert job.finish() == 0, job.stderr
+    res = shoal("join", str(job.out), env=job.env, timeout=120)
+    assert res.returncode == 2
+    assert "has finished" in one_error_line(res.stderr)
+
+
+def test_join_refuses_a_job_without_elastic(held):
+    job = held(kill=False, workers=2)
+    job.wait_for(lambda: (job.out / "config.json").exists(), "config.json")
+    res = shoal("join", str(job.out), env=job.env, timeout=120)
+    assert res.returncode == 2
+    assert "started without --elastic" in one_error_line(res.stderr)
+
+
+def _job_file(out, folder_mode=0o700, file_mode=0o600, owner=None, link=False):
+    folder = out / ".shoal-join"
+    folder.mkdir(parents=True)
+    os.chmod(folder, folder_mode)
+    if link:
+        (out / "elsewhere.json").write_text("{}")
+        (folder / "job.json").symlink_to(out / "elsewhere.json")
+    else:
+        (folder / "job.json").write_text("{}")
+        os.chmod(folder / "job.json", file_mode)
+    if owner is not None:
+        os.chown(folder, owner, -1)
+
+
+@pytest.mark.parametrize("make, expected", [
+    (lambda out: out.mkdir(), "no running elastic job in"),
+    (lambda out: _job_file(out, folder_mode=0o777), "is not a private folder of yours"),
+    (lambda out: _job_file(out, file_mode=0o644), "readable or writable by others"),
+    (lambda out: _job_file(out, link=True), "is a symbolic link"),
+    (lambda out: _job_file(out), "is not a job file of shoal's"),
+    (lambda out: None, "is not a folder"),
+])
+def test_join_refuses_what_it_cannot_trust_in_one_line(tmp_path, make, expected):
+    out = tmp_path / "run"
+    make(out)
+    res = shoal("join", str(out), timeout=60)
+    assert res.returncode == 2
+    assert expected in one_error_line(res.stderr)
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="needs root to give the folder away")
+def test_join_refuses_a_folder_of_another_user(tmp_path):
+    out = tmp_path / "run"
+    out.mkdir()
+    _job_file(out, owner=12345)
+    res = shoal("join", str(out), timeout=60)
+    assert res.returncode == 2
+    assert "is not a private folder of yours" in one_error_line(res.stderr)
