@@ -144,6 +144,17 @@ class Recorder:
         self._interval_sums += sums
         self._epoch_sums += sums
 
+    def before_update(self, loss_sum: torch.Tensor, st: RunState) -> None:
+        """A step's loss before its update leaves this rank: nothing to do here (a
+        synchronous rank's update meets its peers' in the same step, and :meth:`step`
+        checks the loss after it). A detached worker checks it here (:mod:`.remote`)."""
+
+    def _check_due(self, step: int, epoch_step: int) -> bool:
+        """Whether the loss is checked after ``step`` (``epoch_step`` of its epoch): every
+        step on the CPU; on a GPU, where a check waits for the device, at each record."""
+        return (self.comm.device.type == "cpu" or step % self.cfg.log_every == 0
+                or epoch_step == self.plan.steps_per_epoch)
+
     def step(self, st: RunState, samples: int) -> None:
         """After a step of ``samples`` (all ranks): the profiler, the step record every
         ``--log-every`` steps and at the epoch's end, the progress bar."""
@@ -154,7 +165,7 @@ class Recorder:
         self._interval_samples += samples
         self._epoch_samples += samples
         due = st.step % self.cfg.log_every == 0 or st.epoch_step == self.plan.steps_per_epoch
-        if due or self.comm.device.type == "cpu":  # on a GPU, a check waits for the device
+        if self._check_due(st.step, st.epoch_step):
             self.health.check_loss(float(self._interval_sums[0]), st.step, st.epoch + 1, st.lr,
                                    self.cfg.checkpoint_path)
         if not due:

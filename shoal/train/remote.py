@@ -12,6 +12,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
+import torch
 from torch import nn
 
 from shoal.config import TrainConfig
@@ -62,6 +63,15 @@ class RemoteRecorder(Recorder):
                  model: nn.Module, classes: int) -> None:
         super().__init__(cfg, comm, plan, classes=classes)
         self.report, self.model = report, model
+
+    def before_update(self, loss_sum: torch.Tensor, st: RunState) -> None:
+        """Check this step's loss before its update reaches the servers (or the shared
+        parameters): a NaN stops this worker at its own step, the one it computed it in,
+        and never reaches the center, where the other workers would pull it and stop at
+        their own, unrelated steps (whichever reports first would be named)."""
+        if self._check_due(st.step + 1, st.epoch_step + 1):
+            self.health.check_loss(float(loss_sum), st.step + 1, st.epoch + 1, st.lr,
+                                   self.cfg.checkpoint_path)
 
     def epoch(self, st: RunState, test: tuple[float, float]) -> None:
         self.report("epoch", st, epoch=st.epoch, sums=self.epoch_sums(),

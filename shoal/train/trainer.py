@@ -239,6 +239,7 @@ class Trainer:
             if self.amp.unscale(self.optimizer) and cfg.clip_grad_norm is not None:
                 clip_gradients(self.model, cfg.clip_grad_norm)  # after sync's all-reduce
             self.state.lr = self.optimizer.param_groups[0]["lr"]  # the rate this step used
+            self.recorder.before_update(loss_sum, self.state)
             with self.elastic.updating():
                 strategy.step()
             self.amp.update()
