@@ -173,3 +173,26 @@ class _NanFrom(nn.Module):
 
 def nan_from(input_shape, num_classes):
     return _NanFrom(input_shape, num_classes)
+
+
+
+class _SlowStart(nn.Module):
+    """`tiny`, whose move to its device (a trainer's first touch of it, in the rank's own
+    process) takes ``SHOAL_TEST_SLOW_START`` seconds on rank ``SHOAL_TEST_SLOW_RANK``: a
+    worker whose start-up is slow (a straggler's host)."""
+
+    def __init__(self, input_shape, num_classes):
+        super().__init__()
+        self.net = tiny(input_shape, num_classes)
+
+    def to(self, *args, **kwargs):
+        if os.environ.get("RANK") == os.environ.get("SHOAL_TEST_SLOW_RANK"):
+            time.sleep(float(os.environ.get("SHOAL_TEST_SLOW_START", "0")))
+        return super().to(*args, **kwargs)
+
+    def forward(self, x):
+        return self.net(x)
+
+
+def slow_start(input_shape, num_classes):
+    return _SlowStart(input_shape, num_classes)

@@ -125,6 +125,14 @@ class Recorder:
             f"strategy {cfg.strategy}, global batch {self.plan.global_batch}, "
             f"{self.plan.steps_per_epoch} steps/epoch; {describe_momentum(cfg)}")
 
+    def start_clock(self, st: RunState) -> None:
+        """Start the run's clock (its records' ``elapsed_s``) once every rank is here, at a
+        barrier: every strategy's clock starts when all its workers can train, an
+        asynchronous run's coordinator's too (:mod:`.coordinator`), so that one rank's
+        slow start-up is no strategy's time to accuracy."""
+        self.comm.barrier()
+        st.start()
+
     def start_epoch(self, st: RunState) -> None:
         self.progress.start_epoch(st.epoch + 1, self.cfg.epochs, self.plan.steps_per_epoch,
                                   st.epoch_step)
@@ -213,15 +221,23 @@ class Recorder:
         if collapse:
             self.progress.line(f"shoal: {collapse}")
 
-    def evaluation(self, st: RunState, test: tuple[float, float]) -> None:
+    def evaluation(self, st: RunState, test: tuple[float, float],
+                   samples: int | None = None) -> None:
         """A test inside an epoch (``--eval-every-steps``): the ``eval`` record, whose
-        ``epoch`` is fractional (epochs done, with this one's share of steps)."""
+        ``epoch`` is fractional (epochs done, with this one's share of steps) and whose
+        ``samples`` are the training samples of all workers so far: ``st``'s, or those
+        given (an asynchronous run's coordinator: its workers' own counts, summed; the
+        epoch and step then follow from them)."""
         if not self.is_main:
             return
         assert self.log is not None
         test_loss, test_acc = test
-        self.log.write({"event": "eval", "epoch": st.epoch + st.epoch_step / self.plan.steps_per_epoch,
-                        "step": st.step, "test_loss": test_loss, "test_accuracy": test_acc,
+        epoch, step = st.epoch + st.epoch_step / self.plan.steps_per_epoch, st.step
+        if samples is not None:
+            epoch, step = samples / self.plan.n, samples // self.plan.global_batch
+        self.log.write({"event": "eval", "epoch": epoch, "step": step,
+                        "samples": st.samples if samples is None else samples,
+                        "test_loss": test_loss, "test_accuracy": test_acc,
                         "lr": st.lr, "eval_s": self.eval_s, "elapsed_s": st.elapsed_s()})
 
     def _record(self, event: str, epoch: int, st: RunState, metrics: dict[str, float],
