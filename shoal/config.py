@@ -213,7 +213,9 @@ class TrainConfig:
     eval_every: int = setting(1, "evaluate every EPOCHS epochs", metavar="EPOCHS", at_least=1)
     eval_every_steps: int | None = setting(None, "also evaluate every STEPS steps inside an epoch "
                                            "and where --stop-at-step stops (an `eval` record "
-                                           "in metrics.jsonl)", metavar="STEPS", at_least=1)
+                                           "in metrics.jsonl); asynchronous: the center, each "
+                                           "time the workers' samples add up to STEPS more "
+                                           "global batches", metavar="STEPS", at_least=1)
     progress: str = setting("auto", "how to show progress; auto: a bar on a terminal, else plain lines",
                             choices=PROGRESS)
 

@@ -4,6 +4,7 @@ import atexit
 import os
 import signal
 import time
+from pathlib import Path
 
 import torch
 from torch import nn
@@ -164,21 +165,52 @@ def counted_digits(seed=0):
 
 class _NanFrom(nn.Module):
     """`tiny`, whose training outputs are NaN from its ``SHOAL_TEST_NAN_AT``-th training forward
-    on (every rank): a run that diverges at a known step."""
+    on (every rank, or rank ``SHOAL_TEST_NAN_RANK`` alone): a run that diverges at a known
+    step. With ``SHOAL_TEST_NAN_SEEN`` (a folder), a rank whose parameters turned non-finite
+    without its own NaN (pulled from a server, stepped by another) leaves a file there."""
 
     def __init__(self, input_shape, num_classes):
         super().__init__()
         self.net = tiny(input_shape, num_classes)
         self.calls = 0
+        only = os.environ.get("SHOAL_TEST_NAN_RANK")
+        self.injects = only is None or only == os.environ.get("RANK")
 
     def forward(self, x):
         out = self.net(x)
         if self.training:
             self.calls += 1
-            if self.calls >= int(os.environ.get("SHOAL_TEST_NAN_AT", "1000000000")):
+            if self.injects and self.calls >= int(os.environ.get("SHOAL_TEST_NAN_AT",
+                                                                 "1000000000")):
                 return out * float("nan")
+            seen = os.environ.get("SHOAL_TEST_NAN_SEEN")
+            if seen and not all(torch.isfinite(p).all() for p in self.parameters()):
+                (Path(seen) / f"rank{os.environ.get('RANK')}-{self.calls}").touch()
         return out
 
 
 def nan_from(input_shape, num_classes):
     return _NanFrom(input_shape, num_classes)
+
+
+
+class _SlowStart(nn.Module):
+    """`tiny`, whose move to its device (a trainer's first touch of it, in the rank's own
+    process) takes ``SHOAL_TEST_SLOW_START`` seconds on rank ``SHOAL_TEST_SLOW_RANK``: a
+    worker whose start-up is slow (a straggler's host)."""
+
+    def __init__(self, input_shape, num_classes):
+        super().__init__()
+        self.net = tiny(input_shape, num_classes)
+
+    def to(self, *args, **kwargs):
+        if os.environ.get("RANK") == os.environ.get("SHOAL_TEST_SLOW_RANK"):
+            time.sleep(float(os.environ.get("SHOAL_TEST_SLOW_START", "0")))
+        return super().to(*args, **kwargs)
+
+    def forward(self, x):
+        return self.net(x)
+
+
+def slow_start(input_shape, num_classes):
+    return _SlowStart(input_shape, num_classes)

@@ -8,15 +8,12 @@ import json
 import pytest
 import torch
 
-from shoal.cli import main
 from shoal.config import TrainConfig
 from shoal.core.comm import Comm
 from shoal.core.env import Environment
 from shoal.data import load_dataset
 from shoal.models import build_model
 from shoal.train.trainer import Trainer, data_options
-
-from conftest import one_error_line
 
 
 def test_tests_inside_epochs_and_where_the_run_stops(tmp_path):
@@ -45,10 +42,3 @@ def test_tests_inside_epochs_and_where_the_run_stops(tmp_path):
         accuracy = (model(x).argmax(1) == y).double().mean().item()
     assert tested[-1]["test_accuracy"] == pytest.approx(accuracy, abs=1.5 / len(y))
 
-
-def test_asynchronous_strategies_refuse_it_in_one_line(tmp_path, capsys):
-    assert main(["train", "--model", "mlp", "--strategy", "async-sgd", "--workers", "2",
-                 "--eval-every-steps", "5", "--out", str(tmp_path / "r")]) == 2
-    assert "--eval-every-steps: async-sgd's center is tested by its server" in \
-        one_error_line(capsys.readouterr().err)
-    assert not (tmp_path / "r").exists()

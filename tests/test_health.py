@@ -94,3 +94,22 @@ def test_nan_stops_at_once_and_keeps_the_last_good_checkpoint(tmp_path, strategy
     saved = torch.load(path, map_location="cpu", weights_only=True)
     assert saved["progress"]["step"] == 45
     assert all(torch.isfinite(t).all() for t in saved["eval_model"].values())
+
+
+@pytest.mark.parametrize("strategy", ["async-sgd", "hogwild"])
+def test_an_asynchronous_workers_nan_is_named_at_its_own_step(tmp_path, strategy):
+    """Worker 0 alone turns NaN, at its 60th step: the run names it at that step, and its NaN
+    never reached the center (the other worker never computed on non-finite parameters, so
+    it cannot stop first at a step of its own, as it did when the check came after the
+    push)."""
+    seen = tmp_path / "seen"
+    seen.mkdir()
+    env = {**shoal_env(), "SHOAL_TEST_NAN_AT": "60", "SHOAL_TEST_NAN_RANK": "1",
+           "SHOAL_TEST_NAN_SEEN": str(seen)}
+    res = shoal("train", "--out", str(tmp_path / "run"), *DIGITS, "--strategy", strategy,
+                "--model", "tests.fixtures_models:nan_from", "--epochs", "3", env=env,
+                timeout=240)
+    assert res.returncode == 2, res.stdout + res.stderr
+    line = one_error_line(res.stderr)
+    assert "worker 0 (rank 1): training loss became nan at step 60 (epoch 2)" in line, line
+    assert not sorted(p.name for p in seen.iterdir())

@@ -84,7 +84,7 @@ def _bench(args: argparse.Namespace, argv: Sequence[str]) -> None:
                            if args.emulate_link_rate else {}),
         momentum=args.momentum, schedule=args.schedule, epochs=args.epochs,
         target_accuracy=args.target_accuracy, budget=args.budget,
-        run_timeout=args.run_timeout, quiet=args.quiet)
+        eval_every_steps=args.eval_every_steps, run_timeout=args.run_timeout, quiet=args.quiet)
     if cfg.reference and not cfg.race and cfg.dataset != "synthetic":
         raise ShoalError("the DDP reference row trains on synthetic data; use --dataset "
                          "synthetic or --no-reference")

@@ -183,6 +183,10 @@ def _add_race_flags(p: argparse.ArgumentParser) -> None:
     race.add_argument("--budget", type=float, default=None, metavar="S",
                       help="race: compare test accuracy after S seconds of training (default: "
                            "when the quickest point finished)")
+    race.add_argument("--eval-every-steps", type=int, default=None, metavar="STEPS",
+                      help="race: also test every STEPS global batches' samples, every "
+                           "strategy alike (an asynchronous run: its center, at the workers' "
+                           "samples summed, not at the slowest worker's epochs)")
 
 
 def _add_emulation_flags(p: argparse.ArgumentParser) -> None:

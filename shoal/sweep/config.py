@@ -50,6 +50,8 @@ class BenchConfig:
     epochs: int | None = None
     target_accuracy: float | None = None
     budget: float | None = None
+    #: A race also tests every this many global batches' samples (every strategy alike).
+    eval_every_steps: int | None = None
 
     @property
     def race(self) -> bool:
@@ -132,11 +134,14 @@ class BenchConfig:
     def _validate_race(self) -> None:
         if self.epochs is not None and self.epochs < 1:
             raise ShoalError(f"--epochs must be at least 1, got {self.epochs}")
-        for name, value in (("target_accuracy", self.target_accuracy), ("budget", self.budget)):
+        for name, value in (("target_accuracy", self.target_accuracy), ("budget", self.budget),
+                            ("eval_every_steps", self.eval_every_steps)):
             if value is not None and not self.race:
                 raise ShoalError(f"--{name.replace('_', '-')} measures a race: give --epochs too")
         if self.target_accuracy is not None and not 0 < self.target_accuracy <= 1:
             raise ShoalError(f"--target-accuracy must be in (0, 1], got {self.target_accuracy}")
+        if self.eval_every_steps is not None and self.eval_every_steps < 1:
+            raise ShoalError(f"--eval-every-steps must be at least 1, got {self.eval_every_steps}")
         if self.budget is not None and not self.budget > 0:
             raise ShoalError(f"--budget must be a positive number of seconds, got {self.budget}")
 

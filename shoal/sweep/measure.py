@@ -83,13 +83,15 @@ def add_efficiency(rows: list[dict[str, Any]]) -> None:
 
 # -- a race: time to accuracy ---------------------------------------------------------------
 def measure_race(out: Path, target: float | None) -> dict[str, Any]:
-    """A finished run's test accuracy against its training time (``curve``: the epoch
-    records' ``(elapsed_s, test_accuracy)``), the time it first reached ``target`` (``inf``:
-    never), its final accuracy and, over the whole run, throughput and time split."""
+    """A finished run's test accuracy against its training time (``curve``: the epoch and
+    ``eval`` records' ``(elapsed_s, test_accuracy)``, in time order: every strategy's
+    clock starts when all its workers can train, and ``--eval-every-steps`` tests at the
+    same sample counts whatever the strategy), the time it first reached ``target``
+    (``inf``: never), its final accuracy and, over the whole run, throughput and time split."""
     summary, records = _results(out)
-    curve = [(float(r["elapsed_s"]), float(r["test_accuracy"])) for r in records
-             if r["event"] == "epoch" and r.get("test_accuracy") is not None
-             and math.isfinite(r["test_accuracy"])]
+    curve = sorted((float(r["elapsed_s"]), float(r["test_accuracy"])) for r in records
+                   if r["event"] in ("epoch", "eval") and r.get("test_accuracy") is not None
+                   and math.isfinite(r["test_accuracy"]))
     if not curve:
         raise ShoalError(f"benchmark run in {out} recorded no test accuracy")
     reached = None if target is None else next((t for t, a in curve if a >= target), math.inf)

@@ -54,6 +54,8 @@ def train_command(cfg: BenchConfig, p: Point, out: Path) -> list[str]:
     if cfg.race:
         cmd += ["--epochs", str(cfg.epochs), "--eval-every", "1", "--checkpoint-every",
                 str(10**9), "--log-every", "10"]
+        if cfg.eval_every_steps:
+            cmd += ["--eval-every-steps", str(cfg.eval_every_steps)]
     else:
         total = cfg.warmup + cfg.steps
         cmd += ["--epochs", "1000", "--stop-at-step", str(total), "--checkpoint-every", str(total),

@@ -3,6 +3,11 @@
 Workers never talk to each other, so server 0 keeps ``--out`` from what they report: their
 sums at each epoch's end, their state at each checkpoint, their totals at the end.
 
+- The run's clock starts once every live worker has said it can train (``started``), as a
+  synchronous run's starts after its ranks meet: a worker's slow start-up is not training
+  time. With ``--eval-every-steps E`` the center is also tested each time the workers'
+  own sample counts (their ``progress`` reports) add up to another E global batches: an
+  ``eval`` record at that sample count, not held back by the slowest worker's epochs.
 - An epoch's record is written once every live worker has reported that epoch.
 - A checkpoint is written once every live worker has sent its state for the same step
   (``--checkpoint-every``, epoch ends, ``--stop-at-step``), and once more at the end when the
@@ -40,6 +45,7 @@ from shoal.train.checkpoint import to_cpu
 from shoal.train.checkpointer import write_checkpoint
 from shoal.train.evaluation import Evaluator
 from shoal.train.recorder import Recorder
+from shoal.train.remote import CLOCK_KEY
 from shoal.train.state import RunState
 
 
@@ -92,6 +98,11 @@ class Coordinator:
         self.saved_step = -1
         self.started_unix = time.time()
         self.progress: dict[str, Any] | None = None
+        self.started: set[int] | None = set()  # workers that can train; None: clock started
+        self.trained: dict[int, int] = {}  # each worker's samples, as it last said
+        every = cfg.eval_every_steps
+        self.test_every = every * self.plan.global_batch if every else None
+        self.next_test = self.test_every or 0
         if payload is not None:
             self._resume(payload)
         elif start is not None:
@@ -164,7 +175,12 @@ class Coordinator:
         if kind == "failed":
             raise WorkerFailed(f"worker {worker} failed ({report['error']}); the job ends")
         self.latest[worker] = report
-        if kind == "epoch" and report["epoch"] > self.state.epoch:  # else recorded already
+        if kind == "started" and self.started is not None:
+            self.started.add(worker)
+        elif kind == "progress":
+            self.trained[worker] = int(report["trained"])
+            self._test_by_samples()
+        elif kind == "epoch" and report["epoch"] > self.state.epoch:  # else recorded already
             self.epochs.setdefault(report["epoch"], {})[worker] = report
         elif kind == "checkpoint":
             step = report["step"]
@@ -207,7 +223,13 @@ class Coordinator:
     def _progress(self) -> None:
         """Write what the reports so far complete, in the order of their steps: an epoch's
         record before a checkpoint at its last step, a checkpoint before a later epoch's
-        record (the file then says which epochs were recorded)."""
+        record (the file then says which epochs were recorded). The clock starts first,
+        once every live worker can train."""
+        if self.started is not None and self.live <= self.started:
+            self.started = None
+            self.state.start()
+            if self.comm.store is not None:
+                self.comm.store.set(CLOCK_KEY, "1")  # the workers go
         while self.live:
             epoch = self.state.epoch + 1
             ready = self.live <= self.epochs.get(epoch, {}).keys()
@@ -255,6 +277,16 @@ class Coordinator:
         rec.epoch(st, self.test if tested else (float("nan"), float("nan")))
         if st.epoch < self.cfg.epochs:
             rec.start_epoch(st)
+
+    def _test_by_samples(self) -> None:
+        """``--eval-every-steps``: test the center once the workers' samples pass the next
+        multiple of that many global batches, and record it at their sum."""
+        trained = sum(self.trained.values())
+        if self.test_every is None or trained < self.next_test or self.started is not None:
+            return
+        self.next_test = (trained // self.test_every + 1) * self.test_every
+        self.recorder.evaluation(self.state, self.evaluator.test(self._center_model(None)),
+                                 samples=trained)
 
     # -- the center -----------------------------------------------------------------------
     def center(self) -> torch.Tensor:

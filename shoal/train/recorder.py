@@ -125,6 +125,14 @@ class Recorder:
             f"strategy {cfg.strategy}, global batch {self.plan.global_batch}, "
             f"{self.plan.steps_per_epoch} steps/epoch; {describe_momentum(cfg)}")
 
+    def start_clock(self, st: RunState) -> None:
+        """Start the run's clock (its records' ``elapsed_s``) once every rank is here, at a
+        barrier: every strategy's clock starts when all its workers can train, an
+        asynchronous run's coordinator's too (:mod:`.coordinator`), so that one rank's
+        slow start-up is no strategy's time to accuracy."""
+        self.comm.barrier()
+        st.start()
+
     def start_epoch(self, st: RunState) -> None:
         self.progress.start_epoch(st.epoch + 1, self.cfg.epochs, self.plan.steps_per_epoch,
                                   st.epoch_step)
@@ -144,6 +152,17 @@ class Recorder:
         self._interval_sums += sums
         self._epoch_sums += sums
 
+    def before_update(self, loss_sum: torch.Tensor, st: RunState) -> None:
+        """A step's loss before its update leaves this rank: nothing to do here (a
+        synchronous rank's update meets its peers' in the same step, and :meth:`step`
+        checks the loss after it). A detached worker checks it here (:mod:`.remote`)."""
+
+    def _check_due(self, step: int, epoch_step: int) -> bool:
+        """Whether the loss is checked after ``step`` (``epoch_step`` of its epoch): every
+        step on the CPU; on a GPU, where a check waits for the device, at each record."""
+        return (self.comm.device.type == "cpu" or step % self.cfg.log_every == 0
+                or epoch_step == self.plan.steps_per_epoch)
+
     def step(self, st: RunState, samples: int) -> None:
         """After a step of ``samples`` (all ranks): the profiler, the step record every
         ``--log-every`` steps and at the epoch's end, the progress bar."""
@@ -154,7 +173,7 @@ class Recorder:
         self._interval_samples += samples
         self._epoch_samples += samples
         due = st.step % self.cfg.log_every == 0 or st.epoch_step == self.plan.steps_per_epoch
-        if due or self.comm.device.type == "cpu":  # on a GPU, a check waits for the device
+        if self._check_due(st.step, st.epoch_step):
             self.health.check_loss(float(self._interval_sums[0]), st.step, st.epoch + 1, st.lr,
                                    self.cfg.checkpoint_path)
         if not due:
@@ -202,15 +221,23 @@ class Recorder:
         if collapse:
             self.progress.line(f"shoal: {collapse}")
 
-    def evaluation(self, st: RunState, test: tuple[float, float]) -> None:
+    def evaluation(self, st: RunState, test: tuple[float, float],
+                   samples: int | None = None) -> None:
         """A test inside an epoch (``--eval-every-steps``): the ``eval`` record, whose
-        ``epoch`` is fractional (epochs done, with this one's share of steps)."""
+        ``epoch`` is fractional (epochs done, with this one's share of steps) and whose
+        ``samples`` are the training samples of all workers so far: ``st``'s, or those
+        given (an asynchronous run's coordinator: its workers' own counts, summed; the
+        epoch and step then follow from them)."""
         if not self.is_main:
             return
         assert self.log is not None
         test_loss, test_acc = test
-        self.log.write({"event": "eval", "epoch": st.epoch + st.epoch_step / self.plan.steps_per_epoch,
-                        "step": st.step, "test_loss": test_loss, "test_accuracy": test_acc,
+        epoch, step = st.epoch + st.epoch_step / self.plan.steps_per_epoch, st.step
+        if samples is not None:
+            epoch, step = samples / self.plan.n, samples // self.plan.global_batch
+        self.log.write({"event": "eval", "epoch": epoch, "step": step,
+                        "samples": st.samples if samples is None else samples,
+                        "test_loss": test_loss, "test_accuracy": test_acc,
                         "lr": st.lr, "eval_s": self.eval_s, "elapsed_s": st.elapsed_s()})
 
     def _record(self, event: str, epoch: int, st: RunState, metrics: dict[str, float],

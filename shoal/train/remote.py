@@ -10,17 +10,23 @@ real components (:mod:`shoal.train.coordinator`).
 from __future__ import annotations
 
 from collections.abc import Callable
+from datetime import timedelta
 from typing import TYPE_CHECKING, Any
 
+import torch
 from torch import nn
 
 from shoal.config import TrainConfig
 from shoal.core.comm import Comm
 from shoal.data import EpochPlan
+from shoal.errors import ShoalError
 from shoal.train.checkpoint import to_cpu
 from shoal.train.checkpointer import Checkpointer
 from shoal.train.recorder import Recorder
 from shoal.train.state import RunState
+
+#: The job's store key the coordinator sets once every live worker can train: the clock.
+CLOCK_KEY = "clock/started"
 
 if TYPE_CHECKING:
     from shoal.train.trainer import Components, Trainer
@@ -59,9 +65,42 @@ class RemoteRecorder(Recorder):
     writes = False
 
     def __init__(self, cfg: TrainConfig, comm: Comm, plan: EpochPlan, report: Reporter,
-                 model: nn.Module, classes: int) -> None:
+                 model: nn.Module, classes: int, trained: Callable[[], int]) -> None:
+        """``trained()``: the samples this worker has trained on (its strategy's count)."""
         super().__init__(cfg, comm, plan, classes=classes)
-        self.report, self.model = report, model
+        self.report, self.model, self.trained = report, model, trained
+        # --eval-every-steps E: this worker says how far it is every E / workers of its own
+        # steps, about E global batches' samples of all workers between two tests.
+        every = cfg.eval_every_steps
+        self.progress_every = max(1, every // plan.world) if every else None
+
+    def start_clock(self, st: RunState) -> None:
+        """Tell the coordinator this worker can train and wait until it says that every
+        live worker can (:data:`CLOCK_KEY` in the job's store): no worker trains before the
+        run's clock starts, as no rank of a synchronous run does. Then start this worker's."""
+        self.report("started", st)
+        store = self.comm.store
+        if store is not None:
+            try:
+                store.wait([CLOCK_KEY], timedelta(seconds=self.cfg.timeout))
+            except RuntimeError:  # torch's store timeout
+                raise ShoalError(f"the other workers did not all start within --timeout "
+                                 f"{self.cfg.timeout:g} s") from None
+        st.start()
+
+    def step(self, st: RunState, samples: int) -> None:
+        super().step(st, samples)
+        if self.progress_every and st.step % self.progress_every == 0:
+            self.report("progress", st, trained=self.trained())
+
+    def before_update(self, loss_sum: torch.Tensor, st: RunState) -> None:
+        """Check this step's loss before its update reaches the servers (or the shared
+        parameters): a NaN stops this worker at its own step, the one it computed it in,
+        and never reaches the center, where the other workers would pull it and stop at
+        their own, unrelated steps (whichever reports first would be named)."""
+        if self._check_due(st.step + 1, st.epoch_step + 1):
+            self.health.check_loss(float(loss_sum), st.step + 1, st.epoch + 1, st.lr,
+                                   self.cfg.checkpoint_path)
 
     def epoch(self, st: RunState, test: tuple[float, float]) -> None:
         self.report("epoch", st, epoch=st.epoch, sums=self.epoch_sums(),
@@ -100,7 +139,8 @@ def remote_components(client: Any) -> Callable[[Trainer], Components]:
     (for :class:`~shoal.train.trainer.Trainer`'s ``components``)."""
     def make(t: Trainer) -> Components:
         report = Reporter(client, t.comm)
-        recorder = RemoteRecorder(t.cfg, t.comm, t.plan, report, t.model, t.data.num_classes)
+        recorder = RemoteRecorder(t.cfg, t.comm, t.plan, report, t.model, t.data.num_classes,
+                                  lambda: int(getattr(t.strategy, "samples", 0)))
         checkpointer = RemoteCheckpointer(t.cfg, t.comm, t.plan, t.state, recorder, t.amp,
                                           t.scheduler, t.strategy, report=report)
         return RemoteEvaluator(), recorder, checkpointer

@@ -129,8 +129,8 @@ class Trainer:
     def run(self) -> dict[str, Any] | None:
         """Train to ``cfg.epochs`` (or ``cfg.stop_at_step``); rank 0 returns the summary."""
         cfg, st, rec = self.cfg, self.state, self.recorder
-        st.start()
         rec.begin(st, self.data.describe())  # output directory, metrics.jsonl, first line
+        rec.start_clock(st)  # from when every worker can train, whatever its start-up took
         stopped = False
         test = (float("nan"), float("nan"))  # the last evaluation's loss and accuracy
         while st.epoch < cfg.epochs:
@@ -239,6 +239,7 @@ class Trainer:
             if self.amp.unscale(self.optimizer) and cfg.clip_grad_norm is not None:
                 clip_gradients(self.model, cfg.clip_grad_norm)  # after sync's all-reduce
             self.state.lr = self.optimizer.param_groups[0]["lr"]  # the rate this step used
+            self.recorder.before_update(loss_sum, self.state)
             with self.elastic.updating():
                 strategy.step()
             self.amp.update()

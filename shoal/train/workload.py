@@ -66,9 +66,6 @@ def preflight(cfg: TrainConfig, world: int, data: Dataset | None = None) -> Work
     cfg = resolve_momentum(cfg, world)  # a no-op where the launcher resolved it
     strategy_cls = get_strategy(cfg.strategy)
     options = make_options(strategy_cls, cfg.strategy_options, world)
-    if cfg.eval_every_steps and strategy_cls.topology(options, world).detached:
-        raise ShoalError(f"--eval-every-steps: {cfg.strategy}'s center is tested by its server "
-                         "at epoch ends only; leave it out")
     if cfg.tensorboard:
         require_tensorboard()
     work = load_workload(cfg, data)
