@@ -106,10 +106,8 @@ class TrainConfig:
                                        "deadlocked)", metavar="S", positive=True)
     max_restarts: int = setting(0, "when a worker fails, restart the job from its last "
                                 "checkpoint, up to N times", metavar="N", at_least=0)
-    elastic: bool = setting(False, "go on without a worker that dies or stops answering: the "
-                            "others re-form the group at the next meeting and train its "
-                            "unfinished share of the epoch (sync, local-sgd, easgd, eamsgd, "
-                            "diloco; docs/elastic.md)")
+    elastic: bool = setting(False, "go on without a worker that dies or stops answering, its "
+                            "share of the epoch trained by the others (docs/elastic.md)")
     max_workers: int | None = setting(None, "with --elastic: the most workers once some join "
                                       "(shoal join OUT; default --workers)", at_least=1)
     record_samples: bool = setting(False, "with --elastic: write OUT/samples/worker<i>.jsonl, "
@@ -211,11 +209,10 @@ class TrainConfig:
     log_every: int = setting(10, "log the training loss every STEPS steps", metavar="STEPS",
                              at_least=1)
     eval_every: int = setting(1, "evaluate every EPOCHS epochs", metavar="EPOCHS", at_least=1)
-    eval_every_steps: int | None = setting(None, "also evaluate every STEPS steps inside an epoch "
-                                           "and where --stop-at-step stops (an `eval` record "
-                                           "in metrics.jsonl); asynchronous: the center, each "
-                                           "time the workers' samples add up to STEPS more "
-                                           "global batches", metavar="STEPS", at_least=1)
+    eval_every_steps: int | None = setting(None, "also evaluate every STEPS steps (asynchronous: "
+                                           "global batches of the workers' samples) and at "
+                                           "--stop-at-step (`eval` records)", metavar="STEPS",
+                                           at_least=1)
     progress: str = setting("auto", "how to show progress; auto: a bar on a terminal, else plain lines",
                             choices=PROGRESS)
 

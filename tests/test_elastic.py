@@ -17,8 +17,8 @@ from conftest import EPOCHS, TRAIN_ROWS, one_error_line, samples_trained, shoal,
 pytestmark = pytest.mark.timeout(600)
 
 
-@pytest.mark.parametrize("strategy, killed", [
-    ("sync", 2), ("local-sgd", 1), ("easgd", 1), ("diloco", 2)])
+# sync and diloco losing worker 2 at the same step: tests/test_elastic_join.py, before the join.
+@pytest.mark.parametrize("strategy, killed", [("local-sgd", 1), ("easgd", 1)])
 def test_a_killed_worker_leaves_and_the_others_train_its_share(tmp_path, strategy, killed):
     # 3 workers x 16 rows: 30 steps an epoch; the worker kills itself (SIGKILL) at its 40th
     # training forward, step 10 of epoch 2, inside a round of --tau 4 (the last exchange

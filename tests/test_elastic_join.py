@@ -119,6 +119,7 @@ def test_a_worker_joins_in_place_of_a_killed_one(held, strategy):
     assert summary["completed"] and summary["workers"] == 3
     left, join = summary["membership_changes"]
     assert left["left"] == [2] and left["workers"] == 2
+    assert left["why"] == {"2": "worker 2 killed by signal 9"}
     assert join["joined"] == [3] and join["why"] == {"3": "joined"} and join["workers"] == 3
     # the joiner's state, digested after it took it, is worker 0's at the join
     assert join["joiner_state_sha256"] == {"3": join["state_sha256"]}
