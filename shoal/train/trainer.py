@@ -124,13 +124,17 @@ class Trainer:
         self.probe = Probe.of(cfg, self.plan.steps_per_epoch, comm)  # --plan-probe's
         self.stop_reason: str | None = None  # "SIGTERM" (the ranks agreed) or "probe"
         self.elastic = Elastic(self)  # --elastic: who trains what after a worker is lost
+        self.joined = False  # a worker that joined a running job (shoal join)
 
     # -- the loop -----------------------------------------------------------------------------
     def run(self) -> dict[str, Any] | None:
         """Train to ``cfg.epochs`` (or ``cfg.stop_at_step``); rank 0 returns the summary."""
         cfg, st, rec = self.cfg, self.state, self.recorder
         rec.begin(st, self.data.describe())  # output directory, metrics.jsonl, first line
-        rec.start_clock(st)  # from when every worker can train, whatever its start-up took
+        if self.joined:  # the others' clock runs already: no barrier they would not come to
+            st.start()
+        else:
+            rec.start_clock(st)  # from when every worker can train, whatever its start-up took
         stopped = False
         test = (float("nan"), float("nan"))  # the last evaluation's loss and accuracy
         while st.epoch < cfg.epochs:
