@@ -102,12 +102,14 @@ class ShardServer:
         self.locked = True if rule is None else bool(getattr(rule, "locked", True))
         self.fields: tuple[str, ...] = tuple(getattr(rule, "fields", ()))
         self.ledger = Ledger(clients)  #: versions, staleness (restored by :meth:`load_state`)
-        #: client -> {"time", "error", "step", "samples", "clock"} of clients declared lost
+        #: client -> {"time", "error", "step", "samples", "clock", "counted"} of clients lost
         self.lost: dict[int, dict] = {}
         #: last clock, step and samples per client (from its exchanges and pulls)
         self.clocks: dict[int, int] = {}
         self.steps: dict[int, int] = {}
         self.samples: dict[int, int] = {}
+        #: per client, the ``samples`` of its last exchange applied: its work that counts
+        self.counted: dict[int, int] = {}
         self.left: set[int] = set()  #: clients that said BYE
         self.errors: list[str] = []  #: failures of the server itself (rule, on_report)
         self._cond = threading.Condition()  # the shard's lock
@@ -206,7 +208,8 @@ class ShardServer:
             if c in self.left or c in self.lost or self._closing:
                 return
             self.lost[c] = {"time": time.time(), "error": error, "step": self.steps.get(c, 0),
-                            "samples": self.samples.get(c, 0), "clock": self.clocks.get(c, 0)}
+                            "samples": self.samples.get(c, 0), "clock": self.clocks.get(c, 0),
+                            "counted": self.counted.get(c, 0)}
             self._cond.notify_all()
 
     def _failed(self, message: str) -> None:
@@ -243,6 +246,7 @@ class ShardServer:
             if self.locked:
                 self.rule.apply(header, payload, reply)
             version = self.ledger.book(c)
+            self.counted[c] = header.samples
             self._cond.notify_all()
         if not self.locked:
             self.rule.apply(header, payload, reply)  # lock free: concurrent with the others

@@ -38,6 +38,7 @@ from shoal.models import count_parameters
 from shoal.ps import ServerClient, ShardServer, staleness_summary
 from shoal.train.checkpoint import to_cpu
 from shoal.train.checkpointer import write_checkpoint
+from shoal.train.elastic_async import Dealer
 from shoal.train.evaluation import Evaluator
 from shoal.train.recorder import Recorder
 from shoal.train.state import RunState
@@ -91,6 +92,9 @@ class Coordinator:
         self.test = (float("nan"), float("nan"))
         self.saved_step = -1
         self.started_unix = time.time()
+        #: --elastic: a lost worker's rest is dealt over the others
+        self.dealer = Dealer(cfg, comm.store, len(data.train), self.workers) \
+            if cfg.elastic else None
         self.progress: dict[str, Any] | None = None
         if payload is not None:
             self._resume(payload)
@@ -144,6 +148,8 @@ class Coordinator:
             for client, obj in self._next_reports():
                 self._take(client, obj)
             self._note_lost(lost)
+            if self.dealer is not None:
+                self.dealer.release(self.live - self.finals.keys())
         rec.end_steps()
         return self._finish(shard)
 
@@ -163,6 +169,9 @@ class Coordinator:
         kind = report["kind"]
         if kind == "failed":
             raise WorkerFailed(f"worker {worker} failed ({report['error']}); the job ends")
+        if kind in ("adopt", "idle") and self.dealer is not None:
+            self.dealer.take(worker, report)
+            return
         self.latest[worker] = report
         if kind == "epoch" and report["epoch"] > self.state.epoch:  # else recorded already
             self.epochs.setdefault(report["epoch"], {})[worker] = report
@@ -182,10 +191,27 @@ class Coordinator:
             if worker < self.workers and worker in self.live and worker not in self.finals:
                 self.live.discard(worker)
                 self.lost[worker] = self._loss_record(worker, info)
-                print(f"shoal: lost worker {worker} at step {self.lost[worker]['step']} "
-                      f"({info.get('error', 'connection lost')}); the others go on",
-                      flush=True)
+                if self.dealer is not None:
+                    self._deal(worker, info)
+                else:
+                    print(f"shoal: lost worker {worker} at step {self.lost[worker]['step']} "
+                          f"({info.get('error', 'connection lost')}); the others go on",
+                          flush=True)
                 self._progress()
+
+    def _deal(self, worker: int, info: dict[str, Any]) -> None:
+        """``--elastic``: what ``worker`` left dealt over the workers still training."""
+        assert self.dealer is not None
+
+        def why() -> str:  # asked after the deal is out: the launcher's word may take a while
+            status = self.ended(self.servers + worker) if self.ended is not None else None
+            return f"worker {worker} {status}" if status else \
+                f"worker {worker} stopped answering ({info.get('error', 'connection lost')})"
+
+        dealt = self.dealer.lost(worker, info, self.live - self.finals.keys(), why)
+        self.recorder.notes["membership_changes"] = self.dealer.changes
+        self.lost[worker].update(samples_trained=int(info.get("counted", 0)),
+                                 samples_not_trained=0, samples_dealt_again=dealt)
 
     def _loss_record(self, worker: int, info: dict[str, Any]) -> dict[str, Any]:
         step = max(int(info.get("step", 0)), int(self.latest.get(worker, {}).get("step", 0)))
@@ -350,5 +376,5 @@ class Coordinator:
             "servers": self.servers,
             "staleness": staleness_summary(hists),
             "lost_workers": [self.lost[w] for w in sorted(self.lost)],
-            "degraded": bool(self.lost),
+            "degraded": bool(self.lost) and self.dealer is None,
         }
