@@ -93,7 +93,7 @@ class Coordinator:
         self.saved_step = -1
         self.started_unix = time.time()
         #: --elastic: a lost worker's rest is dealt over the others
-        self.dealer = Dealer(cfg, comm.store, len(data.train), self.workers) \
+        self.dealer = Dealer(cfg, comm.attempt_store, len(data.train), self.workers, self.servers) \
             if cfg.elastic else None
         self.progress: dict[str, Any] | None = None
         if payload is not None:

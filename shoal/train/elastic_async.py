@@ -24,7 +24,7 @@ from typing import Any, TypeVar
 import torch
 
 from shoal.core.processes import stop_requested
-from shoal.core.waits import ELASTIC
+from shoal.core.waits import ELASTIC, publish_members
 from shoal.data import EpochPlan, ShardLoader, resolve_workers
 from shoal.train.deal import Schedule, Segment, Slots, cut, deal
 from shoal.train.elastic import membership_change, record_samples, samples_file
@@ -56,7 +56,7 @@ class AsyncElastic:
 
     def __init__(self, trainer: Any) -> None:
         t = self.t = trainer
-        self.store, self.me = t.comm.store, t.comm.rank
+        self.store, self.me = t.comm.attempt_store, t.comm.rank
         workers = t.comm.world_size
         self.slots = slots_of(t.cfg, len(t.data.train), workers)
         self.schedule = Schedule(self.slots, self.me, t.cfg.epochs)
@@ -183,8 +183,8 @@ class Dealer:
     """Server 0's side: every worker's schedule (as it adopts shares), a lost worker's
     rest dealt over the live ones and published, the release once all are idle."""
 
-    def __init__(self, cfg: Any, store: Any, n: int, workers: int) -> None:
-        self.store, self.cfg = store, cfg
+    def __init__(self, cfg: Any, store: Any, n: int, workers: int, servers: int) -> None:
+        self.store, self.cfg, self.servers = store, cfg, servers
         self.slots = slots_of(cfg, n, workers)
         self.schedules = {w: Schedule(self.slots, w, cfg.epochs) for w in range(workers)}
         self.deals: list[dict[int, list[Segment]]] = []
@@ -222,6 +222,8 @@ class Dealer:
             self.store.set(deal_key(len(self.deals)), json.dumps(
                 {"lost": worker, "shares": {str(w): s for w, s in shares.items()}}))
             self.store.add(DEALS, 1)
+            publish_members(self.store, f"async{len(self.deals)}",
+                            [*range(self.servers), *(self.servers + w for w in sorted(live))])
         epoch = min((e for e, _, _, _ in rest), default=self.cfg.epochs - 1)
         self.changes.append(membership_change(int(info.get("step", 0)), epoch, {worker: why()},
                                               len(live), dealt))

@@ -60,6 +60,12 @@ FAILURE_REPORT_TIMEOUT = 5.0
 ENDED_TIMEOUT = 5.0
 
 
+def silence(cfg: TrainConfig) -> float:
+    """Seconds a server waits for a silent worker before it is lost: ``--timeout``, or with
+    ``--elastic`` ``--heartbeat-timeout`` if shorter (idle workers ping more often)."""
+    return min(cfg.timeout, cfg.heartbeat_timeout) if cfg.elastic else cfg.timeout
+
+
 def shard_ranges(n: int, servers: int) -> list[tuple[int, int]]:
     """The contiguous ``[lo, hi)`` range of the flat vector each server holds."""
     return split_ranges(n, servers)
@@ -72,7 +78,7 @@ def connect(cfg: TrainConfig, comm: Comm, topology: Topology, model: torch.nn.Mo
     built: the strategy starts from the servers' vector)."""
     numel = sum(p.numel() for p in model.parameters())
     return connect_worker(comm.store, comm.rank, shard_ranges(numel, topology.servers),
-                          cfg.timeout, comm)
+                          cfg.timeout, comm, silence(cfg))
 
 
 def leave(client: ServerClient, failure: BaseException | None = None) -> None:
@@ -118,7 +124,8 @@ def run_server(cfg: TrainConfig, env: Environment, comm: Comm, topology: Topolog
         return serve_shard(
             comm.store, server, workers + (1 if server > 0 else 0),
             rule_cls(center, options) if rule_cls is not None else None, center,
-            strategy_cls.admission(options, workers), timeout=cfg.timeout,
+            strategy_cls.admission(options, workers), timeout=silence(cfg),
+            connect_timeout=cfg.timeout,
             state=payload["servers"][server] if payload is not None and shared_path is None
             else None,
             on_report=coordinator.on_report if coordinator is not None else None,
