@@ -107,9 +107,10 @@ class TrainConfig:
     max_restarts: int = setting(0, "when a worker fails, restart the job from its last "
                                 "checkpoint, up to N times", metavar="N", at_least=0)
     elastic: bool = setting(False, "go on without a worker that dies or stops answering: the "
-                            "others re-form the group at the next meeting and train its "
-                            "unfinished share of the epoch (sync, local-sgd, easgd, eamsgd, "
-                            "diloco; docs/elastic.md)")
+                            "others re-form the group at the next meeting (or, asynchronous, "
+                            "go on) and train its unfinished share of the epoch (sync, "
+                            "local-sgd, easgd, eamsgd, diloco, async-sgd, async-msgd, "
+                            "async-easgd, async-measgd, hogwild-easgd; docs/elastic.md)")
     record_samples: bool = setting(False, "with --elastic: write OUT/samples/worker<i>.jsonl, "
                                    "the samples each worker trained, once they count (a check "
                                    "that none is lost or trained twice)")
