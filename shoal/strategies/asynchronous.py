@@ -316,6 +316,13 @@ class AsyncStrategy(Strategy):
             self.load_state_dict(own["strategy"])
         self.restored(own is not None)
 
+    @torch.no_grad()
+    def rejoin(self) -> None:
+        """Back from a rest (``--elastic``: done, then dealt more work): start again from
+        the servers' vector, as a worker new to a checkpoint does."""
+        self.pull()
+        self.restored(False)
+
     def restored(self, own: bool) -> None:
         """After :meth:`restore_checkpoint` (``own``: this worker's state was in it)."""
 

@@ -96,6 +96,7 @@ class Coordinator:
         self.dealer = Dealer(cfg, comm.attempt_store, len(data.train), self.workers, self.servers) \
             if cfg.elastic else None
         self.progress: dict[str, Any] | None = None
+        self.shard: ShardServer | None = None  # the shard served (run())
         if payload is not None:
             self._resume(payload)
         elif start is not None:
@@ -128,7 +129,11 @@ class Coordinator:
         self.saved_step = self.progress["step"]
 
     def on_report(self, client: int, obj: Any) -> None:
-        """A worker's report (called on its serving thread): queued for :meth:`run`."""
+        """A worker's report (called on its serving thread): queued for :meth:`run`; an
+        elastic worker's rest (``idle``) or return to work (``adopt``) told to the shard at
+        once, before the worker pushes again."""
+        if self.dealer is not None and self.shard is not None and obj["kind"] in ("idle", "adopt"):
+            self.shard.rest(client, obj["kind"] == "idle")
         self.reports.put((client, obj))
 
     # -- the run --------------------------------------------------------------------------

@@ -171,6 +171,7 @@ class AsyncElastic:
         while not self.store.check([RELEASE]) and not stop_requested():
             new, mine = self._poll()
             if mine:
+                t.strategy.rejoin()
                 return True
             if new or time.monotonic() - said > IDLE_REPORT_S:
                 t.comm.ps.report({"kind": "idle", "deals": self.seen})
