@@ -44,7 +44,7 @@ def test_a_killed_worker_leaves_and_the_others_train_its_share(tmp_path, strateg
     assert counted == 16 * (19 if strategy == "async-sgd" else 16)
     assert change["samples_dealt_again"] == 2 * 479 - counted  # its shard: 479 an epoch
     assert f"worker 1 left at step {change['step']} (worker 1 killed by signal 9); 2 go on " \
-           f"with the {change['samples_dealt_again']} samples left of epoch 1" in res.stderr
+           f"with the {change['samples_dealt_again']} samples left of epochs 1 to 2" in res.stderr
     assert_each_sample_once(out, EPOCHS, TRAIN_ROWS)
 
 

@@ -231,14 +231,16 @@ class Elastic:
 
 
 def membership_change(step: int, epoch: int, why: dict[int, str], workers: int, dealt: int,
-                      say: bool = True) -> dict[str, Any]:
+                      say: bool = True, last: int | None = None) -> dict[str, Any]:
     """summary.json's record of workers ``why`` names (id -> reason) leaving at ``step`` of
-    ``epoch`` (from 0), ``workers`` going on with ``dealt`` samples dealt again; ``say``:
-    print its line too."""
+    ``epoch`` (from 0), ``workers`` going on with ``dealt`` samples dealt again (of epochs
+    ``epoch`` to ``last``, where later ones are dealt too); ``say``: print its line too."""
     lost = sorted(why)
     if say:
+        epochs = f"epoch {epoch + 1}" if last is None or last == epoch else \
+            f"epochs {epoch + 1} to {last + 1}"
         print(f"shoal: {_workers(lost)} left at step {step} ({'; '.join(why.values())}); "
-              f"{workers} go on with the {dealt} samples left of epoch {epoch + 1}",
+              f"{workers} go on with the {dealt} samples left of {epochs}",
               file=sys.stderr, flush=True)
     return {"step": step, "epoch": epoch + 1, "left": lost, "why": why, "workers": workers,
             "samples_dealt_again": dealt}

@@ -225,9 +225,10 @@ class Dealer:
             self.store.add(DEALS, 1)
             publish_members(self.store, f"async{len(self.deals)}",
                             [*range(self.servers), *(self.servers + w for w in sorted(live))])
-        epoch = min((e for e, _, _, _ in rest), default=self.cfg.epochs - 1)
-        self.changes.append(membership_change(int(info.get("step", 0)), epoch, {worker: why()},
-                                              len(live), dealt))
+        epochs = [e for e, _, _, _ in rest] or [self.cfg.epochs - 1]
+        self.changes.append(membership_change(int(info.get("step", 0)), min(epochs),
+                                              {worker: why()}, len(live), dealt,
+                                              last=max(epochs)))
         return dealt
 
     def release(self, live: set[int]) -> None:
