@@ -13,7 +13,8 @@ sums at each epoch's end, their state at each checkpoint, their totals at the en
   the ones recorded. The coordinator's own part (``"coordinator"``) holds its count of
   epochs recorded and the epoch reports of workers that had run ahead, so that after
   ``--resume`` no epoch record is lost or written twice.
-- A worker killed mid-run (its pairs break) is lost: the others go on without it. A worker
+- A worker killed mid-run (its pairs break) is lost: the others go on without it (with
+  ``--elastic`` they train what it left: :class:`~shoal.train.elastic_async.Dealer`). A worker
   that fails with an error says so first (a ``failed`` report): the job ends, and the
   coordinator ends as the echo of that failure, without taking it for a lost worker.
 """

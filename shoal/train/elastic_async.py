@@ -28,6 +28,7 @@ from shoal.core.waits import ELASTIC, publish_members
 from shoal.data import EpochPlan, ShardLoader, resolve_workers
 from shoal.train.deal import Schedule, Segment, Slots, cut, deal
 from shoal.train.elastic import membership_change, record_samples, samples_file
+from shoal.train.optim import schedule_at
 
 _Step = TypeVar("_Step")
 DEALS = f"{ELASTIC}/async/deals"  #: how many deals server 0 published
@@ -68,6 +69,8 @@ class AsyncElastic:
         self.trained: list[tuple[torch.Tensor, torch.Tensor]] = []  # (epochs, samples), uncounted
         self.at = 0  # the schedule position of self.trained's first sample
         self.record = samples_file(t.cfg, self.me)
+        self.steps = t.plan.steps_per_epoch  # an epoch's steps for the schedule
+        self.dealt = False  # a share was taken: the schedule follows the blocks' share read
 
     @contextmanager
     def updating(self) -> Iterator[None]:
@@ -122,6 +125,10 @@ class AsyncElastic:
         self._count()
         if time.monotonic() - self.polled >= POLL_S:
             self._poll()
+        if self.dealt:  # the share of this epoch's block read, not the count of steps
+            block = sum(b - a for _, _, a, b in self.schedule.blocks[t.state.epoch])
+            read = min(self._read() / block, 1.0) if block else 1.0
+            schedule_at(t.scheduler, t.state.epoch * self.steps + round(self.steps * read))
 
     def _count(self) -> None:
         """Record the samples whose work reached the servers (the strategy's count)."""
@@ -160,6 +167,7 @@ class AsyncElastic:
         t.comm.ps.report({"kind": "adopt", "deal": n, "epoch": t.state.epoch, "offset": offset})
         self.schedule.adopt(t.state.epoch, offset, pieces)
         self._plan(offset)
+        self.dealt = True
 
     def _wait_for_release(self) -> bool:
         """At the end: send the last work, say so, and wait for a share (``True``) or the

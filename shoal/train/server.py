@@ -22,7 +22,9 @@ and its coordinator (:func:`run_server`).
 
 A worker killed mid-run (``kill -9``) breaks its pairs: the servers mark it lost and the run
 completes with the others; ``summary.json`` says ``"degraded": true`` and ``shoal train``
-exits with status 3 (``shoal.cli.EXIT_DEGRADED``). A worker that fails with an error tells
+exits with status 3 (``shoal.cli.EXIT_DEGRADED``); with ``--elastic`` its unfinished work is
+dealt to the others instead (:mod:`shoal.train.elastic_async`), and the run is complete. A
+worker that fails with an error tells
 server 0 before it exits, and the job ends with that error. A server that dies (any of them)
 ends the job: its workers' next exchange fails, and shoal's launcher names the server
 (``server 1 (rank 1): process killed by signal 9``).
