@@ -301,7 +301,7 @@ def is_loopback(address: str) -> bool:
                               and ip.ipv4_mapped.is_loopback)
 
 
-# -- elastic membership (tests/test_elastic.py, tests/test_elastic_join.py) ------------------
+# -- elastic membership (tests/test_elastic*.py) ----------------------------------------------
 EPOCHS, TRAIN_ROWS = 2, 1437  # digits
 
 
@@ -313,6 +313,16 @@ def samples_trained(out) -> collections.Counter:
             record = json.loads(line)
             counts.update((record["epoch"], s) for s in record["samples"])
     return counts
+
+
+def assert_each_sample_once(out, epochs: int, rows: int) -> None:
+    """Every one of ``rows`` samples of each of ``epochs`` epochs trained exactly once."""
+    counts = samples_trained(out)
+    twice = [key for key, n in counts.items() if n > 1]
+    assert not twice, f"{len(twice)} samples trained more than once, e.g. {twice[:3]}"
+    missing = {(e, s) for e in range(epochs) for s in range(rows)} - counts.keys()
+    assert not missing, f"{len(missing)} samples never trained, e.g. {sorted(missing)[:3]}"
+    assert len(counts) == epochs * rows, "samples outside the training set"
 
 
 def step_workers(out) -> dict[int, int]:

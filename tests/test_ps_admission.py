@@ -60,6 +60,26 @@ def test_bound_and_order_on_a_ledger():
     assert not Admission((0, 1)).waits and robin.waits and bound.waits
 
 
+def test_a_resting_pusher_holds_nobody_and_rejoins_the_round():
+    """An elastic worker done with its schedule rests (--elastic): the staleness bound and
+    the round robin stop waiting for it; back with a share dealt to it, it takes its turn
+    from the others' round instead of owing them every round it missed."""
+    server = ShardServer(None, 0, 3, None, torch.zeros(2), timeout=1.0,
+                         admission=Admission((0, 1, 2), order="round-robin", max_staleness=2))
+    for _ in range(3):  # 0 and 1 push three rounds while 2 rests
+        server.rest(2, True)
+        assert server.admission.blockers(0, server.ledger, server._active(0)) == []
+        server.ledger.book(0)
+        assert server.admission.blockers(1, server.ledger, server._active(1)) == []
+        server.ledger.book(1)
+    assert server.admission.blockers(0, server.ledger, [1, 2]) == [2]  # were 2 not resting
+    server.rest(2, False)
+    server.ledger.saw(2)  # back, it pulls the center first (AsyncStrategy.rejoin)
+    assert server.ledger.counts[2] == 3  # its turn in round 3, after 0 and 1, not round 0
+    assert server.admission.blockers(0, server.ledger, server._active(0)) == []
+    assert server.admission.blockers(2, server.ledger, server._active(2)) == [0, 1]
+
+
 def test_staleness_is_summed_over_every_shard():
     one = staleness_summary([{0: 3, 2: 1}])
     assert one == {"histogram": {"0": 3, "2": 1}, "updates": 4, "max": 2, "mean": 0.5,

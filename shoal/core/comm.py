@@ -10,9 +10,9 @@ from __future__ import annotations
 import contextlib
 import itertools
 import os
+import time
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
-from datetime import timedelta
 from typing import Any, TypeVar
 
 import torch
@@ -312,17 +312,25 @@ class Comm:
         return box[0]
 
     # -- failure handling -------------------------------------------------------------------
+    @property
+    def attempt_store(self) -> dist.Store | None:
+        """The job's store under this attempt's prefix: the keys of this run of the job
+        (a restart does not see them), where shoal's launcher reads and writes its own."""
+        return self._store
+
     def ended(self, rank: int, timeout: float) -> str | None:
-        """How the process of rank ``rank`` (of the job), lost to it, ended (``killed by
-        signal 9``), as shoal's launcher says in the job's store, waiting up to ``timeout``
-        seconds for it; ``None`` if it does not say (another launcher, a process alive)."""
+        """How lost rank ``rank``'s process ended (``killed by signal 9``) as shoal's launcher
+        says in the store, within ``timeout`` s; ``None``: not said (another launcher, alive)."""
         if self._store is None:
             return None
-        key = ended_key(rank)
-        try:
-            self._store.wait([key], timedelta(seconds=timeout))
+        key, deadline = ended_key(rank), time.monotonic() + timeout
+        try:  # polled: a store wait that times out prints c10d's warnings
+            while not self._store.check([key]):
+                if time.monotonic() >= deadline:
+                    return None
+                time.sleep(0.05)
             return self._store.get(key).decode()
-        except Exception:  # not said in time, or the store is gone
+        except Exception:  # the store is gone
             return None
 
     def abort(self, message: str) -> None:

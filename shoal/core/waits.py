@@ -105,6 +105,14 @@ def ended_key(rank: int) -> str:
 ELASTIC = "elastic"
 
 
+def publish_members(store: Any, generation: str, ranks: list[int]) -> None:
+    """Say that the job's latest group, ``generation``, is ``ranks`` (processes the launcher
+    ends once all of these finished: those left out, stopped or late); an asynchronous
+    job's server 0 says so after a loss (the elastic group's members agree on theirs)."""
+    store.set(f"{ELASTIC}/{generation}/members", ",".join(map(str, ranks)))
+    store.set(f"{ELASTIC}/latest", generation)
+
+
 def members_now(store: Any) -> list[int] | None:
     """For the launcher: the ids in the job's latest group, once one was re-formed."""
     if not store.check([f"{ELASTIC}/latest"]):

@@ -36,12 +36,13 @@ T = TypeVar("T")
 
 
 def connect_worker(store: dist.Store, worker: int, ranges: list[tuple[int, int]],
-                   timeout: float, comm: Comm) -> ServerClient:
+                   timeout: float, comm: Comm, silence: float | None = None) -> ServerClient:
     """Worker ``worker``'s client of the servers holding ``ranges`` (one each, in order):
-    connected to all of them, pinging them while idle, its exchanges booked on ``comm``,
-    whose :attr:`~shoal.core.comm.Comm.ps` it becomes."""
+    connected to all of them, pinging them while idle (often enough for servers that take
+    ``silence`` seconds, default ``timeout``, without a word for a loss), its exchanges
+    booked on ``comm``, whose :attr:`~shoal.core.comm.Comm.ps` it becomes."""
     client = ServerClient(store, worker, ranges, timeout=timeout, comm=comm,
-                          keepalive=keepalive(timeout))
+                          keepalive=keepalive(silence or timeout))
     comm.ps = client
     return client
 
@@ -49,13 +50,16 @@ def connect_worker(store: dist.Store, worker: int, ranges: list[tuple[int, int]]
 def serve_shard(store: dist.Store, server: int, clients: int, rule: ServerRule | None,
                 center: torch.Tensor, admission: Admission, *, timeout: float,
                 state: dict | None = None, on_report: Callable[[int, Any], None] | None = None,
-                during: Callable[[ShardServer], T] | None = None) -> T | None:
+                during: Callable[[ShardServer], T] | None = None,
+                connect_timeout: float | None = None) -> T | None:
     """Serve ``center`` (updated in place by ``rule``) as server ``server`` to ``clients``
     clients, from a checkpoint's ``state`` if given, until every client has left or was
-    lost; with ``during``, its value, run on the serving shard meanwhile (server 0's
+    lost (silent for ``timeout`` seconds; ``connect_timeout``, default ``timeout``, to
+    connect); with ``during``, its value, run on the serving shard meanwhile (server 0's
     coordinator). Stops serving whatever happens."""
     shard = ShardServer(store, server, clients, rule, center, timeout=timeout,
-                        admission=admission, on_report=on_report)
+                        admission=admission, on_report=on_report,
+                        connect_timeout=connect_timeout)
     if state is not None:
         shard.load_state(state)
     try:

@@ -110,6 +110,13 @@ class Ledger:
         self.pulled[c] = self.version
         return self.version
 
+    def rejoin(self, c: int, others: list[int]) -> None:
+        """Client ``c`` pushes again after resting: in a round-robin it takes its turn from
+        the slowest of ``others`` (the pushers active meanwhile) instead of owing every
+        turn it missed."""
+        if others:
+            self.counts[c] = max(self.counts[c], min(self.counts[u] for u in others))
+
     def saw(self, c: int) -> int:
         """Client ``c`` is sent the shard as it is now (a pull); returns the version."""
         self.pulled[c] = self.version

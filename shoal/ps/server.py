@@ -64,6 +64,10 @@ class ServerRule(Protocol):
         """Restore what :meth:`state_dict` returned."""
 
 
+#: How many timeouts an exchange may be held back (below the client's wait for its reply, 2).
+HOLD = 1.5
+
+
 class Refused(ShoalError):
     """A request the server answers with an error and goes on (an exchange held back past
     the timeout, an exchange with a server that has no rule)."""
@@ -77,7 +81,8 @@ class ShardServer:
     clients that exchange and when an exchange may go; the others (the coordinator, the
     members of a compute group other than its leader) only pull, report and fetch state.
     ``timeout`` (seconds) bounds every wait for a client: a client silent for longer is
-    declared lost, and an exchange held back longer is refused. ``connect_timeout``
+    declared lost, and an exchange held back 1.5 times as long is refused (a silent worker
+    it waits for is lost first). ``connect_timeout``
     (default: ``timeout``) is how long a client may take to connect (its process starting).
     ``on_report(client, obj)`` receives what a client reports (one call at a time).
     """
@@ -102,13 +107,16 @@ class ShardServer:
         self.locked = True if rule is None else bool(getattr(rule, "locked", True))
         self.fields: tuple[str, ...] = tuple(getattr(rule, "fields", ()))
         self.ledger = Ledger(clients)  #: versions, staleness (restored by :meth:`load_state`)
-        #: client -> {"time", "error", "step", "samples", "clock"} of clients declared lost
+        #: client -> {"time", "error", "step", "samples", "clock", "counted"} of clients lost
         self.lost: dict[int, dict] = {}
         #: last clock, step and samples per client (from its exchanges and pulls)
         self.clocks: dict[int, int] = {}
         self.steps: dict[int, int] = {}
         self.samples: dict[int, int] = {}
+        #: per client, the ``samples`` of its last exchange applied: its work that counts
+        self.counted: dict[int, int] = {}
         self.left: set[int] = set()  #: clients that said BYE
+        self.resting: set[int] = set()  #: pushers that push nothing for now (:meth:`rest`)
         self.errors: list[str] = []  #: failures of the server itself (rule, on_report)
         self._cond = threading.Condition()  # the shard's lock
         self._report_lock = threading.Lock()
@@ -200,13 +208,30 @@ class ShardServer:
             self.ledger.restore(state.get("version", 0), state.get("staleness", {}))
             self.clocks.update(state.get("clocks", {}))
 
+    def rest(self, c: int, resting: bool) -> None:
+        """Pusher ``c`` pushes nothing for now (``resting``: an elastic worker done with its
+        schedule, waiting for more), so no exchange waits for it; or it pushes again."""
+        with self._cond:
+            if resting:
+                self.resting.add(c)
+            elif c in self.resting:
+                self.resting.discard(c)
+                self.ledger.rejoin(c, self._active(c))
+            self._cond.notify_all()
+
+    def _active(self, c: int) -> list[int]:
+        """The pushers other than ``c`` that may push now (not lost, gone or resting)."""
+        return [w for w in self.admission.pushers if w != c and w not in self.lost
+                and w not in self.left and w not in self.resting]
+
     # -- bookkeeping ------------------------------------------------------------------------
     def _lose(self, c: int, error: str) -> None:
         with self._cond:
             if c in self.left or c in self.lost or self._closing:
                 return
             self.lost[c] = {"time": time.time(), "error": error, "step": self.steps.get(c, 0),
-                            "samples": self.samples.get(c, 0), "clock": self.clocks.get(c, 0)}
+                            "samples": self.samples.get(c, 0), "clock": self.clocks.get(c, 0),
+                            "counted": self.counted.get(c, 0)}
             self._cond.notify_all()
 
     def _failed(self, message: str) -> None:
@@ -215,20 +240,22 @@ class ShardServer:
             self._cond.notify_all()
 
     def _admit(self, c: int) -> None:
-        """Wait (holding the shard's condition) until client ``c``'s exchange may go."""
+        """Wait (holding the shard's condition) until client ``c``'s exchange may go: at
+        most ``HOLD`` timeouts, so that a silent worker it waits for is lost first (after
+        one timeout) rather than the exchange refused."""
         if not self.admission.waits:
             return
-        deadline = time.monotonic() + self.timeout
+        limit = HOLD * self.timeout
+        deadline = time.monotonic() + limit
         while True:
-            live = [w for w in self.admission.pushers if w not in self.lost and w not in self.left]
-            blockers = self.admission.blockers(c, self.ledger, live)
+            blockers = self.admission.blockers(c, self.ledger, self._active(c))
             if not blockers:
                 return
             left = deadline - time.monotonic()
             if self._closing:
                 raise Refused(f"server {self.server} is shutting down")
             if left <= 0:
-                raise Refused(f"the exchange of client {c} was held back {self.timeout:g} s by "
+                raise Refused(f"the exchange of client {c} was held back {limit:g} s by "
                               f"the {self.admission.holding()}, waiting for worker(s) "
                               f"{', '.join(map(str, blockers))}")
             self._cond.wait(min(left, 1.0))
@@ -243,6 +270,7 @@ class ShardServer:
             if self.locked:
                 self.rule.apply(header, payload, reply)
             version = self.ledger.book(c)
+            self.counted[c] = header.samples
             self._cond.notify_all()
         if not self.locked:
             self.rule.apply(header, payload, reply)  # lock free: concurrent with the others

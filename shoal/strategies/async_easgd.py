@@ -74,6 +74,7 @@ class AsyncElasticBase(AsyncStrategy):
     master every ``tau`` local steps (at the step's start), then the local step."""
 
     Options: ClassVar[type] = AsyncElasticOptions
+    carries_step: ClassVar[bool] = False  # x is sent before the step's local update
 
     @classmethod
     def communication(cls, options: AsyncElasticOptions, workers: int) -> Pattern:
@@ -99,6 +100,14 @@ class AsyncElasticBase(AsyncStrategy):
             self.exchange(x, self._center)
             pull = torch.sub(x, self._center, out=self._pull).mul_(self.alpha)
         self.local_step_with(pull)
+
+    @torch.no_grad()
+    def flush(self) -> None:
+        """One more elastic exchange, if local steps were taken since the last: the center
+        moves towards this worker's last ``x`` (the worker, at its end, keeps its own)."""
+        if self.counted < self.samples:
+            self.carried = self.samples
+            self.exchange(self.worker_vector(), self._center)
 
     @torch.no_grad()
     def local_step_with(self, pull: torch.Tensor | None) -> None:

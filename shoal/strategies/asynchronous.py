@@ -142,6 +142,9 @@ class AsyncStrategy(Strategy):
     #: What a server applies to its shard: ``Rule(center_shard, options)`` is a
     #: :class:`~shoal.ps.server.ServerRule`.
     Rule: ClassVar[Callable[[torch.Tensor, Any], ServerRule] | None] = None
+    #: A step's exchange carries that step's own work (a gradient pushed); False: it carries
+    #: the steps before (the elastic ones send ``x`` before their local step).
+    carries_step: ClassVar[bool] = True
 
     def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, comm: Comm,
                  options: Any = None) -> None:
@@ -153,6 +156,8 @@ class AsyncStrategy(Strategy):
                              "parameters, and each server holds one at least")
         self.clock = 0  # exchanges this worker has made with the servers
         self.samples = 0  # samples this worker has trained on (its shares of the batches)
+        self.carried = 0  # samples whose work the next exchange carries (its header's)
+        self.counted = 0  # samples whose work an exchange has carried to the servers
         self._host_buffers: dict[str, torch.Tensor] = {}  # a GPU model's messages, on the host
         self.start()
 
@@ -201,7 +206,7 @@ class AsyncStrategy(Strategy):
         """The header of a message: where this worker stands and, for an exchange, the
         values of the fields the server's rule reads. The client fills in ``version``."""
         return Header(kind=kind, client=self.comm.rank, clock=self.clock, step=self.steps,
-                      samples=self.samples,
+                      samples=self.carried if kind == Kind.EXCHANGE else self.samples,
                       fields=self.rule_fields() if kind == Kind.EXCHANGE else {})
 
     def rule_fields(self) -> dict[str, float]:
@@ -249,6 +254,7 @@ class AsyncStrategy(Strategy):
         if back is not reply:
             reply.copy_(back)
         self.clock += 1
+        self.counted = self.carried
 
     def _host(self, tensor: torch.Tensor, role: str) -> torch.Tensor:
         """``tensor`` itself on the CPU, else this worker's (pinned) host buffer for ``role``."""
@@ -267,9 +273,15 @@ class AsyncStrategy(Strategy):
         self.server()
         t = self.steps
         self.steps += 1
+        before = self.samples
         if self.batch_share is not None:
             self.samples += int(self.batch_share[0])
+        self.carried = self.samples if self.carries_step else before
         self.update(t)
+
+    def flush(self) -> None:
+        """Carry the work not yet sent to the servers (``--elastic``, at a worker's end, so
+        that all it trained counts): nothing where every step's exchange carries its own."""
 
     def update(self, t: int) -> None:
         """This worker's update at its local step ``t``."""
@@ -303,6 +315,13 @@ class AsyncStrategy(Strategy):
             self.optimizer.load_state_dict(own["optimizer"])
             self.load_state_dict(own["strategy"])
         self.restored(own is not None)
+
+    @torch.no_grad()
+    def rejoin(self) -> None:
+        """Back from a rest (``--elastic``: done, then dealt more work): start again from
+        the servers' vector, as a worker new to a checkpoint does."""
+        self.pull()
+        self.restored(False)
 
     def restored(self, own: bool) -> None:
         """After :meth:`restore_checkpoint` (``own``: this worker's state was in it)."""

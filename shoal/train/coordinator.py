@@ -9,16 +9,14 @@ sums at each epoch's end, their state at each checkpoint, their totals at the en
   own sample counts (their ``progress`` reports) add up to another E global batches: an
   ``eval`` record at that sample count, not held back by the slowest worker's epochs.
 - An epoch's record is written once every live worker has reported that epoch.
-- A checkpoint is written once every live worker has sent its state for the same step
-  (``--checkpoint-every``, epoch ends, ``--stop-at-step``), and once more at the end when the
-  workers' last states are of different steps: after SIGTERM each worker stops at its own
-  step. Each worker's position (epoch, step, schedule) is in its own part of the file, so a
-  resumed worker goes on from exactly where it stopped. The file's ``"progress"`` is the
-  slowest live worker's: the step the stop line and ``summary.json`` name, whose epochs are
-  the ones recorded. The coordinator's own part (``"coordinator"``) holds its count of
-  epochs recorded and the epoch reports of workers that had run ahead, so that after
-  ``--resume`` no epoch record is lost or written twice.
-- A worker killed mid-run (its pairs break) is lost: the others go on without it. A worker
+- A checkpoint is written once every live worker has sent its state for the same step, and
+  once more at the end when their last states are of different steps (after SIGTERM each
+  stops at its own). Each worker's position is in its own part of the file, so a resumed
+  worker goes on from exactly where it stopped; ``"progress"`` is the slowest live worker's;
+  the coordinator's part holds its count of epochs recorded and the reports of workers that
+  ran ahead, so that after ``--resume`` no epoch record is lost or written twice.
+- A worker killed mid-run (its pairs break) is lost: the others go on without it (with
+  ``--elastic`` they train what it left: :class:`~shoal.train.elastic_async.Dealer`). A worker
   that fails with an error says so first (a ``failed`` report): the job ends, and the
   coordinator ends as the echo of that failure, without taking it for a lost worker.
 """
@@ -43,6 +41,8 @@ from shoal.models import count_parameters
 from shoal.ps import ServerClient, ShardServer, staleness_summary
 from shoal.train.checkpoint import to_cpu
 from shoal.train.checkpointer import write_checkpoint
+from shoal.train.deal import loss_record
+from shoal.train.elastic_async import Dealer
 from shoal.train.evaluation import Evaluator
 from shoal.train.recorder import Recorder
 from shoal.train.remote import CLOCK_KEY
@@ -97,12 +97,16 @@ class Coordinator:
         self.test = (float("nan"), float("nan"))
         self.saved_step = -1
         self.started_unix = time.time()
+        #: --elastic: a lost worker's rest is dealt over the others
+        self.dealer = Dealer(cfg, comm.attempt_store, len(data.train), self.workers, self.servers) \
+            if cfg.elastic else None
         self.progress: dict[str, Any] | None = None
         self.started: set[int] | None = set()  # workers that can train; None: clock started
         self.trained: dict[int, int] = {}  # each worker's samples, as it last said
         every = cfg.eval_every_steps
         self.test_every = every * self.plan.global_batch if every else None
         self.next_test = self.test_every or 0
+        self.shard: ShardServer | None = None  # the shard served (run())
         if payload is not None:
             self._resume(payload)
         elif start is not None:
@@ -135,7 +139,11 @@ class Coordinator:
         self.saved_step = self.progress["step"]
 
     def on_report(self, client: int, obj: Any) -> None:
-        """A worker's report (called on its serving thread): queued for :meth:`run`."""
+        """A worker's report (called on its serving thread): queued for :meth:`run`; an
+        elastic worker's rest (``idle``) or return to work (``adopt``) told to the shard at
+        once, before the worker pushes again."""
+        if self.dealer is not None and self.shard is not None and obj["kind"] in ("idle", "adopt"):
+            self.shard.rest(client, obj["kind"] == "idle")
         self.reports.put((client, obj))
 
     # -- the run --------------------------------------------------------------------------
@@ -155,6 +163,8 @@ class Coordinator:
             for client, obj in self._next_reports():
                 self._take(client, obj)
             self._note_lost(lost)
+            if self.dealer is not None:
+                self.dealer.release(self.live - self.finals.keys())
         rec.end_steps()
         return self._finish(shard)
 
@@ -174,6 +184,9 @@ class Coordinator:
         kind = report["kind"]
         if kind == "failed":
             raise WorkerFailed(f"worker {worker} failed ({report['error']}); the job ends")
+        if kind in ("adopt", "idle") and self.dealer is not None:
+            self.dealer.take(worker, report)
+            return
         self.latest[worker] = report
         if kind == "started" and self.started is not None:
             self.started.add(worker)
@@ -197,28 +210,32 @@ class Coordinator:
         for worker, info in lost.items():
             if worker < self.workers and worker in self.live and worker not in self.finals:
                 self.live.discard(worker)
-                self.lost[worker] = self._loss_record(worker, info)
-                print(f"shoal: lost worker {worker} at step {self.lost[worker]['step']} "
-                      f"({info.get('error', 'connection lost')}); the others go on",
-                      flush=True)
+                step = max(int(info.get("step", 0)),
+                           int(self.latest.get(worker, {}).get("step", 0)))
+                self.lost[worker] = loss_record(self.plan, len(self.data.train), self.cfg.epochs,
+                                                (worker, self.servers + worker), step, info,
+                                                self.started_unix)
+                if self.dealer is not None:
+                    self._deal(worker, info)
+                else:
+                    print(f"shoal: lost worker {worker} at step {self.lost[worker]['step']} "
+                          f"({info.get('error', 'connection lost')}); the others go on",
+                          flush=True)
                 self._progress()
 
-    def _loss_record(self, worker: int, info: dict[str, Any]) -> dict[str, Any]:
-        step = max(int(info.get("step", 0)), int(self.latest.get(worker, {}).get("step", 0)))
-        trained = self._rows(worker, step)
-        total = self._rows(worker, self.plan.steps_per_epoch * self.cfg.epochs)
-        return {"worker": worker, "rank": self.servers + worker,
-                "lost_after_s": max(0.0, float(info.get("time", time.time())) - self.started_unix),
-                "step": step, "samples_trained": trained, "samples_not_trained": total - trained,
-                "error": str(info.get("error", ""))}
+    def _deal(self, worker: int, info: dict[str, Any]) -> None:
+        """``--elastic``: what ``worker`` left dealt over the workers still training."""
+        assert self.dealer is not None
 
-    def _rows(self, worker: int, steps: int) -> int:
-        """Rows of ``worker``'s shard in its first ``steps`` steps (the plan fixes them)."""
-        per_epoch = self.plan.steps_per_epoch
-        order = torch.arange(len(self.data.train))
-        sizes = [len(self.plan.local(order, s, worker)[0]) for s in range(per_epoch)]
-        full, rest = divmod(steps, per_epoch)
-        return full * sum(sizes) + sum(sizes[:rest])
+        def why() -> str:  # asked after the deal is out: the launcher's word may take a while
+            status = self.ended(self.servers + worker) if self.ended is not None else None
+            return f"worker {worker} {status}" if status else \
+                f"worker {worker} stopped answering ({info.get('error', 'connection lost')})"
+
+        dealt = self.dealer.lost(worker, info, self.live - self.finals.keys(), why)
+        self.recorder.notes["membership_changes"] = self.dealer.changes
+        self.lost[worker].update(samples_trained=int(info.get("counted", 0)),
+                                 samples_not_trained=0, samples_dealt_again=dealt)
 
     def _progress(self) -> None:
         """Write what the reports so far complete, in the order of their steps: an epoch's
@@ -382,5 +399,5 @@ class Coordinator:
             "servers": self.servers,
             "staleness": staleness_summary(hists),
             "lost_workers": [self.lost[w] for w in sorted(self.lost)],
-            "degraded": bool(self.lost),
+            "degraded": bool(self.lost) and self.dealer is None,
         }

@@ -37,8 +37,10 @@ from shoal.train import handover
 from shoal.train.optim import schedule_at
 
 _Step = TypeVar("_Step")
-#: The strategies that take ``--elastic``.
-ELASTIC = ("sync", "local-sgd", "easgd", "eamsgd", "diloco")
+#: The strategies that take ``--elastic``: the synchronous and periodic ones (a re-formed
+#: group) and the asynchronous ones with a parameter server (:mod:`shoal.train.elastic_async`).
+ASYNC_ELASTIC = ("async-sgd", "async-msgd", "async-easgd", "async-measgd", "hogwild-easgd")
+ELASTIC = ("sync", "local-sgd", "easgd", "eamsgd", "diloco", *ASYNC_ELASTIC)
 
 
 def check_elastic(cfg: TrainConfig, launcher: str | None) -> None:
@@ -57,6 +59,15 @@ def check_elastic(cfg: TrainConfig, launcher: str | None) -> None:
     if launcher is not None:
         raise ShoalError(f"--elastic runs under shoal's own launcher (--workers N), not yet "
                          f"under {launcher}")
+    if cfg.strategy in ASYNC_ELASTIC:
+        if cfg.strategy_options.get("servers", 1) != 1:
+            raise ShoalError("--elastic takes one server with an asynchronous strategy (a push "
+                             "counts on server 0), not yet --servers "
+                             f"{cfg.strategy_options['servers']}")
+        if cfg.resume is not None or cfg.max_restarts:
+            raise ShoalError("--elastic does not resume an asynchronous run yet (--resume, "
+                             "--max-restarts): its checkpoints do not hold the shares dealt")
+        return
     if cfg.strategy_options.get("compress", "none") != "none":
         raise ShoalError("--elastic does not take --compress yet (its hooks keep per-group state)")
     streamed = [flag for flag, value, plain in (("--fragments", "fragments", 1),
@@ -98,9 +109,7 @@ class Elastic:
         if self.membership is None:
             return
         self.membership.listeners.append(self._changed)
-        if trainer.cfg.record_samples:
-            self._record = Path(trainer.cfg.out) / "samples" / f"worker{self.membership.me}.jsonl"
-            self._record.parent.mkdir(parents=True, exist_ok=True)
+        self._record = samples_file(trainer.cfg, self.membership.me)
 
     @contextmanager
     def updating(self) -> Iterator[None]:
@@ -178,13 +187,7 @@ class Elastic:
         self._uncounted = [Reading(t.plan, t.plan.permutation(t.state.epoch),
                                    list(self.membership.members), t.state.epoch_step)]
         if self._record is not None and self._trained:
-            line = json.dumps({"epoch": t.state.epoch,
-                               "samples": torch.cat(self._trained).tolist()}) + "\n"
-            fd = os.open(self._record, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
-            try:
-                os.write(fd, line.encode())  # one write: a kill leaves no half line
-            finally:
-                os.close(fd)
+            record_samples(self._record, {t.state.epoch: torch.cat(self._trained)})
         self._trained = []
 
     def settle(self) -> bool:
@@ -234,13 +237,48 @@ class Elastic:
         if not lost:
             return
         why = {m: self.membership.reason(m) for m in lost}
-        self.changes.append({"step": st.step, "epoch": st.epoch + 1, "left": lost, "why": why,
-                             "workers": world, "samples_dealt_again": len(order)})
+        self.changes.append(membership_change(st.step, st.epoch, why, world, len(order),
+                                              say=t.comm.rank == 0))
         t.recorder.notes["membership_changes"] = self.changes
-        if t.comm.rank == 0:
-            print(f"shoal: {_workers(lost)} left at step {st.step} ({'; '.join(why.values())}); "
-                  f"{world} go on with the {len(order)} samples left of epoch {st.epoch + 1}",
-                  file=sys.stderr, flush=True)
+
+
+def membership_change(step: int, epoch: int, why: dict[int, str], workers: int, dealt: int,
+                      say: bool = True, last: int | None = None) -> dict[str, Any]:
+    """summary.json's record of workers ``why`` names (id -> reason) leaving at ``step`` of
+    ``epoch`` (from 0), ``workers`` going on with ``dealt`` samples dealt again (of epochs
+    ``epoch`` to ``last``, where later ones are dealt too); ``say``: print its line too."""
+    lost = sorted(why)
+    if say:
+        epochs = f"epoch {epoch + 1}" if last is None or last == epoch else \
+            f"epochs {epoch + 1} to {last + 1}"
+        print(f"shoal: {_workers(lost)} left at step {step} ({'; '.join(why.values())}); "
+              f"{workers} go on with the {dealt} samples left of {epochs}",
+              file=sys.stderr, flush=True)
+    return {"step": step, "epoch": epoch + 1, "left": lost, "why": why, "workers": workers,
+            "samples_dealt_again": dealt}
+
+
+def samples_file(cfg: TrainConfig, worker: int) -> Path | None:
+    """Where ``--record-samples`` writes what worker ``worker`` trained (``None``: off)."""
+    if not cfg.record_samples:
+        return None
+    path = Path(cfg.out) / "samples" / f"worker{worker}.jsonl"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    return path
+
+
+def record_samples(path: Path, samples: dict[int, torch.Tensor]) -> None:
+    """``--record-samples``: append to ``path`` one line per epoch of ``samples`` (epoch ->
+    indices), in one write: a kill leaves no half line."""
+    lines = "".join(json.dumps({"epoch": e, "samples": s.tolist()}) + "\n"
+                    for e, s in samples.items() if len(s))
+    if not lines:
+        return
+    fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
+    try:
+        os.write(fd, lines.encode())
+    finally:
+        os.close(fd)
 
 
     # -- a join -------------------------------------------------------------------------------

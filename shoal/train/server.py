@@ -22,7 +22,9 @@ and its coordinator (:func:`run_server`).
 
 A worker killed mid-run (``kill -9``) breaks its pairs: the servers mark it lost and the run
 completes with the others; ``summary.json`` says ``"degraded": true`` and ``shoal train``
-exits with status 3 (``shoal.cli.EXIT_DEGRADED``). A worker that fails with an error tells
+exits with status 3 (``shoal.cli.EXIT_DEGRADED``); with ``--elastic`` its unfinished work is
+dealt to the others instead (:mod:`shoal.train.elastic_async`), and the run is complete. A
+worker that fails with an error tells
 server 0 before it exits, and the job ends with that error. A server that dies (any of them)
 ends the job: its workers' next exchange fails, and shoal's launcher names the server
 (``server 1 (rank 1): process killed by signal 9``).
@@ -60,6 +62,12 @@ FAILURE_REPORT_TIMEOUT = 5.0
 ENDED_TIMEOUT = 5.0
 
 
+def silence(cfg: TrainConfig) -> float:
+    """Seconds a server waits for a silent worker before it is lost: ``--timeout``, or with
+    ``--elastic`` ``--heartbeat-timeout`` if shorter (idle workers ping more often)."""
+    return min(cfg.timeout, cfg.heartbeat_timeout) if cfg.elastic else cfg.timeout
+
+
 def shard_ranges(n: int, servers: int) -> list[tuple[int, int]]:
     """The contiguous ``[lo, hi)`` range of the flat vector each server holds."""
     return split_ranges(n, servers)
@@ -72,7 +80,7 @@ def connect(cfg: TrainConfig, comm: Comm, topology: Topology, model: torch.nn.Mo
     built: the strategy starts from the servers' vector)."""
     numel = sum(p.numel() for p in model.parameters())
     return connect_worker(comm.store, comm.rank, shard_ranges(numel, topology.servers),
-                          cfg.timeout, comm)
+                          cfg.timeout, comm, silence(cfg))
 
 
 def leave(client: ServerClient, failure: BaseException | None = None) -> None:
@@ -118,7 +126,8 @@ def run_server(cfg: TrainConfig, env: Environment, comm: Comm, topology: Topolog
         return serve_shard(
             comm.store, server, workers + (1 if server > 0 else 0),
             rule_cls(center, options) if rule_cls is not None else None, center,
-            strategy_cls.admission(options, workers), timeout=cfg.timeout,
+            strategy_cls.admission(options, workers), timeout=silence(cfg),
+            connect_timeout=cfg.timeout,
             state=payload["servers"][server] if payload is not None and shared_path is None
             else None,
             on_report=coordinator.on_report if coordinator is not None else None,

@@ -31,6 +31,7 @@ from shoal.strategies import get_strategy, make_options
 from shoal.strategies.precision import MixedPrecision, clip_gradients, micro_batches
 from shoal.train.checkpointer import Checkpointer, read_start
 from shoal.train.elastic import Elastic
+from shoal.train.elastic_async import AsyncElastic
 from shoal.train.evaluation import Evaluator
 from shoal.train.optim import build_optimizer, build_schedule, resolve_momentum
 from shoal.train.probe import Probe
@@ -123,7 +124,8 @@ class Trainer:
         self.stop_vote = StopVote(self.strategy.stop_peers, self.strategy.meets_after)
         self.probe = Probe.of(cfg, self.plan.steps_per_epoch, comm)  # --plan-probe's
         self.stop_reason: str | None = None  # "SIGTERM" (the ranks agreed) or "probe"
-        self.elastic = Elastic(self)  # --elastic: who trains what after a worker is lost
+        # --elastic: who trains what after a worker is lost (a detached worker: its schedule)
+        self.elastic = AsyncElastic(self) if cfg.elastic and comm.ps is not None else Elastic(self)
         self.joined = False  # a worker that joined a running job (shoal join)
 
     # -- the loop -----------------------------------------------------------------------------

@@ -1,0 +1,103 @@
+"""Elastic membership of the asynchronous strategies (--elastic): a worker killed mid-epoch
+(kill -9) leaves its unfinished schedule, since its last push that counted at server 0, to
+the workers left, so every sample of every epoch is trained exactly once; the dealing
+itself (shoal.train.deal) without processes. Real processes, Gloo on CPU."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from shoal.cli import main
+from shoal.train.deal import Schedule, Slots, cut, deal
+
+from conftest import assert_each_sample_once, one_error_line, shoal, shoal_env
+
+pytestmark = pytest.mark.timeout(300)
+
+EPOCHS, TRAIN_ROWS = 2, 1437  # digits
+
+
+@pytest.mark.parametrize("strategy", ["async-sgd", "async-easgd"])
+def test_a_killed_worker_leaves_and_the_others_train_its_share(tmp_path, strategy):
+    # 1 server and 3 workers x 16 rows: 30 steps an epoch each. Worker 1 (rank 2) kills
+    # itself (SIGKILL) at its 20th training forward, mid-epoch 1 (async-easgd: inside an
+    # exchange period of --tau 4): the rest of its epoch 1 and all of its epoch 2 are dealt.
+    env = shoal_env()
+    env.update(SHOAL_TEST_KILL_RANK="2", SHOAL_TEST_KILL_AT="train:20")
+    out = tmp_path / "run"
+    res = shoal("train", "--out", str(out), "--progress", "plain", "--model",
+                "tests.fixtures_models:killed_at", "--dataset", "digits", "--workers", "3",
+                "--epochs", str(EPOCHS), "--schedule", "constant", "--strategy", strategy,
+                "--elastic", "--record-samples", env=env, timeout=240)
+    assert res.returncode == 0, res.stderr  # not 3: nothing was left untrained
+    assert res.stray == []
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["completed"] and not summary["degraded"] and "restarts" not in summary
+    [change] = summary["membership_changes"]
+    assert change["left"] == [1] and change["workers"] == 2 and change["epoch"] == 1
+    assert change["why"] == {"1": "worker 1 killed by signal 9"}
+    counted = summary["lost_workers"][0]["samples_trained"]
+    # Its last push carried its 19 steps (async-sgd) or the 16 before step 16's exchange.
+    assert counted == 16 * (19 if strategy == "async-sgd" else 16)
+    assert change["samples_dealt_again"] == 2 * 479 - counted  # its shard: 479 an epoch
+    assert f"worker 1 left at step {change['step']} (worker 1 killed by signal 9); 2 go on " \
+           f"with the {change['samples_dealt_again']} samples left of epochs 1 to 2" in res.stderr
+    assert_each_sample_once(out, EPOCHS, TRAIN_ROWS)
+
+
+def test_a_worker_that_stops_answering_is_left_out(tmp_path):
+    """Worker 1 stops (SIGSTOP) mid-epoch: server 0 loses it after --heartbeat-timeout, the
+    others train its share, and the launcher ends it once they finished."""
+    env = shoal_env()
+    env.update(SHOAL_TEST_KILL_RANK="2", SHOAL_TEST_KILL_AT="train:20", SHOAL_TEST_KILL_SIGNAL="19")
+    out = tmp_path / "run"
+    res = shoal("train", "--out", str(out), "--progress", "plain", "--model",
+                "tests.fixtures_models:killed_at", "--dataset", "digits", "--workers", "3",
+                "--epochs", str(EPOCHS), "--strategy", "async-sgd", "--elastic",
+                "--heartbeat-timeout", "4", "--record-samples", env=env, timeout=240)
+    assert res.returncode == 0, res.stderr
+    assert res.stray == []
+    [change] = json.loads((out / "summary.json").read_text())["membership_changes"]
+    assert change["left"] == [1] and change["why"]["1"].startswith("worker 1 stopped answering")
+    assert_each_sample_once(out, EPOCHS, TRAIN_ROWS)
+
+
+def _read(slots, segments):
+    return slots.samples(segments)[0].tolist()
+
+
+def test_a_lost_schedule_is_dealt_once_even_after_a_second_loss():
+    """Worker 2 of 3 is lost 50 samples into its schedule; workers 0 and 1 adopt their
+    shares (worker 0 in its epoch 0, worker 1 already in epoch 1); then worker 1 is lost
+    too, 40 samples into its own: what the lost ones counted, what worker 0 trains (its
+    schedule and its share of worker 1's rest) hold every (epoch, sample) exactly once."""
+    slots = Slots(100, 12, 3, seed=0)  # 3 slots of 34, 33, 33 samples an epoch
+    schedules = {w: Schedule(slots, w, 3) for w in range(3)}
+    shares = deal(schedules[2].rest(50), [0, 1])
+    assert sum(hi - lo for s in shares.values() for _, _, lo, hi in s) == 3 * 33 - 50
+    assert {e for e, *_ in shares[0]} == {1, 2}  # the rest of its epoch 1, and its epoch 2
+    schedules[0].adopt(0, 25, shares[0])  # epoch 0 read 25: later epochs' shares at their ends
+    schedules[1].adopt(1, 5, shares[1])  # 5 of its epoch 1 read: epoch 1's share there
+    assert schedules[1].blocks[1][1][0] == 1 and schedules[1].blocks[2][-1][0] == 2
+    again = deal(schedules[1].rest(40), [0])[0]
+    trained = [cut(schedules[2].rest(0), 50)[0], cut(schedules[1].rest(0), 40)[0],
+               schedules[0].rest(0), again]
+    samples, epochs = slots.samples([segment for segments in trained for segment in segments])
+    seen = sorted(zip(epochs.tolist(), samples.tolist(), strict=True))
+    assert seen == [(e, s) for e in range(3) for s in range(100)]
+    assert _read(slots, schedules[0].rest(0))[:25] == _read(slots, [(0, 0, 0, 25)])
+
+
+@pytest.mark.parametrize("args, expected", [
+    (["--strategy", "async-sgd", "--servers", "2"], "--elastic takes one server"),
+    (["--strategy", "async-easgd", "--max-restarts", "1"], "does not resume an asynchronous"),
+    (["--strategy", "groups"], "--elastic works with sync, local-sgd"),
+])
+def test_what_async_elastic_does_not_take_is_one_line(tmp_path, capsys, args, expected):
+    code = main(["train", "--out", str(tmp_path / "run"), "--workers", "2", "--epochs", "1",
+                 "--dataset", "digits", "--elastic", *args])
+    assert code == 2
+    assert expected in one_error_line(capsys.readouterr().err)
+    assert not (tmp_path / "run").exists()
