@@ -3,11 +3,9 @@
 Workers never talk to each other, so server 0 keeps ``--out`` from what they report: their
 sums at each epoch's end, their state at each checkpoint, their totals at the end.
 
-- The run's clock starts once every live worker has said it can train (``started``), as a
-  synchronous run's starts after its ranks meet: a worker's slow start-up is not training
-  time. With ``--eval-every-steps E`` the center is also tested each time the workers'
-  own sample counts (their ``progress`` reports) add up to another E global batches: an
-  ``eval`` record at that sample count, not held back by the slowest worker's epochs.
+- The run's clock starts once every live worker can train (``started``), as a synchronous
+  run's after its ranks meet. With ``--eval-every-steps E`` the center is also tested each
+  time the workers' sample counts (``progress`` reports) add up to E more global batches.
 - An epoch's record is written once every live worker has reported that epoch.
 - A checkpoint is written once every live worker has sent its state for the same step, and
   once more at the end when their last states are of different steps (after SIGTERM each
@@ -103,8 +101,7 @@ class Coordinator:
         self.progress: dict[str, Any] | None = None
         self.started: set[int] | None = set()  # workers that can train; None: clock started
         self.trained: dict[int, int] = {}  # each worker's samples, as it last said
-        every = cfg.eval_every_steps
-        self.test_every = every * self.plan.global_batch if every else None
+        self.test_every = (cfg.eval_every_steps or 0) * self.plan.global_batch or None
         self.next_test = self.test_every or 0
         self.shard: ShardServer | None = None  # the shard served (run())
         if payload is not None:
