@@ -241,46 +241,6 @@ class Elastic:
                                               say=t.comm.rank == 0))
         t.recorder.notes["membership_changes"] = self.changes
 
-
-def membership_change(step: int, epoch: int, why: dict[int, str], workers: int, dealt: int,
-                      say: bool = True, last: int | None = None) -> dict[str, Any]:
-    """summary.json's record of workers ``why`` names (id -> reason) leaving at ``step`` of
-    ``epoch`` (from 0), ``workers`` going on with ``dealt`` samples dealt again (of epochs
-    ``epoch`` to ``last``, where later ones are dealt too); ``say``: print its line too."""
-    lost = sorted(why)
-    if say:
-        epochs = f"epoch {epoch + 1}" if last is None or last == epoch else \
-            f"epochs {epoch + 1} to {last + 1}"
-        print(f"shoal: {_workers(lost)} left at step {step} ({'; '.join(why.values())}); "
-              f"{workers} go on with the {dealt} samples left of {epochs}",
-              file=sys.stderr, flush=True)
-    return {"step": step, "epoch": epoch + 1, "left": lost, "why": why, "workers": workers,
-            "samples_dealt_again": dealt}
-
-
-def samples_file(cfg: TrainConfig, worker: int) -> Path | None:
-    """Where ``--record-samples`` writes what worker ``worker`` trained (``None``: off)."""
-    if not cfg.record_samples:
-        return None
-    path = Path(cfg.out) / "samples" / f"worker{worker}.jsonl"
-    path.parent.mkdir(parents=True, exist_ok=True)
-    return path
-
-
-def record_samples(path: Path, samples: dict[int, torch.Tensor]) -> None:
-    """``--record-samples``: append to ``path`` one line per epoch of ``samples`` (epoch ->
-    indices), in one write: a kill leaves no half line."""
-    lines = "".join(json.dumps({"epoch": e, "samples": s.tolist()}) + "\n"
-                    for e, s in samples.items() if len(s))
-    if not lines:
-        return
-    fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
-    try:
-        os.write(fd, lines.encode())
-    finally:
-        os.close(fd)
-
-
     # -- a join -------------------------------------------------------------------------------
     def _all_counted(self) -> bool:
         """Whether all work so far counts (a meeting point, nothing dealt anew pending)."""
@@ -324,6 +284,45 @@ def record_samples(path: Path, samples: dict[int, torch.Tensor]) -> None:
         t.plan = EpochPlan(len(order), t.cfg.global_batch(world), world, t.cfg.seed, order)
         self._new_loader()
         self._uncounted = [Reading(t.plan, order, list(self.membership.members), 0)]
+
+
+def membership_change(step: int, epoch: int, why: dict[int, str], workers: int, dealt: int,
+                      say: bool = True, last: int | None = None) -> dict[str, Any]:
+    """summary.json's record of workers ``why`` names (id -> reason) leaving at ``step`` of
+    ``epoch`` (from 0), ``workers`` going on with ``dealt`` samples dealt again (of epochs
+    ``epoch`` to ``last``, where later ones are dealt too); ``say``: print its line too."""
+    lost = sorted(why)
+    if say:
+        epochs = f"epoch {epoch + 1}" if last is None or last == epoch else \
+            f"epochs {epoch + 1} to {last + 1}"
+        print(f"shoal: {_workers(lost)} left at step {step} ({'; '.join(why.values())}); "
+              f"{workers} go on with the {dealt} samples left of {epochs}",
+              file=sys.stderr, flush=True)
+    return {"step": step, "epoch": epoch + 1, "left": lost, "why": why, "workers": workers,
+            "samples_dealt_again": dealt}
+
+
+def samples_file(cfg: TrainConfig, worker: int) -> Path | None:
+    """Where ``--record-samples`` writes what worker ``worker`` trained (``None``: off)."""
+    if not cfg.record_samples:
+        return None
+    path = Path(cfg.out) / "samples" / f"worker{worker}.jsonl"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    return path
+
+
+def record_samples(path: Path, samples: dict[int, torch.Tensor]) -> None:
+    """``--record-samples``: append to ``path`` one line per epoch of ``samples`` (epoch ->
+    indices), in one write: a kill leaves no half line."""
+    lines = "".join(json.dumps({"epoch": e, "samples": s.tolist()}) + "\n"
+                    for e, s in samples.items() if len(s))
+    if not lines:
+        return
+    fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
+    try:
+        os.write(fd, lines.encode())
+    finally:
+        os.close(fd)
 
 
 def _workers(ids: list[int]) -> str:
