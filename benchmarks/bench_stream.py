@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import sys
 import tempfile
@@ -61,27 +62,34 @@ def run_char_lm(cluster: Cluster, config: str, a: argparse.Namespace) -> dict:
     with tempfile.TemporaryDirectory() as out:
         result = Path(out) / "result.json"
         program = [str(REPO / "examples" / "char_lm.py"), "--steps", str(a.lm_steps),
-                   "--eval-every", str(a.lm_steps), "--json", str(result), *flags(config, a.lm_tau)]
+                   "--eval-every", str(a.lm_steps), "--json", str(result), "--measure-wait",
+                   "--width", str(a.lm_width), "--layers", str(a.lm_layers),
+                   "--batch-size", str(a.lm_batch), *flags(config, a.lm_tau)]
         code = cluster.torchrun(program, timeout=900, log=Path(out) / "log.txt",
                                 env={"OMP_NUM_THREADS": "1"})
         if code:
             sys.exit(f"{config}: exit {code}\n" + (Path(out) / "log.txt").read_text()[-3000:])
         r = json.loads(result.read_text())
     return {"bytes_round": r["bytes_sent"] / (r["steps"] / a.lm_tau), "peak": r["peak_bytes_in_flight"],
-            "exposed": r["comm_s"] / r["train_s"], "samples_per_s": r["samples_per_s"],
-            "quality": r["bits_per_char"], "loss": None}
+            "exposed": max(r["exposed_comm_by_rank"]), "wait": max(r["wait_by_rank"]),
+            "samples_per_s": r["samples_per_s"], "quality": r["bits_per_char"], "loss": None,
+            "load": os.getloadavg()[0]}
 
 
 def table(task: str, rate: str, rows: dict[str, list[dict]]) -> None:
+    """Medians; exposed comm and peer wait are the most of any worker's (char_lm)."""
     quality = "bits/char" if task == "char_lm" else "test accuracy (loss)"
     print(f"\n{task}, {rate}, median of {len(next(iter(rows.values())))}\n")
-    print(f"| exchange | bytes/worker/round | peak bytes in flight | exposed comm | samples/s | {quality} |")
-    print("| --- | --- | --- | --- | --- | --- |")
+    print(f"| exchange | bytes/worker/round | peak bytes in flight | exposed comm | peer wait | "
+          f"samples/s | {quality} | load |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- |")
     for config, runs in rows.items():
         m = {k: statistics.median(r[k] for r in runs) for k in runs[0] if runs[0][k] is not None}
         q = f"{m['quality']:.3f}" + (f" ({m['loss']:.3f})" if "loss" in m else "")
+        wait = f"{100 * m['wait']:.1f}%" if "wait" in m else ""
+        load = "-".join(f"{r['load']:.1f}" for r in runs) if "load" in m else ""
         print(f"| {config} | {m['bytes_round'] / 1e3:,.0f} kB | {m['peak'] / 1e3:,.0f} kB | "
-              f"{100 * m['exposed']:.1f}% | {m['samples_per_s']:,.0f} | {q} |")
+              f"{100 * m['exposed']:.1f}% | {wait} | {m['samples_per_s']:,.0f} | {q} | {load} |")
 
 
 def main() -> None:
@@ -96,6 +104,9 @@ def main() -> None:
     p.add_argument("--mlp-tau", type=int, default=40)
     p.add_argument("--lm-steps", type=int, default=400)
     p.add_argument("--lm-tau", type=int, default=20)
+    p.add_argument("--lm-width", type=int, default=64)
+    p.add_argument("--lm-layers", type=int, default=2)
+    p.add_argument("--lm-batch", type=int, default=32, help="per worker")
     p.add_argument("--json", help="also write every run's numbers here")
     a = p.parse_args()
     runners = {"mlp": run_mlp, "char_lm": run_char_lm}
@@ -103,10 +114,11 @@ def main() -> None:
     for rate in a.rates.split(","):
         with Cluster(hosts=a.hosts, rate=rate) as cluster:
             for task in a.tasks.split(","):
-                rows = {}
-                for config in a.configs.split(","):
-                    rows[config] = [runners[task](cluster, config, a) for _ in range(a.repeats)]
-                    print(f"{task} {rate} {config}: {rows[config]}", file=sys.stderr, flush=True)
+                rows: dict[str, list[dict]] = {c: [] for c in a.configs.split(",")}
+                for _ in range(a.repeats):  # configurations alternate: load drifts alike
+                    for config, runs in rows.items():
+                        runs.append(runners[task](cluster, config, a))
+                        print(f"{task} {rate} {config}: {runs[-1]}", file=sys.stderr, flush=True)
                 found[f"{task} {rate}"] = rows
                 table(task, rate, rows)
     if a.json:

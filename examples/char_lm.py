@@ -32,12 +32,16 @@ parser.add_argument("--steps", type=int, default=800, help="training steps on ev
 parser.add_argument("--tau", type=int, default=50, help="local steps between two exchanges")
 parser.add_argument("--batch-size", type=int, default=32, help="windows per worker and step")
 parser.add_argument("--context", type=int, default=64, help="characters the model sees")
+parser.add_argument("--width", type=int, default=64, help="the transformer's width (4 heads)")
+parser.add_argument("--layers", type=int, default=2, help="transformer layers")
 parser.add_argument("--lr", type=float, default=1e-2, help="AdamW learning rate")
 parser.add_argument("--eval-every", type=int, default=100, help="steps between evaluations")
 parser.add_argument("--seed", type=int, default=0)
 parser.add_argument("--fragments", type=int, default=1, help="Streaming DiLoCo's fragments")
 parser.add_argument("--overlap-steps", type=int, default=0, help="steps an exchange travels behind")
 parser.add_argument("--outer-precision", default="fp32", help="fp32, bf16, fp8, int8 or int4")
+parser.add_argument("--measure-wait", action="store_true",
+                    help="a barrier before each exchange: a slower worker's lead is booked as wait")
 parser.add_argument("--json", help="rank 0 writes its numbers here at the end (benchmarks)")
 args = parser.parse_args()
 
@@ -106,10 +110,10 @@ def sample(model: nn.Module, prompt: str, length: int) -> str:
 
 train, val = Windows(tokens[:split], args.context), Windows(tokens[split:], args.context)
 torch.manual_seed(args.seed)  # every worker starts from the same weights
-model = CharTransformer(len(chars), args.context)
+model = CharTransformer(len(chars), args.context, args.width, args.layers)
 optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr)  # DiLoCo's inner optimizer
 streaming = {"fragments": args.fragments, "overlap_steps": args.overlap_steps,
-             "outer_precision": args.outer_precision}
+             "outer_precision": args.outer_precision, "measure_wait": args.measure_wait}
 if args.strategy == "diloco":
     strategy = shoal.strategy("diloco", model, optimizer, tau=args.tau, outer_lr=0.7, outer_momentum=0.9,
                               **streaming)
@@ -122,7 +126,7 @@ rank, workers = strategy.comm.rank, strategy.comm.world_size
 history: list[tuple[int, float]] = []  # (step, validation bits/char of the global model)
 step, epoch, start = 0, 0, time.perf_counter()
 sent_at_start, timeline = strategy.comm.bytes_sent, strategy.comm.timeline
-comm_at_start = timeline.totals.get("comm", 0.0)  # the start's broadcast is not training
+at_start = dict(timeline.totals)  # the start's broadcast is not training
 evaluating = 0.0  # seconds spent on validation, not training
 while step < args.steps:  # an epoch (~6.5k steps on 2 workers) is longer than a usual run
     for x, y in strategy.batches(train, batch_size=args.batch_size, epoch=epoch, seed=args.seed):
@@ -144,13 +148,20 @@ while step < args.steps:  # an epoch (~6.5k steps on 2 workers) is longer than a
     epoch += 1
 
 seconds, bpc = time.perf_counter() - start, history[-1][1]
-if rank == 0 and args.json:  # training time only: evaluation is rank 0's alone
-    train_s = seconds - evaluating
-    comm_s = timeline.totals.get("comm", 0.0) - comm_at_start
+# Every worker's training seconds (evaluation left out), and of them the seconds its loop was
+# blocked on its exchanges (launching one, waiting for one in flight: exposed communication)
+# and, with --measure-wait, waiting for a slower worker before an exchange.
+own = [seconds - evaluating] + [timeline.totals.get(k, 0.0) - at_start.get(k, 0.0) for k in ("comm", "wait")]
+ranks = strategy.comm.values_by_rank(own)
+if rank == 0 and args.json:
+    train_s = own[0]
     with open(args.json, "w") as f:
         f.write(json.dumps({"bits_per_char": bpc, "steps": step, "train_s": train_s,
                             "samples_per_s": step * args.batch_size * workers / train_s,
-                            "comm_s": comm_s, "bytes_sent": strategy.comm.bytes_sent - sent_at_start,
+                            "comm_s": own[1], "parameters": sum(p.numel() for p in model.parameters()),
+                            "exposed_comm_by_rank": [c / t for t, c, _ in ranks],
+                            "wait_by_rank": [w / t for t, _, w in ranks],
+                            "bytes_sent": strategy.comm.bytes_sent - sent_at_start,
                             "peak_bytes_in_flight": strategy.comm.peak_in_flight}))
 continuation = "The " + sample(strategy.eval_module, "The ", 120)
 if rank == 0:
