@@ -62,7 +62,8 @@ def run_char_lm(cluster: Cluster, config: str, a: argparse.Namespace) -> dict:
     with tempfile.TemporaryDirectory() as out:
         result = Path(out) / "result.json"
         program = [str(REPO / "examples" / "char_lm.py"), "--steps", str(a.lm_steps),
-                   "--eval-every", str(a.lm_steps), "--json", str(result), "--measure-wait",
+                   "--eval-every", str(a.lm_steps), "--json", str(result),
+                   *(["--measure-wait"] if getattr(a, "measure_wait", True) else []),
                    "--width", str(a.lm_width), "--layers", str(a.lm_layers),
                    "--batch-size", str(a.lm_batch), *flags(config, a.lm_tau)]
         code = cluster.torchrun(program, timeout=900, log=Path(out) / "log.txt",
