@@ -6,8 +6,11 @@ Each configuration trains on ``--hosts`` network-namespace hosts joined by links
 (``benchmarks/models.py:mlp_1024x2``) on synthetic 784-feature data through ``shoal train``,
 and the character-level transformer of ``examples/char_lm.py``. The table gives, per worker
 and exchange round, the bytes sent; the most bytes a worker had in flight at once; the share
-of training time spent waiting on communication (exposed); samples/s; and the final quality
-(test accuracy and loss; validation bits/char), median over ``--repeats``. Run:
+of training time blocked on communication (exposed: launching an exchange, waiting on its
+handle; for char_lm the larger worker's, run with ``--measure-wait`` so that a slower peer's
+lag is its own column, peer wait); samples/s; the final quality (test accuracy and loss;
+validation bits/char); and the load average at each run's end; median over ``--repeats``,
+the configurations alternating. Run:
 
     sudo .venv/bin/python benchmarks/bench_stream.py --rates 100mbit,10mbit --repeats 1
 """
@@ -22,7 +25,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from shoal.emulate import Cluster
+from shoal.emulate import Cluster, terminate_as_exception
 
 REPO = Path(__file__).resolve().parent.parent
 #: name -> (fragments, overlap steps as a function of tau / fragments, precision)
@@ -113,7 +116,7 @@ def main() -> None:
     runners = {"mlp": run_mlp, "char_lm": run_char_lm}
     found: dict = {}
     for rate in a.rates.split(","):
-        with Cluster(hosts=a.hosts, rate=rate) as cluster:
+        with terminate_as_exception(), Cluster(hosts=a.hosts, rate=rate) as cluster:
             for task in a.tasks.split(","):
                 rows: dict[str, list[dict]] = {c: [] for c in a.configs.split(",")}
                 for _ in range(a.repeats):  # configurations alternate: load drifts alike

@@ -29,7 +29,7 @@ from pathlib import Path
 import torch
 
 from shoal.core.guard import guarded_command
-from shoal.emulate import Cluster
+from shoal.emulate import Cluster, terminate_as_exception
 
 REPO = Path(__file__).resolve().parent.parent
 LIGHTHOUSE_PORT = 29510
@@ -144,7 +144,7 @@ def main() -> None:
     lm = argparse.Namespace(lm_steps=a.steps, lm_tau=a.tau, lm_width=a.width, lm_layers=a.layers,
                             lm_batch=a.batch, measure_wait=False)
     rows: dict[str, list[dict]] = {"shoal": [], "torchft": []}
-    with Cluster(hosts=2, rate=a.rate) as cluster:
+    with terminate_as_exception(), Cluster(hosts=2, rate=a.rate) as cluster:
         for _ in range(a.repeats):
             rows["shoal"].append(run_char_lm(cluster, "stream fp32", lm))
             rows["torchft"].append(run_torchft(cluster, a))
