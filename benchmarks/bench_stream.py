@@ -68,7 +68,7 @@ def run_char_lm(cluster: Cluster, config: str, a: argparse.Namespace) -> dict:
                    "--eval-every", str(a.lm_steps), "--json", str(result),
                    *(["--measure-wait"] if getattr(a, "measure_wait", True) else []),
                    "--width", str(a.lm_width), "--layers", str(a.lm_layers),
-                   "--batch-size", str(a.lm_batch), *flags(config, a.lm_tau)]
+                   "--batch-size", str(a.lm_batch), "--threads", "1", *flags(config, a.lm_tau)]
         code = cluster.torchrun(program, timeout=900, log=Path(out) / "log.txt",
                                 env={"OMP_NUM_THREADS": "1"})
         if code:

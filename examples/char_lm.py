@@ -42,6 +42,8 @@ parser.add_argument("--overlap-steps", type=int, default=0, help="steps an excha
 parser.add_argument("--outer-precision", default="fp32", help="fp32, bf16, fp8, int8 or int4")
 parser.add_argument("--measure-wait", action="store_true",
                     help="a barrier before each exchange: a slower worker's lead is booked as wait")
+parser.add_argument("--threads", type=int, help="torch threads a worker (default: the node's cores "
+                    "divided among its workers; emulated hosts share one machine's cores)")
 parser.add_argument("--json", help="rank 0 writes its numbers here at the end (benchmarks)")
 args = parser.parse_args(None if __name__ == "__main__" else [])  # importable: benchmarks/bench_torchft.py
 
@@ -117,6 +119,7 @@ def main() -> tuple[shoal.Strategy, list[tuple[int, float]]]:
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr)  # DiLoCo's inner optimizer
     streaming = {"fragments": args.fragments, "overlap_steps": args.overlap_steps,
                  "outer_precision": args.outer_precision, "measure_wait": args.measure_wait}
+    shoal.init(threads=args.threads)  # joins the job; the strategy uses it
     if args.strategy == "diloco":
         strategy = shoal.strategy("diloco", model, optimizer, tau=args.tau, outer_lr=0.7, outer_momentum=0.9,
                                   **streaming)

@@ -237,7 +237,7 @@ class Recorder:
         totals = self.tl.totals
         ranks = self.comm.values_by_rank([totals.get(k, 0.0) for k in CATEGORIES]
                                          + [float(self.comm.bytes_sent), float(self.comm.peak_in_flight)])
-        world = len(ranks)
+        world = self.comm.world_size  # an elastic job's, after the call
         times = {k: sum(r[i] for r in ranks) / world for i, k in enumerate(CATEGORIES)}
         total_bytes, peak = sum(r[-2] for r in ranks), max(r[-1] for r in ranks)
         by_rank = [time_fractions(dict(zip(CATEGORIES, r, strict=False))) for r in ranks] \
