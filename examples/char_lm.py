@@ -32,14 +32,20 @@ parser.add_argument("--steps", type=int, default=800, help="training steps on ev
 parser.add_argument("--tau", type=int, default=50, help="local steps between two exchanges")
 parser.add_argument("--batch-size", type=int, default=32, help="windows per worker and step")
 parser.add_argument("--context", type=int, default=64, help="characters the model sees")
+parser.add_argument("--width", type=int, default=64, help="the transformer's width (4 heads)")
+parser.add_argument("--layers", type=int, default=2, help="transformer layers")
 parser.add_argument("--lr", type=float, default=1e-2, help="AdamW learning rate")
 parser.add_argument("--eval-every", type=int, default=100, help="steps between evaluations")
 parser.add_argument("--seed", type=int, default=0)
 parser.add_argument("--fragments", type=int, default=1, help="Streaming DiLoCo's fragments")
 parser.add_argument("--overlap-steps", type=int, default=0, help="steps an exchange travels behind")
 parser.add_argument("--outer-precision", default="fp32", help="fp32, bf16, fp8, int8 or int4")
+parser.add_argument("--measure-wait", action="store_true",
+                    help="a barrier before each exchange: a slower worker's lead is booked as wait")
+parser.add_argument("--threads", type=int, help="torch threads a worker (default: the node's cores "
+                    "divided among its workers; emulated hosts share one machine's cores)")
 parser.add_argument("--json", help="rank 0 writes its numbers here at the end (benchmarks)")
-args = parser.parse_args()
+args = parser.parse_args(None if __name__ == "__main__" else [])  # importable: benchmarks/bench_torchft.py
 
 text = "".join(topics[name] for name in sorted(topics))  # sorted: the same text everywhere
 chars = sorted(set(text))
@@ -104,55 +110,73 @@ def sample(model: nn.Module, prompt: str, length: int) -> str:
     return "".join(chars[i] for i in out[0, len(prompt):].tolist())
 
 
-train, val = Windows(tokens[:split], args.context), Windows(tokens[split:], args.context)
-torch.manual_seed(args.seed)  # every worker starts from the same weights
-model = CharTransformer(len(chars), args.context)
-optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr)  # DiLoCo's inner optimizer
-streaming = {"fragments": args.fragments, "overlap_steps": args.overlap_steps,
-             "outer_precision": args.outer_precision}
-if args.strategy == "diloco":
-    strategy = shoal.strategy("diloco", model, optimizer, tau=args.tau, outer_lr=0.7, outer_momentum=0.9,
-                              **streaming)
-elif args.strategy == "sync":
-    strategy = shoal.strategy("sync", model, optimizer)
-else:
-    strategy = shoal.strategy(args.strategy, model, optimizer, tau=args.tau, **streaming)
-rank, workers = strategy.comm.rank, strategy.comm.world_size
+def main() -> tuple[shoal.Strategy, list[tuple[int, float]]]:
+    """Train with shoal's strategy, print the validation bits/char and a sample; returns the
+    strategy and the validation history."""
+    train, val = Windows(tokens[:split], args.context), Windows(tokens[split:], args.context)
+    torch.manual_seed(args.seed)  # every worker starts from the same weights
+    model = CharTransformer(len(chars), args.context, args.width, args.layers)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr)  # DiLoCo's inner optimizer
+    streaming = {"fragments": args.fragments, "overlap_steps": args.overlap_steps,
+                 "outer_precision": args.outer_precision, "measure_wait": args.measure_wait}
+    shoal.init(threads=args.threads)  # joins the job; the strategy uses it
+    if args.strategy == "diloco":
+        strategy = shoal.strategy("diloco", model, optimizer, tau=args.tau, outer_lr=0.7, outer_momentum=0.9,
+                                  **streaming)
+    elif args.strategy == "sync":
+        strategy = shoal.strategy("sync", model, optimizer)
+    else:
+        strategy = shoal.strategy(args.strategy, model, optimizer, tau=args.tau, **streaming)
+    rank, workers = strategy.comm.rank, strategy.comm.world_size
 
-history: list[tuple[int, float]] = []  # (step, validation bits/char of the global model)
-step, epoch, start = 0, 0, time.perf_counter()
-sent_at_start, timeline = strategy.comm.bytes_sent, strategy.comm.timeline
-comm_at_start = timeline.totals.get("comm", 0.0)  # the start's broadcast is not training
-evaluating = 0.0  # seconds spent on validation, not training
-while step < args.steps:  # an epoch (~6.5k steps on 2 workers) is longer than a usual run
-    for x, y in strategy.batches(train, batch_size=args.batch_size, epoch=epoch, seed=args.seed):
-        loss = F.cross_entropy(strategy.module(x).flatten(0, 1), y.flatten())
-        strategy.backward(loss)
-        strategy.step()
-        strategy.zero_grad()
-        step += 1
-        if step % args.eval_every == 0 or step == args.steps:
-            # DiLoCo's global model holds the rounds closed so far (all of them when tau divides step).
-            evaluated = time.perf_counter()
-            history.append((step, bits_per_char(strategy.eval_module, val)))
-            evaluating += time.perf_counter() - evaluated
-            if rank == 0:
-                print(f"step {step:5d}  val {history[-1][1]:.3f} bits/char  "
-                      f"{time.perf_counter() - start:5.1f} s", flush=True)
-        if step == args.steps:
-            break
-    epoch += 1
+    history: list[tuple[int, float]] = []  # (step, validation bits/char of the global model)
+    step, epoch, start = 0, 0, time.perf_counter()
+    sent_at_start, timeline = strategy.comm.bytes_sent, strategy.comm.timeline
+    at_start = dict(timeline.totals)  # the start's broadcast is not training
+    evaluating = 0.0  # seconds spent on validation, not training
+    while step < args.steps:  # an epoch (~6.5k steps on 2 workers) is longer than a usual run
+        for x, y in strategy.batches(train, batch_size=args.batch_size, epoch=epoch, seed=args.seed):
+            loss = F.cross_entropy(strategy.module(x).flatten(0, 1), y.flatten())
+            strategy.backward(loss)
+            strategy.step()
+            strategy.zero_grad()
+            step += 1
+            if step % args.eval_every == 0 or step == args.steps:
+                # DiLoCo's global model holds the rounds closed so far (all of them when tau divides step).
+                evaluated = time.perf_counter()
+                history.append((step, bits_per_char(strategy.eval_module, val)))
+                evaluating += time.perf_counter() - evaluated
+                if rank == 0:
+                    print(f"step {step:5d}  val {history[-1][1]:.3f} bits/char  "
+                          f"{time.perf_counter() - start:5.1f} s", flush=True)
+            if step == args.steps:
+                break
+        epoch += 1
 
-seconds, bpc = time.perf_counter() - start, history[-1][1]
-if rank == 0 and args.json:  # training time only: evaluation is rank 0's alone
-    train_s = seconds - evaluating
-    comm_s = timeline.totals.get("comm", 0.0) - comm_at_start
-    with open(args.json, "w") as f:
-        f.write(json.dumps({"bits_per_char": bpc, "steps": step, "train_s": train_s,
-                            "samples_per_s": step * args.batch_size * workers / train_s,
-                            "comm_s": comm_s, "bytes_sent": strategy.comm.bytes_sent - sent_at_start,
-                            "peak_bytes_in_flight": strategy.comm.peak_in_flight}))
-continuation = "The " + sample(strategy.eval_module, "The ", 120)
-if rank == 0:
-    print(f"{args.strategy}, {workers} worker{'s' * (workers > 1)}: {bpc:.3f} bits/char after {step} steps, "
-          f"{seconds:.1f} s, rank 0 sent {strategy.comm.bytes_sent / 1e6:.1f} MB | {continuation!r}")
+    seconds, bpc = time.perf_counter() - start, history[-1][1]
+    # Every worker's training seconds (evaluation left out), and of them the seconds its loop was
+    # blocked on its exchanges (launching one, waiting for one in flight: exposed communication)
+    # and, with --measure-wait, waiting for a slower worker before an exchange.
+    own = [seconds - evaluating] + [timeline.totals.get(k, 0.0) - at_start.get(k, 0.0)
+                                    for k in ("comm", "wait")]
+    ranks = strategy.comm.values_by_rank(own)
+    if rank == 0 and args.json:
+        train_s = own[0]
+        with open(args.json, "w") as f:
+            f.write(json.dumps({"bits_per_char": bpc, "steps": step, "train_s": train_s,
+                                "samples_per_s": step * args.batch_size * workers / train_s,
+                                "comm_s": own[1], "parameters": sum(p.numel() for p in model.parameters()),
+                                "exposed_comm_by_rank": [c / t for t, c, _ in ranks],
+                                "wait_by_rank": [w / t for t, _, w in ranks],
+                                "bytes_sent": strategy.comm.bytes_sent - sent_at_start,
+                                "peak_bytes_in_flight": strategy.comm.peak_in_flight}))
+    continuation = "The " + sample(strategy.eval_module, "The ", 120)
+    if rank == 0:
+        print(f"{args.strategy}, {workers} worker{'s' * (workers > 1)}: {bpc:.3f} bits/char after "
+              f"{step} steps, "
+              f"{seconds:.1f} s, rank 0 sent {strategy.comm.bytes_sent / 1e6:.1f} MB | {continuation!r}")
+    return strategy, history
+
+
+if __name__ == "__main__":
+    strategy, history = main()  # globals, as tests/test_char_lm_example.py reads them

@@ -84,3 +84,12 @@ def test_bad_streaming_flags_are_one_line(tmp_path, capsys, args, expected):
     line = one_error_line(capsys.readouterr().err)
     assert expected in line and "rank 0:" not in line, "caught before any worker started"
     assert not (tmp_path / "run").exists()
+
+
+def test_summary_gives_each_workers_exposed_comm_and_wait(runs):
+    """Every worker's own share of its step time blocked on exchanges (comm) and on slower
+    ranks (wait); the run's shares are their means."""
+    s = runs["diloco-int4-stream"]
+    assert len(s["comm_fraction_by_rank"]) == len(s["wait_fraction_by_rank"]) == 2
+    assert all(0 < f < 1 for f in s["comm_fraction_by_rank"]), s["comm_fraction_by_rank"]
+    assert sum(s["comm_fraction_by_rank"]) / 2 == pytest.approx(s["comm_fraction"], rel=0.1)

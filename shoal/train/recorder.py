@@ -19,6 +19,7 @@ from shoal.core.comm import Comm
 from shoal.core.files import remove_stale_temporaries
 from shoal.core.timeline import (
     CATEGORIES,
+    COMM,
     DATA,
     WAIT,
     Timeline,
@@ -261,12 +262,13 @@ class Recorder:
         restarts, an asynchronous run's servers). ``lanes``: the trace's, else each rank's
         timeline."""
         totals = self.tl.totals
-        summed = self.comm.reduce_values([totals.get(k, 0.0) for k in CATEGORIES]
-                                         + [float(self.comm.bytes_sent)])
-        world = self.comm.world_size
-        times = {k: v / world for k, v in zip(CATEGORIES, summed[:-1], strict=False)}
-        total_bytes = summed[-1]
-        peak = self.comm.reduce_values([float(self.comm.peak_in_flight)], op="max")[0]
+        ranks = self.comm.values_by_rank([totals.get(k, 0.0) for k in CATEGORIES]
+                                         + [float(self.comm.bytes_sent), float(self.comm.peak_in_flight)])
+        world = self.comm.world_size  # an elastic job's, after the call
+        times = {k: sum(r[i] for r in ranks) / world for i, k in enumerate(CATEGORIES)}
+        total_bytes, peak = sum(r[-2] for r in ranks), max(r[-1] for r in ranks)
+        by_rank = [time_fractions(dict(zip(CATEGORIES, r, strict=False))) for r in ranks] \
+            if self.comm.active or world == 1 else []  # an asynchronous job's: summed already
         if self.cfg.trace:
             self._write_trace(st, lanes)
         if self.log is not None:
@@ -289,6 +291,9 @@ class Recorder:
             "samples_per_s": st.samples / st.train_time_s if st.train_time_s > 0 else None,
             "comm_fraction": comm_fraction(times),
             "wait_fraction": fractions[WAIT],
+            # Each worker's own: blocked on its collectives (comm) and on slower ranks (wait).
+            **({"comm_fraction_by_rank": [f[COMM] for f in by_rank],
+                "wait_fraction_by_rank": [f[WAIT] for f in by_rank]} if by_rank else {}),
             "time_s": time_split(times), "time_fraction": fractions,
             "step_time_s": sum(times.values()) / st.step if st.step else None,
             "bytes_sent": total_bytes,
