@@ -2,7 +2,7 @@
 blocked on an exchange (launching it, waiting on its handle) is ``comm``; time it computes
 while the exchange travels is not; with a barrier first (``--measure-wait``) a slower
 peer's lead is ``wait``, not ``comm``. And every rank's numbers reach every rank
-(``Comm.values_by_rank``), which ``summary.json``'s ``*_by_rank`` fields are made of."""
+(``shoal.core.ops.values_by_rank``), which ``summary.json``'s ``*_by_rank`` fields are made of."""
 
 from __future__ import annotations
 
@@ -14,6 +14,7 @@ import pytest
 import torch
 
 import shoal
+from shoal.core.ops import values_by_rank
 from shoal.core.processes import spawn
 from shoal.core.timeline import COMM, WAIT
 
@@ -52,7 +53,7 @@ def cases_on_ranks(out_dir: str) -> None:
     found = {name: booked(comm, body) for name, body in
              [("peer_late", peer_late), ("peer_late_measured", peer_late_measured),
               ("overlapped", overlapped)]}
-    found["by_rank"] = comm.values_by_rank([float(comm.rank), 10.0 + comm.rank])
+    found["by_rank"] = values_by_rank(comm, [float(comm.rank), 10.0 + comm.rank])
     Path(out_dir, f"rank{comm.rank}.json").write_text(json.dumps(found))
     shoal.shutdown()
 

@@ -288,15 +288,6 @@ class Comm:
                 t /= self.world_size
         return t.tolist()
 
-    def values_by_rank(self, values: Sequence[float]) -> list[list[float]]:
-        """Every rank's ``values`` (the same count on each), in rank order, on every rank:
-        one all-reduce of a ``world_size x len(values)`` table, each rank filling its row (a
-        rank without peers knows its own row only: the others are zeros)."""
-        table = [0.0] * (self.world_size * len(values))
-        table[self.rank * len(values):(self.rank + 1) * len(values)] = values
-        summed = self.reduce_values(table)
-        return [summed[r * len(values):(r + 1) * len(values)] for r in range(self.world_size)]
-
     def gather_objects(self, obj: Any, dst: int = 0) -> list[Any] | None:
         """Pickle-gather ``obj`` from every rank to ``dst`` (others get ``None``)."""
         if not self.active:

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+from typing import Any
+
 import torch.distributed as dist
 
 from shoal.errors import ShoalError
@@ -38,3 +41,14 @@ def split_ranges(n: int, parts: int) -> list[tuple[int, int]]:
         ranges.append((lo, lo + size))
         lo += size
     return ranges
+
+
+def values_by_rank(comm: Any, values: Sequence[float]) -> list[list[float]]:
+    """Every rank's ``values`` (the same count on each), in rank order, on every rank of
+    ``comm`` (a :class:`~shoal.core.comm.Comm`): one all-reduce of a ``world_size x
+    len(values)`` table, each rank filling its row (a rank without peers knows its own row
+    only: the others are zeros)."""
+    table = [0.0] * (comm.world_size * len(values))
+    table[comm.rank * len(values):(comm.rank + 1) * len(values)] = values
+    summed = comm.reduce_values(table)
+    return [summed[r * len(values):(r + 1) * len(values)] for r in range(comm.world_size)]

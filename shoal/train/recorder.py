@@ -17,6 +17,7 @@ import torch
 from shoal.config import TrainConfig
 from shoal.core.comm import Comm
 from shoal.core.files import remove_stale_temporaries
+from shoal.core.ops import values_by_rank
 from shoal.core.timeline import (
     CATEGORIES,
     COMM,
@@ -262,7 +263,7 @@ class Recorder:
         restarts, an asynchronous run's servers). ``lanes``: the trace's, else each rank's
         timeline."""
         totals = self.tl.totals
-        ranks = self.comm.values_by_rank([totals.get(k, 0.0) for k in CATEGORIES]
+        ranks = values_by_rank(self.comm, [totals.get(k, 0.0) for k in CATEGORIES]
                                          + [float(self.comm.bytes_sent), float(self.comm.peak_in_flight)])
         world = self.comm.world_size  # an elastic job's, after the call
         times = {k: sum(r[i] for r in ranks) / world for i, k in enumerate(CATEGORIES)}
