@@ -12,6 +12,9 @@ runs across them with ``torchrun``, one node per namespace, through c10d rendezv
 Hosts can be uneven: ``--emulate-slow 1:0.25`` runs host 1's processes in a cgroup of their
 own that lets them use a quarter of one core (:mod:`shoal.core.cpulimit`: the kernel throttles
 them), and ``--link-rate 1:10mbit`` gives host 1's link its own rate.
+The hosts share the machine's cores: each host's processes are told their share
+(``SHOAL_NODE_CORES``, the cores over the hosts), which a worker's default thread count
+follows (:func:`shoal.core.env.default_threads`).
 
 Everything carries a unique name prefix and is torn down on exit, on errors and on
 SIGINT/SIGTERM; when the process that made a cluster is killed outright (SIGKILL), a watcher
@@ -40,6 +43,7 @@ from typing import Any
 
 from shoal.core import cpulimit
 from shoal.core.cpulimit import CpuLimit, check_fraction
+from shoal.core.env import NODE_CORES
 from shoal.core.guard import after_death, guarded_command
 from shoal.core.hostspec import burst_bytes, link_rates, rate_bits, slow_hosts
 from shoal.core.limits import check_processes
@@ -251,6 +255,11 @@ class Cluster:
             "--monitor-interval", "0.5",
         ]
 
+    def node_cores(self) -> int:
+        """A host's share of the machine's cores: the hosts share them, so a worker's default
+        threads (:func:`shoal.core.env.default_threads`) are its host's, not the machine's."""
+        return max(1, len(os.sched_getaffinity(0)) // self.hosts)
+
     def torchrun(self, program: Sequence[str], nproc_per_node: int = 1, timeout: float = 600,
                  env: dict[str, str] | None = None, log: Path | None = None) -> int:
         """Run ``torchrun ... PROGRAM`` on every host; return the first non-zero exit status.
@@ -271,7 +280,8 @@ class Cluster:
             if log is not None else None
         try:
             for i in range(self.hosts):
-                node_env = {**os.environ, **(env or {}), "GLOO_SOCKET_IFNAME": self.ifname(i)}
+                node_env = {**os.environ, **(env or {}), "GLOO_SOCKET_IFNAME": self.ifname(i),
+                            NODE_CORES: str(self.node_cores())}
                 cmd = [*self.exec_args(i), *self.torchrun_args(i, nproc_per_node, run_id), *program]
                 procs.append(subprocess.Popen(guarded_command(cmd), start_new_session=True,
                                               stdout=out, env=node_env,

@@ -1,12 +1,14 @@
 """The emulated cluster: namespaces, rate-limited links, a torchrun job across them, teardown."""
 
 import json
+import os
 import subprocess
 import sys
 
 import pytest
 
 from shoal import emulate
+from shoal.core.env import NODE_CORES, default_threads
 from shoal.core.hostspec import rate_bits
 from shoal.emulate import Cluster, can_emulate, namespaces
 from shoal.errors import ShoalError
@@ -96,3 +98,18 @@ def test_cli_errors(capsys):
     assert capsys.readouterr().err.startswith("shoal: error: bandwidth 'fast'")
     assert emulate.main(["--hosts", "2"]) == 2
     assert "nothing to run" in capsys.readouterr().err
+
+
+def test_an_emulated_hosts_workers_thread_on_its_share_of_the_cores(monkeypatch):
+    """The emulated hosts share the machine's cores, so a worker's default threads are its
+    host's share (SHOAL_NODE_CORES, set for every host), not every core of the machine: two
+    hosts on two cores ran two threads each, 0.69 s a step against 0.10 s with one."""
+    cores = len(os.sched_getaffinity(0))
+    monkeypatch.delenv(NODE_CORES, raising=False)
+    assert default_threads(1) == cores
+    assert Cluster(hosts=2).node_cores() == max(1, cores // 2)
+    monkeypatch.setenv(NODE_CORES, "1")
+    assert default_threads(1) == 1 and default_threads(4) == 1
+    for ignored in ("0", "x", str(cores + 8)):  # nonsense, or more than this process may use
+        monkeypatch.setenv(NODE_CORES, ignored)
+        assert default_threads(1) == cores

@@ -184,9 +184,19 @@ def set_environment(env: Environment | None) -> None:
     _GIVEN = env
 
 
+#: The cores of this node when it shares a machine with others (an emulated cluster's hosts:
+#: :mod:`shoal.emulate` sets it), at most the cores this process may run on.
+NODE_CORES = "SHOAL_NODE_CORES"
+
+
 def default_threads(local_workers: int) -> int:
-    """Cores available to this process divided among the workers on this node."""
-    return max(1, len(os.sched_getaffinity(0)) // max(1, local_workers))
+    """Cores available to this process (its node's share, :data:`NODE_CORES`) divided among
+    the workers on this node."""
+    cores = len(os.sched_getaffinity(0))
+    share = os.environ.get(NODE_CORES, "")
+    if share.isdigit() and int(share) > 0:
+        cores = min(cores, int(share))
+    return max(1, cores // max(1, local_workers))
 
 
 def resolve_device(device: str, local_workers: int = 1, *, share: bool = False) -> str:
