@@ -25,6 +25,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import shoal
+from shoal.core.ops import values_by_rank
 
 parser = argparse.ArgumentParser(description="a character-level language model, data-parallel")
 parser.add_argument("--strategy", default="diloco", help="diloco, sync, local-sgd or easgd")
@@ -159,7 +160,7 @@ def main() -> tuple[shoal.Strategy, list[tuple[int, float]]]:
     # and, with --measure-wait, waiting for a slower worker before an exchange.
     own = [seconds - evaluating] + [timeline.totals.get(k, 0.0) - at_start.get(k, 0.0)
                                     for k in ("comm", "wait")]
-    ranks = strategy.comm.values_by_rank(own)
+    ranks = values_by_rank(strategy.comm, own)
     if rank == 0 and args.json:
         train_s = own[0]
         with open(args.json, "w") as f:

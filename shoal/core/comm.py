@@ -59,8 +59,7 @@ class Comm:
     others), even once this process joins a process group of its own (a compute group's,
     spoken for by :attr:`subgroup`). :attr:`store` is the job's store all the same.
 
-    ``elastic``: the job goes on without a lost worker (:mod:`shoal.core.membership`); the
-    watchdog judges no peer.
+    ``elastic``: the job goes on without a lost worker (:mod:`shoal.core.membership`): no peer judged.
     """
 
     def __init__(
@@ -257,9 +256,10 @@ class Comm:
                 self._meet(lambda: dist.broadcast(tensor, src=src))
         return tensor
 
-    def barrier(self) -> None:
-        if self.active:
-            with self.timeline.span(WAIT, "barrier"), self.log.track("barrier"):
+    def barrier(self, booked: bool = True) -> None:
+        if self.active:  # booked=False: not in the timeline (before a run's clock starts)
+            span = self.timeline.span(WAIT, "barrier") if booked else contextlib.nullcontext()
+            with span, self.log.track("barrier"):
                 self._meet(dist.barrier)
 
     # -- time learnt later: collectives timed from outside (DDP's, in backward) -------------

@@ -132,7 +132,7 @@ class Recorder:
         barrier: every strategy's clock starts when all its workers can train, an
         asynchronous run's coordinator's too (:mod:`.coordinator`), so that one rank's
         slow start-up is no strategy's time to accuracy."""
-        self.comm.barrier()
+        self.comm.barrier(booked=False)  # before the clock: no training time
         st.start()
 
     def start_epoch(self, st: RunState) -> None:
