@@ -98,3 +98,29 @@ def test_a_worker_that_stops_answering_is_left_out(tmp_path):
     counts = samples_trained(out)
     assert set(counts.values()) == {1}
     assert sorted(counts) == [(e, s) for e in range(EPOCHS) for s in range(TRAIN_ROWS)]
+
+
+def _arrives_late_then_sums(delay: float) -> float:
+    """Rank 1 comes ``delay`` seconds after rank 0 (a slow start on a busy machine), then
+    both join the elastic group (1 s heartbeat timeout) and all-reduce once."""
+    import time
+
+    from shoal.core.env import detect_environment
+    from shoal.core.join import init_comm
+
+    env = detect_environment()
+    if env.rank == 1:
+        time.sleep(delay)
+    comm = init_comm(env, "cpu", timeout=60.0, heartbeat_timeout=1.0, elastic=True)
+    total = torch.ones(1)
+    comm.all_reduce(total)
+    comm.close("returned")
+    return float(total.item())
+
+
+def test_a_rank_that_starts_late_is_waited_for_not_lost():
+    # The rendezvous waits --timeout; only the elastic group's collectives wait the (short)
+    # heartbeat timeout. Before, a rank 4 s late failed the job's start under --elastic.
+    from shoal.core.processes import spawn
+
+    assert spawn(2, _arrives_late_then_sums, (4.0,)) == [2.0, 2.0]
