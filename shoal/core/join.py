@@ -61,7 +61,7 @@ def init_comm(
         return Comm(place, dev, timeline, store, peers=False, timeout=timeout)
     if store is not None:
         if elastic:  # the rendezvous waits ``timeout``; only collectives the heartbeat's
-            all_joined(store, env, timeout)
+            all_joined(store, env, timeout, elastic=True)
         join_group(store, env.rank, env.world_size, dev.type,
                    (heartbeat_timeout or timeout) if elastic else timeout,
                    where=f"the job at {env.master_addr}:{env.master_port}")
