@@ -6,8 +6,8 @@ by side (one after the other, same model, data and epochs):
 - ``restarts``: the same without --elastic, under ``--max-restarts``: the launcher restarts
   the whole job from its last checkpoint (the restart is the replacement);
 - ``torchft``: torchft 0.2.0's DiLoCo, 4 replica groups of one process each with their
-  Manager and a lighthouse (benchmarks/soak_torchft.py); the killed replica is started
-  again and heals from a live peer;
+  Manager and a lighthouse asking for 2 replicas at least (benchmarks/soak_torchft.py);
+  the killed replica is started again and heals from a live peer;
 - ``uninterrupted``: the elastic run with no kills (the reference accuracy).
 
 Never worker 0 (replica 0) is killed: shoal cannot lose worker 0 yet (it writes the
@@ -231,7 +231,7 @@ def run_torchft(a: argparse.Namespace, rng: random.Random) -> dict:
         old.unlink()
     per_epoch = -(-ROWS // (16 * 4))
     rounds = -(-a.epochs * per_epoch // a.tau)
-    house = lighthouse(4)
+    house = lighthouse()
     began = time.monotonic()
     procs: dict[int, subprocess.Popen] = {}
     everything: list[subprocess.Popen] = []

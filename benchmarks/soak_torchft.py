@@ -30,12 +30,15 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
 
-def lighthouse(replicas: int) -> object:
-    """A torchft lighthouse on loopback that forms a quorum from one replica up (the
+MIN_REPLICAS = 2  # with 1, a restarted replica formed quorums alone from step 0 (split brain)
+
+
+def lighthouse() -> object:
+    """A torchft lighthouse on loopback that forms a quorum of MIN_REPLICAS replicas up (the
     survivors go on without a lost one, once its heartbeat is 5 s old: torchft's default)."""
     from torchft.coordination import LighthouseServer
 
-    return LighthouseServer(bind="127.0.0.1:0", min_replicas=1, join_timeout_ms=10_000)
+    return LighthouseServer(bind="127.0.0.1:0", min_replicas=MIN_REPLICAS, join_timeout_ms=10_000)
 
 
 def epoch_rows(epoch: int, rows: int, seed: int) -> torch.Tensor:
@@ -62,7 +65,7 @@ def manager_for(a: argparse.Namespace, model: torch.nn.Module, inner: torch.opti
 
     store = torch.distributed.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
     timeout = timedelta(seconds=a.timeout)
-    return Manager(pg=ProcessGroupGloo(timeout=timeout), min_replica_size=1,
+    return Manager(pg=ProcessGroupGloo(timeout=timeout), min_replica_size=MIN_REPLICAS,
                    use_async_quorum=False, load_state_dict=load,
                    state_dict=lambda: {"model": model.state_dict(), "inner": inner.state_dict()},
                    replica_id=f"soak{a.replica}", store_addr="127.0.0.1", store_port=store.port,
