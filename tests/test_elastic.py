@@ -124,3 +124,24 @@ def test_a_rank_that_starts_late_is_waited_for_not_lost():
     from shoal.core.processes import spawn
 
     assert spawn(2, _arrives_late_then_sums, (4.0,)) == [2.0, 2.0]
+
+
+@pytest.mark.parametrize("strategy", ["sync", "diloco"])
+def test_a_worker_lost_between_two_epochs_leaves_no_sample_twice(tmp_path, strategy):
+    # Worker 2 dies in the evaluation after epoch 1 (its 2nd eval forward; the 1st is the
+    # model's check): the loss is seen between epochs, all of epoch 1 counted, none of epoch 2
+    # begun. Before, epoch 2's first step was taken on the plan for 3 workers, then all of
+    # epoch 2 again over the 2 left (32 samples twice).
+    env = shoal_env()
+    env.update(SHOAL_TEST_KILL_RANK="2", SHOAL_TEST_KILL_AT="eval:2")
+    out = tmp_path / "run"
+    res = shoal("train", "--out", str(out), "--progress", "plain", "--model",
+                "tests.fixtures_models:killed_at", "--dataset", "digits", "--workers", "3",
+                "--epochs", str(EPOCHS), "--schedule", "constant", "--log-every", "1",
+                "--strategy", strategy, *([] if strategy == "sync" else ["--tau", "4"]),
+                "--elastic", "--record-samples", env=env, timeout=500)
+    assert res.returncode == 0, res.stderr
+    assert "worker 2 left at step 30" in res.stderr
+    counts = samples_trained(out)
+    assert set(counts.values()) == {1}, "a sample was trained twice"
+    assert sorted(counts) == [(e, s) for e in range(EPOCHS) for s in range(TRAIN_ROWS)]
