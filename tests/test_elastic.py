@@ -94,3 +94,48 @@ def test_a_worker_that_stops_answering_is_left_out(tmp_path):
     [change] = json.loads((out / "summary.json").read_text())["membership_changes"]
     assert change["left"] == [1] and change["why"]["1"].startswith("worker 1 stopped answering")
     assert_each_sample_once(out, EPOCHS, TRAIN_ROWS)
+
+
+def _arrives_late_then_sums(delay: float) -> float:
+    """Rank 1 comes ``delay`` seconds after rank 0 (a slow start on a busy machine), then
+    both join the elastic group (1 s heartbeat timeout) and all-reduce once."""
+    import time
+
+    from shoal.core.env import detect_environment
+    from shoal.core.join import init_comm
+
+    env = detect_environment()
+    if env.rank == 1:
+        time.sleep(delay)
+    comm = init_comm(env, "cpu", timeout=60.0, heartbeat_timeout=1.0, elastic=True)
+    total = torch.ones(1)
+    comm.all_reduce(total)
+    comm.close("returned")
+    return float(total.item())
+
+
+def test_a_rank_that_starts_late_is_waited_for_not_lost():
+    # The rendezvous waits --timeout; only the elastic group's collectives wait the (short)
+    # heartbeat timeout. Before, a rank 4 s late failed the job's start under --elastic.
+    from shoal.core.processes import spawn
+
+    assert spawn(2, _arrives_late_then_sums, (4.0,)) == [2.0, 2.0]
+
+
+@pytest.mark.parametrize("strategy", ["sync", "diloco"])
+def test_a_worker_lost_between_two_epochs_leaves_no_sample_twice(tmp_path, strategy):
+    # Worker 2 dies in the evaluation after epoch 1 (its 2nd eval forward; the 1st is the
+    # model's check): the loss is seen between epochs, all of epoch 1 counted, none of epoch 2
+    # begun. Before, epoch 2's first step was taken on the plan for 3 workers, then all of
+    # epoch 2 again over the 2 left (32 samples twice).
+    env = shoal_env()
+    env.update(SHOAL_TEST_KILL_RANK="2", SHOAL_TEST_KILL_AT="eval:2")
+    out = tmp_path / "run"
+    res = shoal("train", "--out", str(out), "--progress", "plain", "--model",
+                "tests.fixtures_models:killed_at", "--dataset", "digits", "--workers", "3",
+                "--epochs", str(EPOCHS), "--schedule", "constant", "--log-every", "1",
+                "--strategy", strategy, *([] if strategy == "sync" else ["--tau", "4"]),
+                "--elastic", "--record-samples", env=env, timeout=500)
+    assert res.returncode == 0, res.stderr
+    assert "worker 2 left at step 30" in res.stderr
+    assert_each_sample_once(out, EPOCHS, TRAIN_ROWS)

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import time
 from collections.abc import Iterator
 from datetime import timedelta
 
@@ -14,7 +15,7 @@ import torch.distributed as dist
 
 from shoal.core.env import Environment
 from shoal.core.processes import loopback_gloo_interface
-from shoal.core.waits import key_prefix
+from shoal.core.waits import ended_key, key_prefix
 from shoal.errors import ShoalError
 
 
@@ -31,15 +32,29 @@ def job_store(env: Environment, timeout: float) -> dist.Store:
                          f"as rank {env.rank} of {env.world_size}: {exc}") from exc
 
 
-def all_joined(store: dist.Store, env: Environment, timeout: float) -> None:
+def all_joined(store: dist.Store, env: Environment, timeout: float, *,
+               elastic: bool = False) -> None:
     """Say in the job's ``store`` that ``env``'s rank joined, and wait until every rank did
     (at most ``timeout`` seconds): the rendezvous of a job without a process group of all
-    its ranks, after which each rank knows the others have passed their checks."""
+    its ranks, after which each rank knows the others have passed their checks; and of an
+    ``elastic`` job's first group, which stops waiting once shoal's launcher says a rank
+    ended (it would never come)."""
     keys = dist.PrefixStore(key_prefix(env.attempt), store)
     if keys.add("joined", 1) >= env.world_size:
         keys.set("joined/all", "1")
+    deadline = time.monotonic() + timeout
     try:
-        keys.wait(["joined/all"], timedelta(seconds=timeout))
+        if not elastic:
+            keys.wait(["joined/all"], timedelta(seconds=timeout))
+        while elastic and not keys.check(["joined/all"]):
+            for rank in range(env.world_size):
+                if keys.check([ended_key(rank)]):
+                    raise ShoalError(f"rank {rank} of the job at {env.master_addr}:"
+                                     f"{env.master_port} {keys.get(ended_key(rank)).decode()} "
+                                     "before every rank joined")
+            if time.monotonic() >= deadline:
+                raise RuntimeError("timeout")
+            time.sleep(0.2)
     except RuntimeError as exc:
         raise ShoalError(f"not every rank of the job at {env.master_addr}:{env.master_port} "
                          f"joined within {timeout:g} s (rank {env.rank} of {env.world_size})"

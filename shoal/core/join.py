@@ -41,7 +41,8 @@ def init_comm(
     returns once every rank has joined. Such processes may share GPUs: they meet in no NCCL
     group of the job's. ``elastic``: the job goes on
     without a lost worker; its collectives time out after ``heartbeat_timeout`` (see
-    :class:`Comm`).
+    :class:`Comm`), but its ranks first wait up to ``timeout`` for each other to arrive: a
+    rank that starts slowly (a busy machine) is not a lost one.
     """
     if heartbeat_timeout is not None and not (math.isfinite(heartbeat_timeout)
                                               and heartbeat_timeout > 0):
@@ -59,6 +60,8 @@ def init_comm(
             all_joined(store, env, timeout)
         return Comm(place, dev, timeline, store, peers=False, timeout=timeout)
     if store is not None:
+        if elastic:  # the rendezvous waits ``timeout``; only collectives the heartbeat's
+            all_joined(store, env, timeout, elastic=True)
         join_group(store, env.rank, env.world_size, dev.type,
                    (heartbeat_timeout or timeout) if elastic else timeout,
                    where=f"the job at {env.master_addr}:{env.master_port}")

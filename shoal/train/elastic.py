@@ -221,25 +221,36 @@ class Elastic:
         t.strategy.regroup()
         self._resized = True
         current = self._uncounted[-1]
-        if self._next is not None:  # changed again before the last change was settled
-            tail = self._next.order
-        else:
-            current.end = st.epoch_step + (1 if self._updating else 0)
-            tail = current.plan.rest(current.order, current.end)
-        parts = []
-        for reading in self._uncounted:
-            ranks_there = [reading.members.index(m) for m in lost if m in reading.members]
-            parts += reading.plan.lost_shards(reading.order, range(reading.start, reading.end),
-                                              ranks_there)
-        order = torch.cat([*parts, tail])
         world = t.comm.world_size
-        self._next = EpochPlan(len(order), t.cfg.global_batch(world), world, t.cfg.seed, order)
+        if self._next is None and len(self._uncounted) == 1 \
+                and current.start >= current.plan.steps_per_epoch:
+            # Between two epochs (in the evaluation, the records, the checkpoint): all of the
+            # last counted, none of the next begun; its start deals it over the workers left.
+            order = torch.arange(len(t.data.train))  # counted only
+        else:
+            order = self._rest(current, lost)
+            self._next = EpochPlan(len(order), t.cfg.global_batch(world), world, t.cfg.seed, order)
         if not lost:
             return
         why = {m: self.membership.reason(m) for m in lost}
         self.changes.append(membership_change(st.step, st.epoch, why, world, len(order),
                                               say=t.comm.rank == 0))
         t.recorder.notes["membership_changes"] = self.changes
+
+    def _rest(self, current: Reading, lost: list[int]) -> torch.Tensor:
+        """The rest of the epoch after a change: what ``lost`` read since their work last
+        counted, then the steps nobody started."""
+        if self._next is not None:  # changed again before the last change was settled
+            tail = self._next.order
+        else:
+            current.end = self.t.state.epoch_step + (1 if self._updating else 0)
+            tail = current.plan.rest(current.order, current.end)
+        parts = []
+        for reading in self._uncounted:
+            ranks_there = [reading.members.index(m) for m in lost if m in reading.members]
+            parts += reading.plan.lost_shards(reading.order, range(reading.start, reading.end),
+                                              ranks_there)
+        return torch.cat([*parts, tail])
 
     # -- a join -------------------------------------------------------------------------------
     def _all_counted(self) -> bool:
