@@ -12,7 +12,13 @@ import torch
 from shoal.cli import main
 from shoal.data.sharding import EpochPlan
 
-from conftest import EPOCHS, TRAIN_ROWS, assert_each_sample_once, one_error_line, shoal, shoal_env
+from conftest import (
+    EPOCHS,
+    TRAIN_ROWS,
+    assert_each_sample_once,
+    one_error_line,
+    train_losing,
+)
 
 pytestmark = pytest.mark.timeout(600)
 
@@ -23,15 +29,9 @@ def test_a_killed_worker_leaves_and_the_others_train_its_share(tmp_path, strateg
     # 3 workers x 16 rows: 30 steps an epoch; the worker kills itself (SIGKILL) at its 40th
     # training forward, step 10 of epoch 2, inside a round of --tau 4 (the last exchange
     # was at step 36).
-    env = shoal_env()
-    env.update(SHOAL_TEST_KILL_RANK=str(killed), SHOAL_TEST_KILL_AT="train:40")
     out = tmp_path / "run"
-    res = shoal("train", "--out", str(out), "--progress", "plain", "--model",
-                "tests.fixtures_models:killed_at", "--dataset", "digits", "--workers", "3",
-                "--epochs", str(EPOCHS), "--schedule", "constant", "--log-every", "1",
-                "--strategy", strategy,
-                *([] if strategy == "sync" else ["--tau", "4"]), "--elastic",
-                "--record-samples", env=env, timeout=500)
+    res = train_losing(out, killed, "train:40", "--schedule", "constant", "--log-every", "1",
+                       "--strategy", strategy, *([] if strategy == "sync" else ["--tau", "4"]))
     assert res.returncode == 0, res.stderr
     assert res.stray == []
     assert f"worker {killed} left at step 39" in res.stderr
@@ -82,13 +82,9 @@ def test_what_elastic_does_not_take_is_one_line(tmp_path, capsys, args, expected
 def test_a_worker_that_stops_answering_is_left_out(tmp_path):
     """Worker 1 stops (SIGSTOP) mid-epoch: the others drop it after the collectives' and the
     heartbeat's timeouts, finish the run with its share, and the launcher ends it."""
-    env = shoal_env()
-    env.update(SHOAL_TEST_KILL_RANK="1", SHOAL_TEST_KILL_AT="train:40", SHOAL_TEST_KILL_SIGNAL="19")
     out = tmp_path / "run"
-    res = shoal("train", "--out", str(out), "--progress", "plain", "--model",
-                "tests.fixtures_models:killed_at", "--dataset", "digits", "--workers", "3",
-                "--epochs", str(EPOCHS), "--strategy", "local-sgd", "--tau", "4", "--elastic",
-                "--heartbeat-timeout", "5", "--record-samples", env=env, timeout=500)
+    res = train_losing(out, 1, "train:40", "--strategy", "local-sgd", "--tau", "4",
+                       "--heartbeat-timeout", "5", signal=19)
     assert res.returncode == 0, res.stderr
     assert res.stray == []
     [change] = json.loads((out / "summary.json").read_text())["membership_changes"]
@@ -128,14 +124,9 @@ def test_a_worker_lost_between_two_epochs_leaves_no_sample_twice(tmp_path, strat
     # model's check): the loss is seen between epochs, all of epoch 1 counted, none of epoch 2
     # begun. Before, epoch 2's first step was taken on the plan for 3 workers, then all of
     # epoch 2 again over the 2 left (32 samples twice).
-    env = shoal_env()
-    env.update(SHOAL_TEST_KILL_RANK="2", SHOAL_TEST_KILL_AT="eval:2")
     out = tmp_path / "run"
-    res = shoal("train", "--out", str(out), "--progress", "plain", "--model",
-                "tests.fixtures_models:killed_at", "--dataset", "digits", "--workers", "3",
-                "--epochs", str(EPOCHS), "--schedule", "constant", "--log-every", "1",
-                "--strategy", strategy, *([] if strategy == "sync" else ["--tau", "4"]),
-                "--elastic", "--record-samples", env=env, timeout=500)
+    res = train_losing(out, 2, "eval:2", "--schedule", "constant", "--log-every", "1",
+                       "--strategy", strategy, *([] if strategy == "sync" else ["--tau", "4"]))
     assert res.returncode == 0, res.stderr
     assert "worker 2 left at step 30" in res.stderr
     assert_each_sample_once(out, EPOCHS, TRAIN_ROWS)

@@ -12,11 +12,16 @@ import pytest
 from shoal.cli import main
 from shoal.train.deal import Schedule, Slots, cut, deal
 
-from conftest import assert_each_sample_once, one_error_line, shoal, shoal_env
+from conftest import (
+    EPOCHS,
+    TRAIN_ROWS,
+    assert_each_sample_once,
+    one_error_line,
+    train_losing,
+)
 
 pytestmark = pytest.mark.timeout(300)
 
-EPOCHS, TRAIN_ROWS = 2, 1437  # digits
 
 
 @pytest.mark.parametrize("strategy", ["async-sgd", "async-easgd"])
@@ -24,13 +29,9 @@ def test_a_killed_worker_leaves_and_the_others_train_its_share(tmp_path, strateg
     # 1 server and 3 workers x 16 rows: 30 steps an epoch each. Worker 1 (rank 2) kills
     # itself (SIGKILL) at its 20th training forward, mid-epoch 1 (async-easgd: inside an
     # exchange period of --tau 4): the rest of its epoch 1 and all of its epoch 2 are dealt.
-    env = shoal_env()
-    env.update(SHOAL_TEST_KILL_RANK="2", SHOAL_TEST_KILL_AT="train:20")
     out = tmp_path / "run"
-    res = shoal("train", "--out", str(out), "--progress", "plain", "--model",
-                "tests.fixtures_models:killed_at", "--dataset", "digits", "--workers", "3",
-                "--epochs", str(EPOCHS), "--schedule", "constant", "--strategy", strategy,
-                "--elastic", "--record-samples", env=env, timeout=240)
+    res = train_losing(out, 2, "train:20", "--schedule", "constant", "--strategy", strategy,
+                       timeout=240)
     assert res.returncode == 0, res.stderr  # not 3: nothing was left untrained
     assert res.stray == []
     summary = json.loads((out / "summary.json").read_text())
@@ -50,13 +51,9 @@ def test_a_killed_worker_leaves_and_the_others_train_its_share(tmp_path, strateg
 def test_a_worker_that_stops_answering_is_left_out(tmp_path):
     """Worker 1 stops (SIGSTOP) mid-epoch: server 0 loses it after --heartbeat-timeout, the
     others train its share, and the launcher ends it once they finished."""
-    env = shoal_env()
-    env.update(SHOAL_TEST_KILL_RANK="2", SHOAL_TEST_KILL_AT="train:20", SHOAL_TEST_KILL_SIGNAL="19")
     out = tmp_path / "run"
-    res = shoal("train", "--out", str(out), "--progress", "plain", "--model",
-                "tests.fixtures_models:killed_at", "--dataset", "digits", "--workers", "3",
-                "--epochs", str(EPOCHS), "--strategy", "async-sgd", "--elastic",
-                "--heartbeat-timeout", "4", "--record-samples", env=env, timeout=240)
+    res = train_losing(out, 2, "train:20", "--strategy", "async-sgd", "--heartbeat-timeout", "4",
+                       signal=19, timeout=240)
     assert res.returncode == 0, res.stderr
     assert res.stray == []
     [change] = json.loads((out / "summary.json").read_text())["membership_changes"]
