@@ -217,8 +217,7 @@ class Elastic:
     def _changed(self, lost: list[int], ranks: list[int]) -> None:
         """The group was re-formed without ``lost``: deal the rest of the epoch anew."""
         t, st = self.t, self.t.state
-        t.rank, t.world = t.comm.rank, t.comm.world_size
-        t.strategy.regroup()
+        t.regroup()
         self._resized = True
         current = self._uncounted[-1]
         world = t.comm.world_size

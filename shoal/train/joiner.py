@@ -137,10 +137,9 @@ def run_worker(job: dict[str, Any], me: int) -> None:
     if not m.enter(reply["epoch"], reply["members"]):
         raise JobError("a member did not come to the group it was admitted to")
     comm.rank, comm.world_size = m.rank, m.world_size
-    t.rank, t.world = comm.rank, comm.world_size
     t.elastic, t.joined = Elastic(t), True
     t.stop_vote = StopVote(t.strategy.stop_peers, t.strategy.meets_after)
-    t.strategy.regroup()
+    t.regroup()
     handover.receive(t, reply["joined"])
     t.run()
     comm.close()

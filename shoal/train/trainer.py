@@ -128,6 +128,12 @@ class Trainer:
         self.elastic = AsyncElastic(self) if cfg.elastic and comm.ps is not None else Elastic(self)
         self.joined = False  # a worker that joined a running job (shoal join)
 
+    def regroup(self) -> None:
+        """The group was re-formed (a worker lost or joined): this rank's place in it, and
+        the strategy's state that depends on it."""
+        self.rank, self.world = self.comm.rank, self.comm.world_size
+        self.strategy.regroup()
+
     # -- the loop -----------------------------------------------------------------------------
     def run(self) -> dict[str, Any] | None:
         """Train to ``cfg.epochs`` (or ``cfg.stop_at_step``); rank 0 returns the summary."""
