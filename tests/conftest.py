@@ -316,15 +316,15 @@ def samples_trained(out) -> collections.Counter:
 
 
 def train_losing(out, rank: int, at: str, *flags: str, signal: int | None = None,
-                 timeout: float = 500):
-    """``shoal train --elastic --record-samples`` on 3 workers (digits, ``EPOCHS`` epochs,
+                 timeout: float = 500, workers: int = 3):
+    """``shoal train --elastic --record-samples`` on ``workers`` (digits, ``EPOCHS`` epochs,
     ``tests.fixtures_models:killed_at``) in which rank ``rank`` sends itself ``signal``
     (SIGKILL by default) at ``at`` (``train:N``: its Nth training forward; ``eval:N``)."""
     env = shoal_env()
     env.update(SHOAL_TEST_KILL_RANK=str(rank), SHOAL_TEST_KILL_AT=at,
                **({"SHOAL_TEST_KILL_SIGNAL": str(signal)} if signal is not None else {}))
     return shoal("train", "--out", str(out), "--progress", "plain", "--model",
-                 "tests.fixtures_models:killed_at", "--dataset", "digits", "--workers", "3",
+                 "tests.fixtures_models:killed_at", "--dataset", "digits", "--workers", str(workers),
                  "--epochs", str(EPOCHS), *flags, "--elastic", "--record-samples", env=env,
                  timeout=timeout)
 

@@ -46,6 +46,26 @@ def test_a_killed_worker_leaves_and_the_others_train_its_share(tmp_path, strateg
     assert workers[39] == 3 and workers[40] == 2 and max(workers) > 60  # more, smaller steps
 
 
+def test_a_worker_that_is_not_the_lost_ones_neighbour_does_not_wait_out_the_timeout(tmp_path):
+    """4 workers: worker 2 dies in a step's all-reduce. Workers 1 and 3 (its ring neighbours)
+    see their connections close; worker 0 does not, and used to sit in Gloo until the
+    collectives' timeout (the heartbeat timeout, here 120 s) before the group re-formed. It
+    now leaves as soon as the others vote the step failed; and no process of the job dies
+    on its way out for the collective it left."""
+    out = tmp_path / "run"
+    res = train_losing(out, 2, "train:40", "--strategy", "sync", "--log-every", "1",
+                       "--heartbeat-timeout", "120", workers=4)
+    assert res.returncode == 0, res.stderr
+    assert "died while exiting" not in res.stderr and "terminate called" not in res.stderr
+    [change] = json.loads((out / "summary.json").read_text())["membership_changes"]
+    assert change["left"] == [2] and change["workers"] == 3
+    steps = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    elapsed = {r["step"]: r["elapsed_s"] for r in steps if r.get("event") == "step"}
+    stall = max(elapsed[s + 1] - elapsed[s] for s in range(1, max(elapsed)) if s + 1 in elapsed)
+    assert stall < 60, f"the survivors stood still {stall:.1f} s: the collectives' timeout"
+    assert_each_sample_once(out, EPOCHS, TRAIN_ROWS)
+
+
 def test_the_rest_of_an_epoch_after_a_loss():
     """Lost rank 1 of 3 read 2 uncounted steps (2 and 3 of 5): its shards of those steps,
     then the steps nobody started, dealt over 2 workers; nothing dropped or repeated."""

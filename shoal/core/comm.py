@@ -58,8 +58,7 @@ class Comm:
     no collective goes anywhere and no watchdog runs (a lost worker is no failure of the
     others), even once this process joins a process group of its own (a compute group's,
     spoken for by :attr:`subgroup`). :attr:`store` is the job's store all the same.
-
-    ``elastic``: the job goes on without a lost worker (:mod:`shoal.core.membership`): no peer judged.
+    ``elastic``: the job goes on without a lost worker (:mod:`shoal.core.membership`).
     """
 
     def __init__(
@@ -74,9 +73,7 @@ class Comm:
         timeout: float | None = None,
         elastic: bool = False,
     ) -> None:
-        self.rank = env.rank
-        self.world_size = env.world_size
-        self.local_rank = env.local_rank
+        self.rank, self.world_size, self.local_rank = env.rank, env.world_size, env.local_rank
         self.device = device
         self.timeline = timeline or Timeline()
         self.bytes_sent = 0  # payload handed to collectives by this rank during training
@@ -109,7 +106,7 @@ class Comm:
         self._watchdog = Watchdog(env, self.store, heartbeat_timeout, lambda: self.aborted, waits,
                                   judge_peers=not elastic)
         if elastic:  # after a change its rank and world size are the new group's
-            self.membership = Membership.of(self, self._store, heartbeat_timeout, timeout)
+            self.membership = Membership.of(self, self._store, heartbeat_timeout, timeout, env.attempt)
 
     def watch_as_joiner(self, env: Environment, store: dist.Store,
                         heartbeat_timeout: float | None, timeout: float | None) -> Membership:
@@ -126,10 +123,12 @@ class Comm:
         return self.membership
 
     def _meet(self, run: Callable[[], _T], keep: torch.Tensor | None = None) -> _T | None:
-        """``run()`` a collective; elastic: voted on, held again in a re-formed group from
-        ``keep``'s value now (:meth:`Membership.meet`), skipped once this worker is alone."""
+        """``run()`` a collective (waited for here if it returns its work); elastic: voted
+        on, held again in a re-formed group from ``keep``'s value now
+        (:meth:`Membership.meet`), skipped once this worker is alone."""
         if self.membership is None:
-            return run()
+            result = run()
+            return result.wait() if isinstance(result, dist.Work) else result
         return self.membership.meet(lambda: run() if self.active else None, keep)
 
     @property
@@ -201,7 +200,7 @@ class Comm:
         if self.membership is not None:  # voted, so finished here: no overlap
             self.count(tensor.numel() * tensor.element_size())
             with self.timeline.span(COMM, name), self.log.track(_what("all_reduce", name)):
-                self._meet(lambda: dist.all_reduce(tensor, op=red), keep=tensor)
+                self._meet(lambda: dist.all_reduce(tensor, op=red, async_op=True), keep=tensor)
             return Handle(self, None, tensor.div_(self.world_size) if op == "avg" else tensor,
                           op, name)
         nbytes = self._start(tensor)
@@ -234,11 +233,10 @@ class Comm:
 
     def all_reduce_future(self, tensor: torch.Tensor) -> torch.futures.Future:
         """Start an in-place sum of ``tensor`` for a DDP communication hook; returns the
-        future DDP waits on (its value: ``[tensor]``).
-
-        The bytes are counted; no time is booked here: DDP calls its hooks inside backward,
-        on autograd's threads, where the all-reduce runs behind the rest of backward. What
-        backward did not hide is booked afterwards with :meth:`book_exposed`.
+        future DDP waits on (its value: ``[tensor]``). The bytes are counted; no time is
+        booked here: DDP calls its hooks inside backward, on autograd's threads, where the
+        all-reduce runs behind the rest of backward. What backward did not hide is booked
+        afterwards with :meth:`book_exposed`.
         """
         if not self.active:
             done: torch.futures.Future = torch.futures.Future()
@@ -246,21 +244,22 @@ class Comm:
             return done
         self.count(tensor.numel() * tensor.element_size())
         return self.log.follow(describe("all_reduce", "bucket"), lambda: dist.all_reduce(
-            tensor, op=dist.ReduceOp.SUM, async_op=True)).get_future()
+            tensor, op=dist.ReduceOp.SUM, async_op=True), *(
+            [self.membership.watched] if self.membership else []))
 
     def broadcast(self, tensor: torch.Tensor, src: int = 0, name: str = "broadcast") -> torch.Tensor:
         """Overwrite ``tensor`` on every rank with rank ``src``'s."""
         if self.active:
             self.count(tensor.numel() * tensor.element_size())
             with self.timeline.span(COMM, name), self.log.track(_what("broadcast", name)):
-                self._meet(lambda: dist.broadcast(tensor, src=src))
+                self._meet(lambda: dist.broadcast(tensor, src=src, async_op=True))
         return tensor
 
     def barrier(self, booked: bool = True) -> None:
         if self.active:  # booked=False: not in the timeline (before a run's clock starts)
             span = self.timeline.span(WAIT, "barrier") if booked else contextlib.nullcontext()
             with span, self.log.track("barrier"):
-                self._meet(dist.barrier)
+                self._meet(lambda: dist.barrier(async_op=True))
 
     # -- time learnt later: collectives timed from outside (DDP's, in backward) -------------
     def book_exposed(self, start: float, end: float, name: str = "allreduce") -> Event | None:
@@ -283,7 +282,7 @@ class Comm:
         t = torch.tensor(list(values), dtype=torch.float64, device=self.device)
         if self.active:
             with self.log.track(describe("all_reduce", "values")):
-                self._meet(lambda: dist.all_reduce(t, op=reduce_op(op)), keep=t)
+                self._meet(lambda: dist.all_reduce(t, op=reduce_op(op), async_op=True), keep=t)
             if op == "avg":
                 t /= self.world_size
         return t.tolist()
@@ -354,16 +353,13 @@ class Comm:
             os._exit(EXIT_ABORTED)
 
     def close(self, how: str = "left the job") -> None:
-        """Wait for every rank, stop the watchdog and leave the process group.
-
-        The wait is in the job's store, not a collective: this rank says there that it left
-        after its collectives so far, and ``how`` (``"returned"``), and waits until every
-        rank did (shoal's launcher says it for a rank that ended with ``os._exit(0)``). A
-        rank still waiting in a later collective then stops the job at once, naming this
-        one, instead of waiting for it until the timeout; a rank that finished earlier waits
-        here for the others (:mod:`shoal.core.waits`). After :meth:`abort` it does not wait:
-        the other ranks are on their way out.
-        """
+        """Wait for every rank, stop the watchdog (and elastic's in-flight watch) and leave
+        the process group. The wait is in the job's store, not a collective: this rank says
+        there that it left after its collectives so far, and ``how`` (``"returned"``), and
+        waits until every rank did (shoal's launcher says it for a rank that ended with
+        ``os._exit(0)``). A rank still waiting in a later collective then stops the job at
+        once, naming this one, instead of waiting for it until the timeout
+        (:mod:`shoal.core.waits`). After :meth:`abort` it does not wait."""
         finished = False
         try:
             if self.membership is not None and not self.aborted:
@@ -380,6 +376,8 @@ class Comm:
         finally:
             if self._watchdog is not None:
                 self._watchdog.stop(timeout=5.0)
+            if self.membership is not None:
+                self.membership.inflight.stop(timeout=5.0)
             try:
                 if finished and self.active and self._rank0_hosts:
                     # Rank 0 hosts the store: it must not exit while another rank's

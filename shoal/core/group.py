@@ -32,6 +32,16 @@ def job_store(env: Environment, timeout: float) -> dist.Store:
                          f"as rank {env.rank} of {env.world_size}: {exc}") from exc
 
 
+def own_client(store: dist.Store, attempt: int) -> dist.Store:
+    """A client of its own of the job's ``store`` (under ``attempt``'s key prefix), for a
+    thread that must never queue behind another's call; ``store`` itself when it is not a
+    TCP store."""
+    if isinstance(store, dist.TCPStore):
+        store = dist.TCPStore(store.host, store.port, None, False,
+                              timeout=timedelta(seconds=30), wait_for_workers=False)
+    return dist.PrefixStore(key_prefix(attempt), store)
+
+
 def all_joined(store: dist.Store, env: Environment, timeout: float, *,
                elastic: bool = False) -> None:
     """Say in the job's ``store`` that ``env``'s rank joined, and wait until every rank did

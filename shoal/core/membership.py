@@ -35,7 +35,8 @@ from typing import Any, TypeVar
 import torch
 import torch.distributed as dist
 
-from shoal.core.group import join_group
+from shoal.core.group import join_group, own_client
+from shoal.core.inflight import InFlight, leave_group
 from shoal.core.processes import stop_requested
 from shoal.core.waits import ELASTIC, ended_key
 from shoal.errors import ShoalError
@@ -75,9 +76,13 @@ class Membership:
     """
 
     def __init__(self, store: Any, me: int, world: int, heartbeat: Callable[[int], str],
-                 timeout: float, patience: float, device_type: str) -> None:
+                 timeout: float, patience: float, device_type: str,
+                 connect: Callable[[], Any] | None = None) -> None:
         self._raw = store
         self._store = dist.PrefixStore(ELASTIC, store)
+        #: Collectives in flight, failed early when their meeting is decided failed; its
+        #: thread reads the store through ``connect()`` (a client of its own), else ``store``.
+        self.inflight = InFlight(lambda: dist.PrefixStore(ELASTIC, connect() if connect else store))
         self.me, self.members = me, list(range(world))
         self._heartbeat, self.timeout, self.patience = heartbeat, timeout, patience
         self._device_type = device_type
@@ -97,11 +102,12 @@ class Membership:
 
     @classmethod
     def of(cls, comm: Any, store: Any, heartbeat_timeout: float | None,
-           timeout: float | None) -> Membership:
+           timeout: float | None, attempt: int = 0) -> Membership:
         """``comm``'s membership (``store``: the job's under its key prefix), which keeps
         its rank and world size those of the group after every change."""
         membership = cls(store, comm.rank, comm.world_size, comm._keys.heartbeat,
-                         heartbeat_timeout or 10.0, timeout or 300.0, comm.device.type)
+                         heartbeat_timeout or 10.0, timeout or 300.0, comm.device.type,
+                         connect=lambda: own_client(comm.store, attempt))
 
         def regrouped(lost: list[int], ranks: list[int]) -> None:
             comm.rank, comm.world_size = membership.rank, membership.world_size
@@ -121,13 +127,16 @@ class Membership:
     def meet(self, run: Callable[[], _T], keep: torch.Tensor | None = None) -> _T:
         """``run()`` a collective and agree with the others that it succeeded; after a failed
         meeting re-form the group, put ``keep`` (the collective's input, changed in place)
-        back as it was and hold it again."""
+        back as it was and hold it again. A collective ``run`` starts with ``async_op=True``
+        is waited for here, and left as soon as another member says the meeting failed."""
         kept = keep.clone() if keep is not None else None
         retries = 0
         while True:
             error: Exception | None = None
             try:
                 result = run()
+                if isinstance(result, dist.Work):
+                    result = self.inflight.wait(result, self.decision)
             except RuntimeError as exc:  # Gloo: a peer closed its connection, or timed out
                 error, result = exc, None
             if self._agree(error is None):
@@ -157,6 +166,16 @@ class Membership:
             if not lost and error is not None and "timed out" not in str(error).lower():
                 raise error  # every member alive: the program's error, not a lost member's
             raise MembershipChanged(lost)
+
+    @property
+    def decision(self) -> str:
+        """The key of the decision on the meeting in flight."""
+        return f"{self.epoch}/{self._seq}/decision"
+
+    def watched(self, work: Any) -> torch.futures.Future:
+        """The future of ``work`` (a collective's, e.g. DDP's bucket), failed early when its
+        meeting is decided failed."""
+        return self.inflight.watch(work, self.decision)
 
     def _agree(self, ok: bool) -> bool:
         """Whether meeting ``seq`` of this epoch counts: all members said it succeeded. The
@@ -251,8 +270,7 @@ class Membership:
     def _join(self) -> bool:
         """Leave the old process group and join this epoch's; False when a member did not
         come (the members are then agreed again)."""
-        if dist.is_initialized():
-            dist.destroy_process_group()
+        leave_group(self.inflight)
         if len(self.members) == 1:
             return True
         try:

@@ -189,17 +189,18 @@ class CollectiveLog:
         finally:
             self.finish(seq)
 
-    def follow(self, what: str, issue: Callable[[], Any]) -> Any:
+    def follow(self, what: str, issue: Callable[[], Any],
+               future: Callable[[Any], Any] = lambda work: work.get_future()) -> Any:
         """``issue()`` an asynchronous collective that nobody here waits for (DDP does), and
-        follow its work until it completes."""
+        follow it until the ``future(work)`` returned completes."""
         seq = self.start(what)
         try:
-            work = issue()
+            done = future(issue())
         except BaseException:
             self.finish(seq)
             raise
-        work.get_future().add_done_callback(lambda _: self.finish(seq))
-        return work
+        done.add_done_callback(lambda _: self.finish(seq))
+        return done
 
     def at_end(self) -> contextlib.AbstractContextManager[None]:
         """This rank waits, its work done, for the others to finish theirs."""

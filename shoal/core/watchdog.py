@@ -16,14 +16,14 @@ import sys
 import threading
 import time
 from collections.abc import Callable
-from datetime import timedelta
 from typing import Any, TypeVar
 
 import torch.distributed as dist
 
 from shoal.core.env import Environment
 from shoal.core.failures import EXIT_ABORTED, first_line, record_for
-from shoal.core.waits import Waits, beat, key_prefix
+from shoal.core.group import own_client
+from shoal.core.waits import Waits, beat
 
 ABORT_KEY = "abort"
 HUNG = "stopped responding"  # how a hung rank's report begins
@@ -109,18 +109,10 @@ class Watchdog:
             with self._lock:
                 self._call_since = None
 
-    def _connect(self) -> dist.Store:
-        """A store client of the watch thread's own, so that it never queues behind another."""
-        store = self._store
-        if isinstance(store, dist.TCPStore):
-            store = dist.TCPStore(store.host, store.port, None, False,
-                                  timeout=timedelta(seconds=30), wait_for_workers=False)
-        return dist.PrefixStore(key_prefix(self._env.attempt), store)
-
     def _watch(self) -> None:
         _name_os_thread(f"shoal-hb-r{self._rank}")
         try:
-            self._watch_store(self._call(self._connect))
+            self._watch_store(self._call(own_client, self._store, self._env.attempt))
         except Exception as exc:
             # The store is gone, and with it the job, unless we are shutting down normally.
             if not self._stop.wait(2.0):

@@ -111,8 +111,8 @@ class Synchronous(Strategy):
             self._hooked = True
             for p in params:
                 p.register_post_accumulate_grad_hook(self._gradient_ready)
-        if opts.compress == "none":
-            # DDP sends every gradient once a step, as is; with compression, the hook counts
+        if opts.compress == "none" and comm.membership is None:
+            # DDP sends every gradient once a step, as is; with a hook, the hook counts
             # what is actually sent.
             self._step_bytes = sum(p.numel() * p.element_size() for p in params)
         elif opts.compress == "powersgd":
@@ -120,7 +120,7 @@ class Synchronous(Strategy):
                                                         opts.powersgd_warmup)
             self.ddp.register_comm_hook(state, hook)
         else:
-            dtype = {"fp16": torch.float16, "bf16": torch.bfloat16}[opts.compress]
+            dtype = {"fp16": torch.float16, "bf16": torch.bfloat16, "none": None}[opts.compress]
             self.ddp.register_comm_hook(None, compress_hook(comm, dtype))
 
     def _gradient_ready(self, param: torch.Tensor) -> None:

@@ -3,7 +3,8 @@
 
 - fp16 and bf16 (:func:`compress_hook`): PyTorch's ``fp16_compress_hook`` and
   ``bf16_compress_hook`` (cast, divide by the world size, all-reduce, cast back into the
-  bucket), with the all-reduce issued by :meth:`Comm.all_reduce_future`;
+  bucket), with the all-reduce issued by :meth:`Comm.all_reduce_future`; the same hook
+  without the cast for an elastic run's plain all-reduce;
 - PowerSGD (:func:`powersgd_hook`): PyTorch's own hook, which issues its several
   all-reduces itself; :func:`powersgd_bytes` counts what they send. Its state is kept per
   parameter (:class:`PowerSGDMemory`), so checkpoints carry it and a resumed run is exact.
@@ -29,20 +30,21 @@ from shoal.errors import ShoalError
 Hook = Callable[[Any, Any], torch.futures.Future]
 
 
-def compress_hook(comm: Comm, dtype: torch.dtype) -> Hook:
-    """A hook that all-reduces each bucket cast to ``dtype`` (float16 or bfloat16)."""
-    world = comm.world_size
+def compress_hook(comm: Comm, dtype: torch.dtype | None) -> Hook:
+    """A hook that all-reduces each bucket cast to ``dtype`` (float16 or bfloat16; ``None``:
+    as it is, for an elastic run, whose wait in the hook is left as soon as another worker
+    says the step's meeting failed: DDP's own all-reduce would wait out its timeout)."""
 
     # No annotations: DDP checks them at run time against the real classes.
     def hook(state, bucket):  # noqa: ANN001, ANN202
         buffer = bucket.buffer()
-        compressed = buffer.to(dtype).div_(world)
+        sent = (buffer if dtype is None else buffer.to(dtype)).div_(comm.world_size)
 
         def decompress(fut):  # noqa: ANN001, ANN202
             # Into the bucket itself, not a new tensor: the peak memory stays one bucket.
-            return buffer.copy_(fut.value()[0])
+            return buffer if dtype is None else buffer.copy_(fut.value()[0])
 
-        return comm.all_reduce_future(compressed).then(decompress)
+        return comm.all_reduce_future(sent).then(decompress)
 
     return hook
 

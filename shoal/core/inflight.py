@@ -1,0 +1,170 @@
+"""Leaving a failed meeting at once, not at the collective's timeout (``--elastic``).
+
+When a worker dies in the middle of a collective, its ring neighbours see their connection
+close and vote the meeting failed at once (:mod:`shoal.core.membership`). A member that is
+not its neighbour keeps waiting in Gloo for data that never comes, until the process
+group's timeout: its live peers hold their connections open while they wait for it in the
+next vote, and DDP holds the group, so nothing closes them. :class:`InFlight` ends that
+wait from the store instead, as torchft's Manager does: the member waits on a future of
+shoal's own, which a poll thread fails as soon as the meeting's decision key says
+``abort``.
+
+A collective left that way still runs out in Gloo's thread (until its peers close their
+old group, at the latest its timeout). Nothing of Python is attached to it: a *waiter*
+thread waits for each collective in short slices and settles shoal's future; a waiter
+left behind by a failed meeting is retired and a fresh one serves the next. (A Python
+callback on Gloo's future runs on Gloo's thread, and a Python thread blocked in a
+collective's wait resumes, when the interpreter has ended at the latest: both crash the
+process in ``std::terminate``; :meth:`InFlight.stop` ends the retired waiters first.) The
+group of a member that left a collective is kept (:func:`leave_group`), not destroyed
+under it: destroying it joins Gloo's thread, which sits in that collective.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+import time
+from collections.abc import Callable
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+POLL = 0.02  # seconds between two looks at the decisions of the meetings waited on
+SLICE = timedelta(milliseconds=100)  # a waiter's longest wait before it looks up again
+ABANDONED = "the meeting was voted failed by another worker"
+#: Process groups with a collective this process left, kept until it is over.
+_BURIED: list[tuple[Any, list[Any]]] = []
+SLICED = "Operation timed out"  # how a wait's slice ends (Work.wait)
+_Entry = tuple[str, torch.futures.Future, Any]  # decision key, shoal's future, Gloo's work
+
+
+class InFlight:
+    """This member's collectives in flight, each watched against its meeting's decision.
+
+    ``connect()`` gives the store client the poll thread reads (the elastic keys; a client
+    of its own, so that it never queues behind the main thread's calls).
+    """
+
+    def __init__(self, connect: Callable[[], Any]) -> None:
+        self._connect, self._store = connect, None
+        self._lock = threading.Lock()
+        self._wake, self._stop = threading.Event(), threading.Event()
+        self._watched: list[_Entry] = []  # not settled yet
+        self._queue: queue.SimpleQueue | None = None  # the current waiter's
+        self._poller: threading.Thread | None = None
+        #: Collectives left behind by a failed meeting (see :func:`leave_group`).
+        self.left: list[Any] = []
+        self._retired: list[threading.Thread] = []  # waiters that may wait in one of them
+
+    def watch(self, work: Any, decision: str) -> torch.futures.Future:
+        """A future with the value (or error) of ``work`` (a ``dist`` collective started with
+        ``async_op=True``), failed early when the store's key ``decision`` says ``abort``."""
+        entry = (decision, torch.futures.Future(), work)
+        with self._lock:
+            self._watched.append(entry)
+            if self._queue is None:
+                self._queue = queue.SimpleQueue()
+                self._waiter = threading.Thread(target=self._wait_each, args=(self._queue,),
+                                                daemon=True, name="shoal-inflight-wait")
+                self._waiter.start()
+            if self._poller is None:
+                self._poller = threading.Thread(target=self._poll, daemon=True,
+                                                name="shoal-inflight-poll")
+                self._poller.start()
+            self._queue.put(entry)
+        self._wake.set()
+        return entry[1]
+
+    def wait(self, work: Any, decision: str) -> Any:
+        """Wait for ``work``, or raise ``RuntimeError`` once its meeting is decided failed."""
+        return self.watch(work, decision).wait()
+
+    def _wait_each(self, mine: queue.SimpleQueue) -> None:
+        """The waiter: settle each collective's future in turn, until retired."""
+        while True:
+            entry = mine.get()
+            value, error = self._finish(entry[2], mine)
+            with self._lock:
+                if mine is not self._queue:
+                    return  # retired: its meeting failed, a fresh waiter serves the next
+                self._watched.remove(entry)
+            if error is None:
+                entry[1].set_result(value)
+            else:
+                entry[1].set_exception(error)
+
+    def _finish(self, work: Any, mine: queue.SimpleQueue) -> tuple[Any, Exception | None]:
+        """``work``'s result or error; ``(None, None)`` once ``mine``'s waiter is retired
+        and this process stops."""
+        while True:
+            try:
+                work.wait(SLICE)
+                return work.get_future().value(), None
+            except RuntimeError as exc:
+                if not str(exc).startswith(SLICED):
+                    return None, exc  # Gloo's error, handed on as it came
+            if self._stop.is_set() and mine is not self._queue:
+                return None, None
+
+    def stop(self, timeout: float) -> None:
+        """Stop the poll thread (a store call cut off by the interpreter's end would end
+        the process in ``std::terminate``) and give the collectives left behind up to
+        ``timeout`` seconds to be over."""
+        self._stop.set()
+        self._wake.set()
+        if self._poller is not None:
+            self._poller.join(timeout)
+        deadline = time.monotonic() + timeout
+        while any(not w.is_completed() for w in self.left) and time.monotonic() < deadline:
+            time.sleep(POLL)
+        for waiter in self._retired:
+            waiter.join(timeout)
+
+    def _poll(self) -> None:
+        """Fail the futures of every meeting decided ``abort`` while waited on."""
+        while not self._stop.is_set():
+            self._wake.wait()
+            with self._lock:
+                keys = {key for key, _, _ in self._watched}
+                if not keys:
+                    self._wake.clear()
+                    continue
+            failed = {key for key in keys if self._aborted(key)}
+            if failed:
+                self._fail(failed)
+            time.sleep(POLL)
+
+    def _fail(self, keys: set[str]) -> None:
+        with self._lock:
+            entries = [entry for entry in self._watched if entry[0] in keys]
+            for entry in entries:
+                self._watched.remove(entry)
+            if self._queue is not None:  # retire the waiter: it may wait in one of them
+                self._queue = None
+                self._retired.append(self._waiter)
+            self.left += [source for _, _, source in entries]
+        for _, ours, _ in entries:
+            ours.set_exception(RuntimeError(ABANDONED))
+
+    def _aborted(self, key: str) -> bool:
+        if self._store is None:
+            self._store = self._connect()
+        store = self._store
+        return bool(store.check([key])) and store.get(key) == b"abort"
+
+
+def leave_group(inflight: InFlight) -> None:
+    """Leave the default process group: destroyed, unless this process left a collective
+    in it that is not over yet; then it is kept until that collective is."""
+    _BURIED[:] = [(group, left) for group, left in _BURIED
+                  if not all(w.is_completed() for w in left)]
+    if not dist.is_initialized():
+        return
+    left = [w for w in inflight.left if not w.is_completed()]
+    inflight.left.clear()
+    if left:
+        _BURIED.append((dist.group.WORLD, left))
+    dist.destroy_process_group()
