@@ -22,10 +22,11 @@ under it: destroying it joins Gloo's thread, which sits in that collective.
 
 from __future__ import annotations
 
+import contextlib
 import queue
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from datetime import timedelta
 from typing import Any
 
@@ -44,12 +45,14 @@ _Entry = tuple[str, torch.futures.Future, Any]  # decision key, shoal's future, 
 class InFlight:
     """This member's collectives in flight, each watched against its meeting's decision.
 
-    ``connect()`` gives the store client the poll thread reads (the elastic keys; a client
-    of its own, so that it never queues behind the main thread's calls).
+    ``connect()`` gives the store client the poll thread reads (the attempt's keys; a client
+    of its own, so that it never queues behind the main thread's calls); the decisions are
+    under ``prefix`` in it.
     """
 
-    def __init__(self, connect: Callable[[], Any]) -> None:
-        self._connect, self._store = connect, None
+    def __init__(self, connect: Callable[[], Any], prefix: str) -> None:
+        self._connect, self._prefix, self._store, self._keys = connect, prefix, None, None
+        self._votes: dict[str, list[str]] = {}  # a vote waited on: the others' ended keys
         self._lock = threading.Lock()
         self._wake, self._stop = threading.Event(), threading.Event()
         self._watched: list[_Entry] = []  # not settled yet
@@ -70,13 +73,32 @@ class InFlight:
                 self._waiter = threading.Thread(target=self._wait_each, args=(self._queue,),
                                                 daemon=True, name="shoal-inflight-wait")
                 self._waiter.start()
+            self._queue.put(entry)
+        self._start_polling()
+        return entry[1]
+
+    @contextlib.contextmanager
+    def vote(self, decision: str, ended: list[str]) -> Iterator[None]:
+        """While the body waits for ``decision``, write it ``abort`` as soon as one of the
+        keys ``ended`` is there (shoal's launcher says a member's process ended): a member
+        lost after its collective succeeded never votes, and the others would wait for it
+        a while before they look (:data:`~shoal.core.membership.WAKE`)."""
+        with self._lock:
+            self._votes[decision] = ended
+        self._start_polling()
+        try:
+            yield
+        finally:
+            with self._lock:
+                del self._votes[decision]
+
+    def _start_polling(self) -> None:
+        with self._lock:
             if self._poller is None:
                 self._poller = threading.Thread(target=self._poll, daemon=True,
                                                 name="shoal-inflight-poll")
                 self._poller.start()
-            self._queue.put(entry)
         self._wake.set()
-        return entry[1]
 
     def wait(self, work: Any, decision: str) -> Any:
         """Wait for ``work``, or raise ``RuntimeError`` once its meeting is decided failed."""
@@ -124,14 +146,22 @@ class InFlight:
             waiter.join(timeout)
 
     def _poll(self) -> None:
-        """Fail the futures of every meeting decided ``abort`` while waited on."""
+        """Fail the futures of every meeting decided ``abort`` while waited on; decide a
+        vote waited on ``abort`` once a member's process ended."""
         while not self._stop.is_set():
             self._wake.wait()
             with self._lock:
                 keys = {key for key, _, _ in self._watched}
-                if not keys:
+                votes = dict(self._votes)
+                if not keys and not votes:
                     self._wake.clear()
                     continue
+            if self._store is None:
+                self._store = self._connect()
+                self._keys = dist.PrefixStore(self._prefix, self._store)
+            for decision, ended in votes.items():
+                if any(self._store.check([key]) for key in ended):
+                    self._keys.compare_set(decision, "", "abort")
             failed = {key for key in keys if self._aborted(key)}
             if failed:
                 self._fail(failed)
@@ -150,10 +180,8 @@ class InFlight:
             ours.set_exception(RuntimeError(ABANDONED))
 
     def _aborted(self, key: str) -> bool:
-        if self._store is None:
-            self._store = self._connect()
-        store = self._store
-        return bool(store.check([key])) and store.get(key) == b"abort"
+        keys = self._keys
+        return bool(keys.check([key])) and keys.get(key) == b"abort"
 
 
 def leave_group(inflight: InFlight) -> None:

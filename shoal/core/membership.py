@@ -46,8 +46,9 @@ POLL = 0.02  # seconds between two looks at the store while a member is awaited
 #: A vote for a meeting counts 1, plus this when its member was asked to stop (SIGTERM).
 STOP = 1 << 20
 #: Seconds a vote waits in the store's own wait (woken at once when the last member votes)
-#: before it looks for lost members: only a member lost after its collective succeeded
-#: here is noticed this late.
+#: before it looks for lost members itself: only a member lost after its collective
+#: succeeded, which shoal's launcher does not report (another launcher's, or a stopped one),
+#: is noticed this late (:meth:`InFlight.vote` decides at once on the launcher's word).
 WAKE = 1.0
 #: A meeting that fails although every member is alive, other than by a timeout (a slow
 #: member), is held again this many times; then its error is raised (it is the program's,
@@ -82,7 +83,7 @@ class Membership:
         self._store = dist.PrefixStore(ELASTIC, store)
         #: Collectives in flight, failed early when their meeting is decided failed; its
         #: thread reads the store through ``connect()`` (a client of its own), else ``store``.
-        self.inflight = InFlight(lambda: dist.PrefixStore(ELASTIC, connect() if connect else store))
+        self.inflight = InFlight(connect or (lambda: store), ELASTIC)
         self.me, self.members = me, list(range(world))
         self._heartbeat, self.timeout, self.patience = heartbeat, timeout, patience
         self._device_type = device_type
@@ -191,9 +192,10 @@ class Membership:
             verdict = self._store.compare_set(decision, "", "commit" + ("+stop" if total >= STOP
                                               else "") + ("+join" if self._asked() else ""))
         else:
-            while not self._wait(decision, 4 * POLL, first=WAKE):
-                if any(self._gone(m) for m in self.members):  # it will never say so
-                    self._store.compare_set(decision, "", "abort")
+            with self.inflight.vote(decision, [ended_key(m) for m in self.members if m != self.me]):
+                while not self._wait(decision, 4 * POLL, first=WAKE):
+                    if any(self._gone(m) for m in self.members):  # it will never say so
+                        self._store.compare_set(decision, "", "abort")
             verdict = self._store.get(decision)
         parts = verdict.decode().split("+")
         counts = parts[0] == "commit"
