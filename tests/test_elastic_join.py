@@ -192,3 +192,32 @@ def test_join_refuses_a_folder_of_another_user(tmp_path):
     res = shoal("join", str(out), timeout=60)
     assert res.returncode == 2
     assert "is not a private folder of yours" in one_error_line(res.stderr)
+
+
+def test_a_request_at_the_cap_waits_for_a_lost_members_place_instead_of_refused():
+    """Worker 2 of 3 died (shoal's launcher said so in the store) and the members have not
+    met since: a replacement's request at the job's most workers is neither refused nor
+    admitted yet; once the group is re-formed without worker 2, the same request is
+    admitted at the next round, with the id it was given. Worker 0's decisions, on a real
+    store."""
+    import torch.distributed as dist
+
+    from shoal.core.joining import admit, answer, ask, take_ticket
+    from shoal.core.membership import Membership
+    from shoal.core.trust import Seal
+    from shoal.core.waits import ended_key
+
+    store = dist.HashStore()
+    m = Membership(store, 0, 3, lambda member: f"beat/{member}", 10.0, 30.0, "cpu")
+    m.seal = Seal()
+    m.grow = lambda epoch, members, joined: joined  # the new group itself: not this test's
+    ticket = take_ticket(m.keys)
+    ask(m.keys, m.seal, ticket)
+    store.set(ended_key(2), "killed by signal 9")
+    assert admit(m, 3, timeout=5.0) == []
+    assert not m.keys.check([f"join/{ticket}/answer"]) and m._asked()
+    m.members = [0, 1]  # the members met and re-formed the group without worker 2
+    assert admit(m, 3, timeout=5.0) == [3]
+    reply = answer(m.keys, ticket, timeout=1.0)
+    assert reply["members"] == [0, 1, 3] and reply["joined"] == [3]
+    assert reply["rounds"] == m.join_rounds == 2 and not m._asked()

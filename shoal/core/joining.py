@@ -12,7 +12,10 @@ The members see the request in a meeting's decision (its decider looks at ``join
 one store call a meeting) and, at their next meeting point where all their work counted,
 :func:`admit`: worker 0 checks every request's proof and the bound on the workers, answers
 each (``join/<ticket>/answer``) and writes the round's record; every member reads it and
-forms the next membership epoch's group with the joiners (:meth:`Membership.grow`).
+forms the next membership epoch's group with the joiners (:meth:`Membership.grow`). A
+request at the job's most workers (``--max-workers``) while shoal's launcher says a
+member's process ended is not refused but answered at the next meeting point, after the
+members saw the loss: a replacement started right after a kill takes its place.
 """
 
 from __future__ import annotations
@@ -26,6 +29,7 @@ from shoal.core.membership import Membership
 from shoal.errors import ShoalError
 
 PROOF_WAIT = 5.0  # seconds worker 0 waits for the proof of a ticket counted as asked
+WAIT = "wait"  # a request at the job's most workers while a member's process has ended
 _CONTEXT = b"shoal-join"
 
 
@@ -64,34 +68,39 @@ def admit(m: Membership, cap: int, timeout: float) -> list[int]:
     :attr:`Membership.join_asked`): worker 0 decides, all form the new group with those
     admitted. Returns the ids that joined (none: the group is unchanged)."""
     m.join_asked = False
-    round_key = f"join/round/{m.joins_handled}"
+    round_key = f"join/round/{m.join_rounds}"
     if m.rank == 0:
         _decide(m, cap, round_key)
     m.keys.wait([round_key], timedelta(seconds=timeout))
     record = json.loads(m.keys.get(round_key))
-    m.joins_handled = record["handled"]
+    m.joins_handled, m.join_rounds = record["handled"], m.join_rounds + 1
     if not record["joined"]:
         return []
     return m.grow(m.epoch + 1, record["members"], record["joined"])
 
 
 def _decide(m: Membership, cap: int, round_key: str) -> None:
-    """Worker 0: check and answer every request asked so far; write the round's record."""
-    store, asked = m.keys, int(m.keys.add("join/asked", 0))
+    """Worker 0: check and answer every request asked so far (up to the first that waits
+    for a lost member's place); write the round's record."""
+    store, handled = m.keys, int(m.keys.add("join/asked", 0))
     epoch, members, joined = m.epoch + 1, list(m.members), []
     refused: dict[int, str | None] = {}
-    for ticket in range(m.joins_handled + 1, asked + 1):
-        refused[ticket] = _refusal(m, store, ticket, len(members), cap)
-        if refused[ticket] is None:
+    for ticket in range(m.joins_handled + 1, handled + 1):
+        why = _refusal(m, store, ticket, len(members), cap)
+        if why == WAIT:  # it and the later ones are asked again at the next meeting point
+            handled = ticket - 1
+            break
+        refused[ticket] = why
+        if why is None:
             joined.append(worker_id(m.first_world, ticket))
             members.append(joined[-1])
     if joined:
         store.compare_set(f"{epoch}/members", "", ",".join(map(str, members)))
     for ticket, why in refused.items():
-        reply = {"refused": why} if why else {"epoch": epoch, "members": members,
-                                              "joined": joined, "handled": asked}
+        reply = {"refused": why} if why else {"epoch": epoch, "members": members, "joined": joined,
+                                              "handled": handled, "rounds": m.join_rounds + 1}
         store.set(f"join/{ticket}/answer", json.dumps(reply))
-    store.set(round_key, json.dumps({"handled": asked, "joined": joined, "members": members}))
+    store.set(round_key, json.dumps({"handled": handled, "joined": joined, "members": members}))
 
 
 def _refusal(m: Membership, store: Any, ticket: int, workers: int, cap: int) -> str | None:
@@ -107,6 +116,8 @@ def _refusal(m: Membership, store: Any, ticket: int, workers: int, cap: int) -> 
         good = False
     if not good:
         return "its proof does not match this job's secret"
+    if workers >= cap and m.lost_unseen():
+        return WAIT  # the members have not met since: its place is coming
     if workers >= cap:
         return (f"the job has {workers} workers, its most (--max-workers {cap}); "
                 "a worker may join once one is lost")

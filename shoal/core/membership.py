@@ -98,6 +98,7 @@ class Membership:
         #: joiners'), whether a meeting's decision said a worker asks to join, the requests
         #: answered so far (the same on every member), the ids that joined at the last change.
         self.first_world, self.join_asked, self.joins_handled = world, False, 0
+        self.join_rounds = 0  # admission rounds held (:func:`~shoal.core.joining.admit`)
         self.joined: list[int] = []
         self.seal: Any = None  # the job's join secret (shoal.core.trust.Seal), on worker 0
 
@@ -281,6 +282,11 @@ class Membership:
         except ShoalError:
             return False
         return True
+
+    def lost_unseen(self) -> bool:
+        """Whether shoal's launcher says a member's process ended (the members have not
+        re-formed the group without it yet)."""
+        return any(self._raw.check([ended_key(m)]) for m in self.members if m != self.me)
 
     def reason(self, member: int) -> str:
         """Why ``member`` left, as far as the store knows."""

@@ -133,7 +133,7 @@ def run_worker(job: dict[str, Any], me: int) -> None:
     reply = answer(m.keys, me - first + 1, cfg.timeout)
     if "refused" in reply:
         raise ShoalError(f"the job refused it: {reply['refused']}")
-    m.first_world, m.joins_handled = first, reply["handled"]
+    m.first_world, m.joins_handled, m.join_rounds = first, reply["handled"], reply["rounds"]
     if not m.enter(reply["epoch"], reply["members"]):
         raise JobError("a member did not come to the group it was admitted to")
     comm.rank, comm.world_size = m.rank, m.world_size
