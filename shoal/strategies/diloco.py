@@ -75,8 +75,9 @@ class DiLoCo(PeriodicStrategy):
                  options: DiLoCoOptions | None = None) -> None:
         super().__init__(model, optimizer, comm, options)
         opts: DiLoCoOptions = self.options
-        self.flat = FlatParams(model.parameters())
-        self.theta = ModelCopy(model)
+        order = self.fragment_order(model.parameters())
+        self.flat = FlatParams(order)
+        self.theta = ModelCopy(model, order)  # laid out as self.flat
         comm.broadcast(self.theta.vector, src=0, name="global-model")
         self.flat.unpack(self.theta.vector)  # line 3: every worker starts from theta
         self.delta = torch.zeros_like(self.theta.vector)  # the pseudo-gradient, by fragment
