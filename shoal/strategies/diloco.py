@@ -46,7 +46,8 @@ class DiLoCoOptions(PeriodicOptions):
         "help": "outer Nesterov momentum (the paper: 0.9, with inner AdamW)"})
     mix_alpha: float = field(default=0.5, metadata={
         "help": "with --overlap-steps: a fragment becomes alpha * local + (1 - alpha) * global "
-                "when its outer step lands (Streaming DiLoCo's mixing; torchft's default is 0)"})
+                "when its outer step lands (Streaming DiLoCo's merge, Algorithm 2; the paper "
+                "runs 0.5 with overlap, Figures 8 and 10; torchft's default is 0)"})
 
     def validate(self) -> None:
         super().validate()
