@@ -40,6 +40,11 @@ parser.add_argument("--eval-every", type=int, default=100, help="steps between e
 parser.add_argument("--seed", type=int, default=0)
 parser.add_argument("--fragments", type=int, default=1, help="Streaming DiLoCo's fragments")
 parser.add_argument("--overlap-steps", type=int, default=0, help="steps an exchange travels behind")
+parser.add_argument("--fragment-pattern", default="sequential",
+                    help="sequential or strided: which layers form a fragment")
+parser.add_argument("--mix-alpha", type=float, default=0.5,
+                    help="diloco: a fragment that lands after overlapped steps becomes alpha * local "
+                    "+ (1 - alpha) * global")
 parser.add_argument("--outer-precision", default="fp32", help="fp32, bf16, fp8, int8 or int4")
 parser.add_argument("--measure-wait", action="store_true",
                     help="a barrier before each exchange: a slower worker's lead is booked as wait")
@@ -119,11 +124,12 @@ def main() -> tuple[shoal.Strategy, list[tuple[int, float]]]:
     model = CharTransformer(len(chars), args.context, args.width, args.layers)
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr)  # DiLoCo's inner optimizer
     streaming = {"fragments": args.fragments, "overlap_steps": args.overlap_steps,
+                 "fragment_pattern": args.fragment_pattern,
                  "outer_precision": args.outer_precision, "measure_wait": args.measure_wait}
     shoal.init(threads=args.threads)  # joins the job; the strategy uses it
     if args.strategy == "diloco":
         strategy = shoal.strategy("diloco", model, optimizer, tau=args.tau, outer_lr=0.7, outer_momentum=0.9,
-                                  **streaming)
+                                  mix_alpha=args.mix_alpha, **streaming)
     elif args.strategy == "sync":
         strategy = shoal.strategy("sync", model, optimizer)
     else:

@@ -14,10 +14,13 @@ case also restarts from saved state mid-flight and must not notice.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from dataclasses import dataclass
+
 import pytest
 import torch
 from test_quantize import reference_scaled
-from test_strategy_reference import LR, STEPS, grad, problem, results_by_world, rows
+from test_strategy_reference import DIM, LR, STEPS, grad, problem, results_by_world, rows
 
 import shoal
 from shoal.core.comm import Comm
@@ -39,24 +42,47 @@ CASES = {
 OUTER_LR, OUTER_MU = 0.7, 0.9
 
 
-def options_of(name: str) -> dict:
-    kind, options, _, _ = CASES[name]
+def options_of(case: tuple) -> dict:
+    kind, options, _, _ = case
     extra = {"outer_lr": OUTER_LR, "outer_momentum": OUTER_MU} if kind == "diloco" else {}
     return {"tau": TAU, **extra, **options}
 
 
-def run_case(name: str, comm: Comm, restart_at: int | None = None) -> dict:
-    kind, _, momentum, _ = CASES[name]
-    x, y, init = problem()
+def linear_model(init: torch.Tensor) -> torch.nn.Module:
+    """x w + b: one layer, ``init = [w, b]``."""
+    model = torch.nn.Linear(DIM, 1).double()
+    with torch.no_grad():
+        model.weight.copy_(init[:-1].view(1, -1))
+        model.bias.copy_(init[-1:])
+    return model
+
+
+@dataclass(frozen=True)
+class Geometry:
+    """A model in the paper's variables: its parameter vector at the start, worker ``k``'s
+    gradient at ``p`` for step ``t`` of ``world`` workers, fragment ``p``'s indices of the
+    vector (``fragments(count, pattern)[p]``), and the same model through shoal."""
+
+    init: torch.Tensor
+    grad: Callable[[torch.Tensor, int, int, int], torch.Tensor]
+    fragments: Callable[[int, str], list]
+    build: Callable[[torch.Tensor], torch.nn.Module]
+
+
+#: Linear(5, 1): weight | bias
+LINEAR = Geometry(problem()[2], grad, lambda count, pattern: FRAGMENTS[count], linear_model)
+
+
+def run_case(name: str, comm: Comm, restart_at: int | None = None, cases: dict = CASES,
+             geometry: Geometry = LINEAR) -> dict:
+    kind, _, momentum, _ = cases[name]
+    x, y, _ = problem()
 
     def make() -> tuple:
-        model = torch.nn.Linear(x.shape[1], 1).double()
-        with torch.no_grad():
-            model.weight.copy_(init[:-1].view(1, -1))
-            model.bias.copy_(init[-1:])
+        model = geometry.build(geometry.init)
         optimizer = torch.optim.SGD(model.parameters(), lr=LR, momentum=momentum)
         return model, optimizer, shoal.strategy(kind, model, optimizer, comm=comm,
-                                                **options_of(name))
+                                                **options_of(cases[name]))
 
     model, optimizer, strategy = make()
     for step in range(STEPS):
@@ -95,9 +121,9 @@ def schedule(count: int, overlap: int) -> tuple[dict[int, int], dict[int, int]]:
     return {p: (lands[p] - overlap) % TAU for p in range(count)}, lands
 
 
-def inner_steps(xs, vs, t, mu):
+def inner_steps(xs, vs, t, mu, gradient=grad):
     for k in range(len(xs)):
-        vs[k] = mu * vs[k] - LR * grad(xs[k], t, k, len(xs))
+        vs[k] = mu * vs[k] - LR * gradient(xs[k], t, k, len(xs))
         xs[k] = xs[k] + vs[k]
 
 
@@ -114,15 +140,17 @@ def average(parts: list[torch.Tensor], errors: list[torch.Tensor] | None, frag: 
     return sum(sent) / len(sent)
 
 
-def reference_streaming_diloco(name: str, world: int, close: bool = True) -> tuple[list, torch.Tensor]:
+def reference_streaming_diloco(name: str, world: int, close: bool = True, cases: dict = CASES,
+                               geometry: Geometry = LINEAR) -> tuple[list, torch.Tensor]:
     """Streaming DiLoCo, Sutskever's Nesterov outer step per fragment (see the docstring):
     v_p <- mu v_p - lr Delta_p, theta_S,p <- theta_S,p + v_p, theta_p = theta_S,p + mu v_p;
     ``close``: the epoch ends after the last step."""
-    _, opts, mu, _ = CASES[name]
+    _, opts, mu, _ = cases[name]
     count, overlap, alpha = opts.get("fragments", 1), opts.get("overlap_steps", 0), \
         opts.get("mix_alpha", 0.5)
+    frags = geometry.fragments(count, opts.get("fragment_pattern", "sequential"))
     starts, lands = schedule(count, overlap)
-    init = problem()[2]
+    init = geometry.init
     theta_s, v = init.clone(), torch.zeros_like(init)
     theta = theta_s + OUTER_MU * v
     xs = [theta.clone() for _ in range(world)]
@@ -133,7 +161,7 @@ def reference_streaming_diloco(name: str, world: int, close: bool = True) -> tup
     started = [0] * count
 
     def land(p):
-        frag = FRAGMENTS[count][p]
+        frag = frags[p]
         v[frag] = OUTER_MU * v[frag] - OUTER_LR * pending.pop(p)
         theta_s[frag] = theta_s[frag] + v[frag]
         theta[frag] = theta_s[frag] + OUTER_MU * v[frag]
@@ -143,12 +171,12 @@ def reference_streaming_diloco(name: str, world: int, close: bool = True) -> tup
                 else theta[frag]
 
     def start(p):
-        frag = FRAGMENTS[count][p]
+        frag = frags[p]
         pending[p] = average([theta[frag] - xs[m][frag] for m in range(world)], errors, frag)
         started[p] = s
 
     for t in range(STEPS):
-        inner_steps(xs, vs, t, mu)
+        inner_steps(xs, vs, t, mu, geometry.grad)
         s = t + 1
         for p in range(count):
             if s % TAU == starts[p]:
@@ -167,15 +195,17 @@ def reference_streaming_diloco(name: str, world: int, close: bool = True) -> tup
     return xs, theta
 
 
-def reference_streaming_local(name: str, world: int) -> tuple[list, torch.Tensor | None]:
+def reference_streaming_local(name: str, world: int, cases: dict = CASES,
+                              geometry: Geometry = LINEAR) -> tuple[list, torch.Tensor | None]:
     """Local SGD by fragments: fragment p's average lands H steps after the workers sent it;
     each worker moves by the average minus what it sent (H = 0: becomes the average).
     Compressed: each sends its move from the last average, which every worker holds. EASGD:
     d_m = alpha (x_m - c) at the start; when it lands x_m <- x_m - d_m, c <- c + sum_m d_m."""
-    kind, opts, mu, _ = CASES[name]
+    kind, opts, mu, _ = cases[name]
     count, overlap = opts.get("fragments", 1), opts.get("overlap_steps", 0)
+    frags = geometry.fragments(count, opts.get("fragment_pattern", "sequential"))
     starts, _ = schedule(count, overlap)
-    init = problem()[2]
+    init = geometry.init
     xs = [init.clone() for _ in range(world)]
     vs = [torch.zeros_like(init) for _ in range(world)]
     anchor, center = init.clone(), init.clone()
@@ -185,7 +215,7 @@ def reference_streaming_local(name: str, world: int) -> tuple[list, torch.Tensor
     started = [0] * count
 
     def start(p):
-        frag = FRAGMENTS[count][p]
+        frag = frags[p]
         sent = [xs[m][frag].clone() for m in range(world)]
         if kind == "easgd":
             pulls = [opts["alpha"] * (sent[m] - center[frag]) for m in range(world)]
@@ -199,7 +229,7 @@ def reference_streaming_local(name: str, world: int) -> tuple[list, torch.Tensor
 
     def land(p):
         begun, sent, result = pending.pop(p)
-        frag = FRAGMENTS[count][p]
+        frag = frags[p]
         for m in range(world):
             if kind == "easgd":
                 xs[m][frag] = xs[m][frag] - sent[m]
@@ -209,7 +239,7 @@ def reference_streaming_local(name: str, world: int) -> tuple[list, torch.Tensor
             center[frag] = center[frag] + result
 
     for t in range(STEPS):
-        inner_steps(xs, vs, t, mu)
+        inner_steps(xs, vs, t, mu, geometry.grad)
         s = t + 1
         for p in range(count):
             if s % TAU == starts[p]:

@@ -49,17 +49,36 @@ def test_int4_sends_seven_times_fewer_bytes(runs):
     assert small["test_accuracy"] >= plain["test_accuracy"] - 0.02
 
 
-def test_stopped_with_an_exchange_in_flight_resumes_exactly(tmp_path):
+@pytest.mark.parametrize("pattern", [[], ["--fragment-pattern", "strided"]],
+                         ids=["sequential", "strided"])
+def test_stopped_with_an_exchange_in_flight_resumes_exactly(tmp_path, pattern):
     """Step 5 starts fragment 1's exchange (tau 4, 2 fragments, 1 step of overlap): the
-    checkpoint keeps its result and every rank's error-feedback residual."""
-    whole = train_here(tmp_path / "whole", *COMMON, *RESUMED)
-    first = train_here(tmp_path / "parts", *COMMON, *RESUMED, "--stop-at-step", "5")
+    checkpoint keeps its result and every rank's error-feedback residual. Strided, the MLP's
+    three layers go to fragments 0, 1, 0, and the flat vectors saved are laid out so."""
+    whole = train_here(tmp_path / "whole", *COMMON, *RESUMED, *pattern)
+    first = train_here(tmp_path / "parts", *COMMON, *RESUMED, *pattern, "--stop-at-step", "5")
     assert first["steps"] == 5 and not first["completed"]
-    second = train_here(tmp_path / "parts", *COMMON, *RESUMED, "--resume")
+    second = train_here(tmp_path / "parts", *COMMON, *RESUMED, *pattern, "--resume")
     assert second["completed"] and second["steps"] == whole["steps"]
     assert max_param_diff(checkpoint_params(tmp_path / "parts" / "checkpoint.pt"),
                           checkpoint_params(tmp_path / "whole" / "checkpoint.pt")) == 0
     assert second["test_accuracy"] == whole["test_accuracy"]
+
+
+def test_resume_with_the_other_pattern_is_one_line(tmp_path, capsys):
+    """A checkpoint's fragments were cut one way (no flag: sequential, the only pattern of
+    checkpoints written before there were two): resuming it cut the other way is refused."""
+    first = train_here(tmp_path / "run", *COMMON, *RESUMED, "--stop-at-step", "5")
+    assert first["steps"] == 5
+    saved = (tmp_path / "run" / "checkpoint.pt").read_bytes()
+    capsys.readouterr()
+    code = main(["train", "--out", str(tmp_path / "run"), *COMMON, *RESUMED, "--resume",
+                 "--fragment-pattern", "strided"])
+    assert code == 2
+    line = one_error_line(capsys.readouterr().err)
+    assert ("checkpoint was made with --fragment-pattern sequential, this run has "
+            "--fragment-pattern strided") in line
+    assert (tmp_path / "run" / "checkpoint.pt").read_bytes() == saved
 
 
 @pytest.mark.parametrize("args, expected", [
@@ -75,6 +94,10 @@ def test_stopped_with_an_exchange_in_flight_resumes_exactly(tmp_path):
     (["--strategy", "diloco", "--outer-precision", "fp16"], "--outer-precision"),
     (["--strategy", "diloco", "--error-feedback", "maybe"], "--error-feedback"),
     (["--strategy", "diloco", "--mix-alpha", "1.5"], "--mix-alpha must be in [0, 1], got 1.5"),
+    (["--strategy", "diloco", "--fragment-pattern", "diagonal"], "--fragment-pattern"),
+    (["--strategy", "local-sgd", "--tau", "8", "--fragments", "4", "--fragment-pattern",
+      "strided"], "--fragments must be between 1 and the model's 3 layers (--fragment-pattern "
+                  "strided), got 4"),
     (["--strategy", "sync", "--fragments", "2"], "strategy sync does not take --fragments"),
 ])
 def test_bad_streaming_flags_are_one_line(tmp_path, capsys, args, expected):

@@ -46,7 +46,8 @@ class DiLoCoOptions(PeriodicOptions):
         "help": "outer Nesterov momentum (the paper: 0.9, with inner AdamW)"})
     mix_alpha: float = field(default=0.5, metadata={
         "help": "with --overlap-steps: a fragment becomes alpha * local + (1 - alpha) * global "
-                "when its outer step lands (Streaming DiLoCo's mixing; torchft's default is 0)"})
+                "when its outer step lands (Streaming DiLoCo's merge, Algorithm 2; the paper "
+                "runs 0.5 with overlap, Figures 8 and 10; torchft's default is 0)"})
 
     def validate(self) -> None:
         super().validate()
@@ -75,8 +76,9 @@ class DiLoCo(PeriodicStrategy):
                  options: DiLoCoOptions | None = None) -> None:
         super().__init__(model, optimizer, comm, options)
         opts: DiLoCoOptions = self.options
-        self.flat = FlatParams(model.parameters())
-        self.theta = ModelCopy(model)
+        order = self.fragment_order(model.parameters())
+        self.flat = FlatParams(order)
+        self.theta = ModelCopy(model, order)  # laid out as self.flat
         comm.broadcast(self.theta.vector, src=0, name="global-model")
         self.flat.unpack(self.theta.vector)  # line 3: every worker starts from theta
         self.delta = torch.zeros_like(self.theta.vector)  # the pseudo-gradient, by fragment

@@ -75,7 +75,7 @@ class ElasticOptions(PeriodicOptions):
 def parameter_order(model: nn.Module, optimizer: torch.optim.Optimizer) -> list[nn.Parameter]:
     """The model's parameters, those of each optimizer group together and in group order,
     then any the optimizer does not step: each group is one contiguous slice of a flat
-    vector in this order."""
+    vector in this order (until strided fragments deal its layers out)."""
     mine = {id(p) for p in model.parameters()}
     order: list[nn.Parameter] = []
     for group in optimizer.param_groups:
@@ -104,7 +104,7 @@ class ElasticAveraging(PeriodicStrategy):
                  options: ElasticOptions | None = None) -> None:
         super().__init__(model, optimizer, comm, options)
         self.alpha = self.options.moving_rate(comm.world_size)
-        order = parameter_order(model, optimizer)
+        order = self.fragment_order(parameter_order(model, optimizer))
         self.flat = FlatParams(order)
         self.center = ModelCopy(model, order)  # x~, laid out as self.flat
         comm.broadcast(self.center.vector, src=0, name="center")  # one center to start from
@@ -205,6 +205,23 @@ class ElasticAveraging(PeriodicStrategy):
             self._pull_due = list(due) if isinstance(due, list) else [bool(due)] * len(self._pull_due)
 
 
+def group_runs(flat: FlatParams, optimizer: torch.optim.Optimizer) -> list[tuple[int, int, int]]:
+    """``(lo, hi, k)`` for each run of ``flat``'s consecutive tensors that optimizer group
+    ``k`` steps: one a group in :func:`parameter_order`, more when strided fragments
+    interleave the groups' layers (``k``, not the group: loading a state replaces them)."""
+    group_of = {id(p): k for k, g in enumerate(optimizer.param_groups) for p in g["params"]}
+    runs: list[tuple[int, int, int]] = []
+    lo = 0
+    for t in flat.tensors:
+        k, hi = group_of.get(id(t)), lo + t.numel()
+        if k is not None and runs and runs[-1][1:] == (lo, k):
+            runs[-1] = (runs[-1][0], hi, k)
+        elif k is not None:
+            runs.append((lo, hi, k))
+        lo = hi
+    return runs
+
+
 def check_nesterov_sgd(name: str, optimizer: torch.optim.Optimizer) -> None:
     """EAMSGD's local steps are SGD with momentum ``delta`` (the optimizer's), nothing else."""
     if not isinstance(optimizer, torch.optim.SGD):
@@ -227,8 +244,7 @@ class NesterovLocalSteps:
     Nesterov SGD cannot stand in for it: it stores only the look-ahead point, whose relation
     to ``x`` depends on the learning rate of the step that made it, and the pull must move
     ``x``, not it. ``eta``, ``delta`` and weight decay are read from the optimizer's groups
-    (laid out as ``flat``: :func:`parameter_order`) at every step, so learning-rate schedules
-    apply exactly.
+    (:func:`group_runs`) at every step, so learning-rate schedules apply exactly.
     """
 
     def __init__(self, flat: FlatParams, optimizer: torch.optim.Optimizer) -> None:
@@ -237,12 +253,7 @@ class NesterovLocalSteps:
         self.v = torch.zeros_like(self.x)  # v^i
         self._grad = torch.zeros_like(self.x)
         self._grad_views = flat.views(self._grad)
-        bounds, start = [], 0
-        for group in optimizer.param_groups:
-            size = sum(p.numel() for p in group["params"])
-            bounds.append((start, start + size))
-            start += size
-        self._groups = bounds  # each optimizer group's slice of x, v and the gradient
+        self._runs = group_runs(flat, optimizer)  # each group's slices of x, v and the gradient
 
     @torch.no_grad()
     def step(self, pull: torch.Tensor | None = None) -> None:
@@ -254,8 +265,8 @@ class NesterovLocalSteps:
             else:
                 view.copy_(p.grad)
         look_ahead = self.flat.pack()
-        for (lo, hi), group in zip(self._groups, self.optimizer.param_groups, strict=True):
-            g, v = self._grad[lo:hi], self.v[lo:hi]
+        for lo, hi, k in self._runs:
+            group, g, v = self.optimizer.param_groups[k], self._grad[lo:hi], self.v[lo:hi]
             if group["weight_decay"]:
                 g.add_(look_ahead[lo:hi], alpha=group["weight_decay"])
             v.mul_(group["momentum"]).add_(g, alpha=-float(group["lr"]))
@@ -272,8 +283,8 @@ class NesterovLocalSteps:
         """Set the parameters to ``x + delta v`` (each group's ``delta``)."""
         look_ahead = self.flat.buffer
         look_ahead.copy_(self.x)
-        for (lo, hi), group in zip(self._groups, self.optimizer.param_groups, strict=True):
-            look_ahead[lo:hi].add_(self.v[lo:hi], alpha=group["momentum"])
+        for lo, hi, k in self._runs:
+            look_ahead[lo:hi].add_(self.v[lo:hi], alpha=self.optimizer.param_groups[k]["momentum"])
         self.flat.unpack(look_ahead)
 
 

@@ -49,7 +49,7 @@ class LocalSGD(PeriodicStrategy):
     def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, comm,
                  options: PeriodicOptions | None = None) -> None:
         super().__init__(model, optimizer, comm, options)
-        self.flat = FlatParams(model.parameters())
+        self.flat = FlatParams(self.fragment_order(model.parameters()))
         comm.broadcast(self.flat.pack(), src=0, name="start")  # every worker starts from x_0
         self.flat.unpack()
         self.stream(self.flat)

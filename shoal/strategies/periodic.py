@@ -4,6 +4,7 @@ the base class whose rounds end with an exchange (local SGD, EASGD, EAMSGD, DiLo
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Iterable
 from typing import Any, ClassVar
 
 import torch
@@ -16,7 +17,7 @@ from shoal.errors import ShoalError
 from shoal.strategies.base import Strategy
 from shoal.strategies.communication import Exchange, Pattern
 from shoal.strategies.period import AUTO_START, AdaptivePeriod, first_period, parse_period
-from shoal.strategies.streaming import Exchanges, Fragment
+from shoal.strategies.streaming import PATTERNS, Exchanges, Fragment, fragment_order
 
 
 @dataclasses.dataclass
@@ -40,6 +41,11 @@ class PeriodicOptions:
         "help": "exchange the model in this many fragments at staggered steps (Streaming DiLoCo)"})
     overlap_steps: int = dataclasses.field(default=0, metadata={
         "help": "local steps an exchange travels behind before it is applied (< tau / fragments)"})
+    fragment_pattern: str = dataclasses.field(default="sequential", metadata={
+        "help": "which tensors form a fragment (Streaming DiLoCo's Figure 2): sequential, "
+                "contiguous runs of tensors of about equal size; strided, the model's layers "
+                "dealt round robin (fragment p: layers p, p+F, p+2F, ...)",
+        "choices": PATTERNS})
 
     def validate(self) -> None:
         first_period(self.tau)
@@ -66,9 +72,10 @@ class PeriodicStrategy(Strategy):
     (``--tau auto``: a period that adapts, :mod:`shoal.strategies.period`).
 
     A subclass says how to start an exchange of one fragment (:meth:`launch`) and how to
-    apply its result (:meth:`complete`), and calls :meth:`stream` with its flat parameters;
-    the whole model is one fragment unless ``--fragments`` says otherwise, and
-    :mod:`shoal.strategies.streaming` schedules fragments, overlap and compression.
+    apply its result (:meth:`complete`), and calls :meth:`stream` with its flat parameters,
+    laid out by :meth:`fragment_order`; the whole model is one fragment unless
+    ``--fragments`` says otherwise, and :mod:`shoal.strategies.streaming` schedules
+    fragments, overlap and compression.
     """
 
     Options: ClassVar[type] = PeriodicOptions
@@ -98,9 +105,16 @@ class PeriodicStrategy(Strategy):
         return Pattern(Exchange.ALL_REDUCE, what, every=first_period(options.tau), size=size,
                        hidden=hidden)
 
+    def fragment_order(self, params: Iterable[nn.Parameter]) -> list[nn.Parameter]:
+        """``params`` (the strategy's parameter order) as its flat vectors must hold them:
+        fragment by fragment, so that each fragment is one slice (``--fragment-pattern
+        strided`` moves layers; sequential keeps the order)."""
+        o = self.options
+        return fragment_order(self.model, params, o.fragments, o.fragment_pattern)
+
     def stream(self, flat: FlatParams) -> Exchanges:
-        """Exchange ``flat``'s tensors (the strategy's parameter order) as the options say."""
-        self.exchanges = Exchanges(flat, self.options, self.comm)
+        """Exchange ``flat``'s tensors (laid out by :meth:`fragment_order`) as the options say."""
+        self.exchanges = Exchanges(flat, self.options, self.comm, self.model)
         return self.exchanges
 
     @property
