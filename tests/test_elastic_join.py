@@ -138,12 +138,15 @@ def test_a_worker_joins_in_place_of_a_killed_one(held, strategy):
 
 
 @pytest.mark.parametrize("strategy, die_at", [
+    ("sync", "train:1"),  # right after its first step counted, mid-epoch
     ("local-sgd", "short:16"),  # right after its epoch's last exchange (the soak's case)
 ])
 def test_a_joiner_killed_right_after_a_meeting_loses_nothing(held, strategy, die_at):
     """A joiner killed (kill -9) right after a meeting that counted its work, before it could
     write its --record-samples line: worker 0 writes that line for it (its work is in the
-    model), and every sample is trained exactly once."""
+    model), and every sample is trained exactly once. (sync: DDP rebuilds its buckets at the
+    forward after its first backward, with a broadcast; before, a peer lost then failed the
+    job.)"""
     job = held("--strategy", strategy, *([] if strategy == "sync" else ["--tau", "4"]),
                "--elastic", "--record-samples", "--max-workers", "3", "--heartbeat-timeout",
                "4", kill=False, workers=2, held_after=0, model="dies_at")
