@@ -140,13 +140,15 @@ def test_a_worker_joins_in_place_of_a_killed_one(held, strategy):
 @pytest.mark.parametrize("strategy, die_at", [
     ("sync", "train:1"),  # right after its first step counted, mid-epoch
     ("local-sgd", "short:16"),  # right after its epoch's last exchange (the soak's case)
+    ("local-sgd", "eval:1"),  # right after worker 0's state reached it (its 1st eval: the check)
 ])
 def test_a_joiner_killed_right_after_a_meeting_loses_nothing(held, strategy, die_at):
     """A joiner killed (kill -9) right after a meeting that counted its work, before it could
     write its --record-samples line: worker 0 writes that line for it (its work is in the
-    model), and every sample is trained exactly once. (sync: DDP rebuilds its buckets at the
-    forward after its first backward, with a broadcast; before, a peer lost then failed the
-    job.)"""
+    model), and every sample is trained exactly once (sync: then DDP rebuilds its buckets, a
+    broadcast that failed the job before). Killed in its handover instead, it trained
+    nothing: the job goes on (before, the meeting for its digest was held again with its rank
+    as the root) and the next step is the rest's, as dealt again without it."""
     job = held("--strategy", strategy, *([] if strategy == "sync" else ["--tau", "4"]),
                "--elastic", "--record-samples", "--max-workers", "3", "--heartbeat-timeout",
                "4", kill=False, workers=2, held_after=0, model="dies_at")
@@ -160,10 +162,15 @@ def test_a_joiner_killed_right_after_a_meeting_loses_nothing(held, strategy, die
     summary = json.loads((job.out / "summary.json").read_text())
     join, left = summary["membership_changes"]
     assert join["joined"] == [2] and left["left"] == [2] and summary["workers"] == 2
-    assert join["joiner_state_sha256"] == {"2": join["state_sha256"]}
+    handover = die_at == "eval:1"
+    assert join["joiner_state_sha256"] == ({} if handover else {"2": join["state_sha256"]})
     assert_each_sample_once(job.out, EPOCHS, TRAIN_ROWS)
-    last = json.loads((job.out / "samples" / "worker2.jsonl").read_text().splitlines()[-1])
-    assert last["recorded_by"] == 0 and last["step"] >= join["step"]
+    records = job.out / "samples" / "worker2.jsonl"
+    if handover:
+        assert not records.exists()
+    else:
+        last = json.loads(records.read_text().splitlines()[-1])
+        assert last["recorded_by"] == 0 and last["step"] >= join["step"]
 
 
 def test_join_refuses_a_job_at_its_size_then_a_finished_one(held):

@@ -147,11 +147,14 @@ class Elastic:
     # -- the loop -----------------------------------------------------------------------------
     def steps_left(self) -> bool:
         """Whether the epoch has a step left; after its last the strategy closes the epoch
-        (``end_epoch``), and a worker lost meanwhile may leave steps to take."""
+        (``end_epoch``), and a worker lost meanwhile may leave steps to take. A change seen
+        outside a step (in an evaluation or a checkpoint mid-epoch, in a joiner's handover)
+        is settled first: the next step is the rest's, as dealt anew."""
         t = self.t
-        if t.state.epoch_step < t.plan.steps_per_epoch:
-            if self.membership is not None and self.membership.join_asked and self._all_counted():
-                self._admit()
+        if t.state.epoch_step < t.plan.steps_per_epoch and self.membership is not None \
+                and self.membership.join_asked and self._all_counted():
+            self._admit()
+        if self.settle() or t.state.epoch_step < t.plan.steps_per_epoch:
             return True
         t.strategy.end_epoch(t.state.epoch)
         if self.settle():
@@ -301,17 +304,19 @@ class Elastic:
         self.counted()
         if not joined:
             return
-        mine, theirs = handover.send(t, joined)
-        self.changes.append({
-            "step": st.step, "epoch": st.epoch + 1, "joined": joined,
-            "why": {m: "joined" for m in joined}, "workers": t.comm.world_size,
-            "samples_dealt_again": t.plan.n, "state_sha256": mine,
-            "joiner_state_sha256": theirs, "stall_s": round(time.perf_counter() - started, 4)})
-        t.recorder.notes["membership_changes"] = self.changes
+        # A joiner lost in the handover has its loss recorded after its join: its place kept.
+        workers, at = t.comm.world_size, len(self.changes)
         if t.comm.rank == 0:
-            print(f"shoal: {_workers(joined)} joined at step {st.step}; {t.comm.world_size} go "
-                  f"on with the {t.plan.n} samples left of epoch {st.epoch + 1}",
-                  file=sys.stderr, flush=True)
+            print(f"shoal: {_workers(joined)} joined at step {st.step}; {workers} go on with "
+                  f"the {t.plan.n} samples left of epoch {st.epoch + 1}", file=sys.stderr,
+                  flush=True)
+        change = {"step": st.step, "epoch": st.epoch + 1, "joined": joined,
+                  "why": {m: "joined" for m in joined}, "workers": workers,
+                  "samples_dealt_again": t.plan.n}
+        mine, theirs = handover.send(t, joined)
+        self.changes.insert(at, {**change, "state_sha256": mine, "joiner_state_sha256": theirs,
+                                 "stall_s": round(time.perf_counter() - started, 4)})
+        t.recorder.notes["membership_changes"] = self.changes
 
     def handover_state(self) -> dict[str, Any]:
         """What a joiner takes of this worker's side (:mod:`shoal.train.handover`)."""
