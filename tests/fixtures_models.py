@@ -95,6 +95,50 @@ def killed_then_held(input_shape, num_classes):
     return _KilledThenHeld(input_shape, num_classes)
 
 
+class _DiesAt(_KilledThenHeld):
+    """`killed_then_held` (the job's pace), whose process, given ``SHOAL_TEST_DIE_AT`` (a
+    joiner's), kills itself (SIGKILL) at its ``train:N`` or ``eval:N``-th forward, or
+    ``short:N``: its first training forward on fewer than N rows (an epoch's last step).
+    With ``SHOAL_TEST_DIE_AFTER_COUNT`` it dies instead right after the next meeting that
+    counts (:meth:`Membership._agree` said so): its vote carried its work into the shared
+    state, nothing of its own ran after it (``--record-samples`` wrote nothing yet)."""
+
+    def __init__(self, input_shape, num_classes):
+        super().__init__(input_shape, num_classes)
+        self.die = {"train": 0, "eval": 0}
+        self.when, _, count = os.environ.get("SHOAL_TEST_DIE_AT", "").partition(":")
+        self.count = int(count or 0)
+        self.armed = False
+
+    def forward(self, x):
+        mode = "train" if self.training else "eval"
+        self.die[mode] += 1
+        if self.when == mode and self.die[mode] == self.count \
+                or self.when == "short" and self.training and len(x) < self.count:
+            self.when = ""
+            self.armed = True
+            if not os.environ.get("SHOAL_TEST_DIE_AFTER_COUNT"):
+                os.kill(os.getpid(), signal.SIGKILL)
+        return super().forward(x)
+
+
+def dies_at(input_shape, num_classes):
+    model = _DiesAt(input_shape, num_classes)
+    if model.when and os.environ.get("SHOAL_TEST_DIE_AFTER_COUNT"):
+        from shoal.core.membership import Membership
+
+        agree = Membership._agree
+
+        def agree_then_die(self, ok):
+            counts = agree(self, ok)
+            if counts and model.armed:
+                os.kill(os.getpid(), signal.SIGKILL)
+            return counts
+
+        Membership._agree = agree_then_die
+    return model
+
+
 def _hold(path):
     with open(path, "w"):
         pass

@@ -19,6 +19,7 @@ import pytest
 from conftest import (
     REPO,
     TRAIN_ROWS,
+    assert_each_sample_once,
     one_error_line,
     samples_trained,
     shoal,
@@ -34,19 +35,21 @@ EPOCHS = 3
 
 class HeldJob:
     """``shoal train`` in the background whose workers (all but rank ``SHOAL_TEST_KILL_RANK``,
-    which dies at its 40th forward) train slowly while ``hold`` exists; its stderr lines are
-    collected, and the hold is let go once a worker joined (or at :meth:`release`)."""
+    which dies at its ``held_after``-th forward) train slowly after that forward while
+    ``hold`` exists; its stderr lines are collected, and the hold is let go once a worker
+    joined (or at :meth:`release`)."""
 
-    def __init__(self, tmp_path, *args: str, kill: bool = True, workers: int = 3) -> None:
+    def __init__(self, tmp_path, *args: str, kill: bool = True, workers: int = 3,
+                 held_after: int = 40, model: str = "killed_then_held") -> None:
         self.out, self.hold = tmp_path / "run", tmp_path / "hold"
         self.hold.touch()
         self.env = shoal_env()
-        self.env.update(SHOAL_TEST_KILL_AT="train:40", SHOAL_TEST_HOLD=str(self.hold),
+        self.env.update(SHOAL_TEST_KILL_AT=f"train:{held_after}", SHOAL_TEST_HOLD=str(self.hold),
                         SHOAL_TEST_PACE="0.2", **({"SHOAL_TEST_KILL_RANK": "2"} if kill else {}))
         self.lines: list[str] = []
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "shoal", "train", "--out", str(self.out), "--progress", "plain",
-             "--model", "tests.fixtures_models:killed_then_held", "--dataset", "digits",
+             "--model", f"tests.fixtures_models:{model}", "--dataset", "digits",
              "--workers", str(workers), "--epochs", str(EPOCHS), "--schedule", "constant",
              "--log-every", "1", *args], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
             text=True, env=self.env, cwd=REPO, start_new_session=True)
@@ -132,6 +135,42 @@ def test_a_worker_joins_in_place_of_a_killed_one(held, strategy):
     assert workers[join["step"]] == 2 and workers[join["step"] + 1] == 3
     assert workers[max(workers)] == 3
     assert not (job.out / ".shoal-join").exists()  # taken away at the end
+
+
+@pytest.mark.parametrize("strategy, die_at", [
+    ("sync", "train:1"),  # right after its first step counted, mid-epoch
+    ("local-sgd", "short:16"),  # right after its epoch's last exchange (the soak's case)
+    ("local-sgd", "eval:1"),  # right after worker 0's state reached it (its 1st eval: the check)
+])
+def test_a_joiner_killed_right_after_a_meeting_loses_nothing(held, strategy, die_at):
+    """A joiner killed (kill -9) right after a meeting that counted its work, before it could
+    write its --record-samples line: worker 0 writes that line for it (its work is in the
+    model), and every sample is trained exactly once (sync: then DDP rebuilds its buckets, a
+    broadcast that failed the job before). Killed in its handover instead, it trained
+    nothing: the job goes on (before, the meeting for its digest was held again with its rank
+    as the root) and the next step is the rest's, as dealt again without it."""
+    job = held("--strategy", strategy, *([] if strategy == "sync" else ["--tau", "4"]),
+               "--elastic", "--record-samples", "--max-workers", "3", "--heartbeat-timeout",
+               "4", kill=False, workers=2, held_after=0, model="dies_at")
+    job.wait_for(lambda: (job.out / ".shoal-join" / "job.json").exists(), "the job file")
+    joined = shoal("join", str(job.out), timeout=240, env={
+        **job.env, "SHOAL_TEST_MARKER": uuid.uuid4().hex, "SHOAL_TEST_DIE_AT": die_at,
+        "SHOAL_TEST_DIE_AFTER_COUNT": "1"})
+    assert joined.returncode == 1 and "process killed by signal 9" in joined.stderr, joined.stderr
+    assert joined.stray == []
+    assert job.finish() == 0, job.stderr
+    summary = json.loads((job.out / "summary.json").read_text())
+    join, left = summary["membership_changes"]
+    assert join["joined"] == [2] and left["left"] == [2] and summary["workers"] == 2
+    handover = die_at == "eval:1"
+    assert join["joiner_state_sha256"] == ({} if handover else {"2": join["state_sha256"]})
+    assert_each_sample_once(job.out, EPOCHS, TRAIN_ROWS)
+    records = job.out / "samples" / "worker2.jsonl"
+    if handover:
+        assert not records.exists()
+    else:
+        last = json.loads(records.read_text().splitlines()[-1])
+        assert last["recorded_by"] == 0 and last["step"] >= join["step"]
 
 
 def test_join_refuses_a_job_at_its_size_then_a_finished_one(held):

@@ -90,13 +90,15 @@ class Synchronous(Strategy):
         self._step_bytes = 0  # sent by the all-reduce of one step, when no hook counts it
         self._powersgd: PowerSGDMemory | None = None
         self._stale = False  # the group was re-formed: DDP is wrapped again before forward
+        #: DDP rebuilds its buckets at the forward after its first backward (elastic: here)
+        self._rebuild: bool | None = None
         self._hooked = False
         self._wrap()
 
     def _wrap(self) -> None:
         """Wrap the model in DDP over the job's group (none when alone)."""
         comm, model = self.comm, self.model
-        self.ddp, self._stale = None, False
+        self.ddp, self._stale, self._rebuild = None, False, None
         if not comm.active:
             return
         opts: SyncOptions = self.options
@@ -131,6 +133,13 @@ class Synchronous(Strategy):
         if self._stale:  # DDP's first broadcast is the re-formed group's meeting
             with self.comm.track("broadcast", "model"):
                 self._wrap()
+        if self._rebuild:
+            # After its first backward DDP rebuilds its buckets in the order the gradients
+            # came, at its next forward, with a broadcast of that order. Elastic: done here
+            # instead (as torch's own Join hook does it), a meeting voted on like the others.
+            self._rebuild = False
+            with self.comm.track("broadcast", "buckets"):
+                self.ddp.reducer._rebuild_buckets()
         return self.ddp if self.ddp is not None else self.model
 
     def no_sync(self, enabled: bool = True) -> contextlib.AbstractContextManager[Any]:
@@ -152,6 +161,8 @@ class Synchronous(Strategy):
         # DDP all-reduces the gradients inside backward: a rank that never comes is named.
         with self.comm.track("all_reduce", "gradients") if syncs else contextlib.nullcontext():
             self.weighted(loss).backward()
+        if syncs and self._rebuild is None:
+            self._rebuild = self.comm.membership is not None
         if not syncs or self._last_ready is None:
             return
         if self._step_bytes:

@@ -16,8 +16,6 @@ not the count of steps.
 
 from __future__ import annotations
 
-import json
-import os
 import sys
 import time
 from collections.abc import Callable, Iterator
@@ -35,6 +33,7 @@ from shoal.data import EpochPlan, ShardLoader, resolve_workers
 from shoal.errors import ShoalError
 from shoal.train import handover
 from shoal.train.optim import schedule_at
+from shoal.train.samples import record_samples, samples_file
 
 _Step = TypeVar("_Step")
 #: The strategies that take ``--elastic``: the synchronous and periodic ones (a re-formed
@@ -91,6 +90,16 @@ class Reading:
     end: int | None = None
 
 
+@dataclass
+class Count:
+    """What a count carried: steps ``lo`` to ``hi`` of each reading (``ranges``), samples of
+    ``epoch``, counted after the run's ``step``."""
+
+    epoch: int
+    step: int
+    ranges: list[tuple[Reading, int, int]]
+
+
 class Elastic:
     """The trainer's side of elastic membership; a no-op without ``--elastic``."""
 
@@ -102,6 +111,7 @@ class Elastic:
         self._next: EpochPlan | None = None  # the rest of the epoch, dealt anew
         self._uncounted: list[Reading] = []
         self._trained: list[torch.Tensor] = []  # this worker's samples since they last counted
+        self._last: Count | None = None  # the last count that carried any step
         self._record: Path | None = None
         self._steps = trainer.plan.steps_per_epoch  # an epoch's steps for the schedule
         self._resized = False  # the group changed: the schedule follows the epochs' share
@@ -137,11 +147,14 @@ class Elastic:
     # -- the loop -----------------------------------------------------------------------------
     def steps_left(self) -> bool:
         """Whether the epoch has a step left; after its last the strategy closes the epoch
-        (``end_epoch``), and a worker lost meanwhile may leave steps to take."""
+        (``end_epoch``), and a worker lost meanwhile may leave steps to take. A change seen
+        outside a step (in an evaluation or a checkpoint mid-epoch, in a joiner's handover)
+        is settled first: the next step is the rest's, as dealt anew."""
         t = self.t
-        if t.state.epoch_step < t.plan.steps_per_epoch:
-            if self.membership is not None and self.membership.join_asked and self._all_counted():
-                self._admit()
+        if t.state.epoch_step < t.plan.steps_per_epoch and self.membership is not None \
+                and self.membership.join_asked and self._all_counted():
+            self._admit()
+        if self.settle() or t.state.epoch_step < t.plan.steps_per_epoch:
             return True
         t.strategy.end_epoch(t.state.epoch)
         if self.settle():
@@ -183,11 +196,14 @@ class Elastic:
         """A meeting carried every worker's work so far into the shared state."""
         if self.membership is None:
             return
-        t = self.t
-        self._uncounted = [Reading(t.plan, t.plan.permutation(t.state.epoch),
-                                   list(self.membership.members), t.state.epoch_step)]
+        t, st = self.t, self.t.state
+        ranges = [(r, r.start, st.epoch_step if r.end is None else r.end) for r in self._uncounted]
+        if any(lo < hi for _, lo, hi in ranges):
+            self._last = Count(st.epoch, st.step, ranges)
+        self._uncounted = [Reading(t.plan, t.plan.permutation(st.epoch),
+                                   list(self.membership.members), st.epoch_step)]
         if self._record is not None and self._trained:
-            record_samples(self._record, {t.state.epoch: torch.cat(self._trained)})
+            record_samples(self._record, {st.epoch: torch.cat(self._trained)}, st.step)
         self._trained = []
 
     def settle(self) -> bool:
@@ -218,6 +234,7 @@ class Elastic:
         """The group was re-formed without ``lost``: deal the rest of the epoch anew."""
         t, st = self.t, self.t.state
         t.regroup()
+        self._record_lost(lost)
         self._resized = True
         current = self._uncounted[-1]
         world = t.comm.world_size
@@ -251,6 +268,23 @@ class Elastic:
                                               ranks_there)
         return torch.cat([*parts, tail])
 
+    def _record_lost(self, lost: list[int]) -> None:
+        """Worker 0 (``--record-samples``): each lost worker's samples of the last count,
+        which its vote carried into the shared state, written for it unless it wrote them
+        itself before it was lost (:mod:`shoal.train.samples`)."""
+        last, m = self._last, self.membership
+        if last is None or self._record is None or m.rank != 0:
+            return
+        for worker in lost:
+            parts = [shard for r, lo, hi in last.ranges if worker in r.members
+                     for shard in r.plan.lost_shards(r.order, range(lo, hi), [r.members.index(worker)])]
+            path = samples_file(self.t.cfg, worker)
+            if parts and path is not None and not record_samples(
+                    path, {last.epoch: torch.cat(parts)}, last.step, by=m.me, wait=m.timeout):
+                print(f"shoal: worker {worker} holds its --record-samples file (stopped while "
+                      f"writing it?): its samples of step {last.step} are recorded only if it "
+                      "goes on", file=sys.stderr, flush=True)
+
     # -- a join -------------------------------------------------------------------------------
     def _all_counted(self) -> bool:
         """Whether all work so far counts (a meeting point, nothing dealt anew pending)."""
@@ -270,17 +304,19 @@ class Elastic:
         self.counted()
         if not joined:
             return
-        mine, theirs = handover.send(t, joined)
-        self.changes.append({
-            "step": st.step, "epoch": st.epoch + 1, "joined": joined,
-            "why": {m: "joined" for m in joined}, "workers": t.comm.world_size,
-            "samples_dealt_again": t.plan.n, "state_sha256": mine,
-            "joiner_state_sha256": theirs, "stall_s": round(time.perf_counter() - started, 4)})
-        t.recorder.notes["membership_changes"] = self.changes
+        # A joiner lost in the handover has its loss recorded after its join: its place kept.
+        workers, at = t.comm.world_size, len(self.changes)
         if t.comm.rank == 0:
-            print(f"shoal: {_workers(joined)} joined at step {st.step}; {t.comm.world_size} go "
-                  f"on with the {t.plan.n} samples left of epoch {st.epoch + 1}",
-                  file=sys.stderr, flush=True)
+            print(f"shoal: {_workers(joined)} joined at step {st.step}; {workers} go on with "
+                  f"the {t.plan.n} samples left of epoch {st.epoch + 1}", file=sys.stderr,
+                  flush=True)
+        change = {"step": st.step, "epoch": st.epoch + 1, "joined": joined,
+                  "why": {m: "joined" for m in joined}, "workers": workers,
+                  "samples_dealt_again": t.plan.n}
+        mine, theirs = handover.send(t, joined)
+        self.changes.insert(at, {**change, "state_sha256": mine, "joiner_state_sha256": theirs,
+                                 "stall_s": round(time.perf_counter() - started, 4)})
+        t.recorder.notes["membership_changes"] = self.changes
 
     def handover_state(self) -> dict[str, Any]:
         """What a joiner takes of this worker's side (:mod:`shoal.train.handover`)."""
@@ -310,29 +346,6 @@ def membership_change(step: int, epoch: int, why: dict[int, str], workers: int, 
               file=sys.stderr, flush=True)
     return {"step": step, "epoch": epoch + 1, "left": lost, "why": why, "workers": workers,
             "samples_dealt_again": dealt}
-
-
-def samples_file(cfg: TrainConfig, worker: int) -> Path | None:
-    """Where ``--record-samples`` writes what worker ``worker`` trained (``None``: off)."""
-    if not cfg.record_samples:
-        return None
-    path = Path(cfg.out) / "samples" / f"worker{worker}.jsonl"
-    path.parent.mkdir(parents=True, exist_ok=True)
-    return path
-
-
-def record_samples(path: Path, samples: dict[int, torch.Tensor]) -> None:
-    """``--record-samples``: append to ``path`` one line per epoch of ``samples`` (epoch ->
-    indices), in one write: a kill leaves no half line."""
-    lines = "".join(json.dumps({"epoch": e, "samples": s.tolist()}) + "\n"
-                    for e, s in samples.items() if len(s))
-    if not lines:
-        return
-    fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
-    try:
-        os.write(fd, lines.encode())
-    finally:
-        os.close(fd)
 
 
 def _workers(ids: list[int]) -> str:

@@ -27,8 +27,9 @@ from shoal.core.processes import stop_requested
 from shoal.core.waits import ELASTIC, publish_members
 from shoal.data import EpochPlan, ShardLoader, resolve_workers
 from shoal.train.deal import Schedule, Segment, Slots, cut, deal
-from shoal.train.elastic import membership_change, record_samples, samples_file
+from shoal.train.elastic import membership_change
 from shoal.train.optim import schedule_at
+from shoal.train.samples import record_samples, samples_file
 
 _Step = TypeVar("_Step")
 DEALS = f"{ELASTIC}/async/deals"  #: how many deals server 0 published

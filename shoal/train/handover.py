@@ -66,7 +66,7 @@ def _feed(h: Any, value: Any) -> None:
 def send(t: Any, joined: list[int]) -> tuple[str, dict[str, str]]:
     """Every member: worker 0's live state to the joiners (a broadcast over the grown
     group), then each joiner's digest of what it took. Returns worker 0's digest and the
-    joiners'."""
+    joiners' (by id)."""
     comm = t.comm
     state = live_state(t) if comm.rank == 0 else None
     mine = digest(state) if state is not None else ""
@@ -83,14 +83,11 @@ def receive(t: Any, joined: list[int]) -> None:
 
 
 def _digests(t: Any, joined: list[int], mine: str = "") -> dict[str, str]:
-    """Each joiner's digest, from the joiners in turn (a broadcast each)."""
-    members = t.comm.membership.members
-    out = {}
-    for worker in joined:
-        if worker in members:  # a joiner lost meanwhile sends none
-            out[str(worker)] = t.comm.broadcast_object(
-                mine if worker == t.comm.membership.me else "", src=members.index(worker))
-    return out
+    """Each joiner's digest, by its id: gathered at worker 0 and sent to all, so that a
+    joiner lost meanwhile (the meetings held again without it) sends none."""
+    me = t.comm.membership.me
+    got = t.comm.gather_objects((me, mine) if me in joined else None)
+    return t.comm.broadcast_object({str(w): d for w, d in filter(None, got or [])})
 
 
 def install(t: Any, state: dict[str, Any]) -> None:

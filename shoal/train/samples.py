@@ -1,0 +1,115 @@
+"""``--record-samples``: ``OUT/samples/worker<i>.jsonl``, the samples each worker trained,
+written as they count (:mod:`shoal.train.elastic`, :mod:`shoal.train.elastic_async`).
+
+A line is ``{"epoch", "samples", "step"}``: the samples of one epoch that a count carried
+into the shared state, and the step the count came after. A worker writes its own lines
+after the count. One lost right after a meeting counted its work (its vote was in) and
+before it wrote that line leaves the line unwritten, though its work is in the model:
+worker 0 then writes it for it (``"recorded_by": 0``, :func:`record_samples`'s ``by``).
+Both write under an exclusive lock of the file, worker 0 only when the file's last line is
+not that step's, the worker only when it is not worker 0's line for that step: each line is
+written once whoever writes it (a worker that stopped answering and goes on later finds its
+line written). A half line that a kill mid-write left is cut off first.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import json
+import os
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import torch
+
+from shoal.config import TrainConfig
+
+_POLL = 0.01  # seconds between two tries of a lock held by another worker
+
+
+def samples_file(cfg: TrainConfig, worker: int) -> Path | None:
+    """Where ``--record-samples`` writes what worker ``worker`` trained (``None``: off)."""
+    if not cfg.record_samples:
+        return None
+    path = Path(cfg.out) / "samples" / f"worker{worker}.jsonl"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    return path
+
+
+def record_samples(path: Path, samples: dict[int, torch.Tensor], step: int | None = None,
+                   by: int | None = None, wait: float | None = None) -> bool:
+    """Append to ``path`` one line per epoch of ``samples`` (epoch -> indices) counted after
+    ``step`` (``None``: not said, nothing checked), in one write; ``by``: the worker that
+    writes them for the file's, which is done only if the file does not end with that
+    step's line (and the file's worker does not write a line that ``by`` wrote for it).
+    ``wait``: the most seconds to wait for the file's lock (``None``: as long as it takes).
+    Returns False when the lock was not had in time (nothing written)."""
+    extra = ({} if step is None else {"step": step}) | ({} if by is None else {"recorded_by": by})
+    lines = "".join(json.dumps({"epoch": e, "samples": s.tolist(), **extra}) + "\n"
+                    for e, s in samples.items() if len(s))
+    if not lines:
+        return True
+    fd = os.open(path, os.O_RDWR | os.O_APPEND | os.O_CREAT, 0o600)
+    try:
+        with _locked(fd, wait) as locked:
+            if not locked:
+                return False
+            last_step, last_by = _written(_last_line(fd))
+            if step is None or last_step != step or (by is None and last_by is None):
+                os.write(fd, lines.encode())
+        return True
+    finally:
+        os.close(fd)
+
+
+@contextlib.contextmanager
+def _locked(fd: int, wait: float | None) -> Iterator[bool]:
+    """The file's exclusive lock, tried for up to ``wait`` seconds; whether it was had."""
+    if wait is None:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+    else:
+        deadline = time.monotonic() + wait
+        while True:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                if time.monotonic() > deadline:
+                    yield False
+                    return
+                time.sleep(_POLL)
+    try:
+        yield True
+    finally:
+        fcntl.flock(fd, fcntl.LOCK_UN)
+
+
+def _last_line(fd: int) -> bytes:
+    """The file's last whole line (``b""``: none), after cutting off a half line at its end
+    (a writer killed mid-write)."""
+    end = pos = os.fstat(fd).st_size
+    tail = b""
+    while pos > 0:
+        pos = max(0, pos - 4096)
+        tail = os.pread(fd, end - pos - len(tail), pos) + tail
+        if tail.count(b"\n") >= 2 or (pos == 0 and b"\n" in tail):
+            break
+    if tail and not tail.endswith(b"\n"):
+        cut = tail.rfind(b"\n") + 1
+        os.ftruncate(fd, end - (len(tail) - cut))
+        tail = tail[:cut]
+    return tail[tail.rfind(b"\n", 0, len(tail) - 1) + 1:]
+
+
+def _written(line: bytes) -> tuple[int | None, int | None]:
+    """A record line's ``step`` and ``recorded_by`` (``None``: not there, or not a line of
+    ours)."""
+    try:
+        record = json.loads(line)
+    except ValueError:
+        return None, None
+    if not isinstance(record, dict):
+        return None, None
+    return record.get("step"), record.get("recorded_by")

@@ -1,0 +1,51 @@
+"""--record-samples' lines (shoal.train.samples): a line worker 0 writes for a lost worker and
+the worker's own line for the same count are written once, whoever comes first; a half line
+a kill left is cut off; a lock held elsewhere is waited for, or given up after ``wait``."""
+
+from __future__ import annotations
+
+import fcntl
+import json
+import os
+
+import torch
+
+from shoal.train.samples import record_samples
+
+
+def _lines(path):
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+def test_worker_0_writes_a_lost_workers_line_only_if_it_did_not(tmp_path):
+    path = tmp_path / "worker2.jsonl"
+    record_samples(path, {0: torch.tensor([1, 2])}, step=5)
+    record_samples(path, {0: torch.tensor([3, 4])}, step=9)
+    record_samples(path, {0: torch.tensor([3, 4])}, step=9, by=0)  # it wrote it itself
+    assert _lines(path) == [{"epoch": 0, "samples": [1, 2], "step": 5},
+                            {"epoch": 0, "samples": [3, 4], "step": 9}]
+    record_samples(path, {1: torch.tensor([7])}, step=12, by=0)  # it died before it did
+    record_samples(path, {1: torch.tensor([7])}, step=12)  # it comes back (SIGCONT) later
+    assert _lines(path)[2:] == [{"epoch": 1, "samples": [7], "step": 12, "recorded_by": 0}]
+
+
+def test_a_half_line_left_by_a_kill_is_cut_off(tmp_path):
+    path = tmp_path / "worker1.jsonl"
+    record_samples(path, {0: torch.tensor([1])}, step=1)
+    with path.open("a") as f:
+        f.write('{"epoch": 0, "samp')  # killed mid-write (a line longer than a page)
+    record_samples(path, {0: torch.tensor([2])}, step=2, by=0)
+    assert [r["samples"] for r in _lines(path)] == [[1], [2]]
+
+
+def test_a_lock_held_elsewhere_is_given_up_after_the_wait(tmp_path):
+    path = tmp_path / "worker1.jsonl"
+    record_samples(path, {0: torch.tensor([1])}, step=1)
+    held = os.open(path, os.O_RDONLY)  # another process's open: a worker stopped in its write
+    try:
+        fcntl.flock(held, fcntl.LOCK_EX)
+        assert not record_samples(path, {0: torch.tensor([2])}, step=2, by=0, wait=0.05)
+    finally:
+        os.close(held)
+    assert record_samples(path, {0: torch.tensor([2])}, step=2, by=0, wait=0.05)
+    assert [r["samples"] for r in _lines(path)] == [[1], [2]]
