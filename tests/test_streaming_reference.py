@@ -261,9 +261,13 @@ def reference_streaming_local(name: str, world: int, cases: dict = CASES,
 def test_streaming_matches_the_paper(results, name, world):
     kind = CASES[name][0]
     reference = reference_streaming_diloco if kind == "diloco" else reference_streaming_local
-    models, evaluated = reference(name, world)
-    for rank in range(world):
-        got = results[world][rank][name]
+    assert_as_reference(results[world], name, *reference(name, world))
+
+
+def assert_as_reference(ranks, name: str, models, evaluated) -> None:
+    """Every rank's parameters, and the model it evaluated, are the reference's."""
+    for rank, found in enumerate(ranks):
+        got = found[name]
         torch.testing.assert_close(torch.tensor(got["x"], dtype=torch.float64), models[rank],
                                    atol=1e-10, rtol=0, msg=f"rank {rank}'s parameters")
         torch.testing.assert_close(torch.tensor(got["eval"], dtype=torch.float64),

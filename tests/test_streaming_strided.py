@@ -20,6 +20,7 @@ from test_strategy_reference import LR, problem, results_by_world, rows
 from test_streaming_reference import (
     TAU,
     Geometry,
+    assert_as_reference,
     reference_streaming_diloco,
     reference_streaming_local,
     run_case,
@@ -119,13 +120,7 @@ def test_strided_fragments_match_the_paper(results, name, world):
         models, evaluated = reference_streaming_diloco(name, world, cases=CASES, geometry=ADDITIVE)
     else:
         models, evaluated = reference_streaming_local(name, world, cases=CASES, geometry=ADDITIVE)
-    for rank in range(world):
-        got = results[world][rank][name]
-        torch.testing.assert_close(torch.tensor(got["x"], dtype=torch.float64), models[rank],
-                                   atol=1e-10, rtol=0, msg=f"rank {rank}'s parameters")
-        torch.testing.assert_close(torch.tensor(got["eval"], dtype=torch.float64),
-                                   models[rank] if evaluated is None else evaluated,
-                                   atol=1e-10, rtol=0, msg=f"rank {rank}'s evaluated model")
+    assert_as_reference(results[world], name, models, evaluated)
 
 
 @pytest.mark.parametrize("world", [1, 2, 3])
