@@ -138,6 +138,39 @@ def test_a_rank_that_starts_late_is_waited_for_not_lost():
     assert spawn(2, _arrives_late_then_sums, (4.0,)) == [2.0, 2.0]
 
 
+def _loses_rank_2_then_gathers() -> tuple[float, list | None]:
+    """4 elastic ranks (60 s collectives' timeout); rank 2 dies, then the others gather an
+    object each (as a checkpoint's and the handover's bookkeeping do): how long it took."""
+    import os
+    import signal
+    import time
+
+    from shoal.core.env import detect_environment
+    from shoal.core.join import init_comm
+
+    env = detect_environment()
+    comm = init_comm(env, "cpu", timeout=60.0, heartbeat_timeout=60.0, elastic=True)
+    comm.all_reduce(torch.ones(1))
+    if env.rank == 2:
+        os.kill(os.getpid(), signal.SIGKILL)
+    started = time.monotonic()
+    got = comm.gather_objects({"worker": env.rank, "pad": "x" * 100_000})
+    took = time.monotonic() - started
+    comm.close("returned")
+    return took, got and [o["worker"] for o in got]
+
+
+def test_an_object_gather_is_left_at_once_when_a_worker_is_lost():
+    """Worker 0 is not dead worker 2's ring neighbour: torch's object collectives kept it in
+    Gloo until the collectives' timeout (60 s); elastic ones are left when the vote fails."""
+    from shoal.core.processes import spawn
+
+    results = spawn(4, _loses_rank_2_then_gathers, tolerate=lambda rank: rank == 2)
+    (took, workers), *_ = results
+    assert workers == [0, 1, 3]
+    assert took < 30, f"worker 0 waited {took:.1f} s: the collectives' timeout"
+
+
 @pytest.mark.parametrize("strategy", ["sync", "diloco"])
 def test_a_worker_lost_between_two_epochs_leaves_no_sample_twice(tmp_path, strategy):
     # Worker 2 dies in the evaluation after epoch 1 (its 2nd eval forward; the 1st is the

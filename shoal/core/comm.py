@@ -22,6 +22,7 @@ from shoal.core.env import Environment
 from shoal.core.failures import EXIT_ABORTED
 from shoal.core.group import join_group
 from shoal.core.handle import Handle
+from shoal.core.inflight import all_objects
 from shoal.core.membership import Membership
 from shoal.core.ops import reduce_op
 from shoal.core.pairs import Client
@@ -110,10 +111,9 @@ class Comm:
 
     def watch_as_joiner(self, env: Environment, store: dist.Store,
                         heartbeat_timeout: float | None, timeout: float | None) -> Membership:
-        """A worker joining a running elastic job (:mod:`shoal.core.joining`), whose Comm
-        had no peers so far (its trainer was built alone): beat in the job's ``store`` as
-        worker ``env.rank`` of a job first of ``env.world_size``, with a membership of no
-        group yet (until :meth:`Membership.enter`)."""
+        """A joiner of a running elastic job (:mod:`shoal.core.joining`), built alone: beat in
+        the job's ``store`` as worker ``env.rank`` of a job first of ``env.world_size``, in
+        no group yet (until :meth:`Membership.enter`)."""
         self.store = store
         self._store = dist.PrefixStore(key_prefix(env.attempt), store)
         self._rank0_hosts = False
@@ -123,9 +123,8 @@ class Comm:
         return self.membership
 
     def _meet(self, run: Callable[[], _T], keep: torch.Tensor | None = None) -> _T | None:
-        """``run()`` a collective (waited for here if it returns its work); elastic: voted
-        on, held again in a re-formed group from ``keep``'s value now
-        (:meth:`Membership.meet`), skipped once this worker is alone."""
+        """``run()`` a collective (waited for if it returns its work); elastic: voted on, held
+        again in a re-formed group from ``keep`` (:meth:`Membership.meet`), skipped alone."""
         if self.membership is None:
             result = run()
             return result.wait() if isinstance(result, dist.Work) else result
@@ -137,10 +136,9 @@ class Comm:
         return self.peers and self.world_size > 1 and dist.is_initialized()
 
     def child(self, env: Environment) -> Comm:
-        """A Comm for the process group (the default one) that this process joined as
-        ``env.rank`` of ``env.world_size``, beside the job this Comm speaks for: a compute
-        group inside an asynchronous job. Its time goes on this Comm's timeline, its bytes
-        count here too."""
+        """A Comm for the default process group this process joined as ``env.rank`` of
+        ``env.world_size`` (a compute group inside an asynchronous job); its time and bytes
+        count on this Comm too."""
         comm = Comm(env, self.device, self.timeline)
         comm._parent = self
         return comm
@@ -150,8 +148,7 @@ class Comm:
         group of an asynchronous job, whose ranks share no process group of the whole job) as
         its rank ``rank``; its Comm is :attr:`subgroup` (a :meth:`child` of this one)."""
         if self.store is None:
-            raise ShoalError(f"{name}: a group meets through the job's store, and this process "
-                             "has none")
+            raise ShoalError(f"{name}: a group meets through the job's store; this process has none")
         if dist.is_initialized():
             raise ShoalError(f"{name}: this process already belongs to a process group")
         join_group(dist.PrefixStore(name, self.store), rank, size, self.device.type, timeout,
@@ -293,9 +290,12 @@ class Comm:
             return [obj]
 
         def gather() -> list[Any] | None:
-            out = [None] * self.world_size if self.rank == dst else None
-            dist.gather_object(obj, out, dst=dst)
-            return out
+            if self.membership is not None:  # elastic: left at once when the vote fails
+                out = all_objects(self.membership, obj)
+            else:
+                out = [None] * self.world_size if self.rank == dst else None
+                dist.gather_object(obj, out, dst=dst)
+            return out if self.rank == dst else None
 
         with self.log.track(describe("gather", "objects")):
             out = self._meet(gather)
@@ -307,14 +307,16 @@ class Comm:
             return obj
         box = [obj]
         with self.log.track(describe("broadcast", "object")):
-            self._meet(lambda: dist.broadcast_object_list(box, src=src))
+            if self.membership is None:
+                dist.broadcast_object_list(box, src=src)
+            elif got := self._meet(lambda: all_objects(self.membership, obj)):
+                box[0] = got[src]  # elastic: left at once when the vote fails
         return box[0]
 
     # -- failure handling -------------------------------------------------------------------
     @property
     def attempt_store(self) -> dist.Store | None:
-        """The job's store under this attempt's prefix: the keys of this run of the job
-        (a restart does not see them), where shoal's launcher reads and writes its own."""
+        """The job's store under this attempt's prefix (where shoal's launcher keeps its keys)."""
         return self._store
 
     def ended(self, rank: int, timeout: float) -> str | None:

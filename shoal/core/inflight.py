@@ -23,6 +23,7 @@ under it: destroying it joins Gloo's thread, which sits in that collective.
 from __future__ import annotations
 
 import contextlib
+import pickle
 import queue
 import threading
 import time
@@ -196,3 +197,21 @@ def leave_group(inflight: InFlight) -> None:
     if left:
         _BURIED.append((dist.group.WORLD, left))
     dist.destroy_process_group()
+
+
+def all_objects(m: Any, obj: Any) -> list[Any]:
+    """Every member's picklable ``obj``, in rank order, through two all-gathers (sizes,
+    then the padded pickles) that are left as soon as the meeting of ``m`` (a
+    :class:`~shoal.core.membership.Membership`) is voted failed: torch's object collectives
+    wait in Gloo until their timeout."""
+    mine = torch.frombuffer(bytearray(pickle.dumps(obj)), dtype=torch.uint8)
+    sizes = torch.zeros(m.world_size, dtype=torch.int64)
+    m.inflight.wait(dist.all_gather_into_tensor(sizes, torch.tensor([mine.numel()]),
+                                                async_op=True), m.decision)
+    width = int(sizes.max())
+    rows = torch.zeros(m.world_size * width, dtype=torch.uint8)
+    padded = torch.zeros(width, dtype=torch.uint8)
+    padded[:mine.numel()] = mine
+    m.inflight.wait(dist.all_gather_into_tensor(rows, padded, async_op=True), m.decision)
+    rows = rows.view(m.world_size, width)
+    return [pickle.loads(rows[r, :int(n)].numpy().tobytes()) for r, n in enumerate(sizes)]
