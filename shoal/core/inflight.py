@@ -205,13 +205,13 @@ def all_objects(m: Any, obj: Any) -> list[Any]:
     :class:`~shoal.core.membership.Membership`) is voted failed: torch's object collectives
     wait in Gloo until their timeout."""
     mine = torch.frombuffer(bytearray(pickle.dumps(obj)), dtype=torch.uint8)
-    sizes = torch.zeros(m.world_size, dtype=torch.int64)
-    m.inflight.wait(dist.all_gather_into_tensor(sizes, torch.tensor([mine.numel()]),
-                                                async_op=True), m.decision)
+    sizes = torch.zeros(m.world_size, 1, dtype=torch.int64)
+    m.inflight.wait(dist.all_gather(list(sizes), torch.tensor([mine.numel()]), async_op=True),
+                    m.decision)
     width = int(sizes.max())
-    rows = torch.zeros(m.world_size * width, dtype=torch.uint8)
+    rows = torch.zeros(m.world_size, width, dtype=torch.uint8)
     padded = torch.zeros(width, dtype=torch.uint8)
     padded[:mine.numel()] = mine
-    m.inflight.wait(dist.all_gather_into_tensor(rows, padded, async_op=True), m.decision)
-    rows = rows.view(m.world_size, width)
+    m.inflight.wait(dist.all_gather(list(rows), padded, async_op=True), m.decision)
+    sizes = sizes.flatten()
     return [pickle.loads(rows[r, :int(n)].numpy().tobytes()) for r, n in enumerate(sizes)]
