@@ -8,8 +8,10 @@ import fcntl
 import json
 import os
 
+import pytest
 import torch
 
+from shoal.errors import ShoalError
 from shoal.train.samples import record_samples
 
 
@@ -49,3 +51,15 @@ def test_a_lock_held_elsewhere_is_given_up_after_the_wait(tmp_path):
         os.close(held)
     assert record_samples(path, {0: torch.tensor([2])}, step=2, by=0, wait=0.05)
     assert [r["samples"] for r in _lines(path)] == [[1], [2]]
+
+
+def test_a_planted_link_is_neither_followed_nor_cut(tmp_path):
+    """The file is read back and a half line cut off: a link planted in its place (to a
+    file shoal did not write) is refused in one line, and that file stays as it was."""
+    victim = tmp_path / "notes.txt"
+    victim.write_text('line one\nhalf a line')
+    path = tmp_path / "worker1.jsonl"
+    path.symlink_to(victim)
+    with pytest.raises(ShoalError, match="symbolic link"):
+        record_samples(path, {0: torch.tensor([1])}, step=1, by=0)
+    assert victim.read_text() == 'line one\nhalf a line'

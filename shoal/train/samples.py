@@ -25,6 +25,7 @@ from pathlib import Path
 import torch
 
 from shoal.config import TrainConfig
+from shoal.core.trust import open_own, private_dir
 
 _POLL = 0.01  # seconds between two tries of a lock held by another worker
 
@@ -33,9 +34,7 @@ def samples_file(cfg: TrainConfig, worker: int) -> Path | None:
     """Where ``--record-samples`` writes what worker ``worker`` trained (``None``: off)."""
     if not cfg.record_samples:
         return None
-    path = Path(cfg.out) / "samples" / f"worker{worker}.jsonl"
-    path.parent.mkdir(parents=True, exist_ok=True)
-    return path
+    return private_dir(Path(cfg.out) / "samples", "--record-samples' folder") / f"worker{worker}.jsonl"
 
 
 def record_samples(path: Path, samples: dict[int, torch.Tensor], step: int | None = None,
@@ -51,7 +50,7 @@ def record_samples(path: Path, samples: dict[int, torch.Tensor], step: int | Non
                     for e, s in samples.items() if len(s))
     if not lines:
         return True
-    fd = os.open(path, os.O_RDWR | os.O_APPEND | os.O_CREAT, 0o600)
+    fd = open_own(path, os.O_RDWR | os.O_APPEND | os.O_CREAT)  # read back and cut: ours only
     try:
         with _locked(fd, wait) as locked:
             if not locked:
