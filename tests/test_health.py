@@ -75,11 +75,7 @@ def test_nan_stops_at_once_and_keeps_the_last_good_checkpoint(tmp_path, strategy
     finite, never overwritten by the NaN state. (An asynchronous run's coordinator writes
     epoch 1's checkpoint once both workers sent their part, which the failure may overtake:
     there, whatever checkpoint exists is an earlier, finite one.)"""
-    env = shoal_env()
-    env["SHOAL_TEST_NAN_AT"] = "60"
-    res = shoal("train", "--out", str(tmp_path / "run"), *DIGITS, "--strategy", strategy,
-                "--model", "tests.fixtures_models:nan_from", "--epochs", "3", env=env,
-                timeout=240)
+    res = _turns_nan(tmp_path, strategy, {"SHOAL_TEST_NAN_AT": "60"})
     assert res.returncode == 2, res.stdout + res.stderr
     line = one_error_line(res.stderr)
     assert "training loss became nan at step 60 (epoch 2)" in line, line
@@ -104,12 +100,17 @@ def test_an_asynchronous_workers_nan_is_named_at_its_own_step(tmp_path, strategy
     push)."""
     seen = tmp_path / "seen"
     seen.mkdir()
-    env = {**shoal_env(), "SHOAL_TEST_NAN_AT": "60", "SHOAL_TEST_NAN_RANK": "1",
-           "SHOAL_TEST_NAN_SEEN": str(seen)}
-    res = shoal("train", "--out", str(tmp_path / "run"), *DIGITS, "--strategy", strategy,
-                "--model", "tests.fixtures_models:nan_from", "--epochs", "3", env=env,
-                timeout=240)
+    res = _turns_nan(tmp_path, strategy, {"SHOAL_TEST_NAN_AT": "60", "SHOAL_TEST_NAN_RANK": "1",
+                                          "SHOAL_TEST_NAN_SEEN": str(seen)})
     assert res.returncode == 2, res.stdout + res.stderr
     line = one_error_line(res.stderr)
     assert "worker 0 (rank 1): training loss became nan at step 60 (epoch 2)" in line, line
     assert not sorted(p.name for p in seen.iterdir())
+
+
+def _turns_nan(tmp_path, strategy: str, env: dict[str, str]):
+    """``shoal train`` of ``tests.fixtures_models:nan_from`` (digits, 3 epochs) with the
+    fixture's settings ``env`` (at which step, on which rank its loss turns NaN)."""
+    return shoal("train", "--out", str(tmp_path / "run"), *DIGITS, "--strategy", strategy,
+                 "--model", "tests.fixtures_models:nan_from", "--epochs", "3",
+                 env={**shoal_env(), **env}, timeout=240)

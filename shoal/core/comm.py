@@ -241,8 +241,7 @@ class Comm:
             return done
         self.count(tensor.numel() * tensor.element_size())
         return self.log.follow(describe("all_reduce", "bucket"), lambda: dist.all_reduce(
-            tensor, op=dist.ReduceOp.SUM, async_op=True), *(
-            [self.membership.watched] if self.membership else []))
+            tensor, op=dist.ReduceOp.SUM, async_op=True), self.membership and self.membership.watched)
 
     def broadcast(self, tensor: torch.Tensor, src: int = 0, name: str = "broadcast") -> torch.Tensor:
         """Overwrite ``tensor`` on every rank with rank ``src``'s."""
@@ -309,7 +308,8 @@ class Comm:
         with self.log.track(describe("broadcast", "object")):
             if self.membership is None:
                 dist.broadcast_object_list(box, src=src)
-            elif got := self._meet(lambda: all_objects(self.membership, obj)):
+            elif got := self._meet(lambda: all_objects(self.membership, obj if self.rank == src
+                                                       else None)):
                 box[0] = got[src]  # elastic: left at once when the vote fails
         return box[0]
 

@@ -58,6 +58,7 @@ class InFlight:
         self._wake, self._stop = threading.Event(), threading.Event()
         self._watched: list[_Entry] = []  # not settled yet
         self._queue: queue.SimpleQueue | None = None  # the current waiter's
+        self._waiter: threading.Thread | None = None
         self._poller: threading.Thread | None = None
         #: Collectives left behind by a failed meeting (see :func:`leave_group`).
         self.left: list[Any] = []
@@ -134,15 +135,12 @@ class InFlight:
 
     def stop(self, timeout: float) -> None:
         """Stop the poll thread (a store call cut off by the interpreter's end would end
-        the process in ``std::terminate``) and give the collectives left behind up to
-        ``timeout`` seconds to be over."""
+        the process in ``std::terminate``) and the retired waiters (each within a slice;
+        their collectives stay with their groups, :func:`leave_group`)."""
         self._stop.set()
         self._wake.set()
         if self._poller is not None:
             self._poller.join(timeout)
-        deadline = time.monotonic() + timeout
-        while any(not w.is_completed() for w in self.left) and time.monotonic() < deadline:
-            time.sleep(POLL)
         for waiter in self._retired:
             waiter.join(timeout)
 

@@ -116,9 +116,9 @@ def _refusal(m: Membership, store: Any, ticket: int, workers: int, cap: int) -> 
         good = False
     if not good:
         return "its proof does not match this job's secret"
-    if workers >= cap and m.lost_unseen():
-        return WAIT  # the members have not met since: its place is coming
     if workers >= cap:
+        if m.lost_unseen():
+            return WAIT  # the members have not met since: its place is coming
         return (f"the job has {workers} workers, its most (--max-workers {cap}); "
                 "a worker may join once one is lost")
     return None

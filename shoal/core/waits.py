@@ -190,12 +190,13 @@ class CollectiveLog:
             self.finish(seq)
 
     def follow(self, what: str, issue: Callable[[], Any],
-               future: Callable[[Any], Any] = lambda work: work.get_future()) -> Any:
+               future: Callable[[Any], Any] | None = None) -> Any:
         """``issue()`` an asynchronous collective that nobody here waits for (DDP does), and
-        follow it until the ``future(work)`` returned completes."""
+        follow it until the future returned completes: ``future(work)``, else the work's."""
         seq = self.start(what)
         try:
-            done = future(issue())
+            work = issue()
+            done = future(work) if future is not None else work.get_future()
         except BaseException:
             self.finish(seq)
             raise
