@@ -18,6 +18,7 @@ from typing import Any
 
 from shoal.cli.parsers import build_parser
 from shoal.cli.settings import config_from_args
+from shoal.core.guard import skip_exit_collection
 from shoal.errors import ShoalError, Terminated, WorkerError
 from shoal.schema import parse_names
 
@@ -211,6 +212,8 @@ def _error(exc: ShoalError, debug: bool) -> int:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    if argv is None:  # the process is this command's (not a caller's who passes argv)
+        skip_exit_collection()
     argv = list(sys.argv[1:] if argv is None else argv)
     debug = "--debug" in argv  # until parsed: `shoal run x.py --debug` is the script's flag
     try:

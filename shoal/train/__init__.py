@@ -15,6 +15,7 @@ import torch
 from shoal.config import TrainConfig
 from shoal.core.env import Environment, default_threads, detect_environment, resolve_device
 from shoal.core.failures import exit_status
+from shoal.core.guard import skip_exit_collection
 from shoal.core.limits import check_processes
 from shoal.core.processes import spawn, stop_requested
 from shoal.core.trust import Seal
@@ -115,6 +116,7 @@ def _spawned_rank(cfg: TrainConfig, topology: Topology, data: Dataset | None,
                   extra: dict[str, Any] | None, key: str | None) -> dict[str, Any] | None:
     """A rank shoal's launcher started; ``data``: a dataset given in Python; ``key``: an
     elastic job's join secret (hex)."""
+    skip_exit_collection()
     env = detect_environment()
     assert env is not None
     return run_rank(cfg, env, topology, data=data, extra=extra,
