@@ -24,7 +24,7 @@ demo: $(STAMP)
 test: $(STAMP)
 	$(BIN)/ruff check shoal tests benchmarks examples
 	$(BIN)/lint-imports
-	$(BIN)/python -m pytest -q -n 2 --dist loadfile --durations=15
+	$(BIN)/python -m pytest -q -n 2 --dist load --durations=15
 
 # On a machine with an NVIDIA GPU: what it is, every CUDA test (pytest -m gpu), then a short
 # GPU benchmark (benchmarks/bench_gpu.py; its table in runs/bench-gpu/). Minutes in all.

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import functools
 import json
 import os
 import signal
@@ -39,6 +40,33 @@ def pytest_configure(config: pytest.Config) -> None:
     runs alike on every machine. The GPU tests are marked ``gpu`` and run by themselves."""
     if not _gpu_run(config):
         os.environ["CUDA_VISIBLE_DEVICES"] = ""
+
+
+@functools.cache
+def _shares_a_fixture(path: str) -> bool:
+    """Whether the test file ``path`` has a module-scoped fixture (a trained run that several
+    of its tests read)."""
+    try:
+        return 'scope="module"' in (REPO / path).read_text()
+    except OSError:
+        return False
+
+
+def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
+    """``make test`` (``-n 2``, xdist's ``load``): every test is handed out by itself, so the
+    two test processes end together, but a file's tests that share a module-scoped fixture
+    go to one process together, which computes it once. (xdist's ``loadgroup`` would do it
+    with marks, but it renames node ids in a way pytest 9.2 no longer reads.)"""
+    if config.getvalue("dist") != "load":
+        return None
+    from xdist.scheduler import LoadScopeScheduling
+
+    class SharedFixtureScheduling(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            path = nodeid.split("::", 1)[0]
+            return path if _shares_a_fixture(path) else nodeid
+
+    return SharedFixtureScheduling(config, log)
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
