@@ -368,6 +368,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         slow = slow_hosts(args.emulate_slow) if args.emulate_slow else {}
         links = link_rates(args.link_rate) if args.link_rate else {}
         with terminate_as_exception(), Cluster(args.hosts, args.rate, slow, links) as cluster:
+            print(f"shoal.emulate: {args.hosts} hosts in namespaces {cluster.prefix}-*, torn "
+                  "down at the end", file=sys.stderr, flush=True)
             return cluster.torchrun(program, args.nproc_per_node, args.timeout)
     except ShoalError as exc:
         print(f"shoal: error: {exc}", file=sys.stderr)

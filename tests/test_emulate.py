@@ -2,6 +2,7 @@
 
 import json
 import os
+import re
 import subprocess
 import sys
 
@@ -73,7 +74,6 @@ def test_failed_setup_leaves_nothing(monkeypatch):
 @needs_namespaces
 def test_torchrun_job_across_two_hosts(tmp_path):
     """`python -m shoal.emulate` runs a two-node torchrun job of `shoal train` and cleans up."""
-    before = set(namespaces())
     res = run([sys.executable, "-m", "shoal.emulate", "--hosts", "2", "--rate", "1gbit", "--",
                "-m", "shoal", "train", "--model", "mlp", "--epochs", "1", "--stop-at-step", "5",
                "--threads-per-worker", "1", "--progress", "none", "--out", str(tmp_path)],
@@ -81,16 +81,23 @@ def test_torchrun_job_across_two_hosts(tmp_path):
     assert res.returncode == 0, res.stdout + res.stderr
     summary = json.loads((tmp_path / "summary.json").read_text())
     assert summary["workers"] == 2 and summary["steps"] == 5 and summary["bytes_sent"] > 0
-    assert set(namespaces()) == before
+    assert namespaces(_cluster(res.stderr)) == []
+
+
+def _cluster(stderr):
+    """The namespaces' prefix the emulated cluster said it made (other tests' clusters may
+    come and go meanwhile)."""
+    match = re.search(r"in namespaces (shoalemu-[0-9a-f]{6})-\*", stderr)
+    assert match, stderr
+    return match.group(1)
 
 
 @needs_namespaces
 def test_failing_job_is_torn_down(tmp_path):
-    before = set(namespaces())
     res = run([sys.executable, "-m", "shoal.emulate", "--hosts", "2", "--", "-m",
                "shoal.no_such_module"], timeout=120, cwd=REPO)
     assert res.returncode not in (0, 2), res.stdout + res.stderr  # torchrun's failure, passed on
-    assert set(namespaces()) == before
+    assert namespaces(_cluster(res.stderr)) == []
 
 
 def test_cli_errors(capsys):
