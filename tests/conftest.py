@@ -344,15 +344,20 @@ def samples_trained(out) -> collections.Counter:
 
 
 def train_losing(out, rank: int, at: str, *flags: str, signal: int | None = None,
-                 timeout: float = 500, workers: int = 3):
+                 timeout: float = 500, workers: int = 3, after_count: bool = False,
+                 model: str = "tests.fixtures_models:killed_at"):
     """``shoal train --elastic --record-samples`` on ``workers`` (digits, ``EPOCHS`` epochs,
     ``tests.fixtures_models:killed_at``) in which rank ``rank`` sends itself ``signal``
-    (SIGKILL by default) at ``at`` (``train:N``: its Nth training forward; ``eval:N``)."""
+    (SIGKILL by default) at ``at`` (``train:N``: its Nth training forward; ``eval:N``);
+    ``after_count``: SIGKILL once that forward's work counted, before it is recorded;
+    ``model``: another model that reads the same variables."""
     env = shoal_env()
+    if after_count:
+        env["SHOAL_TEST_KILL_AFTER_COUNT"] = "1"
     env.update(SHOAL_TEST_KILL_RANK=str(rank), SHOAL_TEST_KILL_AT=at,
                **({"SHOAL_TEST_KILL_SIGNAL": str(signal)} if signal is not None else {}))
-    return shoal("train", "--out", str(out), "--progress", "plain", "--model",
-                 "tests.fixtures_models:killed_at", "--dataset", "digits", "--workers", str(workers),
+    return shoal("train", "--out", str(out), "--progress", "plain", "--model", model,
+                 "--dataset", "digits", "--workers", str(workers),
                  "--epochs", str(EPOCHS), *flags, "--elastic", "--record-samples", env=env,
                  timeout=timeout)
 

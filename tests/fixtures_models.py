@@ -56,12 +56,16 @@ class _KilledAt(nn.Module):
     """`tiny`, whose process kills itself (SIGKILL, as `kill -9` does) on its
     ``SHOAL_TEST_KILL_AT``-th forward pass (``train:N`` or ``eval:N``) in the process of rank
     ``SHOAL_TEST_KILL_RANK``: an asynchronous job's worker mid-epoch, or its server 0 (rank
-    0) at its N-th evaluation. ``SHOAL_TEST_KILL_SIGNAL``: another signal (19: SIGSTOP)."""
+    0) at its N-th evaluation. ``SHOAL_TEST_KILL_SIGNAL``: another signal (19: SIGSTOP).
+    With ``SHOAL_TEST_KILL_AFTER_COUNT`` (an asynchronous ``--elastic`` worker) it dies
+    instead right after that forward's work next counts at server 0, before it records it
+    (``--record-samples``)."""
 
     def __init__(self, input_shape, num_classes):
         super().__init__()
         self.net = tiny(input_shape, num_classes)
         self.calls = {"train": 0, "eval": 0}
+        self.armed = False
 
     def forward(self, x):
         mode = "train" if self.training else "eval"
@@ -69,12 +73,49 @@ class _KilledAt(nn.Module):
         if os.environ.get("RANK") == os.environ.get("SHOAL_TEST_KILL_RANK"):
             when, _, count = os.environ.get("SHOAL_TEST_KILL_AT", "").partition(":")
             if when == mode and self.calls[mode] == int(count):
-                os.kill(os.getpid(), int(os.environ.get("SHOAL_TEST_KILL_SIGNAL", "9")))
+                self.armed = True
+                if not os.environ.get("SHOAL_TEST_KILL_AFTER_COUNT"):
+                    os.kill(os.getpid(), int(os.environ.get("SHOAL_TEST_KILL_SIGNAL", "9")))
         return self.net(x)
 
 
+def batchnorm_killed_after_step(input_shape, num_classes):
+    """A model with BatchNorm (buffers DDP broadcasts at every forward) whose process of rank
+    ``SHOAL_TEST_KILL_RANK`` kills itself (SIGKILL) right after its optimizer's
+    ``SHOAL_TEST_KILL_AT``-th step (``step:N``): every meeting of that step is done, the next
+    one is the next forward's buffer broadcast."""
+    if os.environ.get("RANK") == os.environ.get("SHOAL_TEST_KILL_RANK"):
+        steps = {"n": 0}
+        at = int(os.environ["SHOAL_TEST_KILL_AT"].partition(":")[2])
+
+        def after_step(optimizer, args, kwargs):
+            steps["n"] += 1
+            if steps["n"] == at:
+                os.kill(os.getpid(), signal.SIGKILL)
+
+        from torch.optim.optimizer import register_optimizer_step_post_hook
+
+        register_optimizer_step_post_hook(after_step)
+    features = int(torch.tensor(input_shape).prod())
+    return nn.Sequential(nn.Flatten(), nn.Linear(features, 32), nn.BatchNorm1d(32), nn.ReLU(),
+                         nn.Linear(32, num_classes))
+
+
 def killed_at(input_shape, num_classes):
-    return _KilledAt(input_shape, num_classes)
+    model = _KilledAt(input_shape, num_classes)
+    if os.environ.get("SHOAL_TEST_KILL_AFTER_COUNT") \
+            and os.environ.get("RANK") == os.environ.get("SHOAL_TEST_KILL_RANK"):
+        from shoal.train.elastic_async import AsyncElastic
+
+        count = AsyncElastic._count
+
+        def count_or_die(self):
+            if model.armed and self.t.strategy.counted > self.at:
+                os.kill(os.getpid(), signal.SIGKILL)
+            count(self)
+
+        AsyncElastic._count = count_or_die
+    return model
 
 
 class _KilledThenHeld(_KilledAt):

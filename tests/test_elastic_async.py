@@ -48,6 +48,23 @@ def test_a_killed_worker_leaves_and_the_others_train_its_share(tmp_path, strateg
     assert_each_sample_once(out, EPOCHS, TRAIN_ROWS)
 
 
+def test_a_worker_lost_after_its_push_counted_and_before_its_record_loses_no_line(tmp_path):
+    """Worker 1 is killed right after server 0 applied its push of step 20 and before it
+    wrote that step's --record-samples line: server 0 writes the line for it (its samples
+    up to the last count), so every sample is recorded once."""
+    out = tmp_path / "run"
+    res = train_losing(out, 2, "train:20", "--strategy", "async-sgd", after_count=True,
+                       timeout=240)
+    assert res.returncode == 0, res.stderr
+    assert res.stray == []
+    [lost] = json.loads((out / "summary.json").read_text())["lost_workers"]
+    last = json.loads((out / "samples" / "worker1.jsonl").read_text().splitlines()[-1])
+    assert last == {"epoch": 0, "samples": last["samples"], "upto": lost["samples_trained"],
+                    "recorded_by": "server 0"}
+    assert len(last["samples"]) == 16  # step 20's batch: the worker wrote step 19's itself
+    assert_each_sample_once(out, EPOCHS, TRAIN_ROWS)
+
+
 def test_a_worker_that_stops_answering_is_left_out(tmp_path):
     """Worker 1 stops (SIGSTOP) mid-epoch: server 0 loses it after --heartbeat-timeout, the
     others train its share, and the launcher ends it once they finished."""

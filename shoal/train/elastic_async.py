@@ -16,6 +16,7 @@ later may still leave it work. Nobody waits for anybody otherwise.
 from __future__ import annotations
 
 import json
+import sys
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -29,7 +30,7 @@ from shoal.data import EpochPlan, ShardLoader, resolve_workers
 from shoal.train.deal import Schedule, Segment, Slots, cut, deal
 from shoal.train.elastic import membership_change
 from shoal.train.optim import schedule_at
-from shoal.train.samples import record_samples, samples_file
+from shoal.train.samples import record_samples, record_since, samples_file
 
 _Step = TypeVar("_Step")
 DEALS = f"{ELASTIC}/async/deals"  #: how many deals server 0 published
@@ -145,7 +146,8 @@ class AsyncElastic:
                 done.setdefault(e, []).append(samples[:take][epochs[:take] == e])
             self.at += take
         if self.record is not None and done:
-            record_samples(self.record, {e: torch.cat(s) for e, s in sorted(done.items())})
+            record_samples(self.record, {e: torch.cat(s) for e, s in sorted(done.items())},
+                           upto=self.at)
 
     # -- deals --------------------------------------------------------------------------------
     def _poll(self) -> tuple[bool, bool]:
@@ -218,6 +220,7 @@ class Dealer:
              ) -> int:
         """Deal what ``worker`` left (after its ``info["counted"]`` samples, and the shares
         it never took) over ``live``; the samples dealt."""
+        self._record_lost(worker, int(info.get("counted", 0)))
         rest = self.schedules[worker].rest(int(info.get("counted", 0)))
         for n, shares in enumerate(self.deals, 1):
             if n not in self.adopted[worker]:
@@ -239,6 +242,23 @@ class Dealer:
                                               {worker: why()}, len(live), dealt,
                                               last=max(epochs)))
         return dealt
+
+    def _record_lost(self, worker: int, counted: int) -> None:
+        """``--record-samples``: ``worker``'s samples up to its last count that server 0
+        applied, written for it unless it wrote them (lost after the push, before its line)."""
+        path = samples_file(self.cfg, worker)
+        if path is None or counted <= 0:
+            return
+        walk = [s for block in self.schedules[worker].blocks for s in block]
+
+        def since(last: int) -> dict[int, torch.Tensor]:
+            samples, epochs = self.slots.samples(cut(cut(walk, counted)[0], last)[1])
+            return {e: samples[epochs == e] for e in sorted(epochs.unique().tolist())}
+
+        if not record_since(path, counted, since, "server 0", wait=self.cfg.heartbeat_timeout):
+            print(f"shoal: worker {worker} holds its --record-samples file (stopped while "
+                  "writing it?): its last samples are recorded only if it goes on",
+                  file=sys.stderr, flush=True)
 
     def release(self, live: set[int]) -> None:
         """Release the workers once every live one is idle with every deal read."""

@@ -10,6 +10,11 @@ Both write under an exclusive lock of the file, worker 0 only when the file's la
 not that step's, the worker only when it is not worker 0's line for that step: each line is
 written once whoever writes it (a worker that stopped answering and goes on later finds its
 line written). A half line that a kill mid-write left is cut off first.
+
+An asynchronous worker's lines say instead ``"upto"``, its schedule position after the count
+(:mod:`shoal.train.deal`): server 0 writes a lost worker's samples from the file's last
+``upto`` to the count it applied last (:func:`record_since`, ``"recorded_by": "server 0"``),
+and the worker writes a line only past the file's last ``upto``.
 """
 
 from __future__ import annotations
@@ -19,8 +24,9 @@ import fcntl
 import json
 import os
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -37,17 +43,43 @@ def samples_file(cfg: TrainConfig, worker: int) -> Path | None:
     return private_dir(Path(cfg.out) / "samples", "--record-samples' folder") / f"worker{worker}.jsonl"
 
 
+def _lines(samples: dict[int, torch.Tensor], extra: dict[str, Any]) -> bytes:
+    return "".join(json.dumps({"epoch": e, "samples": s.tolist(), **extra}) + "\n"
+                   for e, s in samples.items() if len(s)).encode()
+
+
+def record_since(path: Path, upto: int, since: Callable[[int], dict[int, torch.Tensor]],
+                 by: str, wait: float | None = None) -> bool:
+    """Append to ``path`` (an asynchronous worker's) ``since(last)``: its samples from the
+    file's last ``upto`` (0: none) to ``upto``, written by ``by`` for it, unless the file
+    is there already. ``wait`` and the result as :func:`record_samples`'s."""
+    fd = open_own(path, os.O_RDWR | os.O_APPEND | os.O_CREAT)
+    try:
+        with _locked(fd, wait) as locked:
+            if not locked:
+                return False
+            last = _upto(_last_line(fd))
+            if last < upto:
+                os.write(fd, _lines(since(last), {"upto": upto, "recorded_by": by}))
+        return True
+    finally:
+        os.close(fd)
+
+
 def record_samples(path: Path, samples: dict[int, torch.Tensor], step: int | None = None,
-                   by: int | None = None, wait: float | None = None) -> bool:
+                   by: int | None = None, wait: float | None = None,
+                   upto: int | None = None) -> bool:
     """Append to ``path`` one line per epoch of ``samples`` (epoch -> indices) counted after
     ``step`` (``None``: not said, nothing checked), in one write; ``by``: the worker that
     writes them for the file's, which is done only if the file does not end with that
     step's line (and the file's worker does not write a line that ``by`` wrote for it).
     ``wait``: the most seconds to wait for the file's lock (``None``: as long as it takes).
+    ``upto`` (an asynchronous worker's): its schedule position after them, written only
+    if the file is not there already (:func:`record_since` wrote them).
     Returns False when the lock was not had in time (nothing written)."""
-    extra = ({} if step is None else {"step": step}) | ({} if by is None else {"recorded_by": by})
-    lines = "".join(json.dumps({"epoch": e, "samples": s.tolist(), **extra}) + "\n"
-                    for e, s in samples.items() if len(s))
+    extra = ({} if step is None else {"step": step}) | ({} if by is None else {"recorded_by": by}) \
+        | ({} if upto is None else {"upto": upto})
+    lines = _lines(samples, extra)
     if not lines:
         return True
     fd = open_own(path, os.O_RDWR | os.O_APPEND | os.O_CREAT)  # read back and cut: ours only
@@ -55,9 +87,13 @@ def record_samples(path: Path, samples: dict[int, torch.Tensor], step: int | Non
         with _locked(fd, wait) as locked:
             if not locked:
                 return False
-            last_step, last_by = _written(_last_line(fd))
-            if step is None or last_step != step or (by is None and last_by is None):
-                os.write(fd, lines.encode())
+            line = _last_line(fd)
+            last_step, last_by = _written(line)
+            if upto is not None:
+                if _upto(line) < upto:
+                    os.write(fd, lines)
+            elif step is None or last_step != step or (by is None and last_by is None):
+                os.write(fd, lines)
         return True
     finally:
         os.close(fd)
@@ -100,6 +136,16 @@ def _last_line(fd: int) -> bytes:
         os.ftruncate(fd, end - (len(tail) - cut))
         tail = tail[:cut]
     return tail[tail.rfind(b"\n", 0, len(tail) - 1) + 1:]
+
+
+def _upto(line: bytes) -> int:
+    """A record line's ``upto`` (0: none, or not a line of ours)."""
+    try:
+        record = json.loads(line)
+    except ValueError:
+        return 0
+    upto = record.get("upto") if isinstance(record, dict) else None
+    return upto if isinstance(upto, int) else 0
 
 
 def _written(line: bytes) -> tuple[int | None, int | None]:
