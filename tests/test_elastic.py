@@ -17,6 +17,7 @@ from conftest import (
     TRAIN_ROWS,
     assert_each_sample_once,
     one_error_line,
+    step_workers,
     train_losing,
 )
 
@@ -44,6 +45,24 @@ def test_a_killed_worker_leaves_and_the_others_train_its_share(tmp_path, strateg
     steps = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     workers = {r["step"]: r["workers"] for r in steps if r.get("event") == "step"}
     assert workers[39] == 3 and workers[40] == 2 and max(workers) > 60  # more, smaller steps
+
+
+def test_a_worker_lost_before_ddps_buffer_broadcast_is_left_like_in_any_meeting(tmp_path):
+    """sync on a model with BatchNorm: DDP broadcasts rank 0's buffers at every forward.
+    Worker 1 dies right after its optimizer's step 39, every meeting of that step done: the
+    next the others meet is step 40's buffer broadcast, which fails the job in DDP's own
+    (outside any vote). Under --elastic it is a meeting like the others: the step is taken
+    again by the two left and no sample is lost or trained twice."""
+    out = tmp_path / "run"
+    res = train_losing(out, 1, "step:39", "--strategy", "sync", "--log-every", "1",
+                       model="tests.fixtures_models:batchnorm_killed_after_step")
+    assert res.returncode == 0, res.stderr
+    assert res.stray == []
+    assert "worker 1 left at step 39" in res.stderr
+    [change] = json.loads((out / "summary.json").read_text())["membership_changes"]
+    assert change["left"] == [1] and change["workers"] == 2
+    assert_each_sample_once(out, EPOCHS, TRAIN_ROWS)
+    assert step_workers(out)[40] == 2
 
 
 def test_a_worker_that_is_not_the_lost_ones_neighbour_does_not_wait_out_the_timeout(tmp_path):

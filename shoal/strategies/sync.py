@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
@@ -107,7 +108,10 @@ class Synchronous(Strategy):
             device_ids=[comm.device.index] if comm.device.type == "cuda" else None,
             bucket_cap_mb=opts.bucket_mb,
             gradient_as_bucket_view=True,
+            broadcast_buffers=comm.membership is None,  # elastic: _share_buffers, voted
         )
+        if comm.membership is not None and self.ddp.modules_buffers:
+            self.ddp.register_forward_pre_hook(self._share_buffers)
         params = [p for p in model.parameters() if p.requires_grad]
         if not self._hooked:  # once: the hooks are the parameters', whatever wraps them
             self._hooked = True
@@ -124,6 +128,24 @@ class Synchronous(Strategy):
         else:
             dtype = {"fp16": torch.float16, "bf16": torch.bfloat16, "none": None}[opts.compress]
             self.ddp.register_comm_hook(None, compress_hook(comm, dtype))
+
+    @torch.no_grad()
+    def _share_buffers(self, module: nn.Module, args: Any) -> None:
+        """Elastic: rank 0's buffers (BatchNorm's statistics) to every rank before each
+        forward whose gradients are synced, as DDP does it, but as a meeting voted on and
+        left at once like the others (DDP's own broadcast is neither: a worker lost there
+        failed the job); a failed one re-forms the group and the step is taken again."""
+        ddp, membership = self.ddp, self.comm.membership
+        assert ddp is not None and membership is not None
+        if not (torch.is_grad_enabled() and ddp.require_backward_grad_sync and self.comm.active):
+            return
+        views = [torch.view_as_real(b) if b.is_complex() else b for b in ddp.modules_buffers]
+        flat = torch.cat([v.reshape(-1).to(torch.float64) for v in views])  # ints exact too
+        self.comm.count(flat.numel() * flat.element_size())
+        with self.comm.track("broadcast", "buffers"):
+            membership.watched(dist.broadcast(flat, src=0, async_op=True)).wait()
+        for v, part in zip(views, flat.split([v.numel() for v in views]), strict=True):
+            v.copy_(part.view_as(v))
 
     def _gradient_ready(self, param: torch.Tensor) -> None:
         self._last_ready = time.perf_counter()
