@@ -22,6 +22,7 @@ message per step cost about 8% of the throughput.
 from __future__ import annotations
 
 import contextlib
+import inspect
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -66,6 +67,12 @@ class SyncOptions:
             raise ShoalError(f"--powersgd-warmup must be >= 0, got {self.powersgd_warmup}")
 
 
+#: DDP told not to broadcast the buffers at each forward (torch 2.13 renamed the flag).
+_NO_FORWARD_BUFFERS = {"forward_sync_buffers": False} \
+    if "forward_sync_buffers" in inspect.signature(DistributedDataParallel).parameters \
+    else {"broadcast_buffers": False}
+
+
 @register
 class Synchronous(Strategy):
     """Every step, average gradients over all workers (PyTorch DDP)."""
@@ -108,7 +115,7 @@ class Synchronous(Strategy):
             device_ids=[comm.device.index] if comm.device.type == "cuda" else None,
             bucket_cap_mb=opts.bucket_mb,
             gradient_as_bucket_view=True,
-            broadcast_buffers=comm.membership is None,  # elastic: _share_buffers, voted
+            **({} if comm.membership is None else _NO_FORWARD_BUFFERS),  # _share_buffers
         )
         if comm.membership is not None and self.ddp.modules_buffers:
             self.ddp.register_forward_pre_hook(self._share_buffers)
