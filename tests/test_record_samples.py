@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from shoal.errors import ShoalError
-from shoal.train.samples import record_samples
+from shoal.train.samples import record_samples, record_since
 
 
 def _lines(path):
@@ -29,6 +29,27 @@ def test_worker_0_writes_a_lost_workers_line_only_if_it_did_not(tmp_path):
     record_samples(path, {1: torch.tensor([7])}, step=12, by=0)  # it died before it did
     record_samples(path, {1: torch.tensor([7])}, step=12)  # it comes back (SIGCONT) later
     assert _lines(path)[2:] == [{"epoch": 1, "samples": [7], "step": 12, "recorded_by": 0}]
+
+
+def test_server_0_writes_an_async_workers_samples_since_its_last_line_once(tmp_path):
+    path = tmp_path / "worker1.jsonl"
+    walk = torch.tensor([10, 11, 12, 13, 14, 15])  # the worker's schedule, in order
+    asked = []
+
+    def since(last, upto=5):
+        asked.append(last)
+        return {0: walk[last:upto]}
+
+    record_samples(path, {0: walk[0:2]}, upto=2)  # the worker's own count
+    assert record_since(path, 5, since, "server 0")  # lost after the push of 5
+    assert asked == [2]
+    record_samples(path, {0: walk[2:5]}, upto=5)  # it comes back (SIGCONT): written already
+    record_samples(path, {0: walk[5:6]}, upto=6)
+    assert record_since(path, 5, since, "server 0") and asked == [2]  # nothing again
+    assert _lines(path) == [{"epoch": 0, "samples": [10, 11], "upto": 2},
+                            {"epoch": 0, "samples": [12, 13, 14], "upto": 5,
+                             "recorded_by": "server 0"},
+                            {"epoch": 0, "samples": [15], "upto": 6}]
 
 
 def test_a_half_line_left_by_a_kill_is_cut_off(tmp_path):
