@@ -58,7 +58,7 @@ def record_since(path: Path, upto: int, since: Callable[[int], dict[int, torch.T
         with _locked(fd, wait) as locked:
             if not locked:
                 return False
-            last = _upto(_last_line(fd))
+            last = max(0, _upto(_last_line(fd)))  # a bound on what the file says
             if last < upto:
                 os.write(fd, _lines(since(last), {"upto": upto, "recorded_by": by}))
         return True
