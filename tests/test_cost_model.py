@@ -243,6 +243,29 @@ def test_outer_precision_prices_its_bytes():
         STRATEGIES["easgd"].Options(outer_precision="int8"), 2).size == pytest.approx(260 / 1024)
 
 
+def test_streamed_fragments_by_hand():
+    """Streaming DiLoCo: F all-reduces of n / F bytes a round, each waited for H steps after
+    it began. p = 4 on 1 Gbit/s: a ring of n bytes is 1.5 n / 125 MB/s + 6 alpha (alpha =
+    10 us): 12.06 ms for 1 MB, 3.06 ms for a quarter, 6.06 ms for a half; c = 3.2 ms."""
+    c = 32 * 1e-4
+    whole = predict(Workload.of("diloco", tau=8), 4, 32, PARAMS, CAL, GBIT)
+    assert whole.step_s == pytest.approx((8 * c + 12.06e-3) / 8)
+    # four fragments waited for at once: the same bytes, four rings' latency
+    four = predict(Workload.of("diloco", tau=8, fragments=4), 4, 32, PARAMS, CAL, GBIT)
+    assert four.step_s == pytest.approx((8 * c + 4 * 3.06e-3) / 8)
+    assert four.bytes_per_step == pytest.approx(whole.bytes_per_step)
+    # one step of overlap hides a quarter's ring (3.06 ms < 3.2 ms) but not a half's
+    hidden = predict(Workload.of("diloco", tau=8, fragments=4, overlap_steps=1), 4, 32, PARAMS,
+                     CAL, GBIT)
+    assert hidden.step_s == pytest.approx(c) and hidden.efficiency == pytest.approx(1.0)
+    halves = predict(Workload.of("diloco", tau=8, fragments=2, overlap_steps=1), 4, 32, PARAMS,
+                     CAL, GBIT)
+    assert halves.step_s == pytest.approx((8 * c + 2 * (6.06e-3 - c)) / 8)
+    # overlap alone (one fragment): the whole ring behind H steps
+    behind = predict(Workload.of("diloco", tau=8, overlap_steps=2), 4, 32, PARAMS, CAL, GBIT)
+    assert behind.step_s == pytest.approx((8 * c + 12.06e-3 - 2 * c) / 8)
+
+
 PRICED = sorted(n for n, c in STRATEGIES.items() if c.communication(c.Options(), 2) is not None)
 
 

@@ -112,6 +112,8 @@ class Workload:
             text += f" k={o.servers}"
         if getattr(o, "compress", "none") != "none":
             text += f" {o.compress}"
+        if getattr(o, "fragments", 1) > 1 or getattr(o, "overlap_steps", 0):
+            text += f" F={o.fragments} H={o.overlap_steps}"
         return text + (" no-overlap" if getattr(o, "overlap", True) is False else "")
 
 

@@ -36,7 +36,9 @@ class Pattern:
     ``every - 1`` steps' compute (EASGD's overlap) instead of being waited for at once;
     ``servers``: parameter-server processes (0: none); ``pushers``: the workers that send
     to the servers (every worker, or one leader per compute group); ``groups``: compute
-    groups (the workers of a group all-reduce among themselves).
+    groups (the workers of a group all-reduce among themselves); ``fragments``: the vector
+    goes in this many slices at staggered steps of a round (Streaming DiLoCo), each waited
+    for ``overlap`` steps after it started.
     """
 
     exchange: Exchange
@@ -47,9 +49,13 @@ class Pattern:
     servers: int = 0
     pushers: int = 0
     groups: int = 1
+    fragments: int = 1
+    overlap: int = 0
 
     def __post_init__(self) -> None:
-        if self.every < 1 or self.size <= 0 or self.groups < 1:
-            raise ValueError(f"a pattern needs every >= 1, size > 0, groups >= 1: {self}")
+        if self.every < 1 or self.size <= 0 or self.groups < 1 or self.fragments < 1 \
+                or self.overlap < 0:
+            raise ValueError(f"a pattern needs every >= 1, size > 0, groups >= 1, "
+                             f"fragments >= 1, overlap >= 0: {self}")
         if self.exchange is not Exchange.ALL_REDUCE and (self.servers < 1 or self.pushers < 1):
             raise ValueError(f"a pattern through servers needs servers and pushers: {self}")

@@ -12,7 +12,10 @@ way). A worker's step is its compute ``c`` plus what its pattern
 - an all-reduce (:attr:`~Exchange.ALL_REDUCE`) of ``n`` bytes over ``p`` workers is a ring,
   ``R(p) = 2 (p - 1) / p * n * beta + 2 (p - 1) * alpha``, every ``tau`` steps; a round of
   ``tau`` steps takes ``tau c + R(p)``, or ``c + max((tau - 1) c, R(p))`` when the
-  exchange is hidden behind the round's other steps (EASGD's overlap);
+  exchange is hidden behind the round's other steps (EASGD's overlap); streamed in ``F``
+  fragments, each waited for ``H`` steps after it began, a round takes
+  ``tau c + F max(0, w + R_F(p) - H c)``, ``R_F`` the ring of ``n / F`` bytes and ``w`` the
+  wait for the slowest worker at each fragment's start;
 - a push and pull through servers (:attr:`~Exchange.SERVER`): ``2 alpha + 2 n beta``
   through the worker's link, every ``tau`` steps. The ``k`` servers' links carry every
   pusher's traffic, ``n / k`` bytes per shard and direction per exchange, so they serve at
@@ -261,6 +264,8 @@ def _all_reduce(pattern: Pattern, p: int, c: float, n: float, link: Link, share:
     and the ring's endpoint work waits for the cores too (``share``). A hidden exchange
     (started when the slowest comes) has the round's other steps to finish in."""
     tau = pattern.every
+    if pattern.fragments > 1 or pattern.overlap:
+        return _streamed(pattern, p, c, n, link, share, noise)
     wait = slowest(p) * noise * c * math.sqrt(tau)
     if pattern.hidden:  # the link rests while the last step computes, or the round's others
         ring = _ring(p, n, link, share, max(c, tau * c - _ring(p, n, link, share, 0.0)))
@@ -269,6 +274,19 @@ def _all_reduce(pattern: Pattern, p: int, c: float, n: float, link: Link, share:
         round_s = tau * c + wait + _ring(p, n, link, share, tau * c + wait)
     sent = 2 * (p - 1) / p * n / tau
     return round_s / tau, sent, "compute"
+
+
+def _streamed(pattern: Pattern, p: int, c: float, n: float, link: Link, share: float,
+              noise: float) -> tuple[float, float, str]:
+    """Streaming: ``F`` all-reduces of ``n / F`` bytes a round of ``tau`` steps, ``tau / F``
+    steps apart; each begins when the slowest worker comes (``tau / F`` steps' noise) and is
+    waited for ``H`` steps later, exposing what of its wait and its ring those steps'
+    compute does not hide."""
+    tau, f, h = pattern.every, pattern.fragments, pattern.overlap
+    wait = slowest(p) * noise * c * math.sqrt(tau / f)
+    ring = _ring(p, n / f, link, share, tau * c / f)  # the link rests between fragments
+    round_s = tau * c + f * max(0.0, wait + ring - h * c)
+    return round_s / tau, 2 * (p - 1) / p * n / tau, "compute"
 
 
 def _ring(p: int, n: float, link: Link, share: float = 1.0, idle_s: float = math.inf) -> float:

@@ -103,7 +103,7 @@ class PeriodicStrategy(Strategy):
         if not codec.reduces:
             size *= max(workers, 2) / 2
         return Pattern(Exchange.ALL_REDUCE, what, every=first_period(options.tau), size=size,
-                       hidden=hidden)
+                       hidden=hidden, fragments=options.fragments, overlap=options.overlap_steps)
 
     def fragment_order(self, params: Iterable[nn.Parameter]) -> list[nn.Parameter]:
         """``params`` (the strategy's parameter order) as its flat vectors must hold them:
