@@ -40,11 +40,11 @@ def test_server_0_writes_an_async_workers_samples_since_its_last_line_once(tmp_p
         asked.append(last)
         return {0: walk[last:upto]}
 
-    record_samples(path, {0: walk[0:2]}, upto=2)  # the worker's own count
+    record_since(path, 2, lambda _: {0: walk[0:2]})  # the worker's own count
     assert record_since(path, 5, since, "server 0")  # lost after the push of 5
     assert asked == [2]
-    record_samples(path, {0: walk[2:5]}, upto=5)  # it comes back (SIGCONT): written already
-    record_samples(path, {0: walk[5:6]}, upto=6)
+    record_since(path, 5, lambda _: {0: walk[2:5]})  # it comes back (SIGCONT): written already
+    record_since(path, 6, lambda _: {0: walk[5:6]})
     assert record_since(path, 5, since, "server 0") and asked == [2]  # nothing again
     assert _lines(path) == [{"epoch": 0, "samples": [10, 11], "upto": 2},
                             {"epoch": 0, "samples": [12, 13, 14], "upto": 5,

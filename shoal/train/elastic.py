@@ -33,7 +33,7 @@ from shoal.data import EpochPlan, ShardLoader, resolve_workers
 from shoal.errors import ShoalError
 from shoal.train import handover
 from shoal.train.optim import schedule_at
-from shoal.train.samples import record_samples, samples_file
+from shoal.train.samples import record_samples, samples_file, say_held
 
 _Step = TypeVar("_Step")
 #: The strategies that take ``--elastic``: the synchronous and periodic ones (a re-formed
@@ -281,9 +281,7 @@ class Elastic:
             path = samples_file(self.t.cfg, worker)
             if parts and path is not None and not record_samples(
                     path, {last.epoch: torch.cat(parts)}, last.step, by=m.me, wait=m.timeout):
-                print(f"shoal: worker {worker} holds its --record-samples file (stopped while "
-                      f"writing it?): its samples of step {last.step} are recorded only if it "
-                      "goes on", file=sys.stderr, flush=True)
+                say_held(worker, f"step {last.step}")
 
     # -- a join -------------------------------------------------------------------------------
     def _all_counted(self) -> bool:

@@ -16,7 +16,6 @@ later may still leave it work. Nobody waits for anybody otherwise.
 from __future__ import annotations
 
 import json
-import sys
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -30,7 +29,7 @@ from shoal.data import EpochPlan, ShardLoader, resolve_workers
 from shoal.train.deal import Schedule, Segment, Slots, cut, deal
 from shoal.train.elastic import membership_change
 from shoal.train.optim import schedule_at
-from shoal.train.samples import record_samples, record_since, samples_file
+from shoal.train.samples import record_since, samples_file, say_held
 
 _Step = TypeVar("_Step")
 DEALS = f"{ELASTIC}/async/deals"  #: how many deals server 0 published
@@ -146,8 +145,8 @@ class AsyncElastic:
                 done.setdefault(e, []).append(samples[:take][epochs[:take] == e])
             self.at += take
         if self.record is not None and done:
-            record_samples(self.record, {e: torch.cat(s) for e, s in sorted(done.items())},
-                           upto=self.at)
+            counted = {e: torch.cat(s) for e, s in sorted(done.items())}
+            record_since(self.record, self.at, lambda _: counted)
 
     # -- deals --------------------------------------------------------------------------------
     def _poll(self) -> tuple[bool, bool]:
@@ -220,8 +219,9 @@ class Dealer:
              ) -> int:
         """Deal what ``worker`` left (after its ``info["counted"]`` samples, and the shares
         it never took) over ``live``; the samples dealt."""
-        self._record_lost(worker, int(info.get("counted", 0)))
-        rest = self.schedules[worker].rest(int(info.get("counted", 0)))
+        counted = int(info.get("counted", 0))
+        self._record_lost(worker, counted)
+        rest = self.schedules[worker].rest(counted)
         for n, shares in enumerate(self.deals, 1):
             if n not in self.adopted[worker]:
                 rest += shares.get(worker, [])
@@ -256,9 +256,7 @@ class Dealer:
             return {e: samples[epochs == e] for e in sorted(epochs.unique().tolist())}
 
         if not record_since(path, counted, since, "server 0", wait=self.cfg.heartbeat_timeout):
-            print(f"shoal: worker {worker} holds its --record-samples file (stopped while "
-                  "writing it?): its last samples are recorded only if it goes on",
-                  file=sys.stderr, flush=True)
+            say_held(worker, "its last count")
 
     def release(self, live: set[int]) -> None:
         """Release the workers once every live one is idle with every deal read."""

@@ -23,6 +23,7 @@ import contextlib
 import fcntl
 import json
 import os
+import sys
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -48,52 +49,54 @@ def _lines(samples: dict[int, torch.Tensor], extra: dict[str, Any]) -> bytes:
                    for e, s in samples.items() if len(s)).encode()
 
 
-def record_since(path: Path, upto: int, since: Callable[[int], dict[int, torch.Tensor]],
-                 by: str, wait: float | None = None) -> bool:
-    """Append to ``path`` (an asynchronous worker's) ``since(last)``: its samples from the
-    file's last ``upto`` (0: none) to ``upto``, written by ``by`` for it, unless the file
-    is there already. ``wait`` and the result as :func:`record_samples`'s."""
-    fd = open_own(path, os.O_RDWR | os.O_APPEND | os.O_CREAT)
-    try:
-        with _locked(fd, wait) as locked:
-            if not locked:
-                return False
-            last = max(0, _upto(_last_line(fd)))  # a bound on what the file says
-            if last < upto:
-                os.write(fd, _lines(since(last), {"upto": upto, "recorded_by": by}))
-        return True
-    finally:
-        os.close(fd)
-
-
 def record_samples(path: Path, samples: dict[int, torch.Tensor], step: int | None = None,
-                   by: int | None = None, wait: float | None = None,
-                   upto: int | None = None) -> bool:
+                   by: int | None = None, wait: float | None = None) -> bool:
     """Append to ``path`` one line per epoch of ``samples`` (epoch -> indices) counted after
     ``step`` (``None``: not said, nothing checked), in one write; ``by``: the worker that
     writes them for the file's, which is done only if the file does not end with that
     step's line (and the file's worker does not write a line that ``by`` wrote for it).
     ``wait``: the most seconds to wait for the file's lock (``None``: as long as it takes).
-    ``upto`` (an asynchronous worker's): its schedule position after them, written only
-    if the file is not there already (:func:`record_since` wrote them).
     Returns False when the lock was not had in time (nothing written)."""
-    extra = ({} if step is None else {"step": step}) | ({} if by is None else {"recorded_by": by}) \
-        | ({} if upto is None else {"upto": upto})
+    extra = ({} if step is None else {"step": step}) | ({} if by is None else {"recorded_by": by})
     lines = _lines(samples, extra)
     if not lines:
         return True
+
+    def unless_written(last: dict[str, Any]) -> bytes:
+        written = last.get("step") == step and (by is not None or last.get("recorded_by") is not None)
+        return b"" if step is not None and written else lines
+
+    return _append(path, unless_written, wait)
+
+
+def record_since(path: Path, upto: int, since: Callable[[int], dict[int, torch.Tensor]],
+                 by: str | None = None, wait: float | None = None) -> bool:
+    """Append to ``path`` (an asynchronous worker's) ``since(last)``: its samples from the
+    file's last ``upto`` (0: none) to ``upto``, unless the file is there already; ``by``:
+    who writes them for the file's worker (``None``: the worker itself). ``wait`` and the
+    result as :func:`record_samples`'s."""
+    extra = {"upto": upto} | ({} if by is None else {"recorded_by": by})
+
+    def rest(last: dict[str, Any]) -> bytes:
+        done = last.get("upto")
+        done = max(0, done) if isinstance(done, int) else 0  # a bound on what the file says
+        return _lines(since(done), extra) if done < upto else b""
+
+    return _append(path, rest, wait)
+
+
+def _append(path: Path, lines: Callable[[dict[str, Any]], bytes], wait: float | None) -> bool:
+    """Append ``lines(last)`` to ``path`` under its exclusive lock, ``last`` its last line
+    read back (``{}``: none, or not a line of ours); False when the lock was not had in
+    ``wait`` seconds (nothing written)."""
     fd = open_own(path, os.O_RDWR | os.O_APPEND | os.O_CREAT)  # read back and cut: ours only
     try:
         with _locked(fd, wait) as locked:
             if not locked:
                 return False
-            line = _last_line(fd)
-            last_step, last_by = _written(line)
-            if upto is not None:
-                if _upto(line) < upto:
-                    os.write(fd, lines)
-            elif step is None or last_step != step or (by is None and last_by is None):
-                os.write(fd, lines)
+            data = lines(_record(_last_line(fd)))
+            if data:
+                os.write(fd, data)
         return True
     finally:
         os.close(fd)
@@ -138,23 +141,17 @@ def _last_line(fd: int) -> bytes:
     return tail[tail.rfind(b"\n", 0, len(tail) - 1) + 1:]
 
 
-def _upto(line: bytes) -> int:
-    """A record line's ``upto`` (0: none, or not a line of ours)."""
+def _record(line: bytes) -> dict[str, Any]:
+    """A record line as a dict (``{}``: none, or not a line of ours)."""
     try:
         record = json.loads(line)
     except ValueError:
-        return 0
-    upto = record.get("upto") if isinstance(record, dict) else None
-    return upto if isinstance(upto, int) else 0
+        return {}
+    return record if isinstance(record, dict) else {}
 
 
-def _written(line: bytes) -> tuple[int | None, int | None]:
-    """A record line's ``step`` and ``recorded_by`` (``None``: not there, or not a line of
-    ours)."""
-    try:
-        record = json.loads(line)
-    except ValueError:
-        return None, None
-    if not isinstance(record, dict):
-        return None, None
-    return record.get("step"), record.get("recorded_by")
+def say_held(worker: int, which: str) -> None:
+    """Say that a lost ``worker``'s file was not written for it (its lock held too long)."""
+    print(f"shoal: worker {worker} holds its --record-samples file (stopped while writing "
+          f"it?): its samples of {which} are recorded only if it goes on",
+          file=sys.stderr, flush=True)
