@@ -264,29 +264,28 @@ def _all_reduce(pattern: Pattern, p: int, c: float, n: float, link: Link, share:
     and the ring's endpoint work waits for the cores too (``share``). A hidden exchange
     (started when the slowest comes) has the round's other steps to finish in."""
     tau = pattern.every
+    sent = 2 * (p - 1) / p * n / tau
     if pattern.fragments > 1 or pattern.overlap:
-        return _streamed(pattern, p, c, n, link, share, noise)
+        return _streamed_round(pattern, p, c, n, link, share, noise) / tau, sent, "compute"
     wait = slowest(p) * noise * c * math.sqrt(tau)
     if pattern.hidden:  # the link rests while the last step computes, or the round's others
         ring = _ring(p, n, link, share, max(c, tau * c - _ring(p, n, link, share, 0.0)))
         round_s = c + max((tau - 1) * c, wait + ring)
     else:
         round_s = tau * c + wait + _ring(p, n, link, share, tau * c + wait)
-    sent = 2 * (p - 1) / p * n / tau
     return round_s / tau, sent, "compute"
 
 
-def _streamed(pattern: Pattern, p: int, c: float, n: float, link: Link, share: float,
-              noise: float) -> tuple[float, float, str]:
-    """Streaming: ``F`` all-reduces of ``n / F`` bytes a round of ``tau`` steps, ``tau / F``
+def _streamed_round(pattern: Pattern, p: int, c: float, n: float, link: Link, share: float,
+                    noise: float) -> float:
+    """A streamed round: ``F`` all-reduces of ``n / F`` bytes a round of ``tau`` steps, ``tau / F``
     steps apart; each begins when the slowest worker comes (``tau / F`` steps' noise) and is
     waited for ``H`` steps later, exposing what of its wait and its ring those steps'
     compute does not hide."""
     tau, f, h = pattern.every, pattern.fragments, pattern.overlap
     wait = slowest(p) * noise * c * math.sqrt(tau / f)
     ring = _ring(p, n / f, link, share, tau * c / f)  # the link rests between fragments
-    round_s = tau * c + f * max(0.0, wait + ring - h * c)
-    return round_s / tau, 2 * (p - 1) / p * n / tau, "compute"
+    return tau * c + f * max(0.0, wait + ring - h * c)
 
 
 def _ring(p: int, n: float, link: Link, share: float = 1.0, idle_s: float = math.inf) -> float:
