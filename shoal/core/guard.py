@@ -53,8 +53,8 @@ def die_with_parent(parent: int) -> None:
 
 def skip_exit_collection() -> None:
     """Spare this process Python's last garbage collection at exit, which walks every object
-    torch made (about 1 s of CPU per process, every job's end): :func:`gc.freeze` as the
-    last exit handler puts them out of its reach. Only for shoal's own processes (the
+    torch made (about 1 s of CPU per process, every job's end): :func:`gc.freeze` in an
+    exit handler (they all run before it) puts them out of its reach. Only for shoal's own processes (the
     launcher, ranks, servers): the collection would run ``__del__`` of objects in cycles,
     which no code of shoal leaves work to."""
     atexit.register(gc.freeze)  # every exit handler runs before that collection
