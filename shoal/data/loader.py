@@ -168,10 +168,10 @@ class ShardLoader:
             begin, end = plan.bounds[step]
             yield x, y, end - begin
 
-    def test_batches(self, batch: int, world: int) -> Iterator[Batch]:
-        """This rank's contiguous shard of the test set (of ``world`` shards), ``batch`` rows
-        at a time."""
-        lo, hi = shard_range(self.test_size, world, self.rank)
+    def test_batches(self, batch: int, world: int, rank: int | None = None) -> Iterator[Batch]:
+        """Shard ``rank`` (this loader's rank by default) of the test set's ``world``
+        contiguous shards, ``batch`` rows at a time."""
+        lo, hi = shard_range(self.test_size, world, self.rank if rank is None else rank)
         return self._read(("test", list(range(s, min(s + batch, hi))), batch_seed(self.seed, s))
                           for s in range(lo, hi, batch))
 

@@ -46,19 +46,37 @@ class Evaluator:
 
     @torch.no_grad()
     def evaluate(self, model: nn.Module) -> tuple[float, float]:
-        """Test loss and accuracy of ``model`` (left in the mode it was in)."""
+        """Test loss and accuracy of ``model`` (left in the mode it was in). Elastic: a
+        worker lost meanwhile took its shard's results with it, so the test is taken again
+        over the workers left (each then a shard of their number)."""
         was_training = model.training
         model.eval()
+        try:
+            while True:
+                group = self._group()
+                sums = self._shard_sums(model)
+                total_loss, total_correct = self.comm.reduce_values(sums)
+                if self._group() == group:
+                    break
+        finally:
+            model.train(was_training)
+        rows = self.loader.test_size
+        return total_loss / rows, total_correct / rows
+
+    def _group(self) -> int | None:
+        """The elastic group's membership epoch (``None`` when not elastic)."""
+        membership = self.comm.membership
+        return None if membership is None else membership.epoch
+
+    def _shard_sums(self, model: nn.Module) -> list[float]:
+        """This rank's loss sum and correct predictions on its shard of the test set."""
         device = self.comm.device
         loss_sum = torch.zeros((), dtype=torch.float64, device=device)
         correct = torch.zeros((), dtype=torch.float64, device=device)
-        shards = self.comm.world_size if self.comm.active else 1
-        for x, y in self.loader.test_batches(self.batch, shards):
+        shards, rank = (self.comm.world_size, self.comm.rank) if self.comm.active else (1, 0)
+        for x, y in self.loader.test_batches(self.batch, shards, rank):
             x, y = self.to_device(x, y)
             out = model(x)
             loss_sum += F.cross_entropy(out, y, reduction="sum").double()
             correct += (out.argmax(1) == y).sum()
-        model.train(was_training)
-        total_loss, total_correct = self.comm.reduce_values([loss_sum.item(), correct.item()])
-        rows = self.loader.test_size
-        return total_loss / rows, total_correct / rows
+        return [loss_sum.item(), correct.item()]
