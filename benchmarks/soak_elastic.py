@@ -10,8 +10,8 @@ by side (one after the other, same model, data and epochs):
   the killed replica is started again and heals from a live peer;
 - ``uninterrupted``: the elastic run with no kills (the reference accuracy).
 
-Never worker 0 (replica 0) is killed: shoal cannot lose worker 0 yet (it writes the
-records). Reported per run: kills, joins/restarts, the survivors' longest stall (the longest
+Worker 0 (replica 0) is killed only with ``--any-worker`` (shoal's runs; it writes the
+records, which worker 1 then takes over). Reported per run: kills, joins/restarts, the survivors' longest stall (the longest
 time without a new step of worker 0 from a kill to the next kill or 40 s on: steps redone
 after a restart or a failed round are not new), samples lost and repeated (shoal elastic:
 every worker's --record-samples; restarts: the summary's samples against the reference's and
@@ -166,7 +166,7 @@ def run_shoal(a: argparse.Namespace, name: str, kills: bool, rng: random.Random)
     joins: list[subprocess.Popen] = []
 
     def victims() -> list[tuple[int, str]]:
-        mine = [(pid, "worker") for pid in workers_of(job.pid)[1:]]
+        mine = [(pid, "worker") for pid in workers_of(job.pid)[0 if a.any_worker else 1:]]
         return mine + [(pid, "joiner") for j in joins if j.poll() is None for pid in workers_of(j.pid)]
 
     def join(_: str) -> bool:
@@ -333,6 +333,8 @@ def main() -> None:
     p.add_argument("--runs", default="uninterrupted,elastic,restarts,torchft")
     p.add_argument("--limit", type=float, default=3600.0, help="seconds a run may take at most")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--any-worker", action="store_true",
+                   help="kill worker 0 too in shoal's runs (not torchft's replica 0)")
     p.add_argument("--out", default="runs/soak-elastic")
     a = p.parse_args()
     Path(a.out).mkdir(parents=True, exist_ok=True)

@@ -1,6 +1,7 @@
 """Joining a running elastic job (shoal join OUT): worker 2 of 3 is killed (kill -9) mid-epoch,
-a new worker joins at the next meeting point, takes its state from worker 0 over the process
-group, and the job ends with 3 workers, every sample of every epoch trained exactly once.
+a new worker joins at the next meeting point, takes its state from worker 0 (or, worker 0
+lost, the lowest id left) over the process group, and the job ends with 3 workers, every
+sample of every epoch trained exactly once.
 And every way ``shoal join`` refuses, in one line. Real processes, Gloo on CPU."""
 
 from __future__ import annotations
@@ -40,12 +41,12 @@ class HeldJob:
     joined (or at :meth:`release`)."""
 
     def __init__(self, tmp_path, *args: str, kill: bool = True, workers: int = 3,
-                 held_after: int = 40, model: str = "killed_then_held") -> None:
+                 held_after: int = 40, model: str = "killed_then_held", killed: int = 2) -> None:
         self.out, self.hold = tmp_path / "run", tmp_path / "hold"
         self.hold.touch()
         self.env = shoal_env()
         self.env.update(SHOAL_TEST_KILL_AT=f"train:{held_after}", SHOAL_TEST_HOLD=str(self.hold),
-                        SHOAL_TEST_PACE="0.2", **({"SHOAL_TEST_KILL_RANK": "2"} if kill else {}))
+                        SHOAL_TEST_PACE="0.2", **({"SHOAL_TEST_KILL_RANK": str(killed)} if kill else {}))
         self.lines: list[str] = []
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "shoal", "train", "--out", str(self.out), "--progress", "plain",
@@ -107,11 +108,14 @@ def held(tmp_path):
         job.stop()
 
 
-@pytest.mark.parametrize("strategy", ["sync", "local-sgd", "easgd", "diloco"])
-def test_a_worker_joins_in_place_of_a_killed_one(held, strategy):
+# Worker 0 killed: worker 1, rank 0 from then on, admits the joiner, hands it its state and
+# writes the records.
+@pytest.mark.parametrize("strategy, killed", [("sync", 2), ("local-sgd", 2), ("easgd", 2),
+                                              ("diloco", 2), ("diloco", 0)])
+def test_a_worker_joins_in_place_of_a_killed_one(held, strategy, killed):
     job = held("--strategy", strategy, *([] if strategy == "sync" else ["--tau", "4"]),
-               "--elastic", "--record-samples")
-    job.wait_line("worker 2 left at step 39")
+               "--elastic", "--record-samples", killed=killed)
+    job.wait_line(f"worker {killed} left at step 39")
     # its own marker: no process of the joiner's outlives it
     joined = shoal("join", str(job.out), env={**job.env, "SHOAL_TEST_MARKER": uuid.uuid4().hex},
                    timeout=240)
@@ -121,8 +125,8 @@ def test_a_worker_joins_in_place_of_a_killed_one(held, strategy):
     summary = json.loads((job.out / "summary.json").read_text())
     assert summary["completed"] and summary["workers"] == 3
     left, join = summary["membership_changes"]
-    assert left["left"] == [2] and left["workers"] == 2
-    assert left["why"] == {"2": "worker 2 killed by signal 9"}
+    assert left["left"] == [killed] and left["workers"] == 2
+    assert left["why"] == {str(killed): f"worker {killed} killed by signal 9"}
     assert join["joined"] == [3] and join["why"] == {"3": "joined"} and join["workers"] == 3
     # the joiner's state, digested after it took it, is worker 0's at the join
     assert join["joiner_state_sha256"] == {"3": join["state_sha256"]}

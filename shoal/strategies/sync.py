@@ -101,7 +101,11 @@ class Synchronous(Strategy):
         #: DDP rebuilds its buckets at the forward after its first backward (elastic: here)
         self._rebuild: bool | None = None
         self._hooked = False
-        self._wrap()
+        # Elastic: wrapped at the first forward, a meeting voted on inside a step (a worker
+        # lost while the trainers are built is then left like any other); else at once.
+        self._stale = comm.membership is not None and comm.active
+        if not self._stale:
+            self._wrap()
 
     def _wrap(self) -> None:
         """Wrap the model in DDP over the job's group (none when alone)."""
@@ -157,11 +161,16 @@ class Synchronous(Strategy):
     def _gradient_ready(self, param: torch.Tensor) -> None:
         self._last_ready = time.perf_counter()
 
-    @property
-    def module(self) -> nn.Module:
-        if self._stale:  # DDP's first broadcast is the re-formed group's meeting
+    def _rewrap(self) -> None:
+        """Wrap the model again if the group was re-formed (or never wrapped, elastic):
+        DDP's first broadcast is then the group's meeting."""
+        if self._stale:
             with self.comm.track("broadcast", "model"):
                 self._wrap()
+
+    @property
+    def module(self) -> nn.Module:
+        self._rewrap()
         if self._rebuild:
             # After its first backward DDP rebuilds its buckets in the order the gradients
             # came, at its next forward, with a broadcast of that order. Elastic: done here
@@ -172,6 +181,8 @@ class Synchronous(Strategy):
         return self.ddp if self.ddp is not None else self.model
 
     def no_sync(self, enabled: bool = True) -> contextlib.AbstractContextManager[Any]:
+        if enabled:
+            self._rewrap()  # a DDP made by the next forward would not skip this sync
         return self.ddp.no_sync() if enabled and self.ddp is not None \
             else contextlib.nullcontext()
 

@@ -87,11 +87,13 @@ def _run_with_restarts(cfg: TrainConfig, topology: Topology, data: Dataset | Non
         started = time.monotonic()
         extra = {"restarts": restarts} if restarts else None
         try:
-            return spawn(topology.world_size, _spawned_rank,
-                         (attempt_cfg, topology, data, extra, seal and seal.key_hex),
-                         tolerate=lambda rank: _tolerated(cfg, topology, rank),
-                         on_store=seal and (lambda port: publish(cfg, port, seal.key_hex,
-                                                                 topology.workers)))[0]
+            results = spawn(topology.world_size, _spawned_rank,
+                            (attempt_cfg, topology, data, extra, seal and seal.key_hex),
+                            tolerate=lambda rank: _tolerated(cfg, topology, rank),
+                            on_store=seal and (lambda port: publish(cfg, port, seal.key_hex,
+                                                                    topology.workers)))
+            # Rank 0's; an elastic job that lost worker 0: the lowest id left's.
+            return next((r for r in results if isinstance(r, dict)), None)
         except WorkerError as exc:
             exc = _by_role(exc, topology)
             if exc.user_error or len(restarts) >= cfg.max_restarts or stop_requested():
@@ -181,9 +183,9 @@ def train(cfg: TrainConfig, dataset: Any = None) -> dict[str, Any] | None:
 
 def _tolerated(cfg: TrainConfig, topology: Topology, rank: int) -> bool:
     """Whether the job goes on when ``rank`` is killed: an asynchronous job's workers;
-    with ``--elastic`` every worker but worker 0, whose records go with it (a restart
-    then, with ``--max-restarts``)."""
-    return (topology.detached and rank >= topology.servers) or (cfg.elastic and rank > 0)
+    with ``--elastic`` every worker (worker 0's records are then written by the lowest id
+    left), but not a server."""
+    return rank >= topology.servers and (topology.detached or cfg.elastic)
 
 
 def _train_as_rank(cfg: TrainConfig, env: Environment, given: Dataset | None

@@ -120,6 +120,13 @@ class Elastic:
             return
         self.membership.listeners.append(self._changed)
         self._record = samples_file(trainer.cfg, self.membership.me)
+        # Workers lost while the trainers were built (a meeting of theirs re-formed the
+        # group before this listened): left at the first epoch's start like any loss.
+        self._early = [m for m in range(self.membership.first_world)
+                       if m not in self.membership.members] \
+            if self.membership.me < self.membership.first_world else []
+        if self._early:
+            trainer.regroup()
 
     @contextmanager
     def updating(self) -> Iterator[None]:
@@ -136,13 +143,16 @@ class Elastic:
         if self.membership is None or self._joined:
             self._joined = False
             return
-        if t.plan.order is not None or t.plan.world != t.comm.world_size:
+        if (t.plan.order is not None or t.plan.world != t.comm.world_size) and not self._early:
             t.plan = EpochPlan(len(t.data.train), t.cfg.global_batch(t.comm.world_size),
                                t.comm.world_size, t.cfg.seed)
             self._new_loader()
         st = t.state
         self._uncounted = [Reading(t.plan, t.plan.permutation(st.epoch),
                                    list(self.membership.members), st.epoch_step)]
+        if self._early:  # the rest of the epoch (all of it, unless resumed) dealt anew
+            lost, self._early = self._early, []
+            self._changed(lost, [])
 
     # -- the loop -----------------------------------------------------------------------------
     def steps_left(self) -> bool:
@@ -234,6 +244,10 @@ class Elastic:
         """The group was re-formed without ``lost``: deal the rest of the epoch anew."""
         t, st = self.t, self.t.state
         t.regroup()
+        t.recorder.take_over(st)  # worker 0 lost: the lowest id left writes the records
+        if not self._uncounted:  # no epoch begun yet: left at the first one's start
+            self._early += lost
+            return
         self._record_lost(lost)
         self._resized = True
         current = self._uncounted[-1]

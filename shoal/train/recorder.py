@@ -67,10 +67,11 @@ class Recorder:
         self.health = Health(classes, cfg.allow_collapse)
         self.tl = comm.timeline
         self.evaluator = evaluator
-        self.is_main = comm.rank == 0 and self.writes
         self.out = Path(cfg.out)
         self.progress = Progress(cfg.progress, enabled=self.is_main)
         self.log: MetricsLog | None = None  # rank 0's, from :meth:`begin`
+        self._data: str | None = None  # the data set's description, from :meth:`begin`
+        self._first_step = 0  # the step this invocation began at
         # This rank's (loss sum, correct, samples): of the epoch (checkpointed, see
         # :meth:`state_dict`), and since the last step record.
         self._epoch_sums = torch.zeros(3, dtype=torch.float64, device=comm.device)
@@ -84,6 +85,26 @@ class Recorder:
         self._profiled_from = 0
         #: More for summary.json (``--elastic``: the membership changes).
         self.notes: dict[str, Any] = {}
+
+    @property
+    def is_main(self) -> bool:
+        """Whether this rank writes the records: the group's rank 0, which in an elastic
+        job that lost worker 0 is the lowest id left (:meth:`take_over`)."""
+        return self.writes and self.comm.rank == 0
+
+    def take_over(self, st: RunState) -> None:
+        """Elastic, after the group was re-formed: a worker that became rank 0 because
+        worker 0 was lost writes the records from here on. Before any step of this
+        invocation it begins them afresh (worker 0 may have been lost in :meth:`begin`);
+        after, it appends to ``metrics.jsonl`` as worker 0 left it: the records up to the
+        last step all counted (``st.step``), a torn last line dropped."""
+        if not self.is_main or self.log is not None or self._data is None:
+            return
+        self.progress = Progress(self.cfg.progress, enabled=True)
+        if st.step == self._first_step:
+            self._open(st, self._data)
+        else:
+            self.log = MetricsLog(self.out / "metrics.jsonl", keep_until_step=st.step)
 
     @property
     def eval_s(self) -> float:
@@ -108,8 +129,12 @@ class Recorder:
     def begin(self, st: RunState, data: str) -> None:
         """Open the output directory and ``metrics.jsonl`` (resumed: cut at the checkpoint's
         step) and say what runs; ``data`` describes the data set."""
-        if not self.is_main:
-            return
+        self._data, self._first_step = data, st.step
+        if self.is_main:
+            self._open(st, data)
+
+    def _open(self, st: RunState, data: str) -> None:
+        """:meth:`begin` on the rank that writes."""
         cfg = self.cfg
         self.out.mkdir(parents=True, exist_ok=True)
         remove_stale_temporaries(self.out)
