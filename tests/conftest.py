@@ -343,7 +343,7 @@ def samples_trained(out) -> collections.Counter:
     return counts
 
 
-def train_losing(out, rank: int, at: str, *flags: str, signal: int | None = None,
+def train_losing(out, rank: int | str, at: str, *flags: str, signal: int | None = None,
                  timeout: float = 500, workers: int = 3, after_count: bool = False,
                  model: str = "tests.fixtures_models:killed_at"):
     """``shoal train --elastic --record-samples`` on ``workers`` (digits, ``EPOCHS`` epochs,

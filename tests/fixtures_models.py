@@ -55,8 +55,9 @@ def wrong_output(input_shape, num_classes):
 class _KilledAt(nn.Module):
     """`tiny`, whose process kills itself (SIGKILL, as `kill -9` does) on its
     ``SHOAL_TEST_KILL_AT``-th forward pass (``train:N`` or ``eval:N``) in the process of rank
-    ``SHOAL_TEST_KILL_RANK``: an asynchronous job's worker mid-epoch, or its server 0 (rank
-    0) at its N-th evaluation. ``SHOAL_TEST_KILL_SIGNAL``: another signal (19: SIGSTOP).
+    ``SHOAL_TEST_KILL_RANK`` (of each of a comma-separated list): an asynchronous job's
+    worker mid-epoch, or its server 0 (rank 0) at its N-th evaluation.
+    ``SHOAL_TEST_KILL_SIGNAL``: another signal (19: SIGSTOP).
     With ``SHOAL_TEST_KILL_AFTER_COUNT`` (an asynchronous ``--elastic`` worker) it dies
     instead right after that forward's work next counts at server 0, before it records it
     (``--record-samples``)."""
@@ -70,7 +71,7 @@ class _KilledAt(nn.Module):
     def forward(self, x):
         mode = "train" if self.training else "eval"
         self.calls[mode] += 1
-        if os.environ.get("RANK") == os.environ.get("SHOAL_TEST_KILL_RANK"):
+        if os.environ.get("RANK") in os.environ.get("SHOAL_TEST_KILL_RANK", "").split(","):
             when, _, count = os.environ.get("SHOAL_TEST_KILL_AT", "").partition(":")
             if when == mode and self.calls[mode] == int(count):
                 self.armed = True
@@ -134,6 +135,22 @@ class _KilledThenHeld(_KilledAt):
 
 def killed_then_held(input_shape, num_classes):
     return _KilledThenHeld(input_shape, num_classes)
+
+
+class _KilledWhenTold(_KilledThenHeld):
+    """`killed_then_held` (the job's pace), whose processes of the ranks in
+    ``SHOAL_TEST_KILL_RANK`` (comma-separated) kill themselves (SIGKILL) at their first
+    training forward once the file ``SHOAL_TEST_KILL_FILE`` exists."""
+
+    def forward(self, x):
+        if self.training and os.path.exists(os.environ.get("SHOAL_TEST_KILL_FILE", "")) \
+                and os.environ.get("RANK") in os.environ.get("SHOAL_TEST_KILL_RANK", "").split(","):
+            os.kill(os.getpid(), signal.SIGKILL)
+        return super().forward(x)
+
+
+def killed_when_told(input_shape, num_classes):
+    return _KilledWhenTold(input_shape, num_classes)
 
 
 class _DiesAt(_KilledThenHeld):

@@ -99,13 +99,27 @@ def test_a_worker_lost_in_the_last_test_leaves_the_test_accuracy_whole(tmp_path,
     assert whole.returncode == 0, whole.stderr
     res = train_losing(tmp_path / "run", killed, f"eval:{EPOCHS + 1}", "--strategy", "sync")
     assert res.returncode == 0, res.stderr
-    assert f"worker {killed} left at step" in res.stderr
+    assert f"worker {killed} left at step" in res.stderr and "2 go on (no samples left)" in res.stderr
     expected, got = (json.loads((tmp_path / name / "summary.json").read_text())
                      for name in ("whole", "run"))
-    assert got["membership_changes"][0]["left"] == [killed]
+    [change] = got["membership_changes"]
+    assert change["left"] == [killed] and change["samples_dealt_again"] == 0
     assert got["test_accuracy"] == expected["test_accuracy"] > 0.9
     # the same sums in float32 batches of other sizes (two shards, not three)
     assert got["test_loss"] == pytest.approx(expected["test_loss"], rel=1e-6)
+
+
+def test_every_worker_lost_fails_the_job_in_one_line(tmp_path):
+    """Each worker alone may be lost under --elastic (worker 0 too); all of them is the job
+    lost: one line and status 1, not a silent success with no summary."""
+    out = tmp_path / "run"
+    res = train_losing(out, "0,1", "train:40", "--strategy", "local-sgd", "--tau", "4",
+                       workers=2)
+    assert res.returncode == 1, res.stderr
+    assert res.stray == []
+    assert "every worker was lost (worker 0 killed by signal 9; worker 1 killed by signal 9)" \
+        in one_error_line(res.stderr)
+    assert not (out / "summary.json").exists()
 
 
 def test_a_worker_that_is_not_the_lost_ones_neighbour_does_not_wait_out_the_timeout(tmp_path):

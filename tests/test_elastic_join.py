@@ -41,10 +41,12 @@ class HeldJob:
     joined (or at :meth:`release`)."""
 
     def __init__(self, tmp_path, *args: str, kill: bool = True, workers: int = 3,
-                 held_after: int = 40, model: str = "killed_then_held", killed: int = 2) -> None:
+                 held_after: int = 40, model: str = "killed_then_held", killed: int = 2,
+                 release_on_join: bool = True, env: dict[str, str] | None = None) -> None:
         self.out, self.hold = tmp_path / "run", tmp_path / "hold"
         self.hold.touch()
-        self.env = shoal_env()
+        self.release_on_join = release_on_join
+        self.env = {**shoal_env(), **(env or {})}
         self.env.update(SHOAL_TEST_KILL_AT=f"train:{held_after}", SHOAL_TEST_HOLD=str(self.hold),
                         SHOAL_TEST_PACE="0.2", **({"SHOAL_TEST_KILL_RANK": str(killed)} if kill else {}))
         self.lines: list[str] = []
@@ -60,7 +62,7 @@ class HeldJob:
     def _read(self) -> None:
         for line in self.proc.stderr:
             self.lines.append(line)
-            if " joined at step " in line:
+            if " joined at step " in line and self.release_on_join:
                 self.release()
 
     def release(self) -> None:
@@ -139,6 +141,44 @@ def test_a_worker_joins_in_place_of_a_killed_one(held, strategy, killed):
     assert workers[join["step"]] == 2 and workers[join["step"] + 1] == 3
     assert workers[max(workers)] == 3
     assert not (job.out / ".shoal-join").exists()  # taken away at the end
+
+
+def test_the_job_goes_on_in_a_joiner_once_every_worker_started_with_it_is_lost(held, tmp_path):
+    """Both workers shoal's launcher started are killed (kill -9) once a third joined: the
+    job trains on in the joiner alone (it writes the records from then on), and the
+    launcher holds the job's store until the joiner finished: both commands exit 0 (before:
+    the launcher ended with its own workers, silently, and took the store with it)."""
+    kill = tmp_path / "kill"
+    job = held("--strategy", "diloco", "--tau", "4", "--elastic", "--record-samples",
+               "--max-workers", "3", kill=False, workers=2, held_after=0,
+               model="killed_when_told", release_on_join=False,
+               env={"SHOAL_TEST_KILL_RANK": "0,1", "SHOAL_TEST_KILL_FILE": str(kill)})
+    job.wait_for(lambda: (job.out / ".shoal-join" / "job.json").exists(), "the job file")
+    joiner = subprocess.Popen(
+        [sys.executable, "-m", "shoal", "join", str(job.out)], stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE, text=True, cwd=REPO, start_new_session=True,
+        env={**job.env, "SHOAL_TEST_MARKER": uuid.uuid4().hex})
+    try:
+        job.wait_line("worker 2 joined at step")
+        kill.touch()
+        job.release()
+        _, err = joiner.communicate(timeout=240)
+        assert joiner.returncode == 0, err
+        assert "workers 0, 1 left at step" in err or "worker 1 left at step" in err, err
+        assert job.finish() == 0, job.stderr
+    finally:
+        if joiner.poll() is None:
+            os.killpg(joiner.pid, signal.SIGKILL)
+            joiner.wait(timeout=30)
+    assert "the job went on in the workers that joined it" in job.stderr
+    summary = json.loads((job.out / "summary.json").read_text())
+    assert summary["completed"] and summary["workers"] == 1
+    changes = summary["membership_changes"]
+    assert changes[0]["joined"] == [2]  # the joiner's own record of its join
+    assert changes[0]["joiner_state_sha256"] == {"2": changes[0]["state_sha256"]}
+    assert sorted(m for c in changes[1:] for m in c["left"]) == [0, 1]
+    assert_each_sample_once(job.out, EPOCHS, TRAIN_ROWS)
+    assert step_workers(job.out)[max(step_workers(job.out))] == 1
 
 
 @pytest.mark.parametrize("strategy, die_at", [

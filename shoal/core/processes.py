@@ -33,6 +33,7 @@ from shoal.core.env import Environment, set_environment
 from shoal.core.failures import exit_status, first_line, record_failure, root_cause
 from shoal.core.guard import guarded_name
 from shoal.core.limits import check_processes
+from shoal.core.outlive import STALE, outlive
 from shoal.core.waits import ended_key, key_prefix, members_now, say_gone
 from shoal.errors import ShoalError, Terminated, WorkerError
 
@@ -306,6 +307,8 @@ def _supervise(procs: list[BaseProcess], store: Any, errdir: str, grace: float,
             _end_left_out(procs, members_now(keys), errdir)
         pending = [procs[rank] for rank, code in codes.items() if code is None]
     if not failed:
+        if tolerate is not None and len(lost) == len(procs):  # elastic: joiners may go on
+            outlive(keys, len(procs), STALE)
         return _results(procs, errdir, lost)
     # Exit codes now, before shoal's own SIGTERMs blur who died first. A rank that exited
     # with status 0 before its work was done (os._exit(0)) is among them: the others' errors

@@ -15,9 +15,10 @@ import torch
 from shoal.config import TrainConfig
 from shoal.core.env import Environment, default_threads, detect_environment, resolve_device
 from shoal.core.failures import exit_status
+from shoal.core.files import read_json
 from shoal.core.guard import skip_exit_collection
 from shoal.core.limits import check_processes
-from shoal.core.processes import spawn, stop_requested
+from shoal.core.processes import Lost, spawn, stop_requested
 from shoal.core.trust import Seal
 from shoal.data import Dataset, as_dataset
 from shoal.data.loader import loader_processes
@@ -84,7 +85,7 @@ def _run_with_restarts(cfg: TrainConfig, topology: Topology, data: Dataset | Non
     # learn (through the job file, shoal.train.jobfile).
     seal = Seal() if cfg.elastic and data is None else None
     while True:
-        started = time.monotonic()
+        started, since = time.monotonic(), time.time()
         extra = {"restarts": restarts} if restarts else None
         try:
             results = spawn(topology.world_size, _spawned_rank,
@@ -92,8 +93,7 @@ def _run_with_restarts(cfg: TrainConfig, topology: Topology, data: Dataset | Non
                             tolerate=lambda rank: _tolerated(cfg, topology, rank),
                             on_store=seal and (lambda port: publish(cfg, port, seal.key_hex,
                                                                     topology.workers)))
-            # Rank 0's; an elastic job that lost worker 0: the lowest id left's.
-            return next((r for r in results if isinstance(r, dict)), None)
+            return _summary(cfg, topology, results, since)
         except WorkerError as exc:
             exc = _by_role(exc, topology)
             if exc.user_error or len(restarts) >= cfg.max_restarts or stop_requested():
@@ -112,6 +112,25 @@ def _run_with_restarts(cfg: TrainConfig, topology: Topology, data: Dataset | Non
                   + (f"the checkpoint at step {step}" if step is not None else "the start")
                   + f" (restart {len(restarts)} of {cfg.max_restarts})",
                   file=sys.stderr, flush=True)
+
+
+def _summary(cfg: TrainConfig, topology: Topology, results: list[Any], since: float
+             ) -> dict[str, Any] | None:
+    """Rank 0's summary; an elastic job that lost worker 0: the lowest id left's. Every
+    worker started here lost: the joiners' summary when the job went on in them and wrote
+    one (after ``since``, a UNIX time), else a failure, which ``--max-restarts`` restarts."""
+    summary = next((r for r in results if isinstance(r, dict)), None)
+    workers = results[topology.servers:]
+    if summary is None and cfg.elastic and workers and all(isinstance(r, Lost) for r in workers):
+        path = Path(cfg.out) / "summary.json"
+        if path.is_file() and path.stat().st_mtime >= since:
+            print(f"shoal: every worker started here was lost; the job went on in the workers "
+                  f"that joined it and ended (results in {cfg.out})", file=sys.stderr, flush=True)
+            return read_json(path, "summary")
+        how = "; ".join(f"worker {r.rank - topology.servers} {r.status}" for r in workers)
+        raise WorkerError(workers[0].rank, f"every worker was lost ({how}); the job ends with "
+                          "them", exit_code=workers[0].exitcode, who="the job")
+    return summary
 
 
 def _spawned_rank(cfg: TrainConfig, topology: Topology, data: Dataset | None,

@@ -116,6 +116,7 @@ class Elastic:
         self._steps = trainer.plan.steps_per_epoch  # an epoch's steps for the schedule
         self._resized = False  # the group changed: the schedule follows the epochs' share
         self._joined = False  # a joiner's first epoch goes on from the plan it took over
+        self._joining: tuple[int, dict[str, Any]] | None = None  # a join's record, and where
         if self.membership is None:
             return
         self.membership.listeners.append(self._changed)
@@ -256,7 +257,8 @@ class Elastic:
                 and current.start >= current.plan.steps_per_epoch:
             # Between two epochs (in the evaluation, the records, the checkpoint): all of the
             # last counted, none of the next begun; its start deals it over the workers left.
-            order = torch.arange(len(t.data.train))  # counted only
+            # counted only; after the last epoch none is left
+            order = torch.arange(len(t.data.train) if st.epoch < t.cfg.epochs else 0)
         else:
             order = self._rest(current, lost)
             self._next = EpochPlan(len(order), t.cfg.global_batch(world), world, t.cfg.seed, order)
@@ -325,20 +327,33 @@ class Elastic:
         change = {"step": st.step, "epoch": st.epoch + 1, "joined": joined,
                   "why": {m: "joined" for m in joined}, "workers": workers,
                   "samples_dealt_again": t.plan.n}
+        self._joining = (at, change)  # the joiners keep it too (they may write the records)
         mine, theirs = handover.send(t, joined)
+        self._joining = None
         self.changes.insert(at, {**change, "state_sha256": mine, "joiner_state_sha256": theirs,
                                  "stall_s": round(time.perf_counter() - started, 4)})
         t.recorder.notes["membership_changes"] = self.changes
 
+    def joined(self, mine: str, theirs: dict[str, str]) -> None:
+        """A joiner, after its handover: the changes so far and its own join's record, as
+        the members keep them (without their stall), should it write the summary."""
+        if self._joining is not None:
+            at, change = self._joining
+            self.changes.insert(at, {**change, "state_sha256": mine, "joiner_state_sha256": theirs})
+            self._joining = None
+        self.t.recorder.notes["membership_changes"] = self.changes
+
     def handover_state(self) -> dict[str, Any]:
         """What a joiner takes of this worker's side (:mod:`shoal.train.handover`)."""
-        return {"steps": self._steps, "resized": self._resized}
+        return {"steps": self._steps, "resized": self._resized, "changes": list(self.changes),
+                "joining": self._joining}
 
     def take_over(self, order: torch.Tensor, state: dict[str, Any]) -> None:
         """A joiner: the rest of the epoch (``order``) dealt over its new group, and
         :meth:`handover_state`'s ``state``."""
         t, world = self.t, self.t.comm.world_size
         self._steps, self._resized, self._joined = state["steps"], state["resized"], True
+        self.changes, self._joining = list(state["changes"]), state["joining"]
         t.plan = EpochPlan(len(order), t.cfg.global_batch(world), world, t.cfg.seed, order)
         self._new_loader()
         self._uncounted = [Reading(t.plan, order, list(self.membership.members), 0)]
@@ -353,9 +368,9 @@ def membership_change(step: int, epoch: int, why: dict[int, str], workers: int, 
     if say:
         epochs = f"epoch {epoch + 1}" if last is None or last == epoch else \
             f"epochs {epoch + 1} to {last + 1}"
+        rest = f" with the {dealt} samples left of {epochs}" if dealt else " (no samples left)"
         print(f"shoal: {_workers(lost)} left at step {step} ({'; '.join(why.values())}); "
-              f"{workers} go on with the {dealt} samples left of {epochs}",
-              file=sys.stderr, flush=True)
+              f"{workers} go on{rest}", file=sys.stderr, flush=True)
     return {"step": step, "epoch": epoch + 1, "left": lost, "why": why, "workers": workers,
             "samples_dealt_again": dealt}
 

@@ -77,9 +77,9 @@ def send(t: Any, joined: list[int]) -> tuple[str, dict[str, str]]:
 def receive(t: Any, joined: list[int]) -> None:
     """A joiner: take worker 0's live state into trainer ``t``, then send the digest of
     its own (with the others', :func:`send`)."""
-    state, _ = t.comm.broadcast_object(None)
+    state, theirs = t.comm.broadcast_object(None)
     install(t, state)
-    _digests(t, joined, digest(live_state(t)))
+    t.elastic.joined(theirs, _digests(t, joined, digest(live_state(t))))
 
 
 def _digests(t: Any, joined: list[int], mine: str = "") -> dict[str, str]:

@@ -24,6 +24,7 @@ from typing import Any
 
 from shoal.core.failures import exit_status
 from shoal.core.joining import answer, ask, take_ticket, worker_id
+from shoal.core.outlive import finished_key
 from shoal.core.processes import loopback_gloo_interface, start_process
 from shoal.core.waits import ELASTIC, ended_key, key_prefix, members_now
 from shoal.errors import JobError, ShoalError
@@ -52,11 +53,14 @@ def join_job(out: Path) -> int:
     except EOFError:  # it ended without a report
         report = None
     if report is None and worker.exitcode == 0:
+        with contextlib.suppress(Exception):  # for a launcher whose own workers were lost
+            keys.set(finished_key(me), "1")
         print(f"shoal: worker {me} finished with the job", file=sys.stderr, flush=True)
         return 0
-    if worker.exitcode is not None and worker.exitcode < 0:
+    if report is not None or (worker.exitcode is not None and worker.exitcode < 0):
+        how = "failed" if report is not None else exit_status(worker.exitcode)
         with contextlib.suppress(Exception):  # the store gone: so is the job
-            keys.set(ended_key(me), exit_status(worker.exitcode))  # for the members
+            keys.set(ended_key(me), how)  # for the members, and the launcher
     if report is not None:
         raise (ShoalError if report[1] else JobError)(f"worker {me}: {report[0]}")
     raise JobError(f"worker {me}: process {exit_status(worker.exitcode or 1)}")

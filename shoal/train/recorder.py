@@ -96,15 +96,20 @@ class Recorder:
         """Elastic, after the group was re-formed: a worker that became rank 0 because
         worker 0 was lost writes the records from here on. Before any step of this
         invocation it begins them afresh (worker 0 may have been lost in :meth:`begin`);
-        after, it appends to ``metrics.jsonl`` as worker 0 left it: the records up to the
-        last step all counted (``st.step``), a torn last line dropped."""
-        if not self.is_main or self.log is not None or self._data is None:
+        after, or in a joiner (the job's records go back before it), it appends to
+        ``metrics.jsonl`` as worker 0 left it: the records up to the last step all counted
+        (``st.step``), a torn last line dropped."""
+        m = self.comm.membership
+        if not self.is_main or self.log is not None or self._data is None or m is None:
             return
         self.progress = Progress(self.cfg.progress, enabled=True)
-        if st.step == self._first_step:
+        if st.step == self._first_step and m.me < m.first_world:
             self._open(st, self._data)
         else:
-            self.log = MetricsLog(self.out / "metrics.jsonl", keep_until_step=st.step)
+            board = TensorBoardLog(self.out / "tensorboard", st.step) \
+                if self.cfg.tensorboard else None
+            self.log = MetricsLog(self.out / "metrics.jsonl", keep_until_step=st.step,
+                                  tensorboard=board)
 
     @property
     def eval_s(self) -> float:
