@@ -52,6 +52,21 @@ def test_a_killed_worker_leaves_and_the_others_train_its_share(tmp_path, strateg
     assert [r["epoch"] for r in steps if r.get("event") == "epoch"] == list(range(1, EPOCHS + 1))
 
 
+def test_sync_with_a_16_bit_all_reduce_loses_a_worker_like_without(tmp_path):
+    """--compress bf16 under --elastic: the bucket hook's all-reduce is a meeting voted on
+    and left like the plain one (it divides by the group's size at each step)."""
+    out = tmp_path / "run"
+    res = train_losing(out, 1, "train:40", "--strategy", "sync", "--compress", "bf16",
+                       "--log-every", "1")
+    assert res.returncode == 0, res.stderr
+    assert "worker 1 left at step 39" in res.stderr
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["completed"] and summary["test_accuracy"] > 0.85
+    assert summary["strategy_options"]["compress"] == "bf16"
+    assert_each_sample_once(out, EPOCHS, TRAIN_ROWS)
+    assert step_workers(out)[40] == 2
+
+
 def test_a_worker_lost_before_ddps_buffer_broadcast_is_left_like_in_any_meeting(tmp_path):
     """sync on a model with BatchNorm: DDP broadcasts rank 0's buffers at every forward.
     Worker 1 dies right after its optimizer's step 39, every meeting of that step done: the
@@ -80,6 +95,7 @@ def test_worker_0_lost_while_the_job_starts_is_left_at_the_first_epoch(tmp_path)
     assert res.returncode == 0, res.stderr
     assert res.stray == []
     assert "worker 0 left at step 0" in res.stderr
+    assert "2 worker(s), strategy sync, global batch 32, 45 steps/epoch" in res.stdout
     summary = json.loads((out / "summary.json").read_text())
     [change] = summary["membership_changes"]
     assert change["left"] == [0] and change["workers"] == 2 and change["step"] == 0
@@ -160,7 +176,7 @@ def test_the_rest_of_an_epoch_after_a_loss():
 
 @pytest.mark.parametrize("args, expected", [
     (["--strategy", "hogwild", "--elastic"], "--elastic works with sync, local-sgd"),
-    (["--elastic", "--compress", "fp16"], "--elastic does not take --compress"),
+    (["--elastic", "--compress", "powersgd"], "--elastic does not take --compress powersgd"),
     (["--record-samples"], "add --elastic"),
     (["--strategy", "diloco", "--elastic", "--tau", "4", "--fragments", "2"],
      "--elastic does not take --fragments yet"),

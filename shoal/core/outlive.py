@@ -13,6 +13,7 @@ drop out of the latest group by themselves.
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from typing import Any
 
 from shoal.core.waits import Keys, ended_key, generation_key, members_now
@@ -26,12 +27,13 @@ def finished_key(member: int) -> str:
     return f"finished/{member}"
 
 
-def outlive(store: Any, started: int, timeout: float) -> bool:
+def outlive(store: Any, started: int, timeout: float, stop: Callable[[], bool]) -> bool:
     """Wait while the job (``store``: its keys under the attempt's prefix) goes on in
-    members with ids from ``started`` on; returns whether it went on in any."""
+    members with ids from ``started`` on, or until ``stop()`` (SIGTERM: the job ends with
+    the store); returns whether it went on in any."""
     beats: dict[int, tuple[int, float]] = {}
     went_on = False
-    while True:
+    while not stop():
         members = [m for m in members_now(store) or [] if m >= started]
         live = [m for m in members if not store.check([finished_key(m)])
                 and not store.check([ended_key(m)]) and not _still(store, m, beats, timeout)]
@@ -39,6 +41,7 @@ def outlive(store: Any, started: int, timeout: float) -> bool:
             return went_on
         went_on = True
         time.sleep(POLL)
+    return went_on
 
 
 def _still(store: Any, member: int, beats: dict[int, tuple[int, float]], timeout: float) -> bool:

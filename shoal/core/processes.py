@@ -308,7 +308,7 @@ def _supervise(procs: list[BaseProcess], store: Any, errdir: str, grace: float,
         pending = [procs[rank] for rank, code in codes.items() if code is None]
     if not failed:
         if tolerate is not None and len(lost) == len(procs):  # elastic: joiners may go on
-            outlive(keys, len(procs), STALE)
+            outlive(keys, len(procs), STALE, _STOP.is_set)
         return _results(procs, errdir, lost)
     # Exit codes now, before shoal's own SIGTERMs blur who died first. A rank that exited
     # with status 0 before its work was done (os._exit(0)) is among them: the others' errors

@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import json
+import os
 import sys
 import time
 from pathlib import Path
@@ -15,14 +16,13 @@ import torch
 from shoal.config import TrainConfig
 from shoal.core.env import Environment, default_threads, detect_environment, resolve_device
 from shoal.core.failures import exit_status
-from shoal.core.files import read_json
 from shoal.core.guard import skip_exit_collection
 from shoal.core.limits import check_processes
 from shoal.core.processes import Lost, spawn, stop_requested
-from shoal.core.trust import Seal
+from shoal.core.trust import Seal, open_own
 from shoal.data import Dataset, as_dataset
 from shoal.data.loader import loader_processes
-from shoal.errors import WorkerError
+from shoal.errors import ShoalError, Terminated, WorkerError
 from shoal.strategies.topology import Topology
 from shoal.train.checkpoint import checkpoint_step
 from shoal.train.elastic import check_elastic
@@ -122,15 +122,28 @@ def _summary(cfg: TrainConfig, topology: Topology, results: list[Any], since: fl
     summary = next((r for r in results if isinstance(r, dict)), None)
     workers = results[topology.servers:]
     if summary is None and cfg.elastic and workers and all(isinstance(r, Lost) for r in workers):
-        path = Path(cfg.out) / "summary.json"
-        if path.is_file() and path.stat().st_mtime >= since:
+        summary = _joiners_summary(Path(cfg.out) / "summary.json", since)
+        if summary is not None:
             print(f"shoal: every worker started here was lost; the job went on in the workers "
                   f"that joined it and ended (results in {cfg.out})", file=sys.stderr, flush=True)
-            return read_json(path, "summary")
+            return summary
+        if stop_requested():  # SIGTERM while the job went on in its joiners
+            raise Terminated("stopped by SIGTERM once every worker started here was lost "
+                             "(the workers that joined stop with the job's store)")
         how = "; ".join(f"worker {r.rank - topology.servers} {r.status}" for r in workers)
         raise WorkerError(workers[0].rank, f"every worker was lost ({how}); the job ends with "
                           "them", exit_code=workers[0].exitcode, who="the job")
     return summary
+
+
+def _joiners_summary(path: Path, since: float) -> dict[str, Any] | None:
+    """The summary at ``path`` that the job's joiners wrote (after ``since``, a UNIX time;
+    a file of this user's, not a link), if there is one."""
+    with contextlib.suppress(OSError, ShoalError, ValueError), os.fdopen(open_own(path), "rb") as f:
+        if os.fstat(f.fileno()).st_mtime >= since:
+            summary = json.loads(f.read())
+            return summary if isinstance(summary, dict) else None
+    return None
 
 
 def _spawned_rank(cfg: TrainConfig, topology: Topology, data: Dataset | None,

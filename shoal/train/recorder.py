@@ -152,10 +152,12 @@ class Recorder:
             source.parent / "metrics.jsonl"
         self.log = MetricsLog(self.out / "metrics.jsonl", keep_until_step=resumed_at,
                               tensorboard=board, history=history)
+        world, plan = self.comm.world_size, self.plan
+        if self.comm.membership is not None and plan.world != world:  # lost at the start
+            plan = EpochPlan(plan.n, cfg.global_batch(world), world, cfg.seed)
         self.progress.line(
-            f"shoal: {cfg.model} on {data}; {self.comm.world_size} worker(s), "
-            f"strategy {cfg.strategy}, global batch {self.plan.global_batch}, "
-            f"{self.plan.steps_per_epoch} steps/epoch; {describe_momentum(cfg)}")
+            f"shoal: {cfg.model} on {data}; {world} worker(s), strategy {cfg.strategy}, global "
+            f"batch {plan.global_batch}, {plan.steps_per_epoch} steps/epoch; {describe_momentum(cfg)}")
 
     def start_clock(self, st: RunState) -> None:
         """Start the run's clock (its records' ``elapsed_s``) once every rank is here, at a
