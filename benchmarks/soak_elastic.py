@@ -11,8 +11,9 @@ by side (one after the other, same model, data and epochs):
 - ``uninterrupted``: the elastic run with no kills (the reference accuracy).
 
 Worker 0 (replica 0) is killed only with ``--any-worker`` (shoal's runs; it writes the
-records, which worker 1 then takes over). Reported per run: kills, joins/restarts, the survivors' longest stall (the longest
-time without a new step of worker 0 from a kill to the next kill or 40 s on: steps redone
+records, which the lowest id left then takes over). Reported per run: kills,
+joins/restarts, the survivors' longest stall (the longest time without a new step record
+from a kill to the next kill or 40 s on: steps redone
 after a restart or a failed round are not new), samples lost and repeated (shoal elastic:
 every worker's --record-samples; restarts: the summary's samples against the reference's and
 the steps redone; torchft: the rows of every committed round each replica took part in),
