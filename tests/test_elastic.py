@@ -26,8 +26,8 @@ pytestmark = pytest.mark.timeout(600)
 
 # sync and diloco losing worker 2 at the same step: tests/test_elastic_join.py, before the join.
 # Losing worker 0, which wrote the records: worker 1 (then rank 0) writes them on.
-@pytest.mark.parametrize("strategy, killed", [("local-sgd", 1), ("easgd", 1), ("sync", 0),
-                                              ("diloco", 0)])
+# (diloco losing worker 0: tests/test_elastic_join.py, before the join in its place.)
+@pytest.mark.parametrize("strategy, killed", [("local-sgd", 1), ("easgd", 1), ("sync", 0)])
 def test_a_killed_worker_leaves_and_the_others_train_its_share(tmp_path, strategy, killed):
     # 3 workers x 16 rows: 30 steps an epoch; the worker kills itself (SIGKILL) at its 40th
     # training forward, step 10 of epoch 2, inside a round of --tau 4 (the last exchange
@@ -105,12 +105,12 @@ def test_worker_0_lost_while_the_job_starts_is_left_at_the_first_epoch(tmp_path)
     assert set(step_workers(out).values()) == {2}
 
 
-@pytest.mark.parametrize("killed", [0, 2])
-def test_a_worker_lost_in_the_last_test_leaves_the_test_accuracy_whole(tmp_path, killed):
+def test_a_worker_lost_in_the_last_test_leaves_the_test_accuracy_whole(tmp_path):
     """A worker dies in the test after the last epoch (its shard's results go with it): the
     test is taken again over the two left, so the run reports the uninterrupted run's
     accuracy and loss, its model being the same (before: a third of the test set missing,
     63% instead of 95%)."""
+    killed = 0  # any worker's shard went with it (worker 2's too, before)
     whole = train_losing(tmp_path / "whole", -1, "eval:1", "--strategy", "sync")
     assert whole.returncode == 0, whole.stderr
     res = train_losing(tmp_path / "run", killed, f"eval:{EPOCHS + 1}", "--strategy", "sync")
