@@ -38,7 +38,7 @@ import torch.distributed as dist
 from shoal.core.group import join_group, own_client
 from shoal.core.inflight import InFlight, leave_group
 from shoal.core.processes import stop_requested
-from shoal.core.waits import ELASTIC, ended_key
+from shoal.core.waits import ELASTIC, ended_key, stood_still
 from shoal.errors import ShoalError
 
 _T = TypeVar("_T")
@@ -302,13 +302,8 @@ class Membership:
             return False
         if self._raw.check([ended_key(member)]):
             return True
-        count = self._raw.add(self._heartbeat(member), 0)
-        now = time.monotonic()
-        seen, since = self._beats.get(member, (None, now))
-        if count != seen:
-            self._beats[member] = (count, now)
-            return False
-        return now - since > self.timeout
+        return stood_still(self._beats, member, self._raw.add(self._heartbeat(member), 0),
+                           self.timeout)
 
     def _wait(self, key: str, seconds: float, first: float = 0.0) -> bool:
         """Whether ``key`` is in the store within ``seconds``: the store's own wait for the

@@ -16,7 +16,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from shoal.core.waits import Keys, ended_key, generation_key, members_now
+from shoal.core.waits import Keys, ended_key, generation_key, members_now, stood_still
 
 POLL = 0.5  # seconds between looks
 STALE = 30.0  # seconds a heartbeat (bumped about every 0.5 s) stands still: gone
@@ -27,32 +27,23 @@ def finished_key(member: int) -> str:
     return f"finished/{member}"
 
 
-def outlive(store: Any, started: int, timeout: float, stop: Callable[[], bool]) -> bool:
+def outlive(store: Any, started: int, timeout: float, stop: Callable[[], bool]) -> None:
     """Wait while the job (``store``: its keys under the attempt's prefix) goes on in
     members with ids from ``started`` on, or until ``stop()`` (SIGTERM: the job ends with
-    the store); returns whether it went on in any."""
+    the store)."""
     beats: dict[int, tuple[int, float]] = {}
-    went_on = False
     while not stop():
         members = [m for m in members_now(store) or [] if m >= started]
         live = [m for m in members if not store.check([finished_key(m)])
                 and not store.check([ended_key(m)]) and not _still(store, m, beats, timeout)]
         if not live:
-            return went_on
-        went_on = True
+            return
         time.sleep(POLL)
-    return went_on
 
 
 def _still(store: Any, member: int, beats: dict[int, tuple[int, float]], timeout: float) -> bool:
-    """Whether ``member``'s heartbeat stood still for ``timeout`` seconds (``beats``: each
-    member's last count and since when it was seen)."""
+    """Whether ``member``'s heartbeat stood still for ``timeout`` seconds."""
     if not store.check([generation_key(member)]):
         return False  # not beating yet
     count = store.add(Keys(int(store.get(generation_key(member)))).heartbeat(member), 0)
-    now = time.monotonic()
-    seen, since = beats.get(member, (None, now))
-    if count != seen:
-        beats[member] = (count, now)
-        return False
-    return now - since > timeout
+    return stood_still(beats, member, count, timeout)

@@ -121,6 +121,19 @@ def members_now(store: Any) -> list[int] | None:
     return [int(m) for m in store.get(f"{ELASTIC}/{latest}/members").decode().split(",")]
 
 
+def stood_still(beats: dict[int, tuple[int, float]], member: int, count: int,
+                timeout: float) -> bool:
+    """Whether ``member``'s heartbeat counter, read now as ``count``, has not moved for
+    ``timeout`` seconds; ``beats`` keeps each member's last count and since when (this
+    process's clock), updated here."""
+    now = time.monotonic()
+    seen, since = beats.get(member, (None, now))
+    if count != seen:
+        beats[member] = (count, now)
+        return False
+    return now - since > timeout
+
+
 def beat(count: int, published: int) -> int:
     """What to add to this rank's heartbeat counter to beat once and carry the collective
     count ``count`` instead of ``published``."""
