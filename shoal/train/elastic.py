@@ -330,17 +330,17 @@ class Elastic:
                   "samples_dealt_again": t.plan.n}
         self._joining = (at, change)  # the joiners keep it too (they may write the records)
         mine, theirs = handover.send(t, joined)
-        self._joining = None
-        self.changes.insert(at, {**change, "state_sha256": mine, "joiner_state_sha256": theirs,
-                                 "stall_s": round(time.perf_counter() - started, 4)})
-        t.recorder.notes["membership_changes"] = self.changes
+        self.joined(mine, theirs, {"stall_s": round(time.perf_counter() - started, 4)})
 
-    def joined(self, mine: str, theirs: dict[str, str]) -> None:
-        """A joiner, after its handover: the changes so far and its own join's record, as
-        the members keep them (without their stall), should it write the summary."""
+    def joined(self, mine: str, theirs: dict[str, str], more: dict[str, Any] | None = None
+               ) -> None:
+        """After a handover (a member's, with its stall in ``more``; a joiner's): the join's
+        record with worker 0's digest ``mine`` and the joiners' ``theirs``, in its place
+        among the changes (a joiner lost meanwhile has its loss recorded after it)."""
         if self._joining is not None:
             at, change = self._joining
-            self.changes.insert(at, {**change, "state_sha256": mine, "joiner_state_sha256": theirs})
+            self.changes.insert(at, {**change, "state_sha256": mine, "joiner_state_sha256": theirs,
+                                     **(more or {})})
             self._joining = None
         self.t.recorder.notes["membership_changes"] = self.changes
 
