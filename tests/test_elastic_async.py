@@ -104,6 +104,31 @@ def test_a_lost_schedule_is_dealt_once_even_after_a_second_loss():
     assert _read(slots, schedules[0].rest(0))[:25] == _read(slots, [(0, 0, 0, 25)])
 
 
+def test_a_joiner_is_given_a_part_of_each_rest_and_nothing_is_trained_twice():
+    """Worker 3 joins a 3-worker job: each giver gives the last third of the rest of each of
+    its blocks from where it is (worker 0 25 samples into epoch 0, worker 1 at the end of
+    its epoch 0, worker 2 5 into epoch 1); what they read before, what they keep and what
+    the joiner walks hold every (epoch, sample) exactly once, and a giver's copy of its
+    schedule (server 0's) cut at the same place gives the same pieces."""
+    slots = Slots(100, 12, 3, seed=0)  # 3 slots of 34, 33, 33 samples an epoch
+    schedules = {w: Schedule(slots, w, 3) for w in range(3)}
+    copies = {w: Schedule(slots, w, 3) for w in range(3)}
+    at = {0: (0, 25), 1: (0, 33), 2: (1, 5)}
+    read = [cut(schedules[w].rest(0), schedules[w].start(e) + off)[0] for w, (e, off) in at.items()]
+    given = {w: schedules[w].give(e, off, 4) for w, (e, off) in at.items()}
+    assert given == {w: copies[w].give(e, off, 4) for w, (e, off) in at.items()}
+    # worker 0: 9 of epoch 0's 34-25 left, 34 of epoch 1, 34 of epoch 2 -> 2 + 8 + 8
+    assert [hi - lo for _, _, lo, hi in given[0]] == [2, 8, 8]
+    assert [e for e, *_ in given[1]] == [1, 2] and [e for e, *_ in given[2]] == [1, 2]
+    joiner = Schedule.empty(3)
+    joiner.adopt(0, 0, [p for w in range(3) for p in given[w]])
+    kept = [cut(schedules[w].rest(0), schedules[w].start(e) + off)[1] for w, (e, off) in at.items()]
+    walked = [s for part in [*read, *kept, joiner.rest(0)] for s in part]
+    samples, epochs = slots.samples(walked)
+    seen = sorted(zip(epochs.tolist(), samples.tolist(), strict=True))
+    assert seen == [(e, s) for e in range(3) for s in range(100)]
+
+
 @pytest.mark.parametrize("args, expected", [
     (["--strategy", "async-sgd", "--servers", "2"], "--elastic takes one server"),
     (["--strategy", "async-easgd", "--max-restarts", "1"], "does not resume an asynchronous"),

@@ -42,13 +42,14 @@ class HeldJob:
 
     def __init__(self, tmp_path, *args: str, kill: bool = True, workers: int = 3,
                  held_after: int = 40, model: str = "killed_then_held", killed: int = 2,
-                 release_on_join: bool = True, env: dict[str, str] | None = None) -> None:
+                 release_on_join: bool = True, env: dict[str, str] | None = None,
+                 pace: float = 0.2) -> None:
         self.out, self.hold = tmp_path / "run", tmp_path / "hold"
         self.hold.touch()
         self.release_on_join = release_on_join
         self.env = {**shoal_env(), **(env or {})}
         self.env.update(SHOAL_TEST_KILL_AT=f"train:{held_after}", SHOAL_TEST_HOLD=str(self.hold),
-                        SHOAL_TEST_PACE="0.2", **({"SHOAL_TEST_KILL_RANK": str(killed)} if kill else {}))
+                        SHOAL_TEST_PACE=str(pace), **({"SHOAL_TEST_KILL_RANK": str(killed)} if kill else {}))
         self.lines: list[str] = []
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "shoal", "train", "--out", str(self.out), "--progress", "plain",
@@ -141,6 +142,46 @@ def test_a_worker_joins_in_place_of_a_killed_one(held, strategy, killed):
     assert workers[join["step"]] == 2 and workers[join["step"] + 1] == 3
     assert workers[max(workers)] == 3
     assert not (job.out / ".shoal-join").exists()  # taken away at the end
+
+
+def test_a_worker_joins_an_asynchronous_job_in_place_of_a_killed_one(held):
+    """async-easgd: worker 2 (rank 3: server 0 is rank 0) is killed mid-epoch 2, its rest is
+    dealt to workers 0 and 1, and a joiner, admitted by server 0, starts from the center as
+    its first pull has it, is given the last third of the rest of each of their blocks and
+    trains it: the job ends with 3 workers, every sample of every epoch once. A second
+    joiner, at the job's most workers, is refused by server 0 in one line."""
+    job = held("--strategy", "async-easgd", "--tau", "4", "--elastic", "--record-samples",
+               killed=3, release_on_join=False, pace=0.4)
+    job.wait_line("worker 2 left at step")
+    joiner = subprocess.Popen(
+        [sys.executable, "-m", "shoal", "join", str(job.out)], stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE, text=True, cwd=REPO, start_new_session=True,
+        env={**job.env, "SHOAL_TEST_MARKER": uuid.uuid4().hex})
+    try:
+        job.wait_line("worker 3 joined at step")
+        refused = shoal("join", str(job.out), env=job.env, timeout=120)
+        job.release()
+        _, err = joiner.communicate(timeout=240)
+        assert joiner.returncode == 0, err
+        assert job.finish() == 0, job.stderr
+    finally:
+        if joiner.poll() is None:
+            os.killpg(joiner.pid, signal.SIGKILL)
+            joiner.wait(timeout=30)
+    assert refused.returncode == 2
+    assert "the job refused it: the job has 3 workers, its most (--max-workers 3)" in \
+        one_error_line(refused.stderr)
+    summary = json.loads((job.out / "summary.json").read_text())
+    assert summary["completed"] and summary["workers"] == 3 and not summary["degraded"]
+    left, join = summary["membership_changes"]
+    assert left["left"] == [2] and left["workers"] == 2
+    assert join["joined"] == [3] and join["workers"] == 3 and join["epoch"] >= 2
+    # the joiner's model, digested after its first pull, is the center server 0 sent it
+    assert join["joiner_state_sha256"] == {"3": join["state_sha256"]}
+    assert_each_sample_once(job.out, EPOCHS, TRAIN_ROWS)
+    records = [json.loads(line) for line in
+               (job.out / "samples" / "worker3.jsonl").read_text().splitlines()]
+    assert sum(len(r["samples"]) for r in records) == join["samples_dealt_again"] > 0
 
 
 def test_the_job_goes_on_in_a_joiner_once_every_worker_started_with_it_is_lost(held, tmp_path):

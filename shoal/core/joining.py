@@ -29,6 +29,7 @@ from shoal.core.membership import Membership
 from shoal.errors import ShoalError
 
 PROOF_WAIT = 5.0  # seconds worker 0 waits for the proof of a ticket counted as asked
+BAD_PROOF = "its proof does not match this job's secret"
 WAIT = "wait"  # a request at the job's most workers while a member's process has ended
 _CONTEXT = b"shoal-join"
 
@@ -103,19 +104,24 @@ def _decide(m: Membership, cap: int, round_key: str) -> None:
     store.set(round_key, json.dumps({"handled": handled, "joined": joined, "members": members}))
 
 
-def _refusal(m: Membership, store: Any, ticket: int, workers: int, cap: int) -> str | None:
-    """Why ``ticket``'s request is refused, or ``None`` to admit it."""
+def proved(store: Any, seal: Any, ticket: int) -> bool:
+    """Whether ``ticket``'s proof (waited for up to :data:`PROOF_WAIT` s) is good under the
+    job's ``seal`` (``None``: the secret is not known here, nothing is proved)."""
     key = f"join/{ticket}/proof"
     deadline = time.monotonic() + PROOF_WAIT
     while not store.check([key]) and time.monotonic() < deadline:
         time.sleep(0.01)
     try:
-        good = store.check([key]) and m.seal is not None and m.seal.check(
-            bytes.fromhex(store.get(key).decode()), _CONTEXT, str(ticket).encode())
+        return bool(store.check([key]) and seal is not None and seal.check(
+            bytes.fromhex(store.get(key).decode()), _CONTEXT, str(ticket).encode()))
     except ValueError:
-        good = False
-    if not good:
-        return "its proof does not match this job's secret"
+        return False
+
+
+def _refusal(m: Membership, store: Any, ticket: int, workers: int, cap: int) -> str | None:
+    """Why ``ticket``'s request is refused, or ``None`` to admit it."""
+    if not proved(store, m.seal, ticket):
+        return BAD_PROOF
     if workers >= cap:
         if m.lost_unseen():
             return WAIT  # the members have not met since: its place is coming

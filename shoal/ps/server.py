@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import dataclasses
 import threading
 import time
 from collections.abc import Callable
@@ -100,6 +101,8 @@ class ShardServer:
         if not timeout > 0:
             raise ShoalError(f"timeout must be a positive number of seconds, got {timeout}")
         self.store, self.server, self.clients = store, server, clients
+        self.ids = set(range(clients))  #: every client's id (those added later too)
+        self.first_pulls: dict[int, torch.Tensor] = {}  #: an added client's first pull's reply
         self.rule, self.center, self.admission = rule, center, admission
         self.timeout = float(timeout)
         self.connect_timeout = self.timeout if connect_timeout is None else float(connect_timeout)
@@ -154,20 +157,39 @@ class ShardServer:
         raised)."""
         deadline = None if timeout is None else time.monotonic() + timeout
         with self._cond:
-            while len(self.left) + len(self.lost) < self.clients and not self.errors:
+            while not self._all_gone() and not self.errors:
                 left = None if deadline is None else deadline - time.monotonic()
                 if left is not None and left <= 0:
                     break
                 self._cond.wait(1.0 if left is None else min(left, 1.0))
             if self.errors:
                 raise ShoalError(f"server {self.server}: {self.errors[0]}")
-            done = len(self.left) + len(self.lost) >= self.clients
+            done = self._all_gone()
         if done:  # the threads are answering their last BYE: let them leave their pairs
             limit = 5.0 if deadline is None else max(deadline - time.monotonic(), 0.0)
             end = time.monotonic() + limit
             for t in self._threads:
                 t.join(max(end - time.monotonic(), 0.0))
         return done
+
+    def _all_gone(self) -> bool:
+        return self.ids <= self.left | self.lost.keys()
+
+    def add_client(self, c: int) -> None:
+        """Serve a new pusher ``c`` (a worker that joined the running job) from now on: it
+        takes its turn as the pushers active now do (round robin); raises a
+        :class:`~shoal.errors.ShoalError` where the staleness bound cannot take one more."""
+        with self._cond:
+            live = [w for w in self.admission.pushers if w not in self.lost and w not in self.left]
+            self.admission = dataclasses.replace(self.admission, pushers=(*live, c))
+            self.ids.add(c)
+            self.ledger.pulled[c] = self.ledger.version
+            self.ledger.rejoin(c, self._active(c))
+            self.first_pulls[c] = torch.empty(0)
+            t = threading.Thread(target=self._serve, args=(c,), daemon=True,
+                                 name=f"shoal-ps{self.server}-client{c}")
+            self._threads.append(t)
+        t.start()
 
     def close(self, timeout: float = 5.0) -> None:
         """Stop serving: wait up to ``timeout`` seconds for the serving threads. A thread
@@ -331,6 +353,8 @@ class ShardServer:
         with self._cond:
             reply.copy_(self.center)
             version = self.ledger.saw(c)
+            if c in self.first_pulls and not self.first_pulls[c].numel():
+                self.first_pulls[c] = reply.clone()  # an added client's state at its join
             self._cond.notify_all()  # a fresher pull can unblock the staleness bound
         session.reply_with(Kind.PULL, version, reply, None)
         return False

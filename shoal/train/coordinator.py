@@ -14,7 +14,7 @@ sums at each epoch's end, their state at each checkpoint, their totals at the en
   the coordinator's part holds its count of epochs recorded and the reports of workers that
   ran ahead, so that after ``--resume`` no epoch record is lost or written twice.
 - A worker killed mid-run (its pairs break) is lost: the others go on without it (with
-  ``--elastic`` they train what it left: :class:`~shoal.train.elastic_async.Dealer`). A worker
+  ``--elastic`` they train what it left, and workers may join: :mod:`shoal.train.dealer`). A worker
   that fails with an error says so first (a ``failed`` report): the job ends, and the
   coordinator ends as the echo of that failure, without taking it for a lost worker.
 """
@@ -40,7 +40,7 @@ from shoal.ps import ServerClient, ShardServer, staleness_summary
 from shoal.train.checkpoint import to_cpu
 from shoal.train.checkpointer import write_checkpoint
 from shoal.train.deal import loss_record
-from shoal.train.elastic_async import Dealer
+from shoal.train.dealer import AsyncMembers
 from shoal.train.evaluation import Evaluator
 from shoal.train.recorder import Recorder
 from shoal.train.remote import CLOCK_KEY
@@ -70,7 +70,8 @@ class Coordinator:
     def __init__(self, cfg: TrainConfig, comm: Comm, data: Dataset, model: torch.nn.Module,
                  flat: FlatParams, client: ServerClient | None, ranges: list[tuple[int, int]],
                  payload: dict[str, Any] | None, start: dict[str, Any] | None = None,
-                 extra: dict[str, Any] | None = None, ended: Any = None) -> None:
+                 extra: dict[str, Any] | None = None, ended: Any = None, seal: Any = None
+                 ) -> None:
         self.cfg, self.comm, self.data, self.model, self.flat = cfg, comm, data, model, flat
         self.client, self.ranges, self.workers = client, ranges, comm.world_size
         self.servers, self.extra, self.ended = len(ranges), extra or {}, ended
@@ -95,9 +96,8 @@ class Coordinator:
         self.test = (float("nan"), float("nan"))
         self.saved_step = -1
         self.started_unix = time.time()
-        #: --elastic: a lost worker's rest is dealt over the others
-        self.dealer = Dealer(cfg, comm.attempt_store, len(data.train), self.workers, self.servers) \
-            if cfg.elastic else None
+        #: --elastic: a lost worker's rest is dealt over the others; joiners (``seal``) admitted
+        self.dealer = AsyncMembers(self, seal) if cfg.elastic else None
         self.progress: dict[str, Any] | None = None
         self.started: set[int] | None = set()  # workers that can train; None: clock started
         self.trained: dict[int, int] = {}  # each worker's samples, as it last said
@@ -161,7 +161,7 @@ class Coordinator:
                 self._take(client, obj)
             self._note_lost(lost)
             if self.dealer is not None:
-                self.dealer.release(self.live - self.finals.keys())
+                self.dealer.tick()
         rec.end_steps()
         return self._finish(shard)
 
@@ -181,8 +181,7 @@ class Coordinator:
         kind = report["kind"]
         if kind == "failed":
             raise WorkerFailed(f"worker {worker} failed ({report['error']}); the job ends")
-        if kind in ("adopt", "idle") and self.dealer is not None:
-            self.dealer.take(worker, report)
+        if self.dealer is not None and self.dealer.take(worker, report):
             return
         self.latest[worker] = report
         if kind == "started" and self.started is not None:
@@ -205,7 +204,7 @@ class Coordinator:
     def _note_lost(self, lost: dict[int, dict[str, Any]]) -> None:
         """Workers whose pairs broke (killed, or silent past --timeout) leave the live set."""
         for worker, info in lost.items():
-            if worker < self.workers and worker in self.live and worker not in self.finals:
+            if worker in self.live and worker not in self.finals:
                 self.live.discard(worker)
                 step = max(int(info.get("step", 0)),
                            int(self.latest.get(worker, {}).get("step", 0)))
@@ -213,26 +212,12 @@ class Coordinator:
                                                 (worker, self.servers + worker), step, info,
                                                 self.started_unix)
                 if self.dealer is not None:
-                    self._deal(worker, info)
+                    self.dealer.lost(worker, info)
                 else:
                     print(f"shoal: lost worker {worker} at step {self.lost[worker]['step']} "
                           f"({info.get('error', 'connection lost')}); the others go on",
                           flush=True)
                 self._progress()
-
-    def _deal(self, worker: int, info: dict[str, Any]) -> None:
-        """``--elastic``: what ``worker`` left dealt over the workers still training."""
-        assert self.dealer is not None
-
-        def why() -> str:  # asked after the deal is out: the launcher's word may take a while
-            status = self.ended(self.servers + worker) if self.ended is not None else None
-            return f"worker {worker} {status}" if status else \
-                f"worker {worker} stopped answering ({info.get('error', 'connection lost')})"
-
-        dealt = self.dealer.lost(worker, info, self.live - self.finals.keys(), why)
-        self.recorder.notes["membership_changes"] = self.dealer.changes
-        self.lost[worker].update(samples_trained=int(info.get("counted", 0)),
-                                 samples_not_trained=0, samples_dealt_again=dealt)
 
     def _progress(self) -> None:
         """Write what the reports so far complete, in the order of their steps: an epoch's
@@ -244,15 +229,17 @@ class Coordinator:
             self.state.start()
             if self.comm.store is not None:
                 self.comm.store.set(CLOCK_KEY, "1")  # the workers go
+        savers = {w for w in self.live if w < self.workers}  # a joiner's state is not kept
         while self.live:
             epoch = self.state.epoch + 1
-            ready = self.live <= self.epochs.get(epoch, {}).keys()
-            step = min((s for s, r in self.checkpoints.items() if self.live <= r.keys()),
+            due = self.dealer.due(epoch) if self.dealer is not None else self.live
+            ready = due <= self.epochs.get(epoch, {}).keys()
+            step = min((s for s, r in self.checkpoints.items() if savers and savers <= r.keys()),
                        default=None)
             if step is not None and (not ready or step < epoch * self.plan.steps_per_epoch):
                 reports = self.checkpoints.pop(step)
                 if step > self.saved_step:
-                    self._checkpoint({w: r for w, r in reports.items() if w in self.live})
+                    self._checkpoint({w: r for w, r in reports.items() if w in savers})
             elif ready:
                 self._epoch_record(epoch, self.epochs.pop(epoch))
             else:
@@ -364,7 +351,7 @@ class Coordinator:
                            + "; ".join(f"worker {w}: {r['error'] or 'connection lost'}"
                                        for w, r in sorted(self.lost.items())))
         finals = self.finals
-        last = {w: self.last[w] for w in finals if w in self.last}
+        last = {w: self.last[w] for w in finals if w in self.last and w < self.workers}
         if any(self.saved.get(w) != r["step"] for w, r in last.items()):
             self._checkpoint(last)  # stopped (SIGTERM) at different steps: their last states
         self._sum_workers()
@@ -397,4 +384,5 @@ class Coordinator:
             "staleness": staleness_summary(hists),
             "lost_workers": [self.lost[w] for w in sorted(self.lost)],
             "degraded": bool(self.lost) and self.dealer is None,
+            **({"workers": len(self.live)} if self.dealer is not None else {}),
         }

@@ -77,6 +77,13 @@ class Schedule:
         size = slots.sizes[worker]
         self.blocks: list[list[Segment]] = [[(e, worker, 0, size)] for e in range(epochs)]
 
+    @classmethod
+    def empty(cls, epochs: int) -> Schedule:
+        """A joiner's: nothing of its own, every block filled by what it is given."""
+        schedule = cls.__new__(cls)
+        schedule.blocks = [[] for _ in range(epochs)]
+        return schedule
+
     def start(self, epoch: int) -> int:
         """The samples of the blocks before ``epoch``."""
         return sum(_length(b) for b in self.blocks[:epoch])
@@ -99,6 +106,18 @@ class Schedule:
         for p in pieces:
             if p[0] > epoch:
                 self.blocks[p[0]].append(p)
+
+
+    def give(self, epoch: int, offset: int, parts: int) -> list[Segment]:
+        """Hand a joiner the last ``1/parts`` of the rest of every block from block
+        ``epoch``'s ``offset``-th sample on (rounded down: a rest of one sample is kept)."""
+        given: list[Segment] = []
+        for e in range(epoch, len(self.blocks)):
+            head, tail = cut(self.blocks[e], offset if e == epoch else 0)
+            kept, gone = cut(tail, _length(tail) - _length(tail) // parts)
+            self.blocks[e] = head + kept
+            given += gone
+        return given
 
 
 def deal(unfinished: list[Segment], workers: list[int]) -> dict[int, list[Segment]]:
@@ -128,8 +147,9 @@ def loss_record(plan: EpochPlan, rows: int, epochs: int, who: tuple[int, int], s
     """Server 0's record of lost worker ``who`` (its id and rank) at its ``step``: what of
     its shards it trained and did not (``since``: the run's start, a UNIX time)."""
     worker, rank = who
-    trained = shard_rows(plan, rows, worker, step)
-    total = shard_rows(plan, rows, worker, plan.steps_per_epoch * epochs)
+    known = worker < plan.world  # a worker that joined has no shard of its own
+    trained = shard_rows(plan, rows, worker, step) if known else 0
+    total = shard_rows(plan, rows, worker, plan.steps_per_epoch * epochs) if known else 0
     return {"worker": worker, "rank": rank,
             "lost_after_s": max(0.0, float(info.get("time", time.time())) - since),
             "step": step, "samples_trained": trained, "samples_not_trained": total - trained,

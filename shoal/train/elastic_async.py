@@ -6,9 +6,11 @@ applied it (a pushed gradient; the elastic strategies' ``x``, sent before the lo
 carries the steps before it; at its end a worker makes one more exchange for the steps
 after its last). Each exchange says how many samples of the worker's schedule
 (:mod:`shoal.train.deal`) it carries, and server 0 keeps the count of the last one applied.
-When a worker is lost, server 0's :class:`Dealer` deals the rest of its schedule over the
-workers left and publishes the deal in the job's store; each worker looks for new deals
-between its steps (every 50 ms at most), reports where it takes its share, and trains it.
+When a worker is lost, server 0's :class:`~shoal.train.dealer.Dealer` deals the rest of its
+schedule over the workers left and publishes the deal in the job's store; each worker looks
+for new deals between its steps (every 50 ms at most), reports where it takes its share, and
+trains it. When a worker joins, each gives it a part of its rest the same way, from where it
+is (:meth:`AsyncElastic.join` is the joiner's start).
 A worker that has trained its schedule waits for server 0 to release it: a worker lost
 later may still leave it work. Nobody waits for anybody otherwise.
 """
@@ -24,12 +26,13 @@ from typing import Any, TypeVar
 import torch
 
 from shoal.core.processes import stop_requested
-from shoal.core.waits import ELASTIC, publish_members
+from shoal.core.waits import ELASTIC
 from shoal.data import EpochPlan, ShardLoader, resolve_workers
-from shoal.train.deal import Schedule, Segment, Slots, cut, deal
-from shoal.train.elastic import membership_change
+from shoal.errors import ShoalError
+from shoal.train.deal import Schedule, Segment, Slots, cut
+from shoal.train.handover import digest
 from shoal.train.optim import schedule_at
-from shoal.train.samples import record_since, samples_file, say_held
+from shoal.train.samples import record_since, samples_file
 
 _Step = TypeVar("_Step")
 DEALS = f"{ELASTIC}/async/deals"  #: how many deals server 0 published
@@ -61,7 +64,8 @@ class AsyncElastic:
         self.store, self.me = t.comm.attempt_store, t.comm.rank
         workers = t.comm.world_size
         self.slots = slots_of(t.cfg, len(t.data.train), workers)
-        self.schedule = Schedule(self.slots, self.me, t.cfg.epochs)
+        self.schedule = Schedule(self.slots, self.me, t.cfg.epochs) if self.me < workers \
+            else Schedule.empty(t.cfg.epochs)  # a worker that joined: only what it is given
         self.batch = max(1, t.cfg.global_batch(workers) // workers)
         self.seen = 0  # deals read
         self.polled = 0.0
@@ -156,12 +160,42 @@ class AsyncElastic:
         new, mine = published > self.seen, False
         while self.seen < published:
             self.seen += 1
-            shares = json.loads(self.store.get(deal_key(self.seen)))["shares"]
-            pieces: list[Segment] = [tuple(p) for p in shares.get(str(self.me), [])]  # type: ignore[misc]
-            if pieces:
+            record = json.loads(self.store.get(deal_key(self.seen)))
+            give = record.get("give")
+            if give is not None and self.me in give["givers"]:
+                self._give(self.seen, int(give["parts"]))
+            pieces: list[Segment] = [tuple(p) for p in record["shares"].get(str(self.me), [])]  # type: ignore[misc]
+            if pieces or record.get("joined") == self.me:
                 self._adopt(self.seen, pieces)
                 mine = True
         return new, mine
+
+    def _give(self, n: int, parts: int) -> None:
+        """Give a joiner the last ``1/parts`` of this worker's rest (deal ``n``), from where
+        it is, told to server 0 first."""
+        t, offset = self.t, self._read()
+        t.comm.ps.report({"kind": "give", "deal": n, "epoch": t.state.epoch, "offset": offset})
+        block = self.schedule.blocks[t.state.epoch]
+        if self.schedule.give(t.state.epoch, offset, parts):
+            self.dealt = True
+            if self.schedule.blocks[t.state.epoch] != block:
+                self._plan(offset)  # this block's rest was given in part
+
+    def join(self, epoch: int) -> None:
+        """A worker that joined, at ``epoch`` (the records'): say what state it took (the
+        center, as its first pull had it) and wait for what it is given."""
+        t = self.t
+        t.state.epoch, t.state.step = epoch, epoch * self.steps
+        schedule_at(t.scheduler, epoch * self.steps)
+        self.dealt = True  # its schedule follows the share of each block it reads
+        t.comm.ps.report({"kind": "joined", "digest": digest({"center": t.strategy.flat.pack(),
+                                                              "progress": {}})})
+        deadline = time.monotonic() + t.cfg.timeout
+        while not self._poll()[1] and not self.store.check([RELEASE]):
+            if time.monotonic() > deadline:
+                raise ShoalError(f"nothing was given to this worker within --timeout "
+                                 f"{t.cfg.timeout:g} s")
+            time.sleep(POLL_S)
 
     def _adopt(self, n: int, pieces: list[Segment]) -> None:
         """Take deal ``n``'s ``pieces`` where this worker is, told to server 0 first."""
@@ -190,79 +224,4 @@ class AsyncElastic:
         return False
 
 
-class Dealer:
-    """Server 0's side: every worker's schedule (as it adopts shares), a lost worker's
-    rest dealt over the live ones and published, the release once all are idle."""
-
-    def __init__(self, cfg: Any, store: Any, n: int, workers: int, servers: int) -> None:
-        self.store, self.cfg, self.servers = store, cfg, servers
-        self.slots = slots_of(cfg, n, workers)
-        self.schedules = {w: Schedule(self.slots, w, cfg.epochs) for w in range(workers)}
-        self.deals: list[dict[int, list[Segment]]] = []
-        self.adopted: dict[int, set[int]] = {w: set() for w in range(workers)}
-        self.idle: dict[int, int] = {}  # worker -> deals it had read when it said idle
-        self.changes: list[dict[str, Any]] = []
-        self.released = False
-
-    def take(self, worker: int, report: dict[str, Any]) -> None:
-        """A worker's ``adopt`` or ``idle`` report."""
-        if report["kind"] == "adopt":
-            n = int(report["deal"])
-            self.schedules[worker].adopt(int(report["epoch"]), int(report["offset"]),
-                                         self.deals[n - 1][worker])
-            self.adopted[worker].add(n)
-            self.idle.pop(worker, None)
-        else:
-            self.idle[worker] = int(report["deals"])
-
-    def lost(self, worker: int, info: dict[str, Any], live: set[int], why: Callable[[], str]
-             ) -> int:
-        """Deal what ``worker`` left (after its ``info["counted"]`` samples, and the shares
-        it never took) over ``live``; the samples dealt."""
-        counted = int(info.get("counted", 0))
-        self._record_lost(worker, counted)
-        rest = self.schedules[worker].rest(counted)
-        for n, shares in enumerate(self.deals, 1):
-            if n not in self.adopted[worker]:
-                rest += shares.get(worker, [])
-        dealt = sum(hi - lo for _, _, lo, hi in rest)
-        self.idle.pop(worker, None)
-        if not live:
-            return 0
-        if not self.released:
-            shares = deal(rest, sorted(live))
-            self.deals.append(shares)
-            self.store.set(deal_key(len(self.deals)), json.dumps(
-                {"lost": worker, "shares": {str(w): s for w, s in shares.items()}}))
-            self.store.add(DEALS, 1)
-            publish_members(self.store, f"async{len(self.deals)}",
-                            [*range(self.servers), *(self.servers + w for w in sorted(live))])
-        epochs = [e for e, _, _, _ in rest] or [self.cfg.epochs - 1]
-        self.changes.append(membership_change(int(info.get("step", 0)), min(epochs),
-                                              {worker: why()}, len(live), dealt,
-                                              last=max(epochs)))
-        return dealt
-
-    def _record_lost(self, worker: int, counted: int) -> None:
-        """``--record-samples``: ``worker``'s samples up to its last count that server 0
-        applied, written for it unless it wrote them (lost after the push, before its line)."""
-        path = samples_file(self.cfg, worker)
-        if path is None or counted <= 0:
-            return
-        walk = [s for block in self.schedules[worker].blocks for s in block]
-
-        def since(last: int) -> dict[int, torch.Tensor]:
-            samples, epochs = self.slots.samples(cut(cut(walk, counted)[0], last)[1])
-            return {e: samples[epochs == e] for e in sorted(epochs.unique().tolist())}
-
-        if not record_since(path, counted, since, "server 0", wait=self.cfg.heartbeat_timeout):
-            say_held(worker, "its last count")
-
-    def release(self, live: set[int]) -> None:
-        """Release the workers once every live one is idle with every deal read."""
-        if not self.released and live and all(self.idle.get(w) == len(self.deals) for w in live):
-            self.store.set(RELEASE, "1")
-            self.released = True
-
-
-__all__ = ["AsyncElastic", "Dealer"]
+__all__ = ["DEALS", "RELEASE", "AsyncElastic", "deal_key", "slots_of"]

@@ -29,6 +29,7 @@ from shoal.core.processes import loopback_gloo_interface, start_process
 from shoal.core.waits import ELASTIC, ended_key, key_prefix, members_now
 from shoal.errors import JobError, ShoalError
 from shoal.train.jobfile import read_job
+from shoal.train.joiner_async import job_servers, run_async_worker
 
 
 def join_job(out: Path) -> int:
@@ -38,8 +39,9 @@ def join_job(out: Path) -> int:
     job = read_job(out)
     store = _store(job, timeout=10.0)
     keys = _prefixed(store)
+    servers = job_servers(job["config"])  # an asynchronous job's server 0 checks the bound
     members = members_now(keys) or list(range(job["workers"]))
-    if len(members) >= job["max_workers"]:
+    if not servers and len(members) >= job["max_workers"]:
         raise ShoalError(f"the job in {out} has {len(members)} workers, its most "
                          f"(--max-workers {job['max_workers']}); join once one is lost")
     me = worker_id(job["workers"], take_ticket(_prefixed(store, ELASTIC)))
@@ -60,7 +62,7 @@ def join_job(out: Path) -> int:
     if report is not None or (worker.exitcode is not None and worker.exitcode < 0):
         how = "failed" if report is not None else exit_status(worker.exitcode)
         with contextlib.suppress(Exception):  # the store gone: so is the job
-            keys.set(ended_key(me), how)  # for the members, and the launcher
+            keys.set(ended_key(servers + me), how)  # for the members, and the launcher
     if report is not None:
         raise (ShoalError if report[1] else JobError)(f"worker {me}: {report[0]}")
     raise JobError(f"worker {me}: process {exit_status(worker.exitcode or 1)}")
@@ -95,7 +97,10 @@ def _worker_main(job: dict[str, Any], me: int, report: Any) -> None:
     if interface is not None:
         os.environ["GLOO_SOCKET_IFNAME"] = interface
     try:
-        run_worker(job, me)
+        if job_servers(job["config"]):
+            run_async_worker(job, me, _store(job, job["config"].timeout))
+        else:
+            run_worker(job, me)
     except BaseException as exc:  # noqa: BLE001 - told to the command, whatever it is
         line = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
         shown = line if isinstance(exc, ShoalError) else f"{type(exc).__name__}: {line}"

@@ -78,7 +78,7 @@ def run_rank(cfg: TrainConfig, env: Environment, topology: Topology, work: Workl
         try:
             work = work or load_workload(cfg, data)
             if topology.role(env.rank).is_server:
-                result = run_server(cfg, env, comm, topology, work, extra)
+                result = run_server(cfg, env, comm, topology, work, extra, seal)
             else:
                 result = _train(cfg, comm, topology, work, extra)
         except BaseException as exc:

@@ -97,9 +97,11 @@ def leave(client: ServerClient, failure: BaseException | None = None) -> None:
 
 # -- a server -----------------------------------------------------------------------------------
 def run_server(cfg: TrainConfig, env: Environment, comm: Comm, topology: Topology,
-               work: Workload, extra: dict[str, Any] | None = None) -> dict[str, Any] | None:
+               work: Workload, extra: dict[str, Any] | None = None, seal: Any = None
+               ) -> dict[str, Any] | None:
     """Serve this rank's shard of the center until every worker left or was lost; server 0
-    also coordinates (the run's records, checkpoints and summary, which it returns)."""
+    also coordinates (the run's records, checkpoints and summary, which it returns) and,
+    with the job's join secret ``seal`` (``--elastic``), admits workers that join."""
     server, workers = topology.role(env.rank).index, topology.workers
     strategy_cls = get_strategy(cfg.strategy)
     options = make_options(strategy_cls, cfg.strategy_options, workers)
@@ -121,7 +123,7 @@ def run_server(cfg: TrainConfig, env: Environment, comm: Comm, topology: Topolog
         wait = ENDED_TIMEOUT if env.error_dir is not None else 0.0  # shoal's launcher says it
         coordinator = Coordinator(cfg, comm, work.data, model, flat, client, ranges, payload,
                                   start if start is not None and cfg.init_progress else None,
-                                  extra, lambda rank: comm.ended(rank, wait))
+                                  extra, lambda rank: comm.ended(rank, wait), seal)
     try:
         return serve_shard(
             comm.store, server, workers + (1 if server > 0 else 0),

@@ -1,0 +1,274 @@
+"""Server 0's side of an asynchronous job under ``--elastic``: who trains what, and who joins.
+
+:class:`Dealer` keeps every worker's :class:`~shoal.train.deal.Schedule` as the workers do
+(they report each share they take and each part they give before they act on it), deals a
+lost worker's rest over the live ones, and releases the workers once all are idle.
+
+**A worker joins** (``shoal join OUT``; :class:`JoinDesk` answers between the coordinator's
+reports): server 0 checks its proof and the bound (``--max-workers``), serves it as a new
+client of its shard and publishes a *give* deal naming the live workers. At its next look
+each gives the joiner the last ``1/(n+1)`` of the rest of every block of its schedule from
+where it is (:meth:`Schedule.give`: it reports where first, so server 0 cuts its copy at the
+same place); once every giver gave or was lost, server 0 deals the pieces to the joiner. The
+joiner starts from the center as its first pull has it (its state from the live server, not
+from disk), at the epoch the records are at, and walks its pieces epoch by epoch; the
+epochs before it are recorded without it.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from shoal.core.joining import BAD_PROOF, proved, worker_id
+from shoal.core.waits import ELASTIC, publish_members
+from shoal.errors import ShoalError
+from shoal.train.deal import Schedule, Segment, cut, deal
+from shoal.train.elastic import membership_change
+from shoal.train.elastic_async import DEALS, RELEASE, deal_key, slots_of
+from shoal.train.handover import digest
+from shoal.train.samples import record_since, samples_file, say_held
+
+
+class Dealer:
+    """Server 0's side: every worker's schedule (as it adopts shares and gives parts), a
+    lost worker's rest dealt over the live ones, a joiner's share taken from them, and the
+    release once all are idle."""
+
+    def __init__(self, cfg: Any, store: Any, n: int, workers: int, servers: int) -> None:
+        self.store, self.cfg, self.servers = store, cfg, servers
+        self.slots = slots_of(cfg, n, workers)
+        self.schedules = {w: Schedule(self.slots, w, cfg.epochs) for w in range(workers)}
+        self.deals: list[dict[int, list[Segment]]] = []
+        self.adopted: dict[int, set[int]] = {w: set() for w in range(workers)}
+        self.idle: dict[int, int] = {}  # worker -> deals it had read when it said idle
+        self.changes: list[dict[str, Any]] = []
+        self.giving: dict[int, dict[str, Any]] = {}  # give deal -> its joiner, givers, pieces
+        self.gone: set[int] = set()  # workers lost
+        self.released = False
+
+    def take(self, worker: int, report: dict[str, Any]) -> None:
+        """A worker's ``adopt``, ``give`` or ``idle`` report."""
+        kind = report["kind"]
+        if kind == "adopt":
+            n = int(report["deal"])
+            self.schedules[worker].adopt(int(report["epoch"]), int(report["offset"]),
+                                         self.deals[n - 1][worker])
+            self.adopted[worker].add(n)
+            self.idle.pop(worker, None)
+        elif kind == "give":
+            give = self.giving[int(report["deal"])]
+            give["pieces"] += self.schedules[worker].give(
+                int(report["epoch"]), int(report["offset"]), give["parts"])
+            give["waiting"].discard(worker)
+        else:
+            self.idle[worker] = int(report["deals"])
+
+    def _publish(self, shares: dict[int, list[Segment]], live: set[int], **more: Any) -> int:
+        """Deal ``shares`` (and what ``more`` says) to the workers; its number."""
+        self.deals.append(shares)
+        self.store.set(deal_key(len(self.deals)), json.dumps(
+            {**more, "shares": {str(w): s for w, s in shares.items()}}))
+        self.store.add(DEALS, 1)
+        publish_members(self.store, f"async{len(self.deals)}",
+                        [*range(self.servers), *(self.servers + w for w in sorted(live))])
+        return len(self.deals)
+
+    def lost(self, worker: int, info: dict[str, Any], live: set[int], why: Callable[[], str]
+             ) -> int:
+        """Deal what ``worker`` left (after its ``info["counted"]`` samples, and the shares
+        it never took) over ``live``; the samples dealt."""
+        counted = int(info.get("counted", 0))
+        self.gone.add(worker)
+        self._record_lost(worker, counted)
+        rest = self.schedules[worker].rest(counted)
+        for n, shares in enumerate(self.deals, 1):
+            if n not in self.adopted[worker]:
+                rest += shares.get(worker, [])
+        dealt = sum(hi - lo for _, _, lo, hi in rest)
+        self.idle.pop(worker, None)
+        if not live:
+            return 0
+        if not self.released:
+            self._publish(deal(rest, sorted(live)), live, lost=worker)
+        epochs = [e for e, _, _, _ in rest] or [self.cfg.epochs - 1]
+        self.changes.append(membership_change(int(info.get("step", 0)), min(epochs),
+                                              {worker: why()}, len(live), dealt,
+                                              last=max(epochs)))
+        self.given(live)  # a give that waited for it
+        return dealt
+
+    def admit(self, joiner: int, live: set[int], step: int, epoch: int) -> None:
+        """``joiner`` joins at ``step`` (the furthest worker's) and the records' ``epoch``
+        (from 0): ask ``live`` (without it) to give it its part."""
+        self.schedules[joiner] = Schedule.empty(self.cfg.epochs)
+        self.adopted[joiner] = set()
+        change = {"step": step, "epoch": epoch + 1, "joined": [joiner],
+                  "why": {joiner: "joined"}, "workers": len(live) + 1, "samples_dealt_again": 0}
+        self.changes.append(change)
+        n = self._publish({}, live | {joiner}, give={"joiner": joiner, "parts": len(live) + 1,
+                                                     "givers": sorted(live)})
+        self.giving[n] = {"joiner": joiner, "parts": len(live) + 1, "waiting": set(live),
+                          "pieces": [], "change": change}
+        self.given(live | {joiner})
+
+    def given(self, live: set[int]) -> None:
+        """Deal each give whose givers all gave (or were lost) to its joiner, or over
+        ``live`` when the joiner was lost meanwhile."""
+        for n, give in list(self.giving.items()):
+            if give["waiting"] - self.gone:
+                continue
+            del self.giving[n]
+            joiner, pieces = give["joiner"], give["pieces"]
+            give["change"]["samples_dealt_again"] = sum(hi - lo for _, _, lo, hi in pieces)
+            if joiner not in self.gone:
+                self._publish({joiner: pieces}, live, joined=joiner)
+                epochs = sorted({e for e, _, _, _ in pieces})
+                of = f"epoch {epochs[0] + 1}" if len(epochs) == 1 else \
+                    f"epochs {epochs[0] + 1} to {epochs[-1] + 1}" if epochs else "no epoch"
+                print(f"shoal: worker {joiner} joined at step {give['change']['step']}; "
+                      f"{len(live)} go on, worker {joiner} with the "
+                      f"{give['change']['samples_dealt_again']} samples given it of {of}",
+                      file=sys.stderr, flush=True)
+            elif pieces and live and not self.released:
+                self._publish(deal(pieces, sorted(live)), live, lost=joiner)
+
+    def digests(self, joiner: int, server: torch.Tensor, mine: str) -> None:
+        """The join's record: the center ``server`` sent ``joiner`` at its first pull, and
+        the digest ``mine`` of the model it built from it."""
+        for change in self.changes:
+            if change.get("joined") == [joiner]:
+                change.update(state_sha256=digest({"center": server, "progress": {}}),
+                              joiner_state_sha256={str(joiner): mine})
+
+    def _record_lost(self, worker: int, counted: int) -> None:
+        """``--record-samples``: ``worker``'s samples up to its last count that server 0
+        applied, written for it unless it wrote them (lost after the push, before its line)."""
+        path = samples_file(self.cfg, worker)
+        if path is None or counted <= 0:
+            return
+        walk = [s for block in self.schedules[worker].blocks for s in block]
+
+        def since(last: int) -> dict[int, torch.Tensor]:
+            samples, epochs = self.slots.samples(cut(cut(walk, counted)[0], last)[1])
+            return {e: samples[epochs == e] for e in sorted(epochs.unique().tolist())}
+
+        if not record_since(path, counted, since, "server 0", wait=self.cfg.heartbeat_timeout):
+            say_held(worker, "its last count")
+
+    def release(self, live: set[int]) -> None:
+        """Release the workers once every live one is idle with every deal read."""
+        if not self.released and live and not self.giving and \
+                all(self.idle.get(w) == len(self.deals) for w in live):
+            self.store.set(RELEASE, "1")
+            self.released = True
+
+
+class JoinDesk:
+    """Server 0's answers to ``shoal join`` in an asynchronous ``--elastic`` job: each
+    request (:mod:`shoal.core.joining`'s ticket and proof) checked and answered between
+    the coordinator's reports, and a worker admitted through ``admit(joiner)``."""
+
+    def __init__(self, store: Any, seal: Any, first: int, cap: int) -> None:
+        import torch.distributed as dist
+
+        self.keys = dist.PrefixStore(ELASTIC, store)
+        self.seal, self.first, self.cap = seal, first, cap
+        self.handled = 0
+
+    def answer(self, live: int, ending: bool, admit: Callable[[int], int]) -> None:
+        """Answer every request asked since the last look, the job having ``live``
+        workers (``ending``: none has work left); ``admit(joiner)`` admits one and returns
+        the epoch it starts at."""
+        asked = int(self.keys.add("join/asked", 0))
+        while self.handled < asked:
+            self.handled += 1
+            ticket, why = self.handled, None
+            joiner = worker_id(self.first, ticket)
+            if not proved(self.keys, self.seal, ticket):
+                why = BAD_PROOF
+            elif live >= self.cap:
+                why = (f"the job has {live} workers, its most (--max-workers {self.cap}); a "
+                       "worker may join once one is lost")
+            elif ending:
+                why = "the job is ending: no worker has work left to give it"
+            reply: dict[str, Any] = {"refused": why}
+            if why is None:
+                try:
+                    reply, live = {"epoch": admit(joiner), "joined": [joiner]}, live + 1
+                except ShoalError as exc:  # a staleness bound that cannot take one more
+                    reply = {"refused": str(exc)}
+            self.keys.set(f"join/{ticket}/answer", json.dumps(reply))
+
+
+class AsyncMembers:
+    """The coordinator's ``--elastic`` side (``c``: the
+    :class:`~shoal.train.coordinator.Coordinator`): its :class:`Dealer`, its
+    :class:`JoinDesk` (where the job's join secret ``seal`` is known) and the epoch each
+    joiner starts at."""
+
+    def __init__(self, c: Any, seal: Any) -> None:
+        self.c, store = c, c.comm.attempt_store
+        self.dealer = Dealer(c.cfg, store, len(c.data.train), c.workers, c.servers)
+        self.desk = JoinDesk(store, seal, c.workers, c.cfg.max_workers or c.workers) \
+            if seal is not None and store is not None else None
+        self.first_epoch: dict[int, int] = {}  # a joiner -> the epoch (from 0) it starts at
+
+    def take(self, worker: int, report: dict[str, Any]) -> bool:
+        """A report of this side's (``True``): a share taken, a part given, idle, joined."""
+        kind = report["kind"]
+        if kind in ("adopt", "give", "idle"):
+            self.dealer.take(worker, report)
+        elif kind == "joined":
+            self.dealer.digests(worker, self.c.shard.first_pulls.pop(worker, torch.empty(0)),
+                                report["digest"])
+        return kind in ("adopt", "give", "idle", "joined")
+
+    def due(self, epoch: int) -> set[int]:
+        """The live workers epoch ``epoch`` (from 1) is recorded from: not those that
+        joined after it began."""
+        return {w for w in self.c.live if self.first_epoch.get(w, 0) < epoch}
+
+    def lost(self, worker: int, info: dict[str, Any]) -> None:
+        """What ``worker`` left dealt over the workers still training."""
+        c = self.c
+
+        def why() -> str:  # asked after the deal is out: the launcher's word may take a while
+            status = c.ended(c.servers + worker) if c.ended is not None else None
+            return f"worker {worker} {status}" if status else \
+                f"worker {worker} stopped answering ({info.get('error', 'connection lost')})"
+
+        dealt = self.dealer.lost(worker, info, c.live - c.finals.keys(), why)
+        c.recorder.notes["membership_changes"] = self.dealer.changes
+        c.lost[worker].update(samples_trained=int(info.get("counted", 0)),
+                              samples_not_trained=0, samples_dealt_again=dealt)
+
+    def tick(self) -> None:
+        """Between reports: answer join requests, deal the gives complete, release."""
+        c, dealer = self.c, self.dealer
+        live = c.live - c.finals.keys()
+        if self.desk is not None:
+            ending = dealer.released or all(w in dealer.idle for w in live)
+            self.desk.answer(len(live), ending, self._admit)
+            live = c.live - c.finals.keys()
+        dealer.given(live)
+        dealer.release(live)
+
+    def _admit(self, joiner: int) -> int:
+        """Serve ``joiner`` and ask the others for its part; the epoch it starts at."""
+        c = self.c
+        c.shard.add_client(joiner)  # refuses one more where a staleness bound cannot take it
+        self.first_epoch[joiner] = epoch = c.state.epoch
+        live = c.live - c.finals.keys()  # its step: the furthest live worker's now
+        self.dealer.admit(joiner, live, max((c.shard.steps.get(w, 0) for w in live), default=0),
+                          epoch)
+        c.live.add(joiner)
+        c.recorder.notes["membership_changes"] = self.dealer.changes
+        return epoch
+
+
+__all__ = ["AsyncMembers", "Dealer", "JoinDesk"]
