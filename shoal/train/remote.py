@@ -103,9 +103,13 @@ class RemoteRecorder(Recorder):
                                    self.cfg.checkpoint_path)
 
     def epoch(self, st: RunState, test: tuple[float, float]) -> None:
-        self.report("epoch", st, epoch=st.epoch, sums=self.epoch_sums(),
-                    buffers=to_cpu(dict(self.model.named_buffers())))
-        super().epoch(st, test)
+        sums = self.epoch_sums()
+        self.report("epoch", st, epoch=st.epoch, sums=sums,  # buffers of a model that trained
+                    buffers=to_cpu(dict(self.model.named_buffers())) if sums[2] else None)
+        if sums[2]:
+            super().epoch(st, test)
+        else:  # a worker that joined was given nothing of this epoch: no loss to check
+            self._epoch_sums.zero_()
 
     def finish(self, st: RunState, stopped: bool, stop_reason: str | None,
                test: tuple[float, float], parameters: int, extra: dict[str, Any] | None = None,
