@@ -103,6 +103,7 @@ class ShardServer:
         self.store, self.server, self.clients = store, server, clients
         self.ids = set(range(clients))  #: every client's id (those added later too)
         self.first_pulls: dict[int, torch.Tensor] = {}  #: an added client's first pull's reply
+        self.connect_timeouts: dict[int, float] = {}  #: an added client's
         self.rule, self.center, self.admission = rule, center, admission
         self.timeout = float(timeout)
         self.connect_timeout = self.timeout if connect_timeout is None else float(connect_timeout)
@@ -175,17 +176,18 @@ class ShardServer:
     def _all_gone(self) -> bool:
         return self.ids <= self.left | self.lost.keys()
 
-    def add_client(self, c: int) -> None:
-        """Serve a new pusher ``c`` (a worker that joined the running job) from now on: it
-        takes its turn as the pushers active now do (round robin); raises a
-        :class:`~shoal.errors.ShoalError` where the staleness bound cannot take one more."""
+    def add_client(self, c: int, connect_timeout: float) -> None:
+        """Serve a new pusher ``c`` (a worker that joined the running job, connecting within
+        ``connect_timeout`` s) from now on: it takes its turn as the pushers active now do
+        (round robin); raises a :class:`~shoal.errors.ShoalError` where the staleness bound
+        cannot take one more."""
         with self._cond:
             live = [w for w in self.admission.pushers if w not in self.lost and w not in self.left]
             self.admission = dataclasses.replace(self.admission, pushers=(*live, c))
             self.ids.add(c)
             self.ledger.pulled[c] = self.ledger.version
             self.ledger.rejoin(c, self._active(c))
-            self.first_pulls[c] = torch.empty(0)
+            self.first_pulls[c], self.connect_timeouts[c] = torch.empty(0), connect_timeout
             t = threading.Thread(target=self._serve, args=(c,), daemon=True,
                                  name=f"shoal-ps{self.server}-client{c}")
             self._threads.append(t)
@@ -301,8 +303,8 @@ class ShardServer:
     # -- serving ----------------------------------------------------------------------------
     def _serve(self, c: int) -> None:
         try:
-            ch = PairChannel(self.store, self.server, c, self.timeout, self.connect_timeout,
-                             fields=self.fields)
+            ch = PairChannel(self.store, self.server, c, self.timeout,
+                             self.connect_timeouts.get(c, self.connect_timeout), fields=self.fields)
         except ChannelError as exc:
             self._lose(c, str(exc))
             return

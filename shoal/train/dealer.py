@@ -261,7 +261,10 @@ class AsyncMembers:
     def _admit(self, joiner: int) -> int:
         """Serve ``joiner`` and ask the others for its part; the epoch it starts at."""
         c = self.c
-        c.shard.add_client(joiner)  # refuses one more where a staleness bound cannot take it
+        # It connects right after its answer (its data loaded already): a joiner lost before
+        # it connects is lost within the heartbeat timeout, not --timeout. A staleness bound
+        # that cannot take one more refuses it.
+        c.shard.add_client(joiner, min(c.cfg.heartbeat_timeout, c.cfg.timeout))
         self.first_epoch[joiner] = epoch = c.state.epoch
         live = c.live - c.finals.keys()  # its step: the furthest live worker's now
         self.dealer.admit(joiner, live, max((c.shard.steps.get(w, 0) for w in live), default=0),
