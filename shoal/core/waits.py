@@ -103,6 +103,8 @@ def ended_key(rank: int) -> str:
 
 #: Where elastic membership (:mod:`shoal.core.membership`) keeps its keys.
 ELASTIC = "elastic"
+#: Set once an elastic job's summary is written: it finished (:mod:`shoal.core.keeper`).
+DONE_KEY = f"{ELASTIC}/done"
 
 
 def publish_members(store: Any, generation: str, ranks: list[int]) -> None:

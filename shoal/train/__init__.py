@@ -16,10 +16,13 @@ import torch
 from shoal.config import TrainConfig
 from shoal.core.env import Environment, default_threads, detect_environment, resolve_device
 from shoal.core.failures import exit_status
+from shoal.core.group import job_store
 from shoal.core.guard import skip_exit_collection
+from shoal.core.keeper import keep_rank
 from shoal.core.limits import check_processes
 from shoal.core.processes import Lost, spawn, stop_requested
 from shoal.core.trust import Seal, open_own
+from shoal.core.waits import key_prefix
 from shoal.data import Dataset, as_dataset
 from shoal.data.loader import loader_processes
 from shoal.errors import ShoalError, Terminated, WorkerError
@@ -196,7 +199,7 @@ def train(cfg: TrainConfig, dataset: Any = None) -> dict[str, Any] | None:
     env = detect_environment()
     check_elastic(cfg, env.launcher if env is not None else None)
     if env is not None:
-        return _train_as_rank(cfg, env, given)
+        return _keep_rank(cfg, env, given) if cfg.elastic else _train_as_rank(cfg, env, given)
     cfg = resolve_auto_resume(cfg)
     topology = job_topology(cfg, default_workers(cfg))
     check_machine(cfg, topology)
@@ -231,6 +234,20 @@ def _train_as_rank(cfg: TrainConfig, env: Environment, given: Dataset | None
     work = preflight(cfg, topology.workers, given)
     with OutputLock(Path(cfg.out)) if env.rank == 0 else contextlib.nullcontext():
         return run_rank(cfg, env, topology, work)
+
+
+def _keep_rank(cfg: TrainConfig, env: Environment, given: Dataset | None
+               ) -> dict[str, Any] | None:
+    """``--elastic`` under torchrun: this process keeps its rank's work in a child of its
+    own, so that a worker lost is not a failure torchrun's agent sees
+    (:mod:`shoal.core.keeper`)."""
+    import torch.distributed as dist
+
+    topology = outside_topology(cfg, env)
+    keys = dist.PrefixStore(key_prefix(env.attempt), job_store(env, cfg.timeout))
+    return keep_rank(env.rank, keys, _train_as_rank, (cfg, env, given),
+                     range(topology.servers, topology.world_size),
+                     _tolerated(cfg, topology, env.rank))
 
 
 def check_machine(cfg: TrainConfig, topology: Topology, data: Dataset | None = None) -> None:

@@ -55,9 +55,9 @@ def check_elastic(cfg: TrainConfig, launcher: str | None) -> None:
     if cfg.strategy not in ELASTIC:
         raise ShoalError(f"--elastic works with {', '.join(ELASTIC)} (not yet with "
                          f"{cfg.strategy})")
-    if launcher is not None:
-        raise ShoalError(f"--elastic runs under shoal's own launcher (--workers N), not yet "
-                         f"under {launcher}")
+    if launcher not in (None, "torchrun"):
+        raise ShoalError(f"--elastic runs under shoal's own launcher (--workers N) or "
+                         f"torchrun, not yet under {launcher}")
     if cfg.strategy in ASYNC_ELASTIC:
         if cfg.strategy_options.get("servers", 1) != 1:
             raise ShoalError("--elastic takes one server with an asynchronous strategy (a push "

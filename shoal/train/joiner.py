@@ -24,8 +24,9 @@ from typing import Any
 
 from shoal.core.failures import exit_status
 from shoal.core.joining import answer, ask, take_ticket, worker_id
+from shoal.core.keeper import run_child
 from shoal.core.outlive import finished_key
-from shoal.core.processes import loopback_gloo_interface, start_process
+from shoal.core.processes import loopback_gloo_interface
 from shoal.core.waits import ELASTIC, ended_key, key_prefix, members_now
 from shoal.errors import JobError, ShoalError
 from shoal.train.jobfile import read_job
@@ -34,8 +35,6 @@ from shoal.train.joiner_async import job_servers, run_async_worker
 
 def join_job(out: Path) -> int:
     """Run ``shoal join OUT``: returns 0 once the joined worker finished with the job."""
-    import multiprocessing as mp
-
     job = read_job(out)
     store = _store(job, timeout=10.0)
     keys = _prefixed(store)
@@ -46,26 +45,21 @@ def join_job(out: Path) -> int:
                          f"(--max-workers {job['max_workers']}); join once one is lost")
     me = worker_id(job["workers"], take_ticket(_prefixed(store, ELASTIC)))
     print(f"shoal: joining the job in {out} as worker {me}", file=sys.stderr, flush=True)
-    theirs, mine = mp.get_context("spawn").Pipe(duplex=False)
-    worker = start_process(_worker_main, (job, me, mine), name=f"shoal-join-{me}")
-    mine.close()
-    worker.join()
-    try:
-        report = theirs.recv() if theirs.poll() else None
-    except EOFError:  # it ended without a report
-        report = None
-    if report is None and worker.exitcode == 0:
+    code, report = run_child(_worker_main, (job, me), f"shoal-join-{me}")
+    failed = report is not None and report[0] == "failed"
+    if code == 0 and not failed:
         with contextlib.suppress(Exception):  # for a launcher whose own workers were lost
             keys.set(finished_key(me), "1")
         print(f"shoal: worker {me} finished with the job", file=sys.stderr, flush=True)
         return 0
-    if report is not None or (worker.exitcode is not None and worker.exitcode < 0):
-        how = "failed" if report is not None else exit_status(worker.exitcode)
+    if failed or (code is not None and code < 0):
+        how = "failed" if failed else exit_status(code or 1)
         with contextlib.suppress(Exception):  # the store gone: so is the job
             keys.set(ended_key(servers + me), how)  # for the members, and the launcher
-    if report is not None:
-        raise (ShoalError if report[1] else JobError)(f"worker {me}: {report[0]}")
-    raise JobError(f"worker {me}: process {exit_status(worker.exitcode or 1)}")
+    if failed:
+        assert report is not None
+        raise (ShoalError if report[2] else JobError)(f"worker {me}: {report[1]}")
+    raise JobError(f"worker {me}: process {exit_status(code or 1)}")
 
 
 def _store(job: dict[str, Any], timeout: float) -> Any:
@@ -90,28 +84,17 @@ def _prefixed(store: Any, *under: str) -> Any:
     return keys
 
 
-def _worker_main(job: dict[str, Any], me: int, report: Any) -> None:
-    """The joining worker's process: :func:`run_worker`; a failure goes back to the
-    command in one line, and the process leaves at once (no teardown that could wait)."""
+def _worker_main(job: dict[str, Any], me: int) -> None:
+    """The joining worker's process (:func:`~shoal.core.keeper.run_child`'s child): its
+    Gloo pairs on loopback, then :func:`run_worker` or, in an asynchronous job,
+    :func:`~shoal.train.joiner_async.run_async_worker`."""
     interface = loopback_gloo_interface()
     if interface is not None:
         os.environ["GLOO_SOCKET_IFNAME"] = interface
-    try:
-        if job_servers(job["config"]):
-            run_async_worker(job, me, _store(job, job["config"].timeout))
-        else:
-            run_worker(job, me)
-    except BaseException as exc:  # noqa: BLE001 - told to the command, whatever it is
-        line = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
-        shown = line if isinstance(exc, ShoalError) else f"{type(exc).__name__}: {line}"
-        report.send((shown, isinstance(exc, ShoalError) and exc.user_error))
-        report.close()
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(1)
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
+    if job_servers(job["config"]):
+        run_async_worker(job, me, _store(job, job["config"].timeout))
+    else:
+        run_worker(job, me)
 
 
 def run_worker(job: dict[str, Any], me: int) -> None:

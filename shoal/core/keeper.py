@@ -1,0 +1,142 @@
+"""``--elastic`` under an outside launcher (torchrun): each process it started *keeps* its
+rank, running the rank's work in a child process of its own.
+
+torchrun's agent takes any worker process that dies for a failed job: it ends every worker
+and restarts them all (``--max-restarts``) or fails. A worker lost to an elastic job (killed,
+the OOM killer) must not look like that. So the process torchrun started (the *keeper*)
+starts the rank's work in a child that dies with it (:func:`run_child`), and judges how
+the child ended (:func:`keep_rank`):
+
+- it returned: its result is the keeper's (the summary, for the rank that wrote it);
+- it failed with an error: the keeper raises that line, as the rank would have (the
+  launcher then ends the job: every rank runs the same code);
+- a signal killed it, and the job goes on without its rank: the keeper says so in the job's
+  store (:func:`~shoal.core.waits.ended_key`, as shoal's launcher does: the members leave it
+  out at once instead of after the heartbeat timeout) and waits, beating nothing, until the
+  job says it finished (:data:`~shoal.core.waits.DONE_KEY`, set once the summary is written:
+  status 0) or every worker's rank ended (one line, status 1). A child left out of the
+  job's latest group (stopped, too late to come back) is ended once the job finished.
+
+SIGTERM to the keeper goes to the child (it stops at the job's next step, with a
+checkpoint) and marks the keeper stopped too.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import multiprocessing as mp
+import os
+import signal
+import sys
+import time
+from collections.abc import Callable
+from typing import Any
+
+from shoal.core.failures import exit_status
+from shoal.core.processes import request_stop, start_process
+from shoal.core.waits import DONE_KEY, ended_key, members_now
+from shoal.errors import JobError, ShoalError
+
+#: Seconds between two looks of a keeper at its child and at the job's store.
+POLL_S = 1.0
+
+
+def _child_main(target: Callable[..., Any], args: tuple[Any, ...], report: Any) -> None:
+    """The child: ``target(*args)``; what it returned, or its failure in one line, goes back
+    to the keeper; then the process leaves at once (no teardown that could wait)."""
+    try:
+        result = target(*args)
+    except BaseException as exc:  # noqa: BLE001 - told to the keeper, whatever it is
+        line = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+        shown = line if isinstance(exc, ShoalError) else f"{type(exc).__name__}: {line}"
+        report.send(("failed", shown, isinstance(exc, ShoalError) and exc.user_error))
+        code = 1
+    else:
+        report.send(("returned", result))
+        code = 0
+    report.close()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
+def run_child(target: Callable[..., Any], args: tuple[Any, ...], name: str,
+              poll: Callable[[Any], None] | None = None) -> tuple[int | None, tuple | None]:
+    """Run ``target(*args)`` in a child process that dies with this one and wait for it,
+    calling ``poll(process)`` every :data:`POLL_S` s meanwhile; SIGTERM here is passed on.
+    Returns its exit code and its report: ``("returned", value)``, ``("failed", line,
+    user_error)``, or ``None`` when it ended without one (killed)."""
+    theirs, mine = mp.get_context("spawn").Pipe(duplex=False)
+    child = start_process(_child_main, (target, args, mine), name=name)
+    mine.close()
+
+    def forward(*_: Any) -> None:
+        request_stop()
+        with contextlib.suppress(ProcessLookupError, TypeError):
+            os.kill(child.pid, signal.SIGTERM)  # type: ignore[arg-type]
+
+    previous = signal.signal(signal.SIGTERM, forward)
+    report = None
+    try:
+        while child.is_alive():
+            if theirs.poll(POLL_S):
+                with contextlib.suppress(EOFError):
+                    report = theirs.recv()
+                child.join()
+            elif poll is not None:
+                poll(child)
+        child.join()
+        if report is None and theirs.poll():
+            with contextlib.suppress(EOFError):
+                report = theirs.recv()
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+    return child.exitcode, report
+
+
+def keep_rank(rank: int, keys: Any, target: Callable[..., Any], args: tuple[Any, ...],
+              workers: range, tolerated: bool) -> Any:
+    """Keep ``rank`` of a job whose store (under this attempt's prefix) is ``keys``: its
+    work ``target(*args)`` in a child; ``tolerated``: the job goes on when a signal kills
+    it (``workers``: the ranks the job may lose, all of them lost is the job lost)."""
+    ended: list[bool] = []
+
+    def left_out(child: Any) -> None:  # once the job finished, a child it left out ends
+        if not ended and keys.check([DONE_KEY]) and rank not in (members_now(keys) or [rank]):
+            ended.append(True)
+            with contextlib.suppress(ProcessLookupError, TypeError):
+                os.kill(child.pid, signal.SIGKILL)
+
+    code, report = run_child(target, args, f"shoal-rank-{rank}", left_out)
+    if report is not None and report[0] == "failed":
+        raise (ShoalError if report[2] else JobError)(report[1])
+    if code == 0:
+        return report[1] if report is not None else None
+    if ended or code is None or code >= 0 or not tolerated:
+        if ended:
+            return None
+        raise JobError(f"rank {rank}: process {exit_status(code or 1)}")
+    how = exit_status(code)
+    keys.set(ended_key(rank), how)  # for the ranks that go on
+    print(f"shoal: rank {rank} {how}; the job goes on without it (--elastic)", file=sys.stderr,
+          flush=True)
+    return _wait_for_end(keys, workers)
+
+
+def _wait_for_end(keys: Any, workers: range) -> None:
+    """Wait until the job says it finished, or every one of its ``workers`` ended."""
+    while True:
+        try:
+            if keys.check([DONE_KEY]):
+                return
+            gone = [r for r in workers if keys.check([ended_key(r)])]
+        except Exception as exc:  # the store's host is gone: so is the job
+            raise JobError(f"the job's store went away before the job said it finished ({exc})"
+                           ) from None
+        if len(gone) == len(workers):
+            how = "; ".join(f"rank {r} {keys.get(ended_key(r)).decode()}" for r in gone)
+            raise JobError(f"every worker was lost ({how}); the job ends with them")
+        time.sleep(POLL_S)
+
+
+__all__ = ["keep_rank", "run_child"]

@@ -1,0 +1,59 @@
+"""--elastic under torchrun: each process torchrun started keeps its rank's worker in a
+child (shoal.core.keeper), so a worker killed (kill -9) is not a failure torchrun's agent
+sees: the others go on, as under shoal's launcher, and torchrun exits 0; every worker lost
+is one line and a failure. Real torchrun (--standalone), Gloo on CPU."""
+
+from __future__ import annotations
+
+import json
+import sys
+import uuid
+
+import pytest
+
+from conftest import EPOCHS, TRAIN_ROWS, assert_each_sample_once, run, shoal_env
+
+pytestmark = pytest.mark.timeout(240)
+
+
+def _torchrun(tmp_path, procs: int, kill: str, *args: str):
+    env = {**shoal_env(uuid.uuid4().hex), "SHOAL_TEST_KILL_RANK": kill,
+           "SHOAL_TEST_KILL_AT": "train:20"}
+    return run([sys.executable, "-m", "torch.distributed.run", "--standalone",
+                "--nproc-per-node", str(procs), "-m", "shoal", "train", "--dataset", "digits",
+                "--epochs", str(EPOCHS), "--schedule", "constant", "--elastic",
+                "--model", "tests.fixtures_models:killed_at", "--out", str(tmp_path / "run"),
+                "--progress", "plain", *args], env=env, timeout=200)
+
+
+def test_a_killed_worker_leaves_and_the_others_train_its_share_under_torchrun(tmp_path):
+    # Rank 2 of 3 kills itself (SIGKILL) at its 20th training forward, mid-epoch 1.
+    res = _torchrun(tmp_path, 3, "2", "--record-samples")
+    assert res.returncode == 0, res.stderr
+    assert res.stray == []
+    assert "shoal: rank 2 killed by signal 9; the job goes on without it (--elastic)" \
+        in res.stderr
+    summary = json.loads((tmp_path / "run" / "summary.json").read_text())
+    assert summary["completed"] and summary["workers"] == 2
+    [change] = summary["membership_changes"]
+    assert change["left"] == [2] and change["why"] == {"2": "worker 2 killed by signal 9"}
+    assert_each_sample_once(tmp_path / "run", EPOCHS, TRAIN_ROWS)
+
+
+def test_every_worker_lost_under_torchrun_fails_the_job_in_one_line(tmp_path):
+    res = _torchrun(tmp_path, 2, "0,1")
+    assert res.returncode != 0
+    assert res.stray == []
+    assert "every worker was lost (rank 0 killed by signal 9; rank 1 killed by signal 9)" \
+        in res.stderr
+    assert not (tmp_path / "run" / "summary.json").exists()
+
+
+@pytest.mark.parametrize("launcher", ["slurm", "mpi"])
+def test_elastic_under_slurm_or_mpirun_is_refused_in_one_line(launcher):
+    from shoal.config import TrainConfig
+    from shoal.errors import ShoalError
+    from shoal.train.elastic import check_elastic
+
+    with pytest.raises(ShoalError, match=f"or torchrun, not yet under {launcher}"):
+        check_elastic(TrainConfig(dataset="digits", elastic=True), launcher)
