@@ -51,6 +51,7 @@ class HeldJob:
         self.env.update(SHOAL_TEST_KILL_AT=f"train:{held_after}", SHOAL_TEST_HOLD=str(self.hold),
                         SHOAL_TEST_PACE=str(pace), **({"SHOAL_TEST_KILL_RANK": str(killed)} if kill else {}))
         self.lines: list[str] = []
+        self.joiners: list[subprocess.Popen] = []
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "shoal", "train", "--out", str(self.out), "--progress", "plain",
              "--model", f"tests.fixtures_models:{model}", "--dataset", "digits",
@@ -79,6 +80,14 @@ class HeldJob:
     def wait_line(self, text: str) -> None:
         self.wait_for(lambda: any(text in line for line in self.lines), repr(text))
 
+    def join_in_background(self, **env: str) -> subprocess.Popen:
+        """``shoal join OUT`` started now, its stderr piped (ended at :meth:`stop`)."""
+        self.joiners.append(subprocess.Popen(
+            [sys.executable, "-m", "shoal", "join", str(self.out)], stdout=subprocess.DEVNULL,
+            stderr=subprocess.PIPE, text=True, cwd=REPO, start_new_session=True,
+            env={**self.env, "SHOAL_TEST_MARKER": uuid.uuid4().hex, **env}))
+        return self.joiners[-1]
+
     @property
     def stderr(self) -> str:
         return "".join(self.lines)
@@ -92,9 +101,10 @@ class HeldJob:
     def stop(self) -> None:
         """Clean-up, whatever happened: the whole session killed."""
         self.release()
-        if self.proc.poll() is None:
-            os.killpg(self.proc.pid, signal.SIGKILL)
-            self.proc.wait(timeout=30)
+        for proc in [self.proc, *self.joiners]:
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait(timeout=30)
         wait_gone(self.env["SHOAL_TEST_MARKER"], 5.0)
 
 
@@ -153,21 +163,13 @@ def test_a_worker_joins_an_asynchronous_job_in_place_of_a_killed_one(held):
     job = held("--strategy", "async-easgd", "--tau", "4", "--elastic", "--record-samples",
                killed=3, release_on_join=False, pace=0.4)
     job.wait_line("worker 2 left at step")
-    joiner = subprocess.Popen(
-        [sys.executable, "-m", "shoal", "join", str(job.out)], stdout=subprocess.DEVNULL,
-        stderr=subprocess.PIPE, text=True, cwd=REPO, start_new_session=True,
-        env={**job.env, "SHOAL_TEST_MARKER": uuid.uuid4().hex})
-    try:
-        job.wait_line("worker 3 joined at step")
-        refused = shoal("join", str(job.out), env=job.env, timeout=120)
-        job.release()
-        _, err = joiner.communicate(timeout=240)
-        assert joiner.returncode == 0, err
-        assert job.finish() == 0, job.stderr
-    finally:
-        if joiner.poll() is None:
-            os.killpg(joiner.pid, signal.SIGKILL)
-            joiner.wait(timeout=30)
+    joiner = job.join_in_background()
+    job.wait_line("worker 3 joined at step")
+    refused = shoal("join", str(job.out), env=job.env, timeout=120)
+    job.release()
+    _, err = joiner.communicate(timeout=240)
+    assert joiner.returncode == 0, err
+    assert job.finish() == 0, job.stderr
     assert refused.returncode == 2
     assert "the job refused it: the job has 3 workers, its most (--max-workers 3)" in \
         one_error_line(refused.stderr)
@@ -195,22 +197,14 @@ def test_the_job_goes_on_in_a_joiner_once_every_worker_started_with_it_is_lost(h
                model="killed_when_told", release_on_join=False,
                env={"SHOAL_TEST_KILL_RANK": "0,1", "SHOAL_TEST_KILL_FILE": str(kill)})
     job.wait_for(lambda: (job.out / ".shoal-join" / "job.json").exists(), "the job file")
-    joiner = subprocess.Popen(
-        [sys.executable, "-m", "shoal", "join", str(job.out)], stdout=subprocess.DEVNULL,
-        stderr=subprocess.PIPE, text=True, cwd=REPO, start_new_session=True,
-        env={**job.env, "SHOAL_TEST_MARKER": uuid.uuid4().hex})
-    try:
-        job.wait_line("worker 2 joined at step")
-        kill.touch()
-        job.release()
-        _, err = joiner.communicate(timeout=240)
-        assert joiner.returncode == 0, err
-        assert "workers 0, 1 left at step" in err or "worker 1 left at step" in err, err
-        assert job.finish() == 0, job.stderr
-    finally:
-        if joiner.poll() is None:
-            os.killpg(joiner.pid, signal.SIGKILL)
-            joiner.wait(timeout=30)
+    joiner = job.join_in_background()
+    job.wait_line("worker 2 joined at step")
+    kill.touch()
+    job.release()
+    _, err = joiner.communicate(timeout=240)
+    assert joiner.returncode == 0, err
+    assert "workers 0, 1 left at step" in err or "worker 1 left at step" in err, err
+    assert job.finish() == 0, job.stderr
     assert "the job went on in the workers that joined it" in job.stderr
     summary = json.loads((job.out / "summary.json").read_text())
     assert summary["completed"] and summary["workers"] == 1

@@ -15,7 +15,6 @@ failed) stops within seconds (its watchdog).
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import os
 import sys
 from datetime import timedelta
@@ -30,7 +29,7 @@ from shoal.core.processes import loopback_gloo_interface
 from shoal.core.waits import ELASTIC, ended_key, key_prefix, members_now
 from shoal.errors import JobError, ShoalError
 from shoal.train.jobfile import read_job
-from shoal.train.joiner_async import job_servers, run_async_worker
+from shoal.train.joiner_async import job_servers, joiner_place, run_async_worker
 
 
 def join_job(out: Path) -> int:
@@ -99,10 +98,8 @@ def _worker_main(job: dict[str, Any], me: int) -> None:
 
 def run_worker(job: dict[str, Any], me: int) -> None:
     """Build the trainer alone, ask to join, take the state handed over, train to the end."""
-    import torch
-
     from shoal.core.comm import Comm
-    from shoal.core.env import Environment, default_threads, pick_device
+    from shoal.core.env import pick_device
     from shoal.core.timeline import Timeline
     from shoal.core.trust import Seal
     from shoal.train import handover
@@ -111,12 +108,8 @@ def run_worker(job: dict[str, Any], me: int) -> None:
     from shoal.train.trainer import Trainer
     from shoal.train.workload import load_workload
 
-    cfg = dataclasses.replace(job["config"], resume=None, init_from=None)
+    cfg, env = joiner_place(job, me)
     first = job["workers"]
-    torch.set_num_threads(cfg.threads_per_worker or default_threads(first + 1))
-    env = Environment(rank=me, world_size=first, local_rank=me, local_world_size=me + 1,
-                      master_addr=job["address"], master_port=job["port"], launcher="local",
-                      agent_store=True)
     comm = Comm(env, pick_device(cfg.device, me, me + 1), Timeline(keep_events=cfg.trace))
     work = load_workload(cfg)
     t = Trainer(cfg, comm, work.data, work.model)  # alone: its collectives go nowhere

@@ -24,14 +24,29 @@ def job_servers(cfg: Any) -> int:
     return job_topology(cfg, 1).servers
 
 
+def joiner_place(job: dict[str, Any], me: int) -> tuple[Any, Any]:
+    """Joiner ``me``'s settings (the job's, started afresh: no ``--resume``, no
+    ``--init-from``) and its place (worker ``me`` of a job that started with
+    ``job["workers"]``, on the job's store); its intra-op threads set."""
+    import torch
+
+    from shoal.core.env import Environment, default_threads
+
+    cfg = dataclasses.replace(job["config"], resume=None, init_from=None)
+    first = job["workers"]
+    torch.set_num_threads(cfg.threads_per_worker or default_threads(first + 1))
+    return cfg, Environment(rank=me, world_size=first, local_rank=me, local_world_size=me + 1,
+                            master_addr=job["address"], master_port=job["port"],
+                            launcher="local", agent_store=True)
+
+
 def run_async_worker(job: dict[str, Any], me: int, store: Any) -> None:
     """Worker ``me`` of the job ``job`` (its job file's), on its client ``store`` of the
     job's store: asks to join, trains what it is given, leaves."""
-    import torch
     import torch.distributed as dist
 
     from shoal.core.comm import Comm
-    from shoal.core.env import Environment, default_threads, pick_device
+    from shoal.core.env import pick_device
     from shoal.core.joining import answer, ask
     from shoal.core.timeline import Timeline
     from shoal.core.trust import Seal
@@ -42,12 +57,8 @@ def run_async_worker(job: dict[str, Any], me: int, store: Any) -> None:
     from shoal.train.trainer import Trainer
     from shoal.train.workload import load_workload
 
-    cfg = dataclasses.replace(job["config"], resume=None, init_from=None)
+    cfg, place = joiner_place(job, me)
     first = job["workers"]
-    torch.set_num_threads(cfg.threads_per_worker or default_threads(first + 1))
-    place = Environment(rank=me, world_size=first, local_rank=me, local_world_size=me + 1,
-                        master_addr=job["address"], master_port=job["port"], launcher="local",
-                        agent_store=True)
     comm = Comm(place, pick_device(cfg.device, me, me + 1, share=True),
                 Timeline(keep_events=cfg.trace), store, peers=False, timeout=cfg.timeout)
     work = load_workload(cfg)
