@@ -313,7 +313,7 @@ def table(results: dict[str, dict], ref: float, epochs: int) -> str:
             continue
         stalls = sorted(r.get("stalls_s") or [0.0])
         longest, median = (f"{stalls[-1]:.2f}", f"{stalls[len(stalls) // 2]:.2f}") \
-            if r.get("stalls_s") is not None or name == "uninterrupted" else ("-", "-")
+            if r.get("stalls_s") is not None else ("-", "-")
         again = {"elastic": f"{r.get('joined')} joined of {r.get('joins_started')} started",
                  "restarts": f"{r.get('restarts')} restarts",
                  "torchft": f"{r.get('restarted_replicas')} replicas restarted"}.get(name, "-")
