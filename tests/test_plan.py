@@ -293,8 +293,8 @@ def test_planning_errors_are_one_line(tmp_path, capsys):
 
 
 def test_an_asynchronous_walk_step_measures_speed_only(tmp_path):
-    """groups (a parameter server: tested at epoch ends only) on the walk trains a few steps
-    as a job of its own, and its time per epoch comes from its summary."""
+    """groups (a parameter server) on the walk trains a few steps as a job of its own,
+    untested, and its time per epoch comes from its summary."""
     from shoal.config import TrainConfig
     from shoal.plan.planner import Planner, PlanOptions
     from shoal.sweep.runner import Launcher
@@ -308,6 +308,31 @@ def test_an_asynchronous_walk_step_measures_speed_only(tmp_path):
     summary = json.loads(next((tmp_path / "trials").glob("01-groups*/summary.json")).read_text())
     assert summary["steps"] == 11  # a quarter of a trial (1 epoch of 45 steps), at least 8
     assert trial.epoch_s == pytest.approx(summary["wall_time_s"] / 11 * 45)
+
+
+def test_an_asynchronous_trial_is_tested_inside_its_slice_of_the_run(tmp_path):
+    """groups' grid trial (its server tests the center as its workers' samples add up to
+    the next test's global batches) is a slice of the run as sync's is, tested four times:
+    a tenth of 10 epochs, not a whole epoch."""
+    from shoal.config import TrainConfig
+    from shoal.plan.planner import Planner, PlanOptions
+    from shoal.sweep.runner import Launcher
+
+    cfg = TrainConfig(model="mlp", dataset="digits", epochs=10, batch_size=16, workers=2,
+                      target_accuracy=0.9, progress="none", out=str(tmp_path)).validate()
+    groups = Candidate("groups", (("groups", 2),), 2, None)
+    with Launcher(None, 120) as launcher:
+        planner = Planner(cfg, PlanOptions.of(cfg), launcher, tmp_path, 2, show=False)
+        assert planner.length(groups) == {"stop_at_step": 46, "eval_every_steps": 11}
+        trial = planner.trial(groups, STATISTICAL)
+    assert trial.ok and not trial.speed_only
+    # tested as the samples pass 11, 22, 33 and 44 global batches (the workers' reports
+    # come every 11 of their half-batches: a test lands up to a report late), then at the
+    # epoch's end
+    epochs = [e for e, _, _ in trial.curve]
+    assert len([e for e in epochs if e < 1]) == 4 and epochs == sorted(epochs)
+    assert all(abs(e - k * 11 / 45) < 0.1 for k, e in enumerate(epochs[:4], 1))
+    assert all(0 < acc <= 1 for _, acc, _ in trial.curve) and 0 < trial.epoch_s < 60
 
 
 def test_a_trials_cost_is_estimated_from_the_fastest_tested_one(tmp_path):

@@ -157,9 +157,9 @@ class Planner:
                 and not _asynchronous(c.strategy))
 
     def speed_only(self, c: Candidate, phase: Phase) -> bool:
-        """Whether ``c``'s trial measures its speed only: an asynchronous candidate (tested
-        by its server at epoch ends only) on the walk toward asynchrony, which needs its
-        time per epoch, not whole epochs of it."""
+        """Whether ``c``'s trial measures its speed only: an asynchronous candidate on the
+        walk toward asynchrony, which needs its time per epoch only (a few steps of a job of
+        its own, untested)."""
         return phase == HARDWARE and _asynchronous(c.strategy)
 
     def length(self, c: Candidate, scale: int = 1) -> dict[str, Any]:
@@ -167,19 +167,15 @@ class Planner:
         ``--eval-every-steps``): ``trial_epochs`` of steps, tested four times; a periodic
         strategy's at least two of its periods, tested at whole periods (its time per epoch
         is then measured over whole periods, averaging included). An asynchronous
-        strategy's center is tested at epoch ends only: whole epochs. A trial that would
-        stop on an epoch's last step goes one step further (a run stopped there stops before
-        the epoch's test, as a resumed run would); one as long as the run trains it all.
-        ``scale``: a refinement's trial, that many times as long."""
+        strategy's center is tested by its server each time the workers' samples add up to
+        that many more global batches (a step of each worker is a share of one). A trial
+        that would stop on an epoch's last step goes one step further (a run stopped there
+        stops before the epoch's test, as a resumed run would); one as long as the run
+        trains it all. ``scale``: a refinement's trial, that many times as long."""
         spe, begin = self.steps_per_epoch, self.start.step
-        if _asynchronous(c.strategy):
-            last = begin // spe + max(1, round(self.trial_epochs)) * scale
-            if last >= self.cfg.epochs:
-                return {"stop_at_step": None, "eval_every_steps": None}
-            return {"stop_at_step": last * spe + 1, "eval_every_steps": None}
         steps = max(4, round(self.trial_epochs * scale * spe))
         every = max(1, steps // 4)
-        if c.strategy != "sync" and c.knob > 1:
+        if c.strategy != "sync" and not _asynchronous(c.strategy) and c.knob > 1:
             every = c.knob * max(1, every // c.knob)
             steps = max(steps, 2 * every)
             steps = -(-steps // every) * every

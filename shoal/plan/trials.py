@@ -97,7 +97,7 @@ class Trial:
     predicted_s: float = math.inf
 
     #: Measured its speed only (an asynchronous candidate's walk step: a few steps of a job,
-    #: not the whole epochs its server needs to test it): ``epoch_s``, no ``curve``.
+    #: untested): ``epoch_s``, no ``curve``.
     speed_only: bool = False
     comm_fraction: float | None = None  # of its steps' time spent communicating
 
