@@ -12,6 +12,8 @@ table::
 
     .venv/bin/python benchmarks/bench_auto.py --task digits --repeats 3
     sudo .venv/bin/python benchmarks/bench_auto.py --task hard --emulate-bandwidth 100mbit --repeats 3
+    sudo .venv/bin/python benchmarks/bench_auto.py --task hard --emulate-bandwidth 100mbit \
+        --emulate-slow 1:0.25 --repeats 3   # host 1 at a quarter of a core
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ from bench_plan import TASKS
 
 from shoal.config import TrainConfig
 from shoal.core.files import read_records
+from shoal.core.hostspec import slow_hosts
 from shoal.emulate import terminate_as_exception
 from shoal.sweep.runner import Launcher
 
@@ -102,6 +105,9 @@ def main() -> int:
     p.add_argument("--task", choices=sorted(TASKS), default="digits")
     p.add_argument("--workers", type=int, default=2)
     p.add_argument("--emulate-bandwidth", default=None, metavar="RATE")
+    p.add_argument("--emulate-slow", default=None, metavar="HOST:FRACTION[,...]",
+                   help="uneven hosts (with --emulate-bandwidth): 1:0.25 holds host 1 to a "
+                        "quarter of a core")
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--samples", type=int, default=None, help="a synthetic task's samples")
     p.add_argument("--epochs", type=int, default=None, help="override the task's epochs")
@@ -115,9 +121,13 @@ def main() -> int:
             settings[key] = value
     base = TrainConfig(**settings, threads_per_worker=1, progress="none", overwrite=True)
     root = Path(args.out).resolve() / "-".join(
-        str(v) for v in (args.task, args.samples, args.epochs, args.emulate_bandwidth) if v)
+        str(v) for v in (args.task, args.samples, args.epochs, args.emulate_bandwidth,
+                         args.emulate_slow and "slow" + args.emulate_slow.replace(":", "-"))
+        if v)
     rows = []
-    with terminate_as_exception(), Launcher(args.emulate_bandwidth, timeout=3600) as launcher:
+    slow = slow_hosts(args.emulate_slow) if args.emulate_slow else {}
+    with terminate_as_exception(), Launcher(args.emulate_bandwidth, timeout=3600,
+                                            slow=slow) as launcher:
         for r in range(args.repeats):
             rows.append(run_pair(base, launcher, args.workers, root, r))
             print(json.dumps(rows[-1]), flush=True)
@@ -125,6 +135,7 @@ def main() -> int:
     summary = {"task": args.task, "settings": {k: list(v) if isinstance(v, tuple) else v
                                                for k, v in settings.items()},
                "workers": args.workers, "emulate_bandwidth": args.emulate_bandwidth,
+               "emulate_slow": args.emulate_slow,
                "rows": rows, "load_average": load,
                "median_speedup": statistics.median(r["speedup"] for r in rows)}
     (root / "bench_auto.json").write_text(json.dumps(summary, indent=2))
