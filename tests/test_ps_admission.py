@@ -80,6 +80,31 @@ def test_a_resting_pusher_holds_nobody_and_rejoins_the_round():
     assert server.admission.blockers(2, server.ledger, server._active(2)) == [0, 1]
 
 
+def test_a_client_added_takes_its_turn_and_a_bound_that_cannot_take_it_refuses(store):
+    """A worker that joins a running job (shoal join) is a new pusher: in a round robin it
+    takes its turn from the others' round (not round 0, which would hold them back three
+    rounds); a staleness bound too small for one more pusher refuses it, and the server's
+    clients stay as they were."""
+    bound = ShardServer(store, 0, 2, None, torch.zeros(2), timeout=1.0,
+                        admission=Admission((0, 1), max_staleness=1))
+    with pytest.raises(ShoalError, match="must be at least 2"):
+        bound.add_client(2, 2.0)
+    assert bound.ids == {0, 1} and bound.admission.pushers == (0, 1)
+    robin = ShardServer(store, 1, 2, None, torch.zeros(2), timeout=1.0,
+                        admission=Admission((0, 1), order="round-robin"))
+    for _ in range(3):
+        robin.ledger.book(0)
+        robin.ledger.book(1)
+    robin.add_client(2, 2.0)  # nobody connects: lost after 2 s, on its thread
+    try:
+        assert robin.ids == {0, 1, 2} and robin.admission.pushers == (0, 1, 2)
+        assert robin.ledger.counts[2] == 3
+        assert robin.admission.blockers(0, robin.ledger, [1, 2]) == []
+        assert robin.admission.blockers(2, robin.ledger, [0, 1]) == [0, 1]
+    finally:
+        robin.close(timeout=5.0)
+
+
 def test_staleness_is_summed_over_every_shard():
     one = staleness_summary([{0: 3, 2: 1}])
     assert one == {"histogram": {"0": 3, "2": 1}, "updates": 4, "max": 2, "mean": 0.5,
