@@ -132,6 +132,22 @@ def test_the_budget_skips_trials_that_would_not_fit():
     assert len(asked) == 3 and len(search.skipped) == 8 - 3
 
 
+def test_a_trial_that_would_cost_more_than_it_could_save_is_not_run():
+    """Once a trial predicts the target in 2.69 s, a trial of 5 s cannot pay for itself
+    (even one that reached the target at once would save at most 2.69 s): the grid stops
+    there, whatever the budget, and the plan says why."""
+    from shoal.plan.search import NOT_WORTH
+
+    search, asked = run_with({("sync", 1, 4): 1.0}, cost=5.0)
+    search.grid(SYNC)
+    # its curve: 0.4, 0.7, 0.99 after epochs 1-3 of 1 s: 0.9 at 2 + 0.2 / 0.29 epochs
+    assert len(asked) == 1 and search.leader_s() == pytest.approx(2 + 0.2 / 0.29)
+    assert len(search.skipped) == 7 and {why for _, _, why in search.skipped} == {NOT_WORTH}
+    search, asked = run_with({("sync", 1, 4): 1.0}, cost=2.0)  # cheaper: all run
+    search.grid(SYNC)
+    assert len(asked) == 8 and not search.skipped
+
+
 def test_the_budget_expects_a_configurations_own_cost():
     """A grid point costs what its configuration's trials cost (start-ups aside); a new
     configuration, the median so far; so one slow trial does not stop the search."""
@@ -206,9 +222,11 @@ def test_phases_are_typed_and_written_as_words():
         "incumbent", "hardware", "statistical", "refine x4"]
     assert Phase.refine(4).scale == 4 and HARDWARE.scale == 1
     trial = Trial(SYNC, curve=[(1, 0.5, 1.0)], epoch_s=1.0, phase=Phase.refine(2))
-    record = Plan([trial], [(SYNC, STATISTICAL)], None, "", [], 1.0).to_dict(SETTINGS)
+    record = Plan([trial], [(SYNC, STATISTICAL, "over the budget")], None, "", [],
+                  1.0).to_dict(SETTINGS)
     assert record["trials"][0]["phase"] == "refine x2"
-    assert record["skipped"] == [{"label": SYNC.label(), "phase": "statistical"}]
+    assert record["skipped"] == [{"label": SYNC.label(), "phase": "statistical",
+                                  "why": "over the budget"}]
     assert json.loads(json.dumps(record)) == record
 
 

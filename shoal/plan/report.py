@@ -27,8 +27,8 @@ def plan_table(plan: Plan, settings: SearchSettings) -> str:
         tested = f"{100 * t.accuracy:.1f}% ({t.curve[-1][0]:.3g})" if t.curve else "speed only"
         lines.append(f"| {i} | {t.candidate.label()} | {t.phase} | {t.epoch_s:.2f} | {tested} | "
                      f"{_epochs(t.predicted_epochs, settings.epochs)} | {_time(t.predicted_s)} |")
-    for c, phase in plan.skipped:
-        lines.append(f"| | {c.label()} | {phase} | skipped: over the budget | | | |")
+    for c, phase, why in plan.skipped:
+        lines.append(f"| | {c.label()} | {phase} | skipped: {why} | | | |")
     return "\n".join(lines) + "\n"
 
 

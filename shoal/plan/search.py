@@ -22,7 +22,8 @@ neither fully synchronous nor fully asynchronous, and is found by measuring:
 
 Trials are the caller's (:class:`~shoal.plan.planner.Planner` runs real ``shoal train``
 jobs; tests inject measurements). Every trial counts against the budget: one that would
-not fit is skipped, and the ranking uses what was measured.
+not fit is skipped, and so is one that would cost more than the leader's predicted time to
+the target (it cannot save more than that); the ranking uses what was measured.
 """
 
 from __future__ import annotations
@@ -87,6 +88,11 @@ def epochs_to_target(curve: Sequence[tuple[float, float, float]], target: float,
     return math.exp(exponent) if exponent < math.log(sys.float_info.max) else math.inf
 
 
+OVER_BUDGET = "over the budget"
+#: A trial that would cost more than the leader's predicted time to the target.
+NOT_WORTH = "costs more than it could save"
+
+
 @dataclass
 class SearchSettings:
     target: float  #: test accuracy to reach
@@ -108,7 +114,7 @@ class Omnivore:
         #: A trial's expected cost from what was measured (the planner's; ``None``: unknown).
         self._estimate = estimate
         self.trials: list[Trial] = []
-        self.skipped: list[tuple[Candidate, Phase]] = []
+        self.skipped: list[tuple[Candidate, Phase, str]] = []  # and why
         self.notes: list[str] = []  # what the walk and the grid decided, in words
         self._started = clock()
 
@@ -133,14 +139,24 @@ class Omnivore:
             return guess
         return statistics.median(costs) if costs else self.settings.trial_cost_s
 
+    def leader_s(self) -> float:
+        """The least predicted time to the target so far: the most any further trial can
+        save (no configuration reaches the target in less than no time)."""
+        return min((t.predicted_s for t in self.trials if t.ok), default=math.inf)
+
     def trial(self, candidate: Candidate, phase: Phase) -> Trial | None:
-        """The trial of ``candidate`` (run once; ``None`` when the budget has no room)."""
+        """The trial of ``candidate`` (run once; ``None`` when the budget has no room, or
+        when it would cost more than it could save: more than the leader's predicted time
+        to the target)."""
         for t in self.trials:  # a speed-only trial does not answer the statistical phase
             if t.candidate == candidate and (phase == HARDWARE or not t.speed_only) \
                     and t.phase.scale == phase.scale:
                 return t
-        if self.spent() + self.expected_cost(candidate, phase) * phase.scale > self.settings.budget_s:
-            self.skipped.append((candidate, phase))
+        cost = self.expected_cost(candidate, phase) * phase.scale
+        why = OVER_BUDGET if self.spent() + cost > self.settings.budget_s else \
+            NOT_WORTH if cost > self.leader_s() else None
+        if why is not None:
+            self.skipped.append((candidate, phase, why))
             return None
         t = self._run(candidate, phase)
         t.phase = phase
@@ -163,7 +179,7 @@ class Omnivore:
             candidate = family.with_knob(knob)
             t = self.trial(candidate, HARDWARE)
             if t is None:
-                self.notes.append(f"{candidate.label()}: over the budget; the walk stops")
+                self.notes.append(f"{candidate.label()}: {self.skipped[-1][2]}; the walk stops")
                 break
             if not t.ok:
                 break
@@ -271,7 +287,7 @@ class Plan:
     """What the search found: every trial (best first), the winner's run settings, why."""
 
     trials: list[Trial]
-    skipped: list[tuple[Candidate, Phase]]
+    skipped: list[tuple[Candidate, Phase, str]]  #: not run, and why
     winner: TrainConfig | None
     why: str
     notes: list[str]
@@ -295,7 +311,8 @@ class Plan:
             "why": self.why, "notes": self.notes,
             "winner": self.winner.to_dict() if self.winner is not None else None,
             "trials": [trial(t) for t in self.trials],
-            "skipped": [{"label": c.label(), "phase": str(phase)} for c, phase in self.skipped],
+            "skipped": [{"label": c.label(), "phase": str(phase), "why": why}
+                        for c, phase, why in self.skipped],
         }
 
 
