@@ -129,6 +129,48 @@ def test_a_joiner_is_given_a_part_of_each_rest_and_nothing_is_trained_twice():
     assert seen == [(e, s) for e in range(3) for s in range(100)]
 
 
+def test_server_0_answers_each_join_request_in_turn():
+    """shoal join in an asynchronous job: server 0's desk admits a request whose proof
+    checks, and refuses in one line a wrong proof, a request at the job's most workers and
+    one while the job ends; a staleness bound that cannot take one more refuses too (what
+    admitting raises); each ticket is answered once, in order."""
+    import torch.distributed as dist
+
+    from shoal.core.joining import ask
+    from shoal.core.trust import Seal
+    from shoal.core.waits import ELASTIC
+    from shoal.errors import ShoalError
+    from shoal.train.dealer import JoinDesk
+
+    store, seal = dist.HashStore(), Seal()
+    desk = JoinDesk(store, seal, first=3, cap=4)
+    keys = dist.PrefixStore(ELASTIC, store)
+
+    def answers(live: int, ending: bool = False, admit=lambda joiner: 7) -> list[dict]:
+        before = desk.handled
+        desk.answer(live, ending, admit)
+        return [json.loads(keys.get(f"join/{t}/answer")) for t in range(before + 1,
+                                                                        desk.handled + 1)]
+
+    ask(keys, seal, 1)
+    ask(keys, Seal(), 2)  # another job's secret
+    assert answers(3) == [{"epoch": 7, "joined": [3]},
+                          {"refused": "its proof does not match this job's secret"}]
+    ask(keys, seal, 3)
+    assert answers(4) == [{"refused": "the job has 4 workers, its most (--max-workers 4); a "
+                                      "worker may join once one is lost"}]
+    ask(keys, seal, 4)
+    assert answers(2, ending=True) == [
+        {"refused": "the job is ending: no worker has work left to give it"}]
+
+    def bound(joiner: int) -> int:
+        raise ShoalError("--max-staleness 1 with 3 workers: ...")
+
+    ask(keys, seal, 5)
+    assert answers(2, admit=bound) == [{"refused": "--max-staleness 1 with 3 workers: ..."}]
+    assert answers(2) == []  # nothing asked since
+
+
 @pytest.mark.parametrize("args, expected", [
     (["--strategy", "async-sgd", "--servers", "2"], "--elastic takes one server"),
     (["--strategy", "async-easgd", "--max-restarts", "1"], "does not resume an asynchronous"),
