@@ -112,9 +112,9 @@ def keep_rank(rank: int, keys: Any, target: Callable[..., Any], args: tuple[Any,
         raise (ShoalError if report[2] else JobError)(report[1])
     if code == 0:
         return report[1] if report is not None else None
-    if ended or code is None or code >= 0 or not tolerated:
-        if ended:
-            return None
+    if ended:  # left out, and ended here once the job finished
+        return None
+    if code is None or code >= 0 or not tolerated:
         raise JobError(f"rank {rank}: process {exit_status(code or 1)}")
     how = exit_status(code)
     keys.set(ended_key(rank), how)  # for the ranks that go on

@@ -102,7 +102,8 @@ class ShardServer:
             raise ShoalError(f"timeout must be a positive number of seconds, got {timeout}")
         self.store, self.server, self.clients = store, server, clients
         self.ids = set(range(clients))  #: every client's id (those added later too)
-        self.first_pulls: dict[int, torch.Tensor] = {}  #: an added client's first pull's reply
+        #: an added client's first pull's reply (``None``: it has not pulled yet)
+        self.first_pulls: dict[int, torch.Tensor | None] = {}
         self.connect_timeouts: dict[int, float] = {}  #: an added client's
         self.rule, self.center, self.admission = rule, center, admission
         self.timeout = float(timeout)
@@ -146,10 +147,13 @@ class ShardServer:
         if self._threads:
             return
         for c in range(self.clients):
-            t = threading.Thread(target=self._serve, args=(c,), daemon=True,
-                                 name=f"shoal-ps{self.server}-client{c}")
-            self._threads.append(t)
-            t.start()
+            self._serving(c).start()
+
+    def _serving(self, c: int) -> threading.Thread:
+        """Client ``c``'s serving thread (a daemon), kept to be joined; not started."""
+        self._threads.append(threading.Thread(target=self._serve, args=(c,), daemon=True,
+                                              name=f"shoal-ps{self.server}-client{c}"))
+        return self._threads[-1]
 
     def wait(self, timeout: float | None = None) -> bool:
         """Wait until every client said BYE or was lost (``True``), at most ``timeout``
@@ -187,10 +191,8 @@ class ShardServer:
             self.ids.add(c)
             self.ledger.pulled[c] = self.ledger.version
             self.ledger.rejoin(c, self._active(c))
-            self.first_pulls[c], self.connect_timeouts[c] = torch.empty(0), connect_timeout
-            t = threading.Thread(target=self._serve, args=(c,), daemon=True,
-                                 name=f"shoal-ps{self.server}-client{c}")
-            self._threads.append(t)
+            self.first_pulls[c], self.connect_timeouts[c] = None, connect_timeout
+            t = self._serving(c)
         t.start()
 
     def close(self, timeout: float = 5.0) -> None:
@@ -355,7 +357,7 @@ class ShardServer:
         with self._cond:
             reply.copy_(self.center)
             version = self.ledger.saw(c)
-            if c in self.first_pulls and not self.first_pulls[c].numel():
+            if c in self.first_pulls and self.first_pulls[c] is None:
                 self.first_pulls[c] = reply.clone()  # an added client's state at its join
             self._cond.notify_all()  # a fresher pull can unblock the staleness bound
         session.reply_with(Kind.PULL, version, reply, None)

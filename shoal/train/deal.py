@@ -53,7 +53,8 @@ class Slots:
         return (torch.cat(parts) if parts else empty, torch.cat(epochs) if epochs else empty)
 
 
-def _length(segments: list[Segment]) -> int:
+def length(segments: list[Segment]) -> int:
+    """The samples of ``segments``."""
     return sum(hi - lo for _, _, lo, hi in segments)
 
 
@@ -86,14 +87,14 @@ class Schedule:
 
     def start(self, epoch: int) -> int:
         """The samples of the blocks before ``epoch``."""
-        return sum(_length(b) for b in self.blocks[:epoch])
+        return sum(length(b) for b in self.blocks[:epoch])
 
     def rest(self, done: int) -> list[Segment]:
         """Every segment after the first ``done`` samples."""
         out: list[Segment] = []
         for block in self.blocks:
             head, tail = cut(block, done)
-            done -= _length(head)
+            done -= length(head)
             out += tail
         return out
 
@@ -107,14 +108,13 @@ class Schedule:
             if p[0] > epoch:
                 self.blocks[p[0]].append(p)
 
-
     def give(self, epoch: int, offset: int, parts: int) -> list[Segment]:
         """Hand a joiner the last ``1/parts`` of the rest of every block from block
         ``epoch``'s ``offset``-th sample on (rounded down: a rest of one sample is kept)."""
         given: list[Segment] = []
         for e in range(epoch, len(self.blocks)):
             head, tail = cut(self.blocks[e], offset if e == epoch else 0)
-            kept, gone = cut(tail, _length(tail) - _length(tail) // parts)
+            kept, gone = cut(tail, length(tail) - length(tail) // parts)
             self.blocks[e] = head + kept
             given += gone
         return given
@@ -127,7 +127,7 @@ def deal(unfinished: list[Segment], workers: list[int]) -> dict[int, list[Segmen
     shares: dict[int, list[Segment]] = {w: [] for w in workers}
     for epoch in sorted({s[0] for s in unfinished}):
         rest = [s for s in unfinished if s[0] == epoch]
-        for w, size in zip(workers, split_sizes(_length(rest), len(workers)), strict=True):
+        for w, size in zip(workers, split_sizes(length(rest), len(workers)), strict=True):
             share, rest = cut(rest, size)
             shares[w] += share
     return shares

@@ -27,8 +27,8 @@ import torch
 from shoal.core.joining import BAD_PROOF, proved, worker_id
 from shoal.core.waits import ELASTIC, publish_members
 from shoal.errors import ShoalError
-from shoal.train.deal import Schedule, Segment, cut, deal
-from shoal.train.elastic import membership_change
+from shoal.train.deal import Schedule, Segment, cut, deal, length
+from shoal.train.elastic import epoch_span, membership_change
 from shoal.train.elastic_async import DEALS, RELEASE, deal_key, slots_of
 from shoal.train.handover import digest
 from shoal.train.samples import record_since, samples_file, say_held
@@ -89,7 +89,7 @@ class Dealer:
         for n, shares in enumerate(self.deals, 1):
             if n not in self.adopted[worker]:
                 rest += shares.get(worker, [])
-        dealt = sum(hi - lo for _, _, lo, hi in rest)
+        dealt = length(rest)
         self.idle.pop(worker, None)
         if not live:
             return 0
@@ -124,12 +124,11 @@ class Dealer:
                 continue
             del self.giving[n]
             joiner, pieces = give["joiner"], give["pieces"]
-            give["change"]["samples_dealt_again"] = sum(hi - lo for _, _, lo, hi in pieces)
+            give["change"]["samples_dealt_again"] = length(pieces)
             if joiner not in self.gone:
                 self._publish({joiner: pieces}, live, joined=joiner)
-                epochs = sorted({e for e, _, _, _ in pieces})
-                of = f"epoch {epochs[0] + 1}" if len(epochs) == 1 else \
-                    f"epochs {epochs[0] + 1} to {epochs[-1] + 1}" if epochs else "no epoch"
+                epochs = [e for e, _, _, _ in pieces]
+                of = epoch_span(min(epochs), max(epochs)) if epochs else "no epoch"
                 print(f"shoal: worker {joiner} joined at step {give['change']['step']}; "
                       f"{len(live)} go on, worker {joiner} with the "
                       f"{give['change']['samples_dealt_again']} samples given it of {of}",
@@ -137,7 +136,7 @@ class Dealer:
             elif pieces and live and not self.released:
                 self._publish(deal(pieces, sorted(live)), live, lost=joiner)
 
-    def digests(self, joiner: int, server: torch.Tensor, mine: str) -> None:
+    def digests(self, joiner: int, server: torch.Tensor | None, mine: str) -> None:
         """The join's record: the center ``server`` sent ``joiner`` at its first pull, and
         the digest ``mine`` of the model it built from it."""
         for change in self.changes:
@@ -224,7 +223,7 @@ class AsyncMembers:
         if kind in ("adopt", "give", "idle"):
             self.dealer.take(worker, report)
         elif kind == "joined":
-            self.dealer.digests(worker, self.c.shard.first_pulls.pop(worker, torch.empty(0)),
+            self.dealer.digests(worker, self.c.shard.first_pulls.pop(worker, None),
                                 report["digest"])
         return kind in ("adopt", "give", "idle", "joined")
 

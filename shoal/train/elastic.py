@@ -367,13 +367,17 @@ def membership_change(step: int, epoch: int, why: dict[int, str], workers: int, 
     ``epoch`` to ``last``, where later ones are dealt too); ``say``: print its line too."""
     lost = sorted(why)
     if say:
-        epochs = f"epoch {epoch + 1}" if last is None or last == epoch else \
-            f"epochs {epoch + 1} to {last + 1}"
-        rest = f" with the {dealt} samples left of {epochs}" if dealt else " (no samples left)"
+        span = epoch_span(epoch, epoch if last is None else last)
+        rest = f" with the {dealt} samples left of {span}" if dealt else " (no samples left)"
         print(f"shoal: {_workers(lost)} left at step {step} ({'; '.join(why.values())}); "
               f"{workers} go on{rest}", file=sys.stderr, flush=True)
     return {"step": step, "epoch": epoch + 1, "left": lost, "why": why, "workers": workers,
             "samples_dealt_again": dealt}
+
+
+def epoch_span(first: int, last: int) -> str:
+    """``epoch 3`` or ``epochs 3 to 5``, of epochs ``first`` to ``last`` counted from 0."""
+    return f"epoch {first + 1}" if first == last else f"epochs {first + 1} to {last + 1}"
 
 
 def _workers(ids: list[int]) -> str:

@@ -29,7 +29,7 @@ from shoal.core.processes import stop_requested
 from shoal.core.waits import ELASTIC
 from shoal.data import EpochPlan, ShardLoader, resolve_workers
 from shoal.errors import ShoalError
-from shoal.train.deal import Schedule, Segment, Slots, cut
+from shoal.train.deal import Schedule, Segment, Slots, cut, length
 from shoal.train.handover import digest
 from shoal.train.optim import schedule_at
 from shoal.train.samples import record_since, samples_file
@@ -131,7 +131,7 @@ class AsyncElastic:
         if time.monotonic() - self.polled >= POLL_S:
             self._poll()
         if self.dealt:  # the share of this epoch's block read, not the count of steps
-            block = sum(b - a for _, _, a, b in self.schedule.blocks[t.state.epoch])
+            block = length(self.schedule.blocks[t.state.epoch])
             read = min(self._read() / block, 1.0) if block else 1.0
             schedule_at(t.scheduler, t.state.epoch * self.steps + round(self.steps * read))
 
