@@ -96,8 +96,8 @@ class Coordinator:
         self.test = (float("nan"), float("nan"))
         self.saved_step = -1
         self.started_unix = time.time()
-        #: --elastic: a lost worker's rest is dealt over the others; joiners (``seal``) admitted
-        self.dealer = AsyncMembers(self, seal) if cfg.elastic else None
+        #: --elastic: its side (a lost worker's rest dealt over the others, joiners admitted)
+        self.members = AsyncMembers(self, seal) if cfg.elastic else None
         self.progress: dict[str, Any] | None = None
         self.started: set[int] | None = set()  # workers that can train; None: clock started
         self.trained: dict[int, int] = {}  # each worker's samples, as it last said
@@ -139,7 +139,7 @@ class Coordinator:
         """A worker's report (called on its serving thread): queued for :meth:`run`; an
         elastic worker's rest (``idle``) or return to work (``adopt``) told to the shard at
         once, before the worker pushes again."""
-        if self.dealer is not None and self.shard is not None and obj["kind"] in ("idle", "adopt"):
+        if self.members is not None and self.shard is not None and obj["kind"] in ("idle", "adopt"):
             self.shard.rest(client, obj["kind"] == "idle")
         self.reports.put((client, obj))
 
@@ -160,8 +160,8 @@ class Coordinator:
             for client, obj in self._next_reports():
                 self._take(client, obj)
             self._note_lost(lost)
-            if self.dealer is not None:
-                self.dealer.tick()
+            if self.members is not None:
+                self.members.tick()
         rec.end_steps()
         return self._finish(shard)
 
@@ -181,7 +181,7 @@ class Coordinator:
         kind = report["kind"]
         if kind == "failed":
             raise WorkerFailed(f"worker {worker} failed ({report['error']}); the job ends")
-        if self.dealer is not None and self.dealer.take(worker, report):
+        if self.members is not None and self.members.take(worker, report):
             return
         self.latest[worker] = report
         if kind == "started" and self.started is not None:
@@ -211,8 +211,8 @@ class Coordinator:
                 self.lost[worker] = loss_record(self.plan, len(self.data.train), self.cfg.epochs,
                                                 (worker, self.servers + worker), step, info,
                                                 self.started_unix)
-                if self.dealer is not None:
-                    self.dealer.lost(worker, info)
+                if self.members is not None:
+                    self.members.lost(worker, info)
                 else:
                     print(f"shoal: lost worker {worker} at step {self.lost[worker]['step']} "
                           f"({info.get('error', 'connection lost')}); the others go on",
@@ -232,7 +232,7 @@ class Coordinator:
         savers = {w for w in self.live if w < self.workers}  # a joiner's state is not kept
         while self.live:
             epoch = self.state.epoch + 1
-            due = self.dealer.due(epoch) if self.dealer is not None else self.live
+            due = self.members.due(epoch) if self.members is not None else self.live
             ready = due <= self.epochs.get(epoch, {}).keys()
             step = min((s for s, r in self.checkpoints.items() if savers and savers <= r.keys()),
                        default=None)
@@ -383,6 +383,6 @@ class Coordinator:
             "servers": self.servers,
             "staleness": staleness_summary(hists),
             "lost_workers": [self.lost[w] for w in sorted(self.lost)],
-            "degraded": bool(self.lost) and self.dealer is None,
-            **({"workers": len(self.live)} if self.dealer is not None else {}),
+            "degraded": bool(self.lost) and self.members is None,
+            **({"workers": len(self.live)} if self.members is not None else {}),
         }
