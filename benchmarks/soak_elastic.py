@@ -153,10 +153,12 @@ def start(cmd: list[str], log: Path, env: dict | None = None) -> subprocess.Pope
 
 
 def shoal_args(a: argparse.Namespace, out: Path) -> list[str]:
+    # diloco's outer step as torchft's run takes it (benchmarks/soak_torchft.py's defaults)
+    outer = ["--outer-lr", "0.7", "--outer-momentum", "0.5"] if a.strategy == "diloco" else []
     return [sys.executable, "-m", "shoal", "train", "--model", a.model, "--dataset", "digits",
             "--workers", "4", "--epochs", str(a.epochs), "--strategy", a.strategy, "--tau",
             str(a.tau), "--lr", str(a.lr), "--momentum", "0.9", "--schedule", "constant",
-            "--progress", "plain", "--log-every", "1", "--overwrite", "--out", str(out)]
+            *outer, "--progress", "plain", "--log-every", "1", "--overwrite", "--out", str(out)]
 
 
 def run_shoal(a: argparse.Namespace, name: str, kills: bool, rng: random.Random) -> dict:

@@ -42,8 +42,9 @@ from shoal.strategies.streaming import Fragment
 @dataclass
 class DiLoCoOptions(PeriodicOptions):
     outer_lr: float = field(default=0.7, metadata={"help": "outer (Nesterov SGD) learning rate"})
-    outer_momentum: float = field(default=0.5, metadata={
-        "help": "outer Nesterov momentum (the paper: 0.9, with inner AdamW)"})
+    outer_momentum: float = field(default=0.3, metadata={
+        "help": "outer Nesterov momentum (the paper: 0.9, with inner AdamW); the default keeps "
+                "outer-lr / (1 - momentum) = 1 on top of inner momentum"})
     mix_alpha: float = field(default=0.5, metadata={
         "help": "with --overlap-steps: a fragment becomes alpha * local + (1 - alpha) * global "
                 "when its outer step lands (Streaming DiLoCo's merge, Algorithm 2; the paper "
