@@ -47,6 +47,30 @@ def test_a_slow_start_is_no_collapse_and_a_recovery_resets():
     assert feed(Health(10), [(1.0, 0.7, 0.7)] + [(LN10, 0.6, 0.6)] * 4) == [None] * 5
 
 
+def test_a_run_that_fell_back_from_its_best_says_so_at_the_end():
+    # diloco at its old default, seed 2, 120 epochs: 88% at epoch 7, then about 19% for good
+    # (loss 2.05, not chance): no collapse, but more than half of what it learned is lost.
+    health = Health(10)
+    fell = [(0.45, 0.89, 0.881)] + [(2.05, 0.18, 0.19)] * COLLAPSE_EPOCHS
+    assert feed(health, fell) == [None] * (1 + COLLAPSE_EPOCHS) and not health.stop
+    verdict = health.verdict()
+    assert verdict["kind"] == "fell back" and verdict["best_test_accuracy"] == 0.881
+    assert verdict["best_epoch"] == 1 and verdict["since_epoch"] == 2
+    assert "fell back: test accuracy 19.0% at epoch 4 against 88.1% at epoch 1" in health.line()
+    # Untested epochs leave the count as it is; one tested epoch back above half resets it.
+    health.epoch(5, 2.05, 0.18, float("nan"))
+    assert health.verdict()["kind"] == "fell back"
+    health.epoch(6, 0.6, 0.8, 0.6)
+    assert health.verdict() is None
+    # Overfitting's small loss from the best is no fall, nor is a run that never learned much.
+    overfit = Health(10)
+    feed(overfit, [(0.1, 0.99, 0.97)] + [(0.01, 1.0, 0.90)] * 5)
+    assert overfit.verdict() is None
+    never = Health(10)
+    feed(never, [(2.0, 0.19, 0.19)] + [(2.1, 0.12, 0.12)] * 5)
+    assert never.verdict() is None
+
+
 def test_collapsing_run_stops_with_its_line_and_exit_status(tmp_path):
     """mlp on digits with the lr warming up to 0.5: it learns in epoch 1, blows up in 2-3,
     then sits at ln 10: stopped after 3 epochs at chance, exit 4, not `done:`; with

@@ -16,8 +16,12 @@ each epoch's numbers to a :class:`Health`:
   when seen, and the trainer stops (unless ``--allow-collapse``).
 - A run whose last :data:`COLLAPSE_EPOCHS` epochs were at chance without ever doing better
   *learned nothing*.
+- A run whose last :data:`COLLAPSE_EPOCHS` tested epochs each kept less than
+  :data:`FALL_SHARE` of what its best test accuracy had gained over chance *fell back* (88%
+  at epoch 7, 19.7% from epoch 30 to the end of 120: judged at the end, since a run may
+  recover).
 
-Either verdict goes into ``summary.json`` as ``"collapsed"`` and replaces the ``done:`` line;
+Each verdict goes into ``summary.json`` as ``"collapsed"`` and replaces the ``done:`` line;
 ``shoal train`` then exits with status 4 (``shoal.cli.EXIT_COLLAPSED``) unless
 ``--allow-collapse``.
 """
@@ -40,6 +44,9 @@ CHANCE_ACCURACY = 1.5
 #: An epoch did better than chance: a training loss below this share of ln C, or a test
 #: accuracy of at least this many times 1/C.
 BETTER_SHARE, BETTER_ACCURACY = 0.8, 2.0
+#: A tested epoch fell back: its test accuracy kept less than this share of the best's gain
+#: over chance (1/C).
+FALL_SHARE = 0.5
 
 
 class NonFiniteLoss(ShoalError):
@@ -59,6 +66,9 @@ class Health:
     last: dict[str, float] = field(default_factory=dict)
     #: Said once, when the collapse is first seen.
     announced: bool = False
+    best: tuple[float, int] = (0.0, 0)  # the best test accuracy, and its epoch
+    fallen: int = 0  # tested epochs in a row, up to the last, that fell back from the best
+    fallen_since: int | None = None
 
     @property
     def chance_loss(self) -> float:
@@ -91,11 +101,25 @@ class Health:
                 or (tested and test_acc >= BETTER_ACCURACY / self.classes)
         self.last = {"epoch": epoch, "train_loss": train_loss, "train_accuracy": train_acc,
                      "test_accuracy": test_acc}
+        if tested:
+            self._watch_fall(epoch, test_acc)
         if not self.collapsed or self.announced:
             return None
         self.announced = True
         return self.line() + ("; going on (--allow-collapse)" if self.allow_collapse else
                               "; stopping (--allow-collapse goes on)")
+
+    def _watch_fall(self, epoch: int, test_acc: float) -> None:
+        """Keep the best test accuracy, and count the tested epochs since that fell back."""
+        chance = 1 / self.classes
+        if test_acc > self.best[0]:
+            self.best = (test_acc, epoch)
+        kept = FALL_SHARE * (self.best[0] - chance)
+        if self.best[0] >= BETTER_ACCURACY * chance and test_acc - chance < kept:
+            self.fallen_since = epoch if self.fallen == 0 else self.fallen_since
+            self.fallen += 1
+        else:
+            self.fallen, self.fallen_since = 0, None
 
     @property
     def collapsed(self) -> bool:
@@ -108,11 +132,14 @@ class Health:
         return self.collapsed and not self.allow_collapse
 
     def verdict(self) -> dict[str, Any] | None:
-        """``summary.json``'s ``"collapsed"``: collapsed, or learned nothing (the last
+        """``summary.json``'s ``"collapsed"``: collapsed, fell back, or learned nothing (the last
         :data:`COLLAPSE_EPOCHS` epochs at chance, never better); ``None`` for a run that
         learned."""
         if self.at_chance < COLLAPSE_EPOCHS:
-            return None
+            if self.fallen < COLLAPSE_EPOCHS:
+                return None
+            return {"kind": "fell back", "since_epoch": self.fallen_since,
+                    "best_test_accuracy": self.best[0], "best_epoch": self.best[1], **self.last}
         return {"kind": "collapsed" if self.better else "learned nothing",
                 "since_epoch": self.since, "epochs_at_chance": self.at_chance,
                 "chance_loss": self.chance_loss, **self.last}
@@ -120,6 +147,12 @@ class Health:
     def line(self) -> str:
         """The one line that says what happened and what to try."""
         last = self.last
+        if self.at_chance < COLLAPSE_EPOCHS and self.fallen >= COLLAPSE_EPOCHS:
+            return (f"training fell back: test accuracy {100 * last['test_accuracy']:.1f}% at "
+                    f"epoch {last['epoch']} against {100 * self.best[0]:.1f}% at epoch "
+                    f"{self.best[1]}: under half its gain over chance ({100 / self.classes:.1f}%) "
+                    f"since epoch {self.fallen_since}; try a lower --lr or --momentum, "
+                    "--clip-grad-norm 1 or --warmup-epochs 1")
         what = (f"training collapsed: since epoch {self.since} the training loss has sat at "
                 f"chance" if self.better else
                 f"training learned nothing: for the last {self.at_chance} epochs the training "
