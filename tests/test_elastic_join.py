@@ -42,7 +42,8 @@ class HeldJob:
 
     def __init__(self, tmp_path, *args: str, kill: bool = True, workers: int = 3,
                  held_after: int = 40, model: str = "killed_then_held", killed: int = 2,
-                 release_on_join: bool = True, env: dict[str, str] | None = None) -> None:
+                 release_on_join: bool = True, env: dict[str, str] | None = None,
+                 torchrun: bool = False) -> None:
         self.out, self.hold = tmp_path / "run", tmp_path / "hold"
         self.hold.touch()
         self.release_on_join = release_on_join
@@ -51,10 +52,13 @@ class HeldJob:
                         SHOAL_TEST_PACE="0.2", **({"SHOAL_TEST_KILL_RANK": str(killed)} if kill else {}))
         self.lines: list[str] = []
         self.joiners: list[subprocess.Popen] = []
+        launch = ["torch.distributed.run", "--standalone", "--nproc-per-node", str(workers),
+                  "-m", "shoal", "train"] if torchrun else ["shoal", "train", "--workers",
+                                                            str(workers)]
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "shoal", "train", "--out", str(self.out), "--progress", "plain",
+            [sys.executable, "-m", *launch, "--out", str(self.out), "--progress", "plain",
              "--model", f"tests.fixtures_models:{model}", "--dataset", "digits",
-             "--workers", str(workers), "--epochs", str(EPOCHS), "--schedule", "constant",
+             "--epochs", str(EPOCHS), "--schedule", "constant",
              "--log-every", "1", *args], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
             text=True, env=self.env, cwd=REPO, start_new_session=True)
         self._reader = threading.Thread(target=self._read, daemon=True)
@@ -151,6 +155,35 @@ def test_a_worker_joins_in_place_of_a_killed_one(held, strategy, killed):
     assert workers[join["step"]] == 2 and workers[join["step"] + 1] == 3
     assert workers[max(workers)] == 3
     assert not (job.out / ".shoal-join").exists()  # taken away at the end
+
+
+def test_a_worker_joins_a_torchrun_job_with_the_secret_its_ranks_have(held):
+    """torchrun --standalone, 3 ranks, sync --elastic, the join secret in SHOAL_JOIN_SECRET:
+    rank 2 is killed (its keeper says so, torchrun sees no failure), ``shoal join OUT``
+    without the secret is refused in one line, with it joins; the job ends with 3 workers
+    and torchrun's status 0, every sample once."""
+    secret = "5a" * 32
+    job = held("--elastic", "--record-samples", torchrun=True,
+               env={"SHOAL_JOIN_SECRET": secret})
+    job.wait_line("worker 2 left at step 39")
+    env = {**job.env, "SHOAL_TEST_MARKER": uuid.uuid4().hex}
+    del env["SHOAL_JOIN_SECRET"]
+    refused = shoal("join", str(job.out), env=env, timeout=60)
+    assert refused.returncode == 2 and one_error_line(refused.stderr) == (
+        f"shoal: error: the job in {job.out} runs under torchrun: give shoal join the secret "
+        "its ranks have, in SHOAL_JOIN_SECRET")
+    joined = shoal("join", str(job.out), env={**env, "SHOAL_JOIN_SECRET": secret}, timeout=240)
+    assert job.finish() == 0, job.stderr
+    assert joined.returncode == 0, joined.stderr
+    summary = json.loads((job.out / "summary.json").read_text())
+    assert summary["completed"] and summary["workers"] == 3
+    left, join = summary["membership_changes"]
+    assert left["left"] == [2] and join["joined"] == [3]
+    assert join["joiner_state_sha256"] == {"3": join["state_sha256"]}
+    counts = samples_trained(job.out)
+    assert set(counts.values()) == {1}, "a sample was trained twice"
+    assert sorted(counts) == [(e, s) for e in range(EPOCHS) for s in range(TRAIN_ROWS)]
+    assert not (job.out / ".shoal-join").exists()  # rank 0's keeper took it away
 
 
 def test_a_worker_joins_an_asynchronous_job_in_place_of_a_killed_one(held):

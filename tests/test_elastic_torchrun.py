@@ -57,3 +57,17 @@ def test_elastic_under_slurm_or_mpirun_is_refused_in_one_line(launcher):
 
     with pytest.raises(ShoalError, match=f"or torchrun, not yet under {launcher}"):
         check_elastic(TrainConfig(dataset="digits", elastic=True), launcher)
+
+
+def test_the_join_secret_of_a_torchrun_job_is_checked_in_one_line(monkeypatch):
+    from shoal.errors import ShoalError
+    from shoal.train.jobfile import JOIN_SECRET_VAR, join_secret
+
+    monkeypatch.delenv(JOIN_SECRET_VAR, raising=False)
+    assert join_secret() is None  # no secret: the job takes no joiners
+    for bad in ("", "not hex", "ab" * 15):
+        monkeypatch.setenv(JOIN_SECRET_VAR, bad)
+        with pytest.raises(ShoalError, match="SHOAL_JOIN_SECRET must be a secret of at least 32"):
+            join_secret()
+    monkeypatch.setenv(JOIN_SECRET_VAR, "AB" * 16 + "\n")
+    assert join_secret() == "ab" * 16

@@ -29,7 +29,7 @@ from shoal.errors import ShoalError, Terminated, WorkerError
 from shoal.strategies.topology import Topology
 from shoal.train.checkpoint import checkpoint_step
 from shoal.train.elastic import check_elastic
-from shoal.train.jobfile import publish, withdraw
+from shoal.train.jobfile import join_secret, publish, withdraw
 from shoal.train.launch import job_topology, outside_topology, run_rank
 from shoal.train.optim import resolve_momentum
 from shoal.train.outdir import OutputLock
@@ -228,26 +228,42 @@ def _train_as_rank(cfg: TrainConfig, env: Environment, given: Dataset | None
     """:func:`train` as this process's rank of a job an outside launcher (torchrun, Slurm,
     mpirun) started."""
     topology = outside_topology(cfg, env)
-    cfg = resolve_auto_resume(cfg)
-    cfg = job_device(resolve_momentum(cfg, topology.workers), topology,
-                     topology.local_workers(env))
+    cfg = _rank_config(cfg, env, topology)
     work = preflight(cfg, topology.workers, given)
+    key = join_secret() if cfg.elastic else None
     with OutputLock(Path(cfg.out)) if env.rank == 0 else contextlib.nullcontext():
-        return run_rank(cfg, env, topology, work)
+        return run_rank(cfg, env, topology, work, seal=key and Seal(bytes.fromhex(key)))
+
+
+def _rank_config(cfg: TrainConfig, env: Environment, topology: Topology) -> TrainConfig:
+    """``cfg`` as a rank of an outside launcher's job runs it: ``--resume auto`` resolved,
+    the momentum rule's numbers and the job's device."""
+    cfg = resolve_auto_resume(cfg)
+    return job_device(resolve_momentum(cfg, topology.workers), topology,
+                      topology.local_workers(env))
 
 
 def _keep_rank(cfg: TrainConfig, env: Environment, given: Dataset | None
                ) -> dict[str, Any] | None:
     """``--elastic`` under torchrun: this process keeps its rank's work in a child of its
     own, so that a worker lost is not a failure torchrun's agent sees
-    (:mod:`shoal.core.keeper`)."""
+    (:mod:`shoal.core.keeper`). With a join secret (:data:`~shoal.train.jobfile.JOIN_SECRET_VAR`)
+    rank 0's keeper publishes the job file ``shoal join`` reads, until the job ends."""
     import torch.distributed as dist
 
     topology = outside_topology(cfg, env)
     keys = dist.PrefixStore(key_prefix(env.attempt), job_store(env, cfg.timeout))
-    return keep_rank(env.rank, keys, _train_as_rank, (cfg, env, given),
-                     range(topology.servers, topology.world_size),
-                     _tolerated(cfg, topology, env.rank))
+    joinable = join_secret() is not None and env.rank == 0
+    if joinable:
+        publish(_rank_config(cfg, env, topology), env.master_port, None, topology.workers,
+                address=env.master_addr, attempt=env.attempt)
+    try:
+        return keep_rank(env.rank, keys, _train_as_rank, (cfg, env, given),
+                         range(topology.servers, topology.world_size),
+                         _tolerated(cfg, topology, env.rank))
+    finally:
+        if joinable:
+            withdraw(Path(cfg.out))
 
 
 def check_machine(cfg: TrainConfig, topology: Topology, data: Dataset | None = None) -> None:

@@ -7,6 +7,12 @@ folder only its user can enter (:func:`~shoal.core.trust.private_dir`), and take
 when the job ends (:func:`withdraw`). ``shoal join`` trusts the file only when the folder
 and the file are its user's own, not links, and readable by nobody else (:func:`read_job`);
 every other case is one line naming it: no job, a finished one, one without ``--elastic``.
+
+Under torchrun there is no launcher of shoal's to make the secret: its user gives the same
+one to every rank and to ``shoal join`` in :data:`JOIN_SECRET_VAR` (:func:`join_secret`), and
+rank 0's keeper publishes the job file without it (the torchrun store's address and the
+attempt's key prefix; the keeper's pid stands for the launcher's). Without the variable, a
+torchrun job takes no joiners.
 """
 
 from __future__ import annotations
@@ -24,14 +30,37 @@ from shoal.core.trust import check_private_dir, open_own, private_dir
 from shoal.errors import ShoalError
 
 FOLDER, NAME = ".shoal-join", "job.json"
+#: Under torchrun: the job's join secret, hex (16 bytes at least), given to every rank and to
+#: ``shoal join`` by their user.
+JOIN_SECRET_VAR = "SHOAL_JOIN_SECRET"
 MAX_BYTES = 1 << 20  # a job file is a few kB; anything larger is not one of shoal's
 
 
-def publish(cfg: TrainConfig, port: int, key: str, workers: int) -> None:
-    """Write the job file of ``cfg``'s job: its store on 127.0.0.1:``port``, its secret
-    ``key`` (hex), ``workers`` at the start and at most ``cfg.max_workers`` (default: ``workers``)."""
+def join_secret() -> str | None:
+    """The join secret (hex) in :data:`JOIN_SECRET_VAR`, ``None`` when unset; a one-line
+    error when it is too short or not hex."""
+    value = os.environ.get(JOIN_SECRET_VAR)
+    if value is None:
+        return None
+    try:
+        key = bytes.fromhex(value.strip())
+    except ValueError:
+        key = b""
+    if len(key) < 16:
+        raise ShoalError(f"{JOIN_SECRET_VAR} must be a secret of at least 32 hex digits, the "
+                         "same for every rank and shoal join (python -c 'import secrets; "
+                         "print(secrets.token_hex(32))' makes one)")
+    return key.hex()
+
+
+def publish(cfg: TrainConfig, port: int, key: str | None, workers: int, *,
+            address: str = "127.0.0.1", attempt: int = 0) -> None:
+    """Write the job file of ``cfg``'s job: its store on ``address``:``port`` (keys under
+    ``attempt``'s prefix), its secret ``key`` (hex; ``None``: its user gives it in
+    :data:`JOIN_SECRET_VAR`), ``workers`` at the start and at most ``cfg.max_workers``
+    (default: ``workers``)."""
     folder = private_dir(Path(cfg.out) / FOLDER, "the join folder")
-    job = {"store": ["127.0.0.1", port], "key": key, "launcher": os.getpid(),
+    job = {"store": [address, port], "key": key, "attempt": attempt, "launcher": os.getpid(),
            "workers": workers, "max_workers": cfg.max_workers or workers,
            "config": cfg.to_dict()}
     atomic_write(folder / NAME, lambda f: f.write(json.dumps(job).encode()), "join file")
@@ -67,7 +96,10 @@ def read_job(out: Path) -> dict[str, Any]:
         job = json.loads(raw) if len(raw) <= MAX_BYTES else None
         config = TrainConfig.from_dict(job["config"])
         address, port = job["store"]
-        checked = {"address": str(address), "port": int(port), "key": str(job["key"]),
+        key = job["key"]
+        checked = {"address": str(address), "port": int(port),
+                   "key": None if key is None else str(key),
+                   "attempt": int(job.get("attempt", 0)),
                    "launcher": int(job["launcher"]), "workers": int(job["workers"]),
                    "max_workers": int(job["max_workers"]), "config": config}
     except (ValueError, TypeError, KeyError, ShoalError):
@@ -75,7 +107,18 @@ def read_job(out: Path) -> dict[str, Any]:
     if not _alive(checked["launcher"]):
         raise ShoalError(f"no running job in {out}: its launcher (pid {checked['launcher']}) "
                          "is gone")
+    if checked["key"] is None:
+        checked["key"] = _given_secret(out)
     return checked
+
+
+def _given_secret(out: Path) -> str:
+    """A torchrun job's secret, as the user gives it to ``shoal join``."""
+    key = join_secret()
+    if key is None:
+        raise ShoalError(f"the job in {out} runs under torchrun: give shoal join the secret its "
+                         f"ranks have, in {JOIN_SECRET_VAR}")
+    return key
 
 
 def _no_job(out: Path) -> str:

@@ -31,18 +31,23 @@ from shoal.errors import JobError, ShoalError
 from shoal.train.jobfile import read_job
 from shoal.train.joiner_async import job_servers, joiner_place, run_async_worker
 
+#: Seconds a joiner waits for the job's store to take its connection: a live one answers at
+#: once, and a store gone (the job ended between the job file's read and the connection) would
+#: keep a client retrying for all of its timeout.
+CONNECT_TIMEOUT = 5.0
+
 
 def join_job(out: Path) -> int:
     """Run ``shoal join OUT``: returns 0 once the joined worker finished with the job."""
     job = read_job(out)
     store = _store(job, timeout=10.0)
-    keys = _prefixed(store)
+    keys = _prefixed(store, job["attempt"])
     servers = job_servers(job["config"])  # an asynchronous job's server 0 checks the bound
     members = members_now(keys) or list(range(job["workers"]))
     if not servers and len(members) >= job["max_workers"]:
         raise ShoalError(f"the job in {out} has {len(members)} workers, its most "
                          f"(--max-workers {job['max_workers']}); join once one is lost")
-    me = worker_id(job["workers"], take_ticket(_prefixed(store, ELASTIC)))
+    me = worker_id(job["workers"], take_ticket(_prefixed(store, job["attempt"], ELASTIC)))
     print(f"shoal: joining the job in {out} as worker {me}", file=sys.stderr, flush=True)
     code, report = run_child(_worker_main, (job, me), f"shoal-join-{me}")
     failed = report is not None and report[0] == "failed"
@@ -62,22 +67,37 @@ def join_job(out: Path) -> int:
 
 
 def _store(job: dict[str, Any], timeout: float) -> Any:
-    """A client of the job's store, or a one-line error when it does not answer."""
+    """A client of the job's store whose calls wait up to ``timeout`` seconds, or a one-line
+    error when the store does not take the connection within :data:`CONNECT_TIMEOUT` (the
+    job ended: a client would retry for all of ``timeout``)."""
     import torch.distributed as dist
 
     try:
-        return dist.TCPStore(job["address"], job["port"], None, False,
-                             timeout=timedelta(seconds=timeout), wait_for_workers=False)
+        store = dist.TCPStore(job["address"], job["port"], None, False,
+                              timeout=timedelta(seconds=min(timeout, CONNECT_TIMEOUT)),
+                              wait_for_workers=False)
+        store.set_timeout(timedelta(seconds=timeout))
+        return store
     except (RuntimeError, ValueError) as exc:
         raise ShoalError(f"the job's store at {job['address']}:{job['port']} does not answer "
                          f"(the job ended?): {str(exc).splitlines()[0] if str(exc) else exc}"
                          ) from None
 
 
-def _prefixed(store: Any, *under: str) -> Any:
+def _loopback(address: str) -> bool:
+    """Whether ``address`` (a name or an IP) is this machine's loopback."""
+    import ipaddress
+
+    try:
+        return address == "localhost" or ipaddress.ip_address(address).is_loopback
+    except ValueError:
+        return False
+
+
+def _prefixed(store: Any, attempt: int, *under: str) -> Any:
     import torch.distributed as dist
 
-    keys = dist.PrefixStore(key_prefix(0), store)
+    keys = dist.PrefixStore(key_prefix(attempt), store)
     for prefix in under:
         keys = dist.PrefixStore(prefix, keys)
     return keys
@@ -85,9 +105,11 @@ def _prefixed(store: Any, *under: str) -> Any:
 
 def _worker_main(job: dict[str, Any], me: int) -> None:
     """The joining worker's process (:func:`~shoal.core.keeper.run_child`'s child): its
-    Gloo pairs on loopback, then :func:`run_worker` or, in an asynchronous job,
+    Gloo pairs on loopback where the job's store is (a job of shoal's launcher; a torchrun
+    job on a host of its own), else where ``GLOO_SOCKET_IFNAME`` says, as for the job's
+    ranks; then :func:`run_worker` or, in an asynchronous job,
     :func:`~shoal.train.joiner_async.run_async_worker`."""
-    interface = loopback_gloo_interface()
+    interface = loopback_gloo_interface() if _loopback(job["address"]) else None
     if interface is not None:
         os.environ["GLOO_SOCKET_IFNAME"] = interface
     if job_servers(job["config"]):

@@ -37,7 +37,7 @@ def joiner_place(job: dict[str, Any], me: int) -> tuple[Any, Any]:
     torch.set_num_threads(cfg.threads_per_worker or default_threads(first + 1))
     return cfg, Environment(rank=me, world_size=first, local_rank=me, local_world_size=me + 1,
                             master_addr=job["address"], master_port=job["port"],
-                            launcher="local", agent_store=True)
+                            launcher="local", agent_store=True, attempt=job["attempt"])
 
 
 def run_async_worker(job: dict[str, Any], me: int, store: Any) -> None:
