@@ -70,6 +70,43 @@ def test_hogwild_refuses_cuda_in_one_line(on_gpu):
                              "run it with --device cpu"
 
 
+def test_finite_parameters_stepped_by_another_process_are_seen_finite(tmp_path):
+    """Hogwild's shared parameters while another process steps them in place (``add_``): a
+    checkpoint's finiteness check must not see a value that changed between two reads as
+    non-finite (``torch.isfinite`` on the live vector did, in most checks, and stopped
+    hogwild runs at an epoch's end with "parameters became non-finite")."""
+    import subprocess
+    import sys
+    import time
+
+    from shoal.core.ops import all_finite
+    from shoal.strategies.hogwild import create_shared_file, map_shared_file
+
+    n = 60_000
+    path = create_shared_file(torch.randn(n), str(tmp_path))
+    shared = map_shared_file(path, n, torch.float32)
+    step = ("import sys, time, torch\n"
+            "torch.set_num_threads(1)\n"
+            "x = torch.from_file(sys.argv[1], shared=True, size=int(sys.argv[2]))\n"
+            "g = torch.randn(x.numel()) * 0.01\n"
+            "end = time.time() + 30\n"
+            "x.add_(g, alpha=-0.1); print('stepping', flush=True)\n"
+            "while time.time() < end:\n"
+            "    x.add_(g, alpha=-0.1); g.neg_()\n")
+    writer = subprocess.Popen([sys.executable, "-c", step, path, str(n)],
+                              stdout=subprocess.PIPE, text=True)
+    try:
+        assert writer.stdout.readline() == "stepping\n"  # (the writer's 30 s bound it)
+        seen, end = [], time.monotonic() + 2.0
+        while time.monotonic() < end:
+            seen.append(all_finite([shared]))
+        assert writer.poll() is None, "the writer stopped before the checks ended"
+    finally:
+        writer.kill()
+        writer.wait(timeout=30)
+    assert all(seen), f"{seen.count(False)} of {len(seen)} checks saw finite values as not"
+
+
 def test_hogwild_refuses_several_hosts_in_one_line():
     model = torch.nn.Linear(DIM, 1)
     env = Environment(rank=0, world_size=4, local_world_size=2)

@@ -1,10 +1,12 @@
-"""The reduce operations every front end offers, and the even split of rows over ranks."""
+"""The reduce operations every front end offers, the even split of rows over ranks, and a
+finiteness check that holds on memory another process writes."""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from typing import Any
 
+import torch
 import torch.distributed as dist
 
 from shoal.errors import ShoalError
@@ -52,3 +54,12 @@ def values_by_rank(comm: Any, values: Sequence[float]) -> list[list[float]]:
     table[comm.rank * len(values):(comm.rank + 1) * len(values)] = values
     summed = comm.reduce_values(table)
     return [summed[r * len(values):(r + 1) * len(values)] for r in range(comm.world_size)]
+
+
+def all_finite(tensors: Iterable[torch.Tensor]) -> bool:
+    """Whether every value of ``tensors`` is finite, judged on a copy of each: another
+    process may be stepping them in place (Hogwild's shared parameters), and
+    ``torch.isfinite`` reads each value more than once, so a value that changes between two
+    reads looks non-finite (a live shared vector under another process's ``add_`` did, in
+    most checks; its copy never)."""
+    return all(bool(torch.isfinite(t.detach().clone()).all()) for t in tensors)

@@ -15,11 +15,11 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-import torch
 from torch import nn
 
 from shoal.config import TrainConfig
 from shoal.core.comm import Comm
+from shoal.core.ops import all_finite
 from shoal.core.timeline import CHECKPOINT
 from shoal.data import EpochPlan
 from shoal.errors import ShoalError
@@ -167,7 +167,7 @@ class Checkpointer:
             self.recorder.load_state_dict({"epoch_sums": start["epoch_sums"]})
 
     def _check_finite(self, what: str) -> None:
-        bad = any(not torch.isfinite(p).all() for p in self.strategy.eval_module.parameters())
+        bad = not all_finite(self.strategy.eval_module.parameters())  # hogwild: shared
         if self.comm.reduce_values([float(bad)], "max")[0]:
             raise ShoalError(f"parameters became non-finite by step {self.state.step}; "
                              f"{what} (lower --lr?)")
