@@ -230,9 +230,10 @@ def _train_as_rank(cfg: TrainConfig, env: Environment, given: Dataset | None
     topology = outside_topology(cfg, env)
     cfg = _rank_config(cfg, env, topology)
     work = preflight(cfg, topology.workers, given)
-    key = join_secret() if cfg.elastic else None
+    key = join_secret() if cfg.elastic else None  # torchrun: its user's, for joiners
+    seal = Seal(bytes.fromhex(key)) if key is not None else None
     with OutputLock(Path(cfg.out)) if env.rank == 0 else contextlib.nullcontext():
-        return run_rank(cfg, env, topology, work, seal=key and Seal(bytes.fromhex(key)))
+        return run_rank(cfg, env, topology, work, seal=seal)
 
 
 def _rank_config(cfg: TrainConfig, env: Environment, topology: Topology) -> TrainConfig:
