@@ -33,7 +33,7 @@ MARGINS = {"async-sgd": 0.03}
 
 @pytest.mark.parametrize("strategy, options, workers, momentum, lr", [
     ("sync", {}, 4, 0.9, 0.05), ("async-easgd", {}, 2, 0.9, 0.05),
-    ("async-sgd", {}, 2, 0.0, 0.166666666667), ("async-sgd", {}, 4, 0.0, 0.083333333333),
+    ("async-sgd", {}, 2, 0.0, 0.25), ("async-sgd", {}, 4, 0.0, 0.125),
     ("async-msgd", {}, 2, 0.4, 0.1), ("hogwild", {}, 4, 0.15, 0.070833333333),
     ("groups", {"groups": 2}, 4, 0.4, 0.15), ("groups", {"groups": 2}, 2, 0.4, 0.1)])
 def test_defaults_follow_the_rule_and_flags_override(strategy, options, workers, momentum, lr):

@@ -12,12 +12,13 @@ from torch.optim.lr_scheduler import LambdaLR
 from shoal.config import DEFAULT_LR, TrainConfig
 from shoal.strategies import get_strategy, make_options
 
-#: The share of sync's step per sample an asynchronous update of one worker's batch takes
-#: under ``--momentum auto`` (docs/asynchronous.md): the whole step trained as well in 10
-#: epochs but diverged (a NaN loss) in 2 of 12 runs (async-msgd, groups of one worker) of a
-#: 120-epoch schedule, whose lr stays high for tens of epochs; two thirds of it trained as
-#: well and diverged in none of 15. Groups of several workers (a synchronous batch each
-#: update) keep the whole step: two thirds cost them 1.5 points in 10 epochs.
+#: The share of sync's step per sample an asynchronous update of one worker's batch with
+#: momentum takes under ``--momentum auto`` (docs/asynchronous.md): the whole step trained
+#: as well in 10 epochs but diverged (a NaN loss) in 2 of 12 runs (async-msgd, groups of one
+#: worker) of a 120-epoch schedule, whose lr stays high for tens of epochs; two thirds of it
+#: trained as well and diverged in none of 15. Groups of several workers (a synchronous
+#: batch each update) keep the whole step (two thirds cost them 1.5 points in 10 epochs), and
+#: so does async-sgd, with no momentum (no divergence seen; two thirds missed sync by more).
 ASYNC_STEP_SHARE = 2 / 3
 
 
@@ -45,10 +46,10 @@ def resolve_momentum(cfg: TrainConfig, workers: int) -> TrainConfig:
     async-msgd and hogwild, ``--groups`` for groups.
 
     The learning rate takes sync's step per sample, :data:`ASYNC_STEP_SHARE` of it where an
-    update is one worker's batch (``g`` = the workers): sync steps ``lr / (1 - T)`` per
+    update is one worker's batch (``g`` = the workers) with momentum: sync steps ``lr / (1 - T)`` per
     global batch; here ``g`` updates share that batch, so each steps ``lr' / (1 - explicit)``
     with ``lr' = share x lr (1 - explicit) / (g (1 - T))`` (at 2 workers 2 x lr, async-sgd's
-    3.33 x). The momentum alone, at sync's lr, trains 2 to 9
+    5 x). The momentum alone, at sync's lr, trains 2 to 9
     points below sync in 10 epochs; see docs/asynchronous.md. Only with SGD (Adam's step
     does not grow with momentum) and an lr not given.
     """
@@ -63,7 +64,7 @@ def resolve_momentum(cfg: TrainConfig, workers: int) -> TrainConfig:
     explicit = round(max(0.0, target - implicit), 12) if cls.applies_momentum else 0.0
     lr, lr_auto = given, None
     if cfg.lr is None and cfg.optimizer == "sgd" and groups > 1:
-        share = ASYNC_STEP_SHARE if groups == workers else 1.0
+        share = ASYNC_STEP_SHARE if groups == workers and explicit > 0 else 1.0
         factor = round(share * (1.0 - explicit) / (groups * (1.0 - target)), 12)
         lr, lr_auto = round(given * factor, 12), {"base": given, "factor": factor,
                                                   "share": round(share, 12)}
