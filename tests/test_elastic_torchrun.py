@@ -71,3 +71,22 @@ def test_the_join_secret_of_a_torchrun_job_is_checked_in_one_line(monkeypatch):
             join_secret()
     monkeypatch.setenv(JOIN_SECRET_VAR, "AB" * 16 + "\n")
     assert join_secret() == "ab" * 16
+
+
+def test_a_joiner_gives_up_on_a_store_gone_within_its_connect_timeout(monkeypatch):
+    # The job ended between shoal join reading its job file and the worker connecting: a
+    # TCPStore client would retry for its whole timeout (the job's --timeout, 5 minutes).
+    import socket
+    import time
+
+    from shoal.errors import ShoalError
+    from shoal.train import joiner
+
+    with socket.socket() as s:  # a port nobody listens on
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    monkeypatch.setattr(joiner, "CONNECT_TIMEOUT", 1.0)
+    began = time.monotonic()
+    with pytest.raises(ShoalError, match=f"the job's store at 127.0.0.1:{port} does not answer"):
+        joiner._store({"address": "127.0.0.1", "port": port}, timeout=300.0)
+    assert time.monotonic() - began < 30  # not the 300 s asked for the calls
