@@ -34,7 +34,8 @@ MARGINS = {"async-sgd": 0.03}
 @pytest.mark.parametrize("strategy, options, workers, momentum, lr", [
     ("sync", {}, 4, 0.9, 0.05), ("async-easgd", {}, 2, 0.9, 0.05),
     ("async-sgd", {}, 2, 0.0, 0.25), ("async-sgd", {}, 4, 0.0, 0.125),
-    ("async-msgd", {}, 2, 0.4, 0.1), ("hogwild", {}, 4, 0.15, 0.070833333333),
+    ("async-msgd", {}, 2, 0.4, 0.1), ("async-msgd", {}, 4, 0.15, 0.070833333333),
+    ("hogwild", {}, 2, 0.4, 0.15), ("hogwild", {}, 4, 0.15, 0.10625),
     ("groups", {"groups": 2}, 4, 0.4, 0.15), ("groups", {"groups": 2}, 2, 0.4, 0.1)])
 def test_defaults_follow_the_rule_and_flags_override(strategy, options, workers, momentum, lr):
     cfg = TrainConfig(strategy=strategy, strategy_options=options).validate()
