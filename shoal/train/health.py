@@ -127,6 +127,11 @@ class Health:
         return self.better and self.at_chance >= COLLAPSE_EPOCHS
 
     @property
+    def fell_back(self) -> bool:
+        """Not at chance, but its last :data:`COLLAPSE_EPOCHS` tested epochs fell back."""
+        return self.at_chance < COLLAPSE_EPOCHS and self.fallen >= COLLAPSE_EPOCHS
+
+    @property
     def stop(self) -> bool:
         """Whether the trainer stops now (collapsed, not ``--allow-collapse``)."""
         return self.collapsed and not self.allow_collapse
@@ -135,11 +140,11 @@ class Health:
         """``summary.json``'s ``"collapsed"``: collapsed, fell back, or learned nothing (the last
         :data:`COLLAPSE_EPOCHS` epochs at chance, never better); ``None`` for a run that
         learned."""
-        if self.at_chance < COLLAPSE_EPOCHS:
-            if self.fallen < COLLAPSE_EPOCHS:
-                return None
+        if self.fell_back:
             return {"kind": "fell back", "since_epoch": self.fallen_since,
                     "best_test_accuracy": self.best[0], "best_epoch": self.best[1], **self.last}
+        if self.at_chance < COLLAPSE_EPOCHS:
+            return None
         return {"kind": "collapsed" if self.better else "learned nothing",
                 "since_epoch": self.since, "epochs_at_chance": self.at_chance,
                 "chance_loss": self.chance_loss, **self.last}
@@ -147,7 +152,7 @@ class Health:
     def line(self) -> str:
         """The one line that says what happened and what to try."""
         last = self.last
-        if self.at_chance < COLLAPSE_EPOCHS and self.fallen >= COLLAPSE_EPOCHS:
+        if self.fell_back:
             return (f"training fell back: test accuracy {100 * last['test_accuracy']:.1f}% at "
                     f"epoch {last['epoch']} against {100 * self.best[0]:.1f}% at epoch "
                     f"{self.best[1]}: under half its gain over chance ({100 / self.classes:.1f}%) "
