@@ -126,10 +126,14 @@ def held(tmp_path):
 
 # Worker 0 killed: worker 1, rank 0 from then on, admits the joiner, hands it its state and
 # writes the records.
+# sync+powersgd: PowerSGD starts afresh on every member at each change (its state is in the
+# digest: the joiner's equals worker 0's), compressing again after a 2-step warm-up.
 @pytest.mark.parametrize("strategy, killed", [("sync", 2), ("local-sgd", 2), ("easgd", 2),
-                                              ("diloco", 2), ("diloco", 0)])
+                                              ("diloco", 2), ("diloco", 0), ("sync+powersgd", 2)])
 def test_a_worker_joins_in_place_of_a_killed_one(held, strategy, killed):
+    strategy, _, compress = strategy.partition("+")
     job = held("--strategy", strategy, *([] if strategy == "sync" else ["--tau", "4"]),
+               *(["--compress", compress, "--powersgd-warmup", "2"] if compress else []),
                "--elastic", "--record-samples", killed=killed)
     job.wait_line(f"worker {killed} left at step 39")
     # its own marker: no process of the joiner's outlives it

@@ -27,21 +27,25 @@ CONFIG = ["--model", "lenet5", "--dataset", "digits", "--epochs", "2", "--worker
 STEPS = 24  # 12 an epoch
 
 
-def test_stopped_during_and_after_warmup_resumes_exactly(tmp_path):
-    reference = train_here(tmp_path / "reference", *CONFIG)
+# --elastic: DDP is wrapped at the first forward, so the state waits for it (the saved one
+# is what a checkpoint in between holds).
+@pytest.mark.parametrize("elastic", [[], ["--elastic"]], ids=["fixed", "elastic"])
+def test_stopped_during_and_after_warmup_resumes_exactly(tmp_path, elastic):
+    config = [*CONFIG, *elastic]
+    reference = train_here(tmp_path / "reference", *config)
     assert reference["completed"] and reference["steps"] == STEPS
     out = tmp_path / "resumed"
     # Stopped during the warm-up (after 2 plain all-reduces of 3), then mid-way through
     # epoch 2 with compression and error feedback under way, then to the end.
-    assert train_here(out, *CONFIG, "--stop-at-step", "2")["steps"] == 2
+    assert train_here(out, *config, "--stop-at-step", "2")["steps"] == 2
     state = torch.load(out / "checkpoint.pt", weights_only=True)["ranks"][1]["strategy"]
     assert state["powersgd"]["iter"] == 2 and not state["powersgd"]["memory"]
-    assert train_here(out, *CONFIG, "--resume", "--stop-at-step", "18")["steps"] == 18
+    assert train_here(out, *config, "--resume", "--stop-at-step", "18")["steps"] == 18
     state = torch.load(out / "checkpoint.pt", weights_only=True)["ranks"][1]["strategy"]
     memory = state["powersgd"]["memory"]
     assert state["powersgd"]["iter"] == 18 and memory["classifier.1.weight"]["error"].any()
     assert memory["classifier.1.weight"]["q"].shape == (64,)  # rank 1: one column of Q
-    resumed = train_here(out, *CONFIG, "--resume")
+    resumed = train_here(out, *config, "--resume")
     assert resumed["completed"] and resumed["steps"] == STEPS
     diff = max_param_diff(checkpoint_params(out / "checkpoint.pt"),
                           checkpoint_params(tmp_path / "reference" / "checkpoint.pt"))

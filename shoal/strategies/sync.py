@@ -97,6 +97,8 @@ class Synchronous(Strategy):
         self._pending: tuple[Handle, float, float, Event | None] | None = None
         self._step_bytes = 0  # sent by the all-reduce of one step, when no hook counts it
         self._powersgd: PowerSGDMemory | None = None
+        #: PowerSGD's state from a checkpoint, put in place when DDP is wrapped (elastic: late)
+        self._powersgd_saved: dict[str, Any] | None = None
         self._stale = False  # the group was re-formed: DDP is wrapped again before forward
         #: DDP rebuilds its buckets at the forward after its first backward (elastic: here)
         self._rebuild: bool | None = None
@@ -135,6 +137,9 @@ class Synchronous(Strategy):
         elif opts.compress == "powersgd":
             state, hook, self._powersgd = powersgd_hook(comm, model, opts.powersgd_rank,
                                                         opts.powersgd_warmup)
+            if self._powersgd_saved is not None:
+                self._powersgd.load_state_dict(self._powersgd_saved)
+                self._powersgd_saved = None
             self.ddp.register_comm_hook(state, hook)
         else:
             dtype = {"fp16": torch.float16, "bf16": torch.bfloat16, "none": None}[opts.compress]
@@ -192,7 +197,10 @@ class Synchronous(Strategy):
         return n_local * self.comm.world_size / n_global
 
     def regroup(self) -> None:
-        self._stale = True
+        # PowerSGD starts afresh on every member (warm-up, new factors, no error feedback):
+        # a lost worker's residual is gone, a joiner has none, and a meeting that failed
+        # part-way may have left the survivors' warm-started factors unequal.
+        self._stale, self._powersgd, self._powersgd_saved = True, None, None
 
     def backward(self, loss: torch.Tensor) -> None:
         self._settle_wait()
@@ -235,7 +243,7 @@ class Synchronous(Strategy):
         state = super().state_dict()
         if self.options.compress == "powersgd":
             state["powersgd"] = (self._powersgd.state_dict() if self._powersgd is not None
-                                 else {"world_size": self.comm.world_size})
+                                 else self._powersgd_saved or {"world_size": self.comm.world_size})
         return state
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -252,5 +260,9 @@ class Synchronous(Strategy):
             raise ShoalError(f"checkpoint holds the PowerSGD state of {saved['world_size']} "
                              f"workers; --compress powersgd resumes exactly only on as many, "
                              f"not {self.comm.world_size}")
-        if self._powersgd is not None:
+        if "iter" not in saved:  # none kept (not wrapped yet, or started afresh): a fresh one
+            self._powersgd_saved = None
+        elif self._powersgd is not None:
             self._powersgd.load_state_dict(saved)
+        else:  # elastic: DDP is wrapped at the first forward
+            self._powersgd_saved = saved

@@ -67,9 +67,6 @@ def check_elastic(cfg: TrainConfig, launcher: str | None) -> None:
             raise ShoalError("--elastic does not resume an asynchronous run yet (--resume, "
                              "--max-restarts): its checkpoints do not hold the shares dealt")
         return
-    if cfg.strategy_options.get("compress", "none") == "powersgd":
-        raise ShoalError("--elastic does not take --compress powersgd yet (its error feedback "
-                         "is kept per rank of a group)")
     streamed = [flag for flag, value, plain in (("--fragments", "fragments", 1),
                                                  ("--overlap-steps", "overlap_steps", 0),
                                                  ("--outer-precision", "outer_precision", "fp32"))
