@@ -175,7 +175,7 @@ def test_the_rest_of_an_epoch_after_a_loss():
 
 
 @pytest.mark.parametrize("args, expected", [
-    (["--strategy", "hogwild", "--elastic"], "--elastic works with sync, local-sgd"),
+    (["--strategy", "groups", "--elastic"], "--elastic works with sync, local-sgd"),
     (["--record-samples"], "add --elastic"),
     (["--strategy", "diloco", "--elastic", "--tau", "4", "--fragments", "2"],
      "--elastic does not take --fragments yet"),

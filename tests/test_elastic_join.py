@@ -190,14 +190,16 @@ def test_a_worker_joins_a_torchrun_job_with_the_secret_its_ranks_have(held):
     assert not (job.out / ".shoal-join").exists()  # rank 0's keeper took it away
 
 
-def test_a_worker_joins_an_asynchronous_job_in_place_of_a_killed_one(held):
+@pytest.mark.parametrize("strategy", ["async-easgd", "hogwild"])
+def test_a_worker_joins_an_asynchronous_job_in_place_of_a_killed_one(held, strategy):
     """async-easgd: worker 2 (rank 3: server 0 is rank 0) is killed mid-epoch 2, its rest is
     dealt to workers 0 and 1, and a joiner, admitted by server 0, starts from the center as
     its first pull has it, is given the last third of the rest of each of their blocks and
-    trains it: the job ends with 3 workers, every sample of every epoch once. (Server 0's
-    refusals: test_elastic_async.py.)"""
-    job = held("--strategy", "async-easgd", "--tau", "4", "--elastic", "--record-samples",
-               killed=3)
+    trains it: the job ends with 3 workers, every sample of every epoch once. hogwild: the
+    same, its counts in the shared file server 0 reads, the joiner on the shared parameters
+    themselves. (Server 0's refusals: test_elastic_async.py.)"""
+    job = held("--strategy", strategy, *(["--tau", "4"] if strategy != "hogwild" else []),
+               "--elastic", "--record-samples", killed=3)
     job.wait_line("worker 2 left at step")
     joiner = job.join_in_background()
     job.wait_line("worker 3 joined at step")
@@ -211,7 +213,10 @@ def test_a_worker_joins_an_asynchronous_job_in_place_of_a_killed_one(held):
     assert left["left"] == [2] and left["workers"] == 2
     assert join["joined"] == [3] and join["workers"] == 3 and join["epoch"] >= 2
     # the joiner's model, digested after its first pull, is the center server 0 sent it
-    assert join["joiner_state_sha256"] == {"3": join["state_sha256"]}
+    if strategy == "hogwild":
+        assert join["state"] == "the shared parameters, mapped" and "state_sha256" not in join
+    else:
+        assert join["joiner_state_sha256"] == {"3": join["state_sha256"]}
     assert_each_sample_once(job.out, EPOCHS, TRAIN_ROWS)
     records = [json.loads(line) for line in
                (job.out / "samples" / "worker3.jsonl").read_text().splitlines()]

@@ -39,6 +39,12 @@ from shoal.strategies.registry import register
 
 #: The store key under which the coordinator sets the shared parameter file's path.
 PATH_KEY = "hogwild/path"
+#: ``--elastic``: the store key of the shared file of each worker's count (the samples of its
+#: schedule its steps have put in the shared parameters) and steps, which server 0 reads when
+#: a worker is lost: no exchange tells it, as it tells the servers of the other strategies.
+COUNTS_KEY = "hogwild/counts"
+#: Worker ids that file has a count for (joiners take new ids): a bound on its size.
+COUNT_SLOTS = 4096
 
 
 def check_one_host(env: Environment, device: torch.device) -> None:
@@ -98,6 +104,7 @@ class Hogwild(AsyncStrategy):
                       comm.device)
         check_one_host(detect_environment() or Environment(), device)
         self.shared: torch.Tensor | None = None  # the vector every worker steps
+        self.counts: torch.Tensor | None = None  # --elastic: every worker's count (shared)
         super().__init__(model, optimizer, comm, options)
 
     @torch.no_grad()
@@ -107,6 +114,7 @@ class Hogwild(AsyncStrategy):
         comm, vector = self.comm, self.flat.pack()
         if self.client is not None:
             shared = map_shared_file(shared_path(comm), vector.numel(), vector.dtype)
+            self.counts = shared_counts(comm)
         elif comm.active:
             path = create_shared_file(vector) if comm.rank == 0 else None
             path = comm.broadcast_object(path)
@@ -126,6 +134,15 @@ class Hogwild(AsyncStrategy):
         if self.batch_share is not None:
             self.samples += int(self.batch_share[0])
         self.local_step()
+        self.counted = self.samples  # in the shared parameters now: it counts
+        if self.counts is not None:  # the step after the count: server 0 reads them after
+            self.counts[self.comm.rank, 0] = self.samples
+            self.counts[self.comm.rank, 1] = self.steps
+
+    @torch.no_grad()
+    def rejoin(self) -> None:
+        """Back from a rest (``--elastic``): the parameters are the shared ones already."""
+        self.restored(False)
 
     def checkpoint_own(self) -> dict[str, Any]:
         """This worker's strategy state, optimizer and buffers; the shared parameters are
@@ -143,6 +160,17 @@ class Hogwild(AsyncStrategy):
             self.model.load_state_dict(own["model"], strict=False)
             self.optimizer.load_state_dict(own["optimizer"])
             self.load_state_dict(own["strategy"])
+
+
+def shared_counts(comm: Any) -> torch.Tensor | None:
+    """The shared file of the workers' counts (``--elastic``; else ``None``), mapped."""
+    if not comm.store.check([COUNTS_KEY]):
+        return None
+    if not 0 <= comm.rank < COUNT_SLOTS:
+        raise ShoalError(f"hogwild --elastic keeps the counts of {COUNT_SLOTS} workers; this "
+                         f"one is worker {comm.rank}")
+    return map_shared_file(comm.store.get(COUNTS_KEY).decode(), 2 * COUNT_SLOTS,
+                           torch.int64).view(COUNT_SLOTS, 2)
 
 
 def shared_path(comm: Any) -> str:

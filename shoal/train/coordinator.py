@@ -98,6 +98,8 @@ class Coordinator:
         self.started_unix = time.time()
         #: --elastic: its side (a lost worker's rest dealt over the others, joiners admitted)
         self.members = AsyncMembers(self, seal) if cfg.elastic else None
+        #: a lost worker's count where no exchange carries it (hogwild's shared file)
+        self.counted_of: Any = None
         self.progress: dict[str, Any] | None = None
         self.started: set[int] | None = set()  # workers that can train; None: clock started
         self.trained: dict[int, int] = {}  # each worker's samples, as it last said
@@ -206,6 +208,9 @@ class Coordinator:
         for worker, info in lost.items():
             if worker in self.live and worker not in self.finals:
                 self.live.discard(worker)
+                if self.counted_of is not None:
+                    counted, step = self.counted_of(worker)
+                    info = {**info, "counted": counted, "step": max(step, info.get("step", 0))}
                 step = max(int(info.get("step", 0)),
                            int(self.latest.get(worker, {}).get("step", 0)))
                 self.lost[worker] = loss_record(self.plan, len(self.data.train), self.cfg.epochs,

@@ -136,11 +136,13 @@ class Dealer:
             elif pieces and live and not self.released:
                 self._publish(deal(pieces, sorted(live)), live, lost=joiner)
 
-    def digests(self, joiner: int, server: torch.Tensor | None, mine: str) -> None:
+    def digests(self, joiner: int, server: torch.Tensor | None, mine: str | None) -> None:
         """The join's record: the center ``server`` sent ``joiner`` at its first pull, and
         the digest ``mine`` of the model it built from it."""
         for change in self.changes:
-            if change.get("joined") == [joiner]:
+            if change.get("joined") == [joiner] and mine is None:  # hogwild's: the same memory
+                change.update(state="the shared parameters, mapped")
+            elif change.get("joined") == [joiner]:
                 change.update(state_sha256=digest({"center": server, "progress": {}}),
                               joiner_state_sha256={str(joiner): mine})
 

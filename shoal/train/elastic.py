@@ -38,7 +38,8 @@ from shoal.train.samples import record_samples, samples_file, say_held
 _Step = TypeVar("_Step")
 #: The strategies that take ``--elastic``: the synchronous and periodic ones (a re-formed
 #: group) and the asynchronous ones with a parameter server (:mod:`shoal.train.elastic_async`).
-ASYNC_ELASTIC = ("async-sgd", "async-msgd", "async-easgd", "async-measgd", "hogwild-easgd")
+ASYNC_ELASTIC = ("async-sgd", "async-msgd", "async-easgd", "async-measgd", "hogwild-easgd",
+                 "hogwild")
 ELASTIC = ("sync", "local-sgd", "easgd", "eamsgd", "diloco", *ASYNC_ELASTIC)
 
 

@@ -188,8 +188,10 @@ class AsyncElastic:
         t.state.epoch, t.state.step = epoch, epoch * self.steps
         schedule_at(t.scheduler, epoch * self.steps)
         self.dealt = True  # its schedule follows the share of each block it reads
-        t.comm.ps.report({"kind": "joined", "digest": digest({"center": t.strategy.flat.pack(),
-                                                              "progress": {}})})
+        # hogwild's parameters are the shared ones, stepped meanwhile: no copy to digest
+        mine = None if t.strategy.shared_memory else digest({"center": t.strategy.flat.pack(),
+                                                            "progress": {}})
+        t.comm.ps.report({"kind": "joined", "digest": mine})
         deadline = time.monotonic() + t.cfg.timeout
         while not self._poll()[1] and not self.store.check([RELEASE]):
             if time.monotonic() > deadline:

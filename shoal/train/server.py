@@ -49,7 +49,13 @@ from shoal.errors import ShoalError
 from shoal.ps import ServerClient, connect_worker, keepalive, serve_shard
 from shoal.strategies import get_strategy, make_options
 from shoal.strategies.easgd import parameter_order
-from shoal.strategies.hogwild import PATH_KEY, create_shared_file, map_shared_file
+from shoal.strategies.hogwild import (
+    COUNT_SLOTS,
+    COUNTS_KEY,
+    PATH_KEY,
+    create_shared_file,
+    map_shared_file,
+)
 from shoal.strategies.topology import Topology
 from shoal.train.checkpoint import load_checkpoint, load_eval_model
 from shoal.train.coordinator import Coordinator
@@ -113,6 +119,7 @@ def run_server(cfg: TrainConfig, env: Environment, comm: Comm, topology: Topolog
     optimizer = build_optimizer(cfg, model.parameters(), cfg.base_lr(workers))
     flat = FlatParams(parameter_order(model, optimizer))  # the order the strategies pack
     ranges = shard_ranges(flat.numel, topology.servers)
+    counts, counts_path = _counts(cfg, topology, comm, env) if server == 0 else (None, None)
     center, shared_path = _center(flat, ranges[server], topology, payload, comm, env)
     rule_cls = getattr(strategy_cls, "Rule", None)
     coordinator: Coordinator | None = None
@@ -124,6 +131,9 @@ def run_server(cfg: TrainConfig, env: Environment, comm: Comm, topology: Topolog
         coordinator = Coordinator(cfg, comm, work.data, model, flat, client, ranges, payload,
                                   start if start is not None and cfg.init_progress else None,
                                   extra, lambda rank: comm.ended(rank, wait), seal)
+        if counts is not None:  # hogwild: a lost worker's count is in the shared file
+            coordinator.counted_of = lambda worker: counts[worker].tolist() \
+                if worker < COUNT_SLOTS else [0, 0]
     try:
         return serve_shard(
             comm.store, server, workers + (1 if server > 0 else 0),
@@ -137,9 +147,22 @@ def run_server(cfg: TrainConfig, env: Environment, comm: Comm, topology: Topolog
     finally:
         if coordinator is not None and coordinator.client is not None:
             coordinator.client.close()
-        if shared_path is not None:
-            with contextlib.suppress(OSError):
-                os.unlink(shared_path)
+        for path in (shared_path, counts_path):
+            if path is not None:
+                with contextlib.suppress(OSError):
+                    os.unlink(path)
+
+
+def _counts(cfg: TrainConfig, topology: Topology, comm: Comm, env: Environment
+            ) -> tuple[torch.Tensor | None, str | None]:
+    """``--elastic`` with shared memory (hogwild): the file of each worker's count and step,
+    zeros, which every worker maps and writes its own to after each step (set in the store before
+    the parameters' path, which the workers wait for)."""
+    if not (cfg.elastic and topology.shared_memory):
+        return None, None
+    path = create_shared_file(torch.zeros(2 * COUNT_SLOTS, dtype=torch.int64), env.error_dir)
+    comm.store.set(COUNTS_KEY, path)
+    return map_shared_file(path, 2 * COUNT_SLOTS, torch.int64).view(COUNT_SLOTS, 2), path
 
 
 def _center(flat: FlatParams, shard: tuple[int, int], topology: Topology,
