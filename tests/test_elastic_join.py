@@ -128,14 +128,20 @@ def held(tmp_path):
 # writes the records.
 # sync+powersgd: PowerSGD starts afresh on every member at each change (its state is in the
 # digest: the joiner's equals worker 0's), compressing again after a 2-step warm-up.
+# diloco+streaming: fragments and overlap; a joiner waits for every fragment's exchange to
+# carry all work (an epoch's start), then takes the state with no exchange in flight.
+EXTRA = {"powersgd": ["--compress", "powersgd", "--powersgd-warmup", "2"],
+         "streaming": ["--tau", "8", "--fragments", "2", "--overlap-steps", "1"]}
+
+
 @pytest.mark.parametrize("strategy, killed", [("sync", 2), ("local-sgd", 2), ("easgd", 2),
-                                              ("diloco", 2), ("diloco", 0), ("sync+powersgd", 2)])
+                                              ("diloco", 2), ("diloco", 0), ("sync+powersgd", 2),
+                                              ("diloco+streaming", 2)])
 def test_a_worker_joins_in_place_of_a_killed_one(held, strategy, killed):
-    strategy, _, compress = strategy.partition("+")
-    job = held("--strategy", strategy, *([] if strategy == "sync" else ["--tau", "4"]),
-               *(["--compress", compress, "--powersgd-warmup", "2"] if compress else []),
-               "--elastic", "--record-samples", killed=killed)
-    job.wait_line(f"worker {killed} left at step 39")
+    strategy, _, extra = strategy.partition("+")
+    flags = EXTRA[extra] if extra else [] if strategy == "sync" else ["--tau", "4"]
+    job = held("--strategy", strategy, *flags, "--elastic", "--record-samples", killed=killed)
+    job.wait_line(f"worker {killed} left at step {42 if extra == 'streaming' else 39}")
     # its own marker: no process of the joiner's outlives it
     joined = shoal("join", str(job.out), env={**job.env, "SHOAL_TEST_MARKER": uuid.uuid4().hex},
                    timeout=240)

@@ -53,7 +53,7 @@ def test_every_worker_lost_under_torchrun_fails_the_job_in_one_line(tmp_path):
 def test_elastic_under_slurm_or_mpirun_is_refused_in_one_line(launcher):
     from shoal.config import TrainConfig
     from shoal.errors import ShoalError
-    from shoal.train.elastic import check_elastic
+    from shoal.train.elastic_check import check_elastic
 
     with pytest.raises(ShoalError, match=f"or torchrun, not yet under {launcher}"):
         check_elastic(TrainConfig(dataset="digits", elastic=True), launcher)

@@ -210,6 +210,11 @@ class Strategy:
         rank-wide vote (stopping on SIGTERM) rides on those steps without adding coupling."""
         return True
 
+    def steps_uncounted(self) -> int:
+        """Of the steps taken so far, how many (the last ones) no exchange has carried into
+        the shared state yet, after a meeting (``--elastic`` counts the rest)."""
+        return 0
+
     # -- checkpoints ------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
         """This rank's strategy state (tensors, numbers, dicts); saved per rank."""

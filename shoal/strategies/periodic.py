@@ -126,6 +126,12 @@ class PeriodicStrategy(Strategy):
     def meets_after(self, step: int) -> bool:
         return step == self.last_exchange
 
+    def steps_uncounted(self) -> int:
+        """Streaming: the steps since the fragment exchanged longest ago last started (its
+        exchange carries no later step's work); else none, after a meeting."""
+        ex = self.exchanges
+        return self.steps - min(ex.launched) if ex is not None and ex.streaming else 0
+
     def backward(self, loss: torch.Tensor) -> None:
         if self.adaptive is not None:
             self.adaptive.observe(loss)

@@ -28,7 +28,7 @@ from shoal.data.loader import loader_processes
 from shoal.errors import ShoalError, Terminated, WorkerError
 from shoal.strategies.topology import Topology
 from shoal.train.checkpoint import checkpoint_step
-from shoal.train.elastic import check_elastic
+from shoal.train.elastic_check import check_elastic
 from shoal.train.jobfile import join_secret, publish, withdraw
 from shoal.train.launch import job_topology, outside_topology, run_rank
 from shoal.train.optim import resolve_momentum

@@ -20,61 +20,20 @@ import sys
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, TypeVar
 
 import torch
 
-from shoal.config import TrainConfig
 from shoal.core.joining import admit
 from shoal.core.membership import MembershipChanged
 from shoal.data import EpochPlan, ShardLoader, resolve_workers
-from shoal.errors import ShoalError
 from shoal.train import handover
 from shoal.train.optim import schedule_at
 from shoal.train.samples import record_samples, samples_file, say_held
 
 _Step = TypeVar("_Step")
-#: The strategies that take ``--elastic``: the synchronous and periodic ones (a re-formed
-#: group) and the asynchronous ones with a parameter server (:mod:`shoal.train.elastic_async`).
-ASYNC_ELASTIC = ("async-sgd", "async-msgd", "async-easgd", "async-measgd", "hogwild-easgd",
-                 "hogwild")
-ELASTIC = ("sync", "local-sgd", "easgd", "eamsgd", "diloco", *ASYNC_ELASTIC)
-
-
-def check_elastic(cfg: TrainConfig, launcher: str | None) -> None:
-    """One line where ``--elastic`` cannot work (before any worker starts)."""
-    if not cfg.elastic:
-        for flag, value in (("--record-samples", cfg.record_samples),
-                            ("--max-workers", cfg.max_workers is not None)):
-            if value:
-                raise ShoalError(f"{flag} is for --elastic jobs; add --elastic")
-        return
-    if cfg.max_workers is not None and cfg.workers is not None and cfg.max_workers < cfg.workers:
-        raise ShoalError(f"--max-workers {cfg.max_workers} is less than --workers {cfg.workers}")
-    if cfg.strategy not in ELASTIC:
-        raise ShoalError(f"--elastic works with {', '.join(ELASTIC)} (not yet with "
-                         f"{cfg.strategy})")
-    if launcher not in (None, "torchrun"):
-        raise ShoalError(f"--elastic runs under shoal's own launcher (--workers N) or "
-                         f"torchrun, not yet under {launcher}")
-    if cfg.strategy in ASYNC_ELASTIC:
-        if cfg.strategy_options.get("servers", 1) != 1:
-            raise ShoalError("--elastic takes one server with an asynchronous strategy (a push "
-                             "counts on server 0), not yet --servers "
-                             f"{cfg.strategy_options['servers']}")
-        if cfg.resume is not None or cfg.max_restarts:
-            raise ShoalError("--elastic does not resume an asynchronous run yet (--resume, "
-                             "--max-restarts): its checkpoints do not hold the shares dealt")
-        return
-    streamed = [flag for flag, value, plain in (("--fragments", "fragments", 1),
-                                                 ("--overlap-steps", "overlap_steps", 0),
-                                                 ("--outer-precision", "outer_precision", "fp32"))
-                if cfg.strategy_options.get(value, plain) != plain]
-    if streamed:  # exchanges in flight, or all-gathered, are not voted on (one meeting each)
-        raise ShoalError(f"--elastic does not take {', '.join(streamed)} yet: it exchanges whole "
-                         "models in fp32")
 
 
 @dataclass
@@ -194,19 +153,25 @@ class Elastic:
         rank = reading.members.index(self.membership.me)  # in the plan the step was read by
         self._trained.append(reading.plan.local(reading.order, st.epoch_step - 1, rank)[0])
         self.settle()
-        if t.strategy.meets_after(st.step):
-            self.counted()
+        if t.strategy.meets_after(st.step):  # streamed fragments: through the oldest's exchange
+            self.counted(st.step - t.strategy.steps_uncounted())
         if self._resized:  # the schedule follows the share of the epochs trained
             plan, steps = t.plan, self._steps
             left = plan.n - plan.bounds[st.epoch_step][0] if st.epoch_step < plan.steps_per_epoch \
                 else 0
             schedule_at(t.scheduler, st.epoch * steps + round(steps * (1 - left / len(t.data.train))))
 
-    def counted(self) -> None:
-        """A meeting carried every worker's work so far into the shared state."""
+    def counted(self, through: int | None = None) -> None:
+        """A meeting carried every worker's work so far into the shared state; or, where
+        fragments of the model are exchanged at different steps (``--fragments``,
+        ``--overlap-steps``), that of the steps up to the run's step ``through``."""
         if self.membership is None:
             return
         t, st = self.t, self.t.state
+        take = len(self._trained) if through is None else through - (st.step - len(self._trained))
+        if take < len(self._trained):
+            self._counted_part(take, through)
+            return
         ranges = [(r, r.start, st.epoch_step if r.end is None else r.end) for r in self._uncounted]
         if any(lo < hi for _, lo, hi in ranges):
             self._last = Count(st.epoch, st.step, ranges)
@@ -215,6 +180,24 @@ class Elastic:
         if self._record is not None and self._trained:
             record_samples(self._record, {st.epoch: torch.cat(self._trained)}, st.step)
         self._trained = []
+
+    def _counted_part(self, take: int, through: int | None) -> None:
+        """The first ``take`` of the steps not counted yet count (after the run's step
+        ``through``); the rest do not yet."""
+        if take <= 0:
+            return
+        st, ranges, keep, left = self.t.state, [], [], take
+        for r in self._uncounted:
+            end = st.epoch_step if r.end is None else r.end
+            n = min(end - r.start, left)
+            left -= n
+            ranges.append((r, r.start, r.start + n))
+            if r.start + n < end or r.end is None:
+                keep.append(replace(r, start=r.start + n))
+        self._last, self._uncounted = Count(st.epoch, int(through or st.step), ranges), keep
+        if self._record is not None:
+            record_samples(self._record, {st.epoch: torch.cat(self._trained[:take])}, through)
+        self._trained = self._trained[take:]
 
     def settle(self) -> bool:
         """Install the rest of the epoch dealt anew after a change, if any; returns whether

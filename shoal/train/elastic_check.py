@@ -1,0 +1,44 @@
+"""What ``--elastic`` takes: the strategies, launchers and options a job that goes on
+without a lost worker (and takes joiners) can run, checked before any worker starts."""
+
+from __future__ import annotations
+
+from shoal.config import TrainConfig
+from shoal.errors import ShoalError
+
+#: The strategies that take ``--elastic``: the synchronous and periodic ones (a re-formed
+#: group) and the asynchronous ones with a parameter server (:mod:`shoal.train.elastic_async`).
+ASYNC_ELASTIC = ("async-sgd", "async-msgd", "async-easgd", "async-measgd", "hogwild-easgd",
+                 "hogwild")
+ELASTIC = ("sync", "local-sgd", "easgd", "eamsgd", "diloco", *ASYNC_ELASTIC)
+
+
+
+def check_elastic(cfg: TrainConfig, launcher: str | None) -> None:
+    """One line where ``--elastic`` cannot work (before any worker starts)."""
+    if not cfg.elastic:
+        for flag, value in (("--record-samples", cfg.record_samples),
+                            ("--max-workers", cfg.max_workers is not None)):
+            if value:
+                raise ShoalError(f"{flag} is for --elastic jobs; add --elastic")
+        return
+    if cfg.max_workers is not None and cfg.workers is not None and cfg.max_workers < cfg.workers:
+        raise ShoalError(f"--max-workers {cfg.max_workers} is less than --workers {cfg.workers}")
+    if cfg.strategy not in ELASTIC:
+        raise ShoalError(f"--elastic works with {', '.join(ELASTIC)} (not yet with "
+                         f"{cfg.strategy})")
+    if launcher not in (None, "torchrun"):
+        raise ShoalError(f"--elastic runs under shoal's own launcher (--workers N) or "
+                         f"torchrun, not yet under {launcher}")
+    if cfg.strategy in ASYNC_ELASTIC:
+        if cfg.strategy_options.get("servers", 1) != 1:
+            raise ShoalError("--elastic takes one server with an asynchronous strategy (a push "
+                             "counts on server 0), not yet --servers "
+                             f"{cfg.strategy_options['servers']}")
+        if cfg.resume is not None or cfg.max_restarts:
+            raise ShoalError("--elastic does not resume an asynchronous run yet (--resume, "
+                             "--max-restarts): its checkpoints do not hold the shares dealt")
+        return
+    if cfg.strategy_options.get("outer_precision", "fp32") != "fp32":
+        raise ShoalError("--elastic does not take --outer-precision yet: it exchanges models "
+                         "in fp32")
