@@ -128,10 +128,12 @@ def held(tmp_path):
 # writes the records.
 # sync+powersgd: PowerSGD starts afresh on every member at each change (its state is in the
 # digest: the joiner's equals worker 0's), compressing again after a 2-step warm-up.
-# diloco+streaming: fragments and overlap; a joiner waits for every fragment's exchange to
-# carry all work (an epoch's start), then takes the state with no exchange in flight.
+# diloco+streaming: fragments, overlap, int8 messages (all-gathered, with error feedback); a
+# joiner waits for every fragment's exchange to carry all work (an epoch's start), then
+# takes the state with no exchange in flight and no residual (its own starts at zero).
 EXTRA = {"powersgd": ["--compress", "powersgd", "--powersgd-warmup", "2"],
-         "streaming": ["--tau", "8", "--fragments", "2", "--overlap-steps", "1"]}
+         "streaming": ["--tau", "8", "--fragments", "2", "--overlap-steps", "1",
+                       "--outer-precision", "int8"]}
 
 
 @pytest.mark.parametrize("strategy, killed", [("sync", 2), ("local-sgd", 2), ("easgd", 2),

@@ -11,7 +11,7 @@ import contextlib
 import itertools
 import os
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any, TypeVar
 
@@ -22,8 +22,8 @@ from shoal.core.env import Environment
 from shoal.core.failures import EXIT_ABORTED
 from shoal.core.group import join_group
 from shoal.core.handle import Handle
-from shoal.core.inflight import all_objects
 from shoal.core.membership import Membership
+from shoal.core.objects import ObjectCollectives
 from shoal.core.ops import reduce_op
 from shoal.core.pairs import Client
 from shoal.core.timeline import COMM, WAIT, Event, Timeline
@@ -42,7 +42,7 @@ from shoal.errors import ShoalError
 
 _T = TypeVar("_T")
 
-class Comm:
+class Comm(ObjectCollectives):
     """This process's view of the job: rank, world size, device and timed collectives.
 
     With ``world_size == 1`` and no process group every collective returns its input, so
@@ -212,6 +212,8 @@ class Comm:
         are its own ``tensor``'s."""
         if not self.active:
             return Handle(self, None, tensor.view(1, -1), "gather", name)
+        if self.membership is not None:  # voted, so finished here (held again if it fails)
+            return self._all_gather_met(tensor, name)
         out = torch.empty(self.world_size * tensor.numel(), dtype=tensor.dtype, device=tensor.device)
         nbytes = self._start(tensor)
         seq = self.log.start(_what("all_gather", name, "allgather"))  # finished by its wait
@@ -219,6 +221,20 @@ class Comm:
             work = dist.all_gather(list(out.view(self.world_size, -1).unbind(0)), tensor,
                                    async_op=True)
         return Handle(self, work, out.view(self.world_size, -1), "gather", name, seq, nbytes)
+
+    def _all_gather_met(self, tensor: torch.Tensor, name: str) -> Handle:
+        """Elastic: the all-gather as a meeting, its rows those of the group that held it."""
+        rows: list[torch.Tensor] = []
+
+        def run() -> Any:
+            rows[:] = [tensor.new_empty(self.world_size, tensor.numel())]
+            return dist.all_gather(list(rows[0].unbind(0)), tensor, async_op=True)
+
+        self.count(tensor.numel() * tensor.element_size())
+        with self.timeline.span(COMM, name), self.log.track(_what("all_gather", name)):
+            self._meet(run)
+        got = rows[0] if rows and self.active else tensor.view(1, -1)  # alone: its own row
+        return Handle(self, None, got, "gather", name)
 
     def _start(self, tensor: torch.Tensor) -> int:
         """Count ``tensor``'s bytes as sent and in flight (until its handle's wait)."""
@@ -271,47 +287,6 @@ class Comm:
         ``exposed``, if kept) turn out to have been waiting for a slower rank: book them as
         wait."""
         self.timeline.reassign(seconds, COMM, WAIT, exposed, name)
-
-    # -- bookkeeping collectives (metrics, checkpoints): not booked as training traffic -----
-    def reduce_values(self, values: Sequence[float], op: str = "sum") -> list[float]:
-        """All-reduce a few Python numbers (metrics); returns the reduced list."""
-        t = torch.tensor(list(values), dtype=torch.float64, device=self.device)
-        if self.active:
-            with self.log.track(describe("all_reduce", "values")):
-                self._meet(lambda: dist.all_reduce(t, op=reduce_op(op), async_op=True), keep=t)
-            if op == "avg":
-                t /= self.world_size
-        return t.tolist()
-
-    def gather_objects(self, obj: Any, dst: int = 0) -> list[Any] | None:
-        """Pickle-gather ``obj`` from every rank to ``dst`` (others get ``None``)."""
-        if not self.active:
-            return [obj]
-
-        def gather() -> list[Any] | None:
-            if self.membership is not None:  # elastic: left at once when the vote fails
-                out = all_objects(self.membership, obj)
-            else:
-                out = [None] * self.world_size if self.rank == dst else None
-                dist.gather_object(obj, out, dst=dst)
-            return out if self.rank == dst else None
-
-        with self.log.track(describe("gather", "objects")):
-            out = self._meet(gather)
-        return out if self.active or self.rank != dst else [obj]
-
-    def broadcast_object(self, obj: Any, src: int = 0) -> Any:
-        """Send a picklable object from ``src`` to every rank and return it."""
-        if not self.active:
-            return obj
-        box = [obj]
-        with self.log.track(describe("broadcast", "object")):
-            if self.membership is None:
-                dist.broadcast_object_list(box, src=src)
-            elif got := self._meet(lambda: all_objects(self.membership, obj if self.rank == src
-                                                       else None)):
-                box[0] = got[src]  # elastic: left at once when the vote fails
-        return box[0]
 
     # -- failure handling -------------------------------------------------------------------
     @property

@@ -216,6 +216,11 @@ class Strategy:
         return 0
 
     # -- checkpoints ------------------------------------------------------------------------
+    def handover_state(self) -> dict[str, Any]:
+        """What a worker that joins takes of this rank's state (``--elastic``): all of it,
+        but what is this rank's own (error-feedback residuals)."""
+        return self.state_dict()
+
     def state_dict(self) -> dict[str, Any]:
         """This rank's strategy state (tensors, numbers, dicts); saved per rank."""
         return {"steps": self.steps}

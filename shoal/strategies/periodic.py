@@ -219,6 +219,14 @@ class PeriodicStrategy(Strategy):
             state["exchanges"] = self.exchanges.state_dict()
         return state
 
+    def handover_state(self) -> dict[str, Any]:
+        """A joiner starts with no error-feedback residual: what compression dropped is each
+        rank's own to send, and a copy of this rank's would send it twice."""
+        state = self.state_dict()
+        if "exchanges" in state:
+            state["exchanges"] = {**state["exchanges"], "residual": None}
+        return state
+
     def load_state_dict(self, state: dict[str, Any]) -> None:
         super().load_state_dict(state)
         # A checkpoint of a fixed period from before the rounds were kept: its multiples.

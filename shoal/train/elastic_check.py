@@ -39,6 +39,3 @@ def check_elastic(cfg: TrainConfig, launcher: str | None) -> None:
             raise ShoalError("--elastic does not resume an asynchronous run yet (--resume, "
                              "--max-restarts): its checkpoints do not hold the shares dealt")
         return
-    if cfg.strategy_options.get("outer_precision", "fp32") != "fp32":
-        raise ShoalError("--elastic does not take --outer-precision yet: it exchanges models "
-                         "in fp32")

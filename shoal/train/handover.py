@@ -26,7 +26,7 @@ def live_state(t: Any) -> dict[str, Any]:
     """Trainer ``t``'s state as a joiner takes it (on CPU)."""
     progress = t.state.state_dict()["progress"]
     return {"model": t.model.state_dict(), "optimizer": t.optimizer.state_dict(),
-            "strategy": t.strategy.state_dict(), "scheduler": t.scheduler.state_dict(),
+            "strategy": t.strategy.handover_state(), "scheduler": t.scheduler.state_dict(),
             "precision": t.amp.state_dict(), "progress": progress,
             "order": t.plan.order, "elastic": t.elastic.handover_state()}
 
