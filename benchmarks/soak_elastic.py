@@ -31,6 +31,7 @@ import contextlib
 import json
 import os
 import random
+import shlex
 import signal
 import subprocess
 import sys
@@ -158,7 +159,8 @@ def shoal_args(a: argparse.Namespace, out: Path) -> list[str]:
     return [sys.executable, "-m", "shoal", "train", "--model", a.model, "--dataset", "digits",
             "--workers", "4", "--epochs", str(a.epochs), "--strategy", a.strategy, "--tau",
             str(a.tau), "--lr", str(a.lr), "--momentum", "0.9", "--schedule", "constant",
-            *outer, "--progress", "plain", "--log-every", "1", "--overwrite", "--out", str(out)]
+            *outer, *shlex.split(a.extra), "--progress", "plain", "--log-every", "1",
+            "--overwrite", "--out", str(out)]
 
 
 def run_shoal(a: argparse.Namespace, name: str, kills: bool, rng: random.Random) -> dict:
@@ -347,6 +349,8 @@ def main() -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--any-worker", action="store_true",
                    help="kill worker 0 too in shoal's runs (not torchft's replica 0)")
+    p.add_argument("--extra", default="",
+                   help="more flags of shoal's runs, e.g. '--fragments 2 --overlap-steps 1'")
     p.add_argument("--out", default="runs/soak-elastic")
     a = p.parse_args()
     Path(a.out).mkdir(parents=True, exist_ok=True)

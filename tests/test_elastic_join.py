@@ -233,9 +233,10 @@ def test_a_worker_joins_an_asynchronous_job_in_place_of_a_killed_one(held, strat
 
 def test_the_job_goes_on_in_a_joiner_once_every_worker_started_with_it_is_lost(held, tmp_path):
     """Both workers shoal's launcher started are killed (kill -9) once a third joined: the
-    job trains on in the joiner alone (it writes the records from then on), and the
-    launcher holds the job's store until the joiner finished: both commands exit 0 (before:
-    the launcher ended with its own workers, silently, and took the store with it)."""
+    job trains on in the joiner alone (it writes the records from then on) and admits a fourth,
+    and the launcher holds the job's store until the joiners finished: every command exits
+    0 (before: the launcher ended with its own workers, silently, and took the store with
+    it)."""
     kill = tmp_path / "kill"
     job = held("--strategy", "diloco", "--tau", "4", "--elastic", "--record-samples",
                "--max-workers", "3", kill=False, workers=2, held_after=0,
@@ -245,20 +246,34 @@ def test_the_job_goes_on_in_a_joiner_once_every_worker_started_with_it_is_lost(h
     joiner = job.join_in_background()
     job.wait_line("worker 2 joined at step")
     kill.touch()
+    lines: list[str] = []
+    reader = threading.Thread(target=lambda: lines.extend(joiner.stderr), daemon=True)
+    reader.start()
+    job.wait_for(lambda: any(" left at step" in line for line in lines), "the loss")
+    # A second joiner, admitted by the first, alone now: it looks for joiners at its meeting
+    # points (before, no vote told it) and checks the proof with the job's secret (before,
+    # it refused every later joiner: "its proof does not match this job's secret").
+    second = job.join_in_background()
+    job.wait_for(lambda: any("worker 3 joined at step" in line for line in lines), "worker 3")
     job.release()
-    _, err = joiner.communicate(timeout=240)
-    assert joiner.returncode == 0, err
+    _, err2 = second.communicate(timeout=240)
+    joiner.wait(timeout=240)
+    reader.join(timeout=10)
+    err = "".join(lines)
+    assert joiner.returncode == 0 and second.returncode == 0, err + err2
     assert "workers 0, 1 left at step" in err or "worker 1 left at step" in err, err
     assert job.finish() == 0, job.stderr
     assert "the job went on in the workers that joined it" in job.stderr
     summary = json.loads((job.out / "summary.json").read_text())
-    assert summary["completed"] and summary["workers"] == 1
+    assert summary["completed"] and summary["workers"] == 2
     changes = summary["membership_changes"]
     assert changes[0]["joined"] == [2]  # the joiner's own record of its join
     assert changes[0]["joiner_state_sha256"] == {"2": changes[0]["state_sha256"]}
-    assert sorted(m for c in changes[1:] for m in c["left"]) == [0, 1]
+    assert sorted(m for c in changes[1:] for m in c.get("left", [])) == [0, 1]
+    assert changes[-1]["joined"] == [3]
+    assert changes[-1]["joiner_state_sha256"] == {"3": changes[-1]["state_sha256"]}
     assert_each_sample_once(job.out, EPOCHS, TRAIN_ROWS)
-    assert step_workers(job.out)[max(step_workers(job.out))] == 1
+    assert step_workers(job.out)[max(step_workers(job.out))] == 2
 
 
 @pytest.mark.parametrize("strategy, die_at", [

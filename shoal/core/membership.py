@@ -206,6 +206,11 @@ class Membership:
             self._forget(f"{self.epoch}/{self._seq - 2}")
         return counts
 
+    def look_for_joiners(self) -> None:
+        """A member alone holds no meeting, whose vote would tell it of a join request:
+        it looks at the meeting points itself."""
+        self.join_asked = self.join_asked or self._asked()
+
     def _asked(self) -> bool:
         """Whether a worker asked to join since the requests last answered."""
         return self._store.add("join/asked", 0) > self.joins_handled

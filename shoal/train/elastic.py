@@ -155,6 +155,8 @@ class Elastic:
         self.settle()
         if t.strategy.meets_after(st.step):  # streamed fragments: through the oldest's exchange
             self.counted(st.step - t.strategy.steps_uncounted())
+            if not t.comm.active:  # alone: no vote tells it of a joiner
+                self.membership.look_for_joiners()
         if self._resized:  # the schedule follows the share of the epochs trained
             plan, steps = t.plan, self._steps
             left = plan.n - plan.bounds[st.epoch_step][0] if st.epoch_step < plan.steps_per_epoch \

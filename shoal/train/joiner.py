@@ -136,7 +136,9 @@ def run_worker(job: dict[str, Any], me: int) -> None:
     work = load_workload(cfg)
     t = Trainer(cfg, comm, work.data, work.model)  # alone: its collectives go nowhere
     m = comm.watch_as_joiner(env, _store(job, cfg.timeout), cfg.heartbeat_timeout, cfg.timeout)
-    ask(m.keys, Seal(bytes.fromhex(job["key"])), me - first + 1)
+    # The job's secret: as a member it may be the one that checks the next joiner's proof.
+    m.seal = Seal(bytes.fromhex(job["key"]))
+    ask(m.keys, m.seal, me - first + 1)
     reply = answer(m.keys, me - first + 1, cfg.timeout)
     if "refused" in reply:
         raise ShoalError(f"the job refused it: {reply['refused']}")
