@@ -121,8 +121,12 @@ class Elastic:
         is settled first: the next step is the rest's, as dealt anew."""
         t = self.t
         if t.state.epoch_step < t.plan.steps_per_epoch and self.membership is not None \
-                and self.membership.join_asked and self._all_counted():
-            self._admit()
+                and self.membership.join_asked:
+            if t.strategy.steps_uncounted():  # streamed fragments: all exchanged now, as at
+                t.strategy.end_epoch(t.state.epoch)  # an epoch's end, so that all counts
+                self.counted()
+            if self._all_counted():
+                self._admit()
         if self.settle() or t.state.epoch_step < t.plan.steps_per_epoch:
             return True
         t.strategy.end_epoch(t.state.epoch)
