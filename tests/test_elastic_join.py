@@ -137,9 +137,10 @@ EXTRA = {"powersgd": ["--compress", "powersgd", "--powersgd-warmup", "2"],
                        "--outer-precision", "int8"]}
 
 
-# (diloco losing worker 2: the streaming case; its plain case loses worker 0.)
-@pytest.mark.parametrize("strategy, killed", [("sync", 2), ("local-sgd", 2), ("easgd", 2),
-                                              ("diloco", 0), ("sync+powersgd", 2),
+# (Plain sync: the torchrun case below; diloco losing worker 2: the streaming case, its
+# plain case loses worker 0.)
+@pytest.mark.parametrize("strategy, killed", [("sync+powersgd", 2), ("local-sgd", 2),
+                                              ("easgd", 2), ("diloco", 0),
                                               ("diloco+streaming", 2)])
 def test_a_worker_joins_in_place_of_a_killed_one(held, strategy, killed):
     strategy, _, extra = strategy.partition("+")
