@@ -51,8 +51,9 @@ def _signalled(rank, step):
 # exchange and counts; only the server's rule or the worker's momentum differs): left out
 # here to keep the suite short. That their workers' checkpoints keep all there is, exactly,
 # is test_async_reference.py's test_restart_from_checkpoint_changes_nothing.
+# async-msgd's server momentum in the checkpoint: groups (MomentumRule too) covers it.
 @pytest.mark.parametrize("strategy", [s for s in STRATEGY_ARGS
-                                      if s not in ("async-measgd", "hogwild-easgd")])
+                                      if s not in ("async-measgd", "hogwild-easgd", "async-msgd")])
 def test_sigterm_and_resume_lose_and_double_nothing(tmp_path, strategy):
     """SIGTERM (to the launcher, passed on to every process) stops each worker after its own
     step; the stop line, summary.json, the checkpoint and the epoch records agree, and
