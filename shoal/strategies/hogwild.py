@@ -169,8 +169,12 @@ def shared_counts(comm: Any) -> torch.Tensor | None:
     if not 0 <= comm.rank < COUNT_SLOTS:
         raise ShoalError(f"hogwild --elastic keeps the counts of {COUNT_SLOTS} workers; this "
                          f"one is worker {comm.rank}")
-    return map_shared_file(comm.store.get(COUNTS_KEY).decode(), 2 * COUNT_SLOTS,
-                           torch.int64).view(COUNT_SLOTS, 2)
+    return map_counts(comm.store.get(COUNTS_KEY).decode())
+
+
+def map_counts(path: str) -> torch.Tensor:
+    """The counts file ``path`` mapped shared: a (samples, step) row per worker id."""
+    return map_shared_file(path, 2 * COUNT_SLOTS, torch.int64).view(COUNT_SLOTS, 2)
 
 
 def shared_path(comm: Any) -> str:

@@ -140,9 +140,11 @@ class Dealer:
         """The join's record: the center ``server`` sent ``joiner`` at its first pull, and
         the digest ``mine`` of the model it built from it."""
         for change in self.changes:
-            if change.get("joined") == [joiner] and mine is None:  # hogwild's: the same memory
+            if change.get("joined") != [joiner]:
+                continue
+            if mine is None:  # hogwild's: the joiner maps the shared parameters themselves
                 change.update(state="the shared parameters, mapped")
-            elif change.get("joined") == [joiner]:
+            else:
                 change.update(state_sha256=digest({"center": server, "progress": {}}),
                               joiner_state_sha256={str(joiner): mine})
 

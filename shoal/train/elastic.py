@@ -175,7 +175,7 @@ class Elastic:
             return
         t, st = self.t, self.t.state
         take = len(self._trained) if through is None else through - (st.step - len(self._trained))
-        if take < len(self._trained):
+        if through is not None and take < len(self._trained):
             self._counted_part(take, through)
             return
         ranges = [(r, r.start, st.epoch_step if r.end is None else r.end) for r in self._uncounted]
@@ -187,7 +187,7 @@ class Elastic:
             record_samples(self._record, {st.epoch: torch.cat(self._trained)}, st.step)
         self._trained = []
 
-    def _counted_part(self, take: int, through: int | None) -> None:
+    def _counted_part(self, take: int, through: int) -> None:
         """The first ``take`` of the steps not counted yet count (after the run's step
         ``through``); the rest do not yet."""
         if take <= 0:
@@ -200,7 +200,7 @@ class Elastic:
             ranges.append((r, r.start, r.start + n))
             if r.start + n < end or r.end is None:
                 keep.append(replace(r, start=r.start + n))
-        self._last, self._uncounted = Count(st.epoch, int(through or st.step), ranges), keep
+        self._last, self._uncounted = Count(st.epoch, through, ranges), keep
         if self._record is not None:
             record_samples(self._record, {st.epoch: torch.cat(self._trained[:take])}, through)
         self._trained = self._trained[take:]

@@ -7,11 +7,11 @@ from shoal.config import TrainConfig
 from shoal.errors import ShoalError
 
 #: The strategies that take ``--elastic``: the synchronous and periodic ones (a re-formed
-#: group) and the asynchronous ones with a parameter server (:mod:`shoal.train.elastic_async`).
+#: group) and the asynchronous ones, whose server 0 deals a lost worker's rest
+#: (:mod:`shoal.train.elastic_async`; hogwild's server 0 is its coordinator).
 ASYNC_ELASTIC = ("async-sgd", "async-msgd", "async-easgd", "async-measgd", "hogwild-easgd",
                  "hogwild")
 ELASTIC = ("sync", "local-sgd", "easgd", "eamsgd", "diloco", *ASYNC_ELASTIC)
-
 
 
 def check_elastic(cfg: TrainConfig, launcher: str | None) -> None:

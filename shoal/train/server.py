@@ -54,6 +54,7 @@ from shoal.strategies.hogwild import (
     COUNTS_KEY,
     PATH_KEY,
     create_shared_file,
+    map_counts,
     map_shared_file,
 )
 from shoal.strategies.topology import Topology
@@ -119,65 +120,78 @@ def run_server(cfg: TrainConfig, env: Environment, comm: Comm, topology: Topolog
     optimizer = build_optimizer(cfg, model.parameters(), cfg.base_lr(workers))
     flat = FlatParams(parameter_order(model, optimizer))  # the order the strategies pack
     ranges = shard_ranges(flat.numel, topology.servers)
-    counts, counts_path = _counts(cfg, topology, comm, env) if server == 0 else (None, None)
-    center, shared_path = _center(flat, ranges[server], topology, payload, comm, env)
     rule_cls = getattr(strategy_cls, "Rule", None)
     coordinator: Coordinator | None = None
-    if server == 0:
-        client = ServerClient(comm.store, workers, ranges[1:], timeout=cfg.timeout,
-                              servers=list(range(1, topology.servers)),
-                              keepalive=keepalive(cfg.timeout)) if topology.servers > 1 else None
-        wait = ENDED_TIMEOUT if env.error_dir is not None else 0.0  # shoal's launcher says it
-        coordinator = Coordinator(cfg, comm, work.data, model, flat, client, ranges, payload,
-                                  start if start is not None and cfg.init_progress else None,
-                                  extra, lambda rank: comm.ended(rank, wait), seal)
-        if counts is not None:  # hogwild: a lost worker's count is in the shared file
-            coordinator.counted_of = lambda worker: counts[worker].tolist() \
-                if worker < COUNT_SLOTS else [0, 0]
+    paths: list[str] = []  # shared files this server made: removed however it ends
     try:
+        counts = _counts(cfg, topology, comm, env, paths) if server == 0 else None
+        center = _center(flat, ranges[server], topology, payload, comm, env, paths)
+        if server == 0:
+            coordinator = _coordinator(cfg, env, comm, topology, work, flat, ranges, payload,
+                                       start, extra, seal, counts)
         return serve_shard(
             comm.store, server, workers + (1 if server > 0 else 0),
             rule_cls(center, options) if rule_cls is not None else None, center,
             strategy_cls.admission(options, workers), timeout=silence(cfg),
             connect_timeout=cfg.timeout,
-            state=payload["servers"][server] if payload is not None and shared_path is None
-            else None,
+            state=payload["servers"][server] if payload is not None
+            and not topology.shared_memory else None,
             on_report=coordinator.on_report if coordinator is not None else None,
             during=coordinator.run if coordinator is not None else None)
     finally:
         if coordinator is not None and coordinator.client is not None:
             coordinator.client.close()
-        for path in (shared_path, counts_path):
-            if path is not None:
-                with contextlib.suppress(OSError):
-                    os.unlink(path)
+        for path in paths:
+            with contextlib.suppress(OSError):
+                os.unlink(path)
 
 
-def _counts(cfg: TrainConfig, topology: Topology, comm: Comm, env: Environment
-            ) -> tuple[torch.Tensor | None, str | None]:
+def _coordinator(cfg: TrainConfig, env: Environment, comm: Comm, topology: Topology,
+                 work: Workload, flat: FlatParams, ranges: list[tuple[int, int]],
+                 payload: dict[str, Any] | None, start: dict[str, Any] | None,
+                 extra: dict[str, Any] | None, seal: Any, counts: torch.Tensor | None
+                 ) -> Coordinator:
+    """Server 0's coordinator, with its client of the other servers (``None`` with one)."""
+    client = ServerClient(comm.store, topology.workers, ranges[1:], timeout=cfg.timeout,
+                          servers=list(range(1, topology.servers)),
+                          keepalive=keepalive(cfg.timeout)) if topology.servers > 1 else None
+    wait = ENDED_TIMEOUT if env.error_dir is not None else 0.0  # shoal's launcher says it
+    coordinator = Coordinator(cfg, comm, work.data, work.model, flat, client, ranges, payload,
+                              start if start is not None and cfg.init_progress else None,
+                              extra, lambda rank: comm.ended(rank, wait), seal)
+    if counts is not None:  # hogwild: a lost worker's count is in the shared file
+        coordinator.counted_of = lambda worker: counts[worker].tolist() \
+            if worker < COUNT_SLOTS else [0, 0]
+    return coordinator
+
+
+def _counts(cfg: TrainConfig, topology: Topology, comm: Comm, env: Environment,
+            paths: list[str]) -> torch.Tensor | None:
     """``--elastic`` with shared memory (hogwild): the file of each worker's count and step,
     zeros, which every worker maps and writes its own to after each step (set in the store before
     the parameters' path, which the workers wait for)."""
     if not (cfg.elastic and topology.shared_memory):
-        return None, None
-    path = create_shared_file(torch.zeros(2 * COUNT_SLOTS, dtype=torch.int64), env.error_dir)
-    comm.store.set(COUNTS_KEY, path)
-    return map_shared_file(path, 2 * COUNT_SLOTS, torch.int64).view(COUNT_SLOTS, 2), path
+        return None
+    paths.append(create_shared_file(torch.zeros(2 * COUNT_SLOTS, dtype=torch.int64),
+                                    env.error_dir))
+    comm.store.set(COUNTS_KEY, paths[-1])
+    return map_counts(paths[-1])
 
 
 def _center(flat: FlatParams, shard: tuple[int, int], topology: Topology,
-            payload: dict[str, Any] | None, comm: Comm, env: Environment
-            ) -> tuple[torch.Tensor, str | None]:
+            payload: dict[str, Any] | None, comm: Comm, env: Environment,
+            paths: list[str]) -> torch.Tensor:
     """This server's shard of the center, float32; with shared memory (hogwild) the whole
     vector in one file every worker maps and steps in place (the coordinator maps it too:
     evaluation, checkpoints), in the launcher's job folder when there is one (removed even
-    if this process is killed), else in /dev/shm; its path is handed out in the store."""
+    if this process is killed), else in /dev/shm; its path is handed out in the store and
+    added to ``paths`` (the caller removes it)."""
     vector = flat.pack().detach().float()
     if not topology.shared_memory:
-        return vector[shard[0]:shard[1]].clone(), None
+        return vector[shard[0]:shard[1]].clone()
     vector = vector.clone()
     if payload is not None:
         vector.copy_(payload["servers"][0]["center"])
-    path = create_shared_file(vector, env.error_dir)
-    comm.store.set(PATH_KEY, path)
-    return map_shared_file(path, vector.numel(), torch.float32), path
+    paths.append(create_shared_file(vector, env.error_dir))
+    comm.store.set(PATH_KEY, paths[-1])
+    return map_shared_file(paths[-1], vector.numel(), torch.float32)
