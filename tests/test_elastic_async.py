@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 
 import pytest
+import torch
 
 from shoal.cli import main
 from shoal.train.deal import Schedule, Slots, cut, deal
@@ -24,14 +25,15 @@ pytestmark = pytest.mark.timeout(300)
 
 
 
-@pytest.mark.parametrize("strategy", ["async-sgd", "async-easgd"])
-def test_a_killed_worker_leaves_and_the_others_train_its_share(tmp_path, strategy):
-    # 1 server and 3 workers x 16 rows: 30 steps an epoch each. Worker 1 (rank 2) kills
-    # itself (SIGKILL) at its 20th training forward, mid-epoch 1 (async-easgd: inside an
-    # exchange period of --tau 4): the rest of its epoch 1 and all of its epoch 2 are dealt.
+@pytest.mark.parametrize("strategy, servers", [("async-sgd", 2), ("async-easgd", 1)])
+def test_a_killed_worker_leaves_and_the_others_train_its_share(tmp_path, strategy, servers):
+    # 3 workers x 16 rows: 30 steps an epoch each. Worker 1 (rank servers + 1) kills itself
+    # (SIGKILL) at its 20th training forward, mid-epoch 1 (async-easgd: inside an exchange
+    # period of --tau 4): the rest of its epoch 1 and all of its epoch 2 are dealt. With 2
+    # servers its count is the least of theirs, each taken once that server lost it too.
     out = tmp_path / "run"
-    res = train_losing(out, 2, "train:20", "--schedule", "constant", "--strategy", strategy,
-                       timeout=240)
+    res = train_losing(out, servers + 1, "train:20", "--schedule", "constant", "--strategy",
+                       strategy, "--servers", str(servers), timeout=240)
     assert res.returncode == 0, res.stderr  # not 3: nothing was left untrained
     assert res.stray == []
     summary = json.loads((out / "summary.json").read_text())
@@ -172,7 +174,6 @@ def test_server_0_answers_each_join_request_in_turn():
 
 
 @pytest.mark.parametrize("args, expected", [
-    (["--strategy", "async-sgd", "--servers", "2"], "--elastic takes one server"),
     (["--strategy", "async-easgd", "--max-restarts", "1"], "does not resume an asynchronous"),
     (["--strategy", "groups"], "--elastic works with sync, local-sgd"),
 ])
@@ -182,3 +183,44 @@ def test_what_async_elastic_does_not_take_is_one_line(tmp_path, capsys, args, ex
     assert code == 2
     assert expected in one_error_line(capsys.readouterr().err)
     assert not (tmp_path / "run").exists()
+
+
+def test_another_server_follows_what_server_0_tells_it_and_nobody_else(monkeypatch):
+    """With several servers server 0 tells the others what they must know (on its pairs
+    with them): a worker resting (a staleness bound stops waiting for it), a joiner to
+    serve (a pusher from then on), a joiner's first pull taken (forgotten). A report from
+    anyone else, or of a kind it does not know, fails in one line."""
+    from shoal.core.processes import loopback_store
+    from shoal.errors import ShoalError
+    from shoal.ps import Admission, ShardServer
+    from shoal.train.followers import COORDINATOR, Follower
+
+    monkeypatch.setenv("GLOO_SOCKET_IFNAME", "lo")
+    shard = ShardServer(loopback_store(30.0), 1, 3, None, torch.zeros(2), timeout=1.0,
+                        admission=Admission((0, 1, 2), max_staleness=3), readers=(COORDINATOR,))
+    follower = Follower(1, timeout=5.0)
+    follower.shard = shard
+    follower._ready.set()  # as during() does once the shard serves
+    assert COORDINATOR in shard.ids and COORDINATOR not in shard.admission.pushers
+    for _ in range(4):
+        shard.ledger.book(0)
+    assert shard.admission.blockers(0, shard.ledger, shard._active(0)) == [1]
+    follower.on_report(COORDINATOR, {"kind": "rest", "client": 1, "resting": True})
+    assert shard.admission.blockers(0, shard.ledger, shard._active(0)) == [2]
+    follower.on_report(COORDINATOR, {"kind": "rest", "client": 2, "resting": True})
+    assert shard.admission.blockers(0, shard.ledger, shard._active(0)) == []
+    follower.on_report(COORDINATOR, {"kind": "rest", "client": 1, "resting": False})
+    assert shard._active(0) == [1]
+    shard.first_pulls[7] = torch.ones(2)
+    follower.on_report(COORDINATOR, {"kind": "taken", "client": 7})
+    assert 7 not in shard.first_pulls
+    follower.on_report(COORDINATOR, {"kind": "serve", "client": 3, "connect_timeout": 1.0})
+    try:
+        assert 3 in shard.ids and shard.admission.pushers == (0, 1, 2, 3)
+        with pytest.raises(ShoalError, match="takes reports from server 0 only, not from "
+                                             "client 2"):
+            follower.on_report(2, {"kind": "rest", "client": 0, "resting": True})
+        with pytest.raises(ShoalError, match="unknown word from server 0: 'drop'"):
+            follower.on_report(COORDINATOR, {"kind": "drop", "client": 0})
+    finally:
+        shard.close(timeout=5.0)

@@ -201,16 +201,18 @@ def test_a_worker_joins_a_torchrun_job_with_the_secret_its_ranks_have(held):
     assert not (job.out / ".shoal-join").exists()  # rank 0's keeper took it away
 
 
-@pytest.mark.parametrize("strategy", ["async-easgd", "hogwild"])
-def test_a_worker_joins_an_asynchronous_job_in_place_of_a_killed_one(held, strategy):
-    """async-easgd: worker 2 (rank 3: server 0 is rank 0) is killed mid-epoch 2, its rest is
-    dealt to workers 0 and 1, and a joiner, admitted by server 0, starts from the center as
-    its first pull has it, is given the last third of the rest of each of their blocks and
-    trains it: the job ends with 3 workers, every sample of every epoch once. hogwild: the
-    same, its counts in the shared file server 0 reads, the joiner on the shared parameters
-    themselves. (Server 0's refusals: test_elastic_async.py.)"""
+@pytest.mark.parametrize("strategy, servers", [("async-easgd", 2), ("hogwild", 1)])
+def test_a_worker_joins_an_asynchronous_job_in_place_of_a_killed_one(held, strategy, servers):
+    """async-easgd on 2 servers: worker 2 (rank 4: the servers are ranks 0 and 1) is killed
+    mid-epoch 2, its rest is dealt to workers 0 and 1, and a joiner, admitted by server 0 and
+    served by both from then on, starts from the center as its first pull has it (both
+    shards), is given the last third of the rest of each of their blocks and trains it: the
+    job ends with 3 workers, every sample of every epoch once. hogwild: the same, its counts
+    in the shared file server 0 reads, the joiner on the shared parameters themselves.
+    (Server 0's refusals: test_elastic_async.py.)"""
     job = held("--strategy", strategy, *(["--tau", "4"] if strategy != "hogwild" else []),
-               "--elastic", "--record-samples", killed=3)
+               *(["--servers", str(servers)] if servers > 1 else []), "--elastic",
+               "--record-samples", killed=2 + servers)
     job.wait_line("worker 2 left at step")
     joiner = job.join_in_background()
     job.wait_line("worker 3 joined at step")

@@ -51,15 +51,16 @@ def serve_shard(store: dist.Store, server: int, clients: int, rule: ServerRule |
                 center: torch.Tensor, admission: Admission, *, timeout: float,
                 state: dict | None = None, on_report: Callable[[int, Any], None] | None = None,
                 during: Callable[[ShardServer], T] | None = None,
-                connect_timeout: float | None = None) -> T | None:
+                connect_timeout: float | None = None, readers: tuple[int, ...] = ()) -> T | None:
     """Serve ``center`` (updated in place by ``rule``) as server ``server`` to ``clients``
     clients, from a checkpoint's ``state`` if given, until every client has left or was
     lost (silent for ``timeout`` seconds; ``connect_timeout``, default ``timeout``, to
-    connect); with ``during``, its value, run on the serving shard meanwhile (server 0's
-    coordinator). Stops serving whatever happens."""
+    connect; ``readers``: ids that only read, see :class:`ShardServer`); with ``during``, its
+    value, run on the serving shard meanwhile (server 0's coordinator). Stops serving
+    whatever happens."""
     shard = ShardServer(store, server, clients, rule, center, timeout=timeout,
                         admission=admission, on_report=on_report,
-                        connect_timeout=connect_timeout)
+                        connect_timeout=connect_timeout, readers=readers)
     if state is not None:
         shard.load_state(state)
     try:

@@ -27,6 +27,8 @@ from dataclasses import dataclass
 from shoal.errors import ShoalError
 from shoal.schema import flag_name
 
+#: How many timeouts an exchange may be held back (below the client's wait for its reply, 2).
+HOLD = 1.5
 #: Orders in which a server applies exchanges.
 ORDERS = ("arrival", "round-robin")
 

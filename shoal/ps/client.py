@@ -180,11 +180,11 @@ class ServerClient:
             raise ShoalError(f"client {self.client} is not connected to server {server}") from None
 
     def report(self, obj: Any, header: Header | None = None,
-               timeout: float | None = None) -> None:
-        """Send ``obj`` (picklable) to server 0's ``on_report``; returns once it was
-        handled there, waiting at most ``timeout`` seconds (default: the channel's) for
-        each of sending and the answer."""
-        ch = self._channels[self._index(0)]
+               timeout: float | None = None, server: int = 0) -> None:
+        """Send ``obj`` (picklable) to server ``server``'s ``on_report`` (server 0's: the
+        coordinator's); returns once it was handled there, waiting at most ``timeout``
+        seconds (default: the channel's) for each of sending and the answer."""
+        ch = self._channels[self._index(server)]
         head = replace(header or Header(Kind.REPORT, self.client), client=self.client)
         with self._transaction("report"):
             ch.send_object(obj, Kind.REPORT, head, timeout)

@@ -35,7 +35,7 @@ from shoal.core.pairs import (
     to_bytes,
 )
 from shoal.errors import ShoalError
-from shoal.ps.admission import Admission, Ledger
+from shoal.ps.admission import HOLD, Admission, Ledger
 from shoal.ps.session import Session
 
 
@@ -65,10 +65,6 @@ class ServerRule(Protocol):
         """Restore what :meth:`state_dict` returned."""
 
 
-#: How many timeouts an exchange may be held back (below the client's wait for its reply, 2).
-HOLD = 1.5
-
-
 class Refused(ShoalError):
     """A request the server answers with an error and goes on (an exchange held back past
     the timeout, an exchange with a server that has no rule)."""
@@ -83,15 +79,17 @@ class ShardServer:
     members of a compute group other than its leader) only pull, report and fetch state.
     ``timeout`` (seconds) bounds every wait for a client: a client silent for longer is
     declared lost, and an exchange held back 1.5 times as long is refused (a silent worker
-    it waits for is lost first). ``connect_timeout``
-    (default: ``timeout``) is how long a client may take to connect (its process starting).
+    it waits for is lost first). ``connect_timeout`` (default: ``timeout``): how long a
+    client may take to connect (its process starting).
     ``on_report(client, obj)`` receives what a client reports (one call at a time).
+    ``readers``: ids beyond ``0 .. clients-1`` served too, that never push (server 0 on the
+    other servers: its id is outside every worker's, joiners' included).
     """
 
     def __init__(self, store: dist.Store, server: int, clients: int, rule: ServerRule | None,
                  center: torch.Tensor, *, timeout: float, admission: Admission | None = None,
                  on_report: Callable[[int, Any], None] | None = None,
-                 connect_timeout: float | None = None) -> None:
+                 connect_timeout: float | None = None, readers: tuple[int, ...] = ()) -> None:
         admission = admission or Admission(tuple(range(clients)))
         if any(not 0 <= p < clients for p in admission.pushers):
             raise ShoalError(f"server {server}: pushers {list(admission.pushers)} must be "
@@ -101,7 +99,7 @@ class ShardServer:
         if not timeout > 0:
             raise ShoalError(f"timeout must be a positive number of seconds, got {timeout}")
         self.store, self.server, self.clients = store, server, clients
-        self.ids = set(range(clients))  #: every client's id (those added later too)
+        self.ids = set(range(clients)) | set(readers)  #: every client's (added ones too)
         #: an added client's first pull's reply (``None``: it has not pulled yet)
         self.first_pulls: dict[int, torch.Tensor | None] = {}
         self.connect_timeouts: dict[int, float] = {}  #: an added client's
@@ -146,7 +144,7 @@ class ShardServer:
         """Connect to every client and serve it, each on its own (daemon) thread."""
         if self._threads:
             return
-        for c in range(self.clients):
+        for c in sorted(self.ids):
             self._serving(c).start()
 
     def _serving(self, c: int) -> threading.Thread:
@@ -213,13 +211,14 @@ class ShardServer:
             return self.center.clone()
 
     def state(self) -> dict:
-        """``{"center", "version", "rule", "staleness", "lost", "clocks"}``, consistent:
-        taken under the shard's lock."""
+        """``{"center", "version", "rule", "staleness", "lost", "clocks", "first_pulls"}``
+        (the last for the join records), consistent: taken under the shard's lock."""
         with self._cond:
+            first = {c: t for c, t in self.first_pulls.items() if t is not None}
             return {"center": self.center.clone(), "version": self.version,
                     "rule": copy.deepcopy(self.rule.state_dict()) if self.rule is not None else {},
                     "staleness": dict(self.staleness), "lost": dict(self.lost),
-                    "clocks": dict(self.clocks)}
+                    "clocks": dict(self.clocks), "first_pulls": first}
 
     def load_state(self, state: dict) -> None:
         """Restore what :meth:`state` returned (before :meth:`start`, for ``--resume``)."""

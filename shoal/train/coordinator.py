@@ -64,7 +64,8 @@ class Coordinator:
     hold the rest of the center), ``None`` with one server. ``payload``: the checkpoint a
     resumed run goes on with; ``start``: the one ``--init-from --init-progress`` goes on
     from (its position only); ``extra``: what the summary adds (the launcher's restarts);
-    ``ended(rank)``: how a lost worker's process ended, as its launcher says.
+    ``ended(rank)``: how a lost worker's process ended, as its launcher says (waited for a
+    few seconds from the first ask, not again).
     """
 
     def __init__(self, cfg: TrainConfig, comm: Comm, data: Dataset, model: torch.nn.Module,
@@ -98,8 +99,10 @@ class Coordinator:
         self.started_unix = time.time()
         #: --elastic: its side (a lost worker's rest dealt over the others, joiners admitted)
         self.members = AsyncMembers(self, seal) if cfg.elastic else None
-        #: a lost worker's count where no exchange carries it (hogwild's shared file)
+        #: ``(worker, info) -> [counted, step]``, a lost worker's count where server 0's
+        #: own is not it (hogwild's shared file; with several servers, the least of theirs)
         self.counted_of: Any = None
+        self.followers: Any = None  #: --elastic with several servers: their Leader
         self.progress: dict[str, Any] | None = None
         self.started: set[int] | None = set()  # workers that can train; None: clock started
         self.trained: dict[int, int] = {}  # each worker's samples, as it last said
@@ -143,6 +146,8 @@ class Coordinator:
         once, before the worker pushes again."""
         if self.members is not None and self.shard is not None and obj["kind"] in ("idle", "adopt"):
             self.shard.rest(client, obj["kind"] == "idle")
+            if self.followers is not None:
+                self.followers.tell("rest", client, resting=obj["kind"] == "idle")
         self.reports.put((client, obj))
 
     # -- the run --------------------------------------------------------------------------
@@ -209,7 +214,7 @@ class Coordinator:
             if worker in self.live and worker not in self.finals:
                 self.live.discard(worker)
                 if self.counted_of is not None:
-                    counted, step = self.counted_of(worker)
+                    counted, step = self.counted_of(worker, info)
                     info = {**info, "counted": counted, "step": max(step, info.get("step", 0))}
                 step = max(int(info.get("step", 0)),
                            int(self.latest.get(worker, {}).get("step", 0)))
@@ -332,6 +337,8 @@ class Coordinator:
         servers = [self.shard.state()]
         if self.client is not None:
             servers += [self.client.fetch_state(s) for s in range(1, self.servers)]
+        for server in servers:
+            server.pop("first_pulls")  # the join records', not the run's
         center = to_cpu(self.model.state_dict())  # the evaluation model, saved once
         st = self.state
         # The epoch reports each worker sent before its state: the epochs to record next.

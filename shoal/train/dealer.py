@@ -227,8 +227,10 @@ class AsyncMembers:
         if kind in ("adopt", "give", "idle"):
             self.dealer.take(worker, report)
         elif kind == "joined":
-            self.dealer.digests(worker, self.c.shard.first_pulls.pop(worker, None),
-                                report["digest"])
+            mine = self.c.shard.first_pulls.pop(worker, None)
+            if self.c.followers is not None:  # the other servers' shards of it
+                mine = self.c.followers.first_pull(worker, mine)
+            self.dealer.digests(worker, mine, report["digest"])
         return kind in ("adopt", "give", "idle", "joined")
 
     def due(self, epoch: int) -> set[int]:
@@ -267,7 +269,10 @@ class AsyncMembers:
         # It connects right after its answer (its data loaded already): a joiner lost before
         # it connects is lost within the heartbeat timeout, not --timeout. A staleness bound
         # that cannot take one more refuses it.
-        c.shard.add_client(joiner, min(c.cfg.heartbeat_timeout, c.cfg.timeout))
+        wait = min(c.cfg.heartbeat_timeout, c.cfg.timeout)
+        c.shard.add_client(joiner, wait)
+        if c.followers is not None:  # served by every server before it is answered
+            c.followers.tell("serve", joiner, connect_timeout=wait)
         self.first_epoch[joiner] = epoch = c.state.epoch
         live = c.live - c.finals.keys()  # its step: the furthest live worker's now
         self.dealer.admit(joiner, live, max((c.shard.steps.get(w, 0) for w in live), default=0),

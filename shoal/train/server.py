@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import time
 from pathlib import Path
 from typing import Any
 
@@ -60,6 +61,7 @@ from shoal.strategies.hogwild import (
 from shoal.strategies.topology import Topology
 from shoal.train.checkpoint import load_checkpoint, load_eval_model
 from shoal.train.coordinator import Coordinator
+from shoal.train.followers import COORDINATOR, Follower, Leader
 from shoal.train.optim import build_optimizer
 from shoal.train.workload import Workload
 
@@ -129,15 +131,21 @@ def run_server(cfg: TrainConfig, env: Environment, comm: Comm, topology: Topolog
         if server == 0:
             coordinator = _coordinator(cfg, env, comm, topology, work, flat, ranges, payload,
                                        start, extra, seal, counts)
+        # Server 0 reads the others' state (its id outside the workers'); under --elastic
+        # they follow its word (shoal.train.followers).
+        follower = Follower(server, cfg.timeout) if server > 0 and cfg.elastic else None
+        side = coordinator or follower
         return serve_shard(
-            comm.store, server, workers + (1 if server > 0 else 0),
+            comm.store, server, workers,
             rule_cls(center, options) if rule_cls is not None else None, center,
             strategy_cls.admission(options, workers), timeout=silence(cfg),
             connect_timeout=cfg.timeout,
             state=payload["servers"][server] if payload is not None
             and not topology.shared_memory else None,
-            on_report=coordinator.on_report if coordinator is not None else None,
-            during=coordinator.run if coordinator is not None else None)
+            on_report=side.on_report if side is not None else None,
+            during=(coordinator.run if coordinator is not None else
+                    follower.during if follower is not None else None),
+            readers=(COORDINATOR,) if server > 0 else ())
     finally:
         if coordinator is not None and coordinator.client is not None:
             coordinator.client.close()
@@ -152,16 +160,26 @@ def _coordinator(cfg: TrainConfig, env: Environment, comm: Comm, topology: Topol
                  extra: dict[str, Any] | None, seal: Any, counts: torch.Tensor | None
                  ) -> Coordinator:
     """Server 0's coordinator, with its client of the other servers (``None`` with one)."""
-    client = ServerClient(comm.store, topology.workers, ranges[1:], timeout=cfg.timeout,
+    client = ServerClient(comm.store, COORDINATOR, ranges[1:], timeout=cfg.timeout,
                           servers=list(range(1, topology.servers)),
                           keepalive=keepalive(cfg.timeout)) if topology.servers > 1 else None
     wait = ENDED_TIMEOUT if env.error_dir is not None else 0.0  # shoal's launcher says it
+    asked: dict[int, float] = {}
+
+    def ended(rank: int) -> str | None:  # waited for once: a silent worker's is not coming
+        first = asked.setdefault(rank, time.monotonic())
+        return comm.ended(rank, max(0.0, first + wait - time.monotonic()))
+
     coordinator = Coordinator(cfg, comm, work.data, work.model, flat, client, ranges, payload,
                               start if start is not None and cfg.init_progress else None,
-                              extra, lambda rank: comm.ended(rank, wait), seal)
+                              extra, ended, seal)
     if counts is not None:  # hogwild: a lost worker's count is in the shared file
-        coordinator.counted_of = lambda worker: counts[worker].tolist() \
+        coordinator.counted_of = lambda worker, info: counts[worker].tolist() \
             if worker < COUNT_SLOTS else [0, 0]
+    if client is not None and cfg.elastic:  # a push counts once every server applied it
+        leader = coordinator.followers = Leader(client, topology.servers, silence(cfg))
+        coordinator.counted_of = lambda worker, info: [
+            leader.counted(worker, int(info.get("counted", 0))), int(info.get("step", 0))]
     return coordinator
 
 

@@ -1,0 +1,108 @@
+"""``--elastic`` with several parameter servers (``--servers k``): server 0 decides, the
+others follow.
+
+Server 0's coordinator deals a lost worker's rest and admits joiners, as with one server
+(:mod:`shoal.train.dealer`); what the other servers must know of it, server 0 tells them
+on its own pairs with them (a report each, :class:`Follower` applies it): a joiner to
+serve (before the joiner is answered, so that every server waits for it), a worker that
+rests or works again (a staleness bound or round robin must not wait for one that has
+nothing to push), a joiner's first pull taken for the records.
+
+A worker's push counts once *every* server applied it (its exchange returns only then):
+at a loss, server 0 takes the least of the servers' counts of the lost worker
+(:meth:`Leader.counted`), each read once that server has lost the worker too, when it can
+no longer move. A push cut off part-way (applied by some servers, not all) is dealt again:
+that batch reaches the shards that applied it twice, none of them never.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from typing import Any
+
+import torch
+
+from shoal.errors import JobError, ShoalError
+
+#: Server 0's client id on the other servers: outside every worker's id, joiners' included.
+COORDINATOR = 1 << 30
+#: Seconds between two looks at a server that has not yet lost a worker server 0 lost.
+POLL_S = 0.1
+
+
+class Follower:
+    """A server other than 0 of an ``--elastic`` job: applies to its shard what server 0
+    tells it. ``on_report`` and ``during`` go to :func:`~shoal.ps.serve_shard`."""
+
+    def __init__(self, server: int, timeout: float) -> None:
+        self.server, self.timeout = server, timeout
+        self.shard: Any = None
+        self._ready = threading.Event()
+
+    def during(self, shard: Any) -> None:
+        """Serve until every client left or was lost, taking server 0's word meanwhile."""
+        self.shard = shard
+        self._ready.set()
+        shard.wait(None)
+
+    def on_report(self, client: int, obj: dict[str, Any]) -> None:
+        """What server 0 told this server (nobody else reports here)."""
+        if client != COORDINATOR:
+            raise ShoalError(f"server {self.server} takes reports from server 0 only, not "
+                             f"from client {client}")
+        if not self._ready.wait(self.timeout):
+            raise ShoalError(f"server {self.server} was not serving yet")
+        kind, worker = obj["kind"], int(obj["client"])
+        if kind == "serve":
+            self.shard.add_client(worker, float(obj["connect_timeout"]))
+        elif kind == "rest":
+            self.shard.rest(worker, bool(obj["resting"]))
+        elif kind == "taken":  # one dict operation: atomic beside the serving threads'
+            self.shard.first_pulls.pop(worker, None)
+        else:
+            raise ShoalError(f"server {self.server}: unknown word from server 0: {kind!r}")
+
+
+class Leader:
+    """Server 0's side: its ``client`` of servers ``1 .. servers-1``, each of which loses a
+    silent worker within ``silence`` seconds as server 0 does."""
+
+    def __init__(self, client: Any, servers: int, silence: float) -> None:
+        self.client, self.others, self.silence = client, range(1, servers), silence
+
+    def tell(self, kind: str, worker: int, **more: Any) -> None:
+        """Tell every other server ``kind`` of ``worker`` (it has applied it on return)."""
+        for s in self.others:
+            self.client.report({"kind": kind, "client": worker, **more}, server=s)
+
+    def counted(self, worker: int, mine: int) -> int:
+        """The samples of lost ``worker``'s schedule that every server applied (``mine``:
+        server 0's count), each server's read once it lost the worker too."""
+        deadline = time.monotonic() + self.silence + 5.0
+        counts = [mine]
+        for s in self.others:
+            while True:
+                lost = self.client.fetch_state(s)["lost"]
+                if worker in lost:
+                    counts.append(int(lost[worker].get("counted", 0)))
+                    break
+                if time.monotonic() > deadline:
+                    raise JobError(f"server {s} still serves worker {worker}, which server 0 "
+                                   f"lost {self.silence + 5:g} s ago; the job ends")
+                time.sleep(POLL_S)
+        return min(counts)
+
+    def first_pull(self, joiner: int, mine: torch.Tensor | None) -> torch.Tensor | None:
+        """The whole center ``joiner``'s first pull had: server 0's shard of it ``mine``
+        and each other server's (which then forgets it)."""
+        if mine is None:
+            return None
+        shards = [mine]
+        for s in self.others:
+            shard = self.client.fetch_state(s)["first_pulls"].get(joiner)
+            if shard is None:
+                raise JobError(f"server {s} did not serve joiner {joiner}'s first pull")
+            shards.append(shard)
+            self.client.report({"kind": "taken", "client": joiner}, server=s)
+        return torch.cat(shards)
