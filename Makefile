@@ -24,6 +24,9 @@ demo: $(STAMP)
 test: $(STAMP)
 	$(BIN)/ruff check shoal tests benchmarks examples
 	$(BIN)/lint-imports
+	@# Byte-compiled once: the suite starts hundreds of interpreters, which would each compile
+	@# shoal again where PYTHONDONTWRITEBYTECODE is set (as on this project's machines).
+	$(BIN)/python -m compileall -q shoal tests
 	$(BIN)/python -m pytest -q -n 2 --dist load --durations=15
 
 # On a machine with an NVIDIA GPU: what it is, every CUDA test (pytest -m gpu), then a short
