@@ -49,6 +49,12 @@ STALL_WINDOW = 40.0
 ASYNC = ("async-", "hogwild")  # strategies with a parameter server: rank 0 is server 0
 
 
+def _servers(a: argparse.Namespace) -> int:
+    """The parameter servers of an asynchronous run (``--servers`` in ``--extra``, or 1)."""
+    extra = shlex.split(a.extra)
+    return int(extra[extra.index("--servers") + 1]) if "--servers" in extra else 1
+
+
 class Steps(threading.Thread):
     """Follows a JSON-lines file (restarted when it is replaced) and stamps each new highest
     ``step`` of its step records with the time it appeared."""
@@ -173,7 +179,8 @@ def run_shoal(a: argparse.Namespace, name: str, kills: bool, rng: random.Random)
     joins: list[subprocess.Popen] = []
 
     def victims() -> list[tuple[int, str]]:
-        first = 1 if a.strategy.startswith(ASYNC) or not a.any_worker else 0  # not server 0
+        # never a server (the asynchronous strategies' first ranks), nor worker 0 unless asked
+        first = _servers(a) if a.strategy.startswith(ASYNC) else 0 if a.any_worker else 1
         mine = [(pid, "worker") for pid in workers_of(job.pid)[first:]]
         return mine + [(pid, "joiner") for j in joins if j.poll() is None for pid in workers_of(j.pid)]
 

@@ -338,7 +338,7 @@ class Coordinator:
         if self.client is not None:
             servers += [self.client.fetch_state(s) for s in range(1, self.servers)]
         for server in servers:
-            server.pop("first_pulls")  # the join records', not the run's
+            server.pop("first_pulls", None)  # the join records', not the run's
         center = to_cpu(self.model.state_dict())  # the evaluation model, saved once
         st = self.state
         # The epoch reports each worker sent before its state: the epochs to record next.
