@@ -198,7 +198,7 @@ def test_another_server_follows_what_server_0_tells_it_and_nobody_else(monkeypat
     monkeypatch.setenv("GLOO_SOCKET_IFNAME", "lo")
     shard = ShardServer(loopback_store(30.0), 1, 3, None, torch.zeros(2), timeout=1.0,
                         admission=Admission((0, 1, 2), max_staleness=3), readers=(COORDINATOR,))
-    follower = Follower(1, timeout=5.0)
+    follower = Follower(1, None, timeout=5.0)
     follower.shard = shard
     follower._ready.set()  # as during() does once the shard serves
     assert COORDINATOR in shard.ids and COORDINATOR not in shard.admission.pushers
@@ -224,3 +224,34 @@ def test_another_server_follows_what_server_0_tells_it_and_nobody_else(monkeypat
             follower.on_report(COORDINATOR, {"kind": "drop", "client": 0})
     finally:
         shard.close(timeout=5.0)
+
+
+def test_a_lost_workers_count_is_the_least_of_the_servers_each_published_once_it_lost_it():
+    """Server 1 publishes its count of each worker it lost in the job's store (its ``during``
+    loop, while it serves); server 0 takes the least of its own and theirs, waiting for a
+    server that has not lost the worker yet, and ends the job in one line when one never
+    does."""
+    import threading
+
+    import torch.distributed as dist
+
+    from shoal.errors import JobError
+    from shoal.ps import ShardServer
+    from shoal.train.followers import Follower, Leader
+
+    store = dist.HashStore()
+    shard = ShardServer(None, 1, 2, None, torch.zeros(2), timeout=1.0)
+    follower = Follower(1, store, timeout=5.0)
+    serving = threading.Thread(target=follower.during, args=(shard,), daemon=True)
+    serving.start()
+    leader = Leader(None, store, servers=2, silence=0.5)
+    shard.counted[1] = 48  # the last exchange of worker 1 that server 1 applied
+    shard._lose(1, "killed")
+    assert leader.counted(1, mine=64) == 48  # server 0 applied one more: it does not count
+    assert leader.counted(1, mine=32) == 32
+    with pytest.raises(JobError, match="server 1 did not lose worker 0 within 5.5 s of "
+                                       "server 0; the job ends"):
+        leader.counted(0, mine=16)
+    shard._lose(0, "killed")  # every client gone: the follower's loop ends
+    serving.join(timeout=10)
+    assert not serving.is_alive() and store.get("elastic/lost/1/0") == b"0"

@@ -10,9 +10,10 @@ nothing to push), a joiner's first pull taken for the records.
 
 A worker's push counts once *every* server applied it (its exchange returns only then):
 at a loss, server 0 takes the least of the servers' counts of the lost worker
-(:meth:`Leader.counted`), each read once that server has lost the worker too, when it can
-no longer move. A push cut off part-way (applied by some servers, not all) is dealt again:
-that batch reaches the shards that applied it twice, none of them never.
+(:meth:`Leader.counted`), each published in the job's store by that server once it has
+lost the worker too, when the count can no longer move. A push cut off part-way (applied
+by some servers, not all) is dealt again: that batch reaches the shards that applied it
+twice, none of them never.
 """
 
 from __future__ import annotations
@@ -27,24 +28,38 @@ from shoal.errors import JobError, ShoalError
 
 #: Server 0's client id on the other servers: outside every worker's id, joiners' included.
 COORDINATOR = 1 << 30
-#: Seconds between two looks at a server that has not yet lost a worker server 0 lost.
+#: Seconds between two looks of a server at the workers it lost (to publish their counts).
 POLL_S = 0.1
+
+
+def lost_key(server: int, worker: int) -> str:
+    """Where server ``server`` publishes its count of lost ``worker`` (the job's store)."""
+    return f"elastic/lost/{server}/{worker}"
 
 
 class Follower:
     """A server other than 0 of an ``--elastic`` job: applies to its shard what server 0
     tells it. ``on_report`` and ``during`` go to :func:`~shoal.ps.serve_shard`."""
 
-    def __init__(self, server: int, timeout: float) -> None:
-        self.server, self.timeout = server, timeout
+    def __init__(self, server: int, store: Any, timeout: float) -> None:
+        self.server, self.store, self.timeout = server, store, timeout
         self.shard: Any = None
         self._ready = threading.Event()
 
     def during(self, shard: Any) -> None:
-        """Serve until every client left or was lost, taking server 0's word meanwhile."""
+        """Serve until every client left or was lost, taking server 0's word meanwhile and
+        publishing the count of each worker lost (in the job's store, for server 0)."""
         self.shard = shard
         self._ready.set()
-        shard.wait(None)
+        told: set[int] = set()
+        while True:
+            done = shard.wait(POLL_S)
+            for worker, info in dict(shard.lost).items():
+                if worker not in told:
+                    self.store.set(lost_key(self.server, worker), str(int(info["counted"])))
+                    told.add(worker)
+            if done:
+                return
 
     def on_report(self, client: int, obj: dict[str, Any]) -> None:
         """What server 0 told this server (nobody else reports here)."""
@@ -68,8 +83,9 @@ class Leader:
     """Server 0's side: its ``client`` of servers ``1 .. servers-1``, each of which loses a
     silent worker within ``silence`` seconds as server 0 does."""
 
-    def __init__(self, client: Any, servers: int, silence: float) -> None:
-        self.client, self.others, self.silence = client, range(1, servers), silence
+    def __init__(self, client: Any, store: Any, servers: int, silence: float) -> None:
+        self.client, self.store = client, store
+        self.others, self.silence = range(1, servers), silence
 
     def tell(self, kind: str, worker: int, **more: Any) -> None:
         """Tell every other server ``kind`` of ``worker`` (it has applied it on return)."""
@@ -78,19 +94,17 @@ class Leader:
 
     def counted(self, worker: int, mine: int) -> int:
         """The samples of lost ``worker``'s schedule that every server applied (``mine``:
-        server 0's count), each server's read once it lost the worker too."""
-        deadline = time.monotonic() + self.silence + 5.0
-        counts = [mine]
+        server 0's count), each server's as it published it once it lost the worker too."""
+        wait = self.silence + 5.0
+        deadline, counts = time.monotonic() + wait, [mine]
         for s in self.others:
-            while True:
-                lost = self.client.fetch_state(s)["lost"]
-                if worker in lost:
-                    counts.append(int(lost[worker].get("counted", 0)))
-                    break
+            key = lost_key(s, worker)
+            while not self.store.check([key]):  # polled: a store wait blocks this client
                 if time.monotonic() > deadline:
-                    raise JobError(f"server {s} still serves worker {worker}, which server 0 "
-                                   f"lost {self.silence + 5:g} s ago; the job ends")
+                    raise JobError(f"server {s} did not lose worker {worker} within {wait:g} s "
+                                   "of server 0; the job ends")
                 time.sleep(POLL_S)
+            counts.append(int(self.store.get(key)))
         return min(counts)
 
     def first_pull(self, joiner: int, mine: torch.Tensor | None) -> torch.Tensor | None:

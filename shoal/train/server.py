@@ -133,7 +133,8 @@ def run_server(cfg: TrainConfig, env: Environment, comm: Comm, topology: Topolog
                                        start, extra, seal, counts)
         # Server 0 reads the others' state (its id outside the workers'); under --elastic
         # they follow its word (shoal.train.followers).
-        follower = Follower(server, cfg.timeout) if server > 0 and cfg.elastic else None
+        follower = Follower(server, comm.attempt_store, cfg.timeout) \
+            if server > 0 and cfg.elastic else None
         side = coordinator or follower
         return serve_shard(
             comm.store, server, workers,
@@ -177,7 +178,8 @@ def _coordinator(cfg: TrainConfig, env: Environment, comm: Comm, topology: Topol
         coordinator.counted_of = lambda worker, info: counts[worker].tolist() \
             if worker < COUNT_SLOTS else [0, 0]
     if client is not None and cfg.elastic:  # a push counts once every server applied it
-        leader = coordinator.followers = Leader(client, topology.servers, silence(cfg))
+        leader = coordinator.followers = Leader(client, comm.attempt_store, topology.servers,
+                                                silence(cfg))
         coordinator.counted_of = lambda worker, info: [
             leader.counted(worker, int(info.get("counted", 0))), int(info.get("step", 0))]
     return coordinator
