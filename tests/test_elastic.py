@@ -200,6 +200,48 @@ def test_a_worker_that_stops_answering_is_left_out(tmp_path):
     assert_each_sample_once(out, EPOCHS, TRAIN_ROWS)
 
 
+def test_a_slow_meeting_watches_the_heartbeats_so_a_stopped_member_is_gone_one_timeout_on():
+    """While a meeting is waited on for more than a second, the in-flight poll thread looks at
+    the members' heartbeat counters: a member whose counter stood still since is gone one
+    heartbeat timeout after that look, not only a timeout after the first look the
+    collective's own timeout leads to (before: a stopped worker was left after twice the
+    heartbeat timeout). A member still beating is not gone; a fast meeting looks at none."""
+    import threading
+    import time
+
+    import torch.distributed as dist
+
+    from shoal.core.membership import Membership
+
+    store = dist.HashStore()
+    m = Membership(store, 0, 3, lambda member: f"beat/{member}", timeout=0.5, patience=5.0,
+                   device_type="cpu", connect=lambda: store)
+    with m.inflight.vote("0/0/decision", []):
+        time.sleep(0.2)
+    assert m._beats == {}  # a meeting that is not slow costs no heartbeat reads
+    done = threading.Event()
+
+    def beating() -> None:  # member 2 runs; member 1 stopped
+        while not done.is_set():
+            store.add("beat/2", 1)
+            time.sleep(0.05)
+
+    beater = threading.Thread(target=beating, daemon=True)
+    beater.start()
+    try:
+        with m.inflight.vote("0/1/decision", []):
+            deadline = time.monotonic() + 30
+            while 1 not in m._beats and time.monotonic() < deadline:
+                time.sleep(0.05)
+            assert 1 in m._beats, "the poll thread never looked at the heartbeats"
+            time.sleep(0.7)  # past the 0.5 s timeout since that look
+            assert m._gone(1) and not m._gone(2)
+    finally:
+        done.set()
+        beater.join(timeout=5)
+        m.inflight.stop(timeout=5)
+
+
 def _arrives_late_then_sums(delay: float) -> float:
     """Rank 1 comes ``delay`` seconds after rank 0 (a slow start on a busy machine), then
     both join the elastic group (1 s heartbeat timeout) and all-reduce once."""

@@ -40,7 +40,11 @@ ABANDONED = "the meeting was voted failed by another worker"
 #: Process groups with a collective this process left, kept until it is over.
 _BURIED: list[tuple[Any, list[Any]]] = []
 SLICED = "Operation timed out"  # how a wait's slice ends (Work.wait)
-_Entry = tuple[str, torch.futures.Future, Any]  # decision key, shoal's future, Gloo's work
+#: Seconds a meeting is waited on before the poll thread looks at the members' heartbeats
+#: too (:attr:`InFlight.observe`), and between two such looks.
+SLOW = 1.0
+#: decision key, shoal's future, Gloo's work, when it was started (this process's clock)
+_Entry = tuple[str, torch.futures.Future, Any, float]
 
 
 class InFlight:
@@ -48,12 +52,18 @@ class InFlight:
 
     ``connect()`` gives the store client the poll thread reads (the attempt's keys; a client
     of its own, so that it never queues behind the main thread's calls); the decisions are
-    under ``prefix`` in it.
+    under ``prefix`` in it. ``observe(store)``, when set, is called on the poll thread with
+    that client every :data:`SLOW` seconds while a meeting has been waited on for as long
+    (the members' heartbeats: a member that stopped is then known gone one heartbeat
+    timeout after it stopped, not only after the collective's timeout and another).
     """
 
     def __init__(self, connect: Callable[[], Any], prefix: str) -> None:
         self._connect, self._prefix, self._store, self._keys = connect, prefix, None, None
-        self._votes: dict[str, list[str]] = {}  # a vote waited on: the others' ended keys
+        #: a vote waited on: the others' ended keys, since when
+        self._votes: dict[str, tuple[list[str], float]] = {}
+        self.observe: Callable[[Any], None] | None = None
+        self._observed = 0.0  # when observe() was last called
         self._lock = threading.Lock()
         self._wake, self._stop = threading.Event(), threading.Event()
         self._watched: list[_Entry] = []  # not settled yet
@@ -67,7 +77,7 @@ class InFlight:
     def watch(self, work: Any, decision: str) -> torch.futures.Future:
         """A future with the value (or error) of ``work`` (a ``dist`` collective started with
         ``async_op=True``), failed early when the store's key ``decision`` says ``abort``."""
-        entry = (decision, torch.futures.Future(), work)
+        entry = (decision, torch.futures.Future(), work, time.monotonic())
         with self._lock:
             self._watched.append(entry)
             if self._queue is None:
@@ -86,7 +96,7 @@ class InFlight:
         lost after its collective succeeded never votes, and the others would wait for it
         a while before they look (:data:`~shoal.core.membership.WAKE`)."""
         with self._lock:
-            self._votes[decision] = ended
+            self._votes[decision] = (ended, time.monotonic())
         self._start_polling()
         try:
             yield
@@ -150,17 +160,22 @@ class InFlight:
         while not self._stop.is_set():
             self._wake.wait()
             with self._lock:
-                keys = {key for key, _, _ in self._watched}
+                keys = {key for key, _, _, _ in self._watched}
                 votes = dict(self._votes)
                 if not keys and not votes:
                     self._wake.clear()
                     continue
+                since = min([e[3] for e in self._watched] + [t for _, t in votes.values()])
             if self._store is None:
                 self._store = self._connect()
                 self._keys = dist.PrefixStore(self._prefix, self._store)
-            for decision, ended in votes.items():
+            for decision, (ended, _) in votes.items():
                 if any(self._store.check([key]) for key in ended):
                     self._keys.compare_set(decision, "", "abort")
+            now = time.monotonic()
+            if self.observe is not None and now - since >= SLOW and now - self._observed >= SLOW:
+                self._observed = now
+                self.observe(self._store)
             failed = {key for key in keys if self._aborted(key)}
             if failed:
                 self._fail(failed)
@@ -174,8 +189,8 @@ class InFlight:
             if self._queue is not None:  # retire the waiter: it may wait in one of them
                 self._queue = None
                 self._retired.append(self._waiter)
-            self.left += [source for _, _, source in entries]
-        for _, ours, _ in entries:
+            self.left += [source for _, _, source, _ in entries]
+        for _, ours, _, _ in entries:
             ours.set_exception(RuntimeError(ABANDONED))
 
     def _aborted(self, key: str) -> bool:

@@ -27,6 +27,7 @@ import contextlib
 import os
 import signal
 import sys
+import threading
 import time
 from collections.abc import Callable, Iterator
 from datetime import timedelta
@@ -90,6 +91,8 @@ class Membership:
         self.epoch = 0  # the membership epoch: one per group
         self._seq = 0  # meetings held in this epoch
         self._beats: dict[int, tuple[int, float]] = {}  # a member's counter, when it moved
+        self._beats_lock = threading.Lock()  # the poll thread looks too (observe)
+        self.inflight.observe = self._observe
         #: Whether a member was asked to stop (SIGTERM) when it voted on the last meeting:
         #: every member's stop vote, with no collective of its own.
         self.stop_voted = False
@@ -307,8 +310,19 @@ class Membership:
             return False
         if self._raw.check([ended_key(member)]):
             return True
-        return stood_still(self._beats, member, self._raw.add(self._heartbeat(member), 0),
-                           self.timeout)
+        count = self._raw.add(self._heartbeat(member), 0)
+        with self._beats_lock:
+            return stood_still(self._beats, member, count, self.timeout)
+
+    def _observe(self, store: Any) -> None:
+        """The members' heartbeats, looked at on the in-flight poll thread (its ``store``
+        client) while a meeting is slow: the first look at a stopped member's counter would
+        otherwise come only once its collective timed out, and its verdict a timeout later."""
+        for member in list(self.members):
+            if member != self.me:
+                count = store.add(self._heartbeat(member), 0)
+                with self._beats_lock:
+                    stood_still(self._beats, member, count, self.timeout)
 
     def _wait(self, key: str, seconds: float, first: float = 0.0) -> bool:
         """Whether ``key`` is in the store within ``seconds``: the store's own wait for the
