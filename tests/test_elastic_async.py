@@ -200,7 +200,7 @@ def test_another_server_follows_what_server_0_tells_it_and_nobody_else(monkeypat
                         admission=Admission((0, 1, 2), max_staleness=3), readers=(COORDINATOR,))
     follower = Follower(1, None, timeout=5.0)
     follower.shard = shard
-    follower._ready.set()  # as during() does once the shard serves
+    follower._ready.set()  # as run() does once the shard serves
     assert COORDINATOR in shard.ids and COORDINATOR not in shard.admission.pushers
     for _ in range(4):
         shard.ledger.book(0)
@@ -227,7 +227,7 @@ def test_another_server_follows_what_server_0_tells_it_and_nobody_else(monkeypat
 
 
 def test_a_lost_workers_count_is_the_least_of_the_servers_each_published_once_it_lost_it():
-    """Server 1 publishes its count of each worker it lost in the job's store (its ``during``
+    """Server 1 publishes its count of each worker it lost in the job's store (its ``run``
     loop, while it serves); server 0 takes the least of its own and theirs, waiting for a
     server that has not lost the worker yet, and ends the job in one line when one never
     does."""
@@ -242,7 +242,7 @@ def test_a_lost_workers_count_is_the_least_of_the_servers_each_published_once_it
     store = dist.HashStore()
     shard = ShardServer(None, 1, 2, None, torch.zeros(2), timeout=1.0)
     follower = Follower(1, store, timeout=5.0)
-    serving = threading.Thread(target=follower.during, args=(shard,), daemon=True)
+    serving = threading.Thread(target=follower.run, args=(shard,), daemon=True)
     serving.start()
     leader = Leader(None, store, servers=2, silence=0.5)
     shard.counted[1] = 48  # the last exchange of worker 1 that server 1 applied

@@ -310,7 +310,12 @@ class Membership:
             return False
         if self._raw.check([ended_key(member)]):
             return True
-        count = self._raw.add(self._heartbeat(member), 0)
+        return self._stood_still(self._raw, member)
+
+    def _stood_still(self, store: Any, member: int) -> bool:
+        """Whether ``member``'s heartbeat counter, read through ``store`` (a client of the
+        calling thread's), has not moved for ``timeout`` seconds of this process's looks."""
+        count = store.add(self._heartbeat(member), 0)
         with self._beats_lock:
             return stood_still(self._beats, member, count, self.timeout)
 
@@ -320,9 +325,7 @@ class Membership:
         otherwise come only once its collective timed out, and its verdict a timeout later."""
         for member in list(self.members):
             if member != self.me:
-                count = store.add(self._heartbeat(member), 0)
-                with self._beats_lock:
-                    stood_still(self._beats, member, count, self.timeout)
+                self._stood_still(store, member)
 
     def _wait(self, key: str, seconds: float, first: float = 0.0) -> bool:
         """Whether ``key`` is in the store within ``seconds``: the store's own wait for the

@@ -39,14 +39,15 @@ def lost_key(server: int, worker: int) -> str:
 
 class Follower:
     """A server other than 0 of an ``--elastic`` job: applies to its shard what server 0
-    tells it. ``on_report`` and ``during`` go to :func:`~shoal.ps.serve_shard`."""
+    tells it. ``on_report`` and ``run`` go to :func:`~shoal.ps.serve_shard` (as server 0's
+    coordinator's do)."""
 
     def __init__(self, server: int, store: Any, timeout: float) -> None:
         self.server, self.store, self.timeout = server, store, timeout
         self.shard: Any = None
         self._ready = threading.Event()
 
-    def during(self, shard: Any) -> None:
+    def run(self, shard: Any) -> None:
         """Serve until every client left or was lost, taking server 0's word meanwhile and
         publishing the count of each worker lost (in the job's store, for server 0)."""
         self.shard = shard

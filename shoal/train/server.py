@@ -144,8 +144,7 @@ def run_server(cfg: TrainConfig, env: Environment, comm: Comm, topology: Topolog
             state=payload["servers"][server] if payload is not None
             and not topology.shared_memory else None,
             on_report=side.on_report if side is not None else None,
-            during=(coordinator.run if coordinator is not None else
-                    follower.during if follower is not None else None),
+            during=side.run if side is not None else None,
             readers=(COORDINATOR,) if server > 0 else ())
     finally:
         if coordinator is not None and coordinator.client is not None:
