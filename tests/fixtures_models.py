@@ -60,7 +60,8 @@ class _KilledAt(nn.Module):
     ``SHOAL_TEST_KILL_SIGNAL``: another signal (19: SIGSTOP).
     With ``SHOAL_TEST_KILL_AFTER_COUNT`` (an asynchronous ``--elastic`` worker) it dies
     instead right after that forward's work next counts at server 0, before it records it
-    (``--record-samples``)."""
+    (``--record-samples``). With ``SHOAL_TEST_KILL_ONCE=PATH`` only the first process to
+    come there does, creating ``PATH`` (a job restarted after it trains on)."""
 
     def __init__(self, input_shape, num_classes):
         super().__init__()
@@ -73,11 +74,22 @@ class _KilledAt(nn.Module):
         self.calls[mode] += 1
         if os.environ.get("RANK") in os.environ.get("SHOAL_TEST_KILL_RANK", "").split(","):
             when, _, count = os.environ.get("SHOAL_TEST_KILL_AT", "").partition(":")
-            if when == mode and self.calls[mode] == int(count):
+            if when == mode and self.calls[mode] == int(count) and self._first():
                 self.armed = True
                 if not os.environ.get("SHOAL_TEST_KILL_AFTER_COUNT"):
                     os.kill(os.getpid(), int(os.environ.get("SHOAL_TEST_KILL_SIGNAL", "9")))
         return self.net(x)
+
+    @staticmethod
+    def _first() -> bool:
+        once = os.environ.get("SHOAL_TEST_KILL_ONCE")
+        if not once:
+            return True
+        try:
+            os.close(os.open(once, os.O_CREAT | os.O_EXCL | os.O_WRONLY))
+        except FileExistsError:
+            return False
+        return True
 
 
 def batchnorm_killed_after_step(input_shape, num_classes):

@@ -173,15 +173,11 @@ def test_server_0_answers_each_join_request_in_turn():
     assert answers(2) == []  # nothing asked since
 
 
-@pytest.mark.parametrize("args, expected", [
-    (["--strategy", "async-easgd", "--max-restarts", "1"], "does not resume an asynchronous"),
-    (["--strategy", "groups"], "--elastic works with sync, local-sgd"),
-])
-def test_what_async_elastic_does_not_take_is_one_line(tmp_path, capsys, args, expected):
+def test_what_async_elastic_does_not_take_is_one_line(tmp_path, capsys):
     code = main(["train", "--out", str(tmp_path / "run"), "--workers", "2", "--epochs", "1",
-                 "--dataset", "digits", "--elastic", *args])
+                 "--dataset", "digits", "--elastic", "--strategy", "groups"])
     assert code == 2
-    assert expected in one_error_line(capsys.readouterr().err)
+    assert "--elastic works with sync, local-sgd" in one_error_line(capsys.readouterr().err)
     assert not (tmp_path / "run").exists()
 
 

@@ -211,14 +211,15 @@ class ShardServer:
             return self.center.clone()
 
     def state(self) -> dict:
-        """``{"center", "version", "rule", "staleness", "lost", "clocks", "first_pulls"}``
-        (the last for the join records), consistent: taken under the shard's lock."""
+        """``{"center", "version", "rule", "staleness", "lost", "clocks", "counted",
+        "first_pulls"}`` (the last for the join records), consistent: under the shard's lock."""
         with self._cond:
             first = {c: t for c, t in self.first_pulls.items() if t is not None}
             return {"center": self.center.clone(), "version": self.version,
                     "rule": copy.deepcopy(self.rule.state_dict()) if self.rule is not None else {},
                     "staleness": dict(self.staleness), "lost": dict(self.lost),
-                    "clocks": dict(self.clocks), "first_pulls": first}
+                    "clocks": dict(self.clocks), "counted": dict(self.counted),
+                    "first_pulls": first}
 
     def load_state(self, state: dict) -> None:
         """Restore what :meth:`state` returned (before :meth:`start`, for ``--resume``)."""

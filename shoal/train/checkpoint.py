@@ -30,6 +30,7 @@ from shoal.core.files import atomic_write
 from shoal.errors import ShoalError
 from shoal.schema import flag_name
 from shoal.strategies import Strategy, make_options
+from shoal.train.resume_async import check as check_dealt
 
 FORMAT = "shoal-checkpoint"
 VERSION = 1
@@ -141,6 +142,8 @@ def check_resume(payload: dict[str, Any], cfg: TrainConfig, world: int,
     if not strategy_cls.replicas_in_sync and len(payload["ranks"]) != world:
         raise ShoalError(f"checkpoint holds {len(payload['ranks'])} workers' state; strategy "
                          f"{cfg.strategy} must resume on as many, not {world}")
+    if "coordinator" in payload:  # an asynchronous run's: its shares dealt or not
+        check_dealt(payload, cfg.elastic)
 
 
 def check_init(payload: dict[str, Any], cfg: TrainConfig, world: int) -> None:

@@ -155,6 +155,10 @@ class Checkpointer:
         self.scheduler.load_state_dict(position["scheduler"])
         self.state.load_state_dict({"progress": position["progress"], "rank": own})
         self.recorder.load_state_dict(own)
+        self.resumed(payload)
+
+    def resumed(self, payload: dict[str, Any]) -> None:
+        """After :meth:`resume` put back every part: what else this rank takes from the file."""
 
     def go_on_from(self, start: dict[str, Any]) -> None:
         """``--init-progress``: the position (step, epoch: the data order), the schedule at

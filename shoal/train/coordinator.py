@@ -14,9 +14,9 @@ sums at each epoch's end, their state at each checkpoint, their totals at the en
   the coordinator's part holds its count of epochs recorded and the reports of workers that
   ran ahead, so that after ``--resume`` no epoch record is lost or written twice.
 - A worker killed mid-run (its pairs break) is lost: the others go on without it (with
-  ``--elastic`` they train what it left, and workers may join: :mod:`shoal.train.dealer`). A worker
-  that fails with an error says so first (a ``failed`` report): the job ends, and the
-  coordinator ends as the echo of that failure, without taking it for a lost worker.
+  ``--elastic`` they train what it left, workers may join, and the checkpoint holds who
+  trains what: :mod:`shoal.train.dealer`). A worker that fails with an error says so first
+  (a ``failed`` report): the job ends, as the echo of that failure, not a lost worker.
 """
 
 from __future__ import annotations
@@ -59,13 +59,12 @@ class Coordinator:
     trainer's own components: an :class:`Evaluator` of the center, a :class:`Recorder`
     and :func:`write_checkpoint`.
 
-    ``comm``: this process's (rank 0 of the workers, no peers: its timeline's totals are
-    the workers' summed, its bytes theirs); ``client``: its end of the other servers (they
-    hold the rest of the center), ``None`` with one server. ``payload``: the checkpoint a
-    resumed run goes on with; ``start``: the one ``--init-from --init-progress`` goes on
-    from (its position only); ``extra``: what the summary adds (the launcher's restarts);
-    ``ended(rank)``: how a lost worker's process ended, as its launcher says (waited for a
-    few seconds from the first ask, not again).
+    ``comm``: this process's (rank 0 of the workers, no peers: its timeline's totals are the
+    workers' summed, its bytes theirs); ``client``: its end of the other servers (they hold the
+    rest of the center), ``None`` with one server. ``payload``: the checkpoint a resumed run
+    goes on with; ``start``: the one ``--init-from --init-progress`` goes on from (its position
+    only); ``extra``: what the summary adds (the launcher's restarts); ``ended(rank)``: how a
+    lost worker's process ended, as its launcher says (waited for once, a few seconds).
     """
 
     def __init__(self, cfg: TrainConfig, comm: Comm, data: Dataset, model: torch.nn.Module,
@@ -130,20 +129,20 @@ class Coordinator:
                          "wall_time_s": saved["wall_time_s"], "lr": saved["lr"]}
         self.epochs = {int(e): {int(w): r for w, r in reports.items()}
                        for e, reports in saved["pending"].items()}
+        if self.members is not None and saved.get("elastic") is not None:
+            self.members.resume(payload)
 
     def _go_on_from(self, source: dict[str, Any]) -> None:
-        """The position of a checkpoint of every worker at one step (``--init-progress``):
-        a mid-epoch checkpoint's samples of that epoch come back in the workers' epoch sums
-        (which carry them), so the position counts them once."""
+        """The position of a checkpoint of every worker at one step (``--init-progress``): a
+        mid-epoch checkpoint's samples of that epoch come back in the workers' epoch sums."""
         carried = sum(int(r["epoch_sums"][2]) for r in source["ranks"] if r is not None)
         self.progress = {**source["progress"],
                          "samples": source["progress"]["samples"] - carried}
         self.saved_step = self.progress["step"]
 
     def on_report(self, client: int, obj: Any) -> None:
-        """A worker's report (called on its serving thread): queued for :meth:`run`; an
-        elastic worker's rest (``idle``) or return to work (``adopt``) told to the shard at
-        once, before the worker pushes again."""
+        """A worker's report (called on its serving thread): queued for :meth:`run`; an elastic
+        worker's rest (``idle``) or return to work (``adopt``) told to the shard at once."""
         if self.members is not None and self.shard is not None and obj["kind"] in ("idle", "adopt"):
             self.shard.rest(client, obj["kind"] == "idle")
             if self.followers is not None:
@@ -334,11 +333,11 @@ class Coordinator:
             raise ShoalError(f"the center became non-finite by step {slowest['step']}; checkpoint "
                              "not written, the last good one is kept (lower --lr?)")
         self.flat.unpack(full.to(self.flat.tensors[0].dtype))
-        servers = [self.shard.state()]
-        if self.client is not None:
-            servers += [self.client.fetch_state(s) for s in range(1, self.servers)]
+        servers = [self.shard.state()] + [self.client.fetch_state(s) for s in range(1, self.servers)
+                                          if self.client is not None]
         for server in servers:
             server.pop("first_pulls", None)  # the join records', not the run's
+        dealt = {"elastic": self.members.checkpoint(servers, set(reports))} if self.members else {}
         center = to_cpu(self.model.state_dict())  # the evaluation model, saved once
         st = self.state
         # The epoch reports each worker sent before its state: the epochs to record next.
@@ -352,7 +351,8 @@ class Coordinator:
                     "coordinator": {"epoch": st.epoch, "samples": st.samples,
                                     "train_time_s": st.train_time_s,
                                     "wall_time_s": st.elapsed_s(), "lr": st.lr,
-                                    "pending": {e: got for e, got in pending.items() if got}}})
+                                    "pending": {e: got for e, got in pending.items() if got},
+                                    **dealt}})
         self.saved_step = slowest["step"]
 
     # -- the end --------------------------------------------------------------------------

@@ -31,6 +31,7 @@ from shoal.train.deal import Schedule, Segment, cut, deal, length
 from shoal.train.elastic import epoch_span, membership_change
 from shoal.train.elastic_async import DEALS, RELEASE, deal_key, slots_of
 from shoal.train.handover import digest
+from shoal.train.resume_async import dealer_state, rebuild, schedule_of
 from shoal.train.samples import record_since, samples_file, say_held
 
 
@@ -49,7 +50,15 @@ class Dealer:
         self.changes: list[dict[str, Any]] = []
         self.giving: dict[int, dict[str, Any]] = {}  # give deal -> its joiner, givers, pieces
         self.gone: set[int] = set()  # workers lost
+        self.lost_at: dict[int, int] = {}  # a lost worker -> its last count
         self.released = False
+
+    def resume(self, starts: dict[int, Any], changes: list[dict[str, Any]]) -> None:
+        """Go on from a checkpoint (:func:`~shoal.train.resume_async.rebuild`'s ``starts``,
+        every worker's schedule as it rebuilt it) with its membership ``changes``."""
+        self.schedules = {w: s.schedule for w, s in starts.items()}
+        self.adopted = {w: set() for w in starts}
+        self.changes = list(changes)
 
     def take(self, worker: int, report: dict[str, Any]) -> None:
         """A worker's ``adopt``, ``give`` or ``idle`` report."""
@@ -82,9 +91,9 @@ class Dealer:
              ) -> int:
         """Deal what ``worker`` left (after its ``info["counted"]`` samples, and the shares
         it never took) over ``live``; the samples dealt."""
-        counted = int(info.get("counted", 0))
+        counted = self.lost_at[worker] = int(info.get("counted", 0))
         self.gone.add(worker)
-        self._record_lost(worker, counted)
+        self.record_counted(worker, counted)
         rest = self.schedules[worker].rest(counted)
         for n, shares in enumerate(self.deals, 1):
             if n not in self.adopted[worker]:
@@ -148,7 +157,7 @@ class Dealer:
                 change.update(state_sha256=digest({"center": server, "progress": {}}),
                               joiner_state_sha256={str(joiner): mine})
 
-    def _record_lost(self, worker: int, counted: int) -> None:
+    def record_counted(self, worker: int, counted: int) -> None:
         """``--record-samples``: ``worker``'s samples up to its last count that server 0
         applied, written for it unless it wrote them (lost after the push, before its line)."""
         path = samples_file(self.cfg, worker)
@@ -247,10 +256,58 @@ class AsyncMembers:
             return f"worker {worker} {status}" if status else \
                 f"worker {worker} stopped answering ({info.get('error', 'connection lost')})"
 
+        c.own.pop(worker, None)  # its state is not one to resume: its rest was dealt
         dealt = self.dealer.lost(worker, info, c.live - c.finals.keys(), why)
         c.recorder.notes["membership_changes"] = self.dealer.changes
         c.lost[worker].update(samples_trained=int(info.get("counted", 0)),
                               samples_not_trained=0, samples_dealt_again=dealt)
+
+    def checkpoint(self, servers: list[dict[str, Any]], savers: set[int]) -> dict[str, Any]:
+        """Server 0's part of a checkpoint whose workers' states are ``savers``'
+        (:func:`~shoal.train.resume_async.dealer_state`); ``servers``: every server's state,
+        whose least count of a worker is what of it counts (hogwild's: the shared file's)."""
+        c, dealer = self.c, self.dealer
+
+        def count(w: int) -> int:
+            if c.counted_of is not None and c.followers is None:  # hogwild
+                return int(c.counted_of(w, {})[0])
+            return min(int(s.get("counted", {}).get(w, 0)) for s in servers)
+
+        others = sorted(w for w in c.live if w not in savers and w not in dealer.gone)
+        return dealer_state(dealer, {w: count(w) for w in others}, dict(dealer.lost_at),
+                            max(dealer.schedules) + 1)
+
+    def resume(self, payload: dict[str, Any]) -> None:
+        """Go on from ``payload``: every worker's schedule rebuilt, the workers lost before
+        it back (a membership change) and the next joiner's id past every earlier one's."""
+        c = self.c
+        part = payload["coordinator"]["elastic"]
+        for w, count in part["counts"].items():  # a joiner's samples to its count, unless
+            if w >= c.workers:  # its file has them: it is not started again
+                self.dealer.schedules[w] = schedule_of(part["schedules"][w])
+                self.dealer.record_counted(w, int(count))
+        starts = rebuild(payload, c.workers, self.dealer.slots, c.cfg.epochs)
+        back = sorted(w for w, s in starts.items() if s.back)
+        changes = list(part["changes"])
+        if back:
+            changes.append({
+                "step": int(payload["progress"]["step"]),
+                "epoch": min(starts[w].epoch for w in back) + 1, "joined": back,
+                "why": dict.fromkeys(back, "back at --resume"), "workers": c.workers,
+                "samples_dealt_again": sum(length(starts[w].schedule.rest(starts[w].position))
+                                           for w in back)})
+            given = changes[-1]["samples_dealt_again"]
+            print(f"shoal: {'worker' if len(back) == 1 else 'workers'} "
+                  f"{', '.join(map(str, back))} {'is' if len(back) == 1 else 'are'} back at "
+                  f"--resume with the {given} samples given", file=sys.stderr, flush=True)
+        self.dealer.resume(starts, changes)
+        for w in back:  # its samples to its count, unless its file has them (lost, not seen)
+            self.dealer.record_counted(w, starts[w].position)
+        c.recorder.notes["membership_changes"] = changes
+        for w in back:
+            self.first_epoch[w] = starts[w].epoch
+        if self.desk is not None:
+            self.desk.first = int(part["next"])
 
     def tick(self) -> None:
         """Between reports: answer join requests, deal the gives complete, release."""

@@ -32,6 +32,7 @@ from shoal.errors import ShoalError
 from shoal.train.deal import Schedule, Segment, Slots, cut, length
 from shoal.train.handover import digest
 from shoal.train.optim import schedule_at
+from shoal.train.resume_async import Start, rebuild, uncounted
 from shoal.train.samples import record_since, samples_file
 
 _Step = TypeVar("_Step")
@@ -76,6 +77,33 @@ class AsyncElastic:
         self.record = samples_file(t.cfg, self.me)
         self.steps = t.plan.steps_per_epoch  # an epoch's steps for the schedule
         self.dealt = False  # a share was taken: the schedule follows the blocks' share read
+        self.planned, self.resume_at = -1, 0  # the block planned last; where the next starts
+        t.checkpointer.elastic_part = self.state_dict
+        payload = getattr(t.checkpointer, "elastic_payload", None)  # --resume
+        if payload is not None:
+            t.checkpointer.elastic_payload = None
+            self._go_on(rebuild(payload, workers, self.slots, t.cfg.epochs)[self.me])
+
+    def state_dict(self) -> dict[str, int]:
+        """This worker's position for a checkpoint: its block, the samples of it read, the
+        samples of its schedule that counted (:mod:`shoal.train.resume_async`)."""
+        epoch = self.t.state.epoch
+        return {"epoch": epoch, "read": self._read() if self.planned == epoch else 0,
+                "at": self.at}
+
+    def _go_on(self, start: Start) -> None:
+        """``--resume``: this worker's schedule and position, as the checkpoint's."""
+        t = self.t
+        self.schedule, self.resume_at, self.at = start.schedule, start.offset, start.at
+        self.trained, self.dealt = uncounted(self.slots, start), True
+        if start.back:  # lost before the checkpoint: from the center, at its count
+            t.state.epoch, t.state.step = start.epoch, start.epoch * self.steps
+            schedule_at(t.scheduler, t.state.step)
+            for name in ("samples", "carried", "counted"):
+                if hasattr(t.strategy, name):
+                    setattr(t.strategy, name, start.position)
+        elif t.state.epoch > start.epoch and self.schedule.rest(start.position):
+            t.state.epoch = start.epoch  # it had ended, and is given work: its last block
 
     @contextmanager
     def updating(self) -> Iterator[None]:
@@ -85,12 +113,13 @@ class AsyncElastic:
         return train_step(self.t.batches)
 
     def start_epoch(self) -> None:
-        self._plan(0)
+        self._plan(self.resume_at)
+        self.resume_at = 0
 
     def _plan(self, offset: int) -> None:
         """The rest of this block, from its ``offset``-th sample, as the trainer's plan."""
         t = self.t
-        self.offset = offset
+        self.offset, self.planned = offset, t.state.epoch
         order, self.epochs = self.slots.samples(cut(self.schedule.blocks[t.state.epoch],
                                                     offset)[1])
         t.plan = EpochPlan(len(order), self.batch, 1, t.cfg.seed, order)

@@ -31,7 +31,4 @@ def check_elastic(cfg: TrainConfig, launcher: str | None) -> None:
         raise ShoalError(f"--elastic runs under shoal's own launcher (--workers N) or "
                          f"torchrun, not yet under {launcher}")
     if cfg.strategy in ASYNC_ELASTIC:
-        if cfg.resume is not None or cfg.max_restarts:
-            raise ShoalError("--elastic does not resume an asynchronous run yet (--resume, "
-                             "--max-restarts): its checkpoints do not hold the shares dealt")
         return

@@ -130,9 +130,18 @@ class RemoteCheckpointer(Checkpointer):
         """``parts``: the :class:`Checkpointer`'s."""
         super().__init__(*parts)
         self.report = report
+        #: ``--elastic``: this worker's place in its schedule, for the file; and where it goes
+        #: on from after ``--resume`` (:mod:`shoal.train.resume_async`)
+        self.elastic_part: Callable[[], dict[str, int]] | None = None
+        self.elastic_payload: dict[str, Any] | None = None
 
     def position(self, progress: dict[str, Any]) -> dict[str, Any]:
-        return {"progress": progress, "scheduler": self.scheduler.state_dict()}
+        elastic = {} if self.elastic_part is None else {"elastic": self.elastic_part()}
+        return {"progress": progress, "scheduler": self.scheduler.state_dict(), **elastic}
+
+    def resumed(self, payload: dict[str, Any]) -> None:
+        if self.cfg.elastic and (payload.get("coordinator") or {}).get("elastic") is not None:
+            self.elastic_payload = payload
 
     def keep(self, own: dict[str, Any], progress: dict[str, Any]) -> None:
         self.report("checkpoint", self.state, own=own)

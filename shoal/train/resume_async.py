@@ -1,0 +1,174 @@
+"""``--resume`` (and ``--max-restarts``) of an asynchronous ``--elastic`` run: every worker's
+schedule rebuilt from the checkpoint, the same way on server 0 and on each worker.
+
+Server 0's part of the checkpoint is its :class:`~shoal.train.dealer.Dealer` as it was
+(:func:`dealer_state`: every worker's schedule as server 0 keeps it, the deals and who took
+which, the gives not handed over yet, the lost workers' counts, the live joiners' counts);
+each worker's part says where it was in its schedule (its block, the samples of it read,
+the samples that had counted). The resumed job runs on the checkpoint's ``W`` workers again
+(:func:`rebuild`):
+
+- a worker whose state is in the file goes on from its position, with its schedule and the
+  shares dealt to it that it had not taken yet;
+- what a worker not started again had left (a joiner: its schedule from its count, its
+  shares not taken; pieces given for a joiner and not handed over yet) is dealt over all ``W``;
+- a worker lost before the checkpoint is back: its schedule up to its last count (so its
+  ``--record-samples`` file goes on), its share of the above, then a part of every other
+  worker's rest, as a joiner is given one.
+
+Server 0's copy of a schedule may have taken shares or given parts after the worker's
+saved position (its reports came later); both happen only after a worker's position, so
+the schedule up to it is the worker's own, and the copy is the one used.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from shoal.errors import ShoalError
+from shoal.train.deal import Schedule, Segment, Slots, cut, deal, length
+
+
+@dataclass
+class Start:
+    """Where one worker of a resumed job starts."""
+
+    schedule: Schedule
+    epoch: int  #: the block (trainer epoch, from 0) it goes on in
+    offset: int  #: samples of that block already read
+    position: int  #: samples of its whole schedule read (its strategy's sample count)
+    at: int  #: samples of its schedule whose work counted (its records')
+    back: bool = False  #: lost before the checkpoint: started again, from the center
+
+
+def dealer_state(dealer: Any, counts: dict[int, int], lost: dict[int, int],
+                 next_id: int) -> dict[str, Any]:
+    """Server 0's part: ``dealer``'s state; ``counts``: each live worker's count that has
+    no state in the file (a joiner); ``lost``: each lost worker's last count; ``next_id``:
+    the id the next joiner gets."""
+    return {"schedules": {w: s.blocks for w, s in dealer.schedules.items()},
+            "deals": dealer.deals, "adopted": {w: sorted(n) for w, n in dealer.adopted.items()},
+            "giving": [g["pieces"] for g in dealer.giving.values()],
+            "counts": counts, "lost": lost, "changes": dealer.changes, "next": next_id}
+
+
+def _segments(raw: Any) -> list[Segment]:
+    return [(int(e), int(w), int(lo), int(hi)) for e, w, lo, hi in raw]
+
+
+def schedule_of(blocks: Any) -> Schedule:
+    """A :class:`Schedule` of ``blocks`` as a checkpoint holds them."""
+    schedule = Schedule.empty(len(blocks))
+    schedule.blocks = [_segments(b) for b in blocks]
+    return schedule
+
+
+def _head(schedule: Schedule, count: int) -> Schedule:
+    """``schedule`` with only its first ``count`` samples."""
+    head = Schedule.empty(len(schedule.blocks))
+    for e, block in enumerate(schedule.blocks):
+        head.blocks[e], _ = cut(block, count)
+        count -= length(head.blocks[e])
+    return head
+
+
+def positions_of(payload: dict[str, Any]) -> dict[int, dict[str, int]]:
+    """Each worker's saved position (``epoch``, ``read``, ``at``) in ``payload``, by id: those
+    whose state the checkpoint holds."""
+    out = {}
+    for w, own in enumerate(payload["ranks"]):
+        if own is not None and own.get("elastic") is not None:
+            out[w] = {k: int(v) for k, v in own["elastic"].items()}
+    return out
+
+
+def check(payload: dict[str, Any], elastic: bool) -> None:
+    """One line where an asynchronous checkpoint cannot go on with or without ``--elastic``."""
+    part = (payload.get("coordinator") or {}).get("elastic")
+    if elastic and part is None:
+        raise ShoalError("--elastic resumes an asynchronous run only from a checkpoint of an "
+                         "--elastic run (its shares dealt); start from this one with "
+                         "--init-from instead")
+    if not elastic and part is not None:
+        raise ShoalError("the checkpoint is of an asynchronous --elastic run: resume it with "
+                         "--elastic (its workers' shares were dealt)")
+
+
+def _extend(schedule: Schedule, worker: int, slots: Slots, epochs: int) -> Schedule:
+    """``schedule`` to ``epochs`` blocks (``--epochs`` grew): ``worker``'s own shard of each
+    new epoch (a joiner's: nothing)."""
+    size = slots.sizes[worker] if worker < len(slots.sizes) else 0
+    schedule.blocks += [[(e, worker, 0, size)] if size else []
+                        for e in range(len(schedule.blocks), epochs)]
+    return schedule
+
+
+def rebuild(payload: dict[str, Any], workers: int, slots: Slots, epochs: int
+            ) -> dict[int, Start]:
+    """Every worker's :class:`Start` from the checkpoint ``payload`` of an asynchronous
+    ``--elastic`` run, on its ``workers`` workers (``slots``: theirs), for ``epochs``."""
+    part = payload["coordinator"]["elastic"]
+    saved_schedules = {int(w): schedule_of(b) for w, b in part["schedules"].items()}
+    schedules = {w: _extend(schedule_of(s.blocks), w, slots, epochs)
+                 for w, s in saved_schedules.items()}
+    deals = [{int(w): _segments(s) for w, s in d.items()} for d in part["deals"]]
+    adopted = {int(w): set(n) for w, n in part["adopted"].items()}
+
+    def untaken(w: int) -> list[Segment]:
+        return [s for n, d in enumerate(deals, 1) if n not in adopted.get(w, set())
+                for s in d.get(w, [])]
+
+    starts: dict[int, Start] = {}
+    saved = positions_of(payload)
+    left: list[Segment] = []
+    for w, p in sorted(saved.items()):  # live, with its state in the file
+        schedule, epoch, offset = schedules[w], p["epoch"], p["read"]
+        if epoch >= epochs:  # it had ended: at the end of its last block
+            epoch, offset = epochs - 1, length(schedule.blocks[-1])
+            left += untaken(w)
+        else:
+            schedule.adopt(epoch, offset, untaken(w))
+        starts[w] = Start(schedule, epoch, offset, schedule.start(epoch) + offset, p["at"])
+    for w, count in sorted(part["counts"].items()):  # live, not started again: a joiner
+        left += schedules[int(w)].rest(int(count)) + untaken(int(w))
+    for pieces in part["giving"]:
+        left += _segments(pieces)
+    recorded = int(payload["coordinator"]["epoch"])
+    back = [w for w in range(workers) if w not in starts]
+    for w in back:
+        # lost, or lost and not yet seen so when the file was written (its rest is left's)
+        count = int(part["lost"].get(w, part["counts"].get(w, 0)))
+        head = _head(saved_schedules[w], count)
+        last = max((e for e, b in enumerate(head.blocks) if b), default=0)
+        head = _extend(head, w, slots, epochs)
+        epoch = min(max(last, recorded), epochs - 1)
+        offset = count - head.start(epoch)
+        starts[w] = Start(head, epoch, offset, count, count, back=True)
+    # What is left goes to the workers that had not ended (one that had ended is given work
+    # only when every worker had: it trains it in its last epoch, whose record then has its
+    # sums of that work alone).
+    going = sorted([w for w, p in saved.items() if p["epoch"] < epochs] + back) \
+        or list(range(workers))
+    for w, share in deal(left, going).items():
+        s = starts[w]
+        s.schedule.adopt(s.epoch, s.offset, share)
+    savers = sorted(set(starts) - set(back))
+    for j, w in enumerate(back, 1):  # a part of every other worker's rest, as a joiner's
+        pieces = [p for v in savers for p in
+                  starts[v].schedule.give(starts[v].epoch, starts[v].offset, len(savers) + j)]
+        starts[w].schedule.adopt(starts[w].epoch, starts[w].offset, pieces)
+    return starts
+
+
+def uncounted(slots: Slots, start: Start) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """The (epochs, samples) ``start``'s worker read before its position and had not counted
+    yet: its records' next lines once they count."""
+    walk = [s for block in start.schedule.blocks for s in block]
+    samples, epochs = slots.samples(cut(cut(walk, start.position)[0], start.at)[1])
+    return [(epochs, samples)] if len(samples) else []
+
+
+__all__ = ["Start", "check", "dealer_state", "positions_of", "rebuild", "schedule_of", "uncounted"]
