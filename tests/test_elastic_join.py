@@ -174,9 +174,11 @@ def test_a_worker_joins_in_place_of_a_killed_one(held, strategy, killed):
 
 def test_a_worker_joins_a_torchrun_job_with_the_secret_its_ranks_have(held):
     """torchrun --standalone, 3 ranks, sync --elastic, the join secret in SHOAL_JOIN_SECRET:
-    rank 2 is killed (its keeper says so, torchrun sees no failure), ``shoal join OUT``
-    without the secret is refused in one line, with it joins; the job ends with 3 workers
-    and torchrun's status 0, every sample once."""
+    rank 2 is killed (its keeper says so, torchrun sees no failure); ``shoal join OUT``
+    without the secret, and ``shoal join --store`` (rank 0's address of the job's store, for
+    a host that does not see OUT) with another secret, are refused in one line; ``shoal
+    join --store`` with it joins, its job file in OUT gone; the job ends with 3 workers and
+    torchrun's status 0, every sample once."""
     secret = "5a" * 32
     job = held("--elastic", "--record-samples", torchrun=True,
                env={"SHOAL_JOIN_SECRET": secret})
@@ -187,7 +189,14 @@ def test_a_worker_joins_a_torchrun_job_with_the_secret_its_ranks_have(held):
     assert refused.returncode == 2 and one_error_line(refused.stderr) == (
         f"shoal: error: the job in {job.out} runs under torchrun: give shoal join the secret "
         "its ranks have, in SHOAL_JOIN_SECRET")
-    joined = shoal("join", str(job.out), env={**env, "SHOAL_JOIN_SECRET": secret}, timeout=240)
+    [said] = [line for line in job.lines if "shoal join --store " in line]
+    at = said.split("shoal join --store ")[1].split(")")[0]
+    other = shoal("join", "--store", at, env={**env, "SHOAL_JOIN_SECRET": "a5" * 32}, timeout=60)
+    assert other.returncode == 2 and one_error_line(other.stderr) == (
+        f"shoal: error: the job in the store at {at} is not signed with the secret in "
+        "SHOAL_JOIN_SECRET (another job's secret?); not trusted")
+    (job.out / ".shoal-join" / "job.json").unlink()  # as on a host that does not see OUT
+    joined = shoal("join", "--store", at, env={**env, "SHOAL_JOIN_SECRET": secret}, timeout=240)
     assert job.finish() == 0, job.stderr
     assert joined.returncode == 0, joined.stderr
     summary = json.loads((job.out / "summary.json").read_text())

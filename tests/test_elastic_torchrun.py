@@ -90,3 +90,66 @@ def test_a_joiner_gives_up_on_a_store_gone_within_its_connect_timeout(monkeypatc
     with pytest.raises(ShoalError, match=f"the job's store at 127.0.0.1:{port} does not answer"):
         joiner._store({"address": "127.0.0.1", "port": port}, timeout=300.0)
     assert time.monotonic() - began < 30  # not the 300 s asked for the calls
+
+
+def test_a_job_document_in_the_store_is_trusted_only_under_the_joiners_secret(monkeypatch):
+    """A torchrun job's rank 0 signs the document it puts in the job's store with the join
+    secret (``shoal join --store``): read back under the same secret it gives the job; under
+    another, unsigned, not shoal's, absent, or without a secret: one line each."""
+    import torch.distributed as dist
+
+    from shoal.config import TrainConfig
+    from shoal.errors import ShoalError
+    from shoal.train.jobfile import (
+        JOIN_SECRET_VAR,
+        STORE_KEY,
+        publish_in_store,
+        read_job_in_store,
+        withdraw_from_store,
+    )
+    from shoal.train.joiner import _address
+
+    store, secret = dist.HashStore(), "5a" * 32
+    cfg = TrainConfig(dataset="digits", elastic=True, max_workers=4)
+    monkeypatch.setenv(JOIN_SECRET_VAR, secret)
+    with pytest.raises(ShoalError, match="holds no shoal job that takes joiners"):
+        read_job_in_store(store, "10.0.0.1", 29500)
+    publish_in_store(store, cfg, "10.0.0.1", 29500, secret, 3, attempt=2)
+    job = read_job_in_store(store, "node0", 41000)
+    assert (job["address"], job["port"], job["key"], job["attempt"], job["workers"],
+            job["max_workers"]) == ("node0", 41000, secret, 2, 3, 4)
+    assert job["config"].dataset == "digits" and job["config"].elastic
+    monkeypatch.setenv(JOIN_SECRET_VAR, "a5" * 32)
+    with pytest.raises(ShoalError, match="is not signed with the secret in SHOAL_JOIN_SECRET"):
+        read_job_in_store(store, "node0", 41000)
+    signed = json.loads(store.get(STORE_KEY))
+    forged = json.dumps({**json.loads(signed["job"]), "workers": 1})
+    store.set(STORE_KEY, json.dumps({"job": forged, "tag": signed["tag"]}))
+    monkeypatch.setenv(JOIN_SECRET_VAR, secret)
+    with pytest.raises(ShoalError, match="is not signed with the secret"):
+        read_job_in_store(store, "node0", 41000)
+    store.set(STORE_KEY, "not json")
+    with pytest.raises(ShoalError, match="the job document in the store at node0:41000 is not "
+                                         "shoal's"):
+        read_job_in_store(store, "node0", 41000)
+    monkeypatch.delenv(JOIN_SECRET_VAR)
+    with pytest.raises(ShoalError, match="shoal join --store needs the job's secret"):
+        read_job_in_store(store, "node0", 41000)
+    withdraw_from_store(store)
+    assert not store.check([STORE_KEY])
+    assert _address("[::1]:29500") == ("::1", 29500)
+    for bad in ("node0", "node0:x", ":29500", "node0:70000"):
+        with pytest.raises(ShoalError, match="is not HOST:PORT"):
+            _address(bad)
+
+
+@pytest.mark.parametrize("args", [[], ["runs/x", "--store", "node0:29500"]])
+def test_shoal_join_takes_out_or_a_store_in_one_line(capsys, args):
+    from shoal.cli import main
+
+    from conftest import one_error_line
+
+    assert main(["join", *args]) == 2
+    assert one_error_line(capsys.readouterr().err) == (
+        "shoal: error: shoal join takes the job's --out, or --store HOST:PORT (a torchrun "
+        "job's, from a host that does not see its --out), not both")

@@ -231,7 +231,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
             from shoal.train.joiner import join_job
 
-            return join_job(Path(args.out))
+            return join_job(None if args.out is None else Path(args.out), args.store)
         if args.command == "run":
             _run(args)
         elif args.command == "bench":

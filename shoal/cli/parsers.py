@@ -219,7 +219,11 @@ def _join_parser(sub: Any) -> argparse.ArgumentParser:
                     "--out) at its next step or round: it takes the model and every other "
                     "state from a live worker and trains the rest with the others until the "
                     "job ends (docs/elastic.md).")
-    p.add_argument("out", metavar="OUT", help="the running job's output directory")
+    p.add_argument("out", metavar="OUT", nargs="?", default=None,
+                   help="the running job's output directory")
+    p.add_argument("--store", metavar="HOST:PORT", default=None,
+                   help="instead of OUT: a torchrun job's store, as its rank 0 prints it (a "
+                        "host that does not see OUT; the secret in SHOAL_JOIN_SECRET)")
     p.add_argument("--debug", action="store_true", default=argparse.SUPPRESS,
                    help="show tracebacks of errors")
     return p

@@ -29,7 +29,14 @@ from shoal.errors import ShoalError, Terminated, WorkerError
 from shoal.strategies.topology import Topology
 from shoal.train.checkpoint import checkpoint_step
 from shoal.train.elastic_check import check_elastic
-from shoal.train.jobfile import join_secret, publish, withdraw
+from shoal.train.jobfile import (
+    JOIN_SECRET_VAR,
+    join_secret,
+    publish,
+    publish_in_store,
+    withdraw,
+    withdraw_from_store,
+)
 from shoal.train.launch import job_topology, outside_topology, run_rank
 from shoal.train.optim import resolve_momentum
 from shoal.train.outdir import OutputLock
@@ -253,18 +260,26 @@ def _keep_rank(cfg: TrainConfig, env: Environment, given: Dataset | None
     import torch.distributed as dist
 
     topology = outside_topology(cfg, env)
-    keys = dist.PrefixStore(key_prefix(env.attempt), job_store(env, cfg.timeout))
-    joinable = join_secret() is not None and env.rank == 0
-    if joinable:
-        publish(_rank_config(cfg, env, topology), env.master_port, None, topology.workers,
-                address=env.master_addr, attempt=env.attempt)
+    store = job_store(env, cfg.timeout)
+    keys = dist.PrefixStore(key_prefix(env.attempt), store)
+    secret = join_secret() if env.rank == 0 else None
+    if secret is not None:
+        rank_cfg = _rank_config(cfg, env, topology)
+        publish(rank_cfg, env.master_port, None, topology.workers, address=env.master_addr,
+                attempt=env.attempt)
+        publish_in_store(store, rank_cfg, env.master_addr, env.master_port, secret,
+                         topology.workers, env.attempt)
+        print(f"shoal: the job takes joiners: shoal join {cfg.out} (or, from a host that does "
+              f"not see it, shoal join --store {env.master_addr}:{env.master_port}), with "
+              f"{JOIN_SECRET_VAR}", file=sys.stderr, flush=True)
     try:
         return keep_rank(env.rank, keys, _train_as_rank, (cfg, env, given),
                          range(topology.servers, topology.world_size),
                          _tolerated(cfg, topology, env.rank))
     finally:
-        if joinable:
+        if secret is not None:
             withdraw(Path(cfg.out))
+            withdraw_from_store(store)
 
 
 def check_machine(cfg: TrainConfig, topology: Topology, data: Dataset | None = None) -> None:

@@ -11,8 +11,11 @@ every other case is one line naming it: no job, a finished one, one without ``--
 Under torchrun there is no launcher of shoal's to make the secret: its user gives the same
 one to every rank and to ``shoal join`` in :data:`JOIN_SECRET_VAR` (:func:`join_secret`), and
 rank 0's keeper publishes the job file without it (the torchrun store's address and the
-attempt's key prefix; the keeper's pid stands for the launcher's). Without the variable, a
-torchrun job takes no joiners.
+attempt's key prefix; the keeper's pid stands for the launcher's), and the same document in
+the job's store, signed with the secret (:func:`publish_in_store`), for a joiner on a host
+that does not see ``--out`` (``shoal join --store HOST:PORT``: :func:`read_job_in_store`
+trusts it only when its own secret checks the signature). Without the variable, a torchrun
+job takes no joiners.
 """
 
 from __future__ import annotations
@@ -21,15 +24,18 @@ import contextlib
 import json
 import os
 import stat
+from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
 from shoal.config import TrainConfig
 from shoal.core.files import atomic_write, describe_stat
-from shoal.core.trust import check_private_dir, open_own, private_dir
+from shoal.core.trust import Seal, check_private_dir, open_own, private_dir
 from shoal.errors import ShoalError
 
 FOLDER, NAME = ".shoal-join", "job.json"
+#: A torchrun job's document in its store (:func:`publish_in_store`), and what its tag signs.
+STORE_KEY, _SIGNED = "shoal/job", b"shoal-job"
 #: Under torchrun: the job's join secret, hex (16 bytes at least), given to every rank and to
 #: ``shoal join`` by their user.
 JOIN_SECRET_VAR = "SHOAL_JOIN_SECRET"
@@ -60,10 +66,15 @@ def publish(cfg: TrainConfig, port: int, key: str | None, workers: int, *,
     :data:`JOIN_SECRET_VAR`), ``workers`` at the start and at most ``cfg.max_workers``
     (default: ``workers``)."""
     folder = private_dir(Path(cfg.out) / FOLDER, "the join folder")
-    job = {"store": [address, port], "key": key, "attempt": attempt, "launcher": os.getpid(),
-           "workers": workers, "max_workers": cfg.max_workers or workers,
-           "config": cfg.to_dict()}
+    job = _document(cfg, (address, port), key, workers, attempt)
     atomic_write(folder / NAME, lambda f: f.write(json.dumps(job).encode()), "join file")
+
+
+def _document(cfg: TrainConfig, store: tuple[str, int], key: str | None, workers: int,
+              attempt: int) -> dict[str, Any]:
+    return {"store": list(store), "key": key, "attempt": attempt, "launcher": os.getpid(),
+            "workers": workers, "max_workers": cfg.max_workers or workers,
+            "config": cfg.to_dict()}
 
 
 def withdraw(out: Path) -> None:
@@ -72,6 +83,48 @@ def withdraw(out: Path) -> None:
     (folder / NAME).unlink(missing_ok=True)
     with contextlib.suppress(OSError):  # not there, or holds something: left as it is
         folder.rmdir()
+
+
+def publish_in_store(store: Any, cfg: TrainConfig, address: str, port: int, key: str,
+                     workers: int, attempt: int) -> None:
+    """Put a torchrun job's document (as :func:`publish` writes it, without the secret) in
+    its store under :data:`STORE_KEY`, signed with the join secret ``key`` (hex): a joiner on
+    a host that does not see ``--out`` finds it there (``shoal join --store``) and trusts
+    only what its own secret checks."""
+    raw = json.dumps(_document(cfg, (address, port), None, workers, attempt)).encode()
+    tag = Seal(bytes.fromhex(key)).tag(_SIGNED, raw).hex()
+    store.set(STORE_KEY, json.dumps({"job": raw.decode(), "tag": tag}))
+
+
+def read_job_in_store(store: Any, host: str, port: int) -> dict[str, Any]:
+    """The job document in the store at ``host``:``port``, checked against the secret in
+    :data:`JOIN_SECRET_VAR`, or a one-line error."""
+    key, where = join_secret(), f"{host}:{port}"
+    if key is None:
+        raise ShoalError(f"shoal join --store needs the job's secret in {JOIN_SECRET_VAR} (the "
+                         "one its ranks have)")
+    if not store.check([STORE_KEY]):
+        raise ShoalError(f"the store at {where} holds no shoal job that takes joiners (its "
+                         f"ranks need {JOIN_SECRET_VAR}; rank 0 says where it takes them)")
+    raw = store.get(STORE_KEY)
+    try:
+        signed = json.loads(raw) if len(raw) <= MAX_BYTES else None
+        doc, tag = str(signed["job"]).encode(), bytes.fromhex(str(signed["tag"]))
+        good = Seal(bytes.fromhex(key)).check(tag, _SIGNED, doc)
+    except (ValueError, TypeError, KeyError):
+        raise ShoalError(f"the job document in the store at {where} is not shoal's") from None
+    if not good:
+        raise ShoalError(f"the job in the store at {where} is not signed with the secret in "
+                         f"{JOIN_SECRET_VAR} (another job's secret?); not trusted")
+    job = _checked(json.loads(doc), f"the job document in the store at {where}")
+    return {**job, "address": host, "port": port, "key": key}
+
+
+def withdraw_from_store(store: Any) -> None:
+    """Take the job's document out of its store (the job ended), if the store is still up."""
+    with contextlib.suppress(Exception):
+        store.set_timeout(timedelta(seconds=2))  # a store gone is not waited for
+        store.delete_key(STORE_KEY)
 
 
 def read_job(out: Path) -> dict[str, Any]:
@@ -94,22 +147,29 @@ def read_job(out: Path) -> dict[str, Any]:
         os.close(fd)
     try:
         job = json.loads(raw) if len(raw) <= MAX_BYTES else None
-        config = TrainConfig.from_dict(job["config"])
-        address, port = job["store"]
-        key = job["key"]
-        checked = {"address": str(address), "port": int(port),
-                   "key": None if key is None else str(key),
-                   "attempt": int(job.get("attempt", 0)),
-                   "launcher": int(job["launcher"]), "workers": int(job["workers"]),
-                   "max_workers": int(job["max_workers"]), "config": config}
-    except (ValueError, TypeError, KeyError, ShoalError):
-        raise ShoalError(f"{folder / NAME} is not a job file of shoal's") from None
+    except ValueError:
+        job = None
+    checked = _checked(job, str(folder / NAME))
     if not _alive(checked["launcher"]):
         raise ShoalError(f"no running job in {out}: its launcher (pid {checked['launcher']}) "
                          "is gone")
     if checked["key"] is None:
         checked["key"] = _given_secret(out)
     return checked
+
+
+def _checked(job: Any, what: str) -> dict[str, Any]:
+    """The fields of a job document read back, each of its type, or a one-line error."""
+    try:
+        config = TrainConfig.from_dict(job["config"])
+        address, port = job["store"]
+        key = job["key"]
+        return {"address": str(address), "port": int(port),
+                "key": None if key is None else str(key), "attempt": int(job.get("attempt", 0)),
+                "launcher": int(job["launcher"]), "workers": int(job["workers"]),
+                "max_workers": int(job["max_workers"]), "config": config}
+    except (ValueError, TypeError, KeyError, ShoalError):
+        raise ShoalError(f"{what} is not a job file of shoal's") from None
 
 
 def _given_secret(out: Path) -> str:

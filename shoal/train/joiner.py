@@ -1,7 +1,8 @@
 """``shoal join OUT``: a new worker joins the elastic job running in ``OUT``.
 
 The command reads the job file its launcher published (:mod:`shoal.train.jobfile`: checked
-to be its user's own), takes a ticket in the job's store (its worker id:
+to be its user's own; ``--store HOST:PORT``: a torchrun job's document in its store, checked
+against the join secret), takes a ticket in the job's store (its worker id:
 :func:`~shoal.core.joining.worker_id`), and starts the worker in a child process that dies
 with it (:func:`~shoal.core.processes.start_process`). The worker loads the data and builds
 the trainer alone, then starts beating in the store, asks to join with the job's secret,
@@ -28,7 +29,7 @@ from shoal.core.outlive import finished_key
 from shoal.core.processes import loopback_gloo_interface
 from shoal.core.waits import ELASTIC, ended_key, key_prefix, members_now
 from shoal.errors import JobError, ShoalError
-from shoal.train.jobfile import read_job
+from shoal.train.jobfile import read_job, read_job_in_store
 from shoal.train.joiner_async import job_servers, joiner_place, run_async_worker
 
 #: Seconds a joiner waits for the job's store to take its connection: a live one answers at
@@ -37,18 +38,28 @@ from shoal.train.joiner_async import job_servers, joiner_place, run_async_worker
 CONNECT_TIMEOUT = 5.0
 
 
-def join_job(out: Path) -> int:
-    """Run ``shoal join OUT``: returns 0 once the joined worker finished with the job."""
-    job = read_job(out)
-    store = _store(job, timeout=10.0)
+def join_job(out: Path | None, at: str | None = None) -> int:
+    """Run ``shoal join OUT`` (or ``shoal join --store HOST:PORT``, ``at``: a torchrun job's
+    store, where its document is signed with the join secret): returns 0 once the joined
+    worker finished with the job."""
+    if (out is None) == (at is None):
+        raise ShoalError("shoal join takes the job's --out, or --store HOST:PORT (a torchrun "
+                         "job's, from a host that does not see its --out), not both")
+    if at is not None:
+        host, port = _address(at)
+        store = _store({"address": host, "port": port}, timeout=10.0)
+        job, where = read_job_in_store(store, host, port), f"at {at}"
+    else:
+        job, where = read_job(out), f"in {out}"
+        store = _store(job, timeout=10.0)
     keys = _prefixed(store, job["attempt"])
     servers = job_servers(job["config"])  # an asynchronous job's server 0 checks the bound
     members = members_now(keys) or list(range(job["workers"]))
     if not servers and len(members) >= job["max_workers"]:
-        raise ShoalError(f"the job in {out} has {len(members)} workers, its most "
+        raise ShoalError(f"the job {where} has {len(members)} workers, its most "
                          f"(--max-workers {job['max_workers']}); join once one is lost")
     me = worker_id(job["workers"], take_ticket(_prefixed(store, job["attempt"], ELASTIC)))
-    print(f"shoal: joining the job in {out} as worker {me}", file=sys.stderr, flush=True)
+    print(f"shoal: joining the job {where} as worker {me}", file=sys.stderr, flush=True)
     code, report = run_child(_worker_main, (job, me), f"shoal-join-{me}")
     failed = report is not None and report[0] == "failed"
     if code == 0 and not failed:
@@ -82,6 +93,15 @@ def _store(job: dict[str, Any], timeout: float) -> Any:
         raise ShoalError(f"the job's store at {job['address']}:{job['port']} does not answer "
                          f"(the job ended?): {str(exc).splitlines()[0] if str(exc) else exc}"
                          ) from None
+
+
+def _address(at: str) -> tuple[str, int]:
+    """``HOST:PORT`` (``[v6]:PORT`` too), or a one-line error."""
+    host, _, port = at.rpartition(":")
+    host = host[1:-1] if host.startswith("[") and host.endswith("]") else host
+    if not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise ShoalError(f"--store {at!r} is not HOST:PORT (the address rank 0 prints)")
+    return host, int(port)
 
 
 def _loopback(address: str) -> bool:
