@@ -9,14 +9,16 @@ resumed from, summed), samples lost (the uninterrupted run's samples minus the s
 the goal is 0), time lost per failure (the wall-time difference over the restarts), the
 final test accuracy of both and the largest parameter difference (resume is exact, so 0).
 
---async STRATEGY: one run, `shoal train --resume auto` started again each time it stops,
+--async STRATEGY [--elastic]: one run, `shoal train --resume auto` started again each time it stops,
 until it completes. Every U(0.5, 1.5) x --kill-every seconds an event: SIGTERM to the
 launcher (a share --term-share of them; the run checkpoints, exits 143, and is started
 again) or SIGKILL of a random live worker (the run goes on without it; a later --resume
 brings it back). Reported: cycles, SIGTERMs, kills, the epoch records lost and doubled
 (goal 0: every epoch recorded exactly once), the steps each worker trained against the
 run's (a worker killed after the last SIGTERM stays short: the run completed without it),
-and the final test accuracy.
+and the final test accuracy. With --elastic (and --record-samples) a killed worker's rest is
+dealt to the others and the next --resume brings it back; reported too: the samples never
+trained and trained twice over all cycles (goal 0 both).
 
 Writes soak.json and soak.md to --out. Run:
 
@@ -175,7 +177,7 @@ def async_soak(a: argparse.Namespace, out: Path) -> dict[str, object]:
     cmd = [sys.executable, "-m", "shoal", "train", "--model", a.model, "--dataset", a.dataset,
            "--workers", str(a.workers), "--epochs", str(a.epochs), "--progress", "none",
            "--strategy", a.strategy, "--servers", str(a.servers), "--out", str(run),
-           "--resume", "auto"]
+           "--resume", "auto", *(["--elastic", "--record-samples"] if a.elastic else [])]
     rng = random.Random(a.seed)
     shutil.rmtree(run, ignore_errors=True)
     started, codes, terms, kills = time.monotonic(), [], 0, 0
@@ -190,7 +192,10 @@ def async_soak(a: argparse.Namespace, out: Path) -> dict[str, object]:
     epochs = Counter(r["epoch"] for r in records if r["event"] == "epoch")
     saved = torch.load(run / "checkpoint.pt", weights_only=True)
     per_epoch = summary["steps"] // summary["epochs"]
-    worker_steps = [own["strategy"]["steps"] for own in saved["ranks"]]
+    worker_steps = [own["strategy"]["steps"] if own is not None else None
+                    for own in saved["ranks"]]
+    elastic = {} if not a.elastic else {**samples_once(run, a.epochs, a.dataset),
+                                        "membership_changes": len(summary["membership_changes"])}
     return {
         "command": " ".join(cmd[2:]), "wall_s": time.monotonic() - started,
         "cycles": len(codes), "sigterms": terms, "worker_kills": kills,
@@ -205,7 +210,24 @@ def async_soak(a: argparse.Namespace, out: Path) -> dict[str, object]:
         "samples_trained_by_workers": sum(own["strategy"]["samples"] for own in saved["ranks"]),
         "lost_workers_at_the_end": len(summary.get("lost_workers", [])),
         "test_accuracy": summary["test_accuracy"],
+        **elastic,
     }
+
+
+def samples_once(run: Path, epochs: int, dataset: str) -> dict[str, int]:
+    """--elastic: the (epoch, sample) pairs of --record-samples never trained and trained
+    twice or more (goal 0 both: every kill is dealt, every stop a SIGTERM)."""
+    from shoal.data import load_dataset
+
+    rows = len(load_dataset(dataset).train)
+    counts: Counter = Counter()
+    for path in (run / "samples").glob("worker*.jsonl"):
+        for line in path.read_text().splitlines():
+            record = json.loads(line)
+            counts.update((record["epoch"], s) for s in record["samples"])
+    return {"samples_never_trained": sum(1 for e in range(epochs) for s in range(rows)
+                                         if (e, s) not in counts),
+            "samples_trained_twice": sum(n > 1 for n in counts.values())}
 
 
 def main() -> None:
@@ -219,6 +241,9 @@ def main() -> None:
     p.add_argument("--async", dest="strategy", metavar="STRATEGY",
                    help="an asynchronous strategy: SIGTERM/--resume cycles and worker kills")
     p.add_argument("--servers", type=int, default=1, help="with --async")
+    p.add_argument("--elastic", action="store_true",
+                   help="with --async: --elastic --record-samples (a kill is dealt to the "
+                        "others, a --resume brings the worker back); every sample once")
     p.add_argument("--term-share", type=float, default=0.5,
                    help="with --async: the share of events that are SIGTERMs")
     p.add_argument("--seed", type=int, default=0)
