@@ -203,7 +203,8 @@ def async_soak(a: argparse.Namespace, out: Path) -> dict[str, object]:
         "epoch_records_lost": sum(1 for e in range(1, a.epochs + 1) if e not in epochs),
         "epoch_records_doubled": sum(n - 1 for n in epochs.values()),
         "worker_steps": worker_steps, "run_steps": per_epoch * a.epochs,
-        "workers_short_at_the_end": sum(s < per_epoch * a.epochs for s in worker_steps),
+        "workers_short_at_the_end": sum(s is None or s < per_epoch * a.epochs
+                                        for s in worker_steps),
         # Epochs recorded while a worker was lost miss its rows (it trains them again after
         # the next --resume, from its last checkpoint); the workers' own counts are exact.
         "samples_in_records": summary["samples"],

@@ -122,10 +122,10 @@ class Coordinator:
         if saved is None:  # an older checkpoint: every worker at its step
             self._go_on_from(payload)
             return
-        epoch = int(saved["epoch"])
-        self.progress = {"epoch": epoch, "epoch_step": 0,
-                         "step": epoch * self.plan.steps_per_epoch, "samples": saved["samples"],
-                         "train_time_s": saved["train_time_s"],
+        epoch, spe = int(saved["epoch"]), self.plan.steps_per_epoch
+        # The last record's step (an elastic worker's epoch may take more steps: dealt work).
+        self.progress = {"epoch": epoch, "epoch_step": 0, "step": saved.get("step", epoch * spe),
+                         "samples": saved["samples"], "train_time_s": saved["train_time_s"],
                          "wall_time_s": saved["wall_time_s"], "lr": saved["lr"]}
         self.epochs = {int(e): {int(w): r for w, r in reports.items()}
                        for e, reports in saved["pending"].items()}
@@ -348,7 +348,7 @@ class Coordinator:
             scheduler=slowest["own"]["scheduler"],
             ranks=[self.own.get(w) for w in range(self.workers)], evaluated=center,
             shared={"model": center, "servers": to_cpu(servers),
-                    "coordinator": {"epoch": st.epoch, "samples": st.samples,
+                    "coordinator": {"epoch": st.epoch, "step": st.step, "samples": st.samples,
                                     "train_time_s": st.train_time_s,
                                     "wall_time_s": st.elapsed_s(), "lr": st.lr,
                                     "pending": {e: got for e, got in pending.items() if got},
