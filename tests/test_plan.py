@@ -310,20 +310,25 @@ def test_planning_errors_are_one_line(tmp_path, capsys):
     assert not (tmp_path / "r").exists()
 
 
-def test_an_asynchronous_walk_step_measures_speed_only(tmp_path):
+@pytest.mark.parametrize("strategy, knob", [("groups", "groups"), ("async-measgd", "tau")])
+def test_an_asynchronous_walk_step_measures_speed_only(tmp_path, strategy, knob):
     """groups (a parameter server) on the walk trains a few steps as a job of its own,
-    untested, and its time per epoch comes from its summary."""
+    untested, and its time per epoch comes from its summary; so does Async EAMSGD, which
+    the planner walks by its period when --plan-candidates names it."""
     from shoal.config import TrainConfig
     from shoal.plan.planner import Planner, PlanOptions
     from shoal.sweep.runner import Launcher
 
     cfg = TrainConfig(model="mlp", dataset="digits", epochs=10, batch_size=16, workers=2,
-                      target_accuracy=0.9, progress="none", out=str(tmp_path)).validate()
+                      target_accuracy=0.9, progress="none", out=str(tmp_path),
+                      plan_candidates=("sync", strategy)).validate()
     with Launcher(None, 120) as launcher:
         planner = Planner(cfg, PlanOptions.of(cfg), launcher, tmp_path, 2, show=False)
-        trial = planner.trial(Candidate("groups", (("groups", 2),), 2, None), HARDWARE)
+        assert [c.strategy for c in planner.starts()[1]] == [strategy]
+        assert planner.starts()[1][0].options == ((knob, 1),)
+        trial = planner.trial(Candidate(strategy, ((knob, 2),), 2, None), HARDWARE)
     assert trial.ok and trial.speed_only and not trial.curve and 0 < trial.epoch_s < 60
-    summary = json.loads(next((tmp_path / "trials").glob("01-groups*/summary.json")).read_text())
+    summary = json.loads(next((tmp_path / "trials").glob(f"01-{strategy}*/summary.json")).read_text())
     assert summary["steps"] == 11  # a quarter of a trial (1 epoch of 45 steps), at least 8
     assert trial.epoch_s == pytest.approx(summary["wall_time_s"] / 11 * 45)
 

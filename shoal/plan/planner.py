@@ -48,6 +48,9 @@ from shoal.train.trainer import data_options
 
 #: The strategies ``shoal plan`` considers unless told otherwise.
 CANDIDATES = ("sync", "local-sgd", "easgd", "diloco", "groups")
+#: Asynchronous strategies the planner tunes as it tunes a periodic one (their knob: ``tau``),
+#: when asked (``--plan-candidates``), in jobs of their own: the center's elastic averaging.
+ASYNC_PERIODIC = ("async-easgd", "async-measgd")
 #: Errors of a trial that mean its settings diverged, not that something is broken.
 DIVERGED = ("non-finite", "loss became")
 
@@ -67,10 +70,10 @@ class PlanOptions:
         if cfg.target_accuracy is None:
             raise ShoalError("planning needs --target-accuracy A: the test accuracy to reach")
         for name in cfg.plan_candidates:
-            if name not in ("sync", "groups") and not _periodic(name):
+            if name not in ("sync", "groups", *ASYNC_PERIODIC) and not _periodic(name):
                 raise ShoalError(f"--plan-candidates: the planner does not tune {name} (it tunes "
                                  f"sync, groups and the periodic strategies: "
-                                 f"{', '.join(CANDIDATES)}, eamsgd)")
+                                 f"{', '.join(CANDIDATES)}, eamsgd, {', '.join(ASYNC_PERIODIC)})")
         if cfg.trial_epochs is not None and cfg.trial_epochs > cfg.epochs:
             raise ShoalError(f"--trial-epochs {cfg.trial_epochs} is more than --epochs "
                              f"{cfg.epochs}")
