@@ -38,6 +38,9 @@ def test_a_killed_worker_leaves_and_the_others_train_its_share(tmp_path, strateg
     assert res.stray == []
     summary = json.loads((out / "summary.json").read_text())
     assert summary["completed"] and not summary["degraded"] and "restarts" not in summary
+    # every sample counted once in the summary too: the lost worker's counted samples of the
+    # epoch it was lost in are in no epoch record (its sums went with it), and are added
+    assert summary["samples"] == EPOCHS * TRAIN_ROWS
     [change] = summary["membership_changes"]
     assert change["left"] == [1] and change["workers"] == 2 and change["epoch"] == 1
     assert change["why"] == {"1": "worker 1 killed by signal 9"}

@@ -166,6 +166,7 @@ def test_a_stopped_elastic_run_resumes_with_its_lost_worker_back(tmp_path):
     assert res.returncode == 0, res.stderr
     summary = json.loads((out / "summary.json").read_text())
     assert summary["completed"] and not summary["degraded"]
+    assert summary["samples"] == epochs * TRAIN_ROWS  # the lost worker's counted ones too
     left, back = summary["membership_changes"]
     assert left["left"] == [1] and back["joined"] == [1]
     assert back["why"] == {"1": "back at --resume"} and back["samples_dealt_again"] > 0

@@ -229,11 +229,17 @@ class AsyncMembers:
         self.desk = JoinDesk(store, seal, c.workers, c.cfg.max_workers or c.workers) \
             if seal is not None and store is not None else None
         self.first_epoch: dict[int, int] = {}  # a joiner -> the epoch (from 0) it starts at
+        #: how far into each worker's schedule its samples are in the records' count (its
+        #: epochs reported; a lost worker's counted samples are added at its loss)
+        self.accounted: dict[int, int] = {}
 
     def take(self, worker: int, report: dict[str, Any]) -> bool:
         """A report of this side's (``True``): a share taken, a part given, idle, joined."""
         kind = report["kind"]
-        if kind in ("adopt", "give", "idle"):
+        if kind == "epoch" and worker in self.dealer.schedules:
+            done = self.dealer.schedules[worker].start(min(int(report["epoch"]), self.c.cfg.epochs))
+            self.accounted[worker] = max(self.accounted.get(worker, 0), done)
+        elif kind in ("adopt", "give", "idle"):
             self.dealer.take(worker, report)
         elif kind == "joined":
             mine = self.c.shard.first_pulls.pop(worker, None)
@@ -257,6 +263,11 @@ class AsyncMembers:
                 f"worker {worker} stopped answering ({info.get('error', 'connection lost')})"
 
         c.own.pop(worker, None)  # its state is not one to resume: its rest was dealt
+        # What its work carried into the center since its last epoch report is in no record
+        # (its sums of that epoch are gone with it): the samples count it all the same.
+        counted = int(info.get("counted", 0))
+        c.state.samples += max(0, counted - self.accounted.get(worker, 0))
+        self.accounted[worker] = max(counted, self.accounted.get(worker, 0))
         dealt = self.dealer.lost(worker, info, c.live - c.finals.keys(), why)
         c.recorder.notes["membership_changes"] = self.dealer.changes
         c.lost[worker].update(samples_trained=int(info.get("counted", 0)),
@@ -275,7 +286,7 @@ class AsyncMembers:
 
         others = sorted(w for w in c.live if w not in savers and w not in dealer.gone)
         return dealer_state(dealer, {w: count(w) for w in others}, dict(dealer.lost_at),
-                            max(dealer.schedules) + 1)
+                            max(dealer.schedules) + 1, dict(self.accounted))
 
     def resume(self, payload: dict[str, Any]) -> None:
         """Go on from ``payload``: every worker's schedule rebuilt, the workers lost before
@@ -301,6 +312,9 @@ class AsyncMembers:
                   f"{', '.join(map(str, back))} {'is' if len(back) == 1 else 'are'} back at "
                   f"--resume with the {given} samples given", file=sys.stderr, flush=True)
         self.dealer.resume(starts, changes)
+        self.accounted = {int(w): int(n) for w, n in part.get("accounted", {}).items()}
+        for w in back:  # to its count: in the records, or added when it was lost
+            self.accounted[w] = starts[w].position
         for w in back:  # its samples to its count, unless its file has them (lost, not seen)
             self.dealer.record_counted(w, starts[w].position)
         c.recorder.notes["membership_changes"] = changes

@@ -44,15 +44,17 @@ class Start:
     back: bool = False  #: lost before the checkpoint: started again, from the center
 
 
-def dealer_state(dealer: Any, counts: dict[int, int], lost: dict[int, int],
-                 next_id: int) -> dict[str, Any]:
+def dealer_state(dealer: Any, counts: dict[int, int], lost: dict[int, int], next_id: int,
+                 accounted: dict[int, int] | None = None) -> dict[str, Any]:
     """Server 0's part: ``dealer``'s state; ``counts``: each live worker's count that has
     no state in the file (a joiner); ``lost``: each lost worker's last count; ``next_id``:
-    the id the next joiner gets."""
+    the id the next joiner gets; ``accounted``: how far into each worker's schedule its
+    samples are in the records' count."""
     return {"schedules": {w: s.blocks for w, s in dealer.schedules.items()},
             "deals": dealer.deals, "adopted": {w: sorted(n) for w, n in dealer.adopted.items()},
             "giving": [g["pieces"] for g in dealer.giving.values()],
-            "counts": counts, "lost": lost, "changes": dealer.changes, "next": next_id}
+            "counts": counts, "lost": lost, "changes": dealer.changes, "next": next_id,
+            "accounted": accounted or {}}
 
 
 def _segments(raw: Any) -> list[Segment]:
