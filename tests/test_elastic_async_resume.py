@@ -18,7 +18,7 @@ from shoal.train.deal import cut
 from shoal.train.dealer import Dealer
 from shoal.train.resume_async import dealer_state, rebuild, uncounted
 
-from conftest import EPOCHS, TRAIN_ROWS, assert_each_sample_once, shoal, train_losing
+from conftest import EPOCHS, TRAIN_ROWS, assert_each_sample_once, shoal, shoal_env, train_losing
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -153,8 +153,9 @@ def test_a_checkpoint_of_one_kind_does_not_resume_as_the_other(tmp_path, capsys)
 def test_a_stopped_elastic_run_resumes_with_its_lost_worker_back(tmp_path):
     """Worker 1 of 3 is killed at its 20th step (its rest dealt to workers 0 and 2), the run
     stops at step 100 (--stop-at-step: a checkpoint); --resume starts 3 workers again:
-    worker 1 is back with a part of the others' rest, the run ends, and every sample of
-    every epoch was trained exactly once over both runs."""
+    worker 1 is back with a part of the others' rest, worker 2 is killed at its first step
+    (before its first exchange: what it had counted before the stop stays counted), the
+    run ends, and every sample of every epoch was trained exactly once over both runs."""
     out, epochs = tmp_path / "run", 3
     flags = ["--strategy", "async-sgd", "--schedule", "constant", "--epochs", str(epochs)]
     res = train_losing(out, 2, "train:20", *flags, "--stop-at-step", "100", timeout=240)
@@ -162,13 +163,14 @@ def test_a_stopped_elastic_run_resumes_with_its_lost_worker_back(tmp_path):
     assert res.stray == []
     res = shoal("train", "--out", str(out), "--progress", "plain", "--model",
                 "tests.fixtures_models:killed_at", "--dataset", "digits", "--workers", "3",
-                *flags, "--elastic", "--record-samples", "--resume", timeout=240)
+                *flags, "--elastic", "--record-samples", "--resume", timeout=240,
+                env={**shoal_env(), "SHOAL_TEST_KILL_RANK": "3", "SHOAL_TEST_KILL_AT": "train:1"})
     assert res.returncode == 0, res.stderr
     summary = json.loads((out / "summary.json").read_text())
     assert summary["completed"] and not summary["degraded"]
     assert summary["samples"] == epochs * TRAIN_ROWS  # the lost worker's counted ones too
-    left, back = summary["membership_changes"]
-    assert left["left"] == [1] and back["joined"] == [1]
+    left, back, again = summary["membership_changes"]
+    assert left["left"] == [1] and back["joined"] == [1] and again["left"] == [2]
     assert back["why"] == {"1": "back at --resume"} and back["samples_dealt_again"] > 0
     assert "worker 1 is back at --resume" in res.stderr
     assert_each_sample_once(out, epochs, TRAIN_ROWS)

@@ -233,6 +233,7 @@ class ShardServer:
                 self.rule.load_state_dict(state["rule"])
             self.ledger.restore(state.get("version", 0), state.get("staleness", {}))
             self.clocks.update(state.get("clocks", {}))
+            self.counted.update(state.get("counted", {}))  # --elastic: a resumed worker's
 
     def rest(self, c: int, resting: bool) -> None:
         """Pusher ``c`` pushes nothing for now (``resting``: an elastic worker done with its

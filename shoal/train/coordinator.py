@@ -337,7 +337,7 @@ class Coordinator:
                                           if self.client is not None]
         for server in servers:
             server.pop("first_pulls", None)  # the join records', not the run's
-        dealt = {"elastic": self.members.checkpoint(servers, set(reports))} if self.members else {}
+        dealt = {"elastic": self.members.checkpoint(servers, reports)} if self.members else {}
         center = to_cpu(self.model.state_dict())  # the evaluation model, saved once
         st = self.state
         # The epoch reports each worker sent before its state: the epochs to record next.

@@ -273,10 +273,12 @@ class AsyncMembers:
         c.lost[worker].update(samples_trained=int(info.get("counted", 0)),
                               samples_not_trained=0, samples_dealt_again=dealt)
 
-    def checkpoint(self, servers: list[dict[str, Any]], savers: set[int]) -> dict[str, Any]:
-        """Server 0's part of a checkpoint whose workers' states are ``savers``'
-        (:func:`~shoal.train.resume_async.dealer_state`); ``servers``: every server's state,
-        whose least count of a worker is what of it counts (hogwild's: the shared file's)."""
+    def checkpoint(self, servers: list[dict[str, Any]], savers: dict[int, Any]) -> dict[str, Any]:
+        """Server 0's part of a checkpoint whose workers' states are ``savers``' (their
+        reports; :func:`~shoal.train.resume_async.dealer_state`); ``servers``: every server's
+        state, whose least count of a worker is what of it counts (hogwild's: the shared
+        file's). Each server's saved counts become where each worker goes on from, so that one
+        lost after the resume before its first exchange leaves what it had not counted only."""
         c, dealer = self.c, self.dealer
 
         def count(w: int) -> int:
@@ -285,8 +287,13 @@ class AsyncMembers:
             return min(int(s.get("counted", {}).get(w, 0)) for s in servers)
 
         others = sorted(w for w in c.live if w not in savers and w not in dealer.gone)
-        return dealer_state(dealer, {w: count(w) for w in others}, dict(dealer.lost_at),
-                            max(dealer.schedules) + 1, dict(self.accounted))
+        counts = {w: count(w) for w in others}
+        going_on = {**dealer.lost_at, **counts,
+                    **{w: int(r["own"]["elastic"]["at"]) for w, r in savers.items()}}
+        for server in servers:
+            server["counted"] = dict(going_on)
+        return dealer_state(dealer, counts, dict(dealer.lost_at), max(dealer.schedules) + 1,
+                            dict(self.accounted))
 
     def resume(self, payload: dict[str, Any]) -> None:
         """Go on from ``payload``: every worker's schedule rebuilt, the workers lost before

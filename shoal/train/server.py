@@ -126,7 +126,7 @@ def run_server(cfg: TrainConfig, env: Environment, comm: Comm, topology: Topolog
     coordinator: Coordinator | None = None
     paths: list[str] = []  # shared files this server made: removed however it ends
     try:
-        counts = _counts(cfg, topology, comm, env, paths) if server == 0 else None
+        counts = _counts(cfg, topology, comm, env, paths, payload) if server == 0 else None
         center = _center(flat, ranges[server], topology, payload, comm, env, paths)
         if server == 0:
             coordinator = _coordinator(cfg, env, comm, topology, work, flat, ranges, payload,
@@ -185,14 +185,18 @@ def _coordinator(cfg: TrainConfig, env: Environment, comm: Comm, topology: Topol
 
 
 def _counts(cfg: TrainConfig, topology: Topology, comm: Comm, env: Environment,
-            paths: list[str]) -> torch.Tensor | None:
+            paths: list[str], payload: dict[str, Any] | None = None) -> torch.Tensor | None:
     """``--elastic`` with shared memory (hogwild): the file of each worker's count and step,
-    zeros, which every worker maps and writes its own to after each step (set in the store before
-    the parameters' path, which the workers wait for)."""
+    zeros (resumed: each worker's count where it goes on), which every worker maps and writes
+    its own to after each step (set in the store before the parameters' path, which the
+    workers wait for)."""
     if not (cfg.elastic and topology.shared_memory):
         return None
-    paths.append(create_shared_file(torch.zeros(2 * COUNT_SLOTS, dtype=torch.int64),
-                                    env.error_dir))
+    counts = torch.zeros(COUNT_SLOTS, 2, dtype=torch.int64)
+    for worker, count in (payload or {}).get("servers", [{}])[0].get("counted", {}).items():
+        if 0 <= int(worker) < COUNT_SLOTS:  # --resume: where each worker goes on from
+            counts[int(worker), 0] = int(count)
+    paths.append(create_shared_file(counts.flatten(), env.error_dir))
     comm.store.set(COUNTS_KEY, paths[-1])
     return map_counts(paths[-1])
 
