@@ -215,17 +215,23 @@ def async_soak(a: argparse.Namespace, out: Path) -> dict[str, object]:
     }
 
 
+def samples_recorded(run: Path) -> Counter:
+    """How often each (epoch, sample) is in ``run``'s --record-samples files."""
+    counts: Counter = Counter()
+    for path in (run / "samples").glob("worker*.jsonl"):
+        for line in path.read_text().splitlines():
+            record = json.loads(line)
+            counts.update((record["epoch"], s) for s in record["samples"])
+    return counts
+
+
 def samples_once(run: Path, epochs: int, dataset: str) -> dict[str, int]:
     """--elastic: the (epoch, sample) pairs of --record-samples never trained and trained
     twice or more (goal 0 both: every kill is dealt, every stop a SIGTERM)."""
     from shoal.data import load_dataset
 
     rows = len(load_dataset(dataset).train)
-    counts: Counter = Counter()
-    for path in (run / "samples").glob("worker*.jsonl"):
-        for line in path.read_text().splitlines():
-            record = json.loads(line)
-            counts.update((record["epoch"], s) for s in record["samples"])
+    counts = samples_recorded(run)
     return {"samples_never_trained": sum(1 for e in range(epochs) for s in range(rows)
                                          if (e, s) not in counts),
             "samples_trained_twice": sum(n > 1 for n in counts.values())}

@@ -41,7 +41,7 @@ from collections import Counter
 from itertools import pairwise
 from pathlib import Path
 
-from soak import workers_of
+from soak import samples_recorded, workers_of
 
 REPO = Path(__file__).resolve().parent.parent
 ROWS = 1437  # digits' training rows
@@ -227,11 +227,7 @@ def shoal_result(a: argparse.Namespace, out: Path, killer: Killer, steps: Steps,
               "test_accuracy": summary["test_accuracy"], "wall_s": round(wall, 1),
               "workers_at_end": summary["workers"]}
     if (out / "samples").is_dir():
-        counts: Counter = Counter()
-        for path in (out / "samples").glob("worker*.jsonl"):
-            for line in path.read_text().splitlines():
-                record = json.loads(line)
-                counts.update((record["epoch"], s) for s in record["samples"])
+        counts = samples_recorded(out)
         result.update(samples_lost=a.epochs * ROWS - len(counts),
                       samples_repeated=sum(counts.values()) - len(counts))
     return result

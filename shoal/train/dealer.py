@@ -319,13 +319,13 @@ class AsyncMembers:
                   f"{', '.join(map(str, back))} {'is' if len(back) == 1 else 'are'} back at "
                   f"--resume with the {given} samples given", file=sys.stderr, flush=True)
         self.dealer.resume(starts, changes)
-        self.accounted = {int(w): int(n) for w, n in part.get("accounted", {}).items()}
-        for w in back:  # to its count: in the records, or added when it was lost
-            self.accounted[w] = starts[w].position
-        for w in back:  # its samples to its count, unless its file has them (lost, not seen)
-            self.dealer.record_counted(w, starts[w].position)
         c.recorder.notes["membership_changes"] = changes
+        self.accounted = {int(w): int(n) for w, n in part.get("accounted", {}).items()}
         for w in back:
+            # to its count: in the records, or added when it was lost; its samples to it in
+            # its file, unless the file has them (lost, and not seen so yet)
+            self.accounted[w] = starts[w].position
+            self.dealer.record_counted(w, starts[w].position)
             self.first_epoch[w] = starts[w].epoch
         if self.desk is not None:
             self.desk.first = int(part["next"])
