@@ -6,11 +6,12 @@ from __future__ import annotations
 import json
 import sys
 
-from conftest import run
+from conftest import REPO, run
 
-TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
-            "2", "-m", "shoal", "train", "--strategy", "auto", "--model", "mlp", "--dataset",
-            "digits", "--target-accuracy", "0.9", "--progress", "none"]
+START = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node"]
+AUTO = ["-m", "shoal", "train", "--strategy", "auto", "--model", "mlp", "--dataset", "digits",
+        "--target-accuracy", "0.9", "--progress", "none"]
+TORCHRUN = [*START, "2", *AUTO]
 
 
 def _records(out):
@@ -54,3 +55,48 @@ def test_a_run_under_torchrun_that_cannot_pay_trains_sync_in_one_line(tmp_path):
     summary = json.loads((out / "summary.json").read_text())
     assert summary["plan"]["skipped"] and summary["plan"]["in_job"] and summary["completed"]
     assert json.loads((out / "config.json").read_text())["strategy"] == "sync"
+
+
+def test_auto_under_torchrun_tries_groups_and_asynchrony_on_the_jobs_ranks(tmp_path):
+    """Inside a job of 3 ranks, ``groups`` and Async EAMSGD are tried too: each trial lays
+    the same ranks out anew (one serves, two train), the walk's speed-only trials and the
+    grid's tested ones, and the job's own group comes back after each for the next
+    trial and the winner, which trains the whole run."""
+    out = tmp_path / "auto"
+    res = run([*START, "3", *AUTO, "--epochs", "4", "--trial-epochs", "0.5", "--plan-budget",
+               "60s", "--plan-candidates", "sync,groups,async-measgd", "--out", str(out)],
+              timeout=280)
+    assert res.returncode == 0, res.stderr
+    assert "planned on the job's 3 ranks" in res.stderr and not res.stray
+    trials = json.loads((out / "plan" / "plan.json").read_text())["trials"]
+    laid_out = [t for t in trials if t["strategy"] != "sync"]
+    # Tested trials: at least one family's grid (the other may be skipped as costlier than
+    # the leader's predicted time, as the search skips any).
+    assert {t["strategy"] for t in laid_out if t["curve"]} & {"groups", "async-measgd"}, trials
+    assert {t["strategy"] for t in laid_out if t["speed_only"]} == {"groups", "async-measgd"}
+    assert all(t["workers"] == 2 for t in laid_out)  # one of the 3 ranks serves
+    assert all(t["workers"] == 3 for t in trials if t["strategy"] == "sync")
+    assert not any(t.get("error") for t in trials), trials  # no momentum-0 EAMSGD trial
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["plan"]["in_job"] and summary["completed"]
+    assert summary["workers"] == (3 if summary["strategy"] == "sync" else 2)
+    assert [r["epoch"] for r in _records(out) if r["event"] == "epoch"] == [1, 2, 3, 4]
+
+
+def test_a_job_lays_its_ranks_out_for_servers_and_gets_its_group_back(tmp_path):
+    """``relaid`` (a trial or a winner of groups or an asynchronous strategy inside a job):
+    a compute group of two workers with a server, a run that fails at its start on every
+    rank (Async EAMSGD without momentum), and async-sgd, one after another on the same 3
+    torchrun ranks; after each, all three meet in the job's own process group again."""
+    out = tmp_path / "job"
+    out.mkdir()
+    res = run([*START, "3", str(REPO / "tests" / "relaid_job.py"), str(out)], timeout=200)
+    assert res.returncode == 0, res.stderr
+    assert not res.stray
+    seen = {s["strategy"]: s for s in json.loads((out / "seen.json").read_text())}
+    assert all(s["ranks"] == 0 + 1 + 2 for s in seen.values())
+    for strategy in ("groups", "async-sgd"):
+        assert seen[strategy]["error"] is None and seen[strategy]["completed"]
+        assert seen[strategy]["workers"] == 2 and seen[strategy]["accuracy"] > 0.8
+        assert (out / strategy / "summary.json").is_file()
+    assert "needs --momentum > 0" in seen["async-measgd"]["error"]

@@ -26,6 +26,7 @@ def init_comm(
     *,
     place: Environment | None = None,
     elastic: bool = False,
+    store: dist.Store | None = None,
 ) -> Comm:
     """Join the job described by ``env`` and return its :class:`Comm`.
 
@@ -42,7 +43,9 @@ def init_comm(
     group of the job's. ``elastic``: the job goes on
     without a lost worker; its collectives time out after ``heartbeat_timeout`` (see
     :class:`Comm`), but its ranks first wait up to ``timeout`` for each other to arrive: a
-    rank that starts slowly (a busy machine) is not a lost one.
+    rank that starts slowly (a busy machine) is not a lost one. ``store``: the job's store
+    to join on (a namespace of it: the job's ranks laid out anew inside the job, as
+    :func:`shoal.train.launch.relaid` does), instead of the one ``env`` names.
     """
     if heartbeat_timeout is not None and not (math.isfinite(heartbeat_timeout)
                                               and heartbeat_timeout > 0):
@@ -52,8 +55,7 @@ def init_comm(
         torch.set_num_threads(max(1, threads))
     mine = place or env
     dev = pick_device(device, mine.local_rank, mine.local_world_size, share=place is not None)
-    store = None
-    if env.world_size > 1 and (place is not None or not dist.is_initialized()):
+    if store is None and env.world_size > 1 and (place is not None or not dist.is_initialized()):
         store = job_store(env, timeout)
     if place is not None:
         if store is not None:

@@ -8,9 +8,9 @@ then run the plan's trials one after another as fresh trainers on the job's proc
 (a :class:`JobSession`: rank 0 drives the search and hands each trial to the others, which
 follow), and finally train the winner on the same processes, from the probe's checkpoint.
 No planning session starts, so the plan's least cost is its first trial. Only what fits the
-started processes is tried: the job's own layout, strategies whose workers meet in the job's
-process group (``groups``, which needs parameter-server processes, is left out and the
-plan's notes say so).
+started processes is tried: the job's own ranks, in sync's layout or, for ``groups`` and the
+asynchronous candidates, laid out anew with the first rank serving
+(:func:`~shoal.train.launch.relaid`).
 """
 
 from __future__ import annotations
@@ -29,9 +29,9 @@ from shoal.core.env import Environment
 from shoal.core.failures import first_line
 from shoal.data import Dataset
 from shoal.errors import ShoalError
-from shoal.plan.planner import Planner, PlanOptions
+from shoal.plan.planner import Planner, PlanOptions, detached
 from shoal.train import job_device
-from shoal.train.launch import join, outside_topology
+from shoal.train.launch import join, outside_topology, relaid
 from shoal.train.optim import resolve_momentum
 from shoal.train.outdir import OutputLock
 from shoal.train.probe import read_verdict
@@ -49,13 +49,16 @@ class JobSession:
     gathers how it went. What :class:`~shoal.plan.session.PlanningSession` is to a job of
     its own."""
 
-    def __init__(self, comm: Comm, data: Dataset) -> None:
-        self.comm, self.data = comm, data
+    def __init__(self, comm: Comm, env: Environment, data: Dataset) -> None:
+        self.comm, self.env, self.data = comm, env, data
+        self.trials = 0
 
     def run(self, cfg: TrainConfig) -> float:
         """Run one trial on every rank; a failed one raises its line (the job goes on)."""
-        self.comm.broadcast_object({"train": cfg.to_dict()})
-        errors = self.comm.gather_objects(_trial(cfg.to_dict(), self.comm, self.data)) or []
+        self.trials += 1
+        command = {"train": cfg.to_dict(), "tag": f"trial-{self.trials}"}
+        self.comm.broadcast_object(command)
+        errors = self.comm.gather_objects(_trial(command, self.comm, self.env, self.data)) or []
         error = next((e for e in errors if e is not None), None)
         if error is not None:
             raise ShoalError(error)
@@ -65,24 +68,35 @@ class JobSession:
         """Nothing to end: the ranks go on with the winner."""
 
 
-def _trial(settings: dict[str, Any], comm: Comm, data: Dataset) -> str | None:
-    """Train one trial's ``settings`` on this rank; its error's line, or ``None``."""
+def _trial(command: dict[str, Any], comm: Comm, env: Environment, data: Dataset) -> str | None:
+    """Train one trial (``command``: its settings and tag) on this rank; its error's line, or
+    ``None``."""
     try:
-        Trainer(resolve_momentum(TrainConfig.from_dict(settings), comm.world_size), comm,
-                data).run()
+        train(TrainConfig.from_dict(command["train"]), comm, env, data, command["tag"])
     except ShoalError as exc:
         return first_line(exc)
     return None
 
 
-def follow(comm: Comm, data: Dataset) -> TrainConfig:
+def train(cfg: TrainConfig, comm: Comm, env: Environment, data: Dataset, tag: str
+          ) -> dict[str, Any] | None:
+    """Train ``cfg`` on the job's ranks as a fresh trainer: on ``comm`` (its momentum for the
+    job's ranks), or, for a strategy whose workers meet through servers, in its own layout of
+    the same ranks (:func:`~shoal.train.launch.relaid`, on the job's store's namespace
+    ``tag``); rank 0's summary."""
+    if detached(cfg.strategy):
+        return relaid(cfg, env, comm, data, tag)
+    return Trainer(resolve_momentum(cfg, comm.world_size), comm, data).run()
+
+
+def follow(comm: Comm, env: Environment, data: Dataset) -> dict[str, Any]:
     """A rank other than 0 during the plan: train each trial rank 0 hands out, until it
-    hands out the winner (returned)."""
+    hands out the winner (returned: its command)."""
     while True:
         command = comm.broadcast_object(None)
         if "final" in command:
-            return TrainConfig.from_dict(command["final"])
-        comm.gather_objects(_trial(command["train"], comm, data))
+            return command
+        comm.gather_objects(_trial(command, comm, env, data))
 
 
 def plan_in_job(cfg: TrainConfig, env: Environment, probe_steps: int) -> dict[str, Any] | None:
@@ -104,7 +118,7 @@ def plan_in_job(cfg: TrainConfig, env: Environment, probe_steps: int) -> dict[st
     with OutputLock(Path(cfg.out)) if env.rank == 0 else contextlib.nullcontext():
         comm = join(sync, env, topology)  # the launch path's: once, for the probe, trials, winner
         try:
-            summary = _probe_plan_train(cfg, sync, comm, work.data, auto)
+            summary = _probe_plan_train(cfg, sync, comm, env, work.data, auto)
         except BaseException as exc:
             comm.abort(first_line(exc))
             raise
@@ -112,8 +126,8 @@ def plan_in_job(cfg: TrainConfig, env: Environment, probe_steps: int) -> dict[st
     return summary
 
 
-def _probe_plan_train(cfg: TrainConfig, sync: TrainConfig, comm: Comm, data: Dataset,
-                      auto: bool) -> dict[str, Any] | None:
+def _probe_plan_train(cfg: TrainConfig, sync: TrainConfig, comm: Comm, env: Environment,
+                      data: Dataset, auto: bool) -> dict[str, Any] | None:
     """The probe, the plan and the winner on ``comm``'s ranks."""
     out, launched = Path(cfg.out), time.time()
     go_on, verdict = cfg, None
@@ -125,13 +139,14 @@ def _probe_plan_train(cfg: TrainConfig, sync: TrainConfig, comm: Comm, data: Dat
         if not comm.broadcast_object(verdict is not None and verdict["plans"]):
             return _skipped(summary, verdict, out) if comm.rank == 0 else None
     if comm.rank != 0:
-        Trainer(_final(follow(comm, data), comm), comm, data).run()
+        final = follow(comm, env, data)
+        train(_final(TrainConfig.from_dict(final["final"])), comm, env, data, final["tag"])
         return None
     if verdict is not None:
         go_on = dataclasses.replace(cfg, init_from=str(out / "checkpoint.pt"), init_progress=True,
                                     plan_budget=f"{verdict['budget_s']}s")
     planner = Planner(go_on, PlanOptions.of(go_on), None, out / PLAN_DIR, comm.world_size,
-                      probe=verdict, session=JobSession(comm, data))
+                      probe=verdict, session=JobSession(comm, env, data))
     found = planner.run()
     print(f"shoal: planned on the job's {comm.world_size} ranks in {found.planning_s:.0f} s "
           f"({len(found.trials)} trials): {found.why}", file=sys.stderr, flush=True)
@@ -142,8 +157,8 @@ def _probe_plan_train(cfg: TrainConfig, sync: TrainConfig, comm: Comm, data: Dat
     else:
         assert found.winner is not None
         winner, label = found.winner, best.candidate.label()
-    comm.broadcast_object({"final": winner.to_dict()})
-    summary = Trainer(_final(winner, comm), comm, data).run()
+    comm.broadcast_object({"final": winner.to_dict(), "tag": "winner"})
+    summary = train(_final(winner), comm, env, data, "winner")
     assert summary is not None
     summary["plan"] = {"skipped": False, "winner": label, "planning_s": found.planning_s,
                        "trials": len(found.trials), "why": found.why, "probe": verdict,
@@ -156,10 +171,10 @@ def _from(go_on: TrainConfig) -> dict[str, Any]:
     return {"init_from": go_on.init_from, "init_progress": go_on.init_progress}
 
 
-def _final(winner: TrainConfig, comm: Comm) -> TrainConfig:
-    """The winner's settings as this job trains them (its momentum for the job's ranks)."""
-    return resolve_momentum(dataclasses.replace(winner, overwrite=False, workers=None),
-                            comm.world_size)
+def _final(winner: TrainConfig) -> TrainConfig:
+    """The winner's settings as this job trains them (on the job's ranks, in the winner's
+    layout of them)."""
+    return dataclasses.replace(winner, overwrite=False, workers=None)
 
 
 def _skipped(summary: dict[str, Any] | None, verdict: dict[str, Any] | None,

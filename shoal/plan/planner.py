@@ -136,10 +136,19 @@ class Planner:
         if w > 1 and self.launcher is not None and not self.launcher.emulated(w):
             syncs.append(Candidate("sync", (), 1, default_threads(1)))
         names = [n for n in self.options.candidates if n != "sync"
-                 and (self.launcher is not None or not _asynchronous(n))]
-        families = [Candidate(name, (("groups" if name == "groups" else "tau", 1),), w, threads)
-                    for name in names]
+                 and (self.launcher is not None or not detached(n) or self.workers_of(n) > 1)]
+        families = [Candidate(name, (("groups" if name == "groups" else "tau", 1),),
+                              self.workers_of(name), threads) for name in names]
         return syncs, families
+
+    def workers_of(self, strategy: str) -> int:
+        """The workers a candidate of ``strategy`` trains on: the job's; inside a job (no
+        launcher, :mod:`shoal.plan.injob`), one whose workers meet through parameter servers
+        gives its servers ranks of the job's."""
+        if self.launcher is not None or not detached(strategy):
+            return self.workers
+        cls = get_strategy(strategy)
+        return self.workers - cls.servers(cls.Options())
 
     def config(self, c: Candidate, out: Path, **changes: Any) -> TrainConfig:
         """The run settings of candidate ``c`` writing to ``out`` (a trial's: ``changes``)."""
@@ -154,16 +163,20 @@ class Planner:
 
     # -- a trial ----------------------------------------------------------------------------
     def in_session(self, c: Candidate) -> bool:
-        """Whether ``c``'s trial runs in the planning session (the job's layout, a
-        synchronous strategy) rather than as a job of its own."""
+        """Whether ``c``'s trial runs in the planning session (inside a job: every trial; else
+        the job's layout, a synchronous strategy) rather than as a job of its own."""
+        return self.launcher is None or self.in_layout(c)
+
+    def in_layout(self, c: Candidate) -> bool:
+        """Whether ``c`` is a synchronous strategy on the job's workers and threads."""
         return (c.workers == self.workers and c.threads == self.cfg.threads_per_worker
-                and not _asynchronous(c.strategy))
+                and not detached(c.strategy))
 
     def speed_only(self, c: Candidate, phase: Phase) -> bool:
         """Whether ``c``'s trial measures its speed only: an asynchronous candidate on the
         walk toward asynchrony, which needs its time per epoch only (a few steps of a job of
         its own, untested)."""
-        return phase == HARDWARE and _asynchronous(c.strategy)
+        return phase == HARDWARE and detached(c.strategy)
 
     def length(self, c: Candidate, scale: int = 1) -> dict[str, Any]:
         """Where ``c``'s trial stops, and how often it is tested (``--stop-at-step``,
@@ -178,7 +191,7 @@ class Planner:
         spe, begin = self.steps_per_epoch, self.start.step
         steps = max(4, round(self.trial_epochs * scale * spe))
         every = max(1, steps // 4)
-        if c.strategy != "sync" and not _asynchronous(c.strategy) and c.knob > 1:
+        if c.strategy not in ("sync", "groups") and c.knob > 1:  # a period, async's too
             every = c.knob * max(1, every // c.knob)
             steps = max(steps, 2 * every)
             steps = -(-steps // every) * every
@@ -189,8 +202,10 @@ class Planner:
 
     def steps(self, c: Candidate, phase: Phase) -> int:
         """The steps ``c``'s trial trains (:meth:`length`, or a speed-only trial's)."""
-        if self.speed_only(c, phase):
-            return min(self.steps_per_epoch, max(8, round(self.trial_epochs * self.steps_per_epoch / 4)))
+        if self.speed_only(c, phase):  # two of its periods at least: both exchange
+            quarter = round(self.trial_epochs * self.steps_per_epoch / 4)
+            return max(min(self.steps_per_epoch, max(8, quarter)),
+                       2 * c.knob if c.strategy != "groups" else 0)
         stop = self.length(c, phase.scale)["stop_at_step"]
         return (stop if stop is not None else self.cfg.epochs * self.steps_per_epoch) - self.start.step
 
@@ -200,7 +215,7 @@ class Planner:
         step, and the link on which its own pattern communicated what it measured. ``c``'s
         step computes the same and exchanges on that link as its pattern says. A job of its
         own adds a start-up (the longest one measured, else 10 s)."""
-        tested = [t for t in self.measured if t.ok and t.curve and self.in_session(t.candidate)
+        tested = [t for t in self.measured if t.ok and t.curve and self.in_layout(t.candidate)
                   and t.comm_fraction is not None]
         if not tested:
             return None
@@ -226,7 +241,8 @@ class Planner:
         # back, so nobody else may plant or swap them.
         out = (private_dir(self.out / "trials", "the trials' folder") / name).resolve()
         speed_only = self.speed_only(c, phase)
-        # Speed only: a quarter of the trial's steps (at least 8, at most an epoch), untested.
+        # Speed only: a quarter of the trial's steps (at least 8, at most an epoch; two
+        # periods at least), untested.
         length = ({"stop_at_step": self.start.step + self.steps(c, phase), "eval_every_steps": None}
                   if speed_only else self.length(c, phase.scale))
         cfg = self.config(c, out, **length, eval_every=1, checkpoint_every=10**9,
@@ -347,7 +363,7 @@ def run_config(launcher: Launcher, cfg: TrainConfig, workers: int, name: str) ->
                    out, name)
 
 
-def _asynchronous(strategy: str) -> bool:
+def detached(strategy: str) -> bool:
     """Whether ``strategy``'s workers meet only through parameter servers."""
     cls = get_strategy(strategy)
     return cls.topology(cls.Options(), 1).detached

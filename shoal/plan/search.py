@@ -46,6 +46,9 @@ if TYPE_CHECKING:
 FASTER = 0.10
 #: Omnivore's momentum grid, and its learning-rate grid as factors of the user's rate.
 MOMENTA = (0.0, 0.3, 0.6, 0.9)
+#: Strategies whose local steps are momentum SGD by definition (EAMSGD's): their grid starts
+#: at the first momentum above 0 (at 0 they refuse to run, which would prune the rate).
+MOMENTUM_ONLY = frozenset({"eamsgd", "async-measgd"})
 RATE_FACTORS = (1.0, 0.1)
 #: The periods a periodic family's walk tries, from the synchronous end (sync is tau = 1).
 TAUS = (4, 16, 64)
@@ -202,7 +205,7 @@ class Omnivore:
         found: list[Trial] = []
         for factor in RATE_FACTORS:
             eta = s.lr * factor
-            for mu in MOMENTA:
+            for mu in (m for m in MOMENTA if m > 0 or base.strategy not in MOMENTUM_ONLY):
                 # The user's own setting is the walk's trial (None: as given).
                 point = dataclasses.replace(base, momentum=None if mu == s.momentum else mu,
                                             lr=None if factor == 1.0 else eta)

@@ -16,10 +16,14 @@ import signal
 import sys
 from typing import Any
 
+import torch
+import torch.distributed as dist
+
 from shoal.config import TrainConfig
 from shoal.core.comm import Comm
 from shoal.core.env import Environment, default_threads
-from shoal.core.failures import record_failure
+from shoal.core.failures import first_line, record_failure
+from shoal.core.group import join_group
 from shoal.core.join import init_comm
 from shoal.core.processes import stop_on_sigterm
 from shoal.core.timeline import Timeline
@@ -29,6 +33,7 @@ from shoal.data import Dataset
 from shoal.errors import ShoalError
 from shoal.strategies import get_strategy, make_options
 from shoal.strategies.topology import Topology
+from shoal.train.optim import resolve_momentum
 from shoal.train.remote import remote_components
 from shoal.train.server import connect, leave, run_server
 from shoal.train.trainer import Trainer
@@ -98,10 +103,12 @@ def run_rank(cfg: TrainConfig, env: Environment, topology: Topology, work: Workl
             signal.signal(signal.SIGTERM, previous)
 
 
-def join(cfg: TrainConfig, env: Environment, topology: Topology) -> Comm:
+def join(cfg: TrainConfig, env: Environment, topology: Topology,
+         store: dist.Store | None = None) -> Comm:
     """This rank's Comm: the job's process group; or, in a job whose workers meet only
-    through their servers, the job's store and the process group of this worker's compute
-    group (before the strategy is built). A server computes little: one thread."""
+    through their servers, the job's store (``store`` when given) and the process group of
+    this worker's compute group (before the strategy is built). A server computes little:
+    one thread."""
     timeline = Timeline(keep_events=cfg.trace)
     if not topology.detached:
         threads = cfg.threads_per_worker or default_threads(env.local_world_size)
@@ -109,9 +116,9 @@ def join(cfg: TrainConfig, env: Environment, topology: Topology) -> Comm:
                          heartbeat_timeout=cfg.heartbeat_timeout, elastic=cfg.elastic)
     place = topology.place(env)
     if topology.role(env.rank).is_server:
-        return init_comm(env, "cpu", cfg.timeout, 1, timeline, place=place)
+        return init_comm(env, "cpu", cfg.timeout, 1, timeline, place=place, store=store)
     threads = cfg.threads_per_worker or default_threads(place.local_world_size)
-    comm = init_comm(env, cfg.device, cfg.timeout, threads, timeline, place=place)
+    comm = init_comm(env, cfg.device, cfg.timeout, threads, timeline, place=place, store=store)
     first, end = topology.group(place.rank)
     if end - first > 1:
         comm.join_subgroup(f"groups/{first}", place.rank - first, end - first, cfg.timeout)
@@ -127,6 +134,39 @@ def _train(cfg: TrainConfig, comm: Comm, topology: Topology, work: Workload,
     Trainer(cfg, comm, work.data, work.model, components=remote_components(client)).run()
     leave(client)
     return None
+
+
+def relaid(cfg: TrainConfig, env: Environment, comm: Comm, data: Dataset, tag: str
+           ) -> dict[str, Any] | None:
+    """Run ``cfg``, whose workers meet through parameter servers, on the ranks of a job that
+    has its process group (``comm``): every rank leaves the job's group, plays its role in
+    ``cfg``'s layout of the same ranks (servers first) on a namespace ``tag`` of the job's
+    store, then joins the job's group again, whatever the run did. What ``shoal train
+    --strategy auto`` under torchrun, Slurm or mpirun does for a trial of ``groups`` or an
+    asynchronous strategy, and for such a winner. Every rank must call it with the same
+    ``tag``, new for each call; rank 0 (server 0) returns the run's summary."""
+    topology = outside_topology(cfg, env)
+    cfg = resolve_momentum(cfg, topology.workers)
+    work = load_workload(cfg, data)
+    store, threads = dist.PrefixStore(f"relaid/{tag}", comm.store), torch.get_num_threads()
+    dist.destroy_process_group()
+    try:
+        inner = join(cfg, env, topology, store)
+        try:
+            if topology.role(env.rank).is_server:
+                return run_server(cfg, env, inner, topology, work)
+            return _train(cfg, inner, topology, work, None)
+        except BaseException as exc:
+            inner.abort(first_line(exc))
+            if inner.ps is not None:
+                leave(inner.ps, exc)
+            raise
+        finally:
+            inner.close()
+    finally:
+        torch.set_num_threads(threads)
+        join_group(dist.PrefixStore(f"relaid/{tag}/job", comm.store), env.rank, env.world_size,
+                   comm.device.type, cfg.timeout, where="the job's process group again")
 
 
 def _exit_failed(env: Environment, exc: Exception) -> None:
