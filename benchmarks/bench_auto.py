@@ -14,6 +14,8 @@ table::
     sudo .venv/bin/python benchmarks/bench_auto.py --task hard --emulate-bandwidth 100mbit --repeats 3
     sudo .venv/bin/python benchmarks/bench_auto.py --task hard --emulate-bandwidth 100mbit \
         --emulate-slow 1:0.25 --repeats 3   # host 1 at a quarter of a core
+    sudo .venv/bin/python benchmarks/bench_auto.py --task hard --emulate-bandwidth 100mbit \
+        --workers 4 --emulate-slow 1:0.125 --plan-candidates sync,local-sgd,groups,async-measgd
 """
 
 from __future__ import annotations
@@ -109,6 +111,8 @@ def main() -> int:
                    help="uneven hosts (with --emulate-bandwidth): 1:0.25 holds host 1 to a "
                         "quarter of a core")
     p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--plan-candidates", default=None, metavar="S[,S...]",
+                   help="auto's candidates (default: its own)")
     p.add_argument("--samples", type=int, default=None, help="a synthetic task's samples")
     p.add_argument("--epochs", type=int, default=None, help="override the task's epochs")
     p.add_argument("--target", type=float, default=None, help="override the task's target")
@@ -116,12 +120,14 @@ def main() -> int:
     args = p.parse_args()
     settings = dict(TASKS[args.task])
     for key, value in (("synthetic_samples", args.samples), ("epochs", args.epochs),
-                       ("target_accuracy", args.target)):
+                       ("target_accuracy", args.target),
+                       ("plan_candidates", args.plan_candidates
+                        and tuple(args.plan_candidates.split(",")))):
         if value is not None:
             settings[key] = value
     base = TrainConfig(**settings, threads_per_worker=1, progress="none", overwrite=True)
     root = Path(args.out).resolve() / "-".join(
-        str(v) for v in (args.task, args.samples, args.epochs, args.emulate_bandwidth,
+        str(v) for v in (args.task, args.samples, args.epochs, args.emulate_bandwidth, args.workers,
                          args.emulate_slow and "slow" + args.emulate_slow.replace(":", "-"))
         if v)
     rows = []

@@ -6,6 +6,8 @@ from __future__ import annotations
 import json
 import sys
 
+from shoal.emulate import can_emulate
+
 from conftest import REPO, run
 
 START = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node"]
@@ -58,16 +60,19 @@ def test_a_run_under_torchrun_that_cannot_pay_trains_sync_in_one_line(tmp_path):
 
 
 def test_auto_under_torchrun_tries_groups_and_asynchrony_on_the_jobs_ranks(tmp_path):
-    """Inside a job of 3 ranks, ``groups`` and Async EAMSGD are tried too: each trial lays
-    the same ranks out anew (one serves, two train), the walk's speed-only trials and the
-    grid's tested ones, and the job's own group comes back after each for the next
+    """Inside a torchrun job of 3 hosts of the emulated cluster (1 Gbit/s links; where it
+    cannot be made, 3 ranks on loopback), ``groups`` and Async EAMSGD are tried too: each
+    trial lays the same ranks out anew (one serves, two train), the walk's speed-only trials
+    and the grid's tested ones, and the job's own group comes back after each for the next
     trial and the winner, which trains the whole run."""
     out = tmp_path / "auto"
-    res = run([*START, "3", *AUTO, "--epochs", "4", "--trial-epochs", "0.5", "--plan-budget",
-               "60s", "--plan-candidates", "sync,groups,async-measgd", "--out", str(out)],
-              timeout=280)
-    assert res.returncode == 0, res.stderr
-    assert "planned on the job's 3 ranks" in res.stderr and not res.stray
+    start = ([sys.executable, "-m", "shoal.emulate", "--hosts", "3", "--rate", "1gbit", "--"]
+             if can_emulate() is None else [*START, "3"])
+    res = run([*start, *AUTO, "--epochs", "4", "--trial-epochs", "0.5", "--plan-budget",
+               "60s", "--plan-candidates", "sync,groups,async-measgd", "--threads-per-worker",
+               "1", "--out", str(out)], timeout=280)
+    assert res.returncode == 0, res.stdout + res.stderr
+    assert "planned on the job's 3 ranks" in res.stdout + res.stderr and not res.stray
     trials = json.loads((out / "plan" / "plan.json").read_text())["trials"]
     laid_out = [t for t in trials if t["strategy"] != "sync"]
     # Tested trials: at least one family's grid (the other may be skipped as costlier than

@@ -187,7 +187,8 @@ def _coordinator(cfg: TrainConfig, env: Environment, comm: Comm, topology: Topol
 def _counts(cfg: TrainConfig, topology: Topology, comm: Comm, env: Environment,
             paths: list[str], payload: dict[str, Any] | None = None) -> torch.Tensor | None:
     """``--elastic`` with shared memory (hogwild): the file of each worker's count and step,
-    zeros (resumed: each worker's count where it goes on), which every worker maps and writes
+    zeros (resumed: each worker's count where it goes on, at the checkpoint's step: a worker
+    lost before its first step is named at it, not at 0), which every worker maps and writes
     its own to after each step (set in the store before the parameters' path, which the
     workers wait for)."""
     if not (cfg.elastic and topology.shared_memory):
@@ -195,7 +196,7 @@ def _counts(cfg: TrainConfig, topology: Topology, comm: Comm, env: Environment,
     counts = torch.zeros(COUNT_SLOTS, 2, dtype=torch.int64)
     for worker, count in (payload or {}).get("servers", [{}])[0].get("counted", {}).items():
         if 0 <= int(worker) < COUNT_SLOTS:  # --resume: where each worker goes on from
-            counts[int(worker), 0] = int(count)
+            counts[int(worker)] = torch.tensor([int(count), int(payload["coordinator"]["step"])])
     paths.append(create_shared_file(counts.flatten(), env.error_dir))
     comm.store.set(COUNTS_KEY, paths[-1])
     return map_counts(paths[-1])
