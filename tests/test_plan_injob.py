@@ -105,3 +105,33 @@ def test_a_job_lays_its_ranks_out_for_servers_and_gets_its_group_back(tmp_path):
         assert seen[strategy]["workers"] == 2 and seen[strategy]["accuracy"] > 0.8
         assert (out / strategy / "summary.json").is_file()
     assert "needs --momentum > 0" in seen["async-measgd"]["error"]
+
+
+class _Session:
+    """The job's ranks, never asked to train here."""
+
+    def close(self):
+        pass
+
+
+def test_inside_a_job_servers_take_ranks_and_need_two_workers_beside_them(tmp_path):
+    """Which candidates a plan inside a job tries (no launcher: the job's ranks): with
+    servers, one of the job's ranks serves, so 3 ranks train 2 workers; 2 ranks would leave
+    one worker, and ``--elastic`` keeps an asynchronous job's ranks in processes of their
+    own: neither is tried. The synchronous strategies always are, on every rank."""
+    from shoal.config import TrainConfig
+    from shoal.plan.planner import Planner, PlanOptions
+
+    def families(ranks, **changes):
+        cfg = TrainConfig(model="mlp", dataset="digits", epochs=4, target_accuracy=0.9,
+                          plan_candidates=("sync", "local-sgd", "groups", "async-measgd"),
+                          progress="none", out=str(tmp_path), **changes).validate()
+        planner = Planner(cfg, PlanOptions.of(cfg), None, tmp_path, ranks, show=False,
+                          session=_Session())
+        syncs, rest = planner.starts()
+        assert [(c.strategy, c.workers) for c in syncs] == [("sync", ranks)]
+        return {c.strategy: c.workers for c in rest}
+
+    assert families(3) == {"local-sgd": 3, "groups": 2, "async-measgd": 2}
+    assert families(2) == {"local-sgd": 2}
+    assert families(3, elastic=True) == {"local-sgd": 3}

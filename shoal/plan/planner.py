@@ -135,11 +135,17 @@ class Planner:
         syncs = [Candidate("sync", (), w, threads)]
         if w > 1 and self.launcher is not None and not self.launcher.emulated(w):
             syncs.append(Candidate("sync", (), 1, default_threads(1)))
-        names = [n for n in self.options.candidates if n != "sync"
-                 and (self.launcher is not None or not detached(n) or self.workers_of(n) > 1)]
+        names = [n for n in self.options.candidates if n != "sync" and self.fits(n)]
         families = [Candidate(name, (("groups" if name == "groups" else "tau", 1),),
                               self.workers_of(name), threads) for name in names]
         return syncs, families
+
+    def fits(self, strategy: str) -> bool:
+        """Whether ``strategy`` can be tried: always under shoal's launcher; inside a job, one
+        with servers needs two workers beside them, and not under ``--elastic`` (an
+        asynchronous elastic job's ranks are kept by processes of their own there)."""
+        return self.launcher is not None or not detached(strategy) or (
+            self.workers_of(strategy) > 1 and not self.cfg.elastic)
 
     def workers_of(self, strategy: str) -> int:
         """The workers a candidate of ``strategy`` trains on: the job's; inside a job (no
