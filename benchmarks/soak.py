@@ -181,9 +181,14 @@ def async_soak(a: argparse.Namespace, out: Path) -> dict[str, object]:
     rng = random.Random(a.seed)
     shutil.rmtree(run, ignore_errors=True)
     started, codes, terms, kills = time.monotonic(), [], 0, 0
+    trail: list[dict[str, int]] = []
     while not codes or codes[-1] not in (0, 3):  # 3: completed without a killed worker
         code, t, k = cycle(cmd, run, a, rng)
         codes, terms, kills = codes + [code], terms + t, kills + k
+        if a.elastic:  # what each invocation left: the records' count against the files'
+            done = json.loads((run / "summary.json").read_text())
+            trail.append({"exit": code, "kills": k, "samples_in_records": done["samples"],
+                          "samples_recorded": sum(samples_recorded(run).values())})
         # -15: the signal came after the job's end, once the launcher stopped passing it on
         if code not in (0, 3, 143, -15) or len(codes) > 1000:
             sys.exit(f"soak: {' '.join(cmd)} exited with {code}")
@@ -208,10 +213,11 @@ def async_soak(a: argparse.Namespace, out: Path) -> dict[str, object]:
         # Epochs recorded while a worker was lost miss its rows (it trains them again after
         # the next --resume, from its last checkpoint); the workers' own counts are exact.
         "samples_in_records": summary["samples"],
-        "samples_trained_by_workers": sum(own["strategy"]["samples"] for own in saved["ranks"]),
+        "samples_trained_by_workers": sum(own["strategy"]["samples"] for own in saved["ranks"]
+                                          if own is not None),  # None: lost at the end
         "lost_workers_at_the_end": len(summary.get("lost_workers", [])),
         "test_accuracy": summary["test_accuracy"],
-        **elastic,
+        **elastic, **({"invocations": trail} if trail else {}),
     }
 
 

@@ -197,3 +197,24 @@ def test_max_restarts_starts_an_elastic_asynchronous_job_again_from_its_checkpoi
     assert "server 0 (rank 0): process killed by signal 9; restarting from the checkpoint at " \
            f"step {restart['resumed_from_step']}" in res.stderr
     assert_each_sample_once(out, EPOCHS, TRAIN_ROWS)
+
+
+def test_a_checkpoint_counts_the_reported_samples_of_a_worker_it_does_not_resume():
+    """Epoch reports not recorded yet when a checkpoint is written: a saved worker's sent
+    before its state stay in the file (recorded after the resume), later ones leave it (it
+    does that work again). A lost worker's stay nowhere: under --elastic its work is not
+    done again, so their samples count at once (the 8-run soak's summary lacked 55,292 of
+    1,149,600 samples without this; without --elastic the lost worker is resumed from its
+    own state and reports that work again)."""
+    from shoal.train.records import pending_reports
+
+    def report(step, samples):
+        return {"step": step, "sums": [0.0, 0.0, samples]}
+
+    epochs = {5: {0: report(40, 100), 1: report(44, 90), 2: report(47, 120)},
+              6: {1: report(52, 95), 2: report(55, 110)}}
+    saved = {0: {"step": 45}, 1: {"step": 50}}  # worker 2 was lost
+    kept, gone = pending_reports(epochs, saved, elastic=True)
+    assert kept == {5: {0: epochs[5][0], 1: epochs[5][1]}}  # worker 1's epoch 6: after its state
+    assert gone == 120 + 110
+    assert pending_reports(epochs, saved, elastic=False) == (kept, 0)

@@ -43,6 +43,7 @@ from shoal.train.deal import loss_record
 from shoal.train.dealer import AsyncMembers
 from shoal.train.evaluation import Evaluator
 from shoal.train.recorder import Recorder
+from shoal.train.records import pending_reports
 from shoal.train.remote import CLOCK_KEY
 from shoal.train.state import RunState
 
@@ -340,18 +341,17 @@ class Coordinator:
         dealt = {"elastic": self.members.checkpoint(servers, reports)} if self.members else {}
         center = to_cpu(self.model.state_dict())  # the evaluation model, saved once
         st = self.state
-        # The epoch reports each worker sent before its state: the epochs to record next.
-        pending = {e: {w: r for w, r in got.items() if w in reports
-                       and r["step"] <= reports[w]["step"]} for e, got in self.epochs.items()}
+        pending, gone = pending_reports(self.epochs, reports, self.members is not None)
         write_checkpoint(
             self.cfg, self.plan, progress=slowest["own"]["progress"],
             scheduler=slowest["own"]["scheduler"],
             ranks=[self.own.get(w) for w in range(self.workers)], evaluated=center,
             shared={"model": center, "servers": to_cpu(servers),
-                    "coordinator": {"epoch": st.epoch, "step": st.step, "samples": st.samples,
+                    "coordinator": {"epoch": st.epoch, "step": st.step,
+                                    "samples": st.samples + gone,
                                     "train_time_s": st.train_time_s,
                                     "wall_time_s": st.elapsed_s(), "lr": st.lr,
-                                    "pending": {e: got for e, got in pending.items() if got},
+                                    "pending": pending,
                                     **dealt}})
         self.saved_step = slowest["step"]
 

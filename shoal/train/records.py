@@ -116,3 +116,17 @@ def write_trace(path: Path, trace: dict[str, Any]) -> None:
     """Write a Chrome trace (see :func:`shoal.core.timeline.chrome_trace`) compactly, atomically."""
     text = json.dumps(trace, separators=(",", ":"))
     atomic_write(path, lambda f: f.write(text.encode()))
+
+
+def pending_reports(epochs: dict[int, dict[int, Any]], saved: dict[int, dict[str, Any]],
+                    elastic: bool) -> tuple[dict[int, dict[int, Any]], int]:
+    """What an asynchronous checkpoint keeps of the epoch reports not recorded yet
+    (``epochs``: by epoch, by worker), given the states ``saved`` in it (by worker): each
+    worker's reports sent before its state (a resumed worker does the later work again); and
+    the samples of those it drops that count now: under ``--elastic`` a worker with no state
+    in the file (lost, or a joiner) is not resumed and its work is not done again."""
+    kept = {e: {w: r for w, r in got.items() if w in saved and r["step"] <= saved[w]["step"]}
+            for e, got in epochs.items()}
+    gone = sum(int(r["sums"][2]) for got in epochs.values() for w, r in got.items()
+               if w not in saved) if elastic else 0
+    return {e: got for e, got in kept.items() if got}, gone
