@@ -293,7 +293,8 @@ class AsyncMembers:
         for server in servers:
             server["counted"] = dict(going_on)
         return dealer_state(dealer, counts, dict(dealer.lost_at), max(dealer.schedules) + 1,
-                            dict(self.accounted))
+                            dict(self.accounted),
+                            {w: e for w, e in self.first_epoch.items() if w < c.workers})
 
     def resume(self, payload: dict[str, Any]) -> None:
         """Go on from ``payload``: every worker's schedule rebuilt, the workers lost before
@@ -321,6 +322,8 @@ class AsyncMembers:
         self.dealer.resume(starts, changes)
         c.recorder.notes["membership_changes"] = changes
         self.accounted = {int(w): int(n) for w, n in part.get("accounted", {}).items()}
+        # A worker back at an earlier resume may have started past epochs not recorded yet.
+        self.first_epoch = {int(w): int(e) for w, e in part.get("first", {}).items()}
         for w in back:
             # to its count: in the records, or added when it was lost; its samples to it in
             # its file, unless the file has them (lost, and not seen so yet)

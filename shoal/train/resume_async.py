@@ -45,16 +45,18 @@ class Start:
 
 
 def dealer_state(dealer: Any, counts: dict[int, int], lost: dict[int, int], next_id: int,
-                 accounted: dict[int, int] | None = None) -> dict[str, Any]:
+                 accounted: dict[int, int] | None = None, first: dict[int, int] | None = None
+                 ) -> dict[str, Any]:
     """Server 0's part: ``dealer``'s state; ``counts``: each live worker's count that has
     no state in the file (a joiner); ``lost``: each lost worker's last count; ``next_id``:
     the id the next joiner gets; ``accounted``: how far into each worker's schedule its
-    samples are in the records' count."""
+    samples are in the records' count; ``first``: the epoch (from 0) each worker back at an
+    earlier ``--resume`` started at (it reports no epoch before it)."""
     return {"schedules": {w: s.blocks for w, s in dealer.schedules.items()},
             "deals": dealer.deals, "adopted": {w: sorted(n) for w, n in dealer.adopted.items()},
             "giving": [g["pieces"] for g in dealer.giving.values()],
             "counts": counts, "lost": lost, "changes": dealer.changes, "next": next_id,
-            "accounted": accounted or {}}
+            "accounted": accounted or {}, "first": first or {}}
 
 
 def _segments(raw: Any) -> list[Segment]:
