@@ -218,3 +218,51 @@ def test_a_checkpoint_counts_the_reported_samples_of_a_worker_it_does_not_resume
     assert kept == {5: {0: epochs[5][0], 1: epochs[5][1]}}  # worker 1's epoch 6: after its state
     assert gone == 120 + 110
     assert pending_reports(epochs, saved, elastic=False) == (kept, 0)
+
+
+def test_a_worker_back_past_the_recorded_epochs_is_not_waited_for_after_the_next_resume(
+        tmp_path):
+    """Worker 2 is lost in block 2, while the records are still at epoch 0 (it had run
+    ahead): at the first --resume it is back in block 2 and reports no epoch before epoch 3,
+    so epochs 1 and 2 are recorded from workers 0 and 1 alone. The checkpoint after that
+    keeps where it started: after a second --resume epoch 1 is still not due from it (a
+    soak's records waited for such a report to the end of the run: 430 epochs lost)."""
+    from types import SimpleNamespace
+
+    from shoal.train.dealer import AsyncMembers
+
+    cfg = TrainConfig(out=str(tmp_path), epochs=3, batch_size=4, seed=0)
+
+    def members() -> AsyncMembers:
+        c = SimpleNamespace(comm=SimpleNamespace(attempt_store=dist.HashStore()), cfg=cfg,
+                            data=SimpleNamespace(train=range(100)), workers=3, servers=1,
+                            live={0, 1, 2}, finals={}, recorder=SimpleNamespace(notes={}),
+                            counted_of=None, followers=None)
+        return AsyncMembers(c, None)
+
+    def saved(m: AsyncMembers, positions: dict, recorded: int) -> dict:
+        reports = {w: {"own": {"elastic": p}} for w, p in positions.items()}
+        payload = {"progress": {"step": 40}, "ranks": [
+            None if w not in positions else {"elastic": positions[w]} for w in range(3)],
+            "coordinator": {"epoch": recorded,
+                            "elastic": m.checkpoint([{"counted": {}}], reports)}}
+        buffer = io.BytesIO()
+        torch.save(payload, buffer)
+        buffer.seek(0)
+        return torch.load(buffer, weights_only=True)
+
+    first = members()
+    lost_in = first.dealer.schedules[2].start(2) + 3  # 3 samples into its block 2
+    first.dealer.lost(2, {"counted": lost_in, "step": 30}, {0, 1}, lambda: "killed")
+    first.c.live = {0, 1}
+    one = saved(first, {0: {"epoch": 0, "read": 20, "at": 20},
+                        1: {"epoch": 0, "read": 18, "at": 18}}, recorded=0)
+    second = members()
+    second.resume(one)
+    assert second.first_epoch[2] == 2 and second.due(1) == {0, 1} and 2 in second.due(3)
+    two = saved(second, {0: {"epoch": 0, "read": 30, "at": 30},
+                         1: {"epoch": 0, "read": 29, "at": 29},
+                         2: {"epoch": 2, "read": 3, "at": 3}}, recorded=0)
+    third = members()
+    third.resume(two)
+    assert third.due(1) == {0, 1} and third.due(2) == {0, 1} and third.due(3) == {0, 1, 2}
