@@ -176,7 +176,8 @@ def async_soak(a: argparse.Namespace, out: Path) -> dict[str, object]:
     run = out / "soak-async"
     cmd = [sys.executable, "-m", "shoal", "train", "--model", a.model, "--dataset", a.dataset,
            "--workers", str(a.workers), "--epochs", str(a.epochs), "--progress", "none",
-           "--strategy", a.strategy, "--servers", str(a.servers), "--out", str(run),
+           "--strategy", a.strategy, "--out", str(run),
+           *(["--servers", str(a.servers)] if a.servers != 1 else []),  # hogwild takes none
            "--resume", "auto", *(["--elastic", "--record-samples"] if a.elastic else [])]
     rng = random.Random(a.seed)
     shutil.rmtree(run, ignore_errors=True)
