@@ -178,6 +178,8 @@ def test_a_stopped_elastic_run_resumes_with_its_lost_worker_back(tmp_path):
     # every epoch recorded once: those recorded before the stop are kept (epoch 2's step is
     # past 2 epochs' steps: the workers trained the lost one's rest too)
     assert [r["epoch"] for r in records if r["event"] == "epoch"] == list(range(1, epochs + 1))
+    steps = [r["step"] for r in records if r["event"] == "epoch"]
+    assert steps == sorted(set(steps)), steps  # a later resume cuts the records by step
 
 
 def test_max_restarts_starts_an_elastic_asynchronous_job_again_from_its_checkpoint(tmp_path):

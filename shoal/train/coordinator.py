@@ -277,8 +277,8 @@ class Coordinator:
         sums = torch.tensor([r["sums"] for r in reports.values()], dtype=torch.float64).sum(0)
         rec.add(sums[0], sums[1], int(sums[2]))
         self._sum_workers(reports)
-        st.reported(max(r["step"] for r in reports.values()), self.plan.steps_per_epoch,
-                    int(sums[2]), reports[min(reports)]["lr"])
+        step = max([st.step + 1, *(r["step"] for r in reports.values())])  # a resume cuts at it
+        st.reported(step, self.plan.steps_per_epoch, int(sums[2]), reports[min(reports)]["lr"])
         rec.step(st, int(sums[2]))
         rec.end_steps()
         st.epoch_done()
