@@ -264,10 +264,11 @@ class AsyncMembers:
 
         c.own.pop(worker, None)  # its state is not one to resume: its rest was dealt
         # What its work carried into the center since its last epoch report is in no record
-        # (its sums of that epoch are gone with it): the samples count it all the same.
+        # (its sums of that epoch are gone with it): the samples count it all the same. What
+        # it reported past its count is dealt again and will be reported again: once only.
         counted = int(info.get("counted", 0))
-        c.state.samples += max(0, counted - self.accounted.get(worker, 0))
-        self.accounted[worker] = max(counted, self.accounted.get(worker, 0))
+        c.state.samples += counted - self.accounted.get(worker, 0)
+        self.accounted[worker] = counted
         dealt = self.dealer.lost(worker, info, c.live - c.finals.keys(), why)
         c.recorder.notes["membership_changes"] = self.dealer.changes
         c.lost[worker].update(samples_trained=int(info.get("counted", 0)),
