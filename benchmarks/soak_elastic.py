@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import json
 import os
 import random
@@ -42,6 +43,8 @@ from itertools import pairwise
 from pathlib import Path
 
 from soak import samples_recorded, workers_of
+
+from shoal.strategies import get_strategy
 
 REPO = Path(__file__).resolve().parent.parent
 ROWS = 1437  # digits' training rows
@@ -162,9 +165,11 @@ def start(cmd: list[str], log: Path, env: dict | None = None) -> subprocess.Pope
 def shoal_args(a: argparse.Namespace, out: Path) -> list[str]:
     # diloco's outer step as torchft's run takes it (benchmarks/soak_torchft.py's defaults)
     outer = ["--outer-lr", "0.7", "--outer-momentum", "0.5"] if a.strategy == "diloco" else []
+    options = {f.name for f in dataclasses.fields(get_strategy(a.strategy).Options)}
+    tau = ["--tau", str(a.tau)] if "tau" in options else []  # async-sgd has no period
     return [sys.executable, "-m", "shoal", "train", "--model", a.model, "--dataset", "digits",
-            "--workers", "4", "--epochs", str(a.epochs), "--strategy", a.strategy, "--tau",
-            str(a.tau), "--lr", str(a.lr), "--momentum", "0.9", "--schedule", "constant",
+            "--workers", "4", "--epochs", str(a.epochs), "--strategy", a.strategy, *tau,
+            "--lr", str(a.lr), "--momentum", "0.9", "--schedule", "constant",
             *outer, *shlex.split(a.extra), "--progress", "plain", "--log-every", "1",
             "--overwrite", "--out", str(out)]
 
