@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import dataclasses
 import json
 import os
 import random
@@ -44,7 +43,7 @@ from pathlib import Path
 
 from soak import samples_recorded, workers_of
 
-from shoal.strategies import get_strategy
+from shoal.strategies import get_strategy, option_fields
 
 REPO = Path(__file__).resolve().parent.parent
 ROWS = 1437  # digits' training rows
@@ -165,7 +164,7 @@ def start(cmd: list[str], log: Path, env: dict | None = None) -> subprocess.Pope
 def shoal_args(a: argparse.Namespace, out: Path) -> list[str]:
     # diloco's outer step as torchft's run takes it (benchmarks/soak_torchft.py's defaults)
     outer = ["--outer-lr", "0.7", "--outer-momentum", "0.5"] if a.strategy == "diloco" else []
-    options = {f.name for f in dataclasses.fields(get_strategy(a.strategy).Options)}
+    options = {f.name for f in option_fields(get_strategy(a.strategy))}
     tau = ["--tau", str(a.tau)] if "tau" in options else []  # async-sgd has no period
     return [sys.executable, "-m", "shoal", "train", "--model", a.model, "--dataset", "digits",
             "--workers", "4", "--epochs", str(a.epochs), "--strategy", a.strategy, *tau,

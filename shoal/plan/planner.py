@@ -197,8 +197,8 @@ class Planner:
         spe, begin = self.steps_per_epoch, self.start.step
         steps = max(4, round(self.trial_epochs * scale * spe))
         every = max(1, steps // 4)
-        if c.strategy not in ("sync", "groups") and c.knob > 1:  # a period, async's too
-            every = c.knob * max(1, every // c.knob)
+        if c.period > 1:  # a periodic strategy's, async's too
+            every = c.period * max(1, every // c.period)
             steps = max(steps, 2 * every)
             steps = -(-steps // every) * every
         stop = begin + steps
@@ -211,7 +211,7 @@ class Planner:
         if self.speed_only(c, phase):  # two of its periods at least: both exchange
             quarter = round(self.trial_epochs * self.steps_per_epoch / 4)
             return max(min(self.steps_per_epoch, max(8, quarter)),
-                       2 * c.knob if c.strategy != "groups" else 0)
+                       2 * c.period if c.period > 1 else 0)
         stop = self.length(c, phase.scale)["stop_at_step"]
         return (stop if stop is not None else self.cfg.epochs * self.steps_per_epoch) - self.start.step
 

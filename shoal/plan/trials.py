@@ -60,6 +60,11 @@ class Candidate:
         opts = dict(self.options)
         return int(opts.get("groups", opts.get("tau", 1)))
 
+    @property
+    def period(self) -> int:
+        """``tau`` for the periodic strategies (their exchange every so many steps), else 1."""
+        return int(dict(self.options).get("tau", 1))
+
     def with_knob(self, value: int) -> Candidate:
         key = "groups" if self.strategy == "groups" else "tau"
         opts = {**dict(self.options), key: value}

@@ -271,7 +271,7 @@ class AsyncMembers:
         self.accounted[worker] = counted
         dealt = self.dealer.lost(worker, info, c.live - c.finals.keys(), why)
         c.recorder.notes["membership_changes"] = self.dealer.changes
-        c.lost[worker].update(samples_trained=int(info.get("counted", 0)),
+        c.lost[worker].update(samples_trained=counted,
                               samples_not_trained=0, samples_dealt_again=dealt)
 
     def checkpoint(self, servers: list[dict[str, Any]], savers: dict[int, Any]) -> dict[str, Any]:

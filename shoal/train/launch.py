@@ -22,7 +22,7 @@ import torch.distributed as dist
 from shoal.config import TrainConfig
 from shoal.core.comm import Comm
 from shoal.core.env import Environment, default_threads
-from shoal.core.failures import first_line, record_failure
+from shoal.core.failures import record_failure
 from shoal.core.group import join_group
 from shoal.core.join import init_comm
 from shoal.core.processes import stop_on_sigterm
@@ -82,16 +82,9 @@ def run_rank(cfg: TrainConfig, env: Environment, topology: Topology, work: Workl
         if comm.membership is not None:
             comm.membership.seal = seal
         try:
-            work = work or load_workload(cfg, data)
-            if topology.role(env.rank).is_server:
-                result = run_server(cfg, env, comm, topology, work, extra, seal)
-            else:
-                result = _train(cfg, comm, topology, work, extra)
-        except BaseException as exc:
-            comm.abort(str(exc) or type(exc).__name__)
-            if comm.ps is not None:
-                leave(comm.ps, exc)
-            if isinstance(exc, Exception) and env.error_dir is not None:
+            result = _play(cfg, env, comm, topology, work, data, extra, seal)
+        except Exception as exc:
+            if env.error_dir is not None:
                 _exit_failed(env, exc)
             raise
         if cfg.elastic and result is not None and comm.attempt_store is not None:
@@ -125,6 +118,24 @@ def join(cfg: TrainConfig, env: Environment, topology: Topology,
     return comm
 
 
+def _play(cfg: TrainConfig, env: Environment, comm: Comm, topology: Topology,
+          work: Workload | None, data: Dataset | None = None, extra: dict[str, Any] | None = None,
+          seal: Seal | None = None) -> dict[str, Any] | None:
+    """Load this process's workload (unless ``work`` is) and play its role in ``topology``:
+    parameter server or worker; rank 0's summary. A failure is told to the others (the job's
+    abort key; a detached worker's coordinator) before it is raised."""
+    try:
+        work = work or load_workload(cfg, data)
+        if topology.role(env.rank).is_server:
+            return run_server(cfg, env, comm, topology, work, extra, seal)
+        return _train(cfg, comm, topology, work, extra)
+    except BaseException as exc:
+        comm.abort(str(exc) or type(exc).__name__)
+        if comm.ps is not None:
+            leave(comm.ps, exc)
+        raise
+
+
 def _train(cfg: TrainConfig, comm: Comm, topology: Topology, work: Workload,
            extra: dict[str, Any] | None) -> dict[str, Any] | None:
     """A worker's run; a detached one's through its servers, reporting to server 0."""
@@ -153,14 +164,7 @@ def relaid(cfg: TrainConfig, env: Environment, comm: Comm, data: Dataset, tag: s
     try:
         inner = join(cfg, env, topology, store)
         try:
-            if topology.role(env.rank).is_server:
-                return run_server(cfg, env, inner, topology, work)
-            return _train(cfg, inner, topology, work, None)
-        except BaseException as exc:
-            inner.abort(first_line(exc))
-            if inner.ps is not None:
-                leave(inner.ps, exc)
-            raise
+            return _play(cfg, env, inner, topology, work)
         finally:
             inner.close()
     finally:
