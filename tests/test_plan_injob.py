@@ -8,7 +8,7 @@ import sys
 
 from shoal.emulate import can_emulate
 
-from conftest import REPO, run
+from conftest import REPO, mpirun, mpirun_env, needs_mpirun, run
 
 START = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node"]
 AUTO = ["-m", "shoal", "train", "--strategy", "auto", "--model", "mlp", "--dataset", "digits",
@@ -85,6 +85,30 @@ def test_auto_under_torchrun_tries_groups_and_asynchrony_on_the_jobs_ranks(tmp_p
     assert summary["plan"]["in_job"] and summary["completed"]
     assert summary["workers"] == (3 if summary["strategy"] == "sync" else 2)
     assert [r["epoch"] for r in _records(out) if r["event"] == "epoch"] == [1, 2, 3, 4]
+    # Where no trial reaches the target, the run says sync goes on (not that a trial is kept).
+    fell_back = summary["plan"]["winner"].startswith("sync (no trial")
+    assert ("sync goes on" in summary["plan"]["why"]) == fell_back, summary["plan"]
+    assert ("is kept" in summary["plan"]["why"]) != fell_back, summary["plan"]
+
+
+@needs_mpirun
+def test_auto_under_a_real_mpirun_plans_on_its_ranks_with_servers_too(tmp_path):
+    """The same under OpenMPI's mpirun (3 ranks on loopback): planning inside the job reads
+    the ranks from mpirun's variables, lays them out anew for ``groups`` and Async EAMSGD,
+    and the winner trains the whole run; nothing outlives mpirun."""
+    out = tmp_path / "auto"
+    res = run(mpirun(3, *AUTO[2:], "--epochs", "3", "--trial-epochs", "0.5", "--plan-budget",
+                     "60s", "--plan-candidates", "sync,groups,async-measgd",
+                     "--threads-per-worker", "1", "--out", str(out)), timeout=280,
+              env=mpirun_env())
+    assert res.returncode == 0, res.stdout + res.stderr
+    assert "planned on the job's 3 ranks" in res.stdout + res.stderr and not res.stray
+    trials = json.loads((out / "plan" / "plan.json").read_text())["trials"]
+    assert {t["strategy"] for t in trials if t["speed_only"]} >= {"groups", "async-measgd"}
+    assert all(t["workers"] == 2 for t in trials if t["strategy"] != "sync")
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["plan"]["in_job"] and summary["completed"]
+    assert [r["epoch"] for r in _records(out) if r["event"] == "epoch"] == [1, 2, 3]
 
 
 def test_a_job_lays_its_ranks_out_for_servers_and_gets_its_group_back(tmp_path):

@@ -135,22 +135,22 @@ def probe_and_train(cfg: TrainConfig) -> dict[str, Any] | None:
     go_on = dataclasses.replace(cfg, init_from=checkpoint, init_progress=True,
                                 plan_budget=f"{verdict['budget_s']}s")
     found = plan(go_on, out / PLAN_DIR, probe=verdict)
-    print(f"shoal: planned in {found.planning_s:.0f} s ({len(found.trials)} trials): "
-          f"{found.why}", file=sys.stderr, flush=True)
-    best = found.trials[0] if found.winner is not None else None
-    if best is None or not math.isfinite(best.predicted_s):  # nothing beats going on
+    why = found.why if found.reaches() else found.why_sync()
+    print(f"shoal: planned in {found.planning_s:.0f} s ({len(found.trials)} trials): {why}",
+          file=sys.stderr, flush=True)
+    if not found.reaches():  # nothing beats going on
         winner, label = dataclasses.replace(sync, plan_probe=None, plan_probe_since=None,
                                             init_from=checkpoint,
                                             init_progress=True), "sync (no trial is predicted " \
             "to reach the target)"
     else:
         assert found.winner is not None
-        winner, label = found.winner, best.candidate.label()
+        winner, label = found.winner, found.trials[0].candidate.label()
     summary = train(dataclasses.replace(winner, overwrite=False, progress=cfg.progress))
     if summary is not None:
         summary["plan"] = {"skipped": False, "winner": label, "planning_s": found.planning_s,
                            "trials": len(found.trials), "budget_s": verdict["budget_s"],
-                           "why": found.why, "probe": verdict}
+                           "why": why, "probe": verdict}
         write_json(out / "summary.json", summary)
     return summary
 
