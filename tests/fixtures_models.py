@@ -72,7 +72,9 @@ class _KilledAt(nn.Module):
     def forward(self, x):
         mode = "train" if self.training else "eval"
         self.calls[mode] += 1
-        if os.environ.get("RANK") in os.environ.get("SHOAL_TEST_KILL_RANK", "").split(","):
+        rank = next((os.environ[v] for v in ("RANK", "OMPI_COMM_WORLD_RANK", "SLURM_PROCID")
+                     if v in os.environ), None)  # torchrun's, mpirun's, srun's
+        if rank in os.environ.get("SHOAL_TEST_KILL_RANK", "").split(","):
             when, _, count = os.environ.get("SHOAL_TEST_KILL_AT", "").partition(":")
             if when == mode and self.calls[mode] == int(count) and self._first():
                 self.armed = True

@@ -1,29 +1,58 @@
-"""--elastic under torchrun: each process torchrun started keeps its rank's worker in a
-child (shoal.core.keeper), so a worker killed (kill -9) is not a failure torchrun's agent
-sees: the others go on, as under shoal's launcher, and torchrun exits 0; every worker lost
-is one line and a failure. Real torchrun (--standalone), Gloo on CPU."""
+"""--elastic under torchrun, mpirun and Slurm: each process the launcher started keeps its
+rank's worker in a child (shoal.core.keeper), so a worker killed (kill -9) is not a failure
+the launcher sees: the others go on, as under shoal's launcher, and the launcher exits 0;
+every worker lost is one line and a failure. Real torchrun (--standalone) and OpenMPI's
+mpirun; Slurm's tasks started with srun's variables (no srun here). Gloo on CPU."""
 
 from __future__ import annotations
 
 import json
+import subprocess
 import sys
 import uuid
 
 import pytest
 
-from conftest import EPOCHS, TRAIN_ROWS, assert_each_sample_once, run, shoal_env
+from shoal.core.env import free_port
+
+from conftest import (
+    EPOCHS,
+    REPO,
+    TRAIN_ROWS,
+    assert_each_sample_once,
+    mpirun,
+    mpirun_env,
+    needs_mpirun,
+    run,
+    shoal_env,
+    wait_gone,
+)
 
 pytestmark = pytest.mark.timeout(240)
 
 
+KILLED = ["train", "--dataset", "digits", "--epochs", str(EPOCHS), "--schedule", "constant",
+          "--elastic", "--model", "tests.fixtures_models:killed_at", "--progress", "plain"]
+
+
+def _kill_env(kill: str, env: dict[str, str] | None = None) -> dict[str, str]:
+    """The environment in which rank(s) ``kill`` kill themselves at their 20th forward."""
+    return {**(env or shoal_env(uuid.uuid4().hex)), "SHOAL_TEST_KILL_RANK": kill,
+            "SHOAL_TEST_KILL_AT": "train:20"}
+
+
 def _torchrun(tmp_path, procs: int, kill: str, *args: str):
-    env = {**shoal_env(uuid.uuid4().hex), "SHOAL_TEST_KILL_RANK": kill,
-           "SHOAL_TEST_KILL_AT": "train:20"}
     return run([sys.executable, "-m", "torch.distributed.run", "--standalone",
-                "--nproc-per-node", str(procs), "-m", "shoal", "train", "--dataset", "digits",
-                "--epochs", str(EPOCHS), "--schedule", "constant", "--elastic",
-                "--model", "tests.fixtures_models:killed_at", "--out", str(tmp_path / "run"),
-                "--progress", "plain", *args], env=env, timeout=200)
+                "--nproc-per-node", str(procs), "-m", "shoal", *KILLED,
+                "--out", str(tmp_path / "run"), *args], env=_kill_env(kill), timeout=200)
+
+
+def _went_on_without_rank_2(out) -> None:
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["completed"] and summary["workers"] == 2
+    [change] = summary["membership_changes"]
+    assert change["left"] == [2] and change["why"] == {"2": "worker 2 killed by signal 9"}
+    assert_each_sample_once(out, EPOCHS, TRAIN_ROWS)
 
 
 def test_a_killed_worker_leaves_and_the_others_train_its_share_under_torchrun(tmp_path):
@@ -33,11 +62,47 @@ def test_a_killed_worker_leaves_and_the_others_train_its_share_under_torchrun(tm
     assert res.stray == []
     assert "shoal: rank 2 killed by signal 9; the job goes on without it (--elastic)" \
         in res.stderr
-    summary = json.loads((tmp_path / "run" / "summary.json").read_text())
-    assert summary["completed"] and summary["workers"] == 2
-    [change] = summary["membership_changes"]
-    assert change["left"] == [2] and change["why"] == {"2": "worker 2 killed by signal 9"}
-    assert_each_sample_once(tmp_path / "run", EPOCHS, TRAIN_ROWS)
+    _went_on_without_rank_2(tmp_path / "run")
+
+
+@needs_mpirun
+def test_a_killed_worker_leaves_and_the_others_train_its_share_under_mpirun(tmp_path):
+    # No launcher serves the store here: rank 0's keeper does, and stays until the keeper
+    # of the killed rank saw the job end (before, that keeper found the store gone: exit 1).
+    out = tmp_path / "run"
+    res = run(mpirun(3, *KILLED, "--record-samples", "--out", str(out)), timeout=200,
+              env=_kill_env("2", mpirun_env()))
+    assert res.returncode == 0, res.stdout + res.stderr
+    assert res.stray == []
+    assert "shoal: rank 2 killed by signal 9; the job goes on without it (--elastic)" \
+        in res.stdout + res.stderr
+    _went_on_without_rank_2(out)
+
+
+def test_a_killed_worker_leaves_and_the_others_train_its_share_under_slurm(tmp_path):
+    """Three tasks with exactly the variables srun gives them (no srun here): each task
+    exits 0, rank 2's too (its keeper outlived its killed worker), so srun would see no
+    failed task."""
+    out, port, procs = tmp_path / "run", free_port(), []
+    env = _kill_env("2")
+    try:
+        for rank in range(3):
+            task = {**env, "SLURM_PROCID": str(rank), "SLURM_NTASKS": "3",
+                    "SLURM_LOCALID": str(rank), "SLURM_NTASKS_PER_NODE": "3",
+                    "SLURM_JOB_ID": "77", "SLURM_JOB_NODELIST": "localhost",
+                    "MASTER_PORT": str(port)}
+            procs.append(subprocess.Popen([sys.executable, "-m", "shoal", *KILLED,
+                                           "--record-samples", "--timeout", "60", "--out",
+                                           str(out)], env=task, cwd=REPO,
+                                          stderr=subprocess.PIPE, text=True))
+        errors = [p.communicate(timeout=150)[1] for p in procs]
+    finally:
+        for p in procs:
+            p.kill()
+    assert [p.returncode for p in procs] == [0, 0, 0], errors
+    assert "the job goes on without it (--elastic)" in errors[2]
+    assert wait_gone(env["SHOAL_TEST_MARKER"], 5.0) == []
+    _went_on_without_rank_2(out)
 
 
 def test_every_worker_lost_under_torchrun_fails_the_job_in_one_line(tmp_path):
@@ -47,16 +112,6 @@ def test_every_worker_lost_under_torchrun_fails_the_job_in_one_line(tmp_path):
     assert "every worker was lost (rank 0 killed by signal 9; rank 1 killed by signal 9)" \
         in res.stderr
     assert not (tmp_path / "run" / "summary.json").exists()
-
-
-@pytest.mark.parametrize("launcher", ["slurm", "mpi"])
-def test_elastic_under_slurm_or_mpirun_is_refused_in_one_line(launcher):
-    from shoal.config import TrainConfig
-    from shoal.errors import ShoalError
-    from shoal.train.elastic_check import check_elastic
-
-    with pytest.raises(ShoalError, match=f"or torchrun, not yet under {launcher}"):
-        check_elastic(TrainConfig(dataset="digits", elastic=True), launcher)
 
 
 def test_the_join_secret_of_a_torchrun_job_is_checked_in_one_line(monkeypatch):

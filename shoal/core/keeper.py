@@ -1,11 +1,11 @@
-"""``--elastic`` under an outside launcher (torchrun): each process it started *keeps* its
-rank, running the rank's work in a child process of its own.
+"""``--elastic`` under an outside launcher (torchrun, mpirun, Slurm): each process it
+started *keeps* its rank, running the rank's work in a child process of its own.
 
-torchrun's agent takes any worker process that dies for a failed job: it ends every worker
-and restarts them all (``--max-restarts``) or fails. A worker lost to an elastic job (killed,
-the OOM killer) must not look like that. So the process torchrun started (the *keeper*)
-starts the rank's work in a child that dies with it (:func:`run_child`), and judges how
-the child ended (:func:`keep_rank`):
+torchrun's agent (mpirun and srun alike) takes any worker process that dies for a failed
+job: it ends every worker and restarts them all (``--max-restarts``) or fails. A worker
+lost to an elastic job (killed, the OOM killer) must not look like that. So the process
+the launcher started (the *keeper*) starts the rank's work in a child that dies with it
+(:func:`run_child`), and judges how the child ended (:func:`keep_rank`):
 
 - it returned: its result is the keeper's (the summary, for the rank that wrote it);
 - it failed with an error: the keeper raises that line, as the rank would have (the
@@ -19,6 +19,11 @@ the child ended (:func:`keep_rank`):
 
 SIGTERM to the keeper goes to the child (it stops at the job's next step, with a
 checkpoint) and marks the keeper stopped too.
+
+Under mpirun no launcher serves the job's store: rank 0's keeper does (its child is a client
+like the others), so it stays until every keeper said it is done with the store
+(:data:`KEPT_KEY`, at most :data:`LINGER_S` seconds): a keeper still waiting for the end
+would otherwise find the store gone and fail a job that finished.
 """
 
 from __future__ import annotations
@@ -37,6 +42,10 @@ from shoal.core.processes import request_stop, start_process
 from shoal.core.waits import DONE_KEY, ended_key, members_now
 from shoal.errors import JobError, ShoalError
 
+#: Counts the keepers done with the job's store (rank 0's keeper serves it under mpirun).
+KEPT_KEY = "keepers/done"
+#: Seconds a keeper that serves the store waits at most for the others to be done with it.
+LINGER_S = 30.0
 #: Seconds between two looks of a keeper at its child and at the job's store.
 POLL_S = 1.0
 
@@ -95,10 +104,31 @@ def run_child(target: Callable[..., Any], args: tuple[Any, ...], name: str,
 
 
 def keep_rank(rank: int, keys: Any, target: Callable[..., Any], args: tuple[Any, ...],
-              workers: range, tolerated: bool) -> Any:
+              workers: range, tolerated: bool, serving: bool = False) -> Any:
     """Keep ``rank`` of a job whose store (under this attempt's prefix) is ``keys``: its
     work ``target(*args)`` in a child; ``tolerated``: the job goes on when a signal kills
-    it (``workers``: the ranks the job may lose, all of them lost is the job lost)."""
+    it (``workers``: the ranks the job may lose, all of them lost is the job lost, and
+    ``workers.stop`` the job's ranks); ``serving``: this keeper serves the store."""
+    try:
+        return _keep(rank, keys, target, args, workers, tolerated)
+    finally:
+        with contextlib.suppress(Exception):  # a store gone: nobody waits for this keeper
+            keys.add(KEPT_KEY, 1)
+        if serving:
+            _linger(keys, workers.stop)
+
+
+def _linger(keys: Any, ranks: int) -> None:
+    """Wait (at most :data:`LINGER_S` s) until the keepers of all ``ranks`` are done with
+    the store this keeper serves."""
+    deadline = time.monotonic() + LINGER_S
+    with contextlib.suppress(Exception):
+        while keys.add(KEPT_KEY, 0) < ranks and time.monotonic() < deadline:
+            time.sleep(POLL_S)
+
+
+def _keep(rank: int, keys: Any, target: Callable[..., Any], args: tuple[Any, ...],
+          workers: range, tolerated: bool) -> Any:
     ended: list[bool] = []
 
     def left_out(child: Any) -> None:  # once the job finished, a child it left out ends

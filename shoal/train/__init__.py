@@ -204,7 +204,7 @@ def train(cfg: TrainConfig, dataset: Any = None) -> dict[str, Any] | None:
         given = as_dataset(dataset)
         cfg = dataclasses.replace(cfg, dataset=given.name)
     env = detect_environment()
-    check_elastic(cfg, env.launcher if env is not None else None)
+    check_elastic(cfg)
     if env is not None:
         return _keep_rank(cfg, env, given) if cfg.elastic else _train_as_rank(cfg, env, given)
     cfg = resolve_auto_resume(cfg)
@@ -253,14 +253,17 @@ def _rank_config(cfg: TrainConfig, env: Environment, topology: Topology) -> Trai
 
 def _keep_rank(cfg: TrainConfig, env: Environment, given: Dataset | None
                ) -> dict[str, Any] | None:
-    """``--elastic`` under torchrun: this process keeps its rank's work in a child of its
-    own, so that a worker lost is not a failure torchrun's agent sees
+    """``--elastic`` under torchrun or mpirun: this process keeps its rank's work in a child
+    of its own, so that a worker lost is not a failure the launcher sees
     (:mod:`shoal.core.keeper`). With a join secret (:data:`~shoal.train.jobfile.JOIN_SECRET_VAR`)
-    rank 0's keeper publishes the job file ``shoal join`` reads, until the job ends."""
+    rank 0's keeper publishes the job file ``shoal join`` reads, until the job ends. Where no
+    launcher serves the job's store (mpirun), rank 0's keeper serves it and its child is a
+    client like the others."""
     import torch.distributed as dist
 
     topology = outside_topology(cfg, env)
     store = job_store(env, cfg.timeout)
+    child_env = dataclasses.replace(env, agent_store=True)
     keys = dist.PrefixStore(key_prefix(env.attempt), store)
     secret = join_secret() if env.rank == 0 else None
     if secret is not None:
@@ -273,9 +276,10 @@ def _keep_rank(cfg: TrainConfig, env: Environment, given: Dataset | None
               f"not see it, shoal join --store {env.master_addr}:{env.master_port}), with "
               f"{JOIN_SECRET_VAR}", file=sys.stderr, flush=True)
     try:
-        return keep_rank(env.rank, keys, _train_as_rank, (cfg, env, given),
+        return keep_rank(env.rank, keys, _train_as_rank, (cfg, child_env, given),
                          range(topology.servers, topology.world_size),
-                         _tolerated(cfg, topology, env.rank))
+                         _tolerated(cfg, topology, env.rank),
+                         serving=env.rank == 0 and not env.agent_store)
     finally:
         if secret is not None:
             withdraw(Path(cfg.out))

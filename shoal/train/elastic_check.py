@@ -1,5 +1,7 @@
-"""What ``--elastic`` takes: the strategies, launchers and options a job that goes on
-without a lost worker (and takes joiners) can run, checked before any worker starts."""
+"""What ``--elastic`` takes: the strategies and options a job that goes on without a lost
+worker (and takes joiners) can run, checked before any worker starts. Every launcher takes
+it: shoal's own, and torchrun, Slurm and mpirun through a keeper per rank
+(:mod:`shoal.core.keeper`)."""
 
 from __future__ import annotations
 
@@ -14,7 +16,7 @@ ASYNC_ELASTIC = ("async-sgd", "async-msgd", "async-easgd", "async-measgd", "hogw
 ELASTIC = ("sync", "local-sgd", "easgd", "eamsgd", "diloco", *ASYNC_ELASTIC)
 
 
-def check_elastic(cfg: TrainConfig, launcher: str | None) -> None:
+def check_elastic(cfg: TrainConfig) -> None:
     """One line where ``--elastic`` cannot work (before any worker starts)."""
     if not cfg.elastic:
         for flag, value in (("--record-samples", cfg.record_samples),
@@ -27,8 +29,5 @@ def check_elastic(cfg: TrainConfig, launcher: str | None) -> None:
     if cfg.strategy not in ELASTIC:
         raise ShoalError(f"--elastic works with {', '.join(ELASTIC)} (not yet with "
                          f"{cfg.strategy})")
-    if launcher not in (None, "torchrun"):
-        raise ShoalError(f"--elastic runs under shoal's own launcher (--workers N) or "
-                         f"torchrun, not yet under {launcher}")
     if cfg.strategy in ASYNC_ELASTIC:
         return
