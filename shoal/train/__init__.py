@@ -253,11 +253,11 @@ def _rank_config(cfg: TrainConfig, env: Environment, topology: Topology) -> Trai
 
 def _keep_rank(cfg: TrainConfig, env: Environment, given: Dataset | None
                ) -> dict[str, Any] | None:
-    """``--elastic`` under torchrun or mpirun: this process keeps its rank's work in a child
-    of its own, so that a worker lost is not a failure the launcher sees
+    """``--elastic`` under torchrun, mpirun or Slurm: this process keeps its rank's work in a
+    child of its own, so that a worker lost is not a failure the launcher sees
     (:mod:`shoal.core.keeper`). With a join secret (:data:`~shoal.train.jobfile.JOIN_SECRET_VAR`)
     rank 0's keeper publishes the job file ``shoal join`` reads, until the job ends. Where no
-    launcher serves the job's store (mpirun), rank 0's keeper serves it and its child is a
+    launcher serves the job's store (mpirun, Slurm), rank 0's keeper serves it and its child is a
     client like the others."""
     import torch.distributed as dist
 
