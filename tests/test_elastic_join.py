@@ -290,6 +290,33 @@ def test_the_job_goes_on_in_a_joiner_once_every_worker_started_with_it_is_lost(h
     assert step_workers(job.out)[max(step_workers(job.out))] == 2
 
 
+def test_a_torchrun_job_goes_on_in_a_joiner_once_every_rank_is_lost(held, tmp_path):
+    """The same under torchrun: both ranks' workers killed once a third joined. Their
+    keepers wait while the joiner trains (before, each said "every worker was lost" and
+    failed, and torchrun ended the job under the joiner); torchrun exits 0 once the joiner
+    finished the run, every sample once."""
+    kill = tmp_path / "kill"
+    job = held("--strategy", "diloco", "--tau", "4", "--elastic", "--record-samples",
+               "--max-workers", "3", kill=False, workers=2, held_after=0, torchrun=True,
+               model="killed_when_told", release_on_join=False,
+               env={"SHOAL_TEST_KILL_RANK": "0,1", "SHOAL_TEST_KILL_FILE": str(kill),
+                    "SHOAL_JOIN_SECRET": "5a" * 32})
+    job.wait_for(lambda: (job.out / ".shoal-join" / "job.json").exists(), "the job file")
+    joiner = job.join_in_background()
+    job.wait_line("worker 2 joined at step")
+    kill.touch()
+    job.wait_line("rank 1 killed by signal 9")
+    job.release()
+    _, err = joiner.communicate(timeout=240)
+    assert joiner.returncode == 0, err
+    assert job.finish() == 0, job.stderr
+    assert "every worker was lost" not in job.stderr
+    summary = json.loads((job.out / "summary.json").read_text())
+    assert summary["completed"] and summary["workers"] == 1
+    assert sorted(m for c in summary["membership_changes"] for m in c.get("left", [])) == [0, 1]
+    assert_each_sample_once(job.out, EPOCHS, TRAIN_ROWS)
+
+
 @pytest.mark.parametrize("strategy, die_at", [
     ("sync", "train:1"),  # right after its first step counted, mid-epoch
     ("local-sgd", "short:16"),  # right after its epoch's last exchange (the soak's case)

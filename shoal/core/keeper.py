@@ -14,8 +14,9 @@ the launcher started (the *keeper*) starts the rank's work in a child that dies 
   store (:func:`~shoal.core.waits.ended_key`, as shoal's launcher does: the members leave it
   out at once instead of after the heartbeat timeout) and waits, beating nothing, until the
   job says it finished (:data:`~shoal.core.waits.DONE_KEY`, set once the summary is written:
-  status 0) or every worker's rank ended (one line, status 1). A child left out of the
-  job's latest group (stopped, too late to come back) is ended once the job finished.
+  status 0) or every worker's rank ended and no worker that joined the job trains on (one
+  line, status 1). A child left out of the job's latest group (stopped, too late to come
+  back) is ended once the job finished.
 
 SIGTERM to the keeper goes to the child (it stops at the job's next step, with a
 checkpoint) and marks the keeper stopped too.
@@ -38,6 +39,7 @@ from collections.abc import Callable
 from typing import Any
 
 from shoal.core.failures import exit_status
+from shoal.core.outlive import STALE, live_joiners
 from shoal.core.processes import request_stop, start_process
 from shoal.core.waits import DONE_KEY, ended_key, members_now
 from shoal.errors import JobError, ShoalError
@@ -154,16 +156,20 @@ def _keep(rank: int, keys: Any, target: Callable[..., Any], args: tuple[Any, ...
 
 
 def _wait_for_end(keys: Any, workers: range) -> None:
-    """Wait until the job says it finished, or every one of its ``workers`` ended."""
+    """Wait until the job says it finished, or every one of its ``workers`` ended and no
+    worker that joined it (ids from ``workers.stop`` on, as under shoal's launcher:
+    :func:`~shoal.core.outlive.live_joiners`) trains on."""
+    beats: dict[int, tuple[int, float]] = {}
     while True:
         try:
             if keys.check([DONE_KEY]):
                 return
             gone = [r for r in workers if keys.check([ended_key(r)])]
+            joined = len(gone) == len(workers) and live_joiners(keys, workers.stop, STALE, beats)
         except Exception as exc:  # the store's host is gone: so is the job
             raise JobError(f"the job's store went away before the job said it finished ({exc})"
                            ) from None
-        if len(gone) == len(workers):
+        if len(gone) == len(workers) and not joined:
             how = "; ".join(f"rank {r} {keys.get(ended_key(r)).decode()}" for r in gone)
             raise JobError(f"every worker was lost ({how}); the job ends with them")
         time.sleep(POLL_S)

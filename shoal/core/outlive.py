@@ -33,12 +33,19 @@ def outlive(store: Any, started: int, timeout: float, stop: Callable[[], bool]) 
     the store)."""
     beats: dict[int, tuple[int, float]] = {}
     while not stop():
-        members = [m for m in members_now(store) or [] if m >= started]
-        live = [m for m in members if not store.check([finished_key(m)])
-                and not store.check([ended_key(m)]) and not _still(store, m, beats, timeout)]
-        if not live:
+        if not live_joiners(store, started, timeout, beats):
             return
         time.sleep(POLL)
+
+
+def live_joiners(store: Any, started: int, timeout: float,
+                 beats: dict[int, tuple[int, float]]) -> list[int]:
+    """The members of the job's latest group with ids from ``started`` on (its joiners)
+    that neither said they finished or how they ended, nor stood still for ``timeout``
+    seconds (``beats``: the heartbeats seen so far, kept by the caller between looks)."""
+    members = [m for m in members_now(store) or [] if m >= started]
+    return [m for m in members if not store.check([finished_key(m)])
+            and not store.check([ended_key(m)]) and not _still(store, m, beats, timeout)]
 
 
 def _still(store: Any, member: int, beats: dict[int, tuple[int, float]], timeout: float) -> bool:
