@@ -29,7 +29,15 @@ from pathlib import Path
 
 import pytest
 
-from conftest import listening_sockets, marked_processes, one_error_line, shoal_env, wait_gone
+from conftest import (
+    listening_sockets,
+    marked_processes,
+    mpirun,
+    needs_mpirun,
+    one_error_line,
+    shoal_env,
+    wait_gone,
+)
 
 #: Seconds the job's processes get to go once their launcher is killed.
 GONE_S = 5.0
@@ -210,6 +218,18 @@ def test_nothing_outlives_a_killed_launcher(tmp_path, kind, phase):
                 job.wait_until("training", lambda: _has_records(tmp_path / "out"))
         else:
             job.wait_until("rank holding in its exit", hold.exists)
+        job.kill_launcher()
+
+
+@needs_mpirun
+def test_nothing_outlives_a_killed_mpirun(tmp_path):
+    """A rank mpirun started dies with mpirun (prterun, which the wheel's mpirun becomes)
+    killed with SIGKILL: before, the ranks trained on as orphans, rank 0 serving their store
+    (without --elastic too). With --elastic: the rank keepers, and their workers with them."""
+    cmd = mpirun(2, *JOBS["sync"], "--out", "out", "--epochs", "1000", "--elastic")
+    with Job(cmd, tmp_path, OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1",
+             SHOAL_TEST_PHASE="training") as job:
+        job.wait_until("training", lambda: _has_records(tmp_path / "out"))
         job.kill_launcher()
 
 

@@ -51,6 +51,16 @@ def die_with_parent(parent: int) -> None:
         os.kill(os.getpid(), signal.SIGKILL)
 
 
+def die_with_launcher() -> None:
+    """For a rank an outside launcher (torchrun, srun, mpirun) started, as its first act:
+    end with that launcher, whatever kills it. A launcher killed with SIGKILL cannot end its
+    ranks, and under mpirun nothing else would: rank 0 serves the job's store, so the ranks
+    trained on as orphans. (A rank started by a shell the launcher started is the shell's.)"""
+    parent = os.getppid()
+    if parent != 1:  # already init's: started by something that detached it on purpose
+        die_with_parent(parent)
+
+
 def skip_exit_collection() -> None:
     """Spare this process Python's last garbage collection at exit, which walks every object
     torch made (about 1 s of CPU per process, every job's end): :func:`gc.freeze` in an

@@ -17,7 +17,7 @@ from shoal.config import TrainConfig
 from shoal.core.env import Environment, default_threads, detect_environment, resolve_device
 from shoal.core.failures import exit_status
 from shoal.core.group import job_store
-from shoal.core.guard import skip_exit_collection
+from shoal.core.guard import die_with_launcher, skip_exit_collection
 from shoal.core.keeper import keep_rank
 from shoal.core.limits import check_processes
 from shoal.core.processes import Lost, spawn, stop_requested
@@ -206,6 +206,7 @@ def train(cfg: TrainConfig, dataset: Any = None) -> dict[str, Any] | None:
     env = detect_environment()
     check_elastic(cfg)
     if env is not None:
+        die_with_launcher()
         return _keep_rank(cfg, env, given) if cfg.elastic else _train_as_rank(cfg, env, given)
     cfg = resolve_auto_resume(cfg)
     topology = job_topology(cfg, default_workers(cfg))
