@@ -187,8 +187,8 @@ def test_a_worker_joins_a_torchrun_job_with_the_secret_its_ranks_have(held):
     del env["SHOAL_JOIN_SECRET"]
     refused = shoal("join", str(job.out), env=env, timeout=60)
     assert refused.returncode == 2 and one_error_line(refused.stderr) == (
-        f"shoal: error: the job in {job.out} runs under torchrun: give shoal join the secret "
-        "its ranks have, in SHOAL_JOIN_SECRET")
+        f"shoal: error: the job in {job.out} runs under torchrun, srun or mpirun: give shoal "
+        "join the secret its ranks have, in SHOAL_JOIN_SECRET")
     [said] = [line for line in job.lines if "shoal join --store " in line]
     at = said.split("shoal join --store ")[1].split(")")[0]
     other = shoal("join", "--store", at, env={**env, "SHOAL_JOIN_SECRET": "a5" * 32}, timeout=60)

@@ -173,11 +173,12 @@ def _checked(job: Any, what: str) -> dict[str, Any]:
 
 
 def _given_secret(out: Path) -> str:
-    """A torchrun job's secret, as the user gives it to ``shoal join``."""
+    """The secret of a job torchrun, srun or mpirun started, as the user gives it to
+    ``shoal join``."""
     key = join_secret()
     if key is None:
-        raise ShoalError(f"the job in {out} runs under torchrun: give shoal join the secret its "
-                         f"ranks have, in {JOIN_SECRET_VAR}")
+        raise ShoalError(f"the job in {out} runs under torchrun, srun or mpirun: give shoal join "
+                         f"the secret its ranks have, in {JOIN_SECRET_VAR}")
     return key
 
 
