@@ -206,5 +206,5 @@ def test_shoal_join_takes_out_or_a_store_in_one_line(capsys, args):
 
     assert main(["join", *args]) == 2
     assert one_error_line(capsys.readouterr().err) == (
-        "shoal: error: shoal join takes the job's --out, or --store HOST:PORT (a torchrun "
-        "job's, from a host that does not see its --out), not both")
+        "shoal: error: shoal join takes the job's --out, or --store HOST:PORT (a torchrun, "
+        "srun or mpirun job's, from a host that does not see its --out), not both")

@@ -222,7 +222,8 @@ def _join_parser(sub: Any) -> argparse.ArgumentParser:
     p.add_argument("out", metavar="OUT", nargs="?", default=None,
                    help="the running job's output directory")
     p.add_argument("--store", metavar="HOST:PORT", default=None,
-                   help="instead of OUT: a torchrun job's store, as its rank 0 prints it (a "
+                   help="instead of OUT: the store of a torchrun, srun or mpirun job, as its "
+                        "rank 0 prints it (a "
                         "host that does not see OUT; the secret in SHOAL_JOIN_SECRET)")
     p.add_argument("--debug", action="store_true", default=argparse.SUPPRESS,
                    help="show tracebacks of errors")

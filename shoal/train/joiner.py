@@ -43,8 +43,9 @@ def join_job(out: Path | None, at: str | None = None) -> int:
     store, where its document is signed with the join secret): returns 0 once the joined
     worker finished with the job."""
     if (out is None) == (at is None):
-        raise ShoalError("shoal join takes the job's --out, or --store HOST:PORT (a torchrun "
-                         "job's, from a host that does not see its --out), not both")
+        raise ShoalError("shoal join takes the job's --out, or --store HOST:PORT (a torchrun, "
+                         "srun or mpirun job's, from a host that does not see its --out), not "
+                         "both")
     if at is not None:
         host, port = _address(at)
         store = _store({"address": host, "port": port}, timeout=10.0)
