@@ -88,18 +88,20 @@ def test_auto_under_torchrun_tries_groups_and_asynchrony_on_the_jobs_ranks(tmp_p
     # Where no trial reaches the target, the run says sync goes on (not that a trial is kept).
     fell_back = summary["plan"]["winner"].startswith("sync (no trial")
     assert ("sync goes on" in summary["plan"]["why"]) == fell_back, summary["plan"]
-    assert ("is kept" in summary["plan"]["why"]) != fell_back, summary["plan"]
+    assert "is kept" not in summary["plan"]["why"], summary["plan"]
 
 
 @needs_mpirun
 def test_auto_under_a_real_mpirun_plans_on_its_ranks_with_servers_too(tmp_path):
     """The same under OpenMPI's mpirun (3 ranks on loopback): planning inside the job reads
     the ranks from mpirun's variables, lays them out anew for ``groups`` and Async EAMSGD,
-    and the winner trains the whole run; nothing outlives mpirun."""
+    and the winner trains the whole run; nothing outlives mpirun. (The target no trial
+    reaches, as above: no trial is skipped for its cost.)"""
     out = tmp_path / "auto"
     res = run(mpirun(3, *AUTO[2:], "--epochs", "3", "--trial-epochs", "0.5", "--plan-budget",
                      "60s", "--plan-candidates", "sync,groups,async-measgd",
-                     "--threads-per-worker", "1", "--out", str(out)), timeout=280,
+                     "--threads-per-worker", "1", "--target-accuracy", "0.995", "--out",
+                     str(out)), timeout=280,
               env=mpirun_env())
     assert res.returncode == 0, res.stdout + res.stderr
     assert "planned on the job's 3 ranks" in res.stdout + res.stderr and not res.stray
