@@ -135,17 +135,10 @@ def probe_and_train(cfg: TrainConfig) -> dict[str, Any] | None:
     go_on = dataclasses.replace(cfg, init_from=checkpoint, init_progress=True,
                                 plan_budget=f"{verdict['budget_s']}s")
     found = plan(go_on, out / PLAN_DIR, probe=verdict)
-    why = found.why if found.reaches() else found.why_sync()
+    winner, label, why = found.or_sync(dataclasses.replace(
+        sync, plan_probe=None, plan_probe_since=None, init_from=checkpoint, init_progress=True))
     print(f"shoal: planned in {found.planning_s:.0f} s ({len(found.trials)} trials): {why}",
           file=sys.stderr, flush=True)
-    if not found.reaches():  # nothing beats going on
-        winner, label = dataclasses.replace(sync, plan_probe=None, plan_probe_since=None,
-                                            init_from=checkpoint,
-                                            init_progress=True), "sync (no trial is predicted " \
-            "to reach the target)"
-    else:
-        assert found.winner is not None
-        winner, label = found.winner, found.trials[0].candidate.label()
     summary = train(dataclasses.replace(winner, overwrite=False, progress=cfg.progress))
     if summary is not None:
         summary["plan"] = {"skipped": False, "winner": label, "planning_s": found.planning_s,

@@ -147,15 +147,10 @@ def _probe_plan_train(cfg: TrainConfig, sync: TrainConfig, comm: Comm, env: Envi
     planner = Planner(go_on, PlanOptions.of(go_on), None, out / PLAN_DIR, comm.world_size,
                       probe=verdict, session=JobSession(comm, env, data))
     found = planner.run()
-    why = found.why if found.reaches() else found.why_sync()
+    winner, label, why = found.or_sync(dataclasses.replace(sync, plan_probe=None,
+                                                           **_from(go_on)))
     print(f"shoal: planned on the job's {comm.world_size} ranks in {found.planning_s:.0f} s "
           f"({len(found.trials)} trials): {why}", file=sys.stderr, flush=True)
-    if not found.reaches():
-        winner, label = dataclasses.replace(sync, plan_probe=None, **_from(go_on)), \
-            "sync (no trial is predicted to reach the target)"
-    else:
-        assert found.winner is not None
-        winner, label = found.winner, found.trials[0].candidate.label()
     comm.broadcast_object({"final": winner.to_dict(), "tag": "winner"})
     summary = train(_final(winner), comm, env, data, "winner")
     assert summary is not None

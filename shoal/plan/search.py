@@ -297,16 +297,14 @@ class Plan:
     planning_s: float
     files: dict[str, Path] = field(default_factory=dict)  #: what was written, by kind
 
-    def reaches(self) -> bool:
-        """Whether the best trial is predicted to reach the target (where no trial is, a run
-        planned from sync's probe goes on as sync)."""
-        return (self.winner is not None and bool(self.trials)
-                and math.isfinite(self.trials[0].predicted_s))
-
-    def why_sync(self) -> str:
-        """:attr:`why` for a run that goes on as sync because no trial reaches the target
-        (not the most accurate trial, which a plan without a probe keeps)."""
-        return f"{self.why.split('; ')[0]}; sync goes on"
+    def or_sync(self, sync: TrainConfig) -> tuple[TrainConfig, str, str]:
+        """What a run planned from sync's probe trains, its label and why: the winner, or
+        ``sync`` (set to go on from the probe) where no trial is predicted to reach the
+        target (then not the most accurate trial, which a plan without a probe keeps)."""
+        if self.winner is None or not self.trials or not math.isfinite(self.trials[0].predicted_s):
+            return (sync, "sync (no trial is predicted to reach the target)",
+                    f"{self.why.split('; ')[0]}; sync goes on")
+        return self.winner, self.trials[0].candidate.label(), self.why
 
     def to_dict(self, settings: SearchSettings) -> dict[str, Any]:
         def trial(t: Trial) -> dict[str, Any]:
