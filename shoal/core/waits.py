@@ -107,6 +107,14 @@ ELASTIC = "elastic"
 DONE_KEY = f"{ELASTIC}/done"
 
 
+def say_finished(store: Any | None, summary: Any) -> None:
+    """Where this process wrote the job's summary (``summary`` not ``None``), say in the
+    job's ``store`` that the job finished (:data:`DONE_KEY`: the keepers of an outside
+    launcher's ranks wait for it, :mod:`shoal.core.keeper`)."""
+    if summary is not None and store is not None:
+        store.set(DONE_KEY, "1")
+
+
 def publish_members(store: Any, generation: str, ranks: list[int]) -> None:
     """Say that the job's latest group, ``generation``, is ``ranks`` (processes the launcher
     ends once all of these finished: those left out, stopped or late); an asynchronous

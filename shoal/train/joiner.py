@@ -27,7 +27,7 @@ from shoal.core.joining import answer, ask, take_ticket, worker_id
 from shoal.core.keeper import run_child
 from shoal.core.outlive import finished_key
 from shoal.core.processes import loopback_gloo_interface
-from shoal.core.waits import DONE_KEY, ELASTIC, ended_key, key_prefix, members_now
+from shoal.core.waits import ELASTIC, ended_key, key_prefix, members_now, say_finished
 from shoal.errors import JobError, ShoalError
 from shoal.train.jobfile import read_job, read_job_in_store
 from shoal.train.joiner_async import job_servers, joiner_place, run_async_worker
@@ -171,8 +171,5 @@ def run_worker(job: dict[str, Any], me: int) -> None:
     t.stop_vote = StopVote(t.strategy.stop_peers, t.strategy.meets_after)
     t.regroup()
     handover.receive(t, reply["joined"])
-    if t.run() is not None and comm.attempt_store is not None:
-        # It wrote the job's summary (every worker before it was lost): the job finished,
-        # for the keepers of the ranks an outside launcher started (shoal.core.keeper).
-        comm.attempt_store.set(DONE_KEY, "1")
+    say_finished(comm.attempt_store, t.run())  # the summary is its when every other was lost
     comm.close()

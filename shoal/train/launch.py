@@ -28,7 +28,7 @@ from shoal.core.join import init_comm
 from shoal.core.processes import stop_on_sigterm
 from shoal.core.timeline import Timeline
 from shoal.core.trust import Seal
-from shoal.core.waits import DONE_KEY
+from shoal.core.waits import say_finished
 from shoal.data import Dataset
 from shoal.errors import ShoalError
 from shoal.strategies import get_strategy, make_options
@@ -87,8 +87,8 @@ def run_rank(cfg: TrainConfig, env: Environment, topology: Topology, work: Workl
             if env.error_dir is not None:
                 _exit_failed(env, exc)
             raise
-        if cfg.elastic and result is not None and comm.attempt_store is not None:
-            comm.attempt_store.set(DONE_KEY, "1")  # the summary is written: the job finished
+        if cfg.elastic:
+            say_finished(comm.attempt_store, result)
         comm.close()
         return result
     finally:
