@@ -397,3 +397,19 @@ def mpirun(n: int, *args: str) -> list[str]:
 def mpirun_env() -> dict[str, str]:
     """The tests' environment; OpenMPI refuses to start as root unless told it may."""
     return {**shoal_env(), "OMPI_ALLOW_RUN_AS_ROOT": "1", "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM": "1"}
+
+
+def launcher_variables(launcher: str, rank: int, tasks: int, port: int) -> dict[str, str]:
+    """Exactly the variables srun, OpenMPI's mpirun or MPICH's Hydra (``launcher``: slurm,
+    openmpi, mpich) give task ``rank`` of ``tasks`` on one node, rank 0 serving at ``port``."""
+    n = str(tasks)
+    if launcher == "slurm":
+        return {"SLURM_PROCID": str(rank), "SLURM_NTASKS": n, "SLURM_LOCALID": str(rank),
+                "SLURM_NTASKS_PER_NODE": n, "SLURM_JOB_ID": "77",
+                "SLURM_JOB_NODELIST": "localhost", "MASTER_PORT": str(port)}
+    if launcher == "openmpi":
+        return {"OMPI_COMM_WORLD_RANK": str(rank), "OMPI_COMM_WORLD_SIZE": n,
+                "OMPI_COMM_WORLD_LOCAL_RANK": str(rank), "OMPI_COMM_WORLD_LOCAL_SIZE": n,
+                "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
+    return {"PMI_RANK": str(rank), "PMI_SIZE": n, "MPI_LOCALRANKID": str(rank),
+            "MPI_LOCALNRANKS": n, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}

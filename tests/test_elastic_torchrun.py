@@ -20,6 +20,7 @@ from conftest import (
     REPO,
     TRAIN_ROWS,
     assert_each_sample_once,
+    launcher_variables,
     mpirun,
     mpirun_env,
     needs_mpirun,
@@ -87,10 +88,7 @@ def test_a_killed_worker_leaves_and_the_others_train_its_share_under_slurm(tmp_p
     env = _kill_env("2")
     try:
         for rank in range(3):
-            task = {**env, "SLURM_PROCID": str(rank), "SLURM_NTASKS": "3",
-                    "SLURM_LOCALID": str(rank), "SLURM_NTASKS_PER_NODE": "3",
-                    "SLURM_JOB_ID": "77", "SLURM_JOB_NODELIST": "localhost",
-                    "MASTER_PORT": str(port)}
+            task = {**env, **launcher_variables("slurm", rank, 3, port)}
             procs.append(subprocess.Popen([sys.executable, "-m", "shoal", *KILLED,
                                            "--record-samples", "--timeout", "60", "--out",
                                            str(out)], env=task, cwd=REPO,

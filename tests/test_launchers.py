@@ -16,6 +16,7 @@ from shoal.core.env import free_port
 from conftest import (
     REPO,
     checkpoint_params,
+    launcher_variables,
     max_param_diff,
     mpirun,
     mpirun_env,
@@ -35,26 +36,13 @@ def local(tmp_path_factory):
     return checkpoint_params(out / "checkpoint.pt")
 
 
-def variables(launcher: str, rank: int, port: int) -> dict[str, str]:
-    if launcher == "slurm":
-        return {"SLURM_PROCID": str(rank), "SLURM_NTASKS": "2", "SLURM_LOCALID": str(rank),
-                "SLURM_NTASKS_PER_NODE": "2", "SLURM_JOB_ID": "77",
-                "SLURM_JOB_NODELIST": "localhost", "MASTER_PORT": str(port)}
-    if launcher == "openmpi":
-        return {"OMPI_COMM_WORLD_RANK": str(rank), "OMPI_COMM_WORLD_SIZE": "2",
-                "OMPI_COMM_WORLD_LOCAL_RANK": str(rank), "OMPI_COMM_WORLD_LOCAL_SIZE": "2",
-                "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
-    return {"PMI_RANK": str(rank), "PMI_SIZE": "2", "MPI_LOCALRANKID": str(rank),
-            "MPI_LOCALNRANKS": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
-
-
 @pytest.mark.parametrize("launcher", ["slurm", "openmpi", "mpich"])
 def test_job_started_by_an_outside_launcher(tmp_path, local, launcher):
     port = free_port()
     procs = []
     try:
         for rank in range(2):
-            env = {**shoal_env(), **variables(launcher, rank, port)}
+            env = {**shoal_env(), **launcher_variables(launcher, rank, 2, port)}
             procs.append(subprocess.Popen(
                 [sys.executable, "-m", "shoal", "train", "--out", str(tmp_path), "--progress",
                  "none", "--timeout", "60", *JOB], env=env, cwd=REPO, stderr=subprocess.PIPE,
