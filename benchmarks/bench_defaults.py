@@ -28,6 +28,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from shoal.core.files import read_records
+
 STRATEGIES = ("async-sgd", "async-msgd", "async-easgd", "async-measgd", "hogwild",
               "hogwild-easgd", "groups")
 DATASETS = {"digits": [], "synthetic": ["--dataset", "synthetic", "--synthetic-samples", "1024"]}
@@ -39,7 +41,7 @@ def last_epochs(out: Path, n: int = 3) -> float | None:
     path = out / "metrics.jsonl"
     if not path.is_file():
         return None
-    records = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    records = read_records(path, "run's records")
     tested = [r["test_accuracy"] for r in records
               if r.get("event") == "epoch" and r.get("test_accuracy") is not None]
     return 100 * sum(tested[-n:]) / len(tested[-n:]) if tested else None

@@ -12,7 +12,6 @@ worker was the next victim; 2: refused, the job had ended)::
 """
 
 import argparse
-import collections
 import json
 import os
 import random
@@ -24,10 +23,11 @@ import time
 from pathlib import Path
 from typing import Any
 
+from soak import samples_once
+
 from shoal.core.env import free_port
 
 VENV = Path(sys.executable).parent
-ROWS = 1437  #: digits' training samples
 
 
 def children(pid: int) -> list[int]:
@@ -119,17 +119,12 @@ def report(a: argparse.Namespace, code: Any, kills: list[float],
     """What the run did, from its summary and every worker's --record-samples."""
     path = a.out / "summary.json"
     summary = json.loads(path.read_text()) if path.exists() else {}
-    counts: collections.Counter = collections.Counter()
-    for records in (a.out / "samples").glob("worker*.jsonl"):
-        for line in records.read_text().splitlines():
-            r = json.loads(line)
-            counts.update((r["epoch"], s) for s in r["samples"])
+    once = samples_once(a.out, a.epochs, "digits")
     changes = summary.get("membership_changes", [])
     return {"exit": code, "kills": len(kills), "losses": sum("left" in c for c in changes),
             "joins": sum("joined" in c for c in changes), "workers": summary.get("workers"),
             "completed": summary.get("completed"),
-            "twice": sum(1 for n in counts.values() if n > 1),
-            "missing": a.epochs * ROWS - len([k for k in counts if k[0] < a.epochs]),
+            "twice": once["samples_trained_twice"], "missing": once["samples_never_trained"],
             "test_accuracy": summary.get("test_accuracy"),
             "joiner_exits": [j.returncode for j in joiners]}
 
