@@ -17,7 +17,7 @@ from types import TracebackType
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from shoal.core.comm import Comm
-from shoal.core.env import Environment, default_threads, detect_environment
+from shoal.core.env import Environment, default_threads, detect_environment, rank_environment
 from shoal.core.failures import first_line
 from shoal.core.join import init_comm
 from shoal.core.processes import spawn
@@ -53,7 +53,7 @@ def init(device: str = "auto", timeout: float = 300.0, threads: int | None = Non
     """
     global _COMM
     if _COMM is None:
-        env = detect_environment() or Environment()
+        env = rank_environment() or Environment()
         if threads is None:
             threads = _THREADS or default_threads(env.local_world_size)
         _COMM = init_comm(env, device=device, timeout=timeout, threads=threads,

@@ -222,14 +222,24 @@ def test_nothing_outlives_a_killed_launcher(tmp_path, kind, phase):
 
 
 @needs_mpirun
-def test_nothing_outlives_a_killed_mpirun(tmp_path):
+@pytest.mark.parametrize("flags", [
+    ["--elastic"],  # the rank keepers, and their workers with them
+    ["--strategy", "auto", "--target-accuracy", "0.999", "--plan-candidates", "sync,local-sgd"],
+], ids=["elastic", "auto"])
+def test_nothing_outlives_a_killed_mpirun(tmp_path, flags):
     """A rank mpirun started dies with mpirun (prterun, which the wheel's mpirun becomes)
     killed with SIGKILL: before, the ranks trained on as orphans, rank 0 serving their store
-    (without --elastic too). With --elastic: the rank keepers, and their workers with them."""
-    cmd = mpirun(2, *JOBS["sync"], "--out", "out", "--epochs", "1000", "--elastic")
+    (without --elastic too), and ``--strategy auto``'s ranks, planning inside the job, did
+    after the first fix (it guarded ``shoal train``'s ranks only)."""
+    cmd = mpirun(2, *JOBS["sync"], "--out", "out", "--epochs", "1000", *flags)
+    out = tmp_path / "out"
     with Job(cmd, tmp_path, OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1",
              SHOAL_TEST_PHASE="training") as job:
-        job.wait_until("training", lambda: _has_records(tmp_path / "out"))
+        job.wait_until("training", lambda: _has_records(out))
+        if "auto" in flags:  # the winner training, silent (a print to mpirun's pipe would end
+            plan = out / "plan" / "plan.json"  # an orphan: SIGPIPE)
+            job.wait_until("the winner training", lambda: plan.exists() and (
+                out / "metrics.jsonl").stat().st_mtime > plan.stat().st_mtime + 0.5)
         job.kill_launcher()
 
 

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 
 import torch
 
+from shoal.core.guard import die_with_launcher
 from shoal.errors import ShoalError
 
 
@@ -115,6 +116,17 @@ def detect_environment(env: Mapping[str, str] | None = None) -> Environment | No
             attempt=_int(env, "TORCHELASTIC_RESTART_COUNT", default=0),
         )
     return _slurm(env) or _mpi(env)
+
+
+def rank_environment() -> Environment | None:
+    """:func:`detect_environment`, for a process about to act as a rank of the job it
+    finds: where an outside launcher (torchrun, srun, mpirun) started it, it ends with that
+    launcher from now on, whatever kills the launcher (:func:`~shoal.core.guard.die_with_launcher`;
+    shoal's own launcher's processes guard themselves before this)."""
+    env = detect_environment()
+    if env is not None and env.launcher in ("torchrun", "slurm", "mpi"):
+        die_with_launcher()
+    return env
 
 
 def _slurm(env: Mapping[str, str]) -> Environment | None:

@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from shoal.config import TrainConfig
-from shoal.core.env import detect_environment
+from shoal.core.env import detect_environment, rank_environment
 from shoal.core.files import check_output_dir
 from shoal.data import EpochPlan, load_dataset
 from shoal.errors import ShoalError
@@ -79,7 +79,7 @@ def plan_and_train(cfg: TrainConfig) -> dict[str, Any] | None:
     ``OUT``; its summary says what was planned and how long planning took. With
     ``--plan-budget auto`` (the default) sync's probe comes first (:func:`probe_and_train`);
     with ``--replan-every`` too, every plan's budget is a tenth of the period."""
-    env = detect_environment()
+    env = rank_environment()
     if env is not None:  # a rank of torchrun's, Slurm's or mpirun's job: plan on its ranks
         from shoal.plan.injob import plan_in_job
 

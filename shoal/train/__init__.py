@@ -14,10 +14,16 @@ from typing import Any
 import torch
 
 from shoal.config import TrainConfig
-from shoal.core.env import Environment, default_threads, detect_environment, resolve_device
+from shoal.core.env import (
+    Environment,
+    default_threads,
+    detect_environment,
+    rank_environment,
+    resolve_device,
+)
 from shoal.core.failures import exit_status
 from shoal.core.group import job_store
-from shoal.core.guard import die_with_launcher, skip_exit_collection
+from shoal.core.guard import skip_exit_collection
 from shoal.core.keeper import keep_rank
 from shoal.core.limits import check_processes
 from shoal.core.processes import Lost, spawn, stop_requested
@@ -203,10 +209,9 @@ def train(cfg: TrainConfig, dataset: Any = None) -> dict[str, Any] | None:
     if dataset is not None:
         given = as_dataset(dataset)
         cfg = dataclasses.replace(cfg, dataset=given.name)
-    env = detect_environment()
+    env = rank_environment()
     check_elastic(cfg)
     if env is not None:
-        die_with_launcher()
         return _keep_rank(cfg, env, given) if cfg.elastic else _train_as_rank(cfg, env, given)
     cfg = resolve_auto_resume(cfg)
     topology = job_topology(cfg, default_workers(cfg))
