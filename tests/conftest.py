@@ -347,14 +347,16 @@ def samples_trained(out) -> collections.Counter:
 
 def train_losing(out, rank: int | str, at: str, *flags: str, signal: int | None = None,
                  timeout: float = 500, workers: int = 3, after_count: bool = False,
-                 model: str = "tests.fixtures_models:killed_at", once=None):
+                 model: str = "tests.fixtures_models:killed_at", once=None,
+                 more_env: dict[str, str] | None = None):
     """``shoal train --elastic --record-samples`` on ``workers`` (digits, ``EPOCHS`` epochs,
     ``tests.fixtures_models:killed_at``) in which rank ``rank`` sends itself ``signal``
     (SIGKILL by default) at ``at`` (``train:N``: its Nth training forward; ``eval:N``);
     ``after_count``: SIGKILL once that forward's work counted, before it is recorded;
     ``model``: another model that reads the same variables; ``once``: a path, the kill
-    comes only in the first process to get there (a restarted job's go on)."""
-    env = shoal_env()
+    comes only in the first process to get there (a restarted job's go on); ``more_env``:
+    more variables (``dies_at``'s)."""
+    env = {**shoal_env(), **(more_env or {})}
     if after_count:
         env["SHOAL_TEST_KILL_AFTER_COUNT"] = "1"
     if once is not None:

@@ -173,12 +173,15 @@ class _DiesAt(_KilledThenHeld):
     ``short:N``: its first training forward on fewer than N rows (an epoch's last step).
     With ``SHOAL_TEST_DIE_AFTER_COUNT`` it dies instead right after the next meeting that
     counts (:meth:`Membership._agree` said so): its vote carried its work into the shared
-    state, nothing of its own ran after it (``--record-samples`` wrote nothing yet)."""
+    state, nothing of its own ran after it (``--record-samples`` wrote nothing yet). Not
+    where the file ``SHOAL_TEST_DIE_UNLESS`` existed when the model was built (a job
+    restarted from its checkpoint goes on)."""
 
     def __init__(self, input_shape, num_classes):
         super().__init__(input_shape, num_classes)
         self.die = {"train": 0, "eval": 0}
-        self.when, _, count = os.environ.get("SHOAL_TEST_DIE_AT", "").partition(":")
+        spared = os.path.exists(os.environ.get("SHOAL_TEST_DIE_UNLESS", ""))
+        self.when, _, count = ("" if spared else os.environ.get("SHOAL_TEST_DIE_AT", "")).partition(":")
         self.count = int(count or 0)
         self.armed = False
 

@@ -32,8 +32,9 @@ from shoal.core.waits import key_prefix
 from shoal.data import Dataset, as_dataset
 from shoal.data.loader import loader_processes
 from shoal.errors import ShoalError, Terminated, WorkerError
+from shoal.strategies import get_strategy
 from shoal.strategies.topology import Topology
-from shoal.train.checkpoint import checkpoint_step
+from shoal.train.checkpoint import checkpoint_ranks, checkpoint_step
 from shoal.train.elastic_check import check_elastic
 from shoal.train.jobfile import (
     JOIN_SECRET_VAR,
@@ -96,7 +97,7 @@ def _run_with_restarts(cfg: TrainConfig, topology: Topology, data: Dataset | Non
     when a rank fails, start the job again from the last checkpoint, up to
     ``cfg.max_restarts`` times. Returns rank 0's summary, which says what each restart
     redid."""
-    attempt_cfg, restarts = cfg, []
+    attempt_cfg, attempt, restarts = cfg, topology, []
     # --elastic: the job's join secret, which only its workers and its user's ``shoal join``
     # learn (through the job file, shoal.train.jobfile).
     seal = Seal() if cfg.elastic and data is None else None
@@ -104,11 +105,11 @@ def _run_with_restarts(cfg: TrainConfig, topology: Topology, data: Dataset | Non
         started, since = time.monotonic(), time.time()
         extra = {"restarts": restarts} if restarts else None
         try:
-            results = spawn(topology.world_size, _spawned_rank,
-                            (attempt_cfg, topology, data, extra, seal and seal.key_hex),
+            results = spawn(attempt.world_size, _spawned_rank,
+                            (attempt_cfg, attempt, data, extra, seal and seal.key_hex),
                             tolerate=lambda rank: _tolerated(cfg, topology, rank),
-                            on_store=seal and (lambda port: publish(cfg, port, seal.key_hex,
-                                                                    topology.workers)))
+                            on_store=seal and (lambda port, n=attempt.workers: publish(
+                                cfg, port, seal.key_hex, n)))
             return _summary(cfg, topology, results, since)
         except WorkerError as exc:
             exc = _by_role(exc, topology)
@@ -128,6 +129,22 @@ def _run_with_restarts(cfg: TrainConfig, topology: Topology, data: Dataset | Non
                   + (f"the checkpoint at step {step}" if step is not None else "the start")
                   + f" (restart {len(restarts)} of {cfg.max_restarts})",
                   file=sys.stderr, flush=True)
+            attempt = _restarted(cfg, topology) if step is not None else topology
+
+
+def _restarted(cfg: TrainConfig, topology: Topology) -> Topology:
+    """The job to start again from its checkpoint: the same, but where the workers' states
+    drift apart (``local-sgd``, ``easgd``, ``diloco``: each resumes its own) and
+    ``--elastic`` left fewer, on the workers the checkpoint holds. ``sync``'s replicas go
+    on on all of them (the rest of the epoch dealt over them, :mod:`.resume_sync`); an
+    asynchronous job's on its first ``--workers``."""
+    saved = checkpoint_ranks(cfg.checkpoint_path)
+    if topology.servers or saved in (None, topology.workers) \
+            or get_strategy(cfg.strategy).replicas_in_sync:
+        return topology
+    print(f"shoal: the checkpoint holds {saved} workers' state ({cfg.strategy}'s workers "
+          f"each resume their own): {saved} start again", file=sys.stderr, flush=True)
+    return job_topology(cfg, saved)
 
 
 def _summary(cfg: TrainConfig, topology: Topology, results: list[Any], since: float

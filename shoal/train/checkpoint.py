@@ -117,6 +117,14 @@ def checkpoint_step(path: Path) -> int | None:
         return None
 
 
+def checkpoint_ranks(path: Path) -> int | None:
+    """How many workers' parts the checkpoint at ``path`` holds; ``None`` if unreadable."""
+    try:
+        return len(load_checkpoint(path, mmap=True)["ranks"])
+    except ShoalError:
+        return None
+
+
 def check_resume(payload: dict[str, Any], cfg: TrainConfig, world: int,
                  strategy_cls: type[Strategy]) -> None:
     """Raise a one-line error if ``payload`` cannot continue under ``cfg`` on ``world`` ranks."""
@@ -130,7 +138,14 @@ def check_resume(payload: dict[str, Any], cfg: TrainConfig, world: int,
     if cfg.stop_at_step is not None and cfg.stop_at_step <= step:
         raise ShoalError(f"--stop-at-step {cfg.stop_at_step} is not after the checkpoint's step "
                          f"{step}; nothing would be trained")
-    if payload["global_batch"] != cfg.global_batch(world):
+    if not strategy_cls.replicas_in_sync and len(payload["ranks"]) != world:
+        raise ShoalError(f"checkpoint holds {len(payload['ranks'])} workers' state; strategy "
+                         f"{cfg.strategy} must resume on as many, not {world}")
+    # Replicas in sync go on on another number of workers, the rest of the epoch dealt
+    # over them (shoal.train.resume_sync); on as many the data order is the checkpoint's.
+    saved_world = payload.get("world_size", len(payload["ranks"]))
+    if payload["global_batch"] != cfg.global_batch(world) and (
+            saved_world == world or not strategy_cls.replicas_in_sync):
         raise ShoalError(f"checkpoint was made with a global batch of {payload['global_batch']}, "
                          f"this run has {cfg.global_batch(world)}")
     saved_opts = asdict(make_options(strategy_cls, saved.get("strategy_options") or {}))
@@ -139,9 +154,6 @@ def check_resume(payload: dict[str, Any], cfg: TrainConfig, world: int,
             flag = flag_name(key)
             raise ShoalError(f"checkpoint was made with {flag} {saved_opts.get(key)}, "
                              f"this run has {flag} {value}")
-    if not strategy_cls.replicas_in_sync and len(payload["ranks"]) != world:
-        raise ShoalError(f"checkpoint holds {len(payload['ranks'])} workers' state; strategy "
-                         f"{cfg.strategy} must resume on as many, not {world}")
     if "coordinator" in payload:  # an asynchronous run's: its shares dealt or not
         check_dealt(payload, cfg.elastic)
 

@@ -38,6 +38,7 @@ from shoal.train.checkpoint import (
 )
 from shoal.train.optim import schedule_at
 from shoal.train.recorder import Recorder
+from shoal.train.resume_sync import SavedPlan
 from shoal.train.state import RunState
 
 
@@ -53,12 +54,16 @@ def with_strategy(cfg: TrainConfig, ours: dict[str, Any], theirs: dict[str, Any]
 
 def write_checkpoint(cfg: TrainConfig, plan: EpochPlan, *, progress: dict[str, Any],
                      scheduler: dict[str, Any], ranks: list[Any], evaluated: dict[str, Any],
-                     shared: dict[str, Any]) -> None:
-    """Write ``checkpoint.pt``: the run's settings and position, each rank's part
-    (``ranks``), the model it evaluates and what the strategy keeps once (``shared``)."""
+                     shared: dict[str, Any], order: Any = None,
+                     changes: list[dict[str, Any]] | None = None) -> None:
+    """Write ``checkpoint.pt``: the run's settings and position (the epoch's plan, and its
+    ``order`` where the epoch's rest was dealt anew), each rank's part (``ranks``), the
+    model it evaluates, what the strategy keeps once (``shared``) and the membership
+    ``changes`` so far."""
     payload = {"config": cfg.to_dict(), "global_batch": plan.global_batch,
-               "world_size": plan.world, "progress": progress, "scheduler": scheduler,
-               "ranks": ranks, EVAL_MODEL: evaluated}
+               "world_size": plan.world, "plan_order": order, "progress": progress,
+               "scheduler": scheduler, "ranks": ranks, EVAL_MODEL: evaluated,
+               "membership_changes": list(changes or [])}
     save_checkpoint(cfg.checkpoint_path, with_strategy(cfg, payload, shared, "checkpoint_shared",
                                                        reserved=CHECKPOINT_HEADER))
 
@@ -106,6 +111,8 @@ class Checkpointer:
         self.state, self.recorder, self.amp = state, recorder, amp
         self.scheduler, self.strategy = scheduler, strategy
         self.saved_at = -1
+        self.saved_plan: SavedPlan | None = None  # --resume: the checkpoint's epoch plan
+        self.plan_epoch: int | None = None  # the epoch a plan of an epoch's rest is of
 
     def save(self) -> None:
         """Write ``checkpoint.pt`` atomically (rank 0): the progress, what the strategy shares
@@ -131,7 +138,10 @@ class Checkpointer:
             write_checkpoint(self.cfg, self.plan, progress=progress,
                              scheduler=self.scheduler.state_dict(), ranks=ranks,
                              evaluated=to_cpu(self.strategy.eval_module.state_dict()),
-                             shared=to_cpu(self.strategy.checkpoint_shared()))
+                             shared=to_cpu(self.strategy.checkpoint_shared()),
+                             order=self.plan.order if self.plan_epoch == progress["epoch"]
+                             else None,  # at an epoch's end, the last one's rest is done
+                             changes=self.recorder.notes.get("membership_changes"))
 
     def resume(self) -> None:
         """Rank 0 reads the checkpoint and sends it to all (errors reach every rank); each
@@ -154,8 +164,19 @@ class Checkpointer:
         position = own if own is not None and "progress" in own else payload
         self.scheduler.load_state_dict(position["scheduler"])
         self.state.load_state_dict({"progress": position["progress"], "rank": own})
-        self.recorder.load_state_dict(own)
+        self.recorder.load_state_dict(self._with_dropped(own, ranks))
+        self.saved_plan = SavedPlan.of(payload)
         self.resumed(payload)
+
+    def _with_dropped(self, own: dict[str, Any] | None, ranks: list[Any]
+                      ) -> dict[str, Any] | None:
+        """``own``; on rank 0 of a run resumed on fewer workers than wrote the checkpoint,
+        with their epoch sums added to its own (the epoch's records count their steps)."""
+        dropped = [r for r in ranks[self.comm.world_size:] if r]
+        if self.comm.rank != 0 or own is None or not dropped:
+            return own
+        sums = zip(own["epoch_sums"], *(r["epoch_sums"] for r in dropped), strict=True)
+        return {**own, "epoch_sums": [float(sum(v)) for v in sums]}
 
     def resumed(self, payload: dict[str, Any]) -> None:
         """After :meth:`resume` put back every part: what else this rank takes from the file."""

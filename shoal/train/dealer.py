@@ -27,8 +27,8 @@ import torch
 from shoal.core.joining import BAD_PROOF, proved, worker_id
 from shoal.core.waits import ELASTIC, publish_members
 from shoal.errors import ShoalError
+from shoal.train.changes import epoch_span, membership_change
 from shoal.train.deal import Schedule, Segment, cut, deal, length
-from shoal.train.elastic import epoch_span, membership_change
 from shoal.train.elastic_async import DEALS, RELEASE, deal_key, slots_of
 from shoal.train.handover import digest
 from shoal.train.resume_async import dealer_state, rebuild, schedule_of

@@ -30,8 +30,10 @@ from shoal.core.joining import admit
 from shoal.core.membership import MembershipChanged
 from shoal.data import EpochPlan, ShardLoader, resolve_workers
 from shoal.train import handover
+from shoal.train.changes import membership_change, resumed_change, worker_names
 from shoal.train.optim import schedule_at
-from shoal.train.samples import record_samples, samples_file, say_held
+from shoal.train.resume_sync import SavedPlan, go_on
+from shoal.train.samples import cut_after, record_samples, samples_file, say_held
 
 _Step = TypeVar("_Step")
 
@@ -75,10 +77,17 @@ class Elastic:
         self._resized = False  # the group changed: the schedule follows the epochs' share
         self._joined = False  # a joiner's first epoch goes on from the plan it took over
         self._joining: tuple[int, dict[str, Any]] | None = None  # a join's record, and where
+        self._resumed = False  # the first epoch goes on from the checkpoint's plan
+        self._early: list[int] = []
+        saved = getattr(trainer.checkpointer, "saved_plan", None)
+        if saved is not None:  # --resume
+            self._go_on(saved)
         if self.membership is None:
             return
         self.membership.listeners.append(self._changed)
         self._record = samples_file(trainer.cfg, self.membership.me)
+        if saved is not None and self.membership.rank == 0:  # before any worker counts
+            cut_after(trainer.cfg, trainer.state.step)
         # Workers lost while the trainers were built (a meeting of theirs re-formed the
         # group before this listened): left at the first epoch's start like any loss.
         self._early = [m for m in range(self.membership.first_world)
@@ -96,16 +105,39 @@ class Elastic:
         finally:
             self._updating = False
 
+    def _go_on(self, saved: SavedPlan) -> None:
+        """``--resume``: the checkpoint's plan of the epoch (on another number of workers,
+        its rest dealt over those there are now) and the membership changes so far."""
+        t, st = self.t, self.t.state
+        world = t.comm.world_size
+        went = go_on(saved, len(t.data.train), t.cfg.global_batch(world), world, t.cfg.seed,
+                     st.epoch, st.epoch_step)
+        if went is not None:
+            t.plan, st.epoch_step = went
+            self._new_loader()
+            self._resumed = True
+        left = self._left() if st.epoch < t.cfg.epochs else 0
+        change = resumed_change(saved.world, world, st.step, st.epoch, left, t.comm.rank == 0)
+        self.changes = saved.changes + ([change] if change else [])
+        self._resized = bool(self.changes)  # the steps no longer count the epochs' share
+        if self._resized:
+            self._follow_share()
+            t.recorder.notes["membership_changes"] = self.changes
+
     def start_epoch(self) -> None:
         """A new epoch: dealt over the workers there are now (from the step resumed at)."""
         t = self.t
-        if self.membership is None or self._joined:
+        if self._joined:
             self._joined = False
             return
-        if (t.plan.order is not None or t.plan.world != t.comm.world_size) and not self._early:
+        resumed, self._resumed = self._resumed, False
+        if (t.plan.order is not None or t.plan.world != t.comm.world_size) \
+                and not self._early and not resumed:
             t.plan = EpochPlan(len(t.data.train), t.cfg.global_batch(t.comm.world_size),
                                t.comm.world_size, t.cfg.seed)
             self._new_loader()
+        if self.membership is None:
+            return
         st = t.state
         self._uncounted = [Reading(t.plan, t.plan.permutation(st.epoch),
                                    list(self.membership.members), st.epoch_step)]
@@ -150,8 +182,14 @@ class Elastic:
     def step_done(self) -> None:
         """After each step: this worker's samples of it, the new plan if the group changed,
         and what counts now."""
-        if self.membership is None:
-            return
+        if self.membership is not None:
+            self._counts()
+        if self._resized:  # the schedule follows the share of the epochs trained
+            self._follow_share()
+
+    def _counts(self) -> None:
+        """:meth:`step_done` under ``--elastic``: this worker's samples of the step, the
+        new plan if the group changed, and what counts now."""
         t, st = self.t, self.t.state
         reading = self._uncounted[-1]
         rank = reading.members.index(self.membership.me)  # in the plan the step was read by
@@ -161,11 +199,17 @@ class Elastic:
             self.counted(st.step - t.strategy.steps_uncounted())
             if not t.comm.active:  # alone: no vote tells it of a joiner
                 self.membership.look_for_joiners()
-        if self._resized:  # the schedule follows the share of the epochs trained
-            plan, steps = t.plan, self._steps
-            left = plan.n - plan.bounds[st.epoch_step][0] if st.epoch_step < plan.steps_per_epoch \
-                else 0
-            schedule_at(t.scheduler, st.epoch * steps + round(steps * (1 - left / len(t.data.train))))
+
+    def _follow_share(self) -> None:
+        """Put the schedule at the share of the epochs trained, not the count of steps."""
+        t, steps = self.t, self._steps
+        share = 1 - self._left() / len(t.data.train)
+        schedule_at(t.scheduler, t.state.epoch * steps + round(steps * share))
+
+    def _left(self) -> int:
+        """Samples of the epoch's plan not read yet."""
+        plan, step = self.t.plan, self.t.state.epoch_step
+        return plan.n - plan.bounds[step][0] if step < plan.steps_per_epoch else 0
 
     def counted(self, through: int | None = None) -> None:
         """A meeting carried every worker's work so far into the shared state; or, where
@@ -225,6 +269,7 @@ class Elastic:
                                resolve_workers(t.cfg.loader_workers, t.data.train),
                                pin_memory=t.device.type == "cuda", seed=t.cfg.seed)
         t.recorder.plan = t.checkpointer.plan = t.plan  # the records', the checkpoints' plan
+        t.checkpointer.plan_epoch = t.state.epoch
         t.evaluator.loader = t.loader
         t.batches = t.loader.epoch(t.state.epoch, 0)
 
@@ -309,7 +354,7 @@ class Elastic:
         # A joiner lost in the handover has its loss recorded after its join: its place kept.
         workers, at = t.comm.world_size, len(self.changes)
         if t.comm.rank == 0:
-            print(f"shoal: {_workers(joined)} joined at step {st.step}; {workers} go on with "
+            print(f"shoal: {worker_names(joined)} joined at step {st.step}; {workers} go on with "
                   f"the {t.plan.n} samples left of epoch {st.epoch + 1}", file=sys.stderr,
                   flush=True)
         change = {"step": st.step, "epoch": st.epoch + 1, "joined": joined,
@@ -346,26 +391,3 @@ class Elastic:
         self._new_loader()
         self._uncounted = [Reading(t.plan, order, list(self.membership.members), 0)]
 
-
-def membership_change(step: int, epoch: int, why: dict[int, str], workers: int, dealt: int,
-                      say: bool = True, last: int | None = None) -> dict[str, Any]:
-    """summary.json's record of workers ``why`` names (id -> reason) leaving at ``step`` of
-    ``epoch`` (from 0), ``workers`` going on with ``dealt`` samples dealt again (of epochs
-    ``epoch`` to ``last``, where later ones are dealt too); ``say``: print its line too."""
-    lost = sorted(why)
-    if say:
-        span = epoch_span(epoch, epoch if last is None else last)
-        rest = f" with the {dealt} samples left of {span}" if dealt else " (no samples left)"
-        print(f"shoal: {_workers(lost)} left at step {step} ({'; '.join(why.values())}); "
-              f"{workers} go on{rest}", file=sys.stderr, flush=True)
-    return {"step": step, "epoch": epoch + 1, "left": lost, "why": why, "workers": workers,
-            "samples_dealt_again": dealt}
-
-
-def epoch_span(first: int, last: int) -> str:
-    """``epoch 3`` or ``epochs 3 to 5``, of epochs ``first`` to ``last`` counted from 0."""
-    return f"epoch {first + 1}" if first == last else f"epochs {first + 1} to {last + 1}"
-
-
-def _workers(ids: list[int]) -> str:
-    return f"worker {ids[0]}" if len(ids) == 1 else "workers " + ", ".join(map(str, ids))

@@ -63,6 +63,7 @@ class Recorder:
     def __init__(self, cfg: TrainConfig, comm: Comm, plan: EpochPlan,
                  evaluator: Evaluator | None = None, *, classes: int) -> None:
         self.cfg, self.comm, self.plan = cfg, comm, plan
+        self._samples = plan.n  # an epoch's (the plan may come to hold an epoch's rest)
         #: Whether the run learns (non-finite loss, collapse): ``classes`` is the data's C.
         self.health = Health(classes, cfg.allow_collapse)
         self.tl = comm.timeline
@@ -153,8 +154,9 @@ class Recorder:
         self.log = MetricsLog(self.out / "metrics.jsonl", keep_until_step=resumed_at,
                               tensorboard=board, history=history)
         world, plan = self.comm.world_size, self.plan
-        if self.comm.membership is not None and plan.world != world:  # lost at the start
-            plan = EpochPlan(plan.n, cfg.global_batch(world), world, cfg.seed)
+        if plan.order is not None or (self.comm.membership is not None and plan.world != world):
+            # lost at the start, or resumed with the epoch's rest dealt anew
+            plan = EpochPlan(self._samples, cfg.global_batch(world), world, cfg.seed)
         self.progress.line(
             f"shoal: {cfg.model} on {data}; {world} worker(s), strategy {cfg.strategy}, global "
             f"batch {plan.global_batch}, {plan.steps_per_epoch} steps/epoch; {describe_momentum(cfg)}")

@@ -85,6 +85,27 @@ def record_since(path: Path, upto: int, since: Callable[[int], dict[int, torch.T
     return _append(path, rest, wait)
 
 
+def cut_after(cfg: TrainConfig, step: int) -> None:
+    """``--resume`` (and ``--max-restarts``' restart): drop each worker's lines of counts
+    after ``step``, the checkpoint's, whose work the resumed run trains again (a file's
+    lines come in the order of their steps, so the rest from the first later one goes)."""
+    folder = Path(cfg.out) / "samples"
+    if not cfg.record_samples or not folder.is_dir():
+        return
+    for path in sorted(folder.glob("worker*.jsonl")):
+        fd = open_own(path, os.O_RDWR)  # ours only: a planted file is refused
+        try:
+            with _locked(fd, None):
+                data, at = os.pread(fd, os.fstat(fd).st_size, 0), 0
+                for line in data.splitlines(keepends=True):
+                    if _record(line).get("step", -1) > step:
+                        os.ftruncate(fd, at)
+                        break
+                    at += len(line)
+        finally:
+            os.close(fd)
+
+
 def _append(path: Path, lines: Callable[[dict[str, Any]], bytes], wait: float | None) -> bool:
     """Append ``lines(last)`` to ``path`` under its exclusive lock, ``last`` its last line
     read back (``{}``: none, or not a line of ours); False when the lock was not had in
