@@ -11,49 +11,61 @@ import shutil
 
 import pytest
 
-from conftest import EPOCHS, TRAIN_ROWS, assert_each_sample_once, shoal, step_workers, train_losing
+from conftest import (
+    EPOCHS,
+    TRAIN_ROWS,
+    assert_each_sample_once,
+    one_error_line,
+    shoal,
+    step_workers,
+    train_losing,
+)
 
 pytestmark = pytest.mark.timeout(600)
 
 
-def test_a_checkpoint_written_after_a_loss_resumes_on_as_many_workers_and_on_more(tmp_path):
-    # 3 workers x 16 rows (30 steps an epoch); worker 2 killed at step 10, so the two left
-    # go on with the epoch's rest dealt anew (32 rows a step); stopped at step 20, inside it.
+def _resume(out, workers: int, epochs: int, strategy: str = "easgd"):
+    return shoal("train", "--out", str(out), "--progress", "plain", "--model",
+                 "tests.fixtures_models:killed_at", "--dataset", "digits", "--workers",
+                 str(workers), "--epochs", str(epochs), "--strategy", strategy, "--tau", "4",
+                 "--elastic", "--record-samples", "--resume", timeout=300)
+
+
+def test_a_checkpoint_written_after_a_loss_inside_a_round_resumes_each_sample_once(tmp_path):
+    # 3 workers x 16 rows (30 steps an epoch), EASGD every 4 steps; worker 2 killed in step
+    # 10, so the two left go on with the epoch's rest dealt anew (32 rows a step); stopped
+    # at step 22, two steps into a round (their work meets at step 24).
     out = tmp_path / "run"
-    res = train_losing(out, 2, "train:10", "--strategy", "sync", "--stop-at-step", "20")
+    res = train_losing(out, 2, "train:10", "--strategy", "easgd", "--tau", "4",
+                       "--stop-at-step", "22")
     assert res.returncode == 0, res.stderr
-    assert "worker 2 left at step 9" in res.stderr
-    more = tmp_path / "more"
-    shutil.copytree(out, more)
-    for where, workers in ((out, 2), (more, 3)):
-        res = shoal("train", "--out", str(where), "--progress", "plain", "--model",
-                    "tests.fixtures_models:killed_at", "--dataset", "digits", "--workers",
-                    str(workers), "--epochs", str(EPOCHS), "--strategy", "sync", "--elastic",
-                    "--record-samples", "--resume", timeout=300)
-        assert res.returncode == 0, res.stderr
-        # before: on 2 the resumed run read the epoch's own plan from step 20, training 432
-        # samples twice; on 3 it was refused (another global batch)
-        assert_each_sample_once(where, EPOCHS, TRAIN_ROWS)
-        summary = json.loads((where / "summary.json").read_text())
-        changes = summary["membership_changes"]
-        assert changes[0]["left"] == [2] and changes[0]["step"] == 9
-        assert summary["workers"] == workers == max(step_workers(where).items())[1]
-    assert changes[1] == {"step": 20, "epoch": 1, "joined": [2],
-                          "why": {"2": "started at --resume"}, "workers": 3,
-                          "samples_dealt_again": 1437 - 9 * 48 - 11 * 32}
-    assert "shoal: resumed on 3 workers (the checkpoint's run had 2)" in res.stderr
+    assert "worker 2 left at step" in res.stderr
+    res = _resume(out, 3, EPOCHS)  # each worker holds its own model: on as many only
+    assert res.returncode == 2
+    assert one_error_line(res.stderr) == (
+        "shoal: error: checkpoint holds 2 workers' state at step 22, inside epoch 1: strategy "
+        "easgd resumes there on as many, not 3 (on another number only from a checkpoint at "
+        "an epoch's end)")
+    res = _resume(out, 2, EPOCHS)
+    assert res.returncode == 0, res.stderr
+    # before: the resumed run read the epoch's own plan from step 22 (samples trained twice)
+    # and the two steps of the round the checkpoint cut were never recorded
+    assert_each_sample_once(out, EPOCHS, TRAIN_ROWS)
+    summary = json.loads((out / "summary.json").read_text())
+    [change] = summary["membership_changes"]
+    assert change["left"] == [2] and summary["workers"] == 2
 
 
-# local-sgd: the job is lost in epoch 2 and restarts from epoch 1's end, where the plan of
-# epoch 1's rest is done (the next epoch is dealt afresh); sync: lost at step 30 and
-# restarted from its checkpoint at step 20, inside the epoch's rest dealt anew.
+# local-sgd: lost at step 30 and restarted on the 2 workers its checkpoint at step 20 holds
+# (inside the epoch's rest dealt anew, inside a round); sync: lost in epoch 2 and restarted
+# on all 3 from epoch 1's end, where the plan of epoch 1's rest is done (the next epoch is
+# dealt afresh).
 @pytest.mark.parametrize("strategy, die, flags, again", [
-    ("local-sgd", "train:50", [], 2), ("sync", "train:30", ["--checkpoint-every", "20"], 3)])
+    ("local-sgd", "train:30", ["--checkpoint-every", "20"], 2), ("sync", "train:50", [], 3)])
 def test_max_restarts_after_a_loss_goes_on_with_every_sample_once(tmp_path, strategy, die,
                                                                   flags, again):
     # worker 2 killed at step 10 (once); every other worker at its forward `die`, so the job
-    # is lost and restarts from its checkpoint: local-sgd on the 2 workers the checkpoint
-    # holds, sync on all 3.
+    # is lost and restarts from its checkpoint.
     out = tmp_path / "run"
     res = train_losing(out, 2, "train:10", "--strategy", strategy, "--max-restarts", "1",
                        *flags, model="tests.fixtures_models:dies_at", once=tmp_path / "once",
@@ -68,3 +80,24 @@ def test_max_restarts_after_a_loss_goes_on_with_every_sample_once(tmp_path, stra
     assert summary["membership_changes"][0]["left"] == [2]
     assert max(step_workers(out).items())[1] == again
     assert_each_sample_once(out, EPOCHS, TRAIN_ROWS)  # the lines after step 20 were cut
+
+
+def test_drifting_workers_resume_on_more_or_fewer_from_an_epochs_end(tmp_path):
+    """EASGD's workers each hold their own model: from the checkpoint at an epoch's end they
+    resume on more (a new worker takes worker 0's state, as a joiner does) or fewer (a
+    worker not started leaves its work in the center), every sample once."""
+    out = tmp_path / "run"
+    res = train_losing(out, 9, "train:1", "--strategy", "easgd", "--tau", "4", "--epochs",
+                       "1")  # no rank 9: nobody is killed; the first epoch, ended
+    assert res.returncode == 0, res.stderr
+    fewer = tmp_path / "fewer"
+    shutil.copytree(out, fewer)
+    for where, workers in ((out, 4), (fewer, 2)):
+        res = _resume(where, workers, EPOCHS)
+        assert res.returncode == 0, res.stderr
+        assert_each_sample_once(where, EPOCHS, TRAIN_ROWS)
+        summary = json.loads((where / "summary.json").read_text())
+        [change] = summary["membership_changes"]
+        assert change["step"] == 30 and change["workers"] == workers == summary["workers"]
+        assert change.get("joined" if workers > 3 else "left") == [min(3, workers)]
+        assert summary["test_accuracy"] > 0.8

@@ -134,16 +134,18 @@ def _run_with_restarts(cfg: TrainConfig, topology: Topology, data: Dataset | Non
 
 def _restarted(cfg: TrainConfig, topology: Topology) -> Topology:
     """The job to start again from its checkpoint: the same, but where the workers' states
-    drift apart (``local-sgd``, ``easgd``, ``diloco``: each resumes its own) and
-    ``--elastic`` left fewer, on the workers the checkpoint holds. ``sync``'s replicas go
-    on on all of them (the rest of the epoch dealt over them, :mod:`.resume_sync`); an
-    asynchronous job's on its first ``--workers``."""
-    saved = checkpoint_ranks(cfg.checkpoint_path)
-    if topology.servers or saved in (None, topology.workers) \
+    drift apart (``local-sgd``, ``easgd``, ``diloco``: each resumes its own), ``--elastic``
+    left fewer and the checkpoint is inside an epoch, on the workers it holds. ``sync``'s
+    replicas go on on all of them (the rest of the epoch dealt over them,
+    :mod:`.resume_sync`), as drifting ones do from an epoch's end; an asynchronous job's on
+    its first ``--workers``."""
+    saved, inside = checkpoint_ranks(cfg.checkpoint_path)
+    if topology.servers or saved in (None, topology.workers) or not inside \
             or get_strategy(cfg.strategy).replicas_in_sync:
         return topology
-    print(f"shoal: the checkpoint holds {saved} workers' state ({cfg.strategy}'s workers "
-          f"each resume their own): {saved} start again", file=sys.stderr, flush=True)
+    print(f"shoal: the checkpoint holds {saved} workers' state inside an epoch "
+          f"({cfg.strategy}'s workers each resume their own): {saved} start again",
+          file=sys.stderr, flush=True)
     return job_topology(cfg, saved)
 
 

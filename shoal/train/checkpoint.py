@@ -117,12 +117,14 @@ def checkpoint_step(path: Path) -> int | None:
         return None
 
 
-def checkpoint_ranks(path: Path) -> int | None:
-    """How many workers' parts the checkpoint at ``path`` holds; ``None`` if unreadable."""
+def checkpoint_ranks(path: Path) -> tuple[int | None, bool]:
+    """How many workers' parts the checkpoint at ``path`` holds (``None``: unreadable), and
+    whether it was written inside an epoch."""
     try:
-        return len(load_checkpoint(path, mmap=True)["ranks"])
+        payload = load_checkpoint(path, mmap=True)
+        return len(payload["ranks"]), bool(payload["progress"]["epoch_step"])
     except ShoalError:
-        return None
+        return None, False
 
 
 def check_resume(payload: dict[str, Any], cfg: TrainConfig, world: int,
@@ -138,14 +140,12 @@ def check_resume(payload: dict[str, Any], cfg: TrainConfig, world: int,
     if cfg.stop_at_step is not None and cfg.stop_at_step <= step:
         raise ShoalError(f"--stop-at-step {cfg.stop_at_step} is not after the checkpoint's step "
                          f"{step}; nothing would be trained")
-    if not strategy_cls.replicas_in_sync and len(payload["ranks"]) != world:
-        raise ShoalError(f"checkpoint holds {len(payload['ranks'])} workers' state; strategy "
-                         f"{cfg.strategy} must resume on as many, not {world}")
-    # Replicas in sync go on on another number of workers, the rest of the epoch dealt
-    # over them (shoal.train.resume_sync); on as many the data order is the checkpoint's.
+    check_workers(payload, cfg, world, strategy_cls)
+    # On another number of workers (check_workers) the rest of the epoch is dealt over them
+    # (shoal.train.resume_sync); on as many the data order is the checkpoint's.
     saved_world = payload.get("world_size", len(payload["ranks"]))
     if payload["global_batch"] != cfg.global_batch(world) and (
-            saved_world == world or not strategy_cls.replicas_in_sync):
+            saved_world == world or "coordinator" in payload):
         raise ShoalError(f"checkpoint was made with a global batch of {payload['global_batch']}, "
                          f"this run has {cfg.global_batch(world)}")
     saved_opts = asdict(make_options(strategy_cls, saved.get("strategy_options") or {}))
@@ -156,6 +156,26 @@ def check_resume(payload: dict[str, Any], cfg: TrainConfig, world: int,
                              f"this run has {flag} {value}")
     if "coordinator" in payload:  # an asynchronous run's: its shares dealt or not
         check_dealt(payload, cfg.elastic)
+
+
+def check_workers(payload: dict[str, Any], cfg: TrainConfig, world: int,
+                  strategy_cls: type[Strategy]) -> None:
+    """Raise a one-line error if ``payload``'s workers cannot go on as ``world``: replicas in
+    sync go on on any number; workers that drift apart between meetings on another number
+    only from an epoch's end, where every worker's work met (a worker with no state of its
+    own takes worker 0's, as a joiner does; one not started leaves its work in the others');
+    an asynchronous job's on its own number."""
+    saved, progress = len(payload["ranks"]), payload["progress"]
+    if strategy_cls.replicas_in_sync or saved == world:
+        return
+    if "coordinator" in payload:
+        raise ShoalError(f"checkpoint holds {saved} workers' state; strategy {cfg.strategy} "
+                         f"must resume on as many, not {world}")
+    if progress["epoch_step"]:
+        raise ShoalError(f"checkpoint holds {saved} workers' state at step {progress['step']}, "
+                         f"inside epoch {progress['epoch'] + 1}: strategy {cfg.strategy} "
+                         f"resumes there on as many, not {world} (on another number only "
+                         "from a checkpoint at an epoch's end)")
 
 
 def check_init(payload: dict[str, Any], cfg: TrainConfig, world: int) -> None:

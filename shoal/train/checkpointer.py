@@ -113,6 +113,10 @@ class Checkpointer:
         self.saved_at = -1
         self.saved_plan: SavedPlan | None = None  # --resume: the checkpoint's epoch plan
         self.plan_epoch: int | None = None  # the epoch a plan of an epoch's rest is of
+        #: ``--elastic``: this rank's part of its side (:meth:`position`), and at
+        #: ``--resume`` the part the checkpoint holds of this rank
+        self.elastic_part: Callable[[], dict[str, Any]] | None = None
+        self.own_part: dict[str, Any] | None = None
 
     def save(self) -> None:
         """Write ``checkpoint.pt`` atomically (rank 0): the progress, what the strategy shares
@@ -128,8 +132,9 @@ class Checkpointer:
         self.saved_at = self.state.step
 
     def position(self, progress: dict[str, Any]) -> dict[str, Any]:
-        """What this rank's part says of its position (nothing: the run's is the file's)."""
-        return {}
+        """What this rank's part says of its position (the run's is the file's; under
+        ``--elastic`` the samples it trained that have not counted yet)."""
+        return {} if self.elastic_part is None else {"elastic": self.elastic_part()}
 
     def keep(self, own: dict[str, Any], progress: dict[str, Any]) -> None:
         """Gather every rank's part ``own``; rank 0 writes the file."""
@@ -154,7 +159,10 @@ class Checkpointer:
         payload = read_on_main(self.comm, read)
         ranks = payload["ranks"]
         own = ranks[self.comm.rank] if self.comm.rank < len(ranks) else None
-        self.strategy.restore_checkpoint(payload, own)
+        # A worker the checkpoint has no state of: in-sync replicas start from the shared
+        # model; drifting ones (resumed at an epoch's end) take worker 0's, as a joiner does.
+        drifts = own is None and not self.strategy.replicas_in_sync
+        self.strategy.restore_checkpoint(payload, ranks[0] if drifts else own)
         # Replicas in sync scale their losses alike: a rank the checkpoint has no state of
         # takes the first rank's scaler.
         mine = own if own is not None else next((r for r in ranks if r), None)
@@ -165,7 +173,7 @@ class Checkpointer:
         self.scheduler.load_state_dict(position["scheduler"])
         self.state.load_state_dict({"progress": position["progress"], "rank": own})
         self.recorder.load_state_dict(self._with_dropped(own, ranks))
-        self.saved_plan = SavedPlan.of(payload)
+        self.saved_plan, self.own_part = SavedPlan.of(payload), own
         self.resumed(payload)
 
     def _with_dropped(self, own: dict[str, Any] | None, ranks: list[Any]

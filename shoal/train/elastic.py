@@ -16,8 +16,6 @@ not the count of steps.
 
 from __future__ import annotations
 
-import sys
-import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, replace
@@ -26,11 +24,10 @@ from typing import Any, TypeVar
 
 import torch
 
-from shoal.core.joining import admit
 from shoal.core.membership import MembershipChanged
 from shoal.data import EpochPlan, ShardLoader, resolve_workers
-from shoal.train import handover
-from shoal.train.changes import membership_change, resumed_change, worker_names
+from shoal.train.changes import membership_change, resumed_change
+from shoal.train.elastic_join import Joins
 from shoal.train.optim import schedule_at
 from shoal.train.resume_sync import SavedPlan, go_on
 from shoal.train.samples import cut_after, record_samples, samples_file, say_held
@@ -60,7 +57,7 @@ class Count:
     ranges: list[tuple[Reading, int, int]]
 
 
-class Elastic:
+class Elastic(Joins):
     """The trainer's side of elastic membership; a no-op without ``--elastic``."""
 
     def __init__(self, trainer: Any) -> None:
@@ -78,6 +75,7 @@ class Elastic:
         self._joined = False  # a joiner's first epoch goes on from the plan it took over
         self._joining: tuple[int, dict[str, Any]] | None = None  # a join's record, and where
         self._resumed = False  # the first epoch goes on from the checkpoint's plan
+        self._carried = 0  # resumed inside a round: the steps since the last count
         self._early: list[int] = []
         saved = getattr(trainer.checkpointer, "saved_plan", None)
         if saved is not None:  # --resume
@@ -86,6 +84,7 @@ class Elastic:
             return
         self.membership.listeners.append(self._changed)
         self._record = samples_file(trainer.cfg, self.membership.me)
+        trainer.checkpointer.elastic_part = self._checkpoint_part
         if saved is not None and self.membership.rank == 0:  # before any worker counts
             cut_after(trainer.cfg, trainer.state.step)
         # Workers lost while the trainers were built (a meeting of theirs re-formed the
@@ -116,6 +115,10 @@ class Elastic:
             t.plan, st.epoch_step = went
             self._new_loader()
             self._resumed = True
+        own = t.checkpointer.own_part or {}
+        if saved.world == world and own.get("elastic"):  # steps not counted yet: they count
+            self._trained = list(own["elastic"]["trained"])  # at the next meeting
+            self._carried = len(self._trained)
         left = self._left() if st.epoch < t.cfg.epochs else 0
         change = resumed_change(saved.world, world, st.step, st.epoch, left, t.comm.rank == 0)
         self.changes = saved.changes + ([change] if change else [])
@@ -139,8 +142,10 @@ class Elastic:
         if self.membership is None:
             return
         st = t.state
-        self._uncounted = [Reading(t.plan, t.plan.permutation(st.epoch),
-                                   list(self.membership.members), st.epoch_step)]
+        self._uncounted = [Reading(t.plan, t.plan.permutation(st.epoch),  # resumed: from the
+                                   list(self.membership.members),  # steps not counted yet
+                                   st.epoch_step - self._carried)]
+        self._carried = 0
         if self._early:  # the rest of the epoch (all of it, unless resumed) dealt anew
             lost, self._early = self._early, []
             self._changed(lost, [])
@@ -199,6 +204,11 @@ class Elastic:
             self.counted(st.step - t.strategy.steps_uncounted())
             if not t.comm.active:  # alone: no vote tells it of a joiner
                 self.membership.look_for_joiners()
+
+    def _checkpoint_part(self) -> dict[str, Any]:
+        """This worker's samples of the steps that have not counted yet, for a checkpoint
+        (inside a round of the periodic strategies; they count at the next meeting)."""
+        return {"trained": list(self._trained)}
 
     def _follow_share(self) -> None:
         """Put the schedule at the share of the epochs trained, not the count of steps."""
@@ -331,55 +341,6 @@ class Elastic:
             if parts and path is not None and not record_samples(
                     path, {last.epoch: torch.cat(parts)}, last.step, by=m.me, wait=m.timeout):
                 say_held(worker, f"step {last.step}")
-
-    # -- a join -------------------------------------------------------------------------------
-    def _all_counted(self) -> bool:
-        """Whether all work so far counts (a meeting point, nothing dealt anew pending)."""
-        reading = self._uncounted[-1]
-        return (len(self._uncounted) == 1 and reading.start == self.t.state.epoch_step
-                and not self._trained and self._next is None)
-
-    def _admit(self) -> None:
-        """Workers asked to join (every member saw it in a meeting's decision) and all work
-        so far counts: admit them (:mod:`shoal.core.joining`), deal the rest of the epoch
-        over the grown group, and hand them worker 0's live state."""
-        t, st = self.t, self.t.state
-        started = time.perf_counter()
-        joined = admit(self.membership, t.cfg.max_workers or self.membership.first_world,
-                       t.cfg.timeout)
-        self.settle()  # the rest dealt anew (over the joiners too, or without one lost)
-        self.counted()
-        if not joined:
-            return
-        # A joiner lost in the handover has its loss recorded after its join: its place kept.
-        workers, at = t.comm.world_size, len(self.changes)
-        if t.comm.rank == 0:
-            print(f"shoal: {worker_names(joined)} joined at step {st.step}; {workers} go on with "
-                  f"the {t.plan.n} samples left of epoch {st.epoch + 1}", file=sys.stderr,
-                  flush=True)
-        change = {"step": st.step, "epoch": st.epoch + 1, "joined": joined,
-                  "why": {m: "joined" for m in joined}, "workers": workers,
-                  "samples_dealt_again": t.plan.n}
-        self._joining = (at, change)  # the joiners keep it too (they may write the records)
-        mine, theirs = handover.send(t, joined)
-        self.joined(mine, theirs, {"stall_s": round(time.perf_counter() - started, 4)})
-
-    def joined(self, mine: str, theirs: dict[str, str], more: dict[str, Any] | None = None
-               ) -> None:
-        """After a handover (a member's, with its stall in ``more``; a joiner's): the join's
-        record with worker 0's digest ``mine`` and the joiners' ``theirs``, in its place
-        among the changes (a joiner lost meanwhile has its loss recorded after it)."""
-        if self._joining is not None:
-            at, change = self._joining
-            self.changes.insert(at, {**change, "state_sha256": mine, "joiner_state_sha256": theirs,
-                                     **(more or {})})
-            self._joining = None
-        self.t.recorder.notes["membership_changes"] = self.changes
-
-    def handover_state(self) -> dict[str, Any]:
-        """What a joiner takes of this worker's side (:mod:`shoal.train.handover`)."""
-        return {"steps": self._steps, "resized": self._resized, "changes": list(self.changes),
-                "joining": self._joining}
 
     def take_over(self, order: torch.Tensor, state: dict[str, Any]) -> None:
         """A joiner: the rest of the epoch (``order``) dealt over its new group, and

@@ -130,9 +130,8 @@ class RemoteCheckpointer(Checkpointer):
         """``parts``: the :class:`Checkpointer`'s."""
         super().__init__(*parts)
         self.report = report
-        #: ``--elastic``: this worker's place in its schedule, for the file; and where it goes
-        #: on from after ``--resume`` (:mod:`shoal.train.resume_async`)
-        self.elastic_part: Callable[[], dict[str, int]] | None = None
+        #: ``--elastic``: where this worker goes on from after ``--resume``
+        #: (:mod:`shoal.train.resume_async`); its ``elastic_part``: its place in its schedule
         self.elastic_payload: dict[str, Any] | None = None
 
     def position(self, progress: dict[str, Any]) -> dict[str, Any]:

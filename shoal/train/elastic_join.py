@@ -1,0 +1,80 @@
+"""A join's side of a synchronous or periodic ``--elastic`` run (:class:`Joins`, a part of
+:class:`~shoal.train.elastic.Elastic`): a worker that asked to join (``shoal join``) is
+admitted at a meeting where all work so far counts, the rest of the epoch is dealt over the
+grown group, and worker 0 hands it its live state (:mod:`shoal.train.handover`)."""
+
+from __future__ import annotations
+
+import sys
+import time
+from typing import Any
+
+from shoal.core.joining import admit
+from shoal.train import handover
+from shoal.train.changes import worker_names
+
+
+class Joins:
+    """:class:`~shoal.train.elastic.Elastic`'s joins (its trainer ``t``, ``membership``,
+    readings and changes; its ``settle`` and ``counted``)."""
+
+    t: Any
+    membership: Any
+    changes: list[dict[str, Any]]
+    _joining: tuple[int, dict[str, Any]] | None
+    _uncounted: list[Any]
+    _trained: list[Any]
+    _next: Any
+    _steps: int
+    _resized: bool
+
+    def _all_counted(self) -> bool:
+        """Whether all work so far counts (a meeting point, nothing dealt anew pending)."""
+        reading = self._uncounted[-1]
+        return (len(self._uncounted) == 1 and reading.start == self.t.state.epoch_step
+                and not self._trained and self._next is None)
+
+    def _admit(self) -> None:
+        """Workers asked to join (every member saw it in a meeting's decision) and all work
+        so far counts: admit them (:mod:`shoal.core.joining`), deal the rest of the epoch
+        over the grown group, and hand them worker 0's live state."""
+        t, st = self.t, self.t.state
+        started = time.perf_counter()
+        joined = admit(self.membership, t.cfg.max_workers or self.membership.first_world,
+                       t.cfg.timeout)
+        self.settle()  # the rest dealt anew (over the joiners too, or without one lost)
+        self.counted()
+        if not joined:
+            return
+        # A joiner lost in the handover has its loss recorded after its join: its place kept.
+        workers, at = t.comm.world_size, len(self.changes)
+        if t.comm.rank == 0:
+            print(f"shoal: {worker_names(joined)} joined at step {st.step}; {workers} go on with "
+                  f"the {t.plan.n} samples left of epoch {st.epoch + 1}", file=sys.stderr,
+                  flush=True)
+        change = {"step": st.step, "epoch": st.epoch + 1, "joined": joined,
+                  "why": {m: "joined" for m in joined}, "workers": workers,
+                  "samples_dealt_again": t.plan.n}
+        self._joining = (at, change)  # the joiners keep it too (they may write the records)
+        mine, theirs = handover.send(t, joined)
+        self.joined(mine, theirs, {"stall_s": round(time.perf_counter() - started, 4)})
+
+    def joined(self, mine: str, theirs: dict[str, str], more: dict[str, Any] | None = None
+               ) -> None:
+        """After a handover (a member's, with its stall in ``more``; a joiner's): the join's
+        record with worker 0's digest ``mine`` and the joiners' ``theirs``, in its place
+        among the changes (a joiner lost meanwhile has its loss recorded after it)."""
+        if self._joining is not None:
+            at, change = self._joining
+            self.changes.insert(at, {**change, "state_sha256": mine, "joiner_state_sha256": theirs,
+                                     **(more or {})})
+            self._joining = None
+        self.t.recorder.notes["membership_changes"] = self.changes
+
+    def handover_state(self) -> dict[str, Any]:
+        """What a joiner takes of this worker's side (:mod:`shoal.train.handover`)."""
+        return {"steps": self._steps, "resized": self._resized, "changes": list(self.changes),
+                "joining": self._joining}
+
+
+__all__ = ["Joins"]
