@@ -1,5 +1,6 @@
-"""Building an optimizer does not import ``torch._dynamo`` (about 1 s of CPU, paid by every
-launcher for its checks and by every parameter server), and the optimizer's methods stay
+"""Building and stepping an optimizer does not import ``torch._dynamo`` (about 1 s of CPU,
+paid by every launcher for its checks, every parameter server and every worker that steps
+without DDP), its steps equal torch's own optimizer's, and the optimizer's methods stay
 torch's own "not traced" versions wherever something compiles."""
 
 import subprocess
@@ -21,8 +22,25 @@ state = opt.state_dict()
 print("dynamo after build:", "torch._dynamo" in sys.modules)
 before = [p.detach().clone() for p in model.parameters()]
 model(torch.ones(4, 3)).sum().backward()
-opt.step()  # torch's step imports torch._dynamo itself
-print("dynamo after step:", "torch._dynamo" in sys.modules)
+opt.step()  # torch's own step would import torch._dynamo
+print("dynamo after step:", "torch._dynamo" in sys.modules, torch.is_grad_enabled())
+for name, flags in (("sgd", {"momentum": 0.9, "nesterov": True, "weight_decay": 1e-3}),
+                    ("adamw", {"weight_decay": 1e-2})):
+    ours, theirs = torch.nn.Linear(3, 2), torch.nn.Linear(3, 2)
+    theirs.load_state_dict(ours.state_dict())
+    mine = build_optimizer(TrainConfig(model="mlp", dataset="digits", optimizer=name,
+                                       **flags).validate(), ours.parameters(), 0.1)
+    ref = (torch.optim.SGD(theirs.parameters(), lr=0.1, **flags) if name == "sgd"
+           else torch.optim.AdamW(theirs.parameters(), lr=0.1, **flags))
+    for m, o in ((ours, mine), (theirs, ref)):  # torch's own step imports torch._dynamo
+        if o is ref:
+            print(f"dynamo after {name}'s steps:", "torch._dynamo" in sys.modules)
+        for step in range(3):
+            o.zero_grad()
+            m(torch.full((4, 3), step + 1.0)).square().sum().backward()
+            o.step()
+    same = all(torch.equal(a, b) for a, b in zip(ours.parameters(), theirs.parameters()))
+    print(f"{name} as torch's:", same, type(mine).__name__, isinstance(mine, type(ref)))
 import torch._dynamo
 fn = torch.optim.Optimizer.zero_grad.__wrapped__
 opt.zero_grad()  # the first call after the import takes torch's version
@@ -44,10 +62,13 @@ print("compiled step:", all(p.grad is None for p in model.parameters()))
 """
 
 
-def test_an_optimizer_is_built_without_dynamo_and_keeps_torchs_versions_once_it_is_imported():
+def test_an_optimizer_is_built_and_stepped_without_dynamo_and_keeps_torchs_versions_once_it_is():
     res = subprocess.run([sys.executable, "-c", PROGRAM], capture_output=True, text=True,
                          env=shoal_env(), timeout=240)
     assert res.returncode == 0, res.stderr
     assert res.stdout.splitlines() == [
-        "dynamo after build: False", "dynamo after step: True", "torch's version: True",
-        "stepped: True", "compiled step: True"], res.stdout + res.stderr
+        "dynamo after build: False", "dynamo after step: False True",
+        "dynamo after sgd's steps: False", "sgd as torch's: True SGD True",
+        "dynamo after adamw's steps: True", "adamw as torch's: True AdamW True",
+        "torch's version: True", "stepped: True",
+        "compiled step: True"], res.stdout + res.stderr
