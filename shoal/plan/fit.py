@@ -58,12 +58,16 @@ def network(name: str) -> Network:
                    burst_bytes=burst_bytes(rate_bits(name)))
 
 
+@functools.cache
+def _workload(spec: str) -> Workload:
+    """A strategy spec's workload, built once: a fit asks for it at every point it tries
+    (building its options, type hints and all, took 5 of a fit's 6 seconds)."""
+    return workloads(spec, {})[0]
+
+
 def predicted(points: Sequence[dict[str, Any]], setting: Setting, machine: Machine) -> list[float]:
     """Each point's predicted samples/s, its processes on ``machine``."""
-    loads: dict[str, Workload] = {}
-    for spec in {p["strategy"] for p in points}:
-        loads[spec] = workloads(spec, {})[0]
-    return [predict(loads[p["strategy"]], p["workers"], setting.batch, setting.params,
+    return [predict(_workload(p["strategy"]), p["workers"], setting.batch, setting.params,
                     setting.local if p["network"] == "local" else setting.emulated,
                     network(p["network"]), machine).samples_per_s for p in points]
 

@@ -16,6 +16,7 @@ its hosts are this machine's processes behind a rate-limited link); without
 
 from __future__ import annotations
 
+import functools
 import json
 import re
 import sys
@@ -70,6 +71,14 @@ def show_rate(bytes_per_s: float) -> str:
 
 
 # -- the strategies ---------------------------------------------------------------------------
+@functools.lru_cache(maxsize=4096)
+def _pattern(strategy: str, options: tuple[tuple[str, Any], ...], nodes: int) -> Pattern | None:
+    """:func:`pattern_of`, once for each strategy, options and number of workers: a fit of
+    the cost model asks for it at every point of every grid point it tries (checking the
+    options, type hints and all, took most of a fit's time)."""
+    return pattern_of(strategy, dict(options), nodes)
+
+
 @dataclass(frozen=True)
 class Workload:
     """A strategy with its options (a dict of them, checked when the pattern is asked for)."""
@@ -91,6 +100,8 @@ class Workload:
         return w
 
     def pattern(self, nodes: int) -> Pattern | None:
+        if all(isinstance(v, (str, int, float, bool, type(None))) for _, v in self.options):
+            return _pattern(self.strategy, self.options, nodes)
         return pattern_of(self.strategy, dict(self.options), nodes)
 
     @property
