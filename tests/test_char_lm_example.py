@@ -18,7 +18,7 @@ import shoal
 from conftest import REPO
 
 EXAMPLE = REPO / "examples" / "char_lm.py"
-STEPS, TAU = 200, 50  # about 10 s of training on two cores, 4 DiLoCo rounds
+STEPS, TAU = 120, 40  # about 6 s of training on two cores, 3 DiLoCo rounds
 
 pytestmark = pytest.mark.timeout(120)  # spawn stops both workers when the test is stopped
 

@@ -15,7 +15,7 @@ from shoal.sweep.measure import measure_race
 
 from conftest import shoal_env, train
 
-SLOW = 10.0  # seconds one worker's start-up takes: several times the run's training time
+SLOW = 5.0  # seconds one worker's start-up takes: several times the run's training time
 DIGITS = ["--dataset", "digits", "--workers", "2", "--epochs", "1"]
 
 
