@@ -138,14 +138,17 @@ def _restarted(cfg: TrainConfig, topology: Topology) -> Topology:
     left fewer and the checkpoint is inside an epoch, on the workers it holds. ``sync``'s
     replicas go on on all of them (the rest of the epoch dealt over them,
     :mod:`.resume_sync`), as drifting ones do from an epoch's end; an asynchronous job's on
-    its first ``--workers``."""
+    its first ``--workers``. ``--compress powersgd`` resumes on as many workers as the
+    checkpoint holds, wherever it is (each worker's error feedback is its own)."""
     saved, inside = checkpoint_ranks(cfg.checkpoint_path)
-    if topology.servers or saved in (None, topology.workers) or not inside \
-            or get_strategy(cfg.strategy).replicas_in_sync:
+    powersgd = cfg.strategy_options.get("compress") == "powersgd"
+    drifts = inside and not get_strategy(cfg.strategy).replicas_in_sync
+    if topology.servers or saved in (None, topology.workers) or not (drifts or powersgd):
         return topology
-    print(f"shoal: the checkpoint holds {saved} workers' state inside an epoch "
-          f"({cfg.strategy}'s workers each resume their own): {saved} start again",
-          file=sys.stderr, flush=True)
+    why = "each worker resumes its own PowerSGD error feedback" if powersgd \
+        else f"{cfg.strategy}'s workers each resume their own"
+    print(f"shoal: the checkpoint holds {saved} workers' state{' inside an epoch' * drifts} "
+          f"({why}): {saved} start again", file=sys.stderr, flush=True)
     return job_topology(cfg, saved)
 
 
