@@ -3,11 +3,12 @@
 A checkpoint holds the epoch's plan as the run had it: after a membership change
 (``--elastic``) the rest of the epoch was dealt anew, an order of its own, which the
 resumed run must go on with, or it would train again what the plan before the change had
-already read and never what the lost workers left. On another number of workers (replicas
-in sync only: ``sync``'s workers all hold the same model and optimizer) the rest of the
-checkpoint's epoch is dealt over the workers there are now, each with its own batch (so
-the global batch follows the world, as after a change under ``--elastic``), and the
-schedule follows the share of the epochs trained; the change is recorded like one.
+already read and never what the lost workers left. On another number of workers (``sync``
+anywhere; the periodic strategies from an epoch's end, :func:`~shoal.train.checkpoint.
+check_workers`) the rest of the checkpoint's epoch is dealt over the workers there are now,
+each with its own batch (so the global batch follows the world, as after a change under
+``--elastic``), and the schedule follows the share of the epochs trained; the change is
+recorded like one.
 """
 
 from __future__ import annotations
