@@ -8,7 +8,7 @@ import sys
 
 from shoal.emulate import can_emulate
 
-from conftest import REPO, mpirun, mpirun_env, needs_mpirun, run
+from conftest import REPO, formed_badly, mpirun, mpirun_env, needs_mpirun, run
 
 START = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node"]
 AUTO = ["-m", "shoal", "train", "--strategy", "auto", "--model", "mlp", "--dataset", "digits",
@@ -118,9 +118,12 @@ def test_a_job_lays_its_ranks_out_for_servers_and_gets_its_group_back(tmp_path):
     a compute group of two workers with a server, a run that fails at its start on every
     rank (Async EAMSGD without momentum), and async-sgd, one after another on the same 3
     torchrun ranks; after each, all three meet in the job's own process group again."""
-    out = tmp_path / "job"
-    out.mkdir()
-    res = run([*START, "3", str(REPO / "tests" / "relaid_job.py"), str(out)], timeout=200)
+    for attempt in range(2):
+        out = tmp_path / f"job{attempt}"
+        out.mkdir()
+        res = run([*START, "3", str(REPO / "tests" / "relaid_job.py"), str(out)], timeout=200)
+        if res.returncode == 0 or not formed_badly(res.stderr):
+            break
     assert res.returncode == 0, res.stderr
     assert not res.stray
     seen = {s["strategy"]: s for s in json.loads((out / "seen.json").read_text())}
