@@ -241,6 +241,42 @@ def wait_gone(marker: str, timeout: float) -> list[int]:
     return left
 
 
+def children_of(pid: int) -> list[int]:
+    """The pids of ``pid``'s child processes (any of its threads'), as Linux lists them."""
+    kids: list[int] = []
+    with contextlib.suppress(OSError):
+        for task in Path(f"/proc/{pid}/task").iterdir():
+            with contextlib.suppress(OSError):
+                kids += [int(k) for k in (task / "children").read_text().split()]
+    return kids
+
+
+def _proc_field(pid: int, name: str) -> bytes | int:
+    """``pid``'s command line (``"cmdline"``) or start time (``"start"``); empty or 0 once gone."""
+    try:
+        if name == "cmdline":
+            return Path(f"/proc/{pid}/cmdline").read_bytes()
+        stat = Path(f"/proc/{pid}/stat").read_text()
+        return int(stat[stat.rindex(")") + 2:].split()[19])
+    except (OSError, ValueError, IndexError):
+        return b"" if name == "cmdline" else 0
+
+
+def started_by(launcher: int) -> list[int]:
+    """The processes shoal's ``start_process`` started for ``launcher`` (workers, servers, a
+    pool's ranks), in the order they started: forked by the server ``launcher`` started
+    for it (``shoal.core.starting``), or, under ``SHOAL_START_METHOD=spawn``, its own
+    children. The server itself and multiprocessing's resource tracker are not among them."""
+    found = []
+    for kid in children_of(launcher):
+        line = _proc_field(kid, "cmdline")
+        if b"multiprocessing.forkserver" in line:
+            found += children_of(kid)
+        elif b"spawn_main" in line:
+            found.append(kid)
+    return sorted(found, key=lambda pid: (_proc_field(pid, "start"), pid))
+
+
 def one_error_line(stderr: str) -> str:
     """The stderr of a failed command must be one ``shoal: error:`` line, no traceback."""
     lines = [ln for ln in stderr.strip().splitlines() if ln.strip()]

@@ -230,6 +230,16 @@ def held_at_exit(input_shape, num_classes):
     return tiny(input_shape, num_classes)
 
 
+def _launcher() -> int:
+    """The pid of the launcher that started this process (its process name holds it; shoal
+    forks its processes from a server of the launcher's, so it need not be the parent)."""
+    import multiprocessing
+
+    from shoal.core.guard import launcher_of
+
+    return launcher_of(multiprocessing.current_process().name) or os.getppid()
+
+
 class _SigtermAt(nn.Module):
     """The zoo's mlp, whose process of rank ``SHOAL_TEST_TERM_RANK`` sends SIGTERM to its
     launcher (``shoal train``, which passes it on to every process of the job, as Slurm's
@@ -248,7 +258,7 @@ class _SigtermAt(nn.Module):
             self.calls += 1
             if (os.environ.get("RANK") == os.environ.get("SHOAL_TEST_TERM_RANK")
                     and self.calls == int(os.environ.get("SHOAL_TEST_TERM_AT", "0"))):
-                os.kill(os.getppid(), signal.SIGTERM)
+                os.kill(_launcher(), signal.SIGTERM)
                 os.kill(os.getpid(), signal.SIGTERM)
         return self.net(x)
 

@@ -11,14 +11,13 @@ import subprocess
 import sys
 import time
 from collections import Counter
-from pathlib import Path
 
 import pytest
 import torch
 
 from shoal.cli import main
 
-from conftest import REPO, one_error_line, run, shoal, shoal_env, train_here, wait_gone
+from conftest import REPO, one_error_line, run, shoal, shoal_env, started_by, train_here, wait_gone
 
 COMMON = ["--model", "mlp", "--dataset", "digits", "--workers", "2", "--epochs", "4"]
 STRATEGY_ARGS = {
@@ -235,20 +234,6 @@ def test_a_killed_server_ends_the_job_and_resume_finishes_it(tmp_path):
     assert summary["test_accuracy"] > 0.85
 
 
-def _ranks_of(launcher: int) -> list[int]:
-    """The pids of the processes ``launcher`` spawned, in rank order (it starts them one
-    after the other: by start time, then pid)."""
-    found = []
-    for task in Path(f"/proc/{launcher}/task").iterdir():
-        with contextlib.suppress(OSError):
-            for pid in (task / "children").read_text().split():
-                proc = Path(f"/proc/{pid}")
-                if b"spawn_main" in (proc / "cmdline").read_bytes():
-                    started = int((proc / "stat").read_text().rsplit(")", 1)[1].split()[19])
-                    found.append((started, int(pid)))
-    return [pid for _, pid in sorted(found)]
-
-
 def test_a_killed_server_other_than_0_ends_the_job_naming_it(tmp_path):
     # Ranks 0 and 1 are the servers, 2 and 3 the workers. Server 1 is killed mid-run: every
     # worker's next exchange with it fails, which is its echo, not a lost worker.
@@ -265,7 +250,7 @@ def test_a_killed_server_other_than_0_ends_the_job_naming_it(tmp_path):
             if (tmp_path / "metrics.jsonl").exists() and epoch_records(tmp_path):
                 break
             time.sleep(0.01)
-        ranks = _ranks_of(proc.pid)
+        ranks = started_by(proc.pid)
         assert len(ranks) == 4, (ranks, proc.poll())
         os.kill(ranks[1], signal.SIGKILL)
         out, err = proc.communicate(timeout=60)

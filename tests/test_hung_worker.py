@@ -19,8 +19,9 @@ import torch
 import shoal
 from shoal.core.env import free_port
 from shoal.core.failures import EXIT_ABORTED
+from shoal.core.starting import ensure_server
 
-from conftest import REPO, marked_processes, one_error_line, shoal_env, wait_gone
+from conftest import REPO, marked_processes, one_error_line, shoal_env, started_by, wait_gone
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -28,20 +29,14 @@ pytestmark = pytest.mark.timeout(120)
 def workers_of(launcher: int, count: int, timeout: float = 60.0) -> list[int]:
     """The pids of the ``count`` worker processes ``launcher`` started, in rank order.
 
-    shoal's launcher starts rank 0 first, then rank 1, ...: its ``spawn`` children sorted by
-    start time (then pid) are in rank order.
+    shoal's launcher starts rank 0 first, then rank 1, ...: the processes it started, sorted
+    by start time (then pid), are in rank order.
     """
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
-        found = []
-        for entry in Path("/proc").iterdir():
-            with contextlib.suppress(OSError, ValueError, IndexError):
-                stat = (entry / "stat").read_text()
-                fields = stat[stat.rindex(")") + 2:].split()  # after "pid (comm) "
-                if int(fields[1]) == launcher and b"spawn_main" in (entry / "cmdline").read_bytes():
-                    found.append((int(fields[19]), int(entry.name)))  # starttime, pid
+        found = started_by(launcher)
         if len(found) == count:
-            return [pid for _, pid in sorted(found)]
+            return found
         time.sleep(0.05)
     pytest.fail(f"the launcher did not start {count} workers within {timeout:.0f} s")
 
@@ -117,6 +112,7 @@ def test_a_slow_worker_is_not_taken_for_a_hung_one():
     collective: its watchdog thread keeps beating, so the job finishes."""
     marker = uuid.uuid4().hex
     multiprocessing.resource_tracker.ensure_running()  # lives on: start it unmarked
+    ensure_server()  # so does the server that forks shoal's processes
     os.environ["SHOAL_TEST_MARKER"] = marker
     try:
         assert shoal.launch(slow_on_rank1, 2.5, workers=2) == [2.0, 2.0]

@@ -36,6 +36,7 @@ from conftest import (
     needs_mpirun,
     one_error_line,
     shoal_env,
+    started_by,
     wait_gone,
 )
 
@@ -138,8 +139,7 @@ class Job:
 
     def workers(self) -> list[int]:
         """The launcher's worker (and server) processes, in the order they started."""
-        return sorted((p for p in _children(self.proc.pid)
-                       if "multiprocessing.spawn" in _cmdline(p)), key=_start_order)
+        return started_by(self.proc.pid)
 
     def wait_until(self, what: str, ready, timeout: float = 90.0):
         deadline = time.monotonic() + timeout
@@ -164,14 +164,14 @@ class Job:
 
 
 def _hold_rendezvous(job: Job, ranks: int) -> None:
-    """Stop rank 0 once it imports torch (past its first line), then wait until the other
-    ranks are connected to the job's store, waiting for it."""
+    """Stop rank 0 once it has reached the job's store (past its first line, which ties it to
+    its parent), then wait until the other ranks are connected to the store, waiting for it."""
     first = job.wait_until("worker process", lambda: job.workers()[:1])[0]
-    job.wait_until("torch loading in rank 0",
-                   lambda: "libtorch" in Path(f"/proc/{first}/maps").read_text())
-    os.kill(first, signal.SIGSTOP)
-    ports = [port for _, addr, port in listening_sockets([job.proc.pid]) if addr == "127.0.0.1"]
+    ports = job.wait_until("the job's store", lambda: [
+        port for _, addr, port in listening_sockets([job.proc.pid]) if addr == "127.0.0.1"])
     assert len(ports) == 1, ports  # the launcher serves the job's store, nothing else
+    job.wait_until("rank 0 at the job's store", lambda: _connected_to(first, ports[0]))
+    os.kill(first, signal.SIGSTOP)
     job.wait_until("rank waiting in the rendezvous", lambda: len(job.workers()) == ranks and all(
         _connected_to(pid, ports[0]) for pid in job.workers() if pid != first))
 

@@ -15,7 +15,7 @@ import torch
 from shoal.config import TrainConfig
 from shoal.errors import ShoalError
 
-from conftest import REPO, checkpoint_params, max_param_diff, run, shoal_env, train_here
+from conftest import REPO, checkpoint_params, max_param_diff, run, shoal_env, started_by, train_here
 
 CONFIG = ["--model", "lenet5", "--dataset", "digits", "--epochs", "3", "--workers", "2",
           "--batch-size", "32"]  # 23 steps an epoch
@@ -75,22 +75,6 @@ def test_torchrun_runs_the_same_command(tmp_path, reference):
     assert max_param_diff(checkpoint_params(tmp_path / "checkpoint.pt"), reference[1]) < 1e-6
 
 
-def _workers_of(launcher: int) -> list[int]:
-    """Pids of the worker processes ``launcher`` started (multiprocessing's spawn children)."""
-    pids = []
-    for task in Path(f"/proc/{launcher}/task").iterdir():
-        with contextlib.suppress(OSError):
-            pids += [int(p) for p in (task / "children").read_text().split()]
-    return [p for p in pids if b"spawn_main" in _cmdline(p)]
-
-
-def _cmdline(pid: int) -> bytes:
-    try:
-        return Path(f"/proc/{pid}/cmdline").read_bytes()
-    except OSError:
-        return b""
-
-
 def _start(tmp_path, *extra, env=None):
     """Start ``shoal train`` with CONFIG in the background; returns the Popen."""
     args = [sys.executable, "-m", "shoal", "train", "--out", str(tmp_path / "run"),
@@ -139,7 +123,7 @@ def test_max_restarts_recovers_a_killed_worker_without_losing_a_step(tmp_path, r
     proc = _start(tmp_path, "--checkpoint-every", "10", "--max-restarts", "2")
     try:
         _wait_for_step(tmp_path / "run", proc, 25)
-        workers = _workers_of(proc.pid)
+        workers = started_by(proc.pid)
         assert len(workers) == 2, workers
         os.kill(workers[1], signal.SIGKILL)
         out, err = proc.communicate(timeout=120)

@@ -119,10 +119,31 @@ def _exec_guarded(argv: list[str]) -> None:
         sys.exit(f"shoal: error: cannot run {argv[2]}: {exc.strerror}")
 
 
+def parent_of(pid: int) -> int | None:
+    """The parent of process ``pid`` (Linux's ``/proc``); ``None`` when it cannot be read."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            stat = f.read()
+        return int(stat[stat.rindex(b")") + 2:].split()[1])
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+def guard_child(launcher: int) -> None:
+    """For a child of ``start_process``: die with its parent, which is ``launcher`` itself or
+    the server ``launcher`` started to fork its processes (:mod:`shoal.core.zygote` ties the
+    server to the launcher); at once when it is neither."""
+    parent = os.getppid()
+    if parent != launcher and parent_of(parent) == launcher:
+        die_with_parent(parent)
+    else:
+        die_with_parent(launcher)
+
+
 if __name__ == "__mp_main__":  # a child of start_process, before its target is unpickled
     _launcher = launcher_of(multiprocessing.current_process().name)
     if _launcher is not None:
-        die_with_parent(_launcher)
+        guard_child(_launcher)
 elif __name__ == "__main__" and sys.argv[1:2] == ["--after"] and sys.argv[4:5] \
         and sys.argv[2].isdigit() and sys.argv[3] == "--":
     _exec_after(sys.argv[2:])

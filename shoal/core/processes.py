@@ -34,6 +34,7 @@ from shoal.core.failures import exit_status, first_line, record_failure, root_ca
 from shoal.core.guard import guarded_name
 from shoal.core.limits import check_processes
 from shoal.core.outlive import STALE, outlive
+from shoal.core.starting import context, launched
 from shoal.core.waits import ended_key, key_prefix, members_now, say_gone
 from shoal.errors import ShoalError, Terminated, WorkerError
 
@@ -93,8 +94,9 @@ def loopback_gloo_interface() -> str | None:
 
 def start_process(target: Callable[..., Any], args: tuple[Any, ...] = (), *,
                   name: str | None = None) -> BaseProcess:
-    """Start ``target(*args)`` in a fresh interpreter ("spawn") that does not re-run ``__main__``
-    and never outlives this process.
+    """Start ``target(*args)`` in a new process that does not re-run ``__main__`` and never
+    outlives this process: forked from a server that imported torch once, or a fresh
+    interpreter (:mod:`shoal.core.starting`), in this process's environment either way.
 
     Python's "spawn" makes every child import the parent's main module again: that fails when
     it is no file (``python -``, ``-c``, a REPL, a notebook), and re-runs an unguarded script's
@@ -106,8 +108,9 @@ def start_process(target: Callable[..., Any], args: tuple[Any, ...] = (), *,
     sends them (cloudpickled bytes). The process is not daemonic, so it may start processes
     itself.
     """
-    process = mp.get_context("spawn").Process(target=target, args=args, daemon=False,
-                                              name=guarded_name(name, os.getpid()))
+    run, run_args = launched(target, args)
+    process = context().Process(target=run, args=run_args, daemon=False,
+                                name=guarded_name(name, os.getpid()))
     # The spawn Popen reads sys.modules["__main__"] (to tell the child what to run as its
     # main module) and pickles the process object inside start(), and nowhere else: a
     # stand-in __main__ whose file is guard.py for that moment makes the child run the guard

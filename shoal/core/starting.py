@@ -1,0 +1,87 @@
+"""How shoal starts its local processes: forked from a server that imported torch once.
+
+Every worker of a job used to start as a fresh interpreter ("spawn") that imported torch
+(about 1.2 s of CPU), and torch's compiler front end as well under DDP (1 s more): on a
+small job most of the CPU it spent. On Linux shoal now starts them with multiprocessing's
+"forkserver": a server process, started by this process the first time it starts one, that
+imports torch, ``torch.distributed`` and ``torch._dynamo`` once (before any thread, any
+CUDA call) and forks each process from there. ``SHOAL_START_METHOD=spawn`` goes back to
+fresh interpreters (and elsewhere than Linux they always are).
+
+A forked process starts with the server's environment, working folder and ``sys.path`` as
+they were when the server started: :func:`run_as_launched` gives it the launcher's as they
+are now, before anything of the target runs. The server and its children never outlive
+this process (:mod:`shoal.core.zygote`, :mod:`shoal.core.guard`).
+"""
+
+from __future__ import annotations
+
+import atexit
+import multiprocessing as mp
+import multiprocessing.forkserver
+import os
+import signal
+import sys
+import threading
+from collections.abc import Callable
+from multiprocessing.context import BaseContext
+from typing import Any
+
+#: What the server imports once for every process it forks; the first names its guard.
+PRELOAD = ["shoal.core.zygote", "torch", "torch.distributed", "torch._dynamo"]
+
+
+def start_method() -> str:
+    """``forkserver`` on Linux unless ``SHOAL_START_METHOD`` says ``spawn``."""
+    asked = os.environ.get("SHOAL_START_METHOD", "forkserver")
+    if asked == "spawn" or not sys.platform.startswith("linux"):
+        return "spawn"
+    return "forkserver"
+
+
+def context() -> BaseContext:
+    """The multiprocessing context shoal starts its processes in (see :func:`start_method`)."""
+    method = start_method()
+    ctx = mp.get_context(method)
+    if method == "forkserver":
+        ctx.set_forkserver_preload(PRELOAD)  # heeded when the server starts
+    return ctx
+
+
+def ensure_server() -> None:
+    """Start the server that forks shoal's processes now, if this process has none yet and
+    uses one: it imports torch meanwhile, while this process does other work."""
+    if start_method() == "forkserver":
+        context()
+        mp.forkserver.ensure_running()
+
+
+def launched(target: Callable[..., Any], args: tuple[Any, ...]) -> tuple[Any, ...]:
+    """The target and arguments of a process that runs ``target(*args)`` in this process's
+    environment, working folder and ``sys.path`` as they are now (:func:`run_as_launched`)."""
+    forked = start_method() == "forkserver"
+    return run_as_launched, (dict(os.environ), os.getcwd(), list(sys.path), forked, target,
+                             args)
+
+
+def run_as_launched(environ: dict[str, str], cwd: str, path: list[str], forked: bool,
+                    target: Callable[..., Any], args: tuple[Any, ...]) -> Any:
+    """Take the launcher's ``environ``, ``cwd`` and ``path`` and unblock SIGTERM (the server
+    blocks it: one that came meanwhile ends this process now), then run ``target(*args)``.
+
+    A ``forked`` process then ends as an interpreter does: its threads joined, then its
+    exit handlers run (``atexit``: a user's, torch's); multiprocessing ends a forked child
+    with ``os._exit``, which skips both. (It also skips the last garbage collection, which
+    a spawned shoal process skips too: :func:`shoal.core.guard.skip_exit_collection`.)
+    """
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGTERM})
+    os.environ.clear()
+    os.environ.update(environ)
+    os.chdir(cwd)
+    sys.path[:] = path
+    try:
+        return target(*args)
+    finally:
+        if forked:
+            threading._shutdown()  # type: ignore[attr-defined]  # as the interpreter's exit
+            atexit._run_exitfuncs()
