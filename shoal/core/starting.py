@@ -8,9 +8,10 @@ imports torch, ``torch.distributed`` and ``torch._dynamo`` once (before any thre
 CUDA call) and forks each process from there. ``SHOAL_START_METHOD=spawn`` goes back to
 fresh interpreters (and elsewhere than Linux they always are).
 
-A forked process starts with the server's environment, working folder and ``sys.path`` as
+A forked process starts with the server's environment and standard output and error as
 they were when the server started: :func:`run_as_launched` gives it the launcher's as they
-are now, before anything of the target runs. The server and its children never outlive
+are now, before anything of the target runs (multiprocessing gives it the launcher's
+working folder and ``sys.path``). The server and its children never outlive
 this process (:mod:`shoal.core.zygote`, :mod:`shoal.core.guard`).
 """
 
@@ -19,6 +20,7 @@ from __future__ import annotations
 import atexit
 import multiprocessing as mp
 import multiprocessing.forkserver
+import multiprocessing.util
 import os
 import signal
 import sys
@@ -32,9 +34,13 @@ PRELOAD = ["shoal.core.zygote", "torch", "torch.distributed", "torch._dynamo"]
 
 
 def start_method() -> str:
-    """``forkserver`` on Linux unless ``SHOAL_START_METHOD`` says ``spawn``."""
+    """``forkserver`` on Linux unless ``SHOAL_START_METHOD`` says ``spawn`` or the server's
+    socket would not fit in the temporary folder (a Unix socket's path holds 107 bytes:
+    a long ``TMPDIR`` leaves no room)."""
     asked = os.environ.get("SHOAL_START_METHOD", "forkserver")
     if asked == "spawn" or not sys.platform.startswith("linux"):
+        return "spawn"
+    if len(os.fsencode(os.path.join(mp.util.get_temp_dir(), "listener-12345678"))) > 100:
         return "spawn"
     return "forkserver"
 
@@ -56,18 +62,48 @@ def ensure_server() -> None:
         mp.forkserver.ensure_running()
 
 
+class _Streams:
+    """This process's stdout and stderr as they are when a process starts (a launcher's may
+    point elsewhere than when its server started: pytest's capture, a user's redirection),
+    sent along and put in place in that process as it is unpickled."""
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        from multiprocessing.reduction import DupFd
+
+        return _take_streams, tuple(DupFd(fd) if _is_open(fd) else None for fd in (1, 2))
+
+
+def _is_open(fd: int) -> bool:
+    try:
+        os.fstat(fd)
+    except OSError:
+        return False
+    return True
+
+
+def _take_streams(*sent: Any) -> None:
+    for fd, dup in zip((1, 2), sent, strict=True):
+        if dup is not None:
+            mine = dup.detach()
+            if mine != fd:
+                os.dup2(mine, fd)
+                os.close(mine)
+
+
 def launched(target: Callable[..., Any], args: tuple[Any, ...]) -> tuple[Any, ...]:
-    """The target and arguments of a process that runs ``target(*args)`` in this process's
-    environment, working folder and ``sys.path`` as they are now (:func:`run_as_launched`)."""
+    """The target and arguments of a process that runs ``target(*args)`` with this process's
+    environment and standard output and error as they are now (:func:`run_as_launched`);
+    multiprocessing gives it this process's working folder and ``sys.path``."""
     forked = start_method() == "forkserver"
-    return run_as_launched, (dict(os.environ), os.getcwd(), list(sys.path), forked, target,
+    return run_as_launched, (dict(os.environ), _Streams() if forked else None, forked, target,
                              args)
 
 
-def run_as_launched(environ: dict[str, str], cwd: str, path: list[str], forked: bool,
+def run_as_launched(environ: dict[str, str], streams: None, forked: bool,
                     target: Callable[..., Any], args: tuple[Any, ...]) -> Any:
-    """Take the launcher's ``environ``, ``cwd`` and ``path`` and unblock SIGTERM (the server
-    blocks it: one that came meanwhile ends this process now), then run ``target(*args)``.
+    """Take the launcher's ``environ`` (``streams``, its standard output and error, are in
+    place once unpickled) and unblock SIGTERM (the server blocks it: one that came meanwhile
+    ends this process now), then run ``target(*args)``.
 
     A ``forked`` process then ends as an interpreter does: its threads joined, then its
     exit handlers run (``atexit``: a user's, torch's); multiprocessing ends a forked child
@@ -77,8 +113,6 @@ def run_as_launched(environ: dict[str, str], cwd: str, path: list[str], forked: 
     signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGTERM})
     os.environ.clear()
     os.environ.update(environ)
-    os.chdir(cwd)
-    sys.path[:] = path
     try:
         return target(*args)
     finally:
