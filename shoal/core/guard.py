@@ -131,8 +131,8 @@ def parent_of(pid: int) -> int | None:
 
 def guard_child(launcher: int) -> None:
     """For a child of ``start_process``: die with its parent, which is ``launcher`` itself or
-    the server ``launcher`` started to fork its processes (:mod:`shoal.core.zygote` ties the
-    server to the launcher); at once when it is neither."""
+    the server ``launcher`` started to fork its processes (which ends with the launcher:
+    :mod:`shoal.core.zygote`); at once when it is neither."""
     parent = os.getppid()
     if parent != launcher and parent_of(parent) == launcher:
         die_with_parent(parent)

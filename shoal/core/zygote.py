@@ -1,6 +1,5 @@
 """Imported first by the server that forks shoal's processes (:mod:`shoal.core.starting`),
-and only there: from now on the server dies with the process that started it, whatever
-kills that, so the processes it forks (each tied to the server) die with it too.
+and only there.
 
 The server blocks SIGTERM (multiprocessing's makes it ignore SIGINT): a SIGTERM sent to the
 whole job (Slurm's notice goes to every process of a step) asks each worker to checkpoint
@@ -8,15 +7,16 @@ and stop; the server's death would kill them all at once instead. A process it f
 with SIGTERM blocked and unblocks it first thing (:func:`shoal.core.starting.run_as_launched`):
 a SIGTERM that came meanwhile then ends it, as it ends a process still importing.
 
-Importing this module ties the importing process to its parent: never import it elsewhere.
+The server ends when the process that started it does, however that dies: multiprocessing's
+server exits once its end of a pipe only that process holds reads end-of-file (at once if
+that process died while the server was still importing), and each process it forked is
+tied to it (:func:`shoal.core.guard.guard_child`). It asks for no death signal of its own:
+Linux sends that when the *thread* that started it ends, and the thread that starts a
+process's first worker need not live as long as the process.
 """
 
 from __future__ import annotations
 
-import os
 import signal
 
-from shoal.core.guard import die_with_parent
-
-die_with_parent(os.getppid())
 signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})
