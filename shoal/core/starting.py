@@ -18,6 +18,7 @@ this process (:mod:`shoal.core.zygote`, :mod:`shoal.core.guard`).
 from __future__ import annotations
 
 import atexit
+import contextlib
 import multiprocessing as mp
 import multiprocessing.forkserver
 import multiprocessing.util
@@ -90,6 +91,22 @@ def _take_streams(*sent: Any) -> None:
                 os.close(mine)
 
 
+def _leave_server() -> None:
+    """Give up what a forked process holds of its server: the end of the pipe whose closing
+    by the launcher (its death, however it comes) ends the server (multiprocessing hands it
+    to each child, so the server would wait for every child too, and a child waits for the
+    server's death to end: ``guard_child``), and the server's address, so that a process it
+    starts itself comes from a server of its own."""
+    server = mp.forkserver._forkserver  # type: ignore[attr-defined]
+    alive = getattr(server, "_forkserver_alive_fd", None)
+    if alive is not None:
+        with contextlib.suppress(OSError):
+            os.close(alive)
+    for name in ("_forkserver_alive_fd", "_forkserver_address", "_forkserver_pid"):
+        if hasattr(server, name):
+            setattr(server, name, None)
+
+
 def launched(target: Callable[..., Any], args: tuple[Any, ...]) -> tuple[Any, ...]:
     """The target and arguments of a process that runs ``target(*args)`` with this process's
     environment and standard output and error as they are now (:func:`run_as_launched`);
@@ -111,6 +128,8 @@ def run_as_launched(environ: dict[str, str], streams: None, forked: bool,
     a spawned shoal process skips too: :func:`shoal.core.guard.skip_exit_collection`.)
     """
     signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGTERM})
+    if forked:
+        _leave_server()
     os.environ.clear()
     os.environ.update(environ)
     try:
