@@ -4,9 +4,10 @@ Every worker of a job used to start as a fresh interpreter ("spawn") that import
 (about 1.2 s of CPU), and torch's compiler front end as well under DDP (1 s more): on a
 small job most of the CPU it spent. On Linux shoal now starts them with multiprocessing's
 "forkserver": a server process, started by this process the first time it starts one, that
-imports torch, ``torch.distributed`` and ``torch._dynamo`` once (before any thread, any
-CUDA call) and forks each process from there. ``SHOAL_START_METHOD=spawn`` goes back to
-fresh interpreters (and elsewhere than Linux they always are).
+imports torch and ``torch.distributed`` once (before any thread, any CUDA call; and
+``torch._dynamo`` for a job whose workers need it) and forks each process from there.
+``SHOAL_START_METHOD=spawn`` goes back to fresh interpreters (and elsewhere than Linux they
+always are).
 
 A forked process starts with the server's environment and standard output and error as
 they were when the server started: :func:`run_as_launched` gives it the launcher's as they
@@ -26,12 +27,12 @@ import os
 import signal
 import sys
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from multiprocessing.context import BaseContext
 from typing import Any
 
-#: What the server imports once for every process it forks; the first names its guard.
-PRELOAD = ["shoal.core.zygote", "torch", "torch.distributed", "torch._dynamo"]
+#: What the server imports once for every process it forks; the first blocks SIGTERM.
+PRELOAD = ["shoal.core.zygote", "torch", "torch.distributed"]
 
 
 def start_method() -> str:
@@ -46,20 +47,23 @@ def start_method() -> str:
     return "forkserver"
 
 
-def context() -> BaseContext:
-    """The multiprocessing context shoal starts its processes in (see :func:`start_method`)."""
+def context(more: Sequence[str] = ()) -> BaseContext:
+    """The multiprocessing context shoal starts its processes in (see :func:`start_method`);
+    a server it starts imports ``more`` modules too."""
     method = start_method()
     ctx = mp.get_context(method)
     if method == "forkserver":
-        ctx.set_forkserver_preload(PRELOAD)  # heeded when the server starts
+        ctx.set_forkserver_preload([*PRELOAD, *more])  # heeded when the server starts
     return ctx
 
 
-def ensure_server() -> None:
+def ensure_server(more: Sequence[str] = ()) -> None:
     """Start the server that forks shoal's processes now, if this process has none yet and
-    uses one: it imports torch meanwhile, while this process does other work."""
+    uses one: it imports torch (and ``more``: ``torch._dynamo`` for DDP's workers, whose
+    constructor imports it) while this process does other work. A server already running
+    keeps what it imported; a process forked from it imports the rest itself."""
     if start_method() == "forkserver":
-        context()
+        context(more)
         mp.forkserver.ensure_running()
 
 

@@ -27,6 +27,7 @@ from shoal.core.guard import skip_exit_collection
 from shoal.core.keeper import keep_rank
 from shoal.core.limits import check_processes
 from shoal.core.processes import Lost, spawn, stop_requested
+from shoal.core.starting import ensure_server
 from shoal.core.trust import Seal, open_own
 from shoal.core.waits import key_prefix
 from shoal.data import Dataset, as_dataset
@@ -238,6 +239,9 @@ def train(cfg: TrainConfig, dataset: Any = None) -> dict[str, Any] | None:
     cfg = resolve_auto_resume(cfg)
     topology = job_topology(cfg, default_workers(cfg))
     check_machine(cfg, topology)
+    if topology.world_size > 1 or cfg.max_restarts > 0:
+        # It imports torch for the workers while the checks below run (DDP imports dynamo).
+        ensure_server(["torch._dynamo"] if cfg.strategy == "sync" else [])
     cfg = job_device(resolve_momentum(cfg, topology.workers), topology, topology.workers)
     work = preflight(cfg, topology.workers, given)
     check_machine(cfg, topology, work.data)
