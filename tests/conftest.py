@@ -6,6 +6,7 @@ import collections
 import contextlib
 import functools
 import json
+import multiprocessing.resource_tracker
 import os
 import signal
 import subprocess
@@ -19,6 +20,7 @@ import pytest
 import torch
 
 from shoal.core.env import free_port
+from shoal.core.starting import ensure_server
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -83,6 +85,18 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             item.add_marker(skip)
     elif not torch.cuda.is_available():
         raise pytest.UsageError("make test-gpu needs a CUDA GPU; none is visible")
+
+
+@pytest.fixture(autouse=True, scope="session")
+def _processes_that_live_on():
+    """Start, before any test, what a test process keeps once it has started a job in
+    itself: multiprocessing's resource tracker and the server shoal forks its processes
+    from (``shoal/core/starting.py``; with ``torch._dynamo``, which ``sync``'s workers
+    need). Started by a test instead, they would carry that test's ``SHOAL_TEST_MARKER``
+    and count as its stray processes, and which test came first would decide it."""
+    multiprocessing.resource_tracker.ensure_running()
+    ensure_server(["torch._dynamo"])
+    yield
 
 
 @pytest.fixture(autouse=True)

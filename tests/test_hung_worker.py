@@ -19,7 +19,6 @@ import torch
 import shoal
 from shoal.core.env import free_port
 from shoal.core.failures import EXIT_ABORTED
-from shoal.core.starting import ensure_server
 
 from conftest import REPO, marked_processes, one_error_line, shoal_env, started_by, wait_gone
 
@@ -112,7 +111,6 @@ def test_a_slow_worker_is_not_taken_for_a_hung_one():
     collective: its watchdog thread keeps beating, so the job finishes."""
     marker = uuid.uuid4().hex
     multiprocessing.resource_tracker.ensure_running()  # lives on: start it unmarked
-    ensure_server()  # so does the server that forks shoal's processes
     os.environ["SHOAL_TEST_MARKER"] = marker
     try:
         assert shoal.launch(slow_on_rank1, 2.5, workers=2) == [2.0, 2.0]

@@ -21,6 +21,7 @@ from __future__ import annotations
 import atexit
 import contextlib
 import multiprocessing as mp
+import multiprocessing.connection
 import multiprocessing.forkserver
 import multiprocessing.util
 import os
@@ -28,6 +29,7 @@ import signal
 import sys
 import threading
 from collections.abc import Callable, Sequence
+from multiprocessing import popen_forkserver
 from multiprocessing.context import BaseContext
 from typing import Any
 
@@ -55,6 +57,46 @@ def context(more: Sequence[str] = ()) -> BaseContext:
     if method == "forkserver":
         ctx.set_forkserver_preload([*PRELOAD, *more])  # heeded when the server starts
     return ctx
+
+
+class _ReapedOnce(popen_forkserver.Popen):
+    """multiprocessing's forked-process handle, whose exit status any thread may ask for.
+
+    The server sends a child's exit status once, down a pipe: two threads asking at the same
+    time (a watcher thread, and ``join`` in the main one) both see the pipe ready, one reads
+    the status and the other end-of-file, which multiprocessing reports as status 255 ("the
+    server died"). Here the read is made once, under a lock."""
+
+    def __init__(self, process_obj: Any) -> None:
+        self._read_lock = threading.Lock()
+        super().__init__(process_obj)
+
+    def poll(self, flag: int = os.WNOHANG) -> int | None:
+        if self.returncode is None:
+            timeout = 0 if flag == os.WNOHANG else None
+            if not mp.connection.wait([self.sentinel], timeout):
+                return None
+            with self._read_lock:
+                if self.returncode is None:
+                    try:
+                        self.returncode = mp.forkserver.read_signed(self.sentinel)
+                    except (OSError, EOFError):
+                        self.returncode = 255  # the server itself is gone
+        return self.returncode
+
+
+class _ForkServerProcess(mp.context.ForkServerProcess):  # type: ignore[name-defined,misc]
+    @staticmethod
+    def _Popen(process_obj: Any) -> _ReapedOnce:
+        return _ReapedOnce(process_obj)
+
+
+def new_process(**kwargs: Any) -> Any:
+    """A process object (not started) in shoal's context: ``Process(**kwargs)``."""
+    ctx = context()
+    if ctx.get_start_method() == "forkserver":
+        return _ForkServerProcess(**kwargs)
+    return ctx.Process(**kwargs)
 
 
 def ensure_server(more: Sequence[str] = ()) -> None:
