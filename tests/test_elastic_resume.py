@@ -106,16 +106,15 @@ def test_drifting_workers_resume_on_more_or_fewer_from_an_epochs_end(tmp_path):
 @pytest.mark.parametrize("strategy, options, inside, starts", [
     ("sync", {}, True, 3), ("sync", {"compress": "powersgd"}, False, 2),
     ("local-sgd", {}, True, 2), ("local-sgd", {}, False, 3), ("diloco", {}, True, 2)])
-def test_a_restart_starts_the_workers_the_checkpoint_can_go_on_on(monkeypatch, tmp_path,
-                                                                   strategy, options, inside,
-                                                                   starts):
+def test_a_restart_starts_the_workers_the_checkpoint_can_go_on_on(tmp_path, strategy, options,
+                                                                   inside, starts):
     """After a loss, a checkpoint of 2 workers of a 3-worker job: sync goes on on all 3 but
     with PowerSGD (each worker's error feedback), the periodic strategies on all 3 from an
     epoch's end and on the 2 inside an epoch."""
     from shoal.config import TrainConfig
     from shoal.train import _restarted, job_topology
+    from shoal.train.checkpoint import Saved
 
-    monkeypatch.setattr("shoal.train.checkpoint_ranks", lambda path: (2, inside))
     cfg = TrainConfig(model="mlp", dataset="digits", workers=3, strategy=strategy,
                       strategy_options=options, out=str(tmp_path)).validate()
-    assert _restarted(cfg, job_topology(cfg, 3)).workers == starts
+    assert _restarted(cfg, job_topology(cfg, 3), Saved(20, 2, inside)).workers == starts

@@ -34,7 +34,7 @@ STEPS_PER_EPOCH = 12  # digits: 1437 training samples, global batch 2 x 64
 
 def _all_cases(root: str) -> dict[str, dict[str, Any]]:
     """Every strategy's resume cases on this rank (one process pair for all of them)."""
-    from shoal.core.processes import stop_on_sigterm
+    from shoal.core.stop import stop_on_sigterm
 
     stop_on_sigterm()  # as shoal train's workers take SIGTERM: stop after an agreed step
     return {s: _cases(s, f"{root}/{s}") for s in STRATEGIES}
@@ -58,7 +58,7 @@ def _cases(strategy: str, root: str) -> dict[str, Any]:
     uninterrupted run, of the model that is evaluated and saved (the center for EASGD, the
     global model for DiLoCo) and of this rank's own replica (which the checkpoint keeps per
     rank); the final ``period``; where SIGTERM ``stopped`` the run, as each record says it."""
-    from shoal.core import processes
+    from shoal.core.stop import STOP
     from shoal.train.trainer import Trainer
 
     comm = shoal.init()
@@ -77,7 +77,7 @@ def _cases(strategy: str, root: str) -> dict[str, Any]:
         summary = trainer.run()
         if sigterm is not None:
             out["stopped"] = _where_stopped(trainer.state.step, summary, Path(cfg.out))
-            processes._STOP.clear()  # this process goes on with other runs
+            STOP.clear()  # this process goes on with other runs
         out["period"] = getattr(trainer.strategy, "period", 1)
         models = {"": trainer.strategy.eval_module, "replica ": trainer.model}
         return {f"{which}{k}": v.detach().clone()

@@ -19,7 +19,7 @@ import pytest
 import shoal
 from shoal.core.starting import ensure_server, start_method
 
-from conftest import REPO, shoal_env, wait_gone
+from conftest import REPO, shoal_env, started_by, wait_gone
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -79,7 +79,16 @@ def test_sigterm_to_the_whole_job_checkpoints_and_stops(tmp_path):
                 break
             time.sleep(0.05)
         os.killpg(proc.pid, signal.SIGTERM)
-        _, err = proc.communicate(timeout=60)
+        try:
+            _, err = proc.communicate(timeout=60)
+        except subprocess.TimeoutExpired:  # say where each process is stuck, then fail
+            for pid in started_by(proc.pid):
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGUSR1)
+            time.sleep(2)
+            os.killpg(proc.pid, signal.SIGKILL)
+            _, err = proc.communicate(timeout=30)
+            pytest.fail(f"the job did not stop within 60 s of SIGTERM:\n{err}")
     finally:
         with contextlib.suppress(ProcessLookupError):
             os.killpg(proc.pid, signal.SIGKILL)

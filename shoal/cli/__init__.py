@@ -145,7 +145,7 @@ def _list() -> None:
 def _stopped_by_sigterm(summary: dict[str, Any] | None) -> bool:
     """Say how to go on when SIGTERM stopped the run (rank 0 has the summary, others only
     the request) and whether it did."""
-    from shoal.core.processes import stop_requested
+    from shoal.core.stop import stop_requested
 
     if summary is not None and summary.get("stopped_by") == "SIGTERM":
         print(f"shoal: stopped by SIGTERM at step {summary['steps']}; the checkpoint is saved, "

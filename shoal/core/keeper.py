@@ -40,7 +40,8 @@ from typing import Any
 
 from shoal.core.failures import exit_status
 from shoal.core.outlive import STALE, live_joiners
-from shoal.core.processes import request_stop, start_process
+from shoal.core.processes import start_process
+from shoal.core.stop import request_stop
 from shoal.core.waits import DONE_KEY, ended_key, members_now
 from shoal.errors import JobError, ShoalError
 

@@ -38,7 +38,7 @@ import torch.distributed as dist
 
 from shoal.core.group import join_group, own_client
 from shoal.core.inflight import InFlight, leave_group
-from shoal.core.processes import stop_requested
+from shoal.core.stop import stop_requested
 from shoal.core.waits import ELASTIC, ended_key, stood_still
 from shoal.errors import ShoalError
 

@@ -35,29 +35,9 @@ from shoal.core.guard import guarded_name
 from shoal.core.limits import check_processes
 from shoal.core.outlive import STALE, outlive
 from shoal.core.starting import launched, new_process
+from shoal.core.stop import STOP, Flag
 from shoal.core.waits import ended_key, key_prefix, members_now, say_gone
 from shoal.errors import ShoalError, Terminated, WorkerError
-
-_STOP = threading.Event()  # SIGTERM arrived: finish the step, checkpoint, stop
-
-
-def stop_requested() -> bool:
-    """Whether this process was asked to stop (SIGTERM, as Slurm sends before preemption)."""
-    return _STOP.is_set()
-
-
-def request_stop() -> None:
-    """Ask this process to stop as :func:`stop_requested` reports (what SIGTERM does)."""
-    _STOP.set()
-
-
-def stop_on_sigterm() -> Any:
-    """From now on SIGTERM asks this process to stop at the next safe point instead of
-    killing it: training finishes its step, writes a checkpoint and exits. Returns the
-    handler it replaced (for ``signal.signal``); does nothing off the main thread."""
-    if threading.current_thread() is not threading.main_thread():
-        return None
-    return signal.signal(signal.SIGTERM, lambda signum, frame: _STOP.set())
 
 
 def loopback_store(timeout: float) -> Any:
@@ -233,10 +213,10 @@ def spawn(
         on_store(port)
     errdir = tempfile.mkdtemp(prefix="shoal-errors-")
     procs: list[BaseProcess] = []
-    sigterm = threading.Event()  # a SIGTERM came while this call runs
+    sigterm = Flag()  # a SIGTERM came while this call runs
 
     def forward_sigterm(signum: int, frame: Any) -> None:
-        _STOP.set()
+        STOP.set()
         sigterm.set()
         for p in procs:
             if p.exitcode is None and p.pid is not None:
@@ -248,7 +228,7 @@ def spawn(
     try:
         _start_ranks(procs, Environment(0, world_size, 0, world_size, "127.0.0.1", port, "local",
                                         agent_store=True, error_dir=errdir), job, sigterm)
-        if _STOP.is_set():  # a SIGTERM that came before this call
+        if STOP.is_set():  # a SIGTERM that came before this call
             forward_sigterm(signal.SIGTERM, None)
         try:
             return _supervise(procs, store, errdir, grace, tolerate)
@@ -311,7 +291,7 @@ def _supervise(procs: list[BaseProcess], store: Any, errdir: str, grace: float,
         pending = [procs[rank] for rank, code in codes.items() if code is None]
     if not failed:
         if tolerate is not None and len(lost) == len(procs):  # elastic: joiners may go on
-            outlive(keys, len(procs), STALE, _STOP.is_set)
+            outlive(keys, len(procs), STALE, STOP.is_set)
         return _results(procs, errdir, lost)
     # Exit codes now, before shoal's own SIGTERMs blur who died first. A rank that exited
     # with status 0 before its work was done (os._exit(0)) is among them: the others' errors
@@ -367,7 +347,7 @@ def _pack_job(world_size: int, target: Callable[..., Any], args: tuple[Any, ...]
 
 
 def _start_ranks(procs: list[BaseProcess], job_env: Environment, job: bytes,
-                 sigterm: threading.Event) -> None:
+                 sigterm: Flag) -> None:
     """Start a process for each rank of ``job_env``'s job, in rank order, appending each to
     ``procs`` as it starts. A SIGTERM (``sigterm``) ends the start-up: nothing more starts,
     and :class:`Terminated` is raised; the caller stops those started."""

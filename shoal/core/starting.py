@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import faulthandler
 import multiprocessing as mp
 import multiprocessing.connection
 import multiprocessing.forkserver
@@ -65,7 +66,8 @@ class _ReapedOnce(popen_forkserver.Popen):
     The server sends a child's exit status once, down a pipe: two threads asking at the same
     time (a watcher thread, and ``join`` in the main one) both see the pipe ready, one reads
     the status and the other end-of-file, which multiprocessing reports as status 255 ("the
-    server died"). Here the read is made once, under a lock."""
+    server died"). Here the read is made once, under a lock; a thread that finds another
+    inside it hears "not known yet" (as before the child ended) unless it waits anyway."""
 
     def __init__(self, process_obj: Any) -> None:
         self._read_lock = threading.Lock()
@@ -76,12 +78,19 @@ class _ReapedOnce(popen_forkserver.Popen):
             timeout = 0 if flag == os.WNOHANG else None
             if not mp.connection.wait([self.sentinel], timeout):
                 return None
-            with self._read_lock:
+            # Blocking only where the caller blocks (join): a signal handler asking while
+            # this thread is inside the read (shoal's launcher passing SIGTERM on) gets
+            # "not known yet" instead of waiting for itself.
+            if not self._read_lock.acquire(blocking=flag != os.WNOHANG):
+                return None
+            try:
                 if self.returncode is None:
                     try:
                         self.returncode = mp.forkserver.read_signed(self.sentinel)
                     except (OSError, EOFError):
                         self.returncode = 255  # the server itself is gone
+            finally:
+                self._read_lock.release()
         return self.returncode
 
 
@@ -166,7 +175,8 @@ def run_as_launched(environ: dict[str, str], streams: None, forked: bool,
                     target: Callable[..., Any], args: tuple[Any, ...]) -> Any:
     """Take the launcher's ``environ`` (``streams``, its standard output and error, are in
     place once unpickled) and unblock SIGTERM (the server blocks it: one that came meanwhile
-    ends this process now), then run ``target(*args)``.
+    ends this process now), then run ``target(*args)``. ``kill -USR1`` then prints where
+    each of its threads is (Python's ``faulthandler``), unless the target takes SIGUSR1.
 
     A ``forked`` process then ends as an interpreter does: its threads joined, then its
     exit handlers run (``atexit``: a user's, torch's); multiprocessing ends a forked child
@@ -174,6 +184,8 @@ def run_as_launched(environ: dict[str, str], streams: None, forked: bool,
     a spawned shoal process skips too: :func:`shoal.core.guard.skip_exit_collection`.)
     """
     signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGTERM})
+    if signal.getsignal(signal.SIGUSR1) == signal.SIG_DFL:  # kill -USR1: where is it stuck?
+        faulthandler.register(signal.SIGUSR1, all_threads=True)
     if forked:
         _leave_server()
     os.environ.clear()

@@ -26,8 +26,9 @@ from shoal.core.group import job_store
 from shoal.core.guard import skip_exit_collection
 from shoal.core.keeper import keep_rank
 from shoal.core.limits import check_processes
-from shoal.core.processes import Lost, spawn, stop_requested
+from shoal.core.processes import Lost, spawn
 from shoal.core.starting import ensure_server
+from shoal.core.stop import stop_requested
 from shoal.core.trust import Seal, open_own
 from shoal.core.waits import key_prefix
 from shoal.data import Dataset, as_dataset
@@ -35,7 +36,7 @@ from shoal.data.loader import loader_processes
 from shoal.errors import ShoalError, Terminated, WorkerError
 from shoal.strategies import get_strategy
 from shoal.strategies.topology import Topology
-from shoal.train.checkpoint import checkpoint_ranks, checkpoint_step
+from shoal.train.checkpoint import Saved, saved_checkpoint
 from shoal.train.elastic_check import check_elastic
 from shoal.train.jobfile import (
     JOIN_SECRET_VAR,
@@ -118,8 +119,9 @@ def _run_with_restarts(cfg: TrainConfig, topology: Topology, data: Dataset | Non
                 raise exc from None
             out = Path(cfg.out)
             failed_at = _last_logged_step(out)
-            step = checkpoint_step(cfg.checkpoint_path)
-            if step is not None:
+            saved = saved_checkpoint(cfg.checkpoint_path)
+            step = None if saved is None else saved.step
+            if saved is not None:
                 attempt_cfg = dataclasses.replace(cfg, resume="", overwrite=False)
             elif cfg.resume is None:  # no checkpoint of this run yet: start over
                 attempt_cfg = dataclasses.replace(cfg, overwrite=True)
@@ -130,21 +132,21 @@ def _run_with_restarts(cfg: TrainConfig, topology: Topology, data: Dataset | Non
                   + (f"the checkpoint at step {step}" if step is not None else "the start")
                   + f" (restart {len(restarts)} of {cfg.max_restarts})",
                   file=sys.stderr, flush=True)
-            attempt = _restarted(cfg, topology) if step is not None else topology
+            attempt = _restarted(cfg, topology, saved) if saved is not None else topology
 
 
-def _restarted(cfg: TrainConfig, topology: Topology) -> Topology:
-    """The job to start again from its checkpoint: the same, but where the workers' states
+def _restarted(cfg: TrainConfig, topology: Topology, checkpoint: Saved) -> Topology:
+    """The job to start again from its ``checkpoint``: the same, but where the workers' states
     drift apart (``local-sgd``, ``easgd``, ``diloco``: each resumes its own), ``--elastic``
     left fewer and the checkpoint is inside an epoch, on the workers it holds. ``sync``'s
     replicas go on on all of them (the rest of the epoch dealt over them,
     :mod:`.resume_sync`), as drifting ones do from an epoch's end; an asynchronous job's on
     its first ``--workers``. ``--compress powersgd`` resumes on as many workers as the
     checkpoint holds, wherever it is (each worker's error feedback is its own)."""
-    saved, inside = checkpoint_ranks(cfg.checkpoint_path)
+    saved, inside = checkpoint.ranks, checkpoint.inside_epoch
     powersgd = cfg.strategy_options.get("compress") == "powersgd"
     drifts = inside and not get_strategy(cfg.strategy).replicas_in_sync
-    if topology.servers or saved in (None, topology.workers) or not (drifts or powersgd):
+    if topology.servers or saved == topology.workers or not (drifts or powersgd):
         return topology
     why = "each worker resumes its own PowerSGD error feedback" if powersgd \
         else f"{cfg.strategy}'s workers each resume their own"

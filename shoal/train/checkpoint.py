@@ -20,7 +20,7 @@ import re
 import warnings
 from dataclasses import asdict
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from torch import nn
@@ -105,26 +105,26 @@ def _refused(path: Path, message: str) -> str:
     return f"{path} is not a readable checkpoint (not a file of tensors and plain data)"
 
 
-def checkpoint_step(path: Path) -> int | None:
-    """The step the checkpoint at ``path`` was written after; ``None`` if it is unreadable.
+class Saved(NamedTuple):
+    """What a restart needs of the checkpoint it starts from."""
+
+    step: int  # the step it was written after
+    ranks: int  # how many workers' parts it holds
+    inside_epoch: bool  # written inside an epoch (not at its end)
+
+
+def saved_checkpoint(path: Path) -> Saved | None:
+    """The step, workers and place of the checkpoint at ``path``; ``None`` if unreadable.
 
     Its tensors are mapped, not read (``mmap``): a restart asks this of a checkpoint that may
     hold every rank's model and optimizer.
     """
     try:
-        return int(load_checkpoint(path, mmap=True)["progress"]["step"])
+        payload = load_checkpoint(path, mmap=True)
+        progress = payload["progress"]
+        return Saved(int(progress["step"]), len(payload["ranks"]), bool(progress["epoch_step"]))
     except ShoalError:
         return None
-
-
-def checkpoint_ranks(path: Path) -> tuple[int | None, bool]:
-    """How many workers' parts the checkpoint at ``path`` holds (``None``: unreadable), and
-    whether it was written inside an epoch."""
-    try:
-        payload = load_checkpoint(path, mmap=True)
-        return len(payload["ranks"]), bool(payload["progress"]["epoch_step"])
-    except ShoalError:
-        return None, False
 
 
 def check_resume(payload: dict[str, Any], cfg: TrainConfig, world: int,

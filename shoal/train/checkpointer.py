@@ -84,15 +84,21 @@ def read_on_main(comm: Comm, read: Callable[[], dict[str, Any]]) -> dict[str, An
     return result
 
 
+def summed_sums(parts: list[dict[str, Any] | None]) -> list[float] | None:
+    """The epoch sums (loss, accuracy, samples so far) of the ranks' ``parts`` of a
+    checkpoint, added up elementwise; ``None`` when no part holds any."""
+    sums = [part["epoch_sums"] for part in parts if part is not None]
+    return [float(sum(v)) for v in zip(*sums, strict=True)] or None
+
+
 def read_start(cfg: TrainConfig, comm: Comm, model: nn.Module) -> dict[str, Any]:
     """``--init-from``: rank 0 reads the checkpoint and sends all ranks its evaluation model
     (loaded into ``model`` here, before a strategy copies it), position and epoch sums."""
     def read() -> dict[str, Any]:
         payload = load_checkpoint(Path(cfg.init_from))
         check_init(payload, cfg, comm.world_size)
-        sums = [r["epoch_sums"] for r in payload["ranks"] if r is not None]
         return {"model": eval_model(payload), "progress": payload["progress"],
-                "epoch_sums": [sum(v) for v in zip(*sums, strict=True)] or None}
+                "epoch_sums": summed_sums(payload["ranks"])}
 
     start = read_on_main(comm, read)
     load_eval_model(model, {EVAL_MODEL: start["model"]}, cfg.init_from)
@@ -183,8 +189,7 @@ class Checkpointer:
         dropped = [r for r in ranks[self.comm.world_size:] if r]
         if self.comm.rank != 0 or own is None or not dropped:
             return own
-        sums = zip(own["epoch_sums"], *(r["epoch_sums"] for r in dropped), strict=True)
-        return {**own, "epoch_sums": [float(sum(v)) for v in sums]}
+        return {**own, "epoch_sums": summed_sums([own, *dropped])}
 
     def resumed(self, payload: dict[str, Any]) -> None:
         """After :meth:`resume` put back every part: what else this rank takes from the file."""

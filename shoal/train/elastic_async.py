@@ -25,7 +25,7 @@ from typing import Any, TypeVar
 
 import torch
 
-from shoal.core.processes import stop_requested
+from shoal.core.stop import stop_requested
 from shoal.core.waits import ELASTIC
 from shoal.data import EpochPlan, ShardLoader, resolve_workers
 from shoal.errors import ShoalError

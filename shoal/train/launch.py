@@ -25,7 +25,7 @@ from shoal.core.env import Environment, default_threads
 from shoal.core.failures import record_failure
 from shoal.core.group import join_group
 from shoal.core.join import init_comm
-from shoal.core.processes import stop_on_sigterm
+from shoal.core.stop import stop_on_sigterm
 from shoal.core.timeline import Timeline
 from shoal.core.trust import Seal
 from shoal.core.waits import say_finished

@@ -9,11 +9,11 @@ import torch
 import torch.distributed as dist
 
 from shoal.core.comm import Comm
-from shoal.core.processes import stop_requested
+from shoal.core.stop import stop_requested
 
 
 class StopVote:
-    """Whether all ranks stop after this step (``processes.stop_requested`` on any of them).
+    """Whether all ranks stop after this step (``stop_requested`` on any of them).
 
     They vote in a tiny all-reduce on a Gloo group of its own, at the strategy's own meeting
     points (the steps ``meets(step)`` says the workers exchanged after: every ``tau``-th for
