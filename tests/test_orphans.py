@@ -30,6 +30,7 @@ from pathlib import Path
 import pytest
 
 from conftest import (
+    children_of,
     listening_sockets,
     marked_processes,
     mpirun,
@@ -70,28 +71,11 @@ SCRIPT = textwrap.dedent("""
 """)
 
 
-def _children(pid: int) -> list[int]:
-    kids: list[int] = []
-    with contextlib.suppress(OSError):
-        for task in Path(f"/proc/{pid}/task").iterdir():
-            with contextlib.suppress(OSError):
-                kids += [int(k) for k in (task / "children").read_text().split()]
-    return kids
-
-
 def _cmdline(pid: int) -> str:
     try:
         return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()
     except OSError:
         return ""
-
-
-def _start_order(pid: int) -> tuple[int, int]:
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return (2**62, pid)
-    return (int(stat.rsplit(")", 1)[1].split()[19]), pid)  # field 22: start time
 
 
 def _connected_to(pid: int, port: int) -> bool:
@@ -258,7 +242,7 @@ def test_loader_processes_go_with_their_worker(tmp_path):
            "--out", "out"]
     with Job(cmd, tmp_path) as job:
         job.wait_until("training", lambda: _has_records(tmp_path / "out"))
-        loaders = [kid for w in job.workers() for kid in _children(w)]
+        loaders = [kid for w in job.workers() for kid in children_of(w)]
         assert len(loaders) == 2, loaders
         job.kill_launcher()
 
@@ -270,7 +254,7 @@ def test_a_huge_server_count_starts_nothing(tmp_path):
     with Job(cmd, tmp_path) as job:
         deadline = time.monotonic() + 60
         while job.proc.poll() is None and time.monotonic() < deadline:
-            assert _children(job.proc.pid) == [], "it started processes"
+            assert children_of(job.proc.pid) == [], "it started processes"
             time.sleep(0.002)
         assert job.proc.returncode == 2
         line = one_error_line(job.log.read_text())
