@@ -343,3 +343,19 @@ class _SlowStart(nn.Module):
 
 def slow_start(input_shape, num_classes):
     return _SlowStart(input_shape, num_classes)
+
+
+def mesh_fails_once(input_shape, num_classes):
+    """The zoo's mlp, whose process of rank 1 (while the file ``SHOAL_TEST_ONCE_FILE`` does
+    not exist yet: it creates it) fails as a job does when Gloo's mesh does not form as it
+    starts (a peer closed a fresh connection): the same error, before any step."""
+    from shoal.errors import JobError
+    from shoal.models import build_model
+
+    path = os.environ.get("SHOAL_TEST_ONCE_FILE")
+    if os.environ.get("RANK") == "1" and path and not os.path.exists(path):
+        open(path, "w").close()
+        raise JobError("could not join the job at 127.0.0.1:1 as rank 1 of 2: Gloo "
+                       "connectFullMesh failed with [gloo/transport/tcp/pair.cc:553] "
+                       "Connection closed by peer [127.0.0.1]:6340")
+    return build_model("mlp", input_shape, num_classes)

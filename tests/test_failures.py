@@ -1,6 +1,7 @@
 """One failing rank brings the whole job down within seconds, with one line saying why."""
 
 import contextlib
+import json
 import multiprocessing.resource_tracker
 import os
 import signal
@@ -47,6 +48,29 @@ def test_failing_rank_stops_the_job(tmp_path, capfd, monkeypatch, model, expecte
     assert expected in one_error_line(err)
     assert elapsed < 40, f"job took {elapsed:.0f}s to notice the failure (timeout is 120s)"
     assert stray == [], "worker processes outlived the job"
+
+
+def test_a_mesh_that_did_not_form_at_the_start_is_started_once_more(tmp_path, capfd,
+                                                                     monkeypatch):
+    """Gloo's mesh failing to form as the job starts (its transient; CI met it) starts the
+    job once more, without --max-restarts and not counted as a restart; the same failure
+    again is the job's error."""
+    monkeypatch.setenv("SHOAL_TEST_ONCE_FILE", str(tmp_path / "once"))
+    job = [*JOB, "--workers", "2", "--model", "tests.fixtures_models:mesh_fails_once"]
+    code, err, stray = shoal_here(capfd, monkeypatch, uuid.uuid4().hex, *job, "--out",
+                                  str(tmp_path / "run"))
+    assert code == 0, err
+    assert "Gloo's connections did not form as the job started: starting it once more" in err
+    summary = json.loads((tmp_path / "run" / "summary.json").read_text())
+    assert summary["completed"] and [r["mesh"] for r in summary["restarts"]] == [True]
+    assert stray == []
+    # Twice in a row (the file removed before each start): the second is the job's error.
+    (tmp_path / "once").unlink()
+    monkeypatch.setattr("shoal.train._last_logged_step", lambda out: (tmp_path / "once").unlink(
+        missing_ok=True) or 0)
+    code, err, _ = shoal_here(capfd, monkeypatch, uuid.uuid4().hex, *job, "--out",
+                              str(tmp_path / "again"))
+    assert code == 1 and "connectFullMesh failed" in one_error_line(err)
 
 
 def test_failure_under_torchrun_stops_every_rank(tmp_path):

@@ -16,7 +16,7 @@ import torch.distributed as dist
 from shoal.core.env import Environment
 from shoal.core.processes import loopback_gloo_interface
 from shoal.core.waits import ended_key, key_prefix
-from shoal.errors import ShoalError
+from shoal.errors import JobError, ShoalError
 
 
 def job_store(env: Environment, timeout: float) -> dist.Store:
@@ -99,9 +99,11 @@ def loopback_gloo(enabled: bool = True) -> Iterator[None]:
 def join_group(store: dist.Store, rank: int, world_size: int, device_type: str,
                timeout: float, where: str = "the job") -> None:
     """``init_process_group`` over ``store``; ``timeout`` (seconds) bounds every collective,
-    so a lost peer is an error, never a hang. A failure is one line naming ``where``."""
+    so a lost peer is an error, never a hang. A failure is one line naming ``where``, and the
+    job's failure, not the user's input (the store was reached: Gloo's or NCCL's own
+    connections failed), so ``--max-restarts`` restarts it."""
     try:
         dist.init_process_group(backend_for(device_type), store=store, rank=rank,
                                 world_size=world_size, timeout=timedelta(seconds=timeout))
     except (RuntimeError, ValueError) as exc:
-        raise ShoalError(f"could not join {where} as rank {rank} of {world_size}: {exc}") from exc
+        raise JobError(f"could not join {where} as rank {rank} of {world_size}: {exc}") from exc

@@ -93,6 +93,16 @@ def _last_logged_step(out: Path) -> int:
     return last
 
 
+def _mesh_not_formed(exc: WorkerError, out: Path, restarts: list[dict[str, Any]]) -> bool:
+    """Whether ``exc`` is Gloo's mesh failing to form as the job started, before any step
+    (``connectFullMesh``: a peer closed a fresh connection; Gloo's own transient on a loaded
+    machine, pytorch/pytorch#53270), with no such start retried yet: the job then starts
+    once more, not counted against ``--max-restarts``."""
+    text = str(exc)
+    return ("Gloo connectFullMesh failed" in text and "Connection closed by peer" in text
+            and _last_logged_step(out) == 0 and not any(r.get("mesh") for r in restarts))
+
+
 def _run_with_restarts(cfg: TrainConfig, topology: Topology, data: Dataset | None = None
                        ) -> dict[str, Any] | None:
     """Spawn the job's processes (parameter servers first, where the topology has them);
@@ -114,10 +124,11 @@ def _run_with_restarts(cfg: TrainConfig, topology: Topology, data: Dataset | Non
                                 cfg, port, seal.key_hex, n)))
             return _summary(cfg, topology, results, since)
         except WorkerError as exc:
-            exc = _by_role(exc, topology)
-            if exc.user_error or len(restarts) >= cfg.max_restarts or stop_requested():
+            exc, out = _by_role(exc, topology), Path(cfg.out)
+            mesh = _mesh_not_formed(exc, out, restarts)
+            counted = sum(not r.get("mesh") for r in restarts)
+            if exc.user_error or stop_requested() or (counted >= cfg.max_restarts and not mesh):
                 raise exc from None
-            out = Path(cfg.out)
             failed_at = _last_logged_step(out)
             saved = saved_checkpoint(cfg.checkpoint_path)
             step = None if saved is None else saved.step
@@ -127,11 +138,12 @@ def _run_with_restarts(cfg: TrainConfig, topology: Topology, data: Dataset | Non
                 attempt_cfg = dataclasses.replace(cfg, overwrite=True)
             restarts.append({"error": str(exc), "failed_at_step": failed_at,
                              "resumed_from_step": step or 0,
-                             "attempt_time_s": time.monotonic() - started})
-            print(f"shoal: {exc}; restarting from "
-                  + (f"the checkpoint at step {step}" if step is not None else "the start")
-                  + f" (restart {len(restarts)} of {cfg.max_restarts})",
-                  file=sys.stderr, flush=True)
+                             "attempt_time_s": time.monotonic() - started, "mesh": mesh})
+            where = f"the checkpoint at step {step}" if step is not None else "the start"
+            how = ("Gloo's connections did not form as the job started: starting it once more "
+                   "(not counted as a restart)") if mesh else \
+                f"restarting from {where} (restart {counted + 1} of {cfg.max_restarts})"
+            print(f"shoal: {exc}; {how}", file=sys.stderr, flush=True)
             attempt = _restarted(cfg, topology, saved) if saved is not None else topology
 
 
