@@ -154,14 +154,6 @@ def run(args: list[str], timeout: float = 120, env: dict[str, str] | None = None
     return res
 
 
-def formed_badly(stderr: str) -> bool:
-    """Whether a job failed only because Gloo's mesh did not form when its process group was
-    made (``connectFullMesh``: a peer closed a fresh connection). It is Gloo's own transient
-    on a loaded machine (PyTorch's CI meets it too, pytorch/pytorch#53270), before any of
-    shoal's work: a test of what a formed job does may start such a job once more."""
-    return "Gloo connectFullMesh failed" in stderr and "Connection closed by peer" in stderr
-
-
 def shoal(*args: str, timeout: float = 120, env: dict[str, str] | None = None
           ) -> subprocess.CompletedProcess:
     """``python -m shoal ARGS``."""
@@ -265,15 +257,21 @@ def children_of(pid: int) -> list[int]:
     return kids
 
 
-def _proc_field(pid: int, name: str) -> bytes | int:
-    """``pid``'s command line (``"cmdline"``) or start time (``"start"``); empty or 0 once gone."""
+def _cmdline(pid: int) -> bytes:
+    """``pid``'s command line; empty once it is gone."""
     try:
-        if name == "cmdline":
-            return Path(f"/proc/{pid}/cmdline").read_bytes()
+        return Path(f"/proc/{pid}/cmdline").read_bytes()
+    except OSError:
+        return b""
+
+
+def _start_time(pid: int) -> int:
+    """When ``pid`` started (clock ticks since boot); 0 once it is gone."""
+    try:
         stat = Path(f"/proc/{pid}/stat").read_text()
         return int(stat[stat.rindex(")") + 2:].split()[19])
     except (OSError, ValueError, IndexError):
-        return b"" if name == "cmdline" else 0
+        return 0
 
 
 def started_by(launcher: int) -> list[int]:
@@ -283,12 +281,12 @@ def started_by(launcher: int) -> list[int]:
     children. The server itself and multiprocessing's resource tracker are not among them."""
     found = []
     for kid in children_of(launcher):
-        line = _proc_field(kid, "cmdline")
+        line = _cmdline(kid)
         if b"multiprocessing.forkserver" in line:
             found += children_of(kid)
         elif b"spawn_main" in line:
             found.append(kid)
-    return sorted(found, key=lambda pid: (_proc_field(pid, "start"), pid))
+    return sorted(found, key=lambda pid: (_start_time(pid), pid))
 
 
 def one_error_line(stderr: str) -> str:

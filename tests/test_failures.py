@@ -2,7 +2,6 @@
 
 import contextlib
 import json
-import multiprocessing.resource_tracker
 import os
 import signal
 import subprocess
@@ -25,7 +24,6 @@ def shoal_here(capfd, monkeypatch, marker: str, *args: str) -> tuple[int, str, l
     start-up), its workers carrying ``marker``: the exit status, everything written to
     stderr (by this process and by the workers, at the descriptor) and the marked processes
     still alive 5 s after it returned."""
-    multiprocessing.resource_tracker.ensure_running()  # it lives on: started unmarked
     capfd.readouterr()
     with monkeypatch.context() as env:
         env.setenv("SHOAL_TEST_MARKER", marker)  # the workers inherit it

@@ -4,7 +4,6 @@ worker that is only slow is not. Real processes, Gloo on CPU; nothing is left ru
 from __future__ import annotations
 
 import contextlib
-import multiprocessing.resource_tracker
 import os
 import signal
 import subprocess
@@ -110,7 +109,6 @@ def test_a_slow_worker_is_not_taken_for_a_hung_one():
     """Rank 1 sleeps, then computes, each for longer than the heartbeat timeout, before a
     collective: its watchdog thread keeps beating, so the job finishes."""
     marker = uuid.uuid4().hex
-    multiprocessing.resource_tracker.ensure_running()  # lives on: start it unmarked
     os.environ["SHOAL_TEST_MARKER"] = marker
     try:
         assert shoal.launch(slow_on_rank1, 2.5, workers=2) == [2.0, 2.0]

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import multiprocessing.resource_tracker
 import os
 import time
 import uuid
@@ -25,7 +24,6 @@ TOL = dict(rtol=1e-5, atol=1e-6)
 @pytest.fixture(scope="module")
 def session():
     marker = uuid.uuid4().hex
-    multiprocessing.resource_tracker.ensure_running()  # a helper that lives as long as pytest
     os.environ["SHOAL_TEST_MARKER"] = marker  # inherited by the spawned workers
     try:
         s = shoal.fork(2, timeout=30)

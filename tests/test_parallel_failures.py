@@ -7,7 +7,6 @@ from __future__ import annotations
 import contextlib
 import fcntl
 import json
-import multiprocessing.resource_tracker
 import os
 import signal
 import socket
@@ -36,7 +35,6 @@ pytestmark = pytest.mark.timeout(90)
 def marked_fork(n: int, **kwargs):
     """fork() whose workers carry a marker; afterwards none of them may be left."""
     marker = uuid.uuid4().hex
-    multiprocessing.resource_tracker.ensure_running()
     os.environ["SHOAL_TEST_MARKER"] = marker
     try:
         session = shoal.fork(n, **kwargs)

@@ -6,9 +6,10 @@ from __future__ import annotations
 import json
 import sys
 
+from shoal.core.group import mesh_not_formed
 from shoal.emulate import can_emulate
 
-from conftest import REPO, formed_badly, mpirun, mpirun_env, needs_mpirun, run
+from conftest import REPO, mpirun, mpirun_env, needs_mpirun, run
 
 START = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node"]
 AUTO = ["-m", "shoal", "train", "--strategy", "auto", "--model", "mlp", "--dataset", "digits",
@@ -118,11 +119,11 @@ def test_a_job_lays_its_ranks_out_for_servers_and_gets_its_group_back(tmp_path):
     a compute group of two workers with a server, a run that fails at its start on every
     rank (Async EAMSGD without momentum), and async-sgd, one after another on the same 3
     torchrun ranks; after each, all three meet in the job's own process group again."""
-    for attempt in range(2):
+    for attempt in range(2):  # once more only if Gloo's mesh did not form as it started
         out = tmp_path / f"job{attempt}"
         out.mkdir()
         res = run([*START, "3", str(REPO / "tests" / "relaid_job.py"), str(out)], timeout=200)
-        if res.returncode == 0 or not formed_badly(res.stderr):
+        if res.returncode == 0 or not mesh_not_formed(res.stderr):
             break
     assert res.returncode == 0, res.stderr
     assert not res.stray

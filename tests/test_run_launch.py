@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import contextlib
 import json
-import multiprocessing.resource_tracker
 import os
 import shlex
 import sys
@@ -30,7 +29,6 @@ pytestmark = pytest.mark.timeout(180)
 def no_stray_workers():
     """Workers started inside carry a marker; none of them may outlive the block."""
     marker = uuid.uuid4().hex
-    multiprocessing.resource_tracker.ensure_running()  # lives on: start it unmarked
     os.environ["SHOAL_TEST_MARKER"] = marker
     try:
         yield

@@ -96,6 +96,14 @@ def loopback_gloo(enabled: bool = True) -> Iterator[None]:
             os.environ["GLOO_SOCKET_IFNAME"] = old
 
 
+def mesh_not_formed(message: str) -> bool:
+    """Whether ``message`` is Gloo's mesh failing to form as a process group is made
+    (``connectFullMesh``: a peer closed a fresh connection): Gloo's own transient on a
+    loaded machine (PyTorch's CI meets it too, pytorch/pytorch#53270), not the job's
+    fault."""
+    return "Gloo connectFullMesh failed" in message and "Connection closed by peer" in message
+
+
 def join_group(store: dist.Store, rank: int, world_size: int, device_type: str,
                timeout: float, where: str = "the job") -> None:
     """``init_process_group`` over ``store``; ``timeout`` (seconds) bounds every collective,

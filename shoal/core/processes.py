@@ -34,7 +34,7 @@ from shoal.core.failures import exit_status, first_line, record_failure, root_ca
 from shoal.core.guard import guarded_name
 from shoal.core.limits import check_processes
 from shoal.core.outlive import STALE, outlive
-from shoal.core.starting import launched, new_process
+from shoal.core.starting import new_process
 from shoal.core.stop import STOP, Flag
 from shoal.core.waits import ended_key, key_prefix, members_now, say_gone
 from shoal.errors import ShoalError, Terminated, WorkerError
@@ -88,9 +88,7 @@ def start_process(target: Callable[..., Any], args: tuple[Any, ...] = (), *,
     sends them (cloudpickled bytes). The process is not daemonic, so it may start processes
     itself.
     """
-    run, run_args = launched(target, args)
-    process = new_process(target=run, args=run_args, daemon=False,
-                          name=guarded_name(name, os.getpid()))
+    process = new_process(target, args, daemon=False, name=guarded_name(name, os.getpid()))
     # The spawn Popen reads sys.modules["__main__"] (to tell the child what to run as its
     # main module) and pickles the process object inside start(), and nowhere else: a
     # stand-in __main__ whose file is guard.py for that moment makes the child run the guard

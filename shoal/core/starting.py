@@ -100,12 +100,17 @@ class _ForkServerProcess(mp.context.ForkServerProcess):  # type: ignore[name-def
         return _ReapedOnce(process_obj)
 
 
-def new_process(**kwargs: Any) -> Any:
-    """A process object (not started) in shoal's context: ``Process(**kwargs)``."""
+def new_process(target: Callable[..., Any], args: tuple[Any, ...], **kwargs: Any) -> Any:
+    """A process object (not started) in shoal's context that runs ``target(*args)`` in this
+    process's environment and standard output and error as they are now
+    (:func:`run_as_launched`; multiprocessing gives it the working folder and ``sys.path``);
+    ``kwargs``: the rest of ``Process``'s arguments."""
     ctx = context()
-    if ctx.get_start_method() == "forkserver":
-        return _ForkServerProcess(**kwargs)
-    return ctx.Process(**kwargs)
+    forked = ctx.get_start_method() == "forkserver"
+    run_args = (dict(os.environ), _Streams() if forked else None, forked, target, args)
+    if forked:
+        return _ForkServerProcess(target=run_as_launched, args=run_args, **kwargs)
+    return ctx.Process(target=run_as_launched, args=run_args, **kwargs)
 
 
 def ensure_server(more: Sequence[str] = ()) -> None:
@@ -160,15 +165,6 @@ def _leave_server() -> None:
     for name in ("_forkserver_alive_fd", "_forkserver_address", "_forkserver_pid"):
         if hasattr(server, name):
             setattr(server, name, None)
-
-
-def launched(target: Callable[..., Any], args: tuple[Any, ...]) -> tuple[Any, ...]:
-    """The target and arguments of a process that runs ``target(*args)`` with this process's
-    environment and standard output and error as they are now (:func:`run_as_launched`);
-    multiprocessing gives it this process's working folder and ``sys.path``."""
-    forked = start_method() == "forkserver"
-    return run_as_launched, (dict(os.environ), _Streams() if forked else None, forked, target,
-                             args)
 
 
 def run_as_launched(environ: dict[str, str], streams: None, forked: bool,

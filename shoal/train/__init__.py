@@ -22,7 +22,7 @@ from shoal.core.env import (
     resolve_device,
 )
 from shoal.core.failures import exit_status
-from shoal.core.group import job_store
+from shoal.core.group import job_store, mesh_not_formed
 from shoal.core.guard import skip_exit_collection
 from shoal.core.keeper import keep_rank
 from shoal.core.limits import check_processes
@@ -93,14 +93,12 @@ def _last_logged_step(out: Path) -> int:
     return last
 
 
-def _mesh_not_formed(exc: WorkerError, out: Path, restarts: list[dict[str, Any]]) -> bool:
-    """Whether ``exc`` is Gloo's mesh failing to form as the job started, before any step
-    (``connectFullMesh``: a peer closed a fresh connection; Gloo's own transient on a loaded
-    machine, pytorch/pytorch#53270), with no such start retried yet: the job then starts
-    once more, not counted against ``--max-restarts``."""
-    text = str(exc)
-    return ("Gloo connectFullMesh failed" in text and "Connection closed by peer" in text
-            and _last_logged_step(out) == 0 and not any(r.get("mesh") for r in restarts))
+def _start_again(exc: WorkerError, failed_at: int, restarts: list[dict[str, Any]]) -> bool:
+    """Whether ``exc`` is Gloo's mesh failing to form as the job started (:func:`mesh_not_formed`),
+    before any step (``failed_at``, the last step recorded, is 0), with no such start retried
+    yet: the job then starts once more, not counted against ``--max-restarts``."""
+    return (mesh_not_formed(str(exc)) and failed_at == 0
+            and not any(r.get("mesh") for r in restarts))
 
 
 def _run_with_restarts(cfg: TrainConfig, topology: Topology, data: Dataset | None = None
@@ -124,12 +122,11 @@ def _run_with_restarts(cfg: TrainConfig, topology: Topology, data: Dataset | Non
                                 cfg, port, seal.key_hex, n)))
             return _summary(cfg, topology, results, since)
         except WorkerError as exc:
-            exc, out = _by_role(exc, topology), Path(cfg.out)
-            mesh = _mesh_not_formed(exc, out, restarts)
+            exc, failed_at = _by_role(exc, topology), _last_logged_step(Path(cfg.out))
+            mesh = _start_again(exc, failed_at, restarts)
             counted = sum(not r.get("mesh") for r in restarts)
             if exc.user_error or stop_requested() or (counted >= cfg.max_restarts and not mesh):
                 raise exc from None
-            failed_at = _last_logged_step(out)
             saved = saved_checkpoint(cfg.checkpoint_path)
             step = None if saved is None else saved.step
             if saved is not None:
