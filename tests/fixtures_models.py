@@ -298,6 +298,9 @@ class _NanFrom(nn.Module):
     step. With ``SHOAL_TEST_NAN_SEEN`` (a folder), a rank whose parameters turned non-finite
     without its own NaN (pulled from a server, stepped by another) leaves a file there."""
 
+    #: The environment variable with the forward it starts at, and what outputs become.
+    at_key, factor = "SHOAL_TEST_NAN_AT", float("nan")
+
     def __init__(self, input_shape, num_classes):
         super().__init__()
         self.net = tiny(input_shape, num_classes)
@@ -309,9 +312,8 @@ class _NanFrom(nn.Module):
         out = self.net(x)
         if self.training:
             self.calls += 1
-            if self.injects and self.calls >= int(os.environ.get("SHOAL_TEST_NAN_AT",
-                                                                 "1000000000")):
-                return out * float("nan")
+            if self.injects and self.calls >= int(os.environ.get(self.at_key, "1000000000")):
+                return out * self.factor
             seen = os.environ.get("SHOAL_TEST_NAN_SEEN")
             if seen and not all(torch.isfinite(p).all() for p in self.parameters()):
                 (Path(seen) / f"rank{os.environ.get('RANK')}-{self.calls}").touch()
@@ -320,6 +322,18 @@ class _NanFrom(nn.Module):
 
 def nan_from(input_shape, num_classes):
     return _NanFrom(input_shape, num_classes)
+
+
+class _CollapseFrom(_NanFrom):
+    """`tiny`, whose training outputs are zeros from its ``SHOAL_TEST_COLLAPSE_AT``-th training
+    forward on: its training loss sits at chance (ln C, the first class always guessed) once
+    it had learned, and no gradient moves the model any more (a tested center stays good)."""
+
+    at_key, factor = "SHOAL_TEST_COLLAPSE_AT", 0.0
+
+
+def collapse_from(input_shape, num_classes):
+    return _CollapseFrom(input_shape, num_classes)
 
 
 

@@ -116,6 +116,31 @@ def test_nan_stops_at_once_and_keeps_the_last_good_checkpoint(tmp_path, strategy
     assert all(torch.isfinite(t).all() for t in saved["eval_model"].values())
 
 
+@pytest.mark.parametrize("strategy, more", [
+    ("async-sgd", []), ("hogwild", []),
+    # Two compute groups of two: a group's members agree on the step they stop after.
+    ("groups", ["--workers", "4", "--groups", "2"])])
+def test_a_collapsed_asynchronous_run_stops_its_workers(tmp_path, strategy, more):
+    """Every worker's training sits at chance from its step 60 on (epoch 2 of 45 steps; 3 of
+    23 on 4 workers): the coordinator judges the run collapsed three epochs later and every
+    worker stops within a few steps of that, as a synchronous run's ranks do, instead of
+    training all 12 epochs: exit 4, its line, no `done:`. Only the last epoch is tested (the
+    fixture leaves the center as it was, so a tested epoch would not be at chance)."""
+    res = shoal("train", "--out", str(tmp_path / "run"), *DIGITS, "--strategy", strategy,
+                "--model", "tests.fixtures_models:collapse_from", "--epochs", "12",
+                "--eval-every", "12", *more,
+                env={**shoal_env(), "SHOAL_TEST_COLLAPSE_AT": "60"},
+                timeout=240)
+    assert res.returncode == 4, res.stdout + res.stderr
+    assert "done:" not in res.stdout and "Traceback" not in res.stderr
+    said = [ln for ln in res.stdout.splitlines() if "training collapsed: since epoch" in ln]
+    assert said and said[-1].startswith("collapsed after"), res.stdout
+    assert "nan" not in said[-1], said[-1]
+    summary = json.loads((tmp_path / "run" / "summary.json").read_text())
+    assert summary["collapsed"]["kind"] == "collapsed" and not summary["completed"]
+    assert summary["epochs"] <= 6, summary["epochs"]  # stopped, not trained to epoch 12
+
+
 @pytest.mark.parametrize("strategy", ["async-sgd", "hogwild"])
 def test_an_asynchronous_workers_nan_is_named_at_its_own_step(tmp_path, strategy):
     """Worker 0 alone turns NaN, at its 60th step: the run names it at that step, and its NaN

@@ -44,8 +44,9 @@ from shoal.train.dealer import AsyncMembers
 from shoal.train.evaluation import Evaluator
 from shoal.train.recorder import Recorder
 from shoal.train.records import pending_reports
-from shoal.train.remote import CLOCK_KEY
+from shoal.train.remote import CLOCK_KEY, COLLAPSED_KEY
 from shoal.train.state import RunState
+from shoal.train.stopping import run_reason
 
 
 class WorkerFailed(ShoalError):
@@ -61,11 +62,10 @@ class Coordinator:
     and :func:`write_checkpoint`.
 
     ``comm``: this process's (rank 0 of the workers, no peers: its timeline's totals are the
-    workers' summed, its bytes theirs); ``client``: its end of the other servers (they hold the
-    rest of the center), ``None`` with one server. ``payload``: the checkpoint a resumed run
-    goes on with; ``start``: the one ``--init-from --init-progress`` goes on from (its position
-    only); ``extra``: what the summary adds (the launcher's restarts); ``ended(rank)``: how a
-    lost worker's process ended, as its launcher says (waited for once, a few seconds).
+    workers' summed, its bytes theirs); ``client``: its end of the other servers (they hold
+    the rest of the center), ``None`` with one server. ``payload``: the checkpoint a resumed
+    run goes on with; ``start``: the one ``--init-from --init-progress`` goes on from; ``extra``:
+    the summary's additions; ``ended(rank)``: how a lost worker's process ended (launcher's).
     """
 
     def __init__(self, cfg: TrainConfig, comm: Comm, data: Dataset, model: torch.nn.Module,
@@ -94,9 +94,7 @@ class Coordinator:
         self.own: dict[int, Any] = {}  # each worker's state in the file
         self.finals: dict[int, dict[str, Any]] = {}
         self.lost: dict[int, dict[str, Any]] = {}
-        self.test = (float("nan"), float("nan"))
-        self.saved_step = -1
-        self.started_unix = time.time()
+        self.test, self.saved_step, self.started_unix = (float("nan"), float("nan")), -1, time.time()
         #: --elastic: its side (a lost worker's rest dealt over the others, joiners admitted)
         self.members = AsyncMembers(self, seal) if cfg.elastic else None
         #: ``(worker, info) -> [counted, step]``, a lost worker's count where server 0's
@@ -286,6 +284,8 @@ class Coordinator:
         if tested:
             self.test = self.evaluator.test(self._center_model(reports))
         rec.epoch(st, self.test if tested else (float("nan"), float("nan")))
+        if rec.health.stop and self.comm.store is not None:
+            self.comm.store.set(COLLAPSED_KEY, "1")  # every worker stops, at its own step
         if st.epoch < self.cfg.epochs:
             rec.start_epoch(st)
 
@@ -369,7 +369,7 @@ class Coordinator:
         self._sum_workers()
         st.step = min(r["step"] for r in finals.values())  # the checkpoint's, as the file says
         stopped = any(r["stopped"] for r in finals.values())
-        reason = next((r["stopped_by"] for r in finals.values() if r["stopped_by"]), None)
+        reason = run_reason(r["stopped_by"] for r in finals.values())
         st.train_time_s = st.elapsed_s()
         if math.isnan(self.test[1]) and not stopped:
             self.test = self.evaluator.test(self._center_model(None))

@@ -165,3 +165,18 @@ class Health:
         return (f"{what} (ln {self.classes} = {self.chance_loss:.4f}; epoch {last['epoch']}: "
                 f"{last['train_loss']:.4f}, accuracy {100 * last['train_accuracy']:.1f}%); try a "
                 "lower --lr or --momentum, --clip-grad-norm 1 or --warmup-epochs 1")
+
+    def last_line(self, stopped: bool, reason: str | None, step: int, epochs: int,
+                  test_acc: float, wall: float, checkpoint: Path, out: Path) -> str:
+        """The run's last line: how it stopped, or what it learned (``done:`` only for a
+        completed run that did not collapse)."""
+        resume = f"checkpoint in {checkpoint} (continue with --resume)"
+        if reason:
+            return f"stopped by {reason} at step {step}; {resume}"
+        if verdict := self.verdict():
+            tested = f": test accuracy {100 * test_acc:.2f}%" if math.isfinite(test_acc) else ""
+            return f"{verdict['kind']}{tested} after {epochs} epochs; {self.line()}"
+        if stopped:
+            return f"stopped at step {step} as asked; {resume}"
+        return (f"done: test accuracy {100 * test_acc:.2f}% after {epochs} epochs in "
+                f"{wall:.1f} s; results in {out}")

@@ -199,6 +199,11 @@ class Recorder:
         return (self.comm.device.type == "cpu" or step % self.cfg.log_every == 0
                 or epoch_step == self.plan.steps_per_epoch)
 
+    def told_to_stop(self, st: RunState) -> bool:
+        """Whether something outside this rank stops the run after this step (a detached
+        worker's coordinator, :class:`~shoal.train.remote.RemoteRecorder`); here never."""
+        return False
+
     def step(self, st: RunState, samples: int) -> None:
         """After a step of ``samples`` (all ranks): the profiler, the step record every
         ``--log-every`` steps and at the epoch's end, the progress bar."""
@@ -342,26 +347,9 @@ class Recorder:
             **(extra or {}),
         }
         write_json(self.out / "summary.json", summary)
-        self._last_line(st, stopped, stop_reason, verdict, test_acc, wall)
+        self.progress.line(self.health.last_line(stopped, stop_reason, st.step, st.epoch, test_acc,
+                                                 wall, cfg.checkpoint_path, self.out))
         return summary
-
-    def _last_line(self, st: RunState, stopped: bool, stop_reason: str | None,
-                   verdict: dict[str, Any] | None, test_acc: float, wall: float) -> None:
-        """The run's last line: how it stopped, or what it learned (``done:`` only for a
-        completed run that did not collapse)."""
-        cfg = self.cfg
-        if stop_reason:
-            self.progress.line(f"stopped by {stop_reason} at step {st.step}; checkpoint in "
-                               f"{cfg.checkpoint_path} (continue with --resume)")
-        elif verdict:
-            self.progress.line(f"{verdict['kind']}: test accuracy {100 * test_acc:.2f}% after "
-                               f"{st.epoch} epochs; {self.health.line()}")
-        elif stopped:
-            self.progress.line(f"stopped at step {st.step} as asked; checkpoint in "
-                               f"{cfg.checkpoint_path} (continue with --resume)")
-        else:
-            self.progress.line(f"done: test accuracy {100 * test_acc:.2f}% after {st.epoch} "
-                               f"epochs in {wall:.1f} s; results in {self.out}")
 
     # -- profiling and tracing ----------------------------------------------------------------
     def _start_profiler(self, first: int) -> None:

@@ -27,6 +27,10 @@ from shoal.train.state import RunState
 
 #: The job's store key the coordinator sets once every live worker can train: the clock.
 CLOCK_KEY = "clock/started"
+#: The job's store key the coordinator sets when the run collapsed: every worker stops.
+COLLAPSED_KEY = "run/collapsed"
+#: A worker's steps between two looks at :data:`COLLAPSED_KEY` (a store round trip each).
+LOOK_EVERY = 10
 
 if TYPE_CHECKING:
     from shoal.train.trainer import Components, Trainer
@@ -92,6 +96,13 @@ class RemoteRecorder(Recorder):
         super().step(st, samples)
         if self.progress_every and st.step % self.progress_every == 0:
             self.report("progress", st, trained=self.trained())
+
+    def told_to_stop(self, st: RunState) -> bool:
+        """Whether the coordinator has judged the run collapsed (:data:`COLLAPSED_KEY`), looked
+        up every :data:`LOOK_EVERY` steps: the workers stop, as a synchronous run's ranks do,
+        instead of training a collapsed center to the end."""
+        store = self.comm.store
+        return store is not None and st.step % LOOK_EVERY == 0 and store.check([COLLAPSED_KEY])
 
     def before_update(self, loss_sum: torch.Tensor, st: RunState) -> None:
         """Check this step's loss before its update reaches the servers (or the shared

@@ -1,8 +1,9 @@
-"""Stopping every rank after the same step when SIGTERM reaches one of them."""
+"""Stopping every rank after the same step when SIGTERM reaches one of them, or one of
+them is told the run collapsed (an asynchronous run's coordinator says so)."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
@@ -10,6 +11,18 @@ import torch.distributed as dist
 
 from shoal.core.comm import Comm
 from shoal.core.stop import stop_requested
+
+SIGTERM = "SIGTERM"
+#: A worker told by its coordinator that the run collapsed (never the run's stop line).
+COLLAPSED = "collapse"
+#: What a vote carries: the index of a rank's reason (the largest wins).
+REASONS = (None, SIGTERM, COLLAPSED)
+
+
+def run_reason(reasons: Iterable[str | None]) -> str | None:
+    """The reason an asynchronous run stopped, from its workers' (a collapse is said by the
+    run's collapse line, not as a reason)."""
+    return next((r for r in reasons if r not in (None, COLLAPSED)), None)
 
 
 class StopVote:
@@ -29,20 +42,24 @@ class StopVote:
             if comm.active and comm.membership is None else None
         self._vote: tuple[Any, torch.Tensor] | None = None
 
-    def agreed(self, step: int) -> bool:
-        """Whether every rank stops after ``step`` (call after each step, on every rank)."""
+    def agreed(self, step: int, asked: str | None = None) -> str | None:
+        """Why every rank stops after ``step`` (:data:`SIGTERM`, or a rank's ``asked``: its own
+        reason, :data:`COLLAPSED`), or ``None`` to go on. Call after each step, on every rank."""
+        wanted = SIGTERM if stop_requested() else asked
         if self.comm.membership is not None:  # carried by the meeting's own vote
-            return self.meets(step) and self.comm.membership.stop_voted
+            if self.meets(step) and self.comm.membership.stop_voted:
+                return SIGTERM
+            return None if self.comm.active else wanted
         if self._group is None:
-            return stop_requested()
+            return wanted
         if not self.meets(step):
-            return False
-        agreed = False
+            return None
+        agreed = None
         if self._vote is not None:
             work, flag = self._vote
             work.wait()
-            agreed = flag.item() > 0
-        flag = torch.tensor([1.0 if stop_requested() else 0.0])
+            agreed = REASONS[int(flag.item())]
+        flag = torch.tensor([float(REASONS.index(wanted))])
         work = dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self._group, async_op=True)
         self._vote = (work, flag)
         return agreed

@@ -37,7 +37,7 @@ from shoal.train.optim import build_optimizer, build_schedule, resolve_momentum
 from shoal.train.probe import Probe
 from shoal.train.recorder import Recorder
 from shoal.train.state import RunState
-from shoal.train.stopping import StopVote
+from shoal.train.stopping import COLLAPSED, StopVote
 from shoal.train.workload import data_options, preflight
 
 __all__ = ["Components", "Trainer", "data_options", "local_components", "preflight"]
@@ -123,7 +123,8 @@ class Trainer:
         # SIGTERM stops every rank after the same step, voted at the strategy's meeting points.
         self.stop_vote = StopVote(self.strategy.stop_peers, self.strategy.meets_after)
         self.probe = Probe.of(cfg, self.plan.steps_per_epoch, comm)  # --plan-probe's
-        self.stop_reason: str | None = None  # "SIGTERM" (the ranks agreed) or "probe"
+        self.stop_reason: str | None = None  # "SIGTERM" or COLLAPSED (the ranks agreed), "probe"
+        self.told = False  # this worker's coordinator said the run collapsed
         # --elastic: who trains what after a worker is lost (a detached worker: its schedule)
         self.elastic = AsyncElastic(self) if cfg.elastic and comm.ps is not None else Elastic(self)
         self.joined = False  # a worker that joined a running job (shoal join)
@@ -198,12 +199,14 @@ class Trainer:
         return stopped
 
     def _stop_now(self) -> bool:
-        """Whether to stop after this step: ``--stop-at-step``, SIGTERM on some rank, or
-        ``--plan-probe``'s decision."""
+        """Whether to stop after this step: ``--stop-at-step``, SIGTERM on some rank,
+        ``--plan-probe``'s decision, or an asynchronous run's coordinator's (collapsed)."""
         if self.cfg.stop_at_step is not None and self.state.step >= self.cfg.stop_at_step:
             return True
-        if self.stop_vote.agreed(self.state.step):
-            self.stop_reason = "SIGTERM"
+        self.told = self.told or self.recorder.told_to_stop(self.state)
+        agreed = self.stop_vote.agreed(self.state.step, COLLAPSED if self.told else None)
+        if agreed is not None:
+            self.stop_reason = agreed
         elif self.probe is not None and self.probe.stops(self.state.step):
             self.stop_reason = "probe"
         return self.stop_reason is not None
