@@ -14,14 +14,11 @@ from torch.optim.lr_scheduler import LambdaLR
 from shoal.config import DEFAULT_LR, TrainConfig
 from shoal.strategies import get_strategy, make_options
 
-#: The share of sync's step per sample that a push of one worker's batch takes under
-#: ``--momentum auto`` where the server applies the momentum (one velocity for every
-#: worker's stale gradients: async-msgd, groups of one worker each; docs/asynchronous.md):
-#: the whole step trained as well in 10 epochs but diverged (a NaN loss) in 2 of 12 runs of
-#: a 120-epoch schedule, whose lr stays high for tens of epochs; two thirds trained as well
-#: and diverged in none of 10. The others keep the whole step: groups of several workers
-#: (two thirds cost them 1.5 points in 10 epochs), hogwild (each worker's momentum is its
-#: own: no divergence seen, and two thirds cost it 1 point) and async-sgd (no momentum).
+#: The share of sync's step per sample that one worker's update takes under ``--momentum
+#: auto`` where a velocity is applied to one worker's batch at a time (async-msgd's server,
+#: groups of one worker each, hogwild's workers on the shared parameters): the whole step
+#: diverged or collapsed in some runs, two thirds in none (docs/asynchronous.md "Defaults
+#: that train"). Groups of several workers and async-sgd (no momentum) keep the whole step.
 ASYNC_STEP_SHARE = 2 / 3
 
 
@@ -124,11 +121,11 @@ def resolve_momentum(cfg: TrainConfig, workers: int) -> TrainConfig:
     and the elastic ones (auto is then ``T``, the lr as given), the workers for async-sgd,
     async-msgd and hogwild, ``--groups`` for groups.
 
-    The learning rate takes sync's step per sample, :data:`ASYNC_STEP_SHARE` of it where the
-    server applies the momentum to one worker's batch at a time (``g`` = the workers): sync
+    The learning rate takes sync's step per sample, :data:`ASYNC_STEP_SHARE` of it where a
+    velocity is applied to one worker's batch at a time (``g`` = the workers): sync
     steps ``lr / (1 - T)`` per global batch; here ``g`` updates share that batch, so each
     steps ``lr' / (1 - explicit)`` with ``lr' = share x lr (1 - explicit) / (g (1 - T))``
-    (at 2 workers: async-msgd 2 x lr, hogwild 3 x, async-sgd 5 x). The momentum alone, at
+    (at 2 workers: async-msgd and hogwild 2 x lr, async-sgd 5 x). The momentum alone, at
     sync's lr, trains 2 to 9 points below sync in 10 epochs; see docs/asynchronous.md. Only
     with SGD (Adam's step does not grow with momentum) and an lr not given.
     """
@@ -143,8 +140,7 @@ def resolve_momentum(cfg: TrainConfig, workers: int) -> TrainConfig:
     explicit = round(max(0.0, target - implicit), 12) if cls.applies_momentum else 0.0
     lr, lr_auto = given, None
     if cfg.lr is None and cfg.optimizer == "sgd" and groups > 1:
-        server_momentum = getattr(cls, "Rule", None) is not None and explicit > 0  # not hogwild's
-        share = ASYNC_STEP_SHARE if groups == workers and server_momentum else 1.0
+        share = ASYNC_STEP_SHARE if groups == workers and explicit > 0 else 1.0
         factor = round(share * (1.0 - explicit) / (groups * (1.0 - target)), 12)
         lr, lr_auto = round(given * factor, 12), {"base": given, "factor": factor,
                                                   "share": round(share, 12)}
