@@ -22,6 +22,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shlex
 import subprocess
 import sys
 import time
@@ -59,7 +60,7 @@ def auto_lr(strategy: str, workers: int) -> float | None:
 
 
 def run(cell: dict[str, Any], strategy: str, out: Path, timeout: float,
-        scale: float = 1.0) -> dict[str, Any]:
+        scale: float = 1.0, extra: tuple[str, ...] = ()) -> dict[str, Any]:
     """One ``shoal train`` of ``strategy`` on ``cell``: its accuracy, exit status and time."""
     lr = auto_lr(strategy, cell["workers"]) if scale != 1.0 else None
     command = [sys.executable, "-m", "shoal", "train", "--strategy", strategy,
@@ -67,7 +68,7 @@ def run(cell: dict[str, Any], strategy: str, out: Path, timeout: float,
                "--workers", str(cell["workers"]), "--epochs", str(cell["epochs"]),
                "--seed", str(cell["seed"]), *DATASETS[cell["dataset"]],
                *(["--groups", "2"] if strategy == "groups" else []),
-               "--out", str(out), "--overwrite", "--progress", "none"]
+               *extra, "--out", str(out), "--overwrite", "--progress", "none"]
     start = time.monotonic()
     try:
         done = subprocess.run(command, capture_output=True, text=True, timeout=timeout)
@@ -120,6 +121,40 @@ def table(results: list[dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
+def mean_table(results: list[dict[str, Any]]) -> str:
+    """A markdown table of means over seeds: a row per strategy, a column per (dataset,
+    workers, epochs) cell, the mean of its seeds' accuracies and its gap to sync's mean (a miss
+    in bold; a failed run counts as 0%); sync's row gives its own spread over the seeds."""
+    def cell(r: dict[str, Any]) -> tuple[Any, ...]:
+        return r["dataset"], r["workers"], r["epochs"]
+    groups: dict[tuple[Any, ...], list[float]] = {}
+    for r in results:
+        groups.setdefault((cell(r), label(r)), []).append(r["accuracy"] or 0.0)
+    cells = sorted({cell(r) for r in results})
+    head = ["strategy"] + [f"{d} w{w} e{e}" for d, w, e in cells] + ["misses"]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" + "---:|" * (len(head) - 1)]
+    labels = sorted({label(r) for r in results},
+                    key=lambda x: (("sync", *STRATEGIES).index(x.split(" ")[0]), x))
+    for strategy in labels:
+        row, misses = [strategy], 0
+        for c in cells:
+            accs, ref = groups.get((c, strategy)), groups.get((c, "sync"))
+            if not accs:
+                row.append("-")
+                continue
+            mean = sum(accs) / len(accs)
+            if strategy == "sync" or not ref:
+                row.append(f"{mean:.2f} ({min(accs):.2f}-{max(accs):.2f}, n={len(accs)})")
+                continue
+            gap = sum(ref) / len(ref) - mean
+            misses += gap > MARGIN
+            text = f"{mean:.2f} ({-gap:+.2f})"
+            row.append(f"**{text}**" if gap > MARGIN else text)
+        row.append("" if strategy == "sync" else f"{misses} of {len(cells)}")
+        lines.append("| " + " | ".join(row) + " |")
+    return "\n".join(lines)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", type=Path, required=True)
@@ -131,6 +166,8 @@ def main() -> None:
     ap.add_argument("--timeout", type=float, default=900, help="seconds a run may take")
     ap.add_argument("--lr-scale", type=float, default=1.0,
                     help="run the strategies at this times auto's lr (sync as it is)")
+    ap.add_argument("--extra", default="",
+                    help="more shoal train flags for every run, sync's too (one string)")
     args = ap.parse_args()
     strategies = ["sync", *[s for s in args.strategies.split(",") if s and s != "sync"]]
     for s in strategies:
@@ -154,7 +191,8 @@ def main() -> None:
                         if (*cell.values(), row) in done:
                             continue
                         name = f"{dataset}-w{workers}-e{epochs}-s{seed}-{row.replace(' ', '-')}"
-                        r = run(cell, strategy, args.out / "runs" / name, args.timeout, scale)
+                        r = run(cell, strategy, args.out / "runs" / name, args.timeout, scale,
+                                tuple(shlex.split(args.extra)))
                         results.append(r)
                         with log.open("a") as f:
                             f.write(json.dumps(r) + "\n")
@@ -162,6 +200,8 @@ def main() -> None:
                         print(f"{name}: {acc} (exit {r['rc']}, {r['wall_s']} s, "
                               f"load {r['load']:.1f}) {r['note']}", flush=True)
     print(table(results))
+    print()
+    print(mean_table(results))
 
 
 if __name__ == "__main__":
