@@ -98,9 +98,13 @@ class RemoteRecorder(Recorder):
             self.report("progress", st, trained=self.trained())
 
     def told_to_stop(self, st: RunState) -> bool:
-        """Whether the coordinator has judged the run collapsed (:data:`COLLAPSED_KEY`), looked
-        up every :data:`LOOK_EVERY` steps: the workers stop, as a synchronous run's ranks do,
-        instead of training a collapsed center to the end."""
+        """Whether the run collapsed: this worker's own training sat at chance (its epochs'
+        sums, judged as the coordinator judges the run's), or the coordinator said so
+        (:data:`COLLAPSED_KEY`, looked up every :data:`LOOK_EVERY` steps). The workers stop,
+        as a synchronous run's ranks do, instead of training a collapsed center to the end;
+        their own judgement does not wait for the coordinator, which may lag far behind."""
+        if self.health.stop:
+            return True
         store = self.comm.store
         return store is not None and st.step % LOOK_EVERY == 0 and store.check([COLLAPSED_KEY])
 
