@@ -141,6 +141,19 @@ def test_a_collapsed_asynchronous_run_stops_its_workers(tmp_path, strategy, more
     assert summary["epochs"] <= 6, summary["epochs"]  # stopped, not trained to epoch 12
 
 
+def test_workers_that_collapsed_where_the_center_tests_well_say_so(tmp_path):
+    """The fixture's workers sit at chance while the center they leave unchanged tests well
+    every epoch: the coordinator sees no collapse, the workers do and stop; the run says it
+    stopped for that and exits 4, never as asked or `done:`."""
+    res = shoal("train", "--out", str(tmp_path / "run"), *DIGITS, "--strategy", "async-sgd",
+                "--model", "tests.fixtures_models:collapse_from", "--epochs", "12",
+                env={**shoal_env(), "SHOAL_TEST_COLLAPSE_AT": "60"}, timeout=240)
+    assert res.returncode == 4, res.stdout + res.stderr
+    assert "stopped by collapse at step" in res.stdout and "done:" not in res.stdout
+    summary = json.loads((tmp_path / "run" / "summary.json").read_text())
+    assert summary["stopped_by"] == "collapse" and summary["epochs"] < 12
+
+
 @pytest.mark.parametrize("strategy", ["async-sgd", "hogwild"])
 def test_an_asynchronous_workers_nan_is_named_at_its_own_step(tmp_path, strategy):
     """Worker 0 alone turns NaN, at its 60th step: the run names it at that step, and its NaN

@@ -180,7 +180,8 @@ def _train(args: argparse.Namespace) -> int:
         summary = train(cfg)
     if _stopped_by_sigterm(summary):
         return EXIT_TERMINATED
-    if summary is not None and summary.get("collapsed") and not cfg.allow_collapse:
+    if summary is not None and not cfg.allow_collapse and (
+            summary.get("collapsed") or summary.get("stopped_by") == "collapse"):
         return EXIT_COLLAPSED  # its line replaced done: (shoal.train.health)
     if summary is not None and summary.get("degraded"):
         for lost in summary["lost_workers"]:

@@ -369,7 +369,7 @@ class Coordinator:
         self._sum_workers()
         st.step = min(r["step"] for r in finals.values())  # the checkpoint's, as the file says
         stopped = any(r["stopped"] for r in finals.values())
-        reason = run_reason(r["stopped_by"] for r in finals.values())
+        reason = run_reason([r["stopped_by"] for r in finals.values()], rec.health.collapsed)
         st.train_time_s = st.elapsed_s()
         if math.isnan(self.test[1]) and not stopped:
             self.test = self.evaluator.test(self._center_model(None))

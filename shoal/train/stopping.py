@@ -19,10 +19,12 @@ COLLAPSED = "collapse"
 REASONS = (None, SIGTERM, COLLAPSED)
 
 
-def run_reason(reasons: Iterable[str | None]) -> str | None:
-    """The reason an asynchronous run stopped, from its workers' (a collapse is said by the
-    run's collapse line, not as a reason)."""
-    return next((r for r in reasons if r not in (None, COLLAPSED)), None)
+def run_reason(reasons: Iterable[str | None], judged: bool) -> str | None:
+    """The reason an asynchronous run stopped, from its workers'. A collapse the coordinator
+    ``judged`` too is said by the run's collapse line, not as a reason; one only the workers
+    saw (their training at chance, the center's tests not) is the reason."""
+    found = [r for r in reasons if r is not None]
+    return next((r for r in found if r != COLLAPSED), None if judged or not found else COLLAPSED)
 
 
 class StopVote:
