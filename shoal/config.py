@@ -135,7 +135,7 @@ class TrainConfig:
     optimizer: str = setting("sgd", choices=OPTIMIZERS)
     lr: float | None = setting(None, f"peak learning rate (default {DEFAULT_LR}; with SGD and "
                                "--momentum auto, an asynchronous strategy's is scaled to take "
-                               "sync's step per sample, or two thirds of it)", positive=True)
+                               "sync's step per sample, or five sixths of it)", positive=True)
     momentum: float | str = setting("auto", "SGD momentum, below 1; auto (the default): T = 0.9 "
                                     "(auto:T for another), less the momentum 1 - 1/g that g "
                                     "groups updating asynchronously add (Omnivore): max(0, T - "
