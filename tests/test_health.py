@@ -122,9 +122,10 @@ def test_nan_stops_at_once_and_keeps_the_last_good_checkpoint(tmp_path, strategy
     ("groups", ["--workers", "4", "--groups", "2"])])
 def test_a_collapsed_asynchronous_run_stops_its_workers(tmp_path, strategy, more):
     """Every worker's training sits at chance from its step 60 on (epoch 2 of 45 steps; 3 of
-    23 on 4 workers): the coordinator judges the run collapsed three epochs later and every
-    worker stops within a few steps of that, as a synchronous run's ranks do, instead of
-    training all 12 epochs: exit 4, its line, no `done:`. Only the last epoch is tested (the
+    23 on 4 workers): three epochs later each worker judges its own epochs collapsed (the
+    coordinator, which may lag, judges the run's and tells them too) and stops, as a
+    synchronous run's ranks do, instead of training all 12 epochs: exit 4, its line, no
+    `done:`. Only the last epoch is tested (the
     fixture leaves the center as it was, so a tested epoch would not be at chance)."""
     res = shoal("train", "--out", str(tmp_path / "run"), *DIGITS, "--strategy", strategy,
                 "--model", "tests.fixtures_models:collapse_from", "--epochs", "12",
