@@ -180,8 +180,10 @@ def _train(args: argparse.Namespace) -> int:
         summary = train(cfg)
     if _stopped_by_sigterm(summary):
         return EXIT_TERMINATED
+    from shoal.train.stopping import COLLAPSED  # torch is loaded by now, not before the checks
+
     if summary is not None and not cfg.allow_collapse and (
-            summary.get("collapsed") or summary.get("stopped_by") == "collapse"):
+            summary.get("collapsed") or summary.get("stopped_by") == COLLAPSED):
         return EXIT_COLLAPSED  # its line replaced done: (shoal.train.health)
     if summary is not None and summary.get("degraded"):
         for lost in summary["lost_workers"]:

@@ -200,8 +200,9 @@ class Recorder:
                 or epoch_step == self.plan.steps_per_epoch)
 
     def told_to_stop(self, st: RunState) -> bool:
-        """Whether something outside this rank stops the run after this step (a detached
-        worker's coordinator, :class:`~shoal.train.remote.RemoteRecorder`); here never."""
+        """Whether a collapse stops the run after this step where the trainer's epoch loop
+        would not see it (a detached worker's, :class:`~shoal.train.remote.RemoteRecorder`);
+        here never."""
         return False
 
     def step(self, st: RunState, samples: int) -> None:

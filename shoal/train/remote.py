@@ -77,6 +77,7 @@ class RemoteRecorder(Recorder):
         # steps, about E global batches' samples of all workers between two tests.
         every = cfg.eval_every_steps
         self.progress_every = max(1, every // plan.world) if every else None
+        self.told = False  # the run collapsed: told_to_stop
 
     def start_clock(self, st: RunState) -> None:
         """Tell the coordinator this worker can train and wait until it says that every
@@ -102,11 +103,12 @@ class RemoteRecorder(Recorder):
         sums, judged as the coordinator judges the run's), or the coordinator said so
         (:data:`COLLAPSED_KEY`, looked up every :data:`LOOK_EVERY` steps). The workers stop,
         as a synchronous run's ranks do, instead of training a collapsed center to the end;
-        their own judgement does not wait for the coordinator, which may lag far behind."""
-        if self.health.stop:
-            return True
+        their own judgement does not wait for the coordinator, which may lag far behind.
+        Once told, always told."""
         store = self.comm.store
-        return store is not None and st.step % LOOK_EVERY == 0 and store.check([COLLAPSED_KEY])
+        self.told = self.told or self.health.stop or (
+            store is not None and st.step % LOOK_EVERY == 0 and store.check([COLLAPSED_KEY]))
+        return self.told
 
     def before_update(self, loss_sum: torch.Tensor, st: RunState) -> None:
         """Check this step's loss before its update reaches the servers (or the shared

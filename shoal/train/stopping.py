@@ -49,9 +49,7 @@ class StopVote:
         reason, :data:`COLLAPSED`), or ``None`` to go on. Call after each step, on every rank."""
         wanted = SIGTERM if stop_requested() else asked
         if self.comm.membership is not None:  # carried by the meeting's own vote
-            if self.meets(step) and self.comm.membership.stop_voted:
-                return SIGTERM
-            return None if self.comm.active else wanted
+            return SIGTERM if self.meets(step) and self.comm.membership.stop_voted else None
         if self._group is None:
             return wanted
         if not self.meets(step):

@@ -124,7 +124,6 @@ class Trainer:
         self.stop_vote = StopVote(self.strategy.stop_peers, self.strategy.meets_after)
         self.probe = Probe.of(cfg, self.plan.steps_per_epoch, comm)  # --plan-probe's
         self.stop_reason: str | None = None  # "SIGTERM" or COLLAPSED (the ranks agreed), "probe"
-        self.told = False  # this worker's coordinator said the run collapsed
         # --elastic: who trains what after a worker is lost (a detached worker: its schedule)
         self.elastic = AsyncElastic(self) if cfg.elastic and comm.ps is not None else Elastic(self)
         self.joined = False  # a worker that joined a running job (shoal join)
@@ -200,11 +199,11 @@ class Trainer:
 
     def _stop_now(self) -> bool:
         """Whether to stop after this step: ``--stop-at-step``, SIGTERM on some rank,
-        ``--plan-probe``'s decision, or an asynchronous run's coordinator's (collapsed)."""
+        ``--plan-probe``'s decision, or an asynchronous run's collapse."""
         if self.cfg.stop_at_step is not None and self.state.step >= self.cfg.stop_at_step:
             return True
-        self.told = self.told or self.recorder.told_to_stop(self.state)
-        agreed = self.stop_vote.agreed(self.state.step, COLLAPSED if self.told else None)
+        told = self.recorder.told_to_stop(self.state)
+        agreed = self.stop_vote.agreed(self.state.step, COLLAPSED if told else None)
         if agreed is not None:
             self.stop_reason = agreed
         elif self.probe is not None and self.probe.stops(self.state.step):
