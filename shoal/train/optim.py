@@ -18,8 +18,8 @@ from shoal.strategies import get_strategy, make_options
 #: auto`` where a velocity is applied to one worker's batch at a time (async-msgd's server,
 #: groups of one worker each, hogwild's workers on the shared parameters): the whole step
 #: diverged or collapsed in some runs, five sixths in none and trains faster than two thirds
-#: (docs/asynchronous.md "Defaults that train"). Groups of several workers and async-sgd (no
-#: momentum) keep the whole step.
+#: (docs/asynchronous.md "Defaults that train"). async-sgd takes async-msgd's rate without
+#: its velocity; groups of several workers keep the whole step.
 ASYNC_STEP_SHARE = 5 / 6
 
 
@@ -126,9 +126,13 @@ def resolve_momentum(cfg: TrainConfig, workers: int) -> TrainConfig:
     velocity is applied to one worker's batch at a time (``g`` = the workers): sync
     steps ``lr / (1 - T)`` per global batch; here ``g`` updates share that batch, so each
     steps ``lr' / (1 - explicit)`` with ``lr' = share x lr (1 - explicit) / (g (1 - T))``
-    (at 2 workers: async-msgd and hogwild 2.5 x lr, async-sgd 5 x). The momentum alone, at
-    sync's lr, trains 2 to 9 points below sync in 10 epochs; see docs/asynchronous.md. Only
-    with SGD (Adam's step does not grow with momentum) and an lr not given.
+    (at 2 workers: async-msgd and hogwild 2.5 x lr). async-sgd, which applies no momentum,
+    takes async-msgd's ``lr'`` (``explicit`` as the rule gives it) and so a step ``1 -
+    explicit`` of that: a stale plain-SGD update at sync's whole step per sample (5 x lr)
+    is past the edge of stability (a delay halves the largest stable rate, Giladi et al.
+    2020) and collapsed on noisier data. The momentum alone, at sync's lr, trains 2 to 9
+    points below sync in 10 epochs; see docs/asynchronous.md. Only with SGD (Adam's step
+    does not grow with momentum) and an lr not given.
     """
     given = cfg.lr if cfg.lr is not None else DEFAULT_LR
     target = cfg.momentum_target()
@@ -137,14 +141,14 @@ def resolve_momentum(cfg: TrainConfig, workers: int) -> TrainConfig:
     cls = get_strategy(cfg.strategy)
     groups = cls.asynchronous_groups(make_options(cls, cfg.strategy_options, workers), workers)
     implicit = 1.0 - 1.0 / groups
-    # 0.45, not 0.44999999999999996
-    explicit = round(max(0.0, target - implicit), 12) if cls.applies_momentum else 0.0
+    ruled = round(max(0.0, target - implicit), 12)  # 0.45, not 0.44999999999999996
+    explicit = ruled if cls.applies_momentum else 0.0
     lr, lr_auto = given, None
     if cfg.lr is None and cfg.optimizer == "sgd" and groups > 1:
-        share = ASYNC_STEP_SHARE if groups == workers and explicit > 0 else 1.0
-        factor = round(share * (1.0 - explicit) / (groups * (1.0 - target)), 12)
+        share = ASYNC_STEP_SHARE if groups == workers and ruled > 0 else 1.0
+        factor = round(share * (1.0 - ruled) / (groups * (1.0 - target)), 12)
         lr, lr_auto = round(given * factor, 12), {"base": given, "factor": factor,
-                                                  "share": round(share, 12)}
+                                                  "share": round(share, 12), "momentum": ruled}
     return dataclasses.replace(cfg, momentum=explicit, lr=lr, lr_auto=lr_auto, momentum_auto={
         "target": target, "groups": groups, "implicit": implicit, "explicit": explicit})
 
@@ -162,7 +166,10 @@ def describe_momentum(cfg: TrainConfig) -> str:
             momentum += f" (auto: {cfg.strategy} applies none)"
     if cfg.lr_auto:
         share = "sync's" if cfg.lr_auto.get("share", 1.0) == 1.0 else "five sixths of sync's"
-        lr += f" (auto: {cfg.lr_auto['base']:g} x {cfg.lr_auto['factor']:g}, {share} step per sample)"
+        ruled = cfg.lr_auto.get("momentum", cfg.momentum)
+        unapplied = f" at momentum {ruled:g}, with none applied" if ruled != cfg.momentum else ""
+        lr += (f" (auto: {cfg.lr_auto['base']:g} x {cfg.lr_auto['factor']:g}, {share} step per "
+               f"sample{unapplied})")
     return f"{momentum}, {lr}"
 
 
