@@ -24,11 +24,15 @@ at two thirds (lr 0.1) in none of 40, at five sixths (lr 0.125, now its default)
 of 30.
 """
 
+import dataclasses
 import json
 
 import pytest
 
 from shoal.config import TrainConfig
+from shoal.errors import ShoalError
+from shoal.strategies import get_strategy
+from shoal.train.checkpoint import check_resume
 from shoal.train.optim import describe_momentum, resolve_momentum
 
 from conftest import train_here
@@ -72,6 +76,22 @@ def test_async_sgd_takes_async_msgds_rate_and_says_it_applies_no_momentum():
         "lr 0.125 (auto: 0.05 x 2.5, five sixths of sync's step per sample at momentum 0.4, "
         "with none applied)")
     assert describe_momentum(msgd).endswith("five sixths of sync's step per sample)")
+
+
+def test_a_checkpoint_made_under_an_older_auto_rule_says_how_to_go_on():
+    """A resume at defaults of a checkpoint whose auto lr was another rule's (async-sgd's
+    0.25 before it took async-msgd's rate) is refused, naming the flags that go on as it was
+    made; a run that gives its own --lr gets no such advice (it chose)."""
+    now = resolve_momentum(TrainConfig(strategy="async-sgd").validate(), 2)
+    old = dataclasses.replace(now, lr=0.25, lr_auto={**now.lr_auto, "factor": 5.0})
+    with pytest.raises(ShoalError) as refused:
+        check_resume({"config": old.to_dict()}, now, 2, get_strategy("async-sgd"))
+    assert str(refused.value) == (
+        "checkpoint was made with --lr 0.25, this run has --lr 0.125 (--momentum auto's rule "
+        "has changed since: give --lr 0.25 --momentum 0.0 to go on as the checkpoint was made)")
+    given = resolve_momentum(TrainConfig(strategy="async-sgd", lr=0.2).validate(), 2)
+    with pytest.raises(ShoalError, match=r"this run has --lr 0\.2$"):
+        check_resume({"config": old.to_dict()}, given, 2, get_strategy("async-sgd"))
 
 
 def last_epochs(out, n: int = 3) -> float:

@@ -135,7 +135,7 @@ def check_resume(payload: dict[str, Any], cfg: TrainConfig, world: int,
         if saved.get(key) != now[key]:
             flag = flag_name(key)
             raise ShoalError(f"checkpoint was made with {flag} {saved.get(key)!r}, "
-                             f"this run has {flag} {now[key]!r}")
+                             f"this run has {flag} {now[key]!r}" + _auto_changed(saved, now, key))
     step = payload["progress"]["step"]
     if cfg.stop_at_step is not None and cfg.stop_at_step <= step:
         raise ShoalError(f"--stop-at-step {cfg.stop_at_step} is not after the checkpoint's step "
@@ -156,6 +156,17 @@ def check_resume(payload: dict[str, Any], cfg: TrainConfig, world: int,
                              f"this run has {flag} {value}")
     if "coordinator" in payload:  # an asynchronous run's: its shares dealt or not
         check_dealt(payload, cfg.elastic)
+
+
+def _auto_changed(saved: dict[str, Any], now: dict[str, Any], key: str) -> str:
+    """Where the learning rate or momentum that differs was made by ``--momentum auto`` both
+    then and now (its rule changed between shoal versions), how to go on as the checkpoint
+    was made; else nothing."""
+    auto = {"lr": "lr_auto", "momentum": "momentum_auto"}.get(key)
+    if auto is None or not (saved.get(auto) and now.get(auto)):
+        return ""
+    return (f" (--momentum auto's rule has changed since: give --lr {saved.get('lr')} "
+            f"--momentum {saved.get('momentum')} to go on as the checkpoint was made)")
 
 
 def check_workers(payload: dict[str, Any], cfg: TrainConfig, world: int,
