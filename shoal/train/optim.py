@@ -127,8 +127,8 @@ def resolve_momentum(cfg: TrainConfig, workers: int) -> TrainConfig:
     steps ``lr / (1 - T)`` per global batch; here ``g`` updates share that batch, so each
     steps ``lr' / (1 - explicit)`` with ``lr' = share x lr (1 - explicit) / (g (1 - T))``
     (at 2 workers: async-msgd and hogwild 2.5 x lr). async-sgd, which applies no momentum,
-    takes async-msgd's ``lr'`` (``explicit`` as the rule gives it) and so a step ``1 -
-    explicit`` of that: a stale plain-SGD update at sync's whole step per sample (5 x lr)
+    takes async-msgd's ``lr'`` (``explicit`` as the rule gives it, none applied), a step per
+    sample ``1 - explicit`` of async-msgd's: a stale plain-SGD update at sync's whole step (5 x lr)
     is past the edge of stability (a delay halves the largest stable rate, Giladi et al.
     2020) and collapsed on noisier data. The momentum alone, at sync's lr, trains 2 to 9
     points below sync in 10 epochs; see docs/asynchronous.md. Only with SGD (Adam's step
