@@ -14,12 +14,13 @@ from torch.optim.lr_scheduler import LambdaLR
 from shoal.config import DEFAULT_LR, TrainConfig
 from shoal.strategies import get_strategy, make_options
 
-#: The share of sync's step per sample that one worker's update takes under ``--momentum
-#: auto`` where a velocity is applied to one worker's batch at a time (async-msgd's server,
-#: groups of one worker each, hogwild's workers on the shared parameters): the whole step
-#: diverged or collapsed in some runs, five sixths in none and trains faster than two thirds
-#: (docs/asynchronous.md "Defaults that train"). async-sgd takes async-msgd's rate without
-#: its velocity; groups of several workers keep the whole step.
+#: The share of sync's step per sample that each stale update takes under ``--momentum
+#: auto`` where a velocity is applied to it (async-msgd's server, groups, hogwild's workers on
+#: the shared parameters): the whole step diverged or collapsed in some runs, five sixths in
+#: none and trains faster than two thirds (docs/asynchronous.md "Defaults that train");
+#: groups of several workers too, whose whole step was the least stable of the defaults
+#: (docs/asynchronous.md "Groups of several workers"). async-sgd takes async-msgd's rate
+#: without its velocity.
 ASYNC_STEP_SHARE = 5 / 6
 
 
@@ -122,11 +123,13 @@ def resolve_momentum(cfg: TrainConfig, workers: int) -> TrainConfig:
     and the elastic ones (auto is then ``T``, the lr as given), the workers for async-sgd,
     async-msgd and hogwild, ``--groups`` for groups.
 
-    The learning rate takes sync's step per sample, :data:`ASYNC_STEP_SHARE` of it where a
-    velocity is applied to one worker's batch at a time (``g`` = the workers): sync
-    steps ``lr / (1 - T)`` per global batch; here ``g`` updates share that batch, so each
-    steps ``lr' / (1 - explicit)`` with ``lr' = share x lr (1 - explicit) / (g (1 - T))``
-    (at 2 workers: async-msgd and hogwild 2.5 x lr). async-sgd, which applies no momentum,
+    The learning rate takes :data:`ASYNC_STEP_SHARE` of sync's step per sample (the whole
+    step where the rule leaves no explicit momentum): sync steps ``lr / (1 - T)`` per global
+    batch; here ``g`` updates share that batch, so each steps ``lr' / (1 - explicit)`` with
+    ``lr' = share x lr (1 - explicit) / (g (1 - T))`` (at 2 workers: async-msgd and hogwild
+    2.5 x lr; groups of two on 4 workers 2.5 x lr too). With a delay of one update a step
+    ``eta / (1 - mu)`` is stable only below ``1 / lambda``, whatever ``mu``: momentum buys
+    a stale update no stability. async-sgd, which applies no momentum,
     takes async-msgd's ``lr'`` (``explicit`` as the rule gives it, none applied), a step per
     sample ``1 - explicit`` of async-msgd's: a stale plain-SGD update at sync's whole step (5 x lr)
     is past the edge of stability (a delay halves the largest stable rate, Giladi et al.
@@ -145,7 +148,7 @@ def resolve_momentum(cfg: TrainConfig, workers: int) -> TrainConfig:
     explicit = ruled if cls.applies_momentum else 0.0
     lr, lr_auto = given, None
     if cfg.lr is None and cfg.optimizer == "sgd" and groups > 1:
-        share = ASYNC_STEP_SHARE if groups == workers and ruled > 0 else 1.0
+        share = ASYNC_STEP_SHARE if ruled > 0 else 1.0
         factor = round(share * (1.0 - ruled) / (groups * (1.0 - target)), 12)
         lr, lr_auto = round(given * factor, 12), {"base": given, "factor": factor,
                                                   "share": round(share, 12), "momentum": ruled}
