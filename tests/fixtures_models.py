@@ -214,6 +214,21 @@ def dies_at(input_shape, num_classes):
     return model
 
 
+def dies_in_grow(input_shape, num_classes):
+    """`killed_then_held` (the job's pace), whose process of rank ``SHOAL_TEST_KILL_RANK``
+    kills itself (SIGKILL) as its group grows by a joiner (:meth:`Membership.grow`): a
+    member lost in the middle of a join."""
+    model = killed_then_held(input_shape, num_classes)
+    if os.environ.get("RANK") == os.environ.get("SHOAL_TEST_KILL_RANK"):
+        from shoal.core.membership import Membership
+
+        def grow_and_die(self, epoch, members, joined):
+            os.kill(os.getpid(), signal.SIGKILL)
+
+        Membership.grow = grow_and_die
+    return model
+
+
 def _hold(path):
     with open(path, "w"):
         pass

@@ -353,6 +353,30 @@ def test_a_joiner_killed_right_after_a_meeting_loses_nothing(held, strategy, die
         assert last["recorded_by"] == 0 and last["step"] >= join["step"]
 
 
+def test_a_member_lost_as_a_worker_joins(held):
+    """A member killed (kill -9) as the group grows by a joiner (the race benchmarks/
+    soak_mpirun.py met: a kill during a join): the new group cannot form, the members left
+    re-form it without the dead one and the joiner, which ends in one line (exit 1: start
+    it again); the job goes on, both changes in one record, every sample trained once."""
+    job = held("--strategy", "diloco", "--tau", "4", "--elastic", "--record-samples",
+               "--max-workers", "4", "--heartbeat-timeout", "4", kill=False, workers=3,
+               held_after=0, model="dies_in_grow", env={"SHOAL_TEST_KILL_RANK": "1"})
+    job.wait_for(lambda: (job.out / ".shoal-join" / "job.json").exists(), "the job file")
+    joined = shoal("join", str(job.out), env={**job.env, "SHOAL_TEST_MARKER": uuid.uuid4().hex},
+                   timeout=240)
+    job.release()
+    assert job.finish() == 0, job.stderr
+    assert joined.returncode == 1 and joined.stray == []
+    assert one_error_line(joined.stderr) == \
+        "shoal: error: worker 3: a member did not come to the group it was admitted to"
+    summary = json.loads((job.out / "summary.json").read_text())
+    assert summary["completed"] and summary["workers"] == 2
+    [change] = summary["membership_changes"]
+    assert change["left"] == [1, 3] and change["workers"] == 2
+    assert change["why"] == {"1": "worker 1 killed by signal 9", "3": "worker 3 failed"}
+    assert_each_sample_once(job.out, EPOCHS, TRAIN_ROWS)
+
+
 def test_join_refuses_a_job_at_its_size_then_a_finished_one(held):
     job = held("--elastic", kill=False, workers=2)
     job.wait_for(lambda: (job.out / ".shoal-join" / "job.json").exists(), "the job file")
