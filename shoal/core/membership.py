@@ -268,11 +268,13 @@ class Membership:
     def grow(self, epoch: int, members: list[int], joined: list[int]) -> list[int]:
         """The members and the workers ``joined`` (admitted by :mod:`shoal.core.joining`)
         form the group of ``epoch``; listeners hear of it as of a change that lost no one.
-        A joiner that does not come is lost at once (the group is agreed again). Returns
-        the ids that joined."""
+        Where one does not come (a member lost meanwhile, a joiner lost), the group is
+        agreed again among those alive, the joiners there with the rest (listeners hear of
+        the loss). Returns the ids that joined; a joiner calls it too."""
         if not self.enter(epoch, members):
             self._reform()
-            return []
+            self.joined = [j for j in joined if j in self.members]
+            return self.joined
         self.joined = list(joined)
         for listener in self.listeners:
             listener([], [])

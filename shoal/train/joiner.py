@@ -164,12 +164,13 @@ def run_worker(job: dict[str, Any], me: int) -> None:
     if "refused" in reply:
         raise ShoalError(f"the job refused it: {reply['refused']}")
     m.first_world, m.joins_handled, m.join_rounds = first, reply["handled"], reply["rounds"]
-    if not m.enter(reply["epoch"], reply["members"]):
-        raise JobError("a member did not come to the group it was admitted to")
+    # A member lost meanwhile: the group is agreed again with this worker in it (left out,
+    # it is killed as a member would be, and its launcher says so).
+    joined = m.grow(reply["epoch"], reply["members"], reply["joined"])
     comm.rank, comm.world_size = m.rank, m.world_size
     t.elastic, t.joined = Elastic(t), True
     t.stop_vote = StopVote(t.strategy.stop_peers, t.strategy.meets_after)
     t.regroup()
-    handover.receive(t, reply["joined"])
+    handover.receive(t, joined)
     say_finished(comm.attempt_store, t.run())  # the summary is its when every other was lost
     comm.close()
