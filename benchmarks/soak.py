@@ -48,21 +48,33 @@ import torch
 REPO = Path(__file__).resolve().parent.parent
 
 
-def workers_of(launcher: int) -> list[int]:
-    """The processes ``launcher`` started (multiprocessing spawn children) in rank order: it
-    starts them one after the other (by start time, then pid)."""
+def _children(pid: int) -> list[int]:
     pids: list[int] = []
     with contextlib.suppress(OSError):
-        for task in Path(f"/proc/{launcher}/task").iterdir():
+        for task in Path(f"/proc/{pid}/task").iterdir():
             with contextlib.suppress(OSError):
                 pids += [int(p) for p in (task / "children").read_text().split()]
+    return pids
+
+
+def workers_of(launcher: int) -> list[int]:
+    """The worker processes ``launcher`` started, in rank order (it starts them one after
+    the other: by start time, then pid): its multiprocessing spawn children, or (shoal's
+    default on Linux) the children of its fork server, which forks each worker."""
+    pids: list[int] = []
+    for pid in _children(launcher):
+        with contextlib.suppress(OSError):
+            cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
+            if b"spawn_main" in cmdline:
+                pids.append(pid)
+            elif b"multiprocessing.forkserver" in cmdline:
+                pids += _children(pid)
     found = []
     for pid in pids:
         with contextlib.suppress(OSError, ValueError, IndexError):
-            if b"spawn_main" in Path(f"/proc/{pid}/cmdline").read_bytes():
-                stat = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-                if stat[0] != "Z":
-                    found.append((int(stat[19]), pid))
+            stat = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+            if stat[0] != "Z":
+                found.append((int(stat[19]), pid))
     return [pid for _, pid in sorted(found)]
 
 

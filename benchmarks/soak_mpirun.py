@@ -5,7 +5,10 @@ joiner) every ``--kill-every`` seconds for ``--duration`` seconds, and a replace
 with ``shoal join OUT`` ``--replace-after`` seconds after each kill. At the end one JSON line:
 mpirun's exit status, kills, losses and joins in the summary, samples trained twice or never
 (from ``--record-samples``), the test accuracy, each ``shoal join``'s exit status (1: its
-worker was the next victim; 2: refused, the job had ended)::
+worker was the next victim; 2: refused, the job had ended), and the stalls: each kill's
+longest time without a new step record until the next kill (``soak_elastic.py``'s measure;
+not for an asynchronous strategy, whose records are per epoch) and each join's ``stall_s``
+from the summary::
 
     .venv/bin/python benchmarks/soak_mpirun.py --strategy diloco --ranks 4 --epochs 1500 \
         --duration 240 --kill-every 12 --replace-after 4 --out runs/soak-mpirun
@@ -23,7 +26,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-from soak import samples_once
+from soak import samples_once, workers_of
+from soak_elastic import ASYNC, STALL_WINDOW, Steps
 
 from shoal.core.env import free_port
 
@@ -71,7 +75,7 @@ def start(a: argparse.Namespace) -> tuple[subprocess.Popen, dict[str, str]]:
            "-x", "SHOAL_JOIN_SECRET", str(VENV / "python"), "-m", "shoal", "train",
            "--strategy", a.strategy, "--model", "mlp", "--epochs", str(a.epochs), "--elastic",
            "--record-samples", "--max-workers", str(a.ranks + 1), "--out", str(a.out),
-           "--progress", "none", "--schedule", "constant"]
+           "--progress", "none", "--schedule", "constant", "--log-every", "1"]
     if a.strategy in ("diloco", "local-sgd", "easgd", "async-easgd"):
         cmd += ["--tau", "8"]
     log = open(f"{a.out}.log", "w")  # noqa: SIM115  (open for the job's whole life)
@@ -80,21 +84,22 @@ def start(a: argparse.Namespace) -> tuple[subprocess.Popen, dict[str, str]]:
 
 
 def victims(job: subprocess.Popen, joiners: list[subprocess.Popen], servers: int) -> list[int]:
-    """The workers' processes now: each rank keeper's spawned child (not a server's), and
-    each live joiner's worker."""
+    """The workers' processes now: each rank keeper's worker (spawned, or forked by its fork
+    server; not a server's), and each live joiner's worker."""
     keepers = [p for p in tree(job.pid) if "-m shoal train" in cmdline(p)
                and (rank_of(p) or 0) >= servers]
-    found = [c for k in keepers for c in children(k) if "spawn_main" in cmdline(c)]
+    found = [w for k in keepers for w in workers_of(k)]
     for j in joiners:
         if j.poll() is None:
-            found += [c for c in tree(j.pid) if "spawn_main" in cmdline(c)] or [j.pid]
+            found += workers_of(j.pid) or [j.pid]
     return found
 
 
 def soak(a: argparse.Namespace, job: subprocess.Popen, env: dict[str, str]
          ) -> tuple[list[float], list[subprocess.Popen]]:
     """Kill a worker every ``--kill-every`` s and start a joiner ``--replace-after`` s later,
-    for ``--duration`` s or until the job ends; the kills' times and the joiners."""
+    for ``--duration`` s or until the job ends; the kills' times (``time.monotonic()``) and
+    the joiners."""
     servers = 1 if a.strategy.startswith("async") else 0
     joiners: list[subprocess.Popen] = []
     kills, started = [], time.monotonic()
@@ -104,8 +109,8 @@ def soak(a: argparse.Namespace, job: subprocess.Popen, env: dict[str, str]
         if workers:
             victim = random.choice(workers)
             os.kill(victim, signal.SIGKILL)
-            kills.append(round(time.monotonic() - started, 1))
-            print(f"{kills[-1]} s: killed {victim}", flush=True)
+            kills.append(time.monotonic())
+            print(f"{kills[-1] - started:.1f} s: killed {victim}", flush=True)
             time.sleep(a.replace_after)
             joiners.append(subprocess.Popen([str(VENV / "shoal"), "join", str(a.out)], env=env,
                                             stdout=subprocess.DEVNULL,
@@ -114,8 +119,16 @@ def soak(a: argparse.Namespace, job: subprocess.Popen, env: dict[str, str]
     return kills, joiners
 
 
+def stalls(steps: Steps, kills: list[float], end: float) -> list[float]:
+    """Each kill's longest time without a new step record, up to the next kill (at most
+    ``STALL_WINDOW`` s, and ``end``: the job's last step record where it ended well, else
+    its end)."""
+    return [round(steps.stall_after(t, min(nxt, t + STALL_WINDOW, end)), 2)
+            for t, nxt in zip(kills, [*kills[1:], end], strict=True)]
+
+
 def report(a: argparse.Namespace, code: Any, kills: list[float],
-           joiners: list[subprocess.Popen]) -> dict[str, Any]:
+           joiners: list[subprocess.Popen], stalled: list[float] | None) -> dict[str, Any]:
     """What the run did, from its summary and every worker's --record-samples."""
     path = a.out / "summary.json"
     summary = json.loads(path.read_text()) if path.exists() else {}
@@ -126,7 +139,9 @@ def report(a: argparse.Namespace, code: Any, kills: list[float],
             "completed": summary.get("completed"),
             "twice": once["samples_trained_twice"], "missing": once["samples_never_trained"],
             "test_accuracy": summary.get("test_accuracy"),
-            "joiner_exits": [j.returncode for j in joiners]}
+            "joiner_exits": [j.returncode for j in joiners], "stalls_s": stalled,
+            "longest_stall_s": max(stalled, default=None) if stalled is not None else None,
+            "stall_s_joins": [c["stall_s"] for c in changes if "stall_s" in c]}
 
 
 def main() -> None:
@@ -145,12 +160,16 @@ def main() -> None:
         sys.exit(f"{a.out} exists; give a new --out")
     a.out.parent.mkdir(parents=True, exist_ok=True)
     job, env = start(a)
+    steps = Steps(a.out / "metrics.jsonl")
+    steps.start()
     try:
         kills, joiners = soak(a, job, env)
         code: Any = job.wait(timeout=900)
     except subprocess.TimeoutExpired:
         code = "timeout"
     finally:
+        end = time.monotonic()
+        steps.done.set()
         if job.poll() is None:
             os.killpg(job.pid, signal.SIGKILL)
     for j in joiners:
@@ -158,7 +177,10 @@ def main() -> None:
             j.wait(timeout=60)
         except subprocess.TimeoutExpired:
             os.killpg(j.pid, signal.SIGKILL)
-    print(json.dumps(report(a, code, kills, joiners)))
+    if code == 0:  # what follows the last step (the final test, the summary) is no stall
+        end = max(steps.seen[-1][0], kills[-1] if kills else end)
+    stalled = None if a.strategy.startswith(ASYNC) else stalls(steps, kills, end)
+    print(json.dumps(report(a, code, kills, joiners, stalled)))
 
 
 if __name__ == "__main__":
