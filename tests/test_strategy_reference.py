@@ -363,12 +363,15 @@ GOLDEN = Path(__file__).parent / "data" / "periodic_golden.json"
 
 
 @pytest.mark.parametrize("world", [1, 2, 3])
-def test_plain_rounds_are_the_earlier_code_bit_for_bit(shoal_results, world):
-    """One fragment, no overlap, fp32: every number equal to the earlier code's, bit for bit
-    (JSON keeps Python floats exactly)."""
+def test_plain_rounds_are_the_earlier_code(shoal_results, world):
+    """One fragment, no overlap, fp32: every number equal to the earlier code's to 12
+    significant digits (JSON keeps Python floats exactly). Bit for bit on the CPU that
+    recorded them; one with wider vector units (AVX-512) rounds a sum's last bit otherwise
+    (1.478856257497385 against 1.4788562574973851), which a golden file cannot follow."""
     golden = json.loads(GOLDEN.read_text())[str(world)]
     for rank in range(world):
         for name in CASES:
-            got = shoal_results[world][rank][name]
-            assert (got["x"], got["eval"]) == (golden[rank][name]["x"], golden[rank][name]["eval"]), \
+            got, want = shoal_results[world][rank][name], golden[rank][name]
+            assert (got["x"], got["eval"]) == (pytest.approx(want["x"], rel=1e-12, abs=1e-15),
+                                               pytest.approx(want["eval"], rel=1e-12, abs=1e-15)), \
                 f"{name}, rank {rank}"
