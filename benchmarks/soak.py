@@ -48,7 +48,8 @@ import torch
 REPO = Path(__file__).resolve().parent.parent
 
 
-def _children(pid: int) -> list[int]:
+def children(pid: int) -> list[int]:
+    """``pid``'s child processes (of every thread of it)."""
     pids: list[int] = []
     with contextlib.suppress(OSError):
         for task in Path(f"/proc/{pid}/task").iterdir():
@@ -62,13 +63,13 @@ def workers_of(launcher: int) -> list[int]:
     the other: by start time, then pid): its multiprocessing spawn children, or (shoal's
     default on Linux) the children of its fork server, which forks each worker."""
     pids: list[int] = []
-    for pid in _children(launcher):
+    for pid in children(launcher):
         with contextlib.suppress(OSError):
             cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
             if b"spawn_main" in cmdline:
                 pids.append(pid)
             elif b"multiprocessing.forkserver" in cmdline:
-                pids += _children(pid)
+                pids += children(pid)
     found = []
     for pid in pids:
         with contextlib.suppress(OSError, ValueError, IndexError):

@@ -91,6 +91,13 @@ class Steps(threading.Thread):
         return max(b - a for a, b in pairwise(marks))
 
 
+def kill_stalls(steps: Steps, kills: list[float], end: float) -> list[float]:
+    """Each kill's (``time.monotonic()``) longest time without a new step record, up to the
+    next kill, at most :data:`STALL_WINDOW` s, and ``end``."""
+    return [round(steps.stall_after(t, min(nxt, t + STALL_WINDOW, end)), 2)
+            for t, nxt in zip(kills, [*kills[1:], end], strict=True)]
+
+
 class Killer(threading.Thread):
     """Once ``steps`` sees the run train: every U(0.8, 1.2) x ``every`` seconds for
     ``duration`` seconds, SIGKILL one of ``victims()`` (pid, what) and ``replace(what)``
@@ -140,9 +147,7 @@ class Killer(threading.Thread):
 
     def stalls(self, steps: Steps) -> list[float]:
         """Each kill's stall of worker 0, up to the next kill (at most STALL_WINDOW s)."""
-        times = [k["t"] for k in self.kills] + [float("inf")]
-        return [round(steps.stall_after(t, min(nxt, t + STALL_WINDOW, time.monotonic())), 2)
-                for t, nxt in pairwise(times)]
+        return kill_stalls(steps, [k["t"] for k in self.kills], time.monotonic())
 
 
 def stop(procs: list[subprocess.Popen]) -> None:

@@ -26,19 +26,12 @@ import time
 from pathlib import Path
 from typing import Any
 
-from soak import samples_once, workers_of
-from soak_elastic import ASYNC, STALL_WINDOW, Steps
+from soak import children, samples_once, workers_of
+from soak_elastic import ASYNC, Steps, kill_stalls
 
 from shoal.core.env import free_port
 
 VENV = Path(sys.executable).parent
-
-
-def children(pid: int) -> list[int]:
-    try:
-        return [int(c) for c in Path(f"/proc/{pid}/task/{pid}/children").read_text().split()]
-    except OSError:
-        return []
 
 
 def tree(pid: int) -> list[int]:
@@ -119,14 +112,6 @@ def soak(a: argparse.Namespace, job: subprocess.Popen, env: dict[str, str]
     return kills, joiners
 
 
-def stalls(steps: Steps, kills: list[float], end: float) -> list[float]:
-    """Each kill's longest time without a new step record, up to the next kill (at most
-    ``STALL_WINDOW`` s, and ``end``: the job's last step record where it ended well, else
-    its end)."""
-    return [round(steps.stall_after(t, min(nxt, t + STALL_WINDOW, end)), 2)
-            for t, nxt in zip(kills, [*kills[1:], end], strict=True)]
-
-
 def report(a: argparse.Namespace, code: Any, kills: list[float],
            joiners: list[subprocess.Popen], stalled: list[float] | None) -> dict[str, Any]:
     """What the run did, from its summary and every worker's --record-samples."""
@@ -179,7 +164,7 @@ def main() -> None:
             os.killpg(j.pid, signal.SIGKILL)
     if code == 0:  # what follows the last step (the final test, the summary) is no stall
         end = max(steps.seen[-1][0], kills[-1] if kills else end)
-    stalled = None if a.strategy.startswith(ASYNC) else stalls(steps, kills, end)
+    stalled = None if a.strategy.startswith(ASYNC) else kill_stalls(steps, kills, end)
     print(json.dumps(report(a, code, kills, joiners, stalled)))
 
 
