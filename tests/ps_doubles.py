@@ -30,7 +30,7 @@ from shoal.core.ops import split_sizes
 from shoal.core.pairs import Header, Kind
 from shoal.core.processes import start_process
 from shoal.ps import ServerClient, ShardServer
-from shoal.ps.server import ServerRule
+from shoal.ps.rule import ServerRule, tell
 
 
 class LoopbackClient:
@@ -80,6 +80,7 @@ class LoopbackClient:
             for i, (a, b) in enumerate(self.ranges):
                 with self._locks[i]:
                     reply[a:b].copy_(self.centers[i])
+                    tell(self.rules[i] if self.rules else None, "sent", self.client)
 
     def report(self, obj: Any, header: Header | None = None,
                timeout: float | None = None) -> None:
@@ -98,7 +99,9 @@ class LoopbackClient:
 class AddRule:
     """center += payload; reply = the new center. Read, yield, write: without the shard's
     lock, concurrent exchanges would lose updates. Keeps the clients of its exchanges, in
-    the order applied, and the header fields each brought (it reads ``lr``)."""
+    the order applied, the header fields each brought (it reads ``lr``), and the server's
+    calls of its optional hooks (``told``: ``("sent", client)`` per pull, ``("forget",
+    client)`` per client gone)."""
 
     fields = ("lr",)
 
@@ -108,6 +111,13 @@ class AddRule:
         self.applied = 0
         self.clients: list[int] = []
         self.seen: list[dict] = []
+        self.told: list[tuple[str, int]] = []
+
+    def sent(self, client: int) -> None:
+        self.told.append(("sent", client))
+
+    def forget(self, client: int) -> None:
+        self.told.append(("forget", client))
 
     def apply(self, header: Header, payload: torch.Tensor, reply: torch.Tensor) -> None:
         self.applied += 1

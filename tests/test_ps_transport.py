@@ -107,6 +107,9 @@ def test_round_trip_over_two_shards(store):
         assert not servers[0].lost and not servers[1].lost
         # The rule's own fields reach it, and only those: the transport names none of them.
         assert [rule.seen for rule in rules] == [[{"lr": 0.5}], [{"lr": 0.5}]]
+        # A rule that keeps something per client (DC-ASGD's w_bak) hears of each pull and
+        # of each client gone.
+        assert [rule.told for rule in rules] == [[("sent", 0), ("forget", 0)]] * 2
     finally:
         close_all(servers)
 
@@ -130,8 +133,8 @@ def test_lost_clients_do_not_stop_the_others(store):
     (not a worker, as the coordinator; a thread here) stays silent longer than the timeout,
     kept alive by pings."""
     n, timeout = 16, 3.0
-    servers, _ = serve(store, 4, n, timeout=timeout, connect_timeout=30.0,
-                       admission=Admission((0, 1, 2), max_staleness=2))
+    servers, rules = serve(store, 4, n, timeout=timeout, connect_timeout=30.0,
+                           admission=Admission((0, 1, 2), max_staleness=2))
     server = servers[0]
     idled: list[str] = []
     try:
@@ -158,6 +161,9 @@ def test_lost_clients_do_not_stop_the_others(store):
         assert f"sent nothing for {timeout:g} s" in stopped["error"] and stopped["step"] == 5
         assert max(server.staleness) <= 2 and server.staleness.total() == 35
         assert "\n" not in killed["error"] + stopped["error"]
+        gone = sorted(c for hook, c in rules[0].told if hook == "forget")
+        assert gone == [0, 1, 2, 3]  # the rule frees what it kept for each, lost or left
+        assert ("sent", 3) not in rules[0].told  # a reader's pulls are no gradient's point
     finally:
         close_all(servers)
 

@@ -27,7 +27,8 @@ import torch.distributed as dist
 from shoal.core.comm import Comm
 from shoal.ps.admission import ORDERS, Admission, staleness_summary
 from shoal.ps.client import ServerClient, keepalive
-from shoal.ps.server import ServerRule, ShardServer
+from shoal.ps.rule import ServerRule
+from shoal.ps.server import ShardServer
 
 __all__ = ["ORDERS", "Admission", "ServerClient", "ServerRule", "ShardServer", "connect_worker",
            "keepalive", "serve_shard", "staleness_summary"]

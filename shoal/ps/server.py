@@ -19,7 +19,7 @@ import dataclasses
 import threading
 import time
 from collections.abc import Callable
-from typing import Any, ClassVar, Protocol, runtime_checkable
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -36,33 +36,8 @@ from shoal.core.pairs import (
 )
 from shoal.errors import ShoalError
 from shoal.ps.admission import HOLD, Admission, Ledger
+from shoal.ps.rule import ServerRule, tell
 from shoal.ps.session import Session
-
-
-@runtime_checkable
-class ServerRule(Protocol):
-    """How a server updates its shard on an EXCHANGE (one per strategy: its ``Rule``).
-
-    ``fields``: the names of the header values the rule reads (``header.fields[name]``);
-    they travel with every message, filled by the worker (see
-    :meth:`shoal.strategies.asynchronous.AsyncStrategy.header`). ``locked``: ``True``
-    applies one exchange at a time under the shard's lock; ``False`` lets exchanges of
-    different clients run concurrently (in place, lock free).
-    """
-
-    fields: ClassVar[tuple[str, ...]]
-    locked: bool
-
-    def apply(self, header: Header, payload: torch.Tensor, reply: torch.Tensor) -> None:
-        """``payload``: this shard's slice of what the worker sent (gradient or x_i);
-        fill ``reply`` with this shard's slice to send back (new parameters, or x~ before
-        the update). The center is the rule's own (it was built on it)."""
-
-    def state_dict(self) -> dict:
-        """The rule's state (momentum buffers, step counts) for a checkpoint."""
-
-    def load_state_dict(self, state: dict) -> None:
-        """Restore what :meth:`state_dict` returned."""
 
 
 class Refused(ShoalError):
@@ -259,6 +234,7 @@ class ShardServer:
             self.lost[c] = {"time": time.time(), "error": error, "step": self.steps.get(c, 0),
                             "samples": self.samples.get(c, 0), "clock": self.clocks.get(c, 0),
                             "counted": self.counted.get(c, 0)}
+            tell(self.rule, "forget", c)
             self._cond.notify_all()
 
     def _failed(self, message: str) -> None:
@@ -357,6 +333,8 @@ class ShardServer:
         assert reply is not None
         with self._cond:
             reply.copy_(self.center)
+            if c in self.admission.pushers:  # what the others pull is no gradient's point
+                tell(self.rule, "sent", c)
             version = self.ledger.saw(c)
             if c in self.first_pulls and self.first_pulls[c] is None:
                 self.first_pulls[c] = reply.clone()  # an added client's state at its join
@@ -393,6 +371,7 @@ class ShardServer:
     def _on_bye(self, c: int, session: Session, head: Header) -> bool:
         with self._cond:
             self.left.add(c)
+            tell(self.rule, "forget", c)
             self._cond.notify_all()
         with contextlib.suppress(ChannelError):  # it may be gone already: it left
             session.reply_with(Kind.BYE, self.version, None, None)

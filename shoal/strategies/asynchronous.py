@@ -13,7 +13,7 @@ A strategy class says what runs where:
 - the worker: :meth:`AsyncStrategy.step` (its own update, and an exchange when one is due);
 - the server: :attr:`AsyncStrategy.Rule`, built by each server process as
   ``Rule(center_shard, options)`` for its shard; it implements
-  :class:`~shoal.ps.server.ServerRule`: ``apply(header, payload, reply)`` for each EXCHANGE,
+  :class:`~shoal.ps.rule.ServerRule`: ``apply(header, payload, reply)`` for each EXCHANGE,
   in the order the options' :class:`~shoal.ps.admission.Admission` lets them through, under
   the shard's lock unless ``locked`` is False.
 
@@ -50,7 +50,7 @@ from shoal.strategies.topology import Topology
 
 if TYPE_CHECKING:
     from shoal.core.comm import Comm
-    from shoal.ps.server import ServerRule
+    from shoal.ps.rule import ServerRule
 
 @dataclasses.dataclass
 class AsyncOptions:
@@ -140,7 +140,7 @@ class AsyncStrategy(Strategy):
     shared_memory: ClassVar[bool] = False
     replicas_in_sync: ClassVar[bool] = False
     #: What a server applies to its shard: ``Rule(center_shard, options)`` is a
-    #: :class:`~shoal.ps.server.ServerRule`.
+    #: :class:`~shoal.ps.rule.ServerRule`.
     Rule: ClassVar[Callable[[torch.Tensor, Any], ServerRule] | None] = None
     #: A step's exchange carries that step's own work (a gradient pushed); False: it carries
     #: the steps before (the elastic ones send ``x`` before their local step).
