@@ -58,6 +58,11 @@ CASES = {
     "hogwild-easgd-2-t2": ("hogwild-easgd", {"tau": 2, "alpha": 0.3}, 2, 2, 0.0, 0.0, True),
     "groups-2-of-2": ("groups", {"groups": 2}, 2, 1, 0.9, 0.01, True),
     "groups-1-of-1-shards": ("groups", {"servers": 2}, 1, 2, 0.8, 0.0, True),
+    "async-sgd-2-dc": ("async-sgd", {"delay_compensation": 2.0}, 2, 1, 0.9, 0.0, True),
+    "async-msgd-2-dc-decay-shards": ("async-msgd", {"servers": 2, "delay_compensation": 2.0},
+                                     2, 2, 0.8, 0.01, False),
+    "groups-2-of-2-dc": ("groups", {"groups": 2, "delay_compensation": 0.5}, 2, 1, 0.9, 0.01,
+                         True),
 }
 
 
@@ -266,6 +271,37 @@ def reference_compute_groups(case: str) -> tuple[torch.Tensor, list[torch.Tensor
     return x, xk
 
 
+def reference_delay_compensated(case: str) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    """DC-ASGD-a (Zheng et al. 2017, the server's side of Algorithm 1, with Section 5's
+    adaptive lambda_t): the server keeps w_bak(m) <- w for each worker m whenever it sends
+    it w (its first pull, then each reply); on worker m's push of g_m, taken at w_bak(m):
+
+        MeanSquare <- 0.95 MeanSquare + 0.05 g_m * g_m
+        lambda_t = lambda_0 / (sqrt(MeanSquare) + 1e-7)           (elementwise)
+        g~ = g_m + lambda_t * g_m * g_m * (w - w_bak(m))
+
+    and steps w with g~ (+ weight decay) as the strategy would with g_m: plain SGD for
+    async-sgd (the workers' momentum is not the server's), heavy ball v <- mu v + g~,
+    w <- w - eta_t v for async-msgd and groups."""
+    name, options, workers, _, mu, decay, schedule = CASES[case]
+    lambda_0, m = options["delay_compensation"], 0.95
+    mu = 0.0 if name == "async-sgd" else mu
+    w = problem()[2]
+    w_bak = [w.clone() for _ in range(workers)]
+    mean_square, v = torch.zeros_like(w), torch.zeros_like(w)
+    t = [0] * workers
+    for k in ORDER[workers]:
+        g = grad(w_bak[k], t[k], k, workers)
+        mean_square = m * mean_square + (1 - m) * g * g
+        lambda_t = lambda_0 / (mean_square.sqrt() + 1e-7)
+        g_tilde = g + lambda_t * g * g * (w - w_bak[k])
+        v = mu * v + g_tilde + decay * w
+        w = w - lr_at(t[k], schedule) * v
+        w_bak[k] = w.clone()
+        t[k] += 1
+    return w, w_bak
+
+
 REFERENCES = {"groups": reference_compute_groups, "async-sgd": reference_async_sgd,
               "async-msgd": reference_async_msgd, "async-easgd": reference_elastic,
               "async-measgd": reference_elastic, "hogwild-easgd": reference_elastic}
@@ -275,7 +311,10 @@ REFERENCES = {"groups": reference_compute_groups, "async-sgd": reference_async_s
 @pytest.mark.parametrize("case", list(CASES))
 def test_strategy_matches_its_paper(case):
     got = run_case(case)
-    center, workers = REFERENCES[CASES[case][0]](case)
+    name, options = CASES[case][:2]
+    reference = reference_delay_compensated if options.get("delay_compensation") else \
+        REFERENCES[name]
+    center, workers = reference(case)
     torch.testing.assert_close(got["center"], center, atol=1e-12, rtol=0, msg="server's vector")
     for i, x in enumerate(workers):
         torch.testing.assert_close(got["workers"][i], x, atol=1e-12, rtol=0,

@@ -168,6 +168,24 @@ def test_two_servers_shard_the_center_within_the_staleness_bound(tmp_path):
         {str(k): v for k, v in sorted(s["staleness"].items())} for s in saved["servers"]]
 
 
+def test_delay_compensation_runs_on_the_servers_and_is_kept(tmp_path):
+    """--delay-compensation through real server processes (two shards): the run learns, its
+    config records lambda_0, and each shard's checkpoint keeps DC-ASGD's mean square of the
+    gradients, which a resume goes on from."""
+    args = ("--model", "mlp", "--dataset", "digits", "--workers", "2", "--strategy",
+            "async-msgd", "--servers", "2", "--delay-compensation", "5")
+    summary = train_here(tmp_path, *args, "--epochs", "2")
+    assert summary["test_accuracy"] >= 0.85
+    config = json.loads((tmp_path / "config.json").read_text())
+    assert config["strategy_options"]["delay_compensation"] == 5.0
+    saved = torch.load(tmp_path / "checkpoint.pt", map_location="cpu", weights_only=True)
+    squares = [s["rule"]["mean_square"] for s in saved["servers"]]
+    assert sum(q.numel() for q in squares) == summary["parameters"]
+    assert all(bool((q >= 0).all()) and bool(q.gt(0).any()) for q in squares)
+    resumed = train_here(tmp_path, *args, "--epochs", "3", "--resume")
+    assert resumed["epochs"] == 3 and resumed["test_accuracy"] >= 0.85
+
+
 @pytest.mark.parametrize("args, expected", [
     (["--strategy", "async-sgd", "--workers", "3", "--max-staleness", "1"],
      "--max-staleness 1"),

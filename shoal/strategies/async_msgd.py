@@ -45,13 +45,14 @@ class MomentumRule(SGDRule):
         d = self.direction(header, payload)
         self.velocity.mul_(header.fields["momentum"]).add_(d)
         self.center.add_(self.velocity, alpha=-header.fields["lr"])
-        reply.copy_(self.center)
+        self.replied(header, reply)
 
     def state_dict(self) -> dict:
-        return {"velocity": self.velocity.clone()}
+        return {"velocity": self.velocity.clone(), **super().state_dict()}
 
     def load_state_dict(self, state: dict) -> None:
         self.velocity.copy_(state["velocity"])
+        super().load_state_dict(state)
 
 
 @register

@@ -20,15 +20,36 @@ parameters; its momentum, if any, is not used (``async-msgd`` is the momentum fo
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import torch
 from torch import nn
 
 from shoal.core.pairs import Header
+from shoal.errors import ShoalError
+from shoal.schema import flag_name
 from shoal.strategies.asynchronous import AsyncOptions, AsyncStrategy, check_server_sgd, one_setting
 from shoal.strategies.communication import Pattern
+from shoal.strategies.delay import DelayCompensation
 from shoal.strategies.registry import register
+
+
+@dataclasses.dataclass
+class GradientOptions(AsyncOptions):
+    """Options of the strategies whose workers push gradients (async-sgd, async-msgd,
+    groups): the servers', and delay compensation."""
+
+    delay_compensation: float = dataclasses.field(default=0.0, metadata={
+        "help": "DC-ASGD-a's lambda_0 (Zheng et al. 2017): the server corrects each pushed "
+                "gradient for the updates applied since its worker last received the "
+                "parameters (0: off)"})
+
+    def validate(self) -> None:
+        super().validate()
+        if not 0 <= self.delay_compensation < float("inf"):
+            raise ShoalError(f"{flag_name('delay_compensation')} must be a finite number at "
+                             f"least 0, got {self.delay_compensation}")
 
 
 class SGDRule:
@@ -41,25 +62,47 @@ class SGDRule:
     def __init__(self, center: torch.Tensor, options: Any = None) -> None:
         self.center = center  # x: this server's shard, updated in place
         self._d = torch.empty_like(center)
+        lambda0 = getattr(options, "delay_compensation", 0.0)
+        #: DC-ASGD's state where --delay-compensation is on (None: pushed gradients as sent)
+        self.delay = DelayCompensation(center, lambda0) if lambda0 else None
 
     @torch.no_grad()
     def apply(self, header: Header, payload: torch.Tensor, reply: torch.Tensor) -> None:
         d = self.direction(header, payload)
         self.center.add_(d, alpha=-header.fields["lr"])
+        self.replied(header, reply)
+
+    def replied(self, header: Header, reply: torch.Tensor) -> None:
+        """Send the center after this push back to its client (its next gradient's point)."""
         reply.copy_(self.center)
+        self.sent(header.client)
 
     def direction(self, header: Header, g: torch.Tensor) -> torch.Tensor:
-        """``g + lambda x`` (the gradient with weight decay), in a buffer of the rule's."""
+        """``g + lambda x`` (the gradient with weight decay; delay-compensated first where
+        --delay-compensation is on), in a buffer of the rule's."""
+        if self.delay is not None:
+            g = self.delay.compensate(header.client, g, self._d)
         decay = header.fields["weight_decay"]
         if decay:
             return torch.add(g, self.center, alpha=decay, out=self._d)
-        return self._d.copy_(g)
+        return g if g is self._d else self._d.copy_(g)
+
+    def sent(self, client: int) -> None:
+        """The server sent the center to ``client`` (a pull, or this rule's reply)."""
+        if self.delay is not None:
+            self.delay.sent(client)
+
+    def forget(self, client: int) -> None:
+        """``client`` is gone: what the rule kept for it is freed."""
+        if self.delay is not None:
+            self.delay.forget(client)
 
     def state_dict(self) -> dict:
-        return {}
+        return self.delay.state_dict() if self.delay is not None else {}
 
     def load_state_dict(self, state: dict) -> None:
-        pass
+        if self.delay is not None:
+            self.delay.load_state_dict(state)
 
 
 @register
@@ -67,7 +110,7 @@ class AsyncSGD(AsyncStrategy):
     """Async SGD (Downpour): push each gradient, the server steps, pull the parameters."""
 
     name = "async-sgd"
-    Options = AsyncOptions
+    Options = GradientOptions
     Rule = SGDRule
     applies_momentum = False  # the server's rule is plain SGD (async-msgd's has momentum)
 

@@ -41,7 +41,8 @@ from shoal.core.ops import split_ranges, split_sizes
 from shoal.errors import ShoalError
 from shoal.schema import flag_name
 from shoal.strategies.async_msgd import MomentumRule
-from shoal.strategies.asynchronous import AsyncOptions, AsyncStrategy, check_server_sgd, one_setting
+from shoal.strategies.async_sgd import GradientOptions
+from shoal.strategies.asynchronous import AsyncStrategy, check_server_sgd, one_setting
 from shoal.strategies.communication import Exchange, Pattern
 from shoal.strategies.registry import register
 from shoal.strategies.sync import Synchronous
@@ -49,7 +50,7 @@ from shoal.strategies.topology import Topology
 
 
 @dataclasses.dataclass
-class GroupOptions(AsyncOptions):
+class GroupOptions(GradientOptions):
     """Options of ``groups``: the server's, and how many compute groups."""
 
     groups: int = dataclasses.field(default=1, metadata={
