@@ -12,7 +12,9 @@ run again with the same ``--out``), and a table per cell is printed::
     .venv/bin/python benchmarks/bench_defaults.py --out runs/defaults \\
         --datasets digits,synthetic --workers 2,4 --epochs 10,30 --seeds 1
 
-``--lr-scale F`` runs the strategies whose lr ``--momentum auto`` scales at ``F`` times that
+``--strategy-extra "FLAGS"`` adds flags to the strategies' runs only (``--delay-compensation
+5``, which sync does not take); ``--extra`` to every run. ``--lr-scale F`` runs the
+strategies whose lr ``--momentum auto`` scales at ``F`` times that
 lr (given as ``--lr``), to try another rule against the same sync runs (sync is never
 scaled: its runs are shared by every ``F``).
 """
@@ -184,6 +186,8 @@ def main() -> None:
                     help="run the strategies at this times auto's lr (sync as it is)")
     ap.add_argument("--extra", default="",
                     help="more shoal train flags for every run, sync's too (one string)")
+    ap.add_argument("--strategy-extra", default="",
+                    help="more shoal train flags for the strategies' runs, not sync's")
     args = ap.parse_args()
     strategies = ["sync", *[s for s in args.strategies.split(",") if s and s != "sync"]]
     for s in strategies:
@@ -207,8 +211,10 @@ def main() -> None:
                         if (*cell.values(), row) in done:
                             continue
                         name = f"{dataset}-w{workers}-e{epochs}-s{seed}-{row.replace(' ', '-')}"
+                        extra = args.extra if strategy == "sync" else \
+                            f"{args.extra} {args.strategy_extra}"
                         r = run(cell, strategy, args.out / "runs" / name, args.timeout, scale,
-                                tuple(shlex.split(args.extra)))
+                                tuple(shlex.split(extra)))
                         results.append(r)
                         with log.open("a") as f:
                             f.write(json.dumps(r) + "\n")
