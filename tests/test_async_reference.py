@@ -272,8 +272,8 @@ def reference_compute_groups(case: str) -> tuple[torch.Tensor, list[torch.Tensor
 
 
 def reference_delay_compensated(case: str) -> tuple[torch.Tensor, list[torch.Tensor]]:
-    """DC-ASGD-a (Zheng et al. 2017, the server's side of Algorithm 1, with Section 5's
-    adaptive lambda_t): the server keeps w_bak(m) <- w for each worker m whenever it sends
+    """DC-ASGD-a (Zheng et al. 2017, the server's side of its algorithm, with the adaptive
+    lambda_t): the server keeps w_bak(m) <- w for each worker m whenever it sends
     it w (its first pull, then each reply); on worker m's push of g_m, taken at w_bak(m):
 
         MeanSquare <- 0.95 MeanSquare + 0.05 g_m * g_m

@@ -12,7 +12,7 @@ compensated gradient the server applies instead of ``g``::
 
 DC-ASGD-a, the adaptive form used here: ``lambda_t = lambda_0 / sqrt(MeanSquare(t))``,
 elementwise, with ``MeanSquare(t) = m MeanSquare(t - 1) + (1 - m) g (.) g`` (``m = 0.95``
-as in the paper; ``+ 1e-7`` under the root's result keeps it finite where a gradient is
+as in the paper; ``1e-7`` added to the root keeps it finite where the gradients are
 zero). ``lambda_0 = 0`` is plain asynchronous SGD. The server keeps one ``w_bak`` per pusher
 (the pushers' count bounds the memory: one shard's copy each) and one ``MeanSquare``; a
 checkpoint keeps ``MeanSquare`` only: every worker of a resumed job pulls before it pushes,
@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import torch
 
-#: The paper's decay of the gradients' mean square, ``m`` (Section 5, DC-ASGD-a).
+#: The paper's decay of the gradients' mean square, ``m`` (DC-ASGD-a).
 MEAN_SQUARE_DECAY = 0.95
 EPSILON = 1e-7
 
