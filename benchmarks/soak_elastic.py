@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import itertools
 import json
 import os
 import random
@@ -95,7 +96,7 @@ def kill_stalls(steps: Steps, kills: list[float], end: float) -> list[float]:
     """Each kill's (``time.monotonic()``) longest time without a new step record, up to the
     next kill, at most :data:`STALL_WINDOW` s, and ``end``."""
     return [round(steps.stall_after(t, min(nxt, t + STALL_WINDOW, end)), 2)
-            for t, nxt in zip(kills, [*kills[1:], end][:len(kills)], strict=True)]
+            for t, nxt in itertools.pairwise([*kills, end])]
 
 
 class Killer(threading.Thread):

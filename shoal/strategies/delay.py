@@ -37,6 +37,7 @@ class DelayCompensation:
         self.backups: dict[int, torch.Tensor] = {}
         self.mean_square = torch.zeros_like(center)
         self._term = torch.empty_like(center)
+        self._root = torch.empty_like(center)  # sqrt(MeanSquare) + eps, no allocation a push
 
     def sent(self, client: int) -> None:
         """The center was just sent to ``client``: its next gradient is taken there."""
@@ -58,7 +59,7 @@ class DelayCompensation:
         if backup is None:
             return out.copy_(g)
         term = torch.sub(self.center, backup, out=self._term).mul_(g).mul_(g)
-        term.div_(self.mean_square.sqrt().add_(EPSILON)).mul_(self.lambda0)
+        term.div_(torch.sqrt(self.mean_square, out=self._root).add_(EPSILON)).mul_(self.lambda0)
         return torch.add(g, term, out=out)
 
     def state_dict(self) -> dict:
