@@ -20,10 +20,10 @@ from shoal.strategies import (  # noqa: F401 - importing registers
     hogwild,
     hogwild_easgd,
 )
-from shoal.strategies.base import Strategy, make_options, option_fields
+from shoal.strategies.base import Strategy, make_options, option_fields, settings_of
 from shoal.strategies.communication import Exchange, Pattern
 from shoal.strategies.periodic import PeriodicOptions, PeriodicStrategy
 from shoal.strategies.registry import STRATEGIES, get_strategy, register
 
 __all__ = ["STRATEGIES", "Exchange", "Pattern", "PeriodicOptions", "PeriodicStrategy", "Strategy",
-           "get_strategy", "make_options", "option_fields", "register"]
+           "get_strategy", "make_options", "option_fields", "register", "settings_of"]

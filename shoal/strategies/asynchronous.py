@@ -100,8 +100,9 @@ class AsyncElasticOptions(AsyncOptions):
     #: The orders this strategy's server may take exchanges in.
     orders: ClassVar[tuple[str, ...]] = ("arrival",)
 
-    tau: int = dataclasses.field(default=4, metadata={
-        "help": "local steps between two exchanges"})
+    tau: int = dataclasses.field(default=1, metadata={
+        "help": "local steps between two exchanges (default 1; 4 or more where the link is "
+                "slow)"})
     alpha: float | None = dataclasses.field(default=None, metadata={
         "help": "elastic moving rate (default 0.9 / workers)"})
     order: str = dataclasses.field(default="arrival", metadata={  # type: ignore[assignment]
@@ -125,6 +126,10 @@ class AsyncElasticOptions(AsyncOptions):
         center update is one worker's, ``x~ <- (1 - alpha) x~ + alpha x^i``: a convex
         combination for any alpha in [0, 1], so no bound on ``alpha * workers`` applies."""
         return self.alpha if self.alpha is not None else 0.9 / workers
+
+    def settings(self, workers: int) -> dict[str, Any]:
+        """The coupling as the run takes it, for its first line and ``config.json``."""
+        return {"tau": self.tau, "alpha": round(self.moving_rate(workers), 12)}
 
 
 class AsyncStrategy(Strategy):

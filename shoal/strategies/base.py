@@ -290,3 +290,12 @@ def make_options(cls: type[Strategy], values: dict[str, Any], workers: int | Non
     options = cls.Options(**values)
     check_options(options, workers)
     return options
+
+
+def settings_of(cls: type[Strategy], values: dict[str, Any], workers: int) -> dict[str, Any]:
+    """What the run's first line shows and ``config.json`` keeps of ``cls``'s options as a
+    run of ``workers`` takes them, given or by default (``options.settings(workers)``: an
+    elastic strategy's period and moving rate); ``{}`` for a strategy without such."""
+    settings = getattr(make_options(cls, values), "settings", None)
+    return settings(workers) if settings is not None else {}
+

@@ -31,6 +31,7 @@ from shoal.core.timeline import (
     time_split,
 )
 from shoal.data import EpochPlan
+from shoal.strategies import get_strategy, settings_of
 from shoal.train.checkpoint import resumes_in_place
 from shoal.train.evaluation import Evaluator
 from shoal.train.health import Health
@@ -145,7 +146,10 @@ class Recorder:
         self.out.mkdir(parents=True, exist_ok=True)
         remove_stale_temporaries(self.out)
         (self.out / "summary.json").unlink(missing_ok=True)  # rewritten at the end
-        write_json(self.out / "config.json", {**cfg.to_dict(), "world_size": self.comm.world_size})
+        settings = settings_of(get_strategy(cfg.strategy), cfg.strategy_options,
+                               self.comm.world_size)
+        write_json(self.out / "config.json", {**cfg.to_dict(), "world_size": self.comm.world_size,
+                                              "strategy_settings": settings})
         source = cfg.continues_from  # --resume, or --init-from with --init-progress
         resumed_at = st.step if source is not None else None
         board = TensorBoardLog(self.out / "tensorboard", resumed_at) if cfg.tensorboard else None
@@ -157,9 +161,11 @@ class Recorder:
         if plan.order is not None or (self.comm.membership is not None and plan.world != world):
             # lost at the start, or resumed with the epoch's rest dealt anew
             plan = EpochPlan(self._samples, cfg.global_batch(world), world, cfg.seed)
+        shown = ", ".join(f"{k} {v:g}" for k, v in settings.items())
+        shown = f" ({shown})" if shown else ""
         self.progress.line(
-            f"shoal: {cfg.model} on {data}; {world} worker(s), strategy {cfg.strategy}, global "
-            f"batch {plan.global_batch}, {plan.steps_per_epoch} steps/epoch; {describe_momentum(cfg)}")
+            f"shoal: {cfg.model} on {data}; {world} worker(s), strategy {cfg.strategy}{shown}, "
+            f"global batch {plan.global_batch}, {plan.steps_per_epoch} steps/epoch; {describe_momentum(cfg)}")
 
     def start_clock(self, st: RunState) -> None:
         """Start the run's clock (its records' ``elapsed_s``) once every rank is here, at a
