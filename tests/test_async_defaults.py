@@ -41,6 +41,8 @@ DEFAULTS = ["--workers", "2", "--epochs", "10"]
 MARGIN = 0.015
 #: Strategies held to a wider margin: what they reach on every run measured, not the goal.
 MARGINS = {"async-sgd": 0.03, "hogwild": 0.03}
+#: The strategies whose workers meet the center in elastic exchanges (every --tau steps).
+ELASTIC = ("async-easgd", "async-measgd", "hogwild-easgd")
 
 
 @pytest.mark.parametrize("strategy, options, workers, momentum, lr", [
@@ -144,13 +146,11 @@ def test_defaults_reach_sync(tmp_path, sync_accuracy, strategy):
     assert config["strategy_settings"] == ({"tau": 1, "alpha": 0.45} if elastic else {})
 
 
-ELASTIC = ("async-easgd", "async-measgd", "hogwild-easgd")
-
-
 @pytest.mark.parametrize("strategy", ELASTIC)
 def test_the_elastic_strategies_exchange_every_step_unless_told(strategy):
     """At --tau 4 the elastic pair ended about 2 points below sync on digits, 4 workers, 10
-    epochs (seeds 1-8); every step, 0.8 (docs/asynchronous.md "An exchange every step"). A
+    epochs (seeds 1-8), at every step 0.8 and 0.9 below (docs/asynchronous.md "An exchange
+    every step"). A
     user's --tau and --alpha are taken as given; the run says which it took."""
     cls = get_strategy(strategy)
     assert settings_of(cls, {}, 4) == {"tau": 1, "alpha": 0.225}

@@ -298,4 +298,3 @@ def settings_of(cls: type[Strategy], values: dict[str, Any], workers: int) -> di
     elastic strategy's period and moving rate); ``{}`` for a strategy without such."""
     settings = getattr(make_options(cls, values), "settings", None)
     return settings(workers) if settings is not None else {}
-
