@@ -150,8 +150,8 @@ def test_defaults_reach_sync(tmp_path, sync_accuracy, strategy):
 def test_the_elastic_strategies_exchange_every_step_unless_told(strategy):
     """At --tau 4 the elastic pair ended about 2 points below sync on digits, 4 workers, 10
     epochs (seeds 1-8), at every step 0.8 and 0.9 below (docs/asynchronous.md "An exchange
-    every step"). A
-    user's --tau and --alpha are taken as given; the run says which it took."""
+    every step"). A user's --tau and --alpha are taken as given; the run says which it
+    took."""
     cls = get_strategy(strategy)
     assert settings_of(cls, {}, 4) == {"tau": 1, "alpha": 0.225}
     assert settings_of(cls, {"tau": 4, "alpha": 0.5}, 4) == {"tau": 4, "alpha": 0.5}
