@@ -23,21 +23,27 @@ Or keep a serial program and run chosen functions data-parallel (``docs/parallel
         loss = step(model, x, y)
 """
 
-from shoal.errors import ShoalError, WorkerError  # noqa: E402
-from shoal.runtime import init, launch, shutdown, strategy  # noqa: E402
-from shoal.strategies import STRATEGIES, Strategy, get_strategy, register  # noqa: E402
-from shoal.version import __version__  # noqa: E402
+from shoal.errors import ShoalError, WorkerError
+from shoal.version import __version__
 
-# The single-controller API (shoal.parallel), imported on first use.
+# Imported on first use, each from its module: the ``shoal`` command starts the server that
+# forks its workers (and imports torch for them) before it imports torch itself.
+_HOMES = {"init": "runtime", "launch": "runtime", "shutdown": "runtime", "strategy": "runtime",
+          "STRATEGIES": "strategies", "Strategy": "strategies", "get_strategy": "strategies",
+          "register": "strategies"}
+# The single-controller API (shoal.parallel).
 _PARALLEL = ("all_gather", "all_reduce", "broadcast", "close", "fork", "function", "gather", "reduce",
              "replicate", "scatter", "shared")
 
 
 def __getattr__(name: str) -> object:
-    if name in _PARALLEL or name == "parallel":
-        import shoal.parallel
+    import importlib
 
-        return shoal.parallel if name == "parallel" else getattr(shoal.parallel, name)
+    if name in _HOMES:
+        return getattr(importlib.import_module(f"shoal.{_HOMES[name]}"), name)
+    if name in _PARALLEL or name == "parallel":
+        parallel = importlib.import_module("shoal.parallel")
+        return parallel if name == "parallel" else getattr(parallel, name)
     raise AttributeError(f"module 'shoal' has no attribute {name!r}")
 
 

@@ -22,13 +22,22 @@ stands on, and the only place each of these exists.
   messages and failures (the servers themselves are :mod:`shoal.ps`).
 """
 
-from shoal.core.comm import Comm
-from shoal.core.env import Environment, default_threads, detect_environment, pick_device
-from shoal.core.flat import FlatParams
-from shoal.core.handle import Handle
-from shoal.core.join import init_comm
-from shoal.core.pairs import ChannelError, Client, Header, Kind, PairChannel
-from shoal.core.timeline import Timeline
+#: Each name this package offers, and the module it lives in: imported on first use, so
+#: that importing one light module of the core (``shoal.core.starting``, which the ``shoal``
+#: command uses before anything imports torch) does not import torch.
+_HOMES = {"Comm": "comm", "Environment": "env", "default_threads": "env",
+          "detect_environment": "env", "pick_device": "env", "FlatParams": "flat",
+          "Handle": "handle", "init_comm": "join", "ChannelError": "pairs", "Client": "pairs",
+          "Header": "pairs", "Kind": "pairs", "PairChannel": "pairs", "Timeline": "timeline"}
+
+
+def __getattr__(name: str) -> object:
+    if name in _HOMES:
+        import importlib
+
+        return getattr(importlib.import_module(f"shoal.core.{_HOMES[name]}"), name)
+    raise AttributeError(f"module 'shoal.core' has no attribute {name!r}")
+
 
 __all__ = ["ChannelError", "Client", "Comm", "Environment", "FlatParams", "Handle", "Header",
            "Kind", "PairChannel", "Timeline", "default_threads", "detect_environment", "init_comm",
