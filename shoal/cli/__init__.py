@@ -16,6 +16,7 @@ import traceback
 from collections.abc import Sequence
 from typing import Any
 
+from shoal.cli.early import start_server_early, stop_server
 from shoal.cli.parsers import build_parser
 from shoal.cli.settings import config_from_args
 from shoal.core.guard import skip_exit_collection
@@ -215,9 +216,22 @@ def _error(exc: ShoalError, debug: bool) -> int:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    if argv is None:  # the process is this command's (not a caller's who passes argv)
+    """The ``shoal`` command on ``argv`` (this process's own arguments where ``None``); its
+    exit status."""
+    own = argv is None  # the process is this command's (not a caller's who passes argv)
+    if own:
         skip_exit_collection()
     argv = list(sys.argv[1:] if argv is None else argv)
+    early = own and start_server_early(argv)
+    try:
+        return _main(argv)
+    finally:
+        if early:
+            stop_server()
+
+
+def _main(argv: list[str]) -> int:
+    """:func:`main` on ``argv``: the subcommand's hand-off, errors mapped to exit codes."""
     debug = "--debug" in argv  # until parsed: `shoal run x.py --debug` is the script's flag
     try:
         args, extra = build_parser().parse_known_args(argv)

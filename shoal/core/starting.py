@@ -123,6 +123,21 @@ def ensure_server(more: Sequence[str] = ()) -> None:
         mp.forkserver.ensure_running()
 
 
+def stop_server() -> None:
+    """End the server this process started, now, if there is one. It would end by itself
+    once this process exits, but only after its imports: seconds of CPU that a command
+    which failed its checks would leave running behind it. Every process it forked has ended
+    by then or ends with it (:func:`shoal.core.guard.guard_child`)."""
+    server = mp.forkserver._forkserver  # type: ignore[attr-defined]
+    pid = getattr(server, "_forkserver_pid", None)
+    if pid is None:
+        return
+    with contextlib.suppress(ProcessLookupError):
+        os.kill(pid, signal.SIGKILL)
+    with contextlib.suppress(OSError):
+        server._stop()  # closes this end of its pipe, reaps it, removes its socket
+
+
 class _Streams:
     """This process's stdout and stderr as they are when a process starts (a launcher's may
     point elsewhere than when its server started: pytest's capture, a user's redirection),
