@@ -1,11 +1,11 @@
 """``shoal train`` starts the server that forks its workers before it imports anything heavy.
 
-That server imports torch (and DDP's ``torch._dynamo``) once for every worker it forks
-(:mod:`shoal.core.starting`); the command itself imports torch too, to check the model and
-the data. Started first, the two imports run side by side on two cores instead of one after
+That server imports torch (and ``torch._dynamo`` for ``--compile``) once for every worker
+it forks (:mod:`shoal.core.starting`); the command itself imports torch too, to check the
+model and the data. Started first, the two imports run side by side on two cores instead of one after
 the other: about 2 s less before a small job's first step. Only the command's own argument
-list is read here, before it is parsed: a guess about what the job needs (its strategy, its
-number of workers), which the checks after it make right (a server already running keeps
+list is read here, before it is parsed: a guess about what the job needs (its number of
+workers, whether it compiles), which the checks after it make right (a server already running keeps
 what it imported; a process it forks imports the rest itself).
 """
 
@@ -46,13 +46,11 @@ def wants_workers(argv: Sequence[str]) -> bool:
 
 
 def start_server_early(argv: Sequence[str]) -> bool:
-    """Start the server that forks the workers of the ``shoal train`` in ``argv`` (DDP's
-    compiler front end too, where the strategy is ``sync``, the default, or ``auto``, whose
-    trials include it); whether it did."""
+    """Start the server that forks the workers of the ``shoal train`` in ``argv`` (torch's
+    compiler front end too, for ``--compile``); whether it did."""
     if not wants_workers(argv):
         return False
-    strategy = _flag(argv, "--strategy")
-    ensure_server(["torch._dynamo"] if strategy in (None, "sync", "auto") else [])
+    ensure_server(["torch._dynamo"] if "--compile" in argv else [])
     return True
 
 

@@ -5,7 +5,7 @@ Every worker of a job used to start as a fresh interpreter ("spawn") that import
 small job most of the CPU it spent. On Linux shoal now starts them with multiprocessing's
 "forkserver": a server process, started by this process the first time it starts one, that
 imports torch and ``torch.distributed`` once (before any thread, any CUDA call; and
-``torch._dynamo`` for a job whose workers need it) and forks each process from there.
+``torch._dynamo`` for a job that compiles) and forks each process from there.
 ``SHOAL_START_METHOD=spawn`` goes back to fresh interpreters (and elsewhere than Linux they
 always are).
 
@@ -115,8 +115,8 @@ def new_process(target: Callable[..., Any], args: tuple[Any, ...], **kwargs: Any
 
 def ensure_server(more: Sequence[str] = ()) -> None:
     """Start the server that forks shoal's processes now, if this process has none yet and
-    uses one: it imports torch (and ``more``: ``torch._dynamo`` for DDP's workers, whose
-    constructor imports it) while this process does other work. A server already running
+    uses one: it imports torch (and ``more``: ``torch._dynamo`` for workers that compile)
+    while this process does other work. A server already running
     keeps what it imported; a process forked from it imports the rest itself."""
     if start_method() == "forkserver":
         context(more)

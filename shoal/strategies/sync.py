@@ -33,6 +33,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 from shoal.core.comm import Handle
+from shoal.core.dynamo import ddp_settings, defer_disable
 from shoal.core.timeline import Event
 from shoal.errors import ShoalError
 from shoal.strategies.base import Strategy
@@ -66,6 +67,8 @@ class SyncOptions:
         if self.powersgd_warmup < 0:
             raise ShoalError(f"--powersgd-warmup must be >= 0, got {self.powersgd_warmup}")
 
+
+defer_disable(DistributedDataParallel)  # its forward's wrapper would import torch._dynamo
 
 #: DDP told not to broadcast the buffers at each forward (torch 2.13 renamed the flag).
 _NO_FORWARD_BUFFERS = {"forward_sync_buffers": False} \
@@ -116,13 +119,14 @@ class Synchronous(Strategy):
         if not comm.active:
             return
         opts: SyncOptions = self.options
-        self.ddp = DistributedDataParallel(
-            model,
-            device_ids=[comm.device.index] if comm.device.type == "cuda" else None,
-            bucket_cap_mb=opts.bucket_mb,
-            gradient_as_bucket_view=True,
-            **({} if comm.membership is None else _NO_FORWARD_BUFFERS),  # _share_buffers
-        )
+        with ddp_settings():  # its setting read, torch._dynamo not imported (core.dynamo)
+            self.ddp = DistributedDataParallel(
+                model,
+                device_ids=[comm.device.index] if comm.device.type == "cuda" else None,
+                bucket_cap_mb=opts.bucket_mb,
+                gradient_as_bucket_view=True,
+                **({} if comm.membership is None else _NO_FORWARD_BUFFERS),  # _share_buffers
+            )
         if comm.membership is not None and self.ddp.modules_buffers:
             self.ddp.register_forward_pre_hook(self._share_buffers)
         params = [p for p in model.parameters() if p.requires_grad]

@@ -251,8 +251,9 @@ def train(cfg: TrainConfig, dataset: Any = None) -> dict[str, Any] | None:
     topology = job_topology(cfg, default_workers(cfg))
     check_machine(cfg, topology)
     if topology.world_size > 1 or cfg.max_restarts > 0:
-        # It imports torch for the workers while the checks below run (DDP imports dynamo).
-        ensure_server(["torch._dynamo"] if cfg.strategy == "sync" else [])
+        # It imports torch for the workers while the checks below run (and torch's compiler
+        # front end for --compile; shoal.core.dynamo keeps it out otherwise).
+        ensure_server(["torch._dynamo"] if cfg.compile else [])
     cfg = job_device(resolve_momentum(cfg, topology.workers), topology, topology.workers)
     work = preflight(cfg, topology.workers, given)
     check_machine(cfg, topology, work.data)

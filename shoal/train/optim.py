@@ -12,6 +12,7 @@ import torch
 from torch.optim.lr_scheduler import LambdaLR
 
 from shoal.config import DEFAULT_LR, TrainConfig
+from shoal.core.dynamo import defer_disable
 from shoal.strategies import get_strategy, make_options
 
 #: The share of sync's step per sample that each stale update takes under ``--momentum
@@ -27,7 +28,7 @@ ASYNC_STEP_SHARE = 5 / 6
 def build_optimizer(cfg: TrainConfig, params: Iterable[torch.nn.Parameter],
                     lr: float) -> torch.optim.Optimizer:
     """SGD (momentum, Nesterov, weight decay), Adam or AdamW at learning rate ``lr``."""
-    defer_dynamo()
+    defer_disable(torch.optim.Optimizer)  # spares a process that only builds it the import
     if cfg.optimizer == "sgd":
         return eager(torch.optim.SGD)(params, lr=lr, momentum=cfg.momentum,
                                       nesterov=cfg.nesterov, weight_decay=cfg.weight_decay)
@@ -71,43 +72,6 @@ def eager(cls: type[torch.optim.Optimizer]) -> type[torch.optim.Optimizer]:
     _EAGER[cls] = type(cls.__name__, (cls,), {"step": step, "__doc__": cls.__doc__,
                                               "__module__": __name__})
     return _EAGER[cls]
-
-
-def defer_dynamo() -> None:
-    """Spare a process that builds an optimizer but never steps it (the launcher's checks,
-    a parameter server's copy) the import of ``torch._dynamo``, about 1 s of CPU.
-
-    torch wraps ``Optimizer.add_param_group`` (and ``zero_grad``, ``state_dict``, ...) in
-    ``torch._disable_dynamo``, which imports ``torch._dynamo`` at the first call to make the
-    "not traced" version, cached on the function as ``__dynamo_disable``. That version only
-    differs while something compiles, which needs ``torch._dynamo`` imported. So the cache
-    is filled with a stand-in: the function itself while ``torch._dynamo`` is not imported,
-    torch's own version from the first call after it is. A torch whose wrapper is made
-    otherwise is left as it is."""
-    try:
-        from torch._compile import _disable_dynamo
-    except ImportError:  # another torch: left as it is
-        return
-    wrapper = _disable_dynamo(len).__code__
-    for method in vars(torch.optim.Optimizer).values():
-        if getattr(method, "__code__", None) is not wrapper or method.__closure__ is None:
-            continue
-        cells = dict(zip(method.__code__.co_freevars,
-                         (c.cell_contents for c in method.__closure__), strict=True))
-        fn, recursive = cells.get("fn"), cells.get("recursive", True)
-        if fn is None or getattr(fn, "__dynamo_disable", None) is not None:
-            continue
-
-        def stand_in(*args: object, _fn: Any = fn, _recursive: bool = recursive,
-                     **kwargs: object) -> object:
-            dynamo = sys.modules.get("torch._dynamo")
-            if dynamo is None:  # nothing compiles: torch's version would call it as is
-                return _fn(*args, **kwargs)
-            real = dynamo.disable(_fn, _recursive, wrapping=False)
-            setattr(_fn, "__dynamo_disable", real)
-            return real(*args, **kwargs)
-
-        setattr(fn, "__dynamo_disable", stand_in)
 
 
 def resolve_momentum(cfg: TrainConfig, workers: int) -> TrainConfig:
