@@ -95,6 +95,9 @@ class LoopbackClient:
     def close(self) -> None:
         """Nothing to leave."""
 
+    def abandon(self) -> None:
+        """Nothing to leave."""
+
 
 class AddRule:
     """center += payload; reply = the new center. Read, yield, write: without the shard's

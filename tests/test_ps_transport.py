@@ -281,3 +281,26 @@ def test_client_books_comm_time_and_payload_bytes_on_the_comm(store):
     finally:
         client.close()
         close_all([server])
+
+
+def test_a_client_that_abandons_is_seen_gone_at_once(store):
+    """A worker that failed (and reported it) leaves its pairs without a word while its
+    process goes on (a trial inside a job): the server's thread waiting for its next request
+    sees the connection close at once, not at the timeout nor when the process ends (where
+    a thread still waiting in Gloo ends the process in std::terminate)."""
+    n, timeout = 8, 20.0
+    center = torch.zeros(n)
+    server = ShardServer(store, 0, 1, AddRule(center), center, timeout=timeout)
+    server.start()
+    client = ServerClient(store, 0, [(0, n)], timeout=timeout)
+    try:
+        client.pull(torch.zeros(n), Header(0, 0))
+        began = time.monotonic()
+        client.abandon()
+        assert server.wait(10), "the server still waits for the abandoned client"
+        assert time.monotonic() - began < 5.0
+        assert list(server.lost) == [0] and "closed the connection" in server.lost[0]["error"]
+        assert all(not t.is_alive() for t in server._threads)
+    finally:
+        client.close()  # after abandon: nothing more to do
+        close_all([server])

@@ -128,6 +128,9 @@ class Client(Protocol):
     def close(self) -> None:
         """Leave the servers cleanly (done, not lost); never raises."""
 
+    def abandon(self) -> None:
+        """Leave the servers without a word, after a failure reported; never raises."""
+
 
 def _reason(exc: BaseException, peer: str, timeout: float) -> str:
     text = str(exc)

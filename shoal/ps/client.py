@@ -215,6 +215,21 @@ class ServerClient:
             ch.close()
         self._closed = True
 
+    def abandon(self) -> None:
+        """Leave the pairs without a word (after a failure this worker reported): each
+        server's thread waiting for its next request sees the connection close now, not
+        when this process ends (a job's ranks may go on, as a trial inside a job does).
+        Never raises."""
+        if self._closed:
+            return
+        self._stop.set()
+        if self._keeper is not None:
+            self._keeper.join(self.timeout)
+        for ch in self._channels:
+            with ch.lock:
+                ch.close()
+        self._closed = True
+
     def _keep_alive(self, interval: float) -> None:
         while not self._stop.wait(min(interval / 2, 1.0)):
             for ch in self._channels:

@@ -102,6 +102,7 @@ def leave(client: ServerClient, failure: BaseException | None = None) -> None:
     with contextlib.suppress(ShoalError):
         client.report({"kind": "failed", "worker": client.client, "error": first_line(failure)},
                       timeout=FAILURE_REPORT_TIMEOUT)
+    client.abandon()
 
 
 # -- a server -----------------------------------------------------------------------------------
