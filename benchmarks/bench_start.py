@@ -1,13 +1,17 @@
 """A small job's whole time and CPU, its workers forked from a server that imported torch
-once (shoal's default on Linux) against fresh interpreters (``SHOAL_START_METHOD=spawn``).
+once (shoal's default on Linux) against fresh interpreters (``SHOAL_START_METHOD=spawn``),
+or against another revision of shoal (``--baseline DIR``: a checkout of it, whose ``shoal``
+is run the same way, forked workers too).
 
 Each repeat runs ``shoal train --dataset digits --model mlp --epochs 1`` once each way, in
 turn, for every strategy and worker count asked for; it times the whole command (start-up
 included: that is what is measured) and the whole machine's CPU over it (``/proc/stat``,
 so the fork server's own import counts; run it on a quiet machine). Each line gives the
-medians and the ratio spawn / forkserver. Run:
+medians and the ratio of the baseline's wall time to this tree's. Run:
 
     .venv/bin/python benchmarks/bench_start.py --strategies sync,local-sgd --workers 2,4 --repeats 3
+    git worktree add /tmp/before <rev> && .venv/bin/python benchmarks/bench_start.py \\
+        --strategies sync,local-sgd,rejected --baseline /tmp/before
 """
 
 from __future__ import annotations
@@ -22,7 +26,6 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
-METHODS = ("spawn", "forkserver")
 
 
 def _cpu_ticks() -> int:
@@ -31,15 +34,24 @@ def _cpu_ticks() -> int:
     return sum(int(fields[i]) for i in (0, 1, 2, 5, 6))
 
 
-def run(method: str, strategy: str, workers: int) -> tuple[float, float]:
-    """One job's wall time and the machine's CPU seconds over it."""
-    env = {**os.environ, "SHOAL_START_METHOD": method, "PYTHONPATH": str(REPO)}
+def run(method: str, strategy: str, workers: int, tree: Path = REPO) -> tuple[float, float]:
+    """One job's wall time and the machine's CPU seconds over it, shoal taken from
+    ``tree``; strategy ``rejected``: a ``sync`` command refused after its checks
+    (``--lr -1``), whose CPU counts what its fork server spent until killed."""
+    env = {**os.environ, "SHOAL_START_METHOD": method, "PYTHONPATH": str(tree)}
+    rejected = strategy == "rejected"
     with tempfile.TemporaryDirectory() as out:
         ticks, began = _cpu_ticks(), time.monotonic()
-        subprocess.run([sys.executable, "-m", "shoal", "train", "--dataset", "digits",
-                        "--model", "mlp", "--workers", str(workers), "--epochs", "1",
-                        "--strategy", strategy, "--progress", "none", "--out", out],
-                       check=True, cwd=REPO, env=env, stdout=subprocess.DEVNULL)
+        res = subprocess.run([sys.executable, "-m", "shoal", "train", "--dataset", "digits",
+                              "--model", "mlp", "--workers", str(workers), "--epochs", "1",
+                              "--strategy", "sync" if rejected else strategy,
+                              *(["--lr", "-1"] if rejected else []), "--progress", "none",
+                              "--out", out],
+                             cwd=tree, env=env, stdout=subprocess.DEVNULL,
+                             stderr=subprocess.DEVNULL)
+        if res.returncode != (2 if rejected else 0):
+            raise SystemExit(f"shoal train ({strategy}, {workers} workers, {tree}) exited "
+                             f"{res.returncode}")
         wall = time.monotonic() - began
         cpu = (_cpu_ticks() - ticks) / os.sysconf("SC_CLK_TCK")
     return wall, cpu
@@ -50,20 +62,26 @@ def main() -> None:
     parser.add_argument("--strategies", default="sync,local-sgd")
     parser.add_argument("--workers", default="2,4")
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--baseline", type=Path, default=None,
+                        help="a checkout of another revision, run instead of spawn")
     a = parser.parse_args()
-    print("| strategy, workers | spawn: wall, CPU | forkserver: wall, CPU | wall ratio |")
+    ways = {"spawn": lambda s, w: run("spawn", s, w)} if a.baseline is None else \
+        {"baseline": lambda s, w: run("forkserver", s, w, a.baseline.resolve())}
+    ways["this tree"] = lambda s, w: run("forkserver", s, w)
+    first, second = ways
+    print(f"| strategy, workers | {first}: wall, CPU | {second}: wall, CPU | wall ratio |")
     print("|---|---:|---:|---:|")
     for strategy in a.strategies.split(","):
         for workers in (int(w) for w in a.workers.split(",")):
-            times: dict[str, list[tuple[float, float]]] = {m: [] for m in METHODS}
+            times: dict[str, list[tuple[float, float]]] = {m: [] for m in ways}
             for _ in range(a.repeats):
-                for method in METHODS:
-                    times[method].append(run(method, strategy, workers))
+                for way, job in ways.items():
+                    times[way].append(job(strategy, workers))
             med = {m: (statistics.median(t[0] for t in times[m]),
-                       statistics.median(t[1] for t in times[m])) for m in METHODS}
-            (sw, sc), (fw, fc) = med["spawn"], med["forkserver"]
-            print(f"| {strategy}, {workers} | {sw:.2f} s, {sc:.1f} s | {fw:.2f} s, {fc:.1f} s "
-                  f"| {sw / fw:.2f}x |", flush=True)
+                       statistics.median(t[1] for t in times[m])) for m in ways}
+            (bw, bc), (tw, tc) = med[first], med[second]
+            print(f"| {strategy}, {workers} | {bw:.2f} s, {bc:.1f} s | {tw:.2f} s, {tc:.1f} s "
+                  f"| {bw / tw:.2f}x |", flush=True)
 
 
 if __name__ == "__main__":
