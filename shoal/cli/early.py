@@ -2,11 +2,11 @@
 
 That server imports torch (and ``torch._dynamo`` for ``--compile``) once for every worker
 it forks (:mod:`shoal.core.starting`); the command itself imports torch too, to check the
-model and the data. Started first, the two imports run side by side on two cores instead of one after
-the other: about 2 s less before a small job's first step. Only the command's own argument
-list is read here, before it is parsed: a guess about what the job needs (its number of
-workers, whether it compiles), which the checks after it make right (a server already running keeps
-what it imported; a process it forks imports the rest itself).
+model and the data. Started first, the two imports run side by side on two cores instead
+of one after the other: about 2 s less before a small job's first step. Only the command's
+own argument list is read here, before it is parsed: a guess about what the job needs (its
+number of workers, whether it compiles), which the checks after it make right (a server
+already running keeps what it imported; a process it forks imports the rest itself).
 """
 
 from __future__ import annotations
