@@ -1,5 +1,5 @@
-"""``shoal train`` and ``shoal join`` start the server that forks their workers before they
-import torch, only where they will start processes here (shoal.cli.early)."""
+"""``shoal train`` starts the server that forks its workers before it imports torch, only
+where it will start processes here (shoal.cli.early)."""
 
 from __future__ import annotations
 
@@ -18,8 +18,6 @@ from shoal.cli.early import wants_workers
     (["train", "--config", "job.yaml"], True),  # may say more workers
     (["train", "--workers", "2", "--help"], False),
     (["run", "--workers", "2", "x.py"], False),
-    (["join", "runs/job"], True),  # its worker, in a process of its own
-    (["join", "--help"], False),
     ([], False),
 ])
 def test_only_a_train_that_starts_processes_starts_the_server_early(argv, wanted, monkeypatch):

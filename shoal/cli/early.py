@@ -1,5 +1,4 @@
-"""``shoal train`` and ``shoal join`` start the server that forks their workers before they
-import anything heavy.
+"""``shoal train`` starts the server that forks its workers before it imports anything heavy.
 
 That server imports torch (and ``torch._dynamo`` for ``--compile``) once for every worker
 it forks (:mod:`shoal.core.starting`); the command itself imports torch too, to check the
@@ -34,14 +33,11 @@ def _flag(argv: Sequence[str], name: str) -> str | None:
 
 
 def wants_workers(argv: Sequence[str]) -> bool:
-    """Whether ``argv`` (a ``shoal`` command's arguments) starts processes here: a ``shoal
-    join`` (its worker), or a ``shoal train`` with more than one worker (none given is one
-    on a CPU), restarts, or a ``--config`` that may say so; not help, not a rank of an
-    outside launcher."""
-    if not argv or argv[0] not in ("train", "join") or "-h" in argv or "--help" in argv:
+    """Whether ``argv`` (a ``shoal`` command's arguments) looks like a ``shoal train`` that
+    starts processes here: more than one worker (none given is one on a CPU), restarts, or a
+    ``--config`` that may say so; not help, not a rank of an outside launcher."""
+    if not argv or argv[0] != "train" or "-h" in argv or "--help" in argv:
         return False
-    if argv[0] == "join":
-        return True
     if any(name in os.environ for name in _RANK_VARIABLES):
         return False
     workers, restarts = _flag(argv, "--workers"), _flag(argv, "--max-restarts")
