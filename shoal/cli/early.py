@@ -14,11 +14,20 @@ from __future__ import annotations
 import os
 from collections.abc import Sequence
 
+from shoal.core.env import detect_environment
 from shoal.core.starting import ensure_server, stop_server
+from shoal.errors import ShoalError
 
-#: Set where an outside launcher (torchrun, srun, mpirun) made this process one of its ranks:
-#: such a process trains in itself and forks nothing.
-_RANK_VARIABLES = ("RANK", "SLURM_PROCID", "OMPI_COMM_WORLD_RANK", "PMI_RANK", "PMIX_RANK")
+
+def _a_rank() -> bool:
+    """Whether an outside launcher (torchrun, srun, mpirun) made this process one of its
+    ranks, as ``shoal train`` itself tells (:func:`~shoal.core.env.detect_environment`, from
+    the variables alone): such a process trains in itself and forks nothing. Variables of a
+    launcher that ``shoal train`` will refuse count as one: its one line comes soon after."""
+    try:
+        return detect_environment(os.environ) is not None
+    except ShoalError:
+        return True
 
 
 def _flag(argv: Sequence[str], name: str) -> str | None:
@@ -38,7 +47,7 @@ def wants_workers(argv: Sequence[str]) -> bool:
     ``--config`` that may say so; not help, not a rank of an outside launcher."""
     if not argv or argv[0] != "train" or "-h" in argv or "--help" in argv:
         return False
-    if any(name in os.environ for name in _RANK_VARIABLES):
+    if _a_rank():
         return False
     workers, restarts = _flag(argv, "--workers"), _flag(argv, "--max-restarts")
     return workers not in (None, "1") or restarts not in (None, "0") or \

@@ -15,11 +15,13 @@ import re
 import socket
 from collections.abc import Mapping
 from dataclasses import dataclass
-
-import torch
+from typing import TYPE_CHECKING
 
 from shoal.core.guard import die_with_launcher
 from shoal.errors import ShoalError
+
+if TYPE_CHECKING:
+    import torch
 
 
 @dataclass(frozen=True)
@@ -221,6 +223,8 @@ def resolve_device(device: str, local_workers: int = 1, *, share: bool = False) 
         raise ShoalError(f"unknown device {device!r}; choose cpu, cuda or auto")
     if device == "cpu":
         return "cpu"
+    import torch  # here: reading where this process sits must not import torch (cli.early)
+
     count = torch.cuda.device_count() if torch.cuda.is_available() else 0
     enough = count > 0 and (share or count >= local_workers)
     if device == "auto":
@@ -239,6 +243,8 @@ def pick_device(device: str, local_rank: int, local_workers: int = 1, *,
                 share: bool = False) -> torch.device:
     """This process's device (see :func:`resolve_device`): local rank r takes GPU r, or with
     ``share`` GPU r modulo their number; made current (``torch.cuda.set_device``)."""
+    import torch
+
     if resolve_device(device, max(local_workers, local_rank + 1), share=share) == "cpu":
         return torch.device("cpu")
     index = local_rank % torch.cuda.device_count()
