@@ -203,17 +203,13 @@ class ServerClient:
         the pairs. Servers already gone are skipped; never raises."""
         if self._closed:
             return
-        self._stop.set()
-        if self._keeper is not None:
-            self._keeper.join(self.timeout)
+        self._stop_pings()
         wait = min(self.timeout, 10.0)
         for i, ch in enumerate(self._channels):
             with ch.lock, contextlib.suppress(ChannelError):
                 ch.send([ch.pack(Header(Kind.BYE, self.client))], wait)
                 ch.recv([self._hin[i]], wait)
-        for ch in self._channels:
-            ch.close()
-        self._closed = True
+        self.abandon()
 
     def abandon(self) -> None:
         """Leave the pairs without a word (after a failure this worker reported): each
@@ -222,13 +218,16 @@ class ServerClient:
         Never raises."""
         if self._closed:
             return
-        self._stop.set()
-        if self._keeper is not None:
-            self._keeper.join(self.timeout)
+        self._stop_pings()
         for ch in self._channels:
             with ch.lock:
                 ch.close()
         self._closed = True
+
+    def _stop_pings(self) -> None:
+        self._stop.set()
+        if self._keeper is not None:
+            self._keeper.join(self.timeout)
 
     def _keep_alive(self, interval: float) -> None:
         while not self._stop.wait(min(interval / 2, 1.0)):
