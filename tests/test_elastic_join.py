@@ -36,20 +36,20 @@ EPOCHS = 3
 
 class HeldJob:
     """``shoal train`` in the background whose workers (all but rank ``SHOAL_TEST_KILL_RANK``,
-    which dies at its ``held_after``-th forward) train slowly after that forward while
+    which dies at its ``held_after``-th forward) train slowly (``pace`` s a forward) after it while
     ``hold`` exists; its stderr lines are collected, and the hold is let go once a worker
     joined (or at :meth:`release`)."""
 
     def __init__(self, tmp_path, *args: str, kill: bool = True, workers: int = 3,
                  held_after: int = 40, model: str = "killed_then_held", killed: int = 2,
                  release_on_join: bool = True, env: dict[str, str] | None = None,
-                 torchrun: bool = False) -> None:
+                 torchrun: bool = False, pace: float = 0.2) -> None:
         self.out, self.hold = tmp_path / "run", tmp_path / "hold"
         self.hold.touch()
         self.release_on_join = release_on_join
         self.env = {**shoal_env(), **(env or {})}
         self.env.update(SHOAL_TEST_KILL_AT=f"train:{held_after}", SHOAL_TEST_HOLD=str(self.hold),
-                        SHOAL_TEST_PACE="0.2", **({"SHOAL_TEST_KILL_RANK": str(killed)} if kill else {}))
+                        SHOAL_TEST_PACE=str(pace), **({"SHOAL_TEST_KILL_RANK": str(killed)} if kill else {}))
         self.lines: list[str] = []
         self.joiners: list[subprocess.Popen] = []
         launch = ["torch.distributed.run", "--standalone", "--nproc-per-node", str(workers),
@@ -180,7 +180,9 @@ def test_a_worker_joins_a_torchrun_job_with_the_secret_its_ranks_have(held):
     join --store`` with it joins, its job file in OUT gone; the job ends with 3 workers and
     torchrun's status 0, every sample once."""
     secret = "5a" * 32
-    job = held("--elastic", "--record-samples", torchrun=True,
+    # three commands come before the join: a slower pace (1 s a step, while held) leaves them
+    # some 50 s however loaded the machine, where 0.2 s left 10 s and a loaded CI ran out
+    job = held("--elastic", "--record-samples", torchrun=True, pace=1.0,
                env={"SHOAL_JOIN_SECRET": secret})
     job.wait_line("worker 2 left at step 39")
     env = {**job.env, "SHOAL_TEST_MARKER": uuid.uuid4().hex}
