@@ -274,16 +274,37 @@ def _start_time(pid: int) -> int:
         return 0
 
 
+def _forked_command(launcher: int, server: int) -> int | None:
+    """The process a ``shoal train`` (``launcher``) forked from its ``server`` to do the
+    command's work (:func:`shoal.cli.early.run_forked`): that server's first child; ``None``
+    for any other launcher (a test's own process, ``shoal run``)."""
+    if b"shoal\0train\0" not in _cmdline(launcher):
+        return None
+    kids = sorted(children_of(server), key=lambda pid: (_start_time(pid), pid))
+    return kids[0] if kids else None
+
+
+def command_process(pid: int) -> int:
+    """The process that does the work of the ``shoal train`` whose process is ``pid``:
+    the one it forks from its server (:func:`shoal.cli.early.run_forked`), else ``pid``."""
+    for kid in children_of(pid):
+        if b"multiprocessing.forkserver" in _cmdline(kid):
+            return _forked_command(pid, kid) or pid
+    return pid
+
+
 def started_by(launcher: int) -> list[int]:
     """The processes shoal's ``start_process`` started for ``launcher`` (workers, servers, a
     pool's ranks), in the order they started: forked by the server ``launcher`` started
     for it (``shoal.core.starting``), or, under ``SHOAL_START_METHOD=spawn``, its own
-    children. The server itself and multiprocessing's resource tracker are not among them."""
+    children. The server itself, multiprocessing's resource tracker and the process a
+    ``shoal train`` forks to do its work (:func:`command_process`) are not among them."""
     found = []
     for kid in children_of(launcher):
         line = _cmdline(kid)
         if b"multiprocessing.forkserver" in line:
-            found += children_of(kid)
+            command = _forked_command(launcher, kid)
+            found += [pid for pid in children_of(kid) if pid != command]
         elif b"spawn_main" in line:
             found.append(kid)
     return sorted(found, key=lambda pid: (_start_time(pid), pid))

@@ -3,14 +3,19 @@ where it will start processes here (shoal.cli.early)."""
 
 from __future__ import annotations
 
+import contextlib
+import os
+import signal
 import subprocess
 import sys
+import time
+from pathlib import Path
 
 import pytest
 
 from shoal.cli.early import wants_workers
 
-from conftest import shoal_env
+from conftest import REPO, command_process, one_error_line, shoal_env
 
 #: What torchrun, srun and OpenMPI's and MPICH's mpirun tell each rank they start.
 LAUNCHERS = {
@@ -62,3 +67,39 @@ def test_deciding_imports_no_torch():
     res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          env=shoal_env(), timeout=120)
     assert res.stdout.strip() == "False", res.stdout + res.stderr
+
+
+def _maps_torch(pid: int) -> bool:
+    try:
+        return "libtorch" in Path(f"/proc/{pid}/maps").read_text()
+    except OSError:
+        return False
+
+
+def test_the_command_works_in_a_process_forked_from_its_server(tmp_path):
+    """``shoal train --workers 2``: the command's own process never loads torch; the work
+    (checks, the job's store, records) runs in a process forked from the server, which
+    loaded it once for the workers too. The job trains and ends with that process's status:
+    0 here, 2 and one line for a command refused after the server started."""
+    cmd = [sys.executable, "-m", "shoal", "train", "--workers", "2", "--epochs", "2",
+           "--model", "tests.fixtures_models:tiny", "--progress", "none"]
+    proc = subprocess.Popen([*cmd, "--out", str(tmp_path / "run")], env=shoal_env(), cwd=REPO,
+                            stderr=subprocess.PIPE, text=True, start_new_session=True)
+    forked, seen_torch = [], False
+    try:
+        while proc.poll() is None:
+            assert not _maps_torch(proc.pid), "the command's own process loaded torch"
+            command = command_process(proc.pid)
+            if command != proc.pid:
+                forked.append(command)
+                seen_torch |= _maps_torch(command)
+            time.sleep(0.01)
+        assert proc.wait(timeout=120) == 0, proc.stderr.read()
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+    assert forked and seen_torch and (tmp_path / "run" / "summary.json").exists()
+    refused = subprocess.run([*cmd, "--lr", "-1", "--out", str(tmp_path / "other")], cwd=REPO,
+                             env=shoal_env(), capture_output=True, text=True, timeout=120)
+    assert refused.returncode == 2 and one_error_line(refused.stderr).startswith(
+        "shoal: error: ") and "--lr" in refused.stderr

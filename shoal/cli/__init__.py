@@ -16,7 +16,7 @@ import traceback
 from collections.abc import Sequence
 from typing import Any
 
-from shoal.cli.early import start_server_early, stop_server
+from shoal.cli.early import run_forked, start_server_early, stop_server
 from shoal.cli.parsers import build_parser
 from shoal.cli.settings import config_from_args
 from shoal.core.guard import skip_exit_collection
@@ -224,7 +224,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     early = own and start_server_early(argv)
     try:
-        return _main(argv)
+        code = run_forked(argv) if early else None
+        return _main(argv) if code is None else code
     finally:
         if early:
             stop_server()

@@ -11,12 +11,26 @@ already running keeps what it imported; a process it forks imports the rest itse
 
 from __future__ import annotations
 
+import contextlib
+import ctypes
 import os
+import signal
+import sys
 from collections.abc import Sequence
 
 from shoal.core.env import detect_environment
-from shoal.core.starting import ensure_server, stop_server
+from shoal.core.guard import guarded_name
+from shoal.core.starting import (
+    adopt_server,
+    ensure_server,
+    new_process,
+    server_address,
+    start_guarded,
+    stop_server,
+)
 from shoal.errors import ShoalError
+
+PR_SET_NAME = 15
 
 
 def _a_rank() -> bool:
@@ -63,4 +77,65 @@ def start_server_early(argv: Sequence[str]) -> bool:
     return True
 
 
-__all__ = ["start_server_early", "stop_server", "wants_workers"]
+#: The name (``ps``, ``top``) of the process a ``shoal train`` forks to do its work.
+COMMAND_NAME = "shoal-train"
+
+
+def name_process(name: str) -> None:
+    """Give this process ``name`` in Linux's process list (its ``comm``: ``ps``, ``top``;
+    at most 15 bytes); nothing elsewhere."""
+    if sys.platform.startswith("linux"):
+        with contextlib.suppress(OSError, AttributeError):
+            ctypes.CDLL(None, use_errno=True).prctl(PR_SET_NAME, name.encode()[:15])
+
+
+def _forked_command(argv: list[str], address: str) -> None:
+    """The command ``argv``, in a process forked from the server at ``address``, whose
+    workers that server forks too; exits with the command's status."""
+    from shoal.cli import _main
+    from shoal.core.guard import skip_exit_collection
+
+    adopt_server(address)
+    skip_exit_collection()
+    name_process(COMMAND_NAME)
+    sys.exit(_main(argv))
+
+
+def _from_the_terminal() -> bool:
+    """Whether a SIGINT here came from a terminal (Ctrl-C), which sends it to every process
+    of its foreground group: this one's, that of the command's forked process too."""
+    try:
+        return os.tcgetpgrp(sys.stdin.fileno()) == os.getpgrp()
+    except (OSError, ValueError, AttributeError):
+        return False
+
+
+def run_forked(argv: list[str]) -> int | None:
+    """Run the command ``argv`` in a process forked from this process's server (started by
+    :func:`start_server_early`), which imported torch already: the command's checks, its
+    store and its records there, this process (which imports no torch) passing SIGTERM and
+    SIGINT on and ending with the same status (128 + N where a signal N ended it). ``None``
+    where no server runs (``SHOAL_START_METHOD=spawn``, not Linux)."""
+    address = server_address()
+    if address is None:
+        return None
+    process = new_process(_forked_command, (list(argv), address), daemon=False,
+                          name=guarded_name("shoal", os.getpid()))
+
+    def pass_on(signum: int, frame: object) -> None:
+        if process.pid is not None and not (signum == signal.SIGINT and _from_the_terminal()):
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(process.pid, signum)
+
+    before = {sig: signal.signal(sig, pass_on) for sig in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        start_guarded(process)
+        process.join()
+    finally:
+        for sig, handler in before.items():
+            signal.signal(sig, handler)
+    code = process.exitcode
+    return code if code >= 0 else 128 - code
+
+
+__all__ = ["COMMAND_NAME", "run_forked", "start_server_early", "stop_server", "wants_workers"]

@@ -130,11 +130,15 @@ def parent_of(pid: int) -> int | None:
 
 
 def guard_child(launcher: int) -> None:
-    """For a child of ``start_process``: die with its parent, which is ``launcher`` itself or
+    """For a child of ``start_process``: die with its parent, which is ``launcher`` itself,
     the server ``launcher`` started to fork its processes (which ends with the launcher:
-    :mod:`shoal.core.zygote`); at once when it is neither."""
+    :mod:`shoal.core.zygote`), or the server ``launcher`` was itself forked from (``shoal
+    train``'s, which ends with the command, as does ``launcher``: :mod:`shoal.cli.early`);
+    at once when it is none of them."""
     parent = os.getppid()
-    if parent != launcher and parent_of(parent) == launcher:
+    its_server = parent_of(parent) == launcher
+    same_server = parent != 1 and parent_of(launcher) == parent
+    if parent != launcher and (its_server or same_server):
         die_with_parent(parent)
     else:
         die_with_parent(launcher)

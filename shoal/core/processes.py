@@ -20,7 +20,6 @@ import tempfile
 import threading
 import time
 import traceback
-import types
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 from multiprocessing.process import BaseProcess
@@ -28,13 +27,12 @@ from typing import Any
 
 import cloudpickle
 
-from shoal.core import guard
 from shoal.core.env import Environment, set_environment
 from shoal.core.failures import exit_status, first_line, record_failure, root_cause
 from shoal.core.guard import guarded_name
 from shoal.core.limits import check_processes
 from shoal.core.outlive import STALE, outlive
-from shoal.core.starting import new_process
+from shoal.core.starting import new_process, start_guarded
 from shoal.core.stop import STOP, Flag
 from shoal.core.waits import ended_key, key_prefix, members_now, say_gone
 from shoal.errors import ShoalError, Terminated, WorkerError
@@ -89,19 +87,7 @@ def start_process(target: Callable[..., Any], args: tuple[Any, ...] = (), *,
     itself.
     """
     process = new_process(target, args, daemon=False, name=guarded_name(name, os.getpid()))
-    # The spawn Popen reads sys.modules["__main__"] (to tell the child what to run as its
-    # main module) and pickles the process object inside start(), and nowhere else: a
-    # stand-in __main__ whose file is guard.py for that moment makes the child run the guard
-    # and nothing of the caller's. The window is the few ms of start(); a thread pickling a
-    # __main__ object by reference meanwhile would fail.
-    main = sys.modules["__main__"]
-    stand_in = types.ModuleType("__main__")
-    stand_in.__file__ = os.path.abspath(guard.__file__)
-    sys.modules["__main__"] = stand_in
-    try:
-        process.start()
-    finally:
-        sys.modules["__main__"] = main
+    start_guarded(process)
     return process
 
 

@@ -24,11 +24,13 @@ import faulthandler
 import multiprocessing as mp
 import multiprocessing.connection
 import multiprocessing.forkserver
+import multiprocessing.resource_tracker
 import multiprocessing.util
 import os
 import signal
 import sys
 import threading
+import types
 from collections.abc import Callable, Sequence
 from multiprocessing import popen_forkserver
 from multiprocessing.context import BaseContext
@@ -113,12 +115,59 @@ def new_process(target: Callable[..., Any], args: tuple[Any, ...], **kwargs: Any
     return ctx.Process(target=run_as_launched, args=run_args, **kwargs)
 
 
+def start_guarded(process: Any) -> None:
+    """Start ``process`` (of :func:`new_process`) with :mod:`shoal.core.guard` as the main
+    module it runs first, in place of this process's own.
+
+    The spawn Popen reads ``sys.modules["__main__"]`` (to tell the child what to run as its
+    main module; the forkserver's child runs it too) and pickles the process object inside
+    ``start()``, and nowhere else: a stand-in ``__main__`` whose file is guard.py for that
+    moment makes the child run the guard and nothing of the caller's (``shoal/__main__.py``
+    would run the command again). The window is the few ms of ``start()``; a thread
+    pickling a ``__main__`` object by reference meanwhile would fail."""
+    from shoal.core import guard
+
+    main = sys.modules["__main__"]
+    stand_in = types.ModuleType("__main__")
+    stand_in.__file__ = os.path.abspath(guard.__file__)
+    sys.modules["__main__"] = stand_in
+    try:
+        process.start()
+    finally:
+        sys.modules["__main__"] = main
+
+
+def server_address() -> str | None:
+    """The address of the server this process started (or adopted), or ``None``."""
+    if start_method() != "forkserver":
+        return None
+    return getattr(mp.forkserver._forkserver, "_forkserver_address", None)  # type: ignore[attr-defined]
+
+
+_ADOPTED = False
+
+
+def adopt_server(address: str) -> None:
+    """In a process forked from the server at ``address``: start this process's own
+    processes from that server too, instead of a server of its own (whose start would import
+    torch once more). This process does not keep the server alive: it ends with the process
+    that started it, and this one with it (:func:`shoal.core.guard.guard_child`); a request
+    hands the server a stand-in for the pipe end that ties a child to that process, which
+    the child gives up first thing (:func:`_leave_server`)."""
+    global _ADOPTED
+    server = mp.forkserver._forkserver  # type: ignore[attr-defined]
+    server._forkserver_address = address
+    server._forkserver_alive_fd = os.open(os.devnull, os.O_RDONLY)
+    server.ensure_running = mp.resource_tracker.ensure_running  # never a server of its own
+    _ADOPTED = True
+
+
 def ensure_server(more: Sequence[str] = ()) -> None:
     """Start the server that forks shoal's processes now, if this process has none yet and
     uses one: it imports torch (and ``more``: ``torch._dynamo`` for workers that compile)
     while this process does other work. A server already running
     keeps what it imported; a process forked from it imports the rest itself."""
-    if start_method() == "forkserver":
+    if start_method() == "forkserver" and not _ADOPTED:
         context(more)
         mp.forkserver.ensure_running()
 
