@@ -331,6 +331,24 @@ def test_sigterm_to_shoal_train_in_start_up_stops_every_process(tmp_path, starte
         assert wait_gone(job.marker, GONE_S) == []
 
 
+def test_a_killed_command_process_ends_the_command_and_every_process(tmp_path):
+    """kill -9 of the process ``shoal train`` forked from its server to do its work (the
+    OOM killer's choice: it holds the records): the command exits with 137 and one line
+    naming it, and none of the job's processes is left."""
+    cmd = [sys.executable, "-m", "shoal", *JOBS["sync"], "--epochs", "1000", "--out", "out",
+           "--log-every", "1"]
+    with Job(cmd, tmp_path) as job:
+        job.wait_until("training", lambda: _has_records(tmp_path / "out"))
+        command = command_process(job.proc.pid)
+        assert command != job.proc.pid and len(job.workers()) == 2
+        os.kill(command, signal.SIGKILL)
+        assert job.proc.wait(timeout=30) == 137
+        lines = [ln for ln in job.log.read_text().splitlines() if ln.startswith("shoal:")]
+        assert lines == [f"shoal: error: the command's process (pid {command}) was killed by "
+                         "SIGKILL"], job.log.read_text()
+        assert wait_gone(job.marker, GONE_S) == []
+
+
 GUARDED = textwrap.dedent("""
     import subprocess, sys, time
     from shoal.core.guard import guarded_command

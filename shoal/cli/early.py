@@ -135,6 +135,9 @@ def run_forked(argv: list[str]) -> int | None:
         for sig, handler in before.items():
             signal.signal(sig, handler)
     code = process.exitcode
+    if code < 0 and -code not in before:  # SIGKILL (the OOM killer's), SIGSEGV: no word left
+        print(f"shoal: error: the command's process (pid {process.pid}) was killed by "
+              f"{signal.Signals(-code).name}", file=sys.stderr)
     return code if code >= 0 else 128 - code
 
 
