@@ -115,7 +115,7 @@ def run_forked(argv: list[str]) -> int | None:
     :func:`start_server_early`), which imported torch already: the command's checks, its
     store and its records there, this process (which imports no torch) passing SIGTERM and
     SIGINT on and ending with the same status (128 + N where a signal N ended it). ``None``
-    where no server runs (``SHOAL_START_METHOD=spawn``, not Linux)."""
+    where no server runs (``SHOAL_START_METHOD=spawn``, not Linux) or it could not fork."""
     address = server_address()
     if address is None:
         return None
@@ -129,7 +129,10 @@ def run_forked(argv: list[str]) -> int | None:
 
     before = {sig: signal.signal(sig, pass_on) for sig in (signal.SIGTERM, signal.SIGINT)}
     try:
-        start_guarded(process)
+        try:
+            start_guarded(process)
+        except (OSError, EOFError):  # the server is gone: the work is done here instead
+            return None
         process.join()
     finally:
         for sig, handler in before.items():
