@@ -1,12 +1,15 @@
-"""``shoal train`` starts the server that forks its workers before it imports anything heavy.
+"""``shoal train`` starts the server that forks its workers before it imports anything heavy,
+and does its work in a process forked from that server.
 
-That server imports torch (and ``torch._dynamo`` for ``--compile``) once for every worker
-it forks (:mod:`shoal.core.starting`); the command itself imports torch too, to check the
-model and the data. Started first, the two imports run side by side on two cores instead
-of one after the other: about 2 s less before a small job's first step. Only the command's
-own argument list is read here, before it is parsed: a guess about what the job needs (its
-number of workers, whether it compiles), which the checks after it make right (a server
-already running keeps what it imported; a process it forks imports the rest itself).
+That server imports torch (and ``torch._dynamo`` for ``--compile``) once for every process
+it forks (:mod:`shoal.core.starting`). The command's checks, its job's store and its records
+need torch too: they run in a process the server forks first (:func:`run_forked`, named
+``shoal-train`` in ``ps``), which asks the same server for the workers. The command's own
+process imports no torch at all: it passes signals on and ends with the work's status.
+Only the command's own argument list is read to decide this, before it is parsed: a guess
+about what the job needs (its number of workers, whether it compiles), which the checks
+after it make right (a server already running keeps what it imported; a process it forks
+imports the rest itself).
 """
 
 from __future__ import annotations

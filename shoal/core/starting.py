@@ -9,6 +9,8 @@ imports torch and ``torch.distributed`` once (before any thread, any CUDA call; 
 ``SHOAL_START_METHOD=spawn`` goes back to fresh interpreters (and elsewhere than Linux they
 always are).
 
+A process forked from the server may have the same server fork its own processes
+(:func:`adopt_server`: ``shoal train``'s work, whose workers come from its command's server).
 A forked process starts with the server's environment and standard output and error as
 they were when the server started: :func:`run_as_launched` gives it the launcher's as they
 are now, before anything of the target runs (multiprocessing gives it the launcher's
