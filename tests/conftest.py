@@ -275,10 +275,10 @@ def _start_time(pid: int) -> int:
 
 
 def _forked_command(launcher: int, server: int) -> int | None:
-    """The process a ``shoal train`` (``launcher``) forked from its ``server`` to do the
-    command's work (:func:`shoal.cli.early.run_forked`): that server's first child; ``None``
+    """The process a ``shoal train`` or ``shoal run`` (``launcher``) forked from its ``server``
+    to do the command's work (:func:`shoal.cli.early.run_forked`): that server's first child; ``None``
     for any other launcher (a test's own process, ``shoal run``)."""
-    if b"shoal\0train\0" not in _cmdline(launcher):
+    if not any(f"shoal\0{command}\0".encode() in _cmdline(launcher) for command in ("train", "run")):
         return None
     kids = sorted(children_of(server), key=lambda pid: (_start_time(pid), pid))
     return kids[0] if kids else None

@@ -1,5 +1,6 @@
-"""``shoal train`` starts the server that forks its workers before it imports torch, only
-where it will start processes here (shoal.cli.early)."""
+"""``shoal train`` and ``shoal run`` start the server that forks their workers before they
+import torch, only where they will start processes here, and do their work in a process
+forked from it (shoal.cli.early)."""
 
 from __future__ import annotations
 
@@ -44,10 +45,16 @@ def no_launcher(monkeypatch):
     (["train", "--workers", "1", "--max-restarts", "2"], True),  # restarts run in a process
     (["train", "--config", "job.yaml"], True),  # may say more workers
     (["train", "--workers", "2", "--help"], False),
-    (["run", "--workers", "2", "x.py"], False),
+    (["run", "--workers", "2", "x.py"], True),
+    (["run", "x.py"], True),  # its one rank is a process too
+    (["run", "--help"], False),
+    (["run", "--workers", "2", "-h"], False),
+    (["run", "x.py", "--help"], True),  # the script's flag
+    (["run", "--workers", "2", "-m", "pkg.mod", "-h"], True),
+    (["plan", "--workers", "2"], False),
     ([], False),
 ])
-def test_only_a_train_that_starts_processes_starts_the_server_early(argv, wanted, no_launcher):
+def test_only_a_command_that_starts_processes_starts_the_server_early(argv, wanted, no_launcher):
     assert wants_workers(argv) is wanted
 
 
@@ -58,6 +65,7 @@ def test_a_rank_of_an_outside_launcher_starts_no_server(launcher, no_launcher):
     for name, value in LAUNCHERS[launcher].items():
         no_launcher.setenv(name, value)
     assert not wants_workers(["train", "--workers", "2"])
+    assert not wants_workers(["run", "x.py"])
 
 
 def test_deciding_imports_no_torch():
@@ -76,29 +84,42 @@ def _maps_torch(pid: int) -> bool:
         return False
 
 
-def test_the_command_works_in_a_process_forked_from_its_server(tmp_path):
-    """``shoal train --workers 2``: the command's own process never loads torch; the work
-    (checks, the job's store, records) runs in a process forked from the server, which
-    loaded it once for the workers too. The job trains and ends with that process's status:
-    0 here, 2 and one line for a command refused after the server started."""
-    cmd = [sys.executable, "-m", "shoal", "train", "--workers", "2", "--epochs", "2",
-           "--model", "tests.fixtures_models:tiny", "--progress", "none"]
-    proc = subprocess.Popen([*cmd, "--out", str(tmp_path / "run")], env=shoal_env(), cwd=REPO,
-                            stderr=subprocess.PIPE, text=True, start_new_session=True)
-    forked, seen_torch = [], False
+def _watched(cmd: list[str]) -> tuple[bool, bool]:
+    """Run ``cmd`` (a ``shoal`` command line), which must succeed; whether it forked a
+    process to do its work, and whether that one loaded torch. Its own process must not."""
+    proc = subprocess.Popen(cmd, env=shoal_env(), cwd=REPO, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True)
+    forked, seen_torch = False, False
     try:
         while proc.poll() is None:
             assert not _maps_torch(proc.pid), "the command's own process loaded torch"
             command = command_process(proc.pid)
             if command != proc.pid:
-                forked.append(command)
-                seen_torch |= _maps_torch(command)
+                forked, seen_torch = True, seen_torch or _maps_torch(command)
             time.sleep(0.01)
         assert proc.wait(timeout=120) == 0, proc.stderr.read()
     finally:
         with contextlib.suppress(ProcessLookupError):
             os.killpg(proc.pid, signal.SIGKILL)
-    assert forked and seen_torch and (tmp_path / "run" / "summary.json").exists()
+    return forked, seen_torch
+
+
+def test_the_command_works_in_a_process_forked_from_its_server(tmp_path):
+    """``shoal train --workers 2``: the command's own process never loads torch; the work
+    (checks, the job's store, records) runs in a process forked from the server, which
+    loaded it once for the workers too. The job trains and ends with that process's status:
+    0 here, 2 and one line for a command refused after the server started. ``shoal run``
+    the same, its ranks writing their files."""
+    cmd = [sys.executable, "-m", "shoal", "train", "--workers", "2", "--epochs", "2",
+           "--model", "tests.fixtures_models:tiny", "--progress", "none"]
+    assert _watched([*cmd, "--out", str(tmp_path / "run")]) == (True, True)
+    assert (tmp_path / "run" / "summary.json").exists()
+    script = tmp_path / "rank.py"
+    script.write_text("import os, sys\nimport shoal\nshoal.init()\n"
+                      "open(os.path.join(sys.argv[1], os.environ['RANK']), 'w').close()\n")
+    assert _watched([sys.executable, "-m", "shoal", "run", "--workers", "2", str(script),
+                     str(tmp_path)]) == (True, True)
+    assert (tmp_path / "0").exists() and (tmp_path / "1").exists()
     refused = subprocess.run([*cmd, "--lr", "-1", "--out", str(tmp_path / "other")], cwd=REPO,
                              env=shoal_env(), capture_output=True, text=True, timeout=120)
     assert refused.returncode == 2 and one_error_line(refused.stderr).startswith(

@@ -58,14 +58,34 @@ def _flag(argv: Sequence[str], name: str) -> str | None:
     return value
 
 
+def _run_flags(argv: Sequence[str]) -> list[str]:
+    """``shoal run``'s own flags in ``argv`` (``run`` first): those before its script or
+    module; everything after that is the script's."""
+    flags, valued = [], ("--workers", "--threads-per-worker")
+    rest = iter(argv[1:])
+    for arg in rest:
+        if not arg.startswith("-"):
+            break
+        flags.append(arg)
+        if arg == "-m":
+            break
+        if arg in valued:
+            flags.append(next(rest, ""))
+    return flags
+
+
 def wants_workers(argv: Sequence[str]) -> bool:
-    """Whether ``argv`` (a ``shoal`` command's arguments) looks like a ``shoal train`` that
-    starts processes here: more than one worker (none given is one on a CPU), restarts, or a
+    """Whether ``argv`` (a ``shoal`` command's arguments) looks like a command that starts
+    processes here: ``shoal run`` (its ranks are processes, one included), or a ``shoal
+    train`` with more than one worker (none given is one on a CPU), restarts, or a
     ``--config`` that may say so; not help, not a rank of an outside launcher."""
-    if not argv or argv[0] != "train" or "-h" in argv or "--help" in argv:
+    if not argv or argv[0] not in ("train", "run"):
         return False
-    if _a_rank():
+    own = argv if argv[0] == "train" else _run_flags(argv)
+    if "-h" in own or "--help" in own or _a_rank():
         return False
+    if argv[0] == "run":
+        return True
     workers, restarts = _flag(argv, "--workers"), _flag(argv, "--max-restarts")
     return workers not in (None, "1") or restarts not in (None, "0") or \
         _flag(argv, "--config") is not None
@@ -80,8 +100,9 @@ def start_server_early(argv: Sequence[str]) -> bool:
     return True
 
 
-#: The name (``ps``, ``top``) of the process a ``shoal train`` forks to do its work.
-COMMAND_NAME = "shoal-train"
+#: The name (``ps``, ``top``) of the process a ``shoal train`` (``shoal run``: ``shoal-run``)
+#: forks to do its work.
+COMMAND_NAME = "shoal-{}"
 
 
 def name_process(name: str) -> None:
@@ -100,7 +121,7 @@ def _forked_command(argv: list[str], address: str) -> None:
 
     adopt_server(address)
     skip_exit_collection()
-    name_process(COMMAND_NAME)
+    name_process(COMMAND_NAME.format(argv[0]))
     sys.exit(_main(argv))
 
 
