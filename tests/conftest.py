@@ -275,9 +275,9 @@ def _start_time(pid: int) -> int:
 
 
 def _forked_command(launcher: int, server: int) -> int | None:
-    """The process a ``shoal train`` or ``shoal run`` (``launcher``) forked from its ``server``
-    to do the command's work (:func:`shoal.cli.early.run_forked`): that server's first child; ``None``
-    for any other launcher (a test's own process, ``shoal run``)."""
+    """The process a ``shoal train`` or ``shoal run`` (``launcher``) forked from its
+    ``server`` to do the command's work (:func:`shoal.cli.early.run_forked`): that server's
+    first child; ``None`` for any other launcher (a test's own process, ``shoal plan``)."""
     if not any(f"shoal\0{command}\0".encode() in _cmdline(launcher) for command in ("train", "run")):
         return None
     kids = sorted(children_of(server), key=lambda pid: (_start_time(pid), pid))
@@ -298,7 +298,8 @@ def started_by(launcher: int) -> list[int]:
     pool's ranks), in the order they started: forked by the server ``launcher`` started
     for it (``shoal.core.starting``), or, under ``SHOAL_START_METHOD=spawn``, its own
     children. The server itself, multiprocessing's resource tracker and the process a
-    ``shoal train`` forks to do its work (:func:`command_process`) are not among them."""
+    ``shoal train`` or ``shoal run`` forks to do its work (:func:`command_process`) are not
+    among them."""
     found = []
     for kid in children_of(launcher):
         line = _cmdline(kid)
