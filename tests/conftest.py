@@ -285,7 +285,7 @@ def _forked_command(launcher: int, server: int) -> int | None:
 
 
 def command_process(pid: int) -> int:
-    """The process that does the work of the ``shoal train`` whose process is ``pid``:
+    """The process that does the work of the ``shoal train`` (or ``run``) whose process is ``pid``:
     the one it forks from its server (:func:`shoal.cli.early.run_forked`), else ``pid``."""
     for kid in children_of(pid):
         if b"multiprocessing.forkserver" in _cmdline(kid):
