@@ -15,14 +15,13 @@ imports the rest itself).
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import os
 import signal
 import sys
 from collections.abc import Sequence
 
 from shoal.core.env import detect_environment
-from shoal.core.guard import guarded_name
+from shoal.core.guard import guarded_name, name_thread, skip_exit_collection
 from shoal.core.starting import (
     adopt_server,
     ensure_server,
@@ -32,8 +31,6 @@ from shoal.core.starting import (
     stop_server,
 )
 from shoal.errors import ShoalError
-
-PR_SET_NAME = 15
 
 
 def _a_rank() -> bool:
@@ -100,28 +97,14 @@ def start_server_early(argv: Sequence[str]) -> bool:
     return True
 
 
-#: The name (``ps``, ``top``) of the process a ``shoal train`` (``shoal run``: ``shoal-run``)
-#: forks to do its work.
-COMMAND_NAME = "shoal-{}"
-
-
-def name_process(name: str) -> None:
-    """Give this process ``name`` in Linux's process list (its ``comm``: ``ps``, ``top``;
-    at most 15 bytes); nothing elsewhere."""
-    if sys.platform.startswith("linux"):
-        with contextlib.suppress(OSError, AttributeError):
-            ctypes.CDLL(None, use_errno=True).prctl(PR_SET_NAME, name.encode()[:15])
-
-
 def _forked_command(argv: list[str], address: str) -> None:
     """The command ``argv``, in a process forked from the server at ``address``, whose
     workers that server forks too; exits with the command's status."""
     from shoal.cli import _main
-    from shoal.core.guard import skip_exit_collection
 
     adopt_server(address)
     skip_exit_collection()
-    name_process(COMMAND_NAME.format(argv[0]))
+    name_thread(f"shoal-{argv[0]}")  # the main thread: in ps, shoal-train or shoal-run
     sys.exit(_main(argv))
 
 
@@ -168,4 +151,4 @@ def run_forked(argv: list[str]) -> int | None:
     return code if code >= 0 else 128 - code
 
 
-__all__ = ["COMMAND_NAME", "run_forked", "start_server_early", "stop_server", "wants_workers"]
+__all__ = ["run_forked", "start_server_early", "stop_server", "wants_workers"]

@@ -36,15 +36,28 @@ import signal
 import sys
 
 PR_SET_PDEATHSIG = 1
+PR_SET_NAME = 15
 _NAME = re.compile(r" \[launcher (\d+)\]$")
+
+
+def prctl(option: int, value: int | bytes) -> None:
+    """Linux's ``prctl(option, value)`` for this process (its calling thread); nothing
+    elsewhere, nor where the C library cannot be reached."""
+    if sys.platform.startswith("linux"):
+        with contextlib.suppress(OSError, AttributeError):
+            ctypes.CDLL(None, use_errno=True).prctl(option, value)
+
+
+def name_thread(name: str) -> None:
+    """Name the calling thread (at most 15 bytes) where ``ps -L``, ``top -H`` and
+    ``/proc/PID/task`` show it; the main thread's name is the process's in ``ps``."""
+    prctl(PR_SET_NAME, name.encode()[:15])
 
 
 def die_with_parent(parent: int) -> None:
     """End this process now unless its parent is ``parent`` (the pid that started it), and
     have Linux end it when that parent dies from now on."""
-    if sys.platform.startswith("linux"):
-        with contextlib.suppress(OSError, AttributeError):
-            ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+    prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
     # After the prctl: a parent that dies from here on is covered by it, one that died
     # before shows as a different parent now.
     if os.getppid() != parent:
@@ -99,9 +112,7 @@ def _exec_after(argv: list[str]) -> None:
     """``guard.py --after PARENT -- CMD...``: wait for ``PARENT`` to die, become ``CMD``."""
     parent = int(argv[0])
     signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})  # taken by sigtimedwait
-    if sys.platform.startswith("linux"):
-        with contextlib.suppress(OSError, AttributeError):
-            ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+    prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
     while os.getppid() == parent:  # a parent that died before the prctl shows here
         signal.sigtimedwait({signal.SIGTERM}, 5.0)
     signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGTERM})

@@ -38,6 +38,8 @@ from multiprocessing import popen_forkserver
 from multiprocessing.context import BaseContext
 from typing import Any
 
+from shoal.core import guard
+
 #: What the server imports once for every process it forks; the first blocks SIGTERM.
 PRELOAD = ["shoal.core.zygote", "torch", "torch.distributed"]
 
@@ -127,8 +129,6 @@ def start_guarded(process: Any) -> None:
     moment makes the child run the guard and nothing of the caller's (``shoal/__main__.py``
     would run the command again). The window is the few ms of ``start()``; a thread
     pickling a ``__main__`` object by reference meanwhile would fail."""
-    from shoal.core import guard
-
     main = sys.modules["__main__"]
     stand_in = types.ModuleType("__main__")
     stand_in.__file__ = os.path.abspath(guard.__file__)

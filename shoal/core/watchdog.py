@@ -9,7 +9,6 @@ out the collectives' timeout. See :class:`Watchdog`.
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import json
 import os
 import sys
@@ -23,19 +22,13 @@ import torch.distributed as dist
 from shoal.core.env import Environment
 from shoal.core.failures import EXIT_ABORTED, first_line, record_for
 from shoal.core.group import own_client
+from shoal.core.guard import name_thread
 from shoal.core.waits import Waits, beat
 
 ABORT_KEY = "abort"
 HUNG = "stopped responding"  # how a hung rank's report begins
 
 _T = TypeVar("_T")
-
-
-def _name_os_thread(name: str) -> None:
-    """Name the calling thread where ``ps -L``, ``top -H`` and ``/proc/PID/task`` show it."""
-    if sys.platform.startswith("linux"):
-        with contextlib.suppress(OSError, AttributeError):
-            ctypes.CDLL("libc.so.6").prctl(15, name.encode()[:15])  # PR_SET_NAME
 
 
 class Watchdog:
@@ -110,7 +103,7 @@ class Watchdog:
                 self._call_since = None
 
     def _watch(self) -> None:
-        _name_os_thread(f"shoal-hb-r{self._rank}")
+        name_thread(f"shoal-hb-r{self._rank}")
         try:
             self._watch_store(self._call(own_client, self._store, self._env.attempt))
         except Exception as exc:
