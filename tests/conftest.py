@@ -274,6 +274,14 @@ def _start_time(pid: int) -> int:
         return 0
 
 
+def loads_torch(pid: int) -> bool:
+    """Whether process ``pid`` has torch's library mapped (it is importing torch, or past)."""
+    try:
+        return "libtorch" in Path(f"/proc/{pid}/maps").read_text()
+    except OSError:
+        return False
+
+
 def _forked_command(launcher: int, server: int) -> int | None:
     """The process a ``shoal train`` or ``shoal run`` (``launcher``) forked from its
     ``server`` to do the command's work (:func:`shoal.cli.early.run_forked`): that server's

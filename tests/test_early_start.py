@@ -10,13 +10,12 @@ import signal
 import subprocess
 import sys
 import time
-from pathlib import Path
 
 import pytest
 
 from shoal.cli.early import wants_workers
 
-from conftest import REPO, command_process, one_error_line, shoal_env
+from conftest import REPO, command_process, loads_torch, one_error_line, shoal_env
 
 #: What torchrun, srun and OpenMPI's and MPICH's mpirun tell each rank they start.
 LAUNCHERS = {
@@ -77,13 +76,6 @@ def test_deciding_imports_no_torch():
     assert res.stdout.strip() == "False", res.stdout + res.stderr
 
 
-def _maps_torch(pid: int) -> bool:
-    try:
-        return "libtorch" in Path(f"/proc/{pid}/maps").read_text()
-    except OSError:
-        return False
-
-
 def _watched(cmd: list[str]) -> tuple[bool, bool]:
     """Run ``cmd`` (a ``shoal`` command line), which must succeed; whether it forked a
     process to do its work, and whether that one loaded torch. Its own process must not."""
@@ -92,10 +84,10 @@ def _watched(cmd: list[str]) -> tuple[bool, bool]:
     forked, seen_torch = False, False
     try:
         while proc.poll() is None:
-            assert not _maps_torch(proc.pid), "the command's own process loaded torch"
+            assert not loads_torch(proc.pid), "the command's own process loaded torch"
             command = command_process(proc.pid)
             if command != proc.pid:
-                forked, seen_torch = True, seen_torch or _maps_torch(command)
+                forked, seen_torch = True, seen_torch or loads_torch(command)
             time.sleep(0.01)
         assert proc.wait(timeout=120) == 0, proc.stderr.read()
     finally:

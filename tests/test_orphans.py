@@ -33,6 +33,7 @@ from conftest import (
     children_of,
     command_process,
     listening_sockets,
+    loads_torch,
     marked_processes,
     mpirun,
     needs_mpirun,
@@ -159,14 +160,6 @@ def _hold_rendezvous(job: Job, ranks: int) -> None:
     os.kill(first, signal.SIGSTOP)
     job.wait_until("rank waiting in the rendezvous", lambda: len(job.workers()) == ranks and all(
         _connected_to(pid, ports[0]) for pid in job.workers() if pid != first))
-
-
-def _loads_torch(pid: int) -> bool:
-    """Whether process ``pid`` has torch's library mapped (it is importing torch, or past)."""
-    try:
-        return "libtorch" in Path(f"/proc/{pid}/maps").read_text()
-    except OSError:
-        return False
 
 
 def _has_records(out: Path) -> bool:
@@ -321,7 +314,7 @@ def test_sigterm_to_shoal_train_in_start_up_stops_every_process(tmp_path, starte
     with Job(cmd, tmp_path) as job:
         job.wait_until(f"{started} worker processes", lambda: len(job.workers()) >= started)
         if started == 2:  # and both have begun to load torch (its library is mapped)
-            job.wait_until("torch loading", lambda: all(_loads_torch(p) for p in job.workers()))
+            job.wait_until("torch loading", lambda: all(loads_torch(p) for p in job.workers()))
         os.kill(job.proc.pid, signal.SIGTERM)
         job.proc.wait(timeout=30)
         # A stop, not a crash, whether the workers were still being started or importing.
