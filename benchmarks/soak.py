@@ -58,10 +58,16 @@ def children(pid: int) -> list[int]:
     return pids
 
 
+#: The names of the processes that do a ``shoal train``, ``run`` or ``join``'s work.
+COMMAND_NAMES = ("shoal-train", "shoal-run", "shoal-join")
+
+
 def workers_of(launcher: int) -> list[int]:
     """The worker processes ``launcher`` started, in rank order (it starts them one after
     the other: by start time, then pid): its multiprocessing spawn children, or (shoal's
-    default on Linux) the children of its fork server, which forks each worker."""
+    default on Linux) the children of its fork server, which forks each worker. The process
+    that server forks first to do the command's work (named ``shoal-train``, ``shoal-run``
+    or ``shoal-join``: shoal.cli.early) is not a worker."""
     pids: list[int] = []
     for pid in children(launcher):
         with contextlib.suppress(OSError):
@@ -73,9 +79,11 @@ def workers_of(launcher: int) -> list[int]:
     found = []
     for pid in pids:
         with contextlib.suppress(OSError, ValueError, IndexError):
-            stat = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-            if stat[0] != "Z":
-                found.append((int(stat[19]), pid))
+            stat = Path(f"/proc/{pid}/stat").read_text()
+            name, state = stat.split("(", 1)[1].rsplit(")", 1)
+            fields = state.split()
+            if fields[0] != "Z" and name not in COMMAND_NAMES:
+                found.append((int(fields[19]), pid))
     return [pid for _, pid in sorted(found)]
 
 

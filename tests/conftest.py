@@ -283,22 +283,38 @@ def loads_torch(pid: int) -> bool:
 
 
 def _forked_command(launcher: int, server: int) -> int | None:
-    """The process a ``shoal train`` or ``shoal run`` (``launcher``) forked from its
+    """The process a ``shoal train``, ``run`` or ``join`` (``launcher``) forked from its
     ``server`` to do the command's work (:func:`shoal.cli.early.run_forked`): that server's
     first child; ``None`` for any other launcher (a test's own process, ``shoal plan``)."""
-    if not any(f"shoal\0{command}\0".encode() in _cmdline(launcher) for command in ("train", "run")):
+    if not any(f"shoal\0{command}\0".encode() in _cmdline(launcher)
+               for command in ("train", "run", "join")):
         return None
     kids = sorted(children_of(server), key=lambda pid: (_start_time(pid), pid))
     return kids[0] if kids else None
 
 
 def command_process(pid: int) -> int:
-    """The process that does the work of the ``shoal train`` (or ``run``) whose process is ``pid``:
+    """The process that does the work of the ``shoal train`` (``run``, ``join``) whose process is ``pid``:
     the one it forks from its server (:func:`shoal.cli.early.run_forked`), else ``pid``."""
     for kid in children_of(pid):
         if b"multiprocessing.forkserver" in _cmdline(kid):
             return _forked_command(pid, kid) or pid
     return pid
+
+
+class TorchWatch:
+    """A ``shoal`` command's processes looked at while it runs (:meth:`look`, polled): its
+    own process must never load torch; ``forked``: it forked a process to do its work
+    (:func:`command_process`), ``torch``: that process had torch loaded when looked at."""
+
+    def __init__(self, pid: int) -> None:
+        self.pid, self.forked, self.torch = pid, False, False
+
+    def look(self) -> None:
+        assert not loads_torch(self.pid), "the command's own process loaded torch"
+        command = command_process(self.pid)
+        if command != self.pid:
+            self.forked, self.torch = True, self.torch or loads_torch(command)
 
 
 def started_by(launcher: int) -> list[int]:

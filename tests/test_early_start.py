@@ -1,6 +1,6 @@
-"""``shoal train`` and ``shoal run`` start the server that forks their workers before they
-import torch, only where they will start processes here, and do their work in a process
-forked from it (shoal.cli.early)."""
+"""``shoal train``, ``shoal run`` and ``shoal join`` start the server that forks their workers
+before they import torch, only where they will start processes here, and do their work in a
+process forked from it (shoal.cli.early)."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ import pytest
 
 from shoal.cli.early import wants_workers
 
-from conftest import REPO, command_process, loads_torch, one_error_line, shoal_env
+from conftest import REPO, TorchWatch, one_error_line, shoal_env
 
 #: What torchrun, srun and OpenMPI's and MPICH's mpirun tell each rank they start.
 LAUNCHERS = {
@@ -50,6 +50,9 @@ def no_launcher(monkeypatch):
     (["run", "--workers", "2", "-h"], False),
     (["run", "x.py", "--help"], True),  # the script's flag
     (["run", "--workers", "2", "-m", "pkg.mod", "-h"], True),
+    (["join", "runs/job"], True),  # its worker is a process
+    (["join", "--store", "10.0.0.1:29400"], True),
+    (["join", "--help"], False),
     (["plan", "--workers", "2"], False),
     ([], False),
 ])
@@ -65,6 +68,7 @@ def test_a_rank_of_an_outside_launcher_starts_no_server(launcher, no_launcher):
         no_launcher.setenv(name, value)
     assert not wants_workers(["train", "--workers", "2"])
     assert not wants_workers(["run", "x.py"])
+    assert not wants_workers(["join", "runs/job"])
 
 
 def test_deciding_imports_no_torch():
@@ -81,19 +85,16 @@ def _watched(cmd: list[str]) -> tuple[bool, bool]:
     process to do its work, and whether that one loaded torch. Its own process must not."""
     proc = subprocess.Popen(cmd, env=shoal_env(), cwd=REPO, stderr=subprocess.PIPE, text=True,
                             start_new_session=True)
-    forked, seen_torch = False, False
+    watch = TorchWatch(proc.pid)
     try:
         while proc.poll() is None:
-            assert not loads_torch(proc.pid), "the command's own process loaded torch"
-            command = command_process(proc.pid)
-            if command != proc.pid:
-                forked, seen_torch = True, seen_torch or loads_torch(command)
+            watch.look()
             time.sleep(0.01)
         assert proc.wait(timeout=120) == 0, proc.stderr.read()
     finally:
         with contextlib.suppress(ProcessLookupError):
             os.killpg(proc.pid, signal.SIGKILL)
-    return forked, seen_torch
+    return watch.forked, watch.torch
 
 
 def test_the_command_works_in_a_process_forked_from_its_server(tmp_path):

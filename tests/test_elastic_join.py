@@ -20,6 +20,7 @@ import pytest
 from conftest import (
     REPO,
     TRAIN_ROWS,
+    TorchWatch,
     assert_each_sample_once,
     one_error_line,
     samples_trained,
@@ -226,7 +227,11 @@ def test_a_worker_joins_an_asynchronous_job_in_place_of_a_killed_one(held, strat
                "--record-samples", killed=2 + servers)
     job.wait_line("worker 2 left at step")
     joiner = job.join_in_background()
-    job.wait_line("worker 3 joined at step")
+    # shoal join's own process imports no torch: its work runs in a process its server forks
+    watch = TorchWatch(joiner.pid)
+    job.wait_for(lambda: watch.look() or any("worker 3 joined at step" in line
+                                             for line in job.lines), "the join")
+    assert watch.forked and watch.torch
     job.release()
     _, err = joiner.communicate(timeout=240)
     assert joiner.returncode == 0, err

@@ -1,10 +1,11 @@
-"""``shoal train`` starts the server that forks its workers before it imports anything heavy,
-and does its work in a process forked from that server.
+"""``shoal train``, ``shoal run`` and ``shoal join`` start the server that forks their workers
+before they import anything heavy, and do their work in a process forked from that server.
 
 That server imports torch (and ``torch._dynamo`` for ``--compile``) once for every process
 it forks (:mod:`shoal.core.starting`). The command's checks, its job's store and its records
 need torch too: they run in a process the server forks first (:func:`run_forked`, named
-``shoal-train`` in ``ps``), which asks the same server for the workers. The command's own
+``shoal-train``, ``shoal-run`` or ``shoal-join`` in ``ps``), which asks the same server for
+the workers. The command's own
 process imports no torch at all: it passes signals on and ends with the work's status.
 Only the command's own argument list is read to decide this, before it is parsed: a guess
 about what the job needs (its number of workers, whether it compiles), which the checks
@@ -73,15 +74,16 @@ def _run_flags(argv: Sequence[str]) -> list[str]:
 
 def wants_workers(argv: Sequence[str]) -> bool:
     """Whether ``argv`` (a ``shoal`` command's arguments) looks like a command that starts
-    processes here: ``shoal run`` (its ranks are processes, one included), or a ``shoal
-    train`` with more than one worker (none given is one on a CPU), restarts, or a
-    ``--config`` that may say so; not help, not a rank of an outside launcher."""
-    if not argv or argv[0] not in ("train", "run"):
+    processes here: ``shoal run`` (its ranks are processes, one included), ``shoal join``
+    (its worker), or a ``shoal train`` with more than one worker (none given is one on a
+    CPU), restarts, or a ``--config`` that may say so; not help, not a rank of an outside
+    launcher."""
+    if not argv or argv[0] not in ("train", "run", "join"):
         return False
-    own = argv if argv[0] == "train" else _run_flags(argv)
+    own = _run_flags(argv) if argv[0] == "run" else argv
     if "-h" in own or "--help" in own or _a_rank():
         return False
-    if argv[0] == "run":
+    if argv[0] in ("run", "join"):
         return True
     workers, restarts = _flag(argv, "--workers"), _flag(argv, "--max-restarts")
     return workers not in (None, "1") or restarts not in (None, "0") or \
