@@ -252,6 +252,32 @@ def test_a_worker_joins_an_asynchronous_job_in_place_of_a_killed_one(held, strat
     assert sum(len(r["samples"]) for r in records) == join["samples_dealt_again"] > 0
 
 
+def test_sigterm_stops_an_asynchronous_job_and_its_joiner_and_it_resumes(held):
+    """SIGTERM to the launcher of an asynchronous job a worker joined: the job stops,
+    the joiner with it (server 0 tells it: the launcher's signal does not reach ``shoal
+    join``'s process), each command ends (143 with the checkpoint's line, the join 0), and
+    the job resumes from the checkpoint with every sample of every epoch trained once (the
+    joiner's rest dealt to the others). Before, the joiner trained on alone and the
+    launcher waited for it."""
+    job = held("--strategy", "async-easgd", "--tau", "4", "--elastic", "--record-samples",
+               "--max-workers", "3", kill=False, workers=2, held_after=10,
+               release_on_join=False, pace=0.5)
+    job.wait_for(lambda: (job.out / ".shoal-join" / "job.json").exists(), "the job file")
+    joiner = job.join_in_background()
+    job.wait_line("worker 2 joined at step")
+    job.proc.send_signal(signal.SIGTERM)
+    assert job.proc.wait(timeout=60) == 143, job.stderr
+    _, err = joiner.communicate(timeout=60)
+    assert joiner.returncode == 0, err
+    assert "stopped by SIGTERM" in job.stderr and (job.out / "checkpoint.pt").exists()
+    job.release()
+    resumed = shoal(*job.proc.args[3:], "--resume", "auto", env=job.env, timeout=240)
+    assert resumed.returncode == 0, resumed.stderr
+    summary = json.loads((job.out / "summary.json").read_text())
+    assert summary["completed"] and summary["membership_changes"][0]["joined"] == [2]
+    assert_each_sample_once(job.out, EPOCHS, TRAIN_ROWS)
+
+
 def test_the_job_goes_on_in_a_joiner_once_every_worker_started_with_it_is_lost(held, tmp_path):
     """Both workers shoal's launcher started are killed (kill -9) once a third joined: the
     job trains on in the joiner alone (it writes the records from then on) and admits a fourth,

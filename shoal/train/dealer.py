@@ -25,6 +25,7 @@ from typing import Any
 import torch
 
 from shoal.core.joining import BAD_PROOF, proved, worker_id
+from shoal.core.stop import stop_requested
 from shoal.core.waits import ELASTIC, publish_members
 from shoal.errors import ShoalError
 from shoal.train.changes import epoch_span, membership_change
@@ -52,6 +53,7 @@ class Dealer:
         self.gone: set[int] = set()  # workers lost
         self.lost_at: dict[int, int] = {}  # a lost worker -> its last count
         self.released = False
+        self.stopping = False  # the workers were told to stop (SIGTERM here)
 
     def resume(self, starts: dict[int, Any], changes: list[dict[str, Any]]) -> None:
         """Go on from a checkpoint (:func:`~shoal.train.resume_async.rebuild`'s ``starts``,
@@ -171,6 +173,14 @@ class Dealer:
 
         if not record_since(path, counted, since, "server 0", wait=self.cfg.heartbeat_timeout):
             say_held(worker, "its last count")
+
+    def stop(self, live: set[int]) -> None:
+        """Tell every worker to stop as SIGTERM would (a deal that says so, once): server 0
+        was asked to stop, and a worker that joined (``shoal join``), which the launcher's
+        SIGTERM does not reach, must stop with the job instead of training on alone."""
+        if not self.stopping:
+            self._publish({}, live, stop=True)
+            self.stopping = True
 
     def release(self, live: set[int]) -> None:
         """Release the workers once every live one is idle with every deal read."""
@@ -343,6 +353,8 @@ class AsyncMembers:
             self.desk.answer(len(live), ending, self._admit)
             live = c.live - c.finals.keys()
         dealer.given(live)
+        if stop_requested():
+            dealer.stop(live)
         dealer.release(live)
 
     def _admit(self, joiner: int) -> int:

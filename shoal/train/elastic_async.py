@@ -25,7 +25,7 @@ from typing import Any, TypeVar
 
 import torch
 
-from shoal.core.stop import stop_requested
+from shoal.core.stop import request_stop, stop_requested
 from shoal.core.waits import ELASTIC
 from shoal.data import EpochPlan, ShardLoader, resolve_workers
 from shoal.errors import ShoalError
@@ -190,6 +190,8 @@ class AsyncElastic:
         while self.seen < published:
             self.seen += 1
             record = json.loads(self.store.get(deal_key(self.seen)))
+            if record.get("stop"):  # the job was stopped (SIGTERM): a joiner's only word of it
+                request_stop()
             give = record.get("give")
             if give is not None and self.me in give["givers"]:
                 self._give(self.seen, int(give["parts"]))
@@ -222,7 +224,7 @@ class AsyncElastic:
                                                             "progress": {}})
         t.comm.ps.report({"kind": "joined", "digest": mine})
         deadline = time.monotonic() + t.cfg.timeout
-        while not self._poll()[1] and not self.store.check([RELEASE]):
+        while not self._poll()[1] and not self.store.check([RELEASE]) and not stop_requested():
             if time.monotonic() > deadline:
                 raise ShoalError(f"nothing was given to this worker within --timeout "
                                  f"{t.cfg.timeout:g} s")
