@@ -81,7 +81,7 @@ def one_join(strategy: str, tree: Path) -> tuple[float, float | None]:
             job = subprocess.Popen(
                 [sys.executable, "-m", "shoal", "train", "--dataset", "digits", "--model", "mlp",
                  "--workers", "2", "--max-workers", "3", "--elastic", "--strategy", strategy,
-                 "--epochs", "100000", "--progress", "none", "--out", str(out)],
+                 "--epochs", "1000", "--progress", "none", "--out", str(out)],
                 cwd=tree, env=env, stdout=sink, stderr=sink, start_new_session=True)
         group = Cgroup()
         join = None
@@ -102,7 +102,7 @@ def one_join(strategy: str, tree: Path) -> tuple[float, float | None]:
             for p in (job, join):
                 if p is not None:
                     try:
-                        p.wait(timeout=60)
+                        p.wait(timeout=30)
                     except subprocess.TimeoutExpired:
                         p.kill()
             group.remove()
