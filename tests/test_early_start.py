@@ -5,6 +5,7 @@ process forked from it (shoal.cli.early)."""
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import signal
 import subprocess
@@ -117,3 +118,32 @@ def test_the_command_works_in_a_process_forked_from_its_server(tmp_path):
                              env=shoal_env(), capture_output=True, text=True, timeout=120)
     assert refused.returncode == 2 and one_error_line(refused.stderr).startswith(
         "shoal: error: ") and "--lr" in refused.stderr
+
+
+FALLBACK = """
+import sys
+import shoal.cli.early as early
+
+def server_gone(process):  # the server died while it forked the work: its pipe broke
+    raise EOFError
+
+early.start_guarded = server_gone
+from shoal.cli import main
+sys.argv = ["shoal", *sys.argv[1:]]
+sys.exit(main())
+"""
+
+
+def test_the_command_works_in_its_own_process_when_its_server_cannot_fork_it(tmp_path):
+    """Where the server cannot fork the command's work (it died while asked: its pipe
+    broke, simulated here), the command does the work in its own process, as before the
+    fork: the job trains, its workers from the server, and it exits 0."""
+    script = tmp_path / "fallback.py"
+    script.write_text(FALLBACK)
+    res = subprocess.run([sys.executable, str(script), "train", "--workers", "2", "--epochs", "1",
+                          "--model", "tests.fixtures_models:tiny", "--progress", "none",
+                          "--out", str(tmp_path / "run")], cwd=REPO, env=shoal_env(),
+                         capture_output=True, text=True, timeout=120)
+    assert res.returncode == 0, res.stderr
+    summary = json.loads((tmp_path / "run" / "summary.json").read_text())
+    assert summary["completed"] and summary["workers"] == 2
