@@ -5,12 +5,11 @@ That server imports torch (and ``torch._dynamo`` for ``--compile``) once for eve
 it forks (:mod:`shoal.core.starting`). The command's checks, its job's store and its records
 need torch too: they run in a process the server forks first (:func:`run_forked`, named
 ``shoal-train``, ``shoal-run`` or ``shoal-join`` in ``ps``), which asks the same server for
-the workers. The command's own
-process imports no torch at all: it passes signals on and ends with the work's status.
-Only the command's own argument list is read to decide this, before it is parsed: a guess
-about what the job needs (its number of workers, whether it compiles), which the checks
-after it make right (a server already running keeps what it imported; a process it forks
-imports the rest itself).
+the workers. The command's own process imports no torch at all: it passes signals on and
+ends with the work's status. Only the command's own argument list is read to decide this,
+before it is parsed: a guess about what the job needs (its number of workers, whether it
+compiles), which the checks after it make right (a server already running keeps what it
+imported; a process it forks imports the rest itself).
 """
 
 from __future__ import annotations
