@@ -25,6 +25,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
@@ -64,8 +65,8 @@ class Cgroup:
             self.path.rmdir()
 
 
-def _wait_for(what: str, check: object, deadline: float) -> None:
-    while not check():  # type: ignore[operator]
+def _wait_for(what: str, check: Callable[[], object], deadline: float) -> None:
+    while not check():
         if time.monotonic() > deadline:
             raise SystemExit(f"timed out waiting for {what}")
         time.sleep(0.02)

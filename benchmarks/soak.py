@@ -45,6 +45,8 @@ from pathlib import Path
 
 import torch
 
+from shoal.cli.early import COMMANDS, command_name
+
 REPO = Path(__file__).resolve().parent.parent
 
 
@@ -59,7 +61,7 @@ def children(pid: int) -> list[int]:
 
 
 #: The names of the processes that do a ``shoal train``, ``run`` or ``join``'s work.
-COMMAND_NAMES = ("shoal-train", "shoal-run", "shoal-join")
+COMMAND_NAMES = {command_name(command) for command in COMMANDS}
 
 
 def workers_of(launcher: int) -> list[int]:

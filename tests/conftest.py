@@ -19,6 +19,7 @@ from typing import Any
 import pytest
 import torch
 
+from shoal.cli.early import COMMANDS
 from shoal.core.env import free_port
 from shoal.core.starting import ensure_server
 
@@ -286,16 +287,16 @@ def _forked_command(launcher: int, server: int) -> int | None:
     """The process a ``shoal train``, ``run`` or ``join`` (``launcher``) forked from its
     ``server`` to do the command's work (:func:`shoal.cli.early.run_forked`): that server's
     first child; ``None`` for any other launcher (a test's own process, ``shoal plan``)."""
-    if not any(f"shoal\0{command}\0".encode() in _cmdline(launcher)
-               for command in ("train", "run", "join")):
+    if not any(f"shoal\0{command}\0".encode() in _cmdline(launcher) for command in COMMANDS):
         return None
     kids = sorted(children_of(server), key=lambda pid: (_start_time(pid), pid))
     return kids[0] if kids else None
 
 
 def command_process(pid: int) -> int:
-    """The process that does the work of the ``shoal train`` (``run``, ``join``) whose process is ``pid``:
-    the one it forks from its server (:func:`shoal.cli.early.run_forked`), else ``pid``."""
+    """The process that does the work of the ``shoal train`` (``run``, ``join``) whose
+    process is ``pid``: the one it forks from its server (:func:`shoal.cli.early.run_forked`),
+    else ``pid``."""
     for kid in children_of(pid):
         if b"multiprocessing.forkserver" in _cmdline(kid):
             return _forked_command(pid, kid) or pid
@@ -322,8 +323,8 @@ def started_by(launcher: int) -> list[int]:
     pool's ranks), in the order they started: forked by the server ``launcher`` started
     for it (``shoal.core.starting``), or, under ``SHOAL_START_METHOD=spawn``, its own
     children. The server itself, multiprocessing's resource tracker and the process a
-    ``shoal train`` or ``shoal run`` forks to do its work (:func:`command_process`) are not
-    among them."""
+    ``shoal train``, ``run`` or ``join`` forks to do its work (:func:`command_process`) are
+    not among them."""
     found = []
     for kid in children_of(launcher):
         line = _cmdline(kid)

@@ -32,6 +32,15 @@ from shoal.core.starting import (
 )
 from shoal.errors import ShoalError
 
+#: The commands that start processes here and do their work in a process forked from their
+#: server, named :func:`command_name` there.
+COMMANDS = ("train", "run", "join")
+
+
+def command_name(command: str) -> str:
+    """The name (in ``ps``) of the process that does ``shoal command``'s work."""
+    return f"shoal-{command}"
+
 
 def _a_rank() -> bool:
     """Whether an outside launcher (torchrun, srun, mpirun) made this process one of its
@@ -77,7 +86,7 @@ def wants_workers(argv: Sequence[str]) -> bool:
     (its worker), or a ``shoal train`` with more than one worker (none given is one on a
     CPU), restarts, or a ``--config`` that may say so; not help, not a rank of an outside
     launcher."""
-    if not argv or argv[0] not in ("train", "run", "join"):
+    if not argv or argv[0] not in COMMANDS:
         return False
     own = _run_flags(argv) if argv[0] == "run" else argv
     if "-h" in own or "--help" in own or _a_rank():
@@ -105,7 +114,7 @@ def _forked_command(argv: list[str], address: str) -> None:
 
     adopt_server(address)
     skip_exit_collection()
-    name_thread(f"shoal-{argv[0]}")  # the main thread: in ps, shoal-train or shoal-run
+    name_thread(command_name(argv[0]))  # the main thread: the process's name in ps
     sys.exit(_main(argv))
 
 
@@ -152,4 +161,4 @@ def run_forked(argv: list[str]) -> int | None:
     return code if code >= 0 else 128 - code
 
 
-__all__ = ["run_forked", "start_server_early", "stop_server", "wants_workers"]
+__all__ = ["COMMANDS", "command_name", "run_forked", "start_server_early", "stop_server", "wants_workers"]
