@@ -473,13 +473,18 @@ def train_losing(out, rank: int | str, at: str, *flags: str, signal: int | None 
 
 
 def assert_each_sample_once(out, epochs: int, rows: int) -> None:
-    """Every one of ``rows`` samples of each of ``epochs`` epochs trained exactly once."""
+    """Every one of ``rows`` samples of each of ``epochs`` epochs trained exactly once, by the
+    records, and by the summary's count when the run completed."""
     counts = samples_trained(out)
     twice = [key for key, n in counts.items() if n > 1]
     assert not twice, f"{len(twice)} samples trained more than once, e.g. {twice[:3]}"
     missing = {(e, s) for e in range(epochs) for s in range(rows)} - counts.keys()
     assert not missing, f"{len(missing)} samples never trained, e.g. {sorted(missing)[:3]}"
     assert len(counts) == epochs * rows, "samples outside the training set"
+    summary = out / "summary.json"
+    if summary.exists() and json.loads(summary.read_text())["completed"]:
+        trained = json.loads(summary.read_text())["samples"]
+        assert trained == epochs * rows, f"the summary counts {trained - epochs * rows} more"
 
 
 def step_workers(out) -> dict[int, int]:

@@ -247,7 +247,7 @@ def test_a_worker_back_past_the_recorded_epochs_is_not_waited_for_after_the_next
         payload = {"progress": {"step": 40}, "ranks": [
             None if w not in positions else {"elastic": positions[w]} for w in range(3)],
             "coordinator": {"epoch": recorded,
-                            "elastic": m.checkpoint([{"counted": {}}], reports)}}
+                            "elastic": m.checkpoint([{"counted": {}}], reports)[0]}}
         buffer = io.BytesIO()
         torch.save(payload, buffer)
         buffer.seek(0)

@@ -338,7 +338,7 @@ class Coordinator:
                                           if self.client is not None]
         for server in servers:
             server.pop("first_pulls", None)  # the join records', not the run's
-        dealt = {"elastic": self.members.checkpoint(servers, reports)} if self.members else {}
+        dealt, unreported = self.members.checkpoint(servers, reports) if self.members else ({}, 0)
         center = to_cpu(self.model.state_dict())  # the evaluation model, saved once
         st = self.state
         pending, gone = pending_reports(self.epochs, reports, self.members is not None)
@@ -348,11 +348,11 @@ class Coordinator:
             ranks=[self.own.get(w) for w in range(self.workers)], evaluated=center,
             shared={"model": center, "servers": to_cpu(servers),
                     "coordinator": {"epoch": st.epoch, "step": st.step,
-                                    "samples": st.samples + gone,
+                                    "samples": st.samples + gone + unreported,
                                     "train_time_s": st.train_time_s,
                                     "wall_time_s": st.elapsed_s(), "lr": st.lr,
                                     "pending": pending,
-                                    **dealt}})
+                                    **({"elastic": dealt} if dealt else {})}})
         self.saved_step = slowest["step"]
 
     # -- the end --------------------------------------------------------------------------

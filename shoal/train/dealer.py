@@ -284,12 +284,15 @@ class AsyncMembers:
         c.lost[worker].update(samples_trained=counted,
                               samples_not_trained=0, samples_dealt_again=dealt)
 
-    def checkpoint(self, servers: list[dict[str, Any]], savers: dict[int, Any]) -> dict[str, Any]:
+    def checkpoint(self, servers: list[dict[str, Any]], savers: dict[int, Any]
+                   ) -> tuple[dict[str, Any], int]:
         """Server 0's part of a checkpoint whose workers' states are ``savers``' (their
         reports; :func:`~shoal.train.resume_async.dealer_state`); ``servers``: every server's
         state, whose least count of a worker is what of it counts (hogwild's: the shared
         file's). Each server's saved counts become where each worker goes on from, so that one
-        lost after the resume before its first exchange leaves what it had not counted only."""
+        lost after the resume before its first exchange leaves what it had not counted only.
+        With it, the samples the file counts that no report carried yet: a worker with no
+        state in it (a joiner) is not started again, its work to its count stands."""
         c, dealer = self.c, self.dealer
 
         def count(w: int) -> int:
@@ -303,9 +306,11 @@ class AsyncMembers:
                     **{w: int(r["own"]["elastic"]["at"]) for w, r in savers.items()}}
         for server in servers:
             server["counted"] = dict(going_on)
+        unreported = sum(n - self.accounted.get(w, 0) for w, n in counts.items())
         return dealer_state(dealer, counts, dict(dealer.lost_at), max(dealer.schedules) + 1,
-                            dict(self.accounted),
-                            {w: e for w, e in self.first_epoch.items() if w < c.workers})
+                            {**self.accounted, **counts},
+                            {w: e for w, e in self.first_epoch.items() if w < c.workers}
+                            ), unreported
 
     def resume(self, payload: dict[str, Any]) -> None:
         """Go on from ``payload``: every worker's schedule rebuilt, the workers lost before

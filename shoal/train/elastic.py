@@ -314,7 +314,8 @@ class Elastic(Joins):
 
     def _rest(self, current: Reading, lost: list[int]) -> torch.Tensor:
         """The rest of the epoch after a change: what ``lost`` read since their work last
-        counted, then the steps nobody started."""
+        counted, then the steps nobody started. The run's count of samples trained drops the
+        dealt-again ones: they count when they are trained again."""
         if self._next is not None:  # changed again before the last change was settled
             tail = self._next.order
         else:
@@ -325,6 +326,7 @@ class Elastic(Joins):
             ranks_there = [reading.members.index(m) for m in lost if m in reading.members]
             parts += reading.plan.lost_shards(reading.order, range(reading.start, reading.end),
                                               ranks_there)
+        self.t.state.samples -= sum(len(p) for p in parts)
         return torch.cat([*parts, tail])
 
     def _record_lost(self, lost: list[int]) -> None:
