@@ -5,6 +5,7 @@ sample of every epoch is trained exactly once. Real processes, Gloo on CPU."""
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -288,6 +289,55 @@ def _loses_rank_2_then_gathers() -> tuple[float, list | None]:
     took = time.monotonic() - started
     comm.close("returned")
     return took, got and [o["worker"] for o in got]
+
+
+def _loses_rank_2_then_counts_connections() -> tuple[list[int] | None, float, int, int]:
+    """4 elastic ranks; rank 2 dies, the others gather their ids (rank 0 gets them), which
+    re-forms their group, and sum again: the ids, the sum, how many TCP connections this
+    process has open then other than its store's, and how many Gloo loop threads."""
+    import gc
+    import os
+    import signal
+
+    from shoal.core.env import detect_environment
+    from shoal.core.join import init_comm
+    from shoal.core.sockets import connections, socket_inodes
+
+    env = detect_environment()
+    comm = init_comm(env, "cpu", timeout=60.0, heartbeat_timeout=60.0, elastic=True)
+    comm.all_reduce(torch.ones(1))
+    if env.rank == 2:
+        os.kill(os.getpid(), signal.SIGKILL)
+    got = comm.gather_objects(env.rank)  # the loss seen, the group re-formed without it
+    total = torch.ones(1)
+    comm.all_reduce(total)
+    mine, ports = socket_inodes(), connections()
+    opened = sum(1 for inode in mine if inode in ports and env.master_port not in ports[inode])
+    gc.collect()
+    task = f"/proc/{os.getpid()}/task"
+    loops = sum(1 for t in os.listdir(task)
+                if (Path(task) / t / "comm").read_text().strip() == "gloo_tcp_loop")
+    comm.close("returned")
+    return got, float(total), opened, loops
+
+
+def test_a_group_left_is_cut_off_not_kept_open():
+    """A group left at a change is destroyed; where that could not happen at once (worker
+    0, not dead worker 2's ring neighbour, left its all-reduce; a collective's error held
+    the group) it was kept with its connections open, and data a peer had sent on one sat
+    unread while Gloo's loop thread woke on it again and again (a soak's worker spent most
+    of a core in it); and a failed collective's error, kept by torch's future in a cycle
+    the collector cannot see, kept every old group's Gloo thread for good. Each survivor now
+    has only its current group's connections (one to each of the 2 other members) and its
+    one loop thread."""
+    from shoal.core.processes import spawn
+
+    results = spawn(4, _loses_rank_2_then_counts_connections, tolerate=lambda rank: rank == 2)
+    survivors = [r for rank, r in enumerate(results) if rank != 2]
+    assert [r[0] for r in survivors] == [[0, 1, 3], None, None]
+    assert [r[1] for r in survivors] == [3.0] * 3
+    assert [r[2] for r in survivors] == [2, 2, 2], "an old group's connections"
+    assert [r[3] for r in survivors] == [1, 1, 1], "an old group's Gloo thread"
 
 
 def test_an_object_gather_is_left_at_once_when_a_worker_is_lost():

@@ -15,8 +15,13 @@ import torch.distributed as dist
 
 from shoal.core.env import Environment
 from shoal.core.processes import loopback_gloo_interface
+from shoal.core.sockets import opened
 from shoal.core.waits import ended_key, key_prefix
 from shoal.errors import JobError, ShoalError
+
+#: The TCP sockets of the default process group, as :func:`join_group` last opened it (so
+#: that :func:`shoal.core.inflight.leave_group` can cut a group left with a collective).
+DEFAULT_SOCKETS: set[int] = set()
 
 
 def job_store(env: Environment, timeout: float) -> dist.Store:
@@ -111,7 +116,10 @@ def join_group(store: dist.Store, rank: int, world_size: int, device_type: str,
     job's failure, not the user's input (the store was reached: Gloo's or NCCL's own
     connections failed), so ``--max-restarts`` restarts it."""
     try:
-        dist.init_process_group(backend_for(device_type), store=store, rank=rank,
-                                world_size=world_size, timeout=timedelta(seconds=timeout))
+        with opened(store) as found:
+            dist.init_process_group(backend_for(device_type), store=store, rank=rank,
+                                    world_size=world_size, timeout=timedelta(seconds=timeout))
+        DEFAULT_SOCKETS.clear()
+        DEFAULT_SOCKETS.update(found)
     except (RuntimeError, ValueError) as exc:
         raise JobError(f"could not join {where} as rank {rank} of {world_size}: {exc}") from exc

@@ -34,11 +34,16 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from shoal.core.group import DEFAULT_SOCKETS
+from shoal.core.sockets import cut
+
 POLL = 0.02  # seconds between two looks at the decisions of the meetings waited on
 SLICE = timedelta(milliseconds=100)  # a waiter's longest wait before it looks up again
 ABANDONED = "the meeting was voted failed by another worker"
 #: Process groups with a collective this process left, kept until it is over.
 _BURIED: list[tuple[Any, list[Any]]] = []
+#: Seconds a group left is waited on to end its collectives once its connections are cut.
+CUT_WAIT = 2.0
 SLICED = "Operation timed out"  # how a wait's slice ends (Work.wait)
 #: Seconds a meeting is waited on before the poll thread looks at the members' heartbeats
 #: too (:attr:`InFlight.observe`), and between two such looks.
@@ -113,8 +118,18 @@ class InFlight:
         self._wake.set()
 
     def wait(self, work: Any, decision: str) -> Any:
-        """Wait for ``work``, or raise ``RuntimeError`` once its meeting is decided failed."""
-        return self.watch(work, decision).wait()
+        """Wait for ``work``, or raise ``RuntimeError`` once its meeting is decided failed.
+
+        The error raised is a fresh one: the future's own, raised again in it, would take a
+        traceback through the future's frame, a cycle through torch's future that Python's
+        collector cannot see, which would keep the work and its group's connections for
+        good."""
+        try:
+            return self.watch(work, decision).wait()
+        except RuntimeError as exc:
+            message = str(exc)
+            exc.with_traceback(None)
+        raise RuntimeError(message)
 
     def _wait_each(self, mine: queue.SimpleQueue) -> None:
         """The waiter: settle each collective's future in turn, until retired."""
@@ -127,8 +142,10 @@ class InFlight:
                 self._watched.remove(entry)
             if error is None:
                 entry[1].set_result(value)
-            else:
-                entry[1].set_exception(error)
+            else:  # without the traceback, which holds this thread's frame and the work
+                entry[1].set_exception(error.with_traceback(None))
+            # Not held while it waits for the next: the work holds its group's connections.
+            del entry, value, error
 
     def _finish(self, work: Any, mine: queue.SimpleQueue) -> tuple[Any, Exception | None]:
         """``work``'s result or error; ``(None, None)`` once ``mine``'s waiter is retired
@@ -199,17 +216,32 @@ class InFlight:
 
 
 def leave_group(inflight: InFlight) -> None:
-    """Leave the default process group: destroyed, unless this process left a collective
-    in it that is not over yet; then it is kept until that collective is."""
-    _BURIED[:] = [(group, left) for group, left in _BURIED
-                  if not all(w.is_completed() for w in left)]
+    """Leave the default process group: destroyed. Where this process left a collective in
+    it, the group's connections (as :func:`~shoal.core.group.join_group` opened them) are
+    shut down first, which ends that collective here and at its peers; one not over within
+    :data:`CUT_WAIT` keeps the group until it is (:func:`prune`)."""
+    prune()
     if not dist.is_initialized():
         return
     left = [w for w in inflight.left if not w.is_completed()]
     inflight.left.clear()
+    if cut(DEFAULT_SOCKETS) and left:
+        ends = time.monotonic() + CUT_WAIT
+        while time.monotonic() < ends and not all(w.is_completed() for w in left):
+            time.sleep(POLL)
+        left = [w for w in left if not w.is_completed()]
+    DEFAULT_SOCKETS.clear()
     if left:
         _BURIED.append((dist.group.WORLD, left))
     dist.destroy_process_group()
+
+
+def prune() -> None:
+    """Let go of the groups kept for a collective left in them that is over now: each
+    is freed with its connections and Gloo's threads (a group kept has a thread that may
+    spin on data nobody will read)."""
+    _BURIED[:] = [(group, left) for group, left in _BURIED
+                  if not all(w.is_completed() for w in left)]
 
 
 def all_objects(m: Any, obj: Any) -> list[Any]:
