@@ -278,6 +278,45 @@ def test_sigterm_stops_an_asynchronous_job_and_its_joiner_and_it_resumes(held):
     assert_each_sample_once(job.out, EPOCHS, TRAIN_ROWS)
 
 
+@pytest.mark.parametrize("strategy", ["sync", "diloco"])
+def test_sigterm_to_a_joiner_makes_it_leave_and_the_job_goes_on(held, strategy):
+    """SIGTERM to ``shoal join`` (a spot host's notice): its worker leaves right after its
+    next meeting, its work so far counted, and the command ends 0; the others deal its part
+    of the epoch between them and train to the end, the leave in the summary with its
+    reason. Before, the worker died of the signal (the join ended 1, "killed by signal 15")
+    and the work since its last meeting was done again."""
+    job = held("--strategy", strategy, *([] if strategy == "sync" else ["--tau", "4"]),
+               "--elastic", "--record-samples", "--max-workers", "3", kill=False, workers=2,
+               held_after=0, release_on_join=False)
+    job.wait_for(lambda: (job.out / ".shoal-join" / "job.json").exists(), "the job file")
+    joiner = job.join_in_background()
+    job.wait_line("worker 2 joined at step")
+    time.sleep(2)  # it trains a few steps
+    joiner.send_signal(signal.SIGTERM)
+    _, err = joiner.communicate(timeout=60)
+    assert joiner.returncode == 0, err
+    assert "worker 2 left the job after step" in err and "Traceback" not in err
+    assert job.finish() == 0, job.stderr
+    summary = json.loads((job.out / "summary.json").read_text())
+    assert summary["completed"] and summary["workers"] == 2
+    joined, left = summary["membership_changes"]
+    assert joined["joined"] == [2] and left["left"] == [2] and left["workers"] == 2
+    step = int(err.split("left the job after step ")[1].split()[0])
+    assert left["why"] == {"2": f"worker 2 left at step {step} (SIGTERM to shoal join)"}
+    assert_each_sample_once(job.out, EPOCHS, TRAIN_ROWS)
+
+
+def test_sigterm_stops_a_job_down_to_its_last_worker(held):
+    """A synchronous job that lost all but one worker has no meeting left to carry a stop
+    vote: SIGTERM to its launcher was ignored, and the last worker trained on to the end.
+    It now stops at its next step with a checkpoint (143), as with more workers."""
+    job = held("--strategy", "sync", "--elastic", workers=2, killed=1, held_after=10)
+    job.wait_line("worker 1 left at step")
+    job.proc.send_signal(signal.SIGTERM)
+    assert job.proc.wait(timeout=60) == 143, job.stderr
+    assert "stopped by SIGTERM" in job.stderr and (job.out / "checkpoint.pt").exists()
+
+
 def test_the_job_goes_on_in_a_joiner_once_every_worker_started_with_it_is_lost(held, tmp_path):
     """Both workers shoal's launcher started are killed (kill -9) once a third joined: the
     job trains on in the joiner alone (it writes the records from then on) and admits a fourth,

@@ -28,6 +28,7 @@ class Flag:
 
 
 STOP = Flag()  # SIGTERM arrived: finish the step, checkpoint, stop
+LEAVE = Flag()  # SIGTERM to a joined worker (``shoal join``): leave the job, which goes on
 
 
 def stop_requested() -> bool:
@@ -47,3 +48,18 @@ def stop_on_sigterm() -> Any:
     if threading.current_thread() is not threading.main_thread():
         return None
     return signal.signal(signal.SIGTERM, lambda signum, frame: STOP.set())
+
+
+def leave_requested() -> bool:
+    """Whether this worker was asked to leave a job that goes on without it (SIGTERM to
+    ``shoal join``: :func:`leave_on_sigterm`)."""
+    return LEAVE.is_set()
+
+
+def leave_on_sigterm() -> Any:
+    """From now on SIGTERM asks this worker to leave the job at its next meeting (the
+    others go on; a whole job stops on its launcher's SIGTERM). Returns the handler it
+    replaced; does nothing off the main thread."""
+    if threading.current_thread() is not threading.main_thread():
+        return None
+    return signal.signal(signal.SIGTERM, lambda signum, frame: LEAVE.set())

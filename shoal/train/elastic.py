@@ -25,6 +25,7 @@ from typing import Any, TypeVar
 import torch
 
 from shoal.core.membership import MembershipChanged
+from shoal.core.stop import leave_requested, request_stop
 from shoal.data import EpochPlan, ShardLoader, resolve_workers
 from shoal.train.changes import membership_change, resumed_change
 from shoal.train.elastic_join import Joins
@@ -33,6 +34,14 @@ from shoal.train.resume_sync import SavedPlan, go_on
 from shoal.train.samples import cut_after, record_samples, samples_file, say_held
 
 _Step = TypeVar("_Step")
+
+
+class Leaving(Exception):
+    """This worker leaves the job after step ``step`` (:meth:`Elastic._leave`)."""
+
+    def __init__(self, step: int) -> None:
+        super().__init__(f"left the job after step {step}")
+        self.step = step
 
 
 @dataclass
@@ -204,6 +213,19 @@ class Elastic(Joins):
             self.counted(st.step - t.strategy.steps_uncounted())
             if not t.comm.active:  # alone: no vote tells it of a joiner
                 self.membership.look_for_joiners()
+            if leave_requested():
+                self._leave()
+
+    def _leave(self) -> None:
+        """SIGTERM to ``shoal join``: this worker leaves right after a meeting, its work so
+        far counted (streamed fragments: what has not counted is dealt again, as a lost
+        worker's); the last worker left stops the job instead, as a SIGTERM to it would."""
+        if not self.t.comm.active:
+            request_stop()
+            return
+        step = self.t.state.step
+        self.membership.leave(f"left at step {step} (SIGTERM to shoal join)")
+        raise Leaving(step)
 
     def _checkpoint_part(self) -> dict[str, Any]:
         """This worker's samples of the steps that have not counted yet, for a checkpoint

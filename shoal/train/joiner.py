@@ -27,6 +27,7 @@ from shoal.core.joining import answer, ask, take_ticket, worker_id
 from shoal.core.keeper import run_child
 from shoal.core.outlive import finished_key
 from shoal.core.processes import loopback_gloo_interface
+from shoal.core.stop import leave_on_sigterm
 from shoal.core.waits import ELASTIC, ended_key, key_prefix, members_now, say_finished
 from shoal.errors import JobError, ShoalError
 from shoal.train.jobfile import read_job, read_job_in_store
@@ -63,6 +64,11 @@ def join_job(out: Path | None, at: str | None = None) -> int:
     print(f"shoal: joining the job {where} as worker {me}", file=sys.stderr, flush=True)
     code, report = run_child(_worker_main, (job, me), f"shoal-join-{me}")
     failed = report is not None and report[0] == "failed"
+    left = report[1].get("left") if report and report[0] == "returned" and report[1] else None
+    if code == 0 and left is not None:
+        print(f"shoal: worker {me} left the job after step {left} (SIGTERM); the job goes on",
+              file=sys.stderr, flush=True)
+        return 0
     if code == 0 and not failed:
         with contextlib.suppress(Exception):  # for a launcher whose own workers were lost
             keys.set(finished_key(me), "1")
@@ -124,7 +130,7 @@ def _prefixed(store: Any, attempt: int, *under: str) -> Any:
     return keys
 
 
-def _worker_main(job: dict[str, Any], me: int) -> None:
+def _worker_main(job: dict[str, Any], me: int) -> dict[str, int] | None:
     """The joining worker's process (:func:`~shoal.core.keeper.run_child`'s child): its
     Gloo pairs on loopback where the job's store is (a job of shoal's launcher; a torchrun
     job on a host of its own), else where ``GLOO_SOCKET_IFNAME`` says, as for the job's
@@ -135,22 +141,24 @@ def _worker_main(job: dict[str, Any], me: int) -> None:
         os.environ["GLOO_SOCKET_IFNAME"] = interface
     if job_servers(job["config"]):
         run_async_worker(job, me, _store(job, job["config"].timeout))
-    else:
-        run_worker(job, me)
+        return None
+    return run_worker(job, me)
 
 
-def run_worker(job: dict[str, Any], me: int) -> None:
-    """Build the trainer alone, ask to join, take the state handed over, train to the end."""
+def run_worker(job: dict[str, Any], me: int) -> dict[str, int] | None:
+    """Build the trainer alone, ask to join, take the state handed over, train to the end;
+    on SIGTERM leave the job at the next meeting (``{"left": step}``), which goes on."""
     from shoal.core.comm import Comm
     from shoal.core.env import pick_device
     from shoal.core.timeline import Timeline
     from shoal.core.trust import Seal
     from shoal.train import handover
-    from shoal.train.elastic import Elastic
+    from shoal.train.elastic import Elastic, Leaving
     from shoal.train.stopping import StopVote
     from shoal.train.trainer import Trainer
     from shoal.train.workload import load_workload
 
+    leave_on_sigterm()
     cfg, env = joiner_place(job, me)
     first = job["workers"]
     comm = Comm(env, pick_device(cfg.device, me, me + 1), Timeline(keep_events=cfg.trace))
@@ -172,5 +180,13 @@ def run_worker(job: dict[str, Any], me: int) -> None:
     t.stop_vote = StopVote(t.strategy.stop_peers, t.strategy.meets_after)
     t.regroup()
     handover.receive(t, joined)
-    say_finished(comm.attempt_store, t.run())  # the summary is its when every other was lost
+    try:
+        summary = t.run()
+    except Leaving as left:  # SIGTERM: this worker left, the job goes on without it
+        t.loader.close()
+        comm.aborted = True  # nobody waits for it at the end
+        comm.close("left")
+        return {"left": left.step}
+    say_finished(comm.attempt_store, summary)  # the summary is its when every other was lost
     comm.close()
+    return None

@@ -48,8 +48,10 @@ class StopVote:
         """Why every rank stops after ``step`` (:data:`SIGTERM`, or a rank's ``asked``: its own
         reason, :data:`COLLAPSED`), or ``None`` to go on. Call after each step, on every rank."""
         wanted = SIGTERM if stop_requested() else asked
-        if self.comm.membership is not None:  # carried by the meeting's own vote
-            return SIGTERM if self.meets(step) and self.comm.membership.stop_voted else None
+        if self.comm.membership is not None and self.comm.active:  # carried by the meeting's
+            return SIGTERM if self.meets(step) and self.comm.membership.stop_voted else None  # vote
+        if self.comm.membership is not None:  # the last worker of an elastic job: no meeting
+            return wanted
         if self._group is None:
             return wanted
         if not self.meets(step):
