@@ -127,9 +127,7 @@ class InFlight:
         try:
             return self.watch(work, decision).wait()
         except RuntimeError as exc:
-            message = str(exc)
-            exc.with_traceback(None)
-        raise RuntimeError(message)
+            raise _fresh(exc.with_traceback(None)) from None  # no local holds it: no cycle
 
     def _wait_each(self, mine: queue.SimpleQueue) -> None:
         """The waiter: settle each collective's future in turn, until retired."""
@@ -260,3 +258,11 @@ def all_objects(m: Any, obj: Any) -> list[Any]:
     m.inflight.wait(dist.all_gather(list(rows), padded, async_op=True), m.decision)
     sizes = sizes.flatten()
     return [pickle.loads(rows[r, :int(n)].numpy().tobytes()) for r, n in enumerate(sizes)]
+
+
+def _fresh(exc: RuntimeError) -> RuntimeError:
+    """An error of ``exc``'s type and message (Gloo's ``DistBackendError`` stays one)."""
+    try:
+        return type(exc)(str(exc))
+    except Exception:
+        return RuntimeError(str(exc))
