@@ -278,13 +278,13 @@ def test_sigterm_stops_an_asynchronous_job_and_its_joiner_and_it_resumes(held):
     assert_each_sample_once(job.out, EPOCHS, TRAIN_ROWS)
 
 
-@pytest.mark.parametrize("strategy", ["sync", "diloco"])
+@pytest.mark.parametrize("strategy", ["sync", "diloco", "async-easgd"])
 def test_sigterm_to_a_joiner_makes_it_leave_and_the_job_goes_on(held, strategy):
     """SIGTERM to ``shoal join`` (a spot host's notice): its worker leaves right after its
-    next meeting, its work so far counted, and the command ends 0; the others deal its part
-    of the epoch between them and train to the end, the leave in the summary with its
-    reason. Before, the worker died of the signal (the join ended 1, "killed by signal 15")
-    and the work since its last meeting was done again."""
+    next meeting (asynchronous: once it sent its work), its work so far counted, and the
+    command ends 0; the others deal its part between them and train to the end, the leave
+    in the summary with its reason. Before, the worker died of the signal (the join ended
+    1, "killed by signal 15") and the work since its last meeting was done again."""
     job = held("--strategy", strategy, *([] if strategy == "sync" else ["--tau", "4"]),
                "--elastic", "--record-samples", "--max-workers", "3", kill=False, workers=2,
                held_after=0, release_on_join=False)

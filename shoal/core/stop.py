@@ -63,3 +63,12 @@ def leave_on_sigterm() -> Any:
     if threading.current_thread() is not threading.main_thread():
         return None
     return signal.signal(signal.SIGTERM, lambda signum, frame: LEAVE.set())
+
+
+class Leaving(Exception):
+    """This worker leaves the job after step ``step``, at its own request (SIGTERM to
+    ``shoal join``: :func:`leave_on_sigterm`); the job goes on without it."""
+
+    def __init__(self, step: int) -> None:
+        super().__init__(f"left the job after step {step}")
+        self.step = step

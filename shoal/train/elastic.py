@@ -25,7 +25,7 @@ from typing import Any, TypeVar
 import torch
 
 from shoal.core.membership import MembershipChanged
-from shoal.core.stop import leave_requested, request_stop
+from shoal.core.stop import Leaving, leave_requested, request_stop
 from shoal.data import EpochPlan, ShardLoader, resolve_workers
 from shoal.train.changes import membership_change, resumed_change
 from shoal.train.elastic_join import Joins
@@ -34,14 +34,6 @@ from shoal.train.resume_sync import SavedPlan, go_on
 from shoal.train.samples import cut_after, record_samples, samples_file, say_held
 
 _Step = TypeVar("_Step")
-
-
-class Leaving(Exception):
-    """This worker leaves the job after step ``step`` (:meth:`Elastic._leave`)."""
-
-    def __init__(self, step: int) -> None:
-        super().__init__(f"left the job after step {step}")
-        self.step = step
 
 
 @dataclass

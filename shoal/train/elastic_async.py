@@ -25,7 +25,7 @@ from typing import Any, TypeVar
 
 import torch
 
-from shoal.core.stop import request_stop, stop_requested
+from shoal.core.stop import Leaving, leave_requested, request_stop, stop_requested
 from shoal.core.waits import ELASTIC
 from shoal.data import EpochPlan, ShardLoader, resolve_workers
 from shoal.errors import ShoalError
@@ -157,6 +157,8 @@ class AsyncElastic:
         lo, hi = t.plan.bounds[t.state.epoch_step - 1]
         self.trained.append((self.epochs[lo:hi], t.plan.order[lo:hi]))
         self._count()
+        if leave_requested():
+            self._leave()
         if time.monotonic() - self.polled >= POLL_S:
             self._poll()
         if self.dealt:  # the share of this epoch's block read, not the count of steps
@@ -180,6 +182,15 @@ class AsyncElastic:
         if self.record is not None and done:
             counted = {e: torch.cat(s) for e, s in sorted(done.items())}
             record_since(self.record, self.at, lambda _: counted)
+
+    def _leave(self) -> None:
+        """SIGTERM to ``shoal join``: send this worker's work (all it trained counts) and
+        leave (its ``shoal join`` says why in the store); server 0 deals its rest to the
+        others."""
+        t = self.t
+        t.strategy.flush()
+        self._count()
+        raise Leaving(t.state.step)
 
     # -- deals --------------------------------------------------------------------------------
     def _poll(self) -> tuple[bool, bool]:

@@ -27,7 +27,7 @@ from shoal.core.joining import answer, ask, take_ticket, worker_id
 from shoal.core.keeper import run_child
 from shoal.core.outlive import finished_key
 from shoal.core.processes import loopback_gloo_interface
-from shoal.core.stop import leave_on_sigterm
+from shoal.core.stop import Leaving, leave_on_sigterm
 from shoal.core.waits import ELASTIC, ended_key, key_prefix, members_now, say_finished
 from shoal.errors import JobError, ShoalError
 from shoal.train.jobfile import read_job, read_job_in_store
@@ -66,6 +66,8 @@ def join_job(out: Path | None, at: str | None = None) -> int:
     failed = report is not None and report[0] == "failed"
     left = report[1].get("left") if report and report[0] == "returned" and report[1] else None
     if code == 0 and left is not None:
+        with contextlib.suppress(Exception):  # for the members (the store gone: so is the job)
+            keys.set(ended_key(servers + me), f"left at step {left} (SIGTERM to shoal join)")
         print(f"shoal: worker {me} left the job after step {left} (SIGTERM); the job goes on",
               file=sys.stderr, flush=True)
         return 0
@@ -135,13 +137,14 @@ def _worker_main(job: dict[str, Any], me: int) -> dict[str, int] | None:
     Gloo pairs on loopback where the job's store is (a job of shoal's launcher; a torchrun
     job on a host of its own), else where ``GLOO_SOCKET_IFNAME`` says, as for the job's
     ranks; then :func:`run_worker` or, in an asynchronous job,
-    :func:`~shoal.train.joiner_async.run_async_worker`."""
+    :func:`~shoal.train.joiner_async.run_async_worker`. SIGTERM from here on asks the
+    worker to leave the job (:func:`~shoal.core.stop.leave_on_sigterm`)."""
+    leave_on_sigterm()
     interface = loopback_gloo_interface() if _loopback(job["address"]) else None
     if interface is not None:
         os.environ["GLOO_SOCKET_IFNAME"] = interface
     if job_servers(job["config"]):
-        run_async_worker(job, me, _store(job, job["config"].timeout))
-        return None
+        return run_async_worker(job, me, _store(job, job["config"].timeout))
     return run_worker(job, me)
 
 
@@ -153,12 +156,11 @@ def run_worker(job: dict[str, Any], me: int) -> dict[str, int] | None:
     from shoal.core.timeline import Timeline
     from shoal.core.trust import Seal
     from shoal.train import handover
-    from shoal.train.elastic import Elastic, Leaving
+    from shoal.train.elastic import Elastic
     from shoal.train.stopping import StopVote
     from shoal.train.trainer import Trainer
     from shoal.train.workload import load_workload
 
-    leave_on_sigterm()
     cfg, env = joiner_place(job, me)
     first = job["workers"]
     comm = Comm(env, pick_device(cfg.device, me, me + 1), Timeline(keep_events=cfg.trace))

@@ -14,6 +14,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
+from shoal.core.stop import Leaving
 from shoal.errors import ShoalError
 
 
@@ -40,9 +41,10 @@ def joiner_place(job: dict[str, Any], me: int) -> tuple[Any, Any]:
                             launcher="local", agent_store=True, attempt=job["attempt"])
 
 
-def run_async_worker(job: dict[str, Any], me: int, store: Any) -> None:
+def run_async_worker(job: dict[str, Any], me: int, store: Any) -> dict[str, int] | None:
     """Worker ``me`` of the job ``job`` (its job file's), on its client ``store`` of the
-    job's store: asks to join, trains what it is given, leaves."""
+    job's store: asks to join, trains what it is given, leaves; on SIGTERM it leaves after
+    sending its work (``{"left": step}``)."""
     import torch.distributed as dist
 
     from shoal.core.comm import Comm
@@ -73,5 +75,10 @@ def run_async_worker(job: dict[str, Any], me: int, store: Any) -> None:
     t = Trainer(cfg, comm, work.data, work.model, components=remote_components(client))
     t.joined = True
     t.elastic.join(int(reply["epoch"]))
-    t.run()
+    try:
+        t.run()
+    except Leaving as left:  # SIGTERM: its work sent, it leaves as a lost worker does (no
+        client.abandon()  # word to the servers), its rest dealt to the others
+        return {"left": left.step}
     leave(client)
+    return None
