@@ -137,9 +137,7 @@ def _worker_main(job: dict[str, Any], me: int) -> dict[str, int] | None:
     Gloo pairs on loopback where the job's store is (a job of shoal's launcher; a torchrun
     job on a host of its own), else where ``GLOO_SOCKET_IFNAME`` says, as for the job's
     ranks; then :func:`run_worker` or, in an asynchronous job,
-    :func:`~shoal.train.joiner_async.run_async_worker`. SIGTERM from here on asks the
-    worker to leave the job (:func:`~shoal.core.stop.leave_on_sigterm`)."""
-    leave_on_sigterm()
+    :func:`~shoal.train.joiner_async.run_async_worker`."""
     interface = loopback_gloo_interface() if _loopback(job["address"]) else None
     if interface is not None:
         os.environ["GLOO_SOCKET_IFNAME"] = interface
@@ -182,6 +180,7 @@ def run_worker(job: dict[str, Any], me: int) -> dict[str, int] | None:
     t.stop_vote = StopVote(t.strategy.stop_peers, t.strategy.meets_after)
     t.regroup()
     handover.receive(t, joined)
+    leave_on_sigterm()  # a member now: SIGTERM asks it to leave (before: it ends it)
     try:
         summary = t.run()
     except Leaving as left:  # SIGTERM: this worker left, the job goes on without it

@@ -14,7 +14,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-from shoal.core.stop import Leaving
+from shoal.core.stop import Leaving, leave_on_sigterm
 from shoal.errors import ShoalError
 
 
@@ -75,6 +75,7 @@ def run_async_worker(job: dict[str, Any], me: int, store: Any) -> dict[str, int]
     t = Trainer(cfg, comm, work.data, work.model, components=remote_components(client))
     t.joined = True
     t.elastic.join(int(reply["epoch"]))
+    leave_on_sigterm()  # a member now: SIGTERM asks it to leave (before: it ends it)
     try:
         t.run()
     except Leaving as left:  # SIGTERM: its work sent, it leaves as a lost worker does (no
