@@ -481,9 +481,10 @@ def assert_each_sample_once(out, epochs: int, rows: int) -> None:
     missing = {(e, s) for e in range(epochs) for s in range(rows)} - counts.keys()
     assert not missing, f"{len(missing)} samples never trained, e.g. {sorted(missing)[:3]}"
     assert len(counts) == epochs * rows, "samples outside the training set"
-    summary = out / "summary.json"
-    if summary.exists() and json.loads(summary.read_text())["completed"]:
-        trained = json.loads(summary.read_text())["samples"]
+    path = out / "summary.json"
+    summary = json.loads(path.read_text()) if path.exists() else {}
+    if summary.get("completed"):
+        trained = summary["samples"]
         assert trained == epochs * rows, f"the summary counts {trained - epochs * rows} more"
 
 

@@ -298,11 +298,6 @@ class Membership:
         re-formed the group without it yet)."""
         return any(self._raw.check([ended_key(m)]) for m in self.members if m != self.me)
 
-    def leave(self, why: str) -> None:
-        """This worker leaves the job, which goes on: ``why`` is what the others read as
-        the reason (:meth:`reason`), and they see it gone at once (:meth:`_gone`)."""
-        self._raw.set(ended_key(self.me), why)
-
     def reason(self, member: int) -> str:
         """Why ``member`` left, as far as the store knows."""
         if self._raw.check([ended_key(member)]):

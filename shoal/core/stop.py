@@ -45,9 +45,7 @@ def stop_on_sigterm() -> Any:
     """From now on SIGTERM asks this process to stop at the next safe point instead of
     killing it: training finishes its step, writes a checkpoint and exits. Returns the
     handler it replaced (for ``signal.signal``); does nothing off the main thread."""
-    if threading.current_thread() is not threading.main_thread():
-        return None
-    return signal.signal(signal.SIGTERM, lambda signum, frame: STOP.set())
+    return _raise_on_sigterm(STOP)
 
 
 def leave_requested() -> bool:
@@ -60,9 +58,14 @@ def leave_on_sigterm() -> Any:
     """From now on SIGTERM asks this worker to leave the job at its next meeting (the
     others go on; a whole job stops on its launcher's SIGTERM). Returns the handler it
     replaced; does nothing off the main thread."""
+    return _raise_on_sigterm(LEAVE)
+
+
+def _raise_on_sigterm(flag: Flag) -> Any:
+    """SIGTERM raises ``flag`` from now on (the main thread only): the handler replaced."""
     if threading.current_thread() is not threading.main_thread():
         return None
-    return signal.signal(signal.SIGTERM, lambda signum, frame: LEAVE.set())
+    return signal.signal(signal.SIGTERM, lambda signum, frame: flag.set())
 
 
 class Leaving(Exception):

@@ -211,13 +211,12 @@ class Elastic(Joins):
     def _leave(self) -> None:
         """SIGTERM to ``shoal join``: this worker leaves right after a meeting, its work so
         far counted (streamed fragments: what has not counted is dealt again, as a lost
-        worker's); the last worker left stops the job instead, as a SIGTERM to it would."""
+        worker's), and its ``shoal join`` says why in the store; the last worker left stops
+        the job instead, as a SIGTERM to it would."""
         if not self.t.comm.active:
             request_stop()
             return
-        step = self.t.state.step
-        self.membership.leave(f"left at step {step} (SIGTERM to shoal join)")
-        raise Leaving(step)
+        raise Leaving(self.t.state.step)
 
     def _checkpoint_part(self) -> dict[str, Any]:
         """This worker's samples of the steps that have not counted yet, for a checkpoint
