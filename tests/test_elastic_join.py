@@ -317,6 +317,41 @@ def test_sigterm_stops_a_job_down_to_its_last_worker(held):
     assert "stopped by SIGTERM" in job.stderr and (job.out / "checkpoint.pt").exists()
 
 
+def test_an_asynchronous_job_left_to_a_joiner_checkpoints_and_stops_when_it_leaves(held,
+                                                                                  tmp_path):
+    """An asynchronous job whose first workers are both killed (kill -9) goes on in the
+    worker that joined, its checkpoints too (before, none was written once no first worker
+    was left, and a resume went back to the last: 448 samples trained twice, the joins and
+    losses gone from the summary); SIGTERM to that last worker's ``shoal join`` stops the
+    job with a checkpoint (143, the join 0) instead of leaving it with no worker (before:
+    "every worker was lost", exit 1). The resumed job trains every sample once."""
+    kill = tmp_path / "kill"
+    job = held("--strategy", "async-easgd", "--tau", "4", "--elastic", "--record-samples",
+               "--max-workers", "3", kill=False, workers=2, held_after=0, pace=0.3,
+               model="killed_when_told", release_on_join=False,
+               env={"SHOAL_TEST_KILL_RANK": "1,2", "SHOAL_TEST_KILL_FILE": str(kill)})
+    job.wait_for(lambda: (job.out / ".shoal-join" / "job.json").exists(), "the job file")
+    joiner = job.join_in_background()
+    job.wait_line("worker 2 joined at step")
+    kill.touch()
+    job.wait_line("; 1 go on")
+    time.sleep(2)  # it trains on alone
+    joiner.send_signal(signal.SIGTERM)
+    _, err = joiner.communicate(timeout=60)
+    assert joiner.returncode == 0, err
+    assert job.proc.wait(timeout=60) == 143, job.stderr + err
+    assert "stopped by SIGTERM" in job.stderr and (job.out / "checkpoint.pt").exists()
+    kill.unlink()
+    job.release()
+    resumed = shoal(*job.proc.args[3:], "--resume", "auto", env=job.env, timeout=240)
+    assert resumed.returncode == 0, resumed.stderr
+    summary = json.loads((job.out / "summary.json").read_text())
+    changes = summary["membership_changes"]
+    assert changes[0]["joined"] == [2] and changes[-1]["joined"] == [0, 1], changes
+    assert sorted(m for c in changes for m in c.get("left", [])) == [0, 1]
+    assert_each_sample_once(job.out, EPOCHS, TRAIN_ROWS)
+
+
 def test_the_job_goes_on_in_a_joiner_once_every_worker_started_with_it_is_lost(held, tmp_path):
     """Both workers shoal's launcher started are killed (kill -9) once a third joined: the
     job trains on in the joiner alone (it writes the records from then on) and admits a fourth,

@@ -43,7 +43,7 @@ from shoal.train.deal import loss_record
 from shoal.train.dealer import AsyncMembers
 from shoal.train.evaluation import Evaluator
 from shoal.train.recorder import Recorder
-from shoal.train.records import pending_reports
+from shoal.train.records import pending_reports, queued
 from shoal.train.remote import CLOCK_KEY, COLLAPSED_KEY
 from shoal.train.state import RunState
 from shoal.train.stopping import run_reason
@@ -162,25 +162,13 @@ class Coordinator:
             # The losses seen before the reports are read: a worker's last report (a
             # failure, its final totals) reaches the queue before its pairs break.
             lost = dict(shard.lost)
-            for client, obj in self._next_reports():
+            for client, obj in queued(self.reports, 0.2):
                 self._take(client, obj)
             self._note_lost(lost)
             if self.members is not None:
                 self.members.tick()
         rec.end_steps()
         return self._finish(shard)
-
-    def _next_reports(self) -> list[tuple[int, Any]]:
-        """The reports queued now (waiting up to 0.2 s for the first)."""
-        try:
-            found = [self.reports.get(timeout=0.2)]
-        except queue.Empty:
-            return []
-        while True:
-            try:
-                found.append(self.reports.get_nowait())
-            except queue.Empty:
-                return found
 
     def _take(self, worker: int, report: dict[str, Any]) -> None:
         kind = report["kind"]
@@ -237,7 +225,7 @@ class Coordinator:
             self.state.start()
             if self.comm.store is not None:
                 self.comm.store.set(CLOCK_KEY, "1")  # the workers go
-        savers = {w for w in self.live if w < self.workers}  # a joiner's state is not kept
+        savers = self._placing(self.live)
         while self.live:
             epoch = self.state.epoch + 1
             due = self.members.due(epoch) if self.members is not None else self.live
@@ -252,6 +240,11 @@ class Coordinator:
                 self._epoch_record(epoch, self.epochs.pop(epoch))
             else:
                 return
+
+    def _placing(self, workers: Any) -> set[int]:
+        """Whose reports place a checkpoint: the first ``--workers``' (a joiner's state is not
+        kept); with none of them left, the joiners' (their rest dealt again at --resume)."""
+        return {w for w in workers if w < self.workers} or set(workers)
 
     def _sum_workers(self, at: dict[int, dict[str, Any]] | None = None) -> None:
         """The recorder's comm and timeline hold the workers' totals, summed: as of the
@@ -327,8 +320,9 @@ class Coordinator:
         """Write ``checkpoint.pt`` with each reporting worker's state (the others': their
         last), the centers and the records' position; the slowest worker's is the file's."""
         slowest = min(reports.values(), key=lambda r: (r["step"], r["worker"]))
-        for w, r in reports.items():
-            self.own[w], self.saved[w] = r["own"], r["step"]
+        self.saved.update({w: r["step"] for w, r in reports.items()})
+        reports = {w: r for w, r in reports.items() if w < self.workers}  # a joiner's: not kept
+        self.own.update({w: r["own"] for w, r in reports.items()})
         full = self.center()
         if not torch.isfinite(full).all():
             raise ShoalError(f"the center became non-finite by step {slowest['step']}; checkpoint "
@@ -363,7 +357,7 @@ class Coordinator:
                            + "; ".join(f"worker {w}: {r['error'] or 'connection lost'}"
                                        for w, r in sorted(self.lost.items())))
         finals = self.finals
-        last = {w: self.last[w] for w in finals if w in self.last and w < self.workers}
+        last = {w: self.last[w] for w in self._placing(finals) if w in self.last}
         if any(self.saved.get(w) != r["step"] for w, r in last.items()):
             self._checkpoint(last)  # stopped (SIGTERM) at different steps: their last states
         self._sum_workers()

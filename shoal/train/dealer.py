@@ -25,12 +25,12 @@ from typing import Any
 import torch
 
 from shoal.core.joining import BAD_PROOF, proved, worker_id
-from shoal.core.stop import stop_requested
+from shoal.core.stop import request_stop, stop_requested
 from shoal.core.waits import ELASTIC, publish_members
 from shoal.errors import ShoalError
 from shoal.train.changes import epoch_span, membership_change
 from shoal.train.deal import Schedule, Segment, cut, deal, length
-from shoal.train.elastic_async import DEALS, RELEASE, deal_key, slots_of
+from shoal.train.elastic_async import DEALS, RELEASE, deal_key, leave_key, slots_of
 from shoal.train.handover import digest
 from shoal.train.resume_async import dealer_state, rebuild, schedule_of
 from shoal.train.samples import record_since, samples_file, say_held
@@ -242,6 +242,7 @@ class AsyncMembers:
         #: how far into each worker's schedule its samples are in the records' count (its
         #: epochs reported; a lost worker's counted samples are added at its loss)
         self.accounted: dict[int, int] = {}
+        self.leaving: set[int] = set()  #: workers that said they leave (SIGTERM to shoal join)
 
     def take(self, worker: int, report: dict[str, Any]) -> bool:
         """A report of this side's (``True``): a share taken, a part given, idle, joined."""
@@ -256,7 +257,13 @@ class AsyncMembers:
             if self.c.followers is not None:  # the other servers' shards of it
                 mine = self.c.followers.first_pull(worker, mine)
             self.dealer.digests(worker, mine, report["digest"])
-        return kind in ("adopt", "give", "idle", "joined")
+        elif kind == "leaving":  # SIGTERM to its shoal join: the last one stops the job
+            self.leaving.add(worker)
+            last = not self.c.live - self.c.finals.keys() - self.leaving
+            if last:
+                request_stop()
+            self.c.comm.attempt_store.set(leave_key(worker), "stop" if last else "go")
+        return kind in ("adopt", "give", "idle", "joined", "leaving")
 
     def due(self, epoch: int) -> set[int]:
         """The live workers epoch ``epoch`` (from 1) is recorded from: not those that

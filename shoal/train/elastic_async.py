@@ -49,6 +49,11 @@ def deal_key(n: int) -> str:
     return f"{ELASTIC}/async/deal/{n}"
 
 
+def leave_key(worker: int) -> str:
+    """Server 0's answer to ``worker`` leaving: ``go``, or ``stop`` (it was the last)."""
+    return f"{ELASTIC}/async/leave/{worker}"
+
+
 def slots_of(cfg: Any, n: int, workers: int) -> Slots:
     """The plan every epoch is dealt from: over the job's first ``workers`` workers."""
     return Slots(n, cfg.global_batch(workers), workers, cfg.seed)
@@ -186,11 +191,18 @@ class AsyncElastic:
     def _leave(self) -> None:
         """SIGTERM to ``shoal join``: send this worker's work (all it trained counts) and
         leave (its ``shoal join`` says why in the store); server 0 deals its rest to the
-        others."""
+        others. Server 0 is asked first (its answer in the store): the last live worker
+        stops the job instead, as a SIGTERM to the launcher would, with a checkpoint."""
         t = self.t
         t.strategy.flush()
         self._count()
-        raise Leaving(t.state.step)
+        t.comm.ps.report({"kind": "leaving"})
+        key, deadline = leave_key(self.me), time.monotonic() + t.cfg.heartbeat_timeout
+        while not self.store.check([key]) and time.monotonic() < deadline:
+            time.sleep(POLL_S)  # no answer in time: it leaves
+        if not self.store.check([key]) or self.store.get(key) != b"stop":
+            raise Leaving(t.state.step)
+        request_stop()
 
     # -- deals --------------------------------------------------------------------------------
     def _poll(self) -> tuple[bool, bool]:
@@ -268,4 +280,4 @@ class AsyncElastic:
         return False
 
 
-__all__ = ["DEALS", "RELEASE", "AsyncElastic", "deal_key", "slots_of"]
+__all__ = ["DEALS", "RELEASE", "AsyncElastic", "deal_key", "leave_key", "slots_of"]

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import queue
 from pathlib import Path
 from typing import Any
 
@@ -130,3 +131,14 @@ def pending_reports(epochs: dict[int, dict[int, Any]], saved: dict[int, dict[str
     gone = sum(int(r["sums"][2]) for got in epochs.values() for w, r in got.items()
                if w not in saved) if elastic else 0
     return {e: got for e, got in kept.items() if got}, gone
+
+
+def queued(reports: queue.Queue, wait: float) -> list[Any]:
+    """Everything queued in ``reports`` now, waiting up to ``wait`` seconds for the first."""
+    found = []
+    try:
+        found.append(reports.get(timeout=wait))
+        while True:
+            found.append(reports.get_nowait())
+    except queue.Empty:
+        return found
