@@ -203,6 +203,19 @@ def test_client_without_server_times_out(store):
     assert time.monotonic() - start < 4.0
 
 
+def test_a_connect_ended_by_sigterm_says_so_not_that_the_server_was_late(store):
+    """SIGTERM while a worker waits for its pair (the job stopping around it) is named as
+    such; before, it read as a server that did not connect within the timeout."""
+    from shoal.core.stop import STOP, request_stop
+
+    request_stop()
+    try:
+        with pytest.raises(ChannelError, match="stopped by SIGTERM while connecting to server 0"):
+            ServerClient(store, 6, [(0, 4)], timeout=1.0)
+    finally:
+        STOP.clear()
+
+
 def test_loopback_client_applies_rules_in_process():
     shards = [torch.zeros(3), torch.zeros(2)]
     rules = [AddRule(c) for c in shards]

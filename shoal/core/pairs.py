@@ -41,6 +41,7 @@ from typing import Any, Protocol
 import torch
 import torch.distributed as dist
 
+from shoal.core.stop import stop_requested
 from shoal.errors import ShoalError
 
 
@@ -210,7 +211,9 @@ class PairChannel:
             return pg
         except (RuntimeError, ValueError) as exc:
             text = str(exc)
-            if "timeout" in text or "Timed out" in text or "timed out" in text:
+            if stop_requested():  # SIGTERM while it waited: the peer stops too, or is gone
+                self.broken = f"stopped by SIGTERM while connecting to {self.peer}"
+            elif "timeout" in text or "Timed out" in text or "timed out" in text:
                 self.broken = f"{self.peer} did not connect within {connect:g} s"
             else:
                 first = (text.strip().splitlines() or [type(exc).__name__])[0][:200]
