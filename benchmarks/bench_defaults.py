@@ -199,6 +199,11 @@ def main() -> None:
     args.out.mkdir(parents=True, exist_ok=True)
     log = args.out / "bench_defaults.jsonl"
     results = [json.loads(line) for line in log.read_text().splitlines()] if log.is_file() else []
+    flags = {"extra": args.extra, "strategy_extra": args.strategy_extra}
+    other = next((r for r in results if {k: r.get(k, "") for k in flags} != flags), None)
+    if other is not None:  # its runs would be taken as done, and tabled beside these
+        ap.error(f"{log} holds runs with other flags (--extra {other.get('extra', '')!r} "
+                 f"--strategy-extra {other.get('strategy_extra', '')!r}): use another --out")
     done = {(r["dataset"], r["workers"], r["epochs"], r["seed"], label(r)) for r in results}
     for dataset in args.datasets.split(","):
         for workers in map(int, args.workers.split(",")):
@@ -215,6 +220,7 @@ def main() -> None:
                             f"{args.extra} {args.strategy_extra}"
                         r = run(cell, strategy, args.out / "runs" / name, args.timeout, scale,
                                 tuple(shlex.split(extra)))
+                        r.update(flags)
                         results.append(r)
                         with log.open("a") as f:
                             f.write(json.dumps(r) + "\n")
