@@ -56,6 +56,20 @@ def test_a_checkpoint_written_after_a_loss_inside_a_round_resumes_each_sample_on
     assert change["left"] == [2] and summary["workers"] == 2
 
 
+def test_a_job_down_to_one_worker_resumes_on_one_and_records_each_sample_once(tmp_path):
+    """2 workers, worker 1 killed; the one left is stopped inside a round, and its
+    checkpoint resumes on 1 worker: a job of one worker has no meetings, and before, its
+    ``--record-samples`` wrote nothing at all (every sample after the checkpoint missing
+    from the records, the run trained them)."""
+    out = tmp_path / "run"
+    res = train_losing(out, 1, "train:10", "--strategy", "diloco", "--tau", "4",
+                       "--stop-at-step", "22", workers=2)
+    assert res.returncode == 0 and "worker 1 left at step" in res.stderr, res.stderr
+    res = _resume(out, 1, EPOCHS, "diloco")
+    assert res.returncode == 0, res.stderr
+    assert_each_sample_once(out, EPOCHS, TRAIN_ROWS)
+
+
 # local-sgd: lost at step 30 and restarted on the 2 workers its checkpoint at step 20 holds
 # (inside the epoch's rest dealt anew, inside a round); sync: lost in epoch 2 and restarted
 # on all 3 from epoch 1's end, where the plan of epoch 1's rest is done (the next epoch is
