@@ -27,7 +27,7 @@ from shoal.core.joining import answer, ask, take_ticket, worker_id
 from shoal.core.keeper import run_child
 from shoal.core.outlive import finished_key
 from shoal.core.processes import loopback_gloo_interface
-from shoal.core.stop import Leaving, leave_on_sigterm
+from shoal.core.stop import Leaving, leave_on_sigterm, leave_requested, stop_requested
 from shoal.core.waits import ELASTIC, ended_key, key_prefix, members_now, say_finished
 from shoal.errors import JobError, ShoalError
 from shoal.train.jobfile import read_job, read_job_in_store
@@ -64,7 +64,8 @@ def join_job(out: Path | None, at: str | None = None) -> int:
     print(f"shoal: joining the job {where} as worker {me}", file=sys.stderr, flush=True)
     code, report = run_child(_worker_main, (job, me), f"shoal-join-{me}")
     failed = report is not None and report[0] == "failed"
-    left = report[1].get("left") if report and report[0] == "returned" and report[1] else None
+    said = report[1] if report and report[0] == "returned" and report[1] else {}
+    left, stopped = said.get("left"), said.get("stopped")
     if code == 0 and left is not None:
         with contextlib.suppress(Exception):  # for the members (the store gone: so is the job)
             keys.set(ended_key(servers + me), f"left at step {left} (SIGTERM to shoal join)")
@@ -74,7 +75,10 @@ def join_job(out: Path | None, at: str | None = None) -> int:
     if code == 0 and not failed:
         with contextlib.suppress(Exception):  # for a launcher whose own workers were lost
             keys.set(finished_key(me), "1")
-        print(f"shoal: worker {me} finished with the job", file=sys.stderr, flush=True)
+        print(f"shoal: worker {me} finished with the job" if stopped is None else
+              f"shoal: worker {me} was the job's last worker: SIGTERM stopped the job after "
+              f"step {stopped}, with a checkpoint (go on with the job's command and --resume)",
+              file=sys.stderr, flush=True)
         return 0
     if failed or (code is not None and code < 0):
         how = "failed" if failed else exit_status(code or 1)
@@ -190,4 +194,4 @@ def run_worker(job: dict[str, Any], me: int) -> dict[str, int] | None:
         return {"left": left.step}
     say_finished(comm.attempt_store, summary)  # the summary is its when every other was lost
     comm.close()
-    return None
+    return {"stopped": t.state.step} if leave_requested() and stop_requested() else None
