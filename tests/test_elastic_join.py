@@ -306,6 +306,22 @@ def test_sigterm_to_a_joiner_makes_it_leave_and_the_job_goes_on(held, strategy):
     assert_each_sample_once(job.out, EPOCHS, TRAIN_ROWS)
 
 
+def test_a_job_of_one_worker_takes_a_joiner(held):
+    """``--workers 1 --elastic --max-workers 2``: the job grows to 2 workers, every sample
+    once. Before, a job of one worker ran inside the launcher's process with no store: it
+    wrote no job file (``shoal join``: "no running elastic job") and no samples."""
+    job = held("--strategy", "diloco", "--tau", "4", "--elastic", "--record-samples",
+               "--max-workers", "2", kill=False, workers=1, held_after=0, pace=0.1)
+    job.wait_for(lambda: (job.out / ".shoal-join" / "job.json").exists(), "the job file")
+    joiner = job.join_in_background()
+    _, err = joiner.communicate(timeout=200)
+    assert joiner.returncode == 0, err
+    assert job.finish() == 0, job.stderr
+    summary = json.loads((job.out / "summary.json").read_text())
+    assert summary["workers"] == 2 and summary["membership_changes"][0]["joined"] == [1]
+    assert_each_sample_once(job.out, EPOCHS, TRAIN_ROWS)
+
+
 def test_sigterm_stops_a_job_down_to_its_last_worker(held):
     """A synchronous job that lost all but one worker has no meeting left to carry a stop
     vote: SIGTERM to its launcher was ignored, and the last worker trained on to the end.

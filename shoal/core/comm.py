@@ -95,7 +95,7 @@ class Comm(ObjectCollectives):
         self._keys = Keys(0)
         self._watchdog: Watchdog | None = None
         self.membership: Membership | None = None
-        if self._store is not None and self.world_size > 1 and peers:
+        if self._store is not None and (self.world_size > 1 or elastic) and peers:
             self._watch(env, heartbeat_timeout, timeout, elastic)
 
     def _watch(self, env: Environment, heartbeat_timeout: float | None, timeout: float | None,

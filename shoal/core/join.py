@@ -55,7 +55,8 @@ def init_comm(
         torch.set_num_threads(max(1, threads))
     mine = place or env
     dev = pick_device(device, mine.local_rank, mine.local_world_size, share=place is not None)
-    if store is None and env.world_size > 1 and (place is not None or not dist.is_initialized()):
+    if store is None and (env.world_size > 1 or elastic) \
+            and (place is not None or not dist.is_initialized()):
         store = job_store(env, timeout)
     if place is not None:
         if store is not None:

@@ -82,10 +82,6 @@ class Elastic(Joins):
         if saved is not None:  # --resume
             self._go_on(saved)
         if self.membership is None:
-            if trainer.cfg.elastic and trainer.comm.world_size == 1:  # alone from its start
-                self._record = samples_file(trainer.cfg, 0)  # (a resume on one worker)
-                if saved is not None:
-                    cut_after(trainer.cfg, trainer.state.step)
             return
         self.membership.listeners.append(self._changed)
         self._record = samples_file(trainer.cfg, self.membership.me)
@@ -194,8 +190,6 @@ class Elastic(Joins):
         and what counts now."""
         if self.membership is not None:
             self._counts()
-        elif self._record is not None:  # alone: each step's work is the model's at once
-            self._alone()
         if self._resized:  # the schedule follows the share of the epochs trained
             self._follow_share()
 
@@ -213,14 +207,6 @@ class Elastic(Joins):
                 self.membership.look_for_joiners()
             if leave_requested():
                 self._leave()
-
-    def _alone(self) -> None:
-        """``--record-samples`` of a job of one worker (no meetings): the step's samples, and
-        any a checkpoint carried as not counted yet, recorded after each step."""
-        t, st = self.t, self.t.state
-        self._trained.append(t.plan.local(t.plan.permutation(st.epoch), st.epoch_step - 1, 0)[0])
-        record_samples(self._record, {st.epoch: torch.cat(self._trained)}, st.step)
-        self._trained = []
 
     def _leave(self) -> None:
         """SIGTERM to ``shoal join``: this worker leaves right after a meeting, its work so
