@@ -78,6 +78,7 @@ class Elastic(Joins):
         self._resumed = False  # the first epoch goes on from the checkpoint's plan
         self._carried = 0  # resumed inside a round: the steps since the last count
         self._early: list[int] = []
+        self.stopped_job = False  #: its leave stopped the job: it was the last worker
         saved = getattr(trainer.checkpointer, "saved_plan", None)
         if saved is not None:  # --resume
             self._go_on(saved)
@@ -215,6 +216,7 @@ class Elastic(Joins):
         the job instead, as a SIGTERM to it would."""
         if not self.t.comm.active:
             request_stop()
+            self.stopped_job = True
             return
         raise Leaving(self.t.state.step)
 

@@ -75,6 +75,7 @@ class AsyncElastic:
         self.batch = max(1, t.cfg.global_batch(workers) // workers)
         self.seen = 0  # deals read
         self.polled = 0.0
+        self.stopped_job = False  #: its leave stopped the job: it was the last worker
         self.offset = 0  # samples of this block before the current plan
         self.epochs = torch.zeros(0, dtype=torch.long)  # the current plan's samples' epochs
         self.trained: list[tuple[torch.Tensor, torch.Tensor]] = []  # (epochs, samples), uncounted
@@ -203,6 +204,7 @@ class AsyncElastic:
         if not self.store.check([key]) or self.store.get(key) != b"stop":
             raise Leaving(t.state.step)
         request_stop()
+        self.stopped_job = True
 
     # -- deals --------------------------------------------------------------------------------
     def _poll(self) -> tuple[bool, bool]:

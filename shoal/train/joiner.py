@@ -27,7 +27,7 @@ from shoal.core.joining import answer, ask, take_ticket, worker_id
 from shoal.core.keeper import run_child
 from shoal.core.outlive import finished_key
 from shoal.core.processes import loopback_gloo_interface
-from shoal.core.stop import Leaving, leave_on_sigterm, leave_requested, stop_requested
+from shoal.core.stop import Leaving, leave_on_sigterm
 from shoal.core.waits import ELASTIC, ended_key, key_prefix, members_now, say_finished
 from shoal.errors import JobError, ShoalError
 from shoal.train.jobfile import read_job, read_job_in_store
@@ -194,4 +194,4 @@ def run_worker(job: dict[str, Any], me: int) -> dict[str, int] | None:
         return {"left": left.step}
     say_finished(comm.attempt_store, summary)  # the summary is its when every other was lost
     comm.close()
-    return {"stopped": t.state.step} if leave_requested() and stop_requested() else None
+    return {"stopped": t.state.step} if t.elastic.stopped_job else None

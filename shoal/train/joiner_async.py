@@ -14,7 +14,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-from shoal.core.stop import Leaving, leave_on_sigterm, leave_requested, stop_requested
+from shoal.core.stop import Leaving, leave_on_sigterm
 from shoal.errors import ShoalError
 
 
@@ -82,4 +82,4 @@ def run_async_worker(job: dict[str, Any], me: int, store: Any) -> dict[str, int]
         client.abandon()  # word to the servers), its rest dealt to the others
         return {"left": left.step}
     leave(client)
-    return {"stopped": t.state.step} if leave_requested() and stop_requested() else None
+    return {"stopped": t.state.step} if t.elastic.stopped_job else None
