@@ -333,6 +333,22 @@ def test_sigterm_stops_a_job_down_to_its_last_worker(held):
     assert "stopped by SIGTERM" in job.stderr and (job.out / "checkpoint.pt").exists()
 
 
+def _left_to_a_joiner(held, tmp_path, strategy: str, ranks: str, **kwargs):
+    """A job of 2 workers of ``strategy`` (``--tau 4``) that a third joins, after which the
+    processes of ``ranks`` (the first two workers') are killed (kill -9): the job, the
+    joiner's process, and the file whose existence kills them."""
+    kill = tmp_path / "kill"
+    job = held("--strategy", strategy, "--tau", "4", "--elastic", "--record-samples",
+               "--max-workers", "3", kill=False, workers=2, held_after=0,
+               model="killed_when_told", release_on_join=False,
+               env={"SHOAL_TEST_KILL_RANK": ranks, "SHOAL_TEST_KILL_FILE": str(kill)}, **kwargs)
+    job.wait_for(lambda: (job.out / ".shoal-join" / "job.json").exists(), "the job file")
+    joiner = job.join_in_background()
+    job.wait_line("worker 2 joined at step")
+    kill.touch()
+    return job, joiner, kill
+
+
 def test_an_asynchronous_job_left_to_a_joiner_checkpoints_and_stops_when_it_leaves(held,
                                                                                   tmp_path):
     """An asynchronous job whose first workers are both killed (kill -9) goes on in the
@@ -341,15 +357,7 @@ def test_an_asynchronous_job_left_to_a_joiner_checkpoints_and_stops_when_it_leav
     losses gone from the summary); SIGTERM to that last worker's ``shoal join`` stops the
     job with a checkpoint (143, the join 0) instead of leaving it with no worker (before:
     "every worker was lost", exit 1). The resumed job trains every sample once."""
-    kill = tmp_path / "kill"
-    job = held("--strategy", "async-easgd", "--tau", "4", "--elastic", "--record-samples",
-               "--max-workers", "3", kill=False, workers=2, held_after=0, pace=0.3,
-               model="killed_when_told", release_on_join=False,
-               env={"SHOAL_TEST_KILL_RANK": "1,2", "SHOAL_TEST_KILL_FILE": str(kill)})
-    job.wait_for(lambda: (job.out / ".shoal-join" / "job.json").exists(), "the job file")
-    joiner = job.join_in_background()
-    job.wait_line("worker 2 joined at step")
-    kill.touch()
+    job, joiner, kill = _left_to_a_joiner(held, tmp_path, "async-easgd", "1,2", pace=0.3)
     job.wait_line("; 1 go on")
     time.sleep(2)  # it trains on alone
     joiner.send_signal(signal.SIGTERM)
@@ -374,15 +382,7 @@ def test_the_job_goes_on_in_a_joiner_once_every_worker_started_with_it_is_lost(h
     and the launcher holds the job's store until the joiners finished: every command exits
     0 (before: the launcher ended with its own workers, silently, and took the store with
     it)."""
-    kill = tmp_path / "kill"
-    job = held("--strategy", "diloco", "--tau", "4", "--elastic", "--record-samples",
-               "--max-workers", "3", kill=False, workers=2, held_after=0,
-               model="killed_when_told", release_on_join=False,
-               env={"SHOAL_TEST_KILL_RANK": "0,1", "SHOAL_TEST_KILL_FILE": str(kill)})
-    job.wait_for(lambda: (job.out / ".shoal-join" / "job.json").exists(), "the job file")
-    joiner = job.join_in_background()
-    job.wait_line("worker 2 joined at step")
-    kill.touch()
+    job, joiner, _ = _left_to_a_joiner(held, tmp_path, "diloco", "0,1")
     lines: list[str] = []
     reader = threading.Thread(target=lambda: lines.extend(joiner.stderr), daemon=True)
     reader.start()
