@@ -250,7 +250,9 @@ def train(cfg: TrainConfig, dataset: Any = None) -> dict[str, Any] | None:
     cfg = resolve_auto_resume(cfg)
     topology = job_topology(cfg, default_workers(cfg))
     check_machine(cfg, topology)
-    if topology.world_size > 1 or cfg.max_restarts > 0 or cfg.elastic:
+    # In processes of their own: several ranks, restarts, or a membership (its store)
+    spawned = topology.world_size > 1 or cfg.max_restarts > 0 or cfg.elastic
+    if spawned:
         # It imports torch for the workers while the checks below run (and torch's compiler
         # front end for --compile; shoal.core.dynamo keeps it out otherwise).
         ensure_server(["torch._dynamo"] if cfg.compile else [])
@@ -258,7 +260,7 @@ def train(cfg: TrainConfig, dataset: Any = None) -> dict[str, Any] | None:
     work = preflight(cfg, topology.workers, given)
     check_machine(cfg, topology, work.data)
     with OutputLock(Path(cfg.out)):
-        if topology.world_size == 1 and cfg.max_restarts == 0 and not cfg.elastic:  # here
+        if not spawned:  # here, in this process
             return run_rank(cfg, Environment(), topology, work)
         try:
             return _run_with_restarts(cfg, topology, given)
