@@ -81,6 +81,10 @@ class HeldJob:
             assert time.monotonic() < deadline, f"no {what} in {timeout:g} s:\n{self.stderr}"
             time.sleep(0.1)
 
+    def wait_for_job_file(self) -> None:
+        """Until the job has written the file ``shoal join`` reads."""
+        self.wait_for(lambda: (self.out / ".shoal-join" / "job.json").exists(), "the job file")
+
     def wait_line(self, text: str) -> None:
         self.wait_for(lambda: any(text in line for line in self.lines), repr(text))
 
@@ -262,7 +266,7 @@ def test_sigterm_stops_an_asynchronous_job_and_its_joiner_and_it_resumes(held):
     job = held("--strategy", "async-easgd", "--tau", "4", "--elastic", "--record-samples",
                "--max-workers", "3", kill=False, workers=2, held_after=10,
                release_on_join=False, pace=0.5)
-    job.wait_for(lambda: (job.out / ".shoal-join" / "job.json").exists(), "the job file")
+    job.wait_for_job_file()
     joiner = job.join_in_background()
     job.wait_line("worker 2 joined at step")
     job.proc.send_signal(signal.SIGTERM)
@@ -288,7 +292,7 @@ def test_sigterm_to_a_joiner_makes_it_leave_and_the_job_goes_on(held, strategy):
     job = held("--strategy", strategy, *([] if strategy == "sync" else ["--tau", "4"]),
                "--elastic", "--record-samples", "--max-workers", "3", kill=False, workers=2,
                held_after=0, release_on_join=False)
-    job.wait_for(lambda: (job.out / ".shoal-join" / "job.json").exists(), "the job file")
+    job.wait_for_job_file()
     joiner = job.join_in_background()
     job.wait_line("worker 2 joined at step")
     time.sleep(2)  # it trains a few steps
@@ -312,7 +316,7 @@ def test_a_job_of_one_worker_takes_a_joiner(held):
     wrote no job file (``shoal join``: "no running elastic job") and no samples."""
     job = held("--strategy", "diloco", "--tau", "4", "--elastic", "--record-samples",
                "--max-workers", "2", kill=False, workers=1, held_after=0, pace=0.1)
-    job.wait_for(lambda: (job.out / ".shoal-join" / "job.json").exists(), "the job file")
+    job.wait_for_job_file()
     joiner = job.join_in_background()
     _, err = joiner.communicate(timeout=200)
     assert joiner.returncode == 0, err
@@ -342,7 +346,7 @@ def _left_to_a_joiner(held, tmp_path, strategy: str, ranks: str, **kwargs):
                "--max-workers", "3", kill=False, workers=2, held_after=0,
                model="killed_when_told", release_on_join=False,
                env={"SHOAL_TEST_KILL_RANK": ranks, "SHOAL_TEST_KILL_FILE": str(kill)}, **kwargs)
-    job.wait_for(lambda: (job.out / ".shoal-join" / "job.json").exists(), "the job file")
+    job.wait_for_job_file()
     joiner = job.join_in_background()
     job.wait_line("worker 2 joined at step")
     kill.touch()
@@ -424,7 +428,7 @@ def test_a_torchrun_job_goes_on_in_a_joiner_once_every_rank_is_lost(held, tmp_pa
                model="killed_when_told", release_on_join=False,
                env={"SHOAL_TEST_KILL_RANK": "0,1", "SHOAL_TEST_KILL_FILE": str(kill),
                     "SHOAL_JOIN_SECRET": "5a" * 32})
-    job.wait_for(lambda: (job.out / ".shoal-join" / "job.json").exists(), "the job file")
+    job.wait_for_job_file()
     joiner = job.join_in_background()
     job.wait_line("worker 2 joined at step")
     kill.touch()
@@ -455,7 +459,7 @@ def test_a_joiner_killed_right_after_a_meeting_loses_nothing(held, strategy, die
     job = held("--strategy", strategy, *([] if strategy == "sync" else ["--tau", "4"]),
                "--elastic", "--record-samples", "--max-workers", "3", "--heartbeat-timeout",
                "4", kill=False, workers=2, held_after=0, model="dies_at")
-    job.wait_for(lambda: (job.out / ".shoal-join" / "job.json").exists(), "the job file")
+    job.wait_for_job_file()
     joined = shoal("join", str(job.out), timeout=240, env={
         **job.env, "SHOAL_TEST_MARKER": uuid.uuid4().hex, "SHOAL_TEST_DIE_AT": die_at,
         "SHOAL_TEST_DIE_AFTER_COUNT": "1"})
@@ -485,7 +489,7 @@ def test_a_member_lost_as_a_worker_joins(held):
     job = held("--strategy", "diloco", "--tau", "4", "--elastic", "--record-samples",
                "--max-workers", "4", "--heartbeat-timeout", "4", kill=False, workers=3,
                held_after=0, model="dies_in_grow", env={"SHOAL_TEST_KILL_RANK": "1"})
-    job.wait_for(lambda: (job.out / ".shoal-join" / "job.json").exists(), "the job file")
+    job.wait_for_job_file()
     joined = shoal("join", str(job.out), env={**job.env, "SHOAL_TEST_MARKER": uuid.uuid4().hex},
                    timeout=240)
     assert job.finish() == 0, job.stderr
@@ -503,7 +507,7 @@ def test_a_member_lost_as_a_worker_joins(held):
 
 def test_join_refuses_a_job_at_its_size_then_a_finished_one(held):
     job = held("--elastic", kill=False, workers=2)
-    job.wait_for(lambda: (job.out / ".shoal-join" / "job.json").exists(), "the job file")
+    job.wait_for_job_file()
     res = shoal("join", str(job.out), env=job.env, timeout=120)
     assert res.returncode == 2
     assert "has 2 workers, its most (--max-workers 2)" in one_error_line(res.stderr)
