@@ -15,7 +15,16 @@ import torch
 from shoal.config import TrainConfig
 from shoal.errors import ShoalError
 
-from conftest import REPO, checkpoint_params, max_param_diff, run, shoal_env, started_by, train_here
+from conftest import (
+    REPO,
+    checkpoint_params,
+    max_param_diff,
+    run,
+    shoal_env,
+    started_by,
+    train_here,
+    wait_gone,
+)
 
 CONFIG = ["--model", "lenet5", "--dataset", "digits", "--epochs", "3", "--workers", "2",
           "--batch-size", "32"]  # 23 steps an epoch
@@ -43,7 +52,8 @@ def test_stop_and_resume_matches_uninterrupted(tmp_path, reference):
 def test_killed_run_resumes_from_its_last_checkpoint(tmp_path, reference):
     args = [sys.executable, "-m", "shoal", "train", "--out", str(tmp_path), "--progress", "none",
             *CONFIG, "--checkpoint-every", "5", "--log-every", "1"]
-    proc = subprocess.Popen(args, env=shoal_env(), cwd=REPO, start_new_session=True,
+    env = shoal_env()
+    proc = subprocess.Popen(args, env=env, cwd=REPO, start_new_session=True,
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     metrics = tmp_path / "metrics.jsonl"
     deadline = time.monotonic() + 60
@@ -55,6 +65,9 @@ def test_killed_run_resumes_from_its_last_checkpoint(tmp_path, reference):
         os.killpg(proc.pid, signal.SIGKILL)
     finally:
         proc.wait(timeout=30)
+    # Every process of the job ends, not only the launcher waited for: one still exiting
+    # (its fork server, tearing down torch's memory under load) holds --out's lock.
+    assert not wait_gone(env["SHOAL_TEST_MARKER"], 30.0)
     saved = torch.load(tmp_path / "checkpoint.pt", weights_only=True)["progress"]["step"]
     if saved >= reference[0]["steps"]:
         pytest.fail("the run finished before it could be killed; the test proves nothing")
