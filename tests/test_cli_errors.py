@@ -277,3 +277,21 @@ def test_error_naming_a_path_with_a_line_break_stays_one_line(tmp_path, capsys):
                  "--out", str(tmp_path / "r")]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "a\\nb is not a directory" in one_error_line(err)
+
+
+def test_version_help_and_a_mistyped_command_answer_without_importing_torch():
+    """``shoal --version``, ``--help`` and a mistyped subcommand answer at once: only the
+    subcommand a command line names has its flags built (train's import torch)."""
+    import subprocess
+    import sys
+
+    code = ("import sys\nfrom shoal.cli import main\n"
+            "for argv in (['--version'], ['--help'], ['list', '--help'], ['join', '--help']):\n"
+            "    try:\n        main(argv)\n    except SystemExit:\n        pass\n"
+            "print(main(['trian', '--workers', '2']), 'torch' in sys.modules)")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          timeout=120)
+    assert done.stdout.splitlines()[-1] == "2 False", done.stdout + done.stderr
+    assert "invalid choice: 'trian'" in done.stderr
+    assert "shoal join [-h]" in done.stdout and "train a model data-parallel" in done.stdout
+    assert fails("train", "--workers", "0").endswith("--workers must be at least 1, got 0")

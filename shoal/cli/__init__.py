@@ -17,7 +17,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from shoal.cli.early import run_forked, start_server_early, stop_server
-from shoal.cli.parsers import build_parser
+from shoal.cli.parsers import build_parser, command_of
 from shoal.cli.settings import config_from_args
 from shoal.core.guard import skip_exit_collection
 from shoal.errors import ShoalError, Terminated, WorkerError
@@ -235,7 +235,7 @@ def _main(argv: list[str]) -> int:
     """:func:`main` on ``argv``: the subcommand's hand-off, errors mapped to exit codes."""
     debug = "--debug" in argv  # until parsed: `shoal run x.py --debug` is the script's flag
     try:
-        args, extra = build_parser().parse_known_args(argv)
+        args, extra = build_parser(command_of(argv)).parse_known_args(argv)
         debug = bool(getattr(args, "debug", False))
         if extra:  # the subcommand's own help knows its flags
             command = f"shoal {args.command}" if args.command else "shoal"
@@ -259,7 +259,7 @@ def _main(argv: list[str]) -> int:
         elif args.command == "list":
             _list()
         else:
-            build_parser().print_help()
+            build_parser("").print_help()
             return EXIT_USER_ERROR
         return 0
     except KeyboardInterrupt:

@@ -12,6 +12,17 @@ from typing import Any, NoReturn
 from shoal.errors import ShoalError
 from shoal.schema import add_flag, field_types, parse_ints, parse_names, parse_threads
 
+#: Every subcommand and its line in ``shoal --help``.
+COMMANDS = {
+    "train": "train a model data-parallel",
+    "plan": "find the fastest configuration to a target accuracy (Omnivore)",
+    "run": "run your own script on N local processes (no torchrun)",
+    "join": "add a worker to a running --elastic job",
+    "bench": "scaling study: throughput, efficiency, communication share",
+    "report": "plot and tabulate runs",
+    "list": "list models, datasets and strategies",
+}
+
 
 class _Parser(argparse.ArgumentParser):
     """argparse, but a usage error is one line naming the problem (``main`` prints it after
@@ -44,7 +55,7 @@ def _add_strategy_options(group: argparse._ArgumentGroup) -> None:
 
 
 def _train_parser(sub: Any) -> argparse.ArgumentParser:
-    p = sub.add_parser("train", help="train a model data-parallel",
+    p = sub.add_parser("train", help=COMMANDS["train"],
                        description="Train a model data-parallel on local workers or under "
                                    "torchrun / Slurm / mpirun. --strategy auto plans first "
                                    "(see shoal plan) and trains the winner.")
@@ -53,7 +64,7 @@ def _train_parser(sub: Any) -> argparse.ArgumentParser:
 
 def _plan_parser(sub: Any) -> argparse.ArgumentParser:
     p = sub.add_parser(
-        "plan", help="find the fastest configuration to a target accuracy (Omnivore)",
+        "plan", help=COMMANDS["plan"],
         description="Measure candidate configurations of a training run in short trials "
                     "(strategy, groups or tau, momentum, learning rate, processes x threads), "
                     "predict each one's time to --target-accuracy and rank them; write "
@@ -126,7 +137,7 @@ def _bench_parser(sub: Any) -> argparse.ArgumentParser:
         add_flag(p, settings[name], hints[name], default=getattr(BenchConfig, name), help=help)
 
     p = sub.add_parser(
-        "bench", help="scaling study: throughput, efficiency, communication share",
+        "bench", help=COMMANDS["bench"],
         description="Run `shoal train` for a fixed number of steps after warm-up for every "
                     "combination of models x strategies x workers (x threads per worker), plus "
                     "a hand-written PyTorch DDP loop, each repeated; write bench.csv, bench.md "
@@ -203,7 +214,7 @@ def _add_emulation_flags(p: argparse.ArgumentParser) -> None:
 
 def _report_parser(sub: Any) -> argparse.ArgumentParser:
     p = sub.add_parser(
-        "report", help="plot and tabulate runs",
+        "report", help=COMMANDS["report"],
         description="Plot loss and accuracy of runs against wall time and samples seen "
                     "(report.png) and tabulate their summary.json (report.md).")
     p.add_argument("runs", nargs="+", metavar="RUN_DIR", help="directories of shoal train runs")
@@ -214,7 +225,7 @@ def _report_parser(sub: Any) -> argparse.ArgumentParser:
 
 def _join_parser(sub: Any) -> argparse.ArgumentParser:
     p = sub.add_parser(
-        "join", help="add a worker to a running --elastic job",
+        "join", help=COMMANDS["join"],
         description="Start a new worker that joins the --elastic job running in OUT (its "
                     "--out) at its next step or round: it takes the model and every other "
                     "state from a live worker and trains the rest with the others until the "
@@ -232,7 +243,7 @@ def _join_parser(sub: Any) -> argparse.ArgumentParser:
 
 def _run_parser(sub: Any) -> argparse.ArgumentParser:
     p = sub.add_parser(
-        "run", help="run your own script on N local processes (no torchrun)",
+        "run", help=COMMANDS["run"],
         usage="shoal run [-h] [--workers N] [--threads-per-worker T] [--debug] "
               "(SCRIPT | -m MODULE) [ARGS ...]",
         description="Run SCRIPT (or -m MODULE) as __main__ in N local processes joined as one "
@@ -252,18 +263,26 @@ def _run_parser(sub: Any) -> argparse.ArgumentParser:
     return p
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(command: str | None = None) -> argparse.ArgumentParser:
+    """The ``shoal`` parser; with ``command``, only that subcommand's flags (the others
+    listed by name): the train and plan flags import every strategy, and torch with them
+    (2 s), which ``--version``, ``--help`` or ``shoal join`` need not wait for."""
     parser = _Parser(prog="shoal", description="Data-parallel training on PyTorch.")
     parser.add_argument("--debug", action="store_true", help="show tracebacks of errors")
     from shoal import __version__
 
     parser.add_argument("--version", action="version", version=f"shoal {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
-    _train_parser(sub)
-    _plan_parser(sub)
-    _run_parser(sub)
-    _join_parser(sub)
-    _bench_parser(sub)
-    _report_parser(sub)
-    sub.add_parser("list", help="list models, datasets and strategies")
+    builders = {"train": _train_parser, "plan": _plan_parser, "run": _run_parser,
+                "join": _join_parser, "bench": _bench_parser, "report": _report_parser}
+    for name, help in COMMANDS.items():
+        if name in builders and command in (None, name):
+            builders[name](sub)
+        else:
+            sub.add_parser(name, help=help)
     return parser
+
+
+def command_of(argv: list[str]) -> str:
+    """The subcommand ``argv`` names (its first word that is not a flag); ``""`` for none."""
+    return next((a for a in argv if not a.startswith("-")), "")
