@@ -100,14 +100,15 @@ def test_a_checkpoint_made_under_an_older_auto_rule_says_how_to_go_on():
     made; a run that gives its own --lr gets no such advice (it chose)."""
     now = resolve_momentum(TrainConfig(strategy="async-sgd").validate(), 2)
     old = dataclasses.replace(now, lr=0.25, lr_auto={**now.lr_auto, "factor": 5.0})
+    saved = {"config": old.to_dict(), "ranks": [{}, {}], "progress": {"step": 9, "epoch_step": 3}}
     with pytest.raises(ShoalError) as refused:
-        check_resume({"config": old.to_dict()}, now, 2, get_strategy("async-sgd"))
+        check_resume(saved, now, 2, get_strategy("async-sgd"))
     assert str(refused.value) == (
         "checkpoint was made with --lr 0.25, this run has --lr 0.125 (--momentum auto's rule "
         "has changed since: give --lr 0.25 --momentum 0.0 to go on as the checkpoint was made)")
     given = resolve_momentum(TrainConfig(strategy="async-sgd", lr=0.2).validate(), 2)
     with pytest.raises(ShoalError, match=r"this run has --lr 0\.2$"):
-        check_resume({"config": old.to_dict()}, given, 2, get_strategy("async-sgd"))
+        check_resume(saved, given, 2, get_strategy("async-sgd"))
 
 
 def last_epochs(out, n: int = 3) -> float:

@@ -4,6 +4,7 @@ staleness bound holds, a killed worker is lost without losing the run, a killed 
 of them) ends it cleanly and --resume finishes it, a diverging run says so and only so."""
 
 import contextlib
+import io
 import json
 import os
 import signal
@@ -71,6 +72,13 @@ def test_sigterm_and_resume_lose_and_double_nothing(tmp_path, strategy):
     assert res.returncode == 143, res.stderr
     assert res.stray == []
     check_stopped(tmp_path, res.stderr, together=strategy == "groups")
+    if strategy == "async-sgd":  # on another number: one line that says on how many
+        err = io.StringIO()
+        with contextlib.redirect_stderr(err):
+            assert main(["train", "--out", str(tmp_path), *args, "--resume", "--workers", "3"]) == 2
+        assert one_error_line(err.getvalue()) == (
+            "shoal: error: checkpoint holds 2 workers' state; strategy async-sgd resumes on "
+            "as many (--workers 2), not 3")
     check_resumed(tmp_path, train_here(tmp_path, *args, "--resume"),
                   counted=strategy != "hogwild")
 

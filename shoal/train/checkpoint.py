@@ -130,6 +130,7 @@ def saved_checkpoint(path: Path) -> Saved | None:
 def check_resume(payload: dict[str, Any], cfg: TrainConfig, world: int,
                  strategy_cls: type[Strategy]) -> None:
     """Raise a one-line error if ``payload`` cannot continue under ``cfg`` on ``world`` ranks."""
+    check_workers(payload, cfg, world, strategy_cls)  # first: --momentum auto's lr follows it
     saved, now = payload["config"], cfg.to_dict()
     for key in RESUME_KEYS:
         if saved.get(key) != now[key]:
@@ -140,7 +141,6 @@ def check_resume(payload: dict[str, Any], cfg: TrainConfig, world: int,
     if cfg.stop_at_step is not None and cfg.stop_at_step <= step:
         raise ShoalError(f"--stop-at-step {cfg.stop_at_step} is not after the checkpoint's step "
                          f"{step}; nothing would be trained")
-    check_workers(payload, cfg, world, strategy_cls)
     # On another number of workers (check_workers) the rest of the epoch is dealt over them
     # (shoal.train.resume_sync); on as many the data order is the checkpoint's.
     saved_world = payload.get("world_size", len(payload["ranks"]))
@@ -180,8 +180,9 @@ def check_workers(payload: dict[str, Any], cfg: TrainConfig, world: int,
     if strategy_cls.replicas_in_sync or saved == world:
         return
     if "coordinator" in payload:
+        more = "; an --elastic job takes more with shoal join once it runs" * cfg.elastic
         raise ShoalError(f"checkpoint holds {saved} workers' state; strategy {cfg.strategy} "
-                         f"must resume on as many, not {world}")
+                         f"resumes on as many (--workers {saved}), not {world}{more}")
     if progress["epoch_step"]:
         raise ShoalError(f"checkpoint holds {saved} workers' state at step {progress['step']}, "
                          f"inside epoch {progress['epoch'] + 1}: strategy {cfg.strategy} "
