@@ -256,6 +256,30 @@ def test_a_worker_joins_an_asynchronous_job_in_place_of_a_killed_one(held, strat
     assert sum(len(r["samples"]) for r in records) == join["samples_dealt_again"] > 0
 
 
+@pytest.mark.parametrize("strategy", ["async-easgd", "easgd"])
+def test_resumed_on_more_workers_than_its_checkpoint_holds_the_others_join(held, strategy):
+    """``--resume --workers 3`` of a checkpoint of 2 workers that only 2 can go on from (an
+    asynchronous job's; easgd's inside a round): the 2 start again and the launcher starts
+    the third as ``shoal join`` would, which joins; the job ends with 3 workers, every
+    sample of every epoch once, the join in the summary. Before: refused in one line."""
+    flags = ["--strategy", strategy, "--tau", "4", "--elastic", "--record-samples"]
+    first = held(*flags, "--stop-at-step", "30", kill=False, workers=2, held_after=10_000)
+    assert first.finish() == 0, first.stderr
+    job = held(*flags, "--resume", kill=False, workers=3, held_after=0)  # slow till the join
+    job.wait_line(" joined at step ")
+    assert job.finish() == 0, job.stderr
+    assert "holds 2 workers' state" in job.stderr and "2 start again and 1 more join them" \
+        in job.stderr and "worker 2 finished with the job" in job.stderr, job.stderr
+    assert "did not" not in job.stderr, job.stderr
+    summary = json.loads((job.out / "summary.json").read_text())
+    assert summary["completed"] and summary["workers"] == 3
+    [join] = summary["membership_changes"]
+    assert join["joined"] == [2] and join["workers"] == 3
+    assert join["joiner_state_sha256"] == {"2": join["state_sha256"]}
+    assert_each_sample_once(job.out, EPOCHS, TRAIN_ROWS)
+    assert (job.out / "samples" / "worker2.jsonl").stat().st_size > 0
+
+
 def test_sigterm_stops_an_asynchronous_job_and_its_joiner_and_it_resumes(held):
     """SIGTERM to the launcher of an asynchronous job a worker joined: the job stops,
     the joiner with it (server 0 tells it: the launcher's signal does not reach ``shoal

@@ -15,7 +15,6 @@ from conftest import (
     EPOCHS,
     TRAIN_ROWS,
     assert_each_sample_once,
-    one_error_line,
     shoal,
     step_workers,
     train_losing,
@@ -40,12 +39,8 @@ def test_a_checkpoint_written_after_a_loss_inside_a_round_resumes_each_sample_on
                        "--stop-at-step", "22")
     assert res.returncode == 0, res.stderr
     assert "worker 2 left at step" in res.stderr
-    res = _resume(out, 3, EPOCHS)  # each worker holds its own model: on as many only
-    assert res.returncode == 2
-    assert one_error_line(res.stderr) == (
-        "shoal: error: checkpoint holds 2 workers' state at step 22, inside epoch 1: strategy "
-        "easgd resumes there on as many, not 3 (on another number only from a checkpoint at "
-        "an epoch's end)")
+    # each worker holds its own model: on as many (on more, the others join:
+    # test_elastic_join.py's test_resumed_on_more_workers_than_its_checkpoint_holds_the_others_join)
     res = _resume(out, 2, EPOCHS)
     assert res.returncode == 0, res.stderr
     # before: the resumed run read the epoch's own plan from step 22 (samples trained twice)

@@ -38,6 +38,7 @@ from shoal.strategies import get_strategy
 from shoal.strategies.topology import Topology
 from shoal.train.checkpoint import Saved, saved_checkpoint
 from shoal.train.elastic_check import check_elastic
+from shoal.train.growth import end_joiners, grow_by_joining, start_joiners
 from shoal.train.jobfile import (
     JOIN_SECRET_VAR,
     join_secret,
@@ -101,16 +102,22 @@ def _start_again(exc: WorkerError, failed_at: int, restarts: list[dict[str, Any]
             and not any(r.get("mesh") for r in restarts))
 
 
-def _run_with_restarts(cfg: TrainConfig, topology: Topology, data: Dataset | None = None
-                       ) -> dict[str, Any] | None:
+def _run_with_restarts(cfg: TrainConfig, topology: Topology, data: Dataset | None = None,
+                       grow_to: int = 0) -> dict[str, Any] | None:
     """Spawn the job's processes (parameter servers first, where the topology has them);
     when a rank fails, start the job again from the last checkpoint, up to
     ``cfg.max_restarts`` times. Returns rank 0's summary, which says what each restart
-    redid."""
-    attempt_cfg, attempt, restarts = cfg, topology, []
+    redid. ``grow_to``: the workers to reach by joiners the launcher starts with the job
+    (:mod:`shoal.train.growth`)."""
+    attempt_cfg, attempt, restarts, joiners = cfg, topology, [], []
     # --elastic: the job's join secret, which only its workers and its user's ``shoal join``
     # learn (through the job file, shoal.train.jobfile).
     seal = Seal() if cfg.elastic and data is None else None
+
+    def on_store(port: int, workers: int) -> None:
+        publish(cfg, port, seal.key_hex, workers)
+        joiners.extend(start_joiners(Path(cfg.out), max(0, grow_to - workers)))
+
     while True:
         started, since = time.monotonic(), time.time()
         extra = {"restarts": restarts} if restarts else None
@@ -118,8 +125,7 @@ def _run_with_restarts(cfg: TrainConfig, topology: Topology, data: Dataset | Non
             results = spawn(attempt.world_size, _spawned_rank,
                             (attempt_cfg, attempt, data, extra, seal and seal.key_hex),
                             tolerate=lambda rank: _tolerated(cfg, topology, rank),
-                            on_store=seal and (lambda port, n=attempt.workers: publish(
-                                cfg, port, seal.key_hex, n)))
+                            on_store=seal and (lambda port, n=attempt.workers: on_store(port, n)))
             return _summary(cfg, topology, results, since)
         except WorkerError as exc:
             exc, failed_at = _by_role(exc, topology), _last_logged_step(Path(cfg.out))
@@ -142,6 +148,9 @@ def _run_with_restarts(cfg: TrainConfig, topology: Topology, data: Dataset | Non
                 f"restarting from {where} (restart {counted + 1} of {cfg.max_restarts})"
             print(f"shoal: {exc}; {how}", file=sys.stderr, flush=True)
             attempt = _restarted(cfg, topology, saved) if saved is not None else topology
+        finally:
+            end_joiners(joiners)
+            joiners.clear()
 
 
 def _restarted(cfg: TrainConfig, topology: Topology, checkpoint: Saved) -> Topology:
@@ -248,6 +257,8 @@ def train(cfg: TrainConfig, dataset: Any = None) -> dict[str, Any] | None:
     if env is not None:
         return _keep_rank(cfg, env, given) if cfg.elastic else _train_as_rank(cfg, env, given)
     cfg = resolve_auto_resume(cfg)
+    asked = cfg.workers or 0
+    cfg, joiners = grow_by_joining(cfg, given is not None)
     topology = job_topology(cfg, default_workers(cfg))
     check_machine(cfg, topology)
     # In processes of their own: several ranks, restarts, or a membership (its store)
@@ -263,7 +274,7 @@ def train(cfg: TrainConfig, dataset: Any = None) -> dict[str, Any] | None:
         if not spawned:  # here, in this process
             return run_rank(cfg, Environment(), topology, work)
         try:
-            return _run_with_restarts(cfg, topology, given)
+            return _run_with_restarts(cfg, topology, given, asked if joiners else 0)
         finally:
             if cfg.elastic:
                 withdraw(Path(cfg.out))

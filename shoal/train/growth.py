@@ -1,0 +1,117 @@
+"""``--resume`` of an ``--elastic`` checkpoint on more workers than it holds, where only as
+many can go on from it: an asynchronous job's (its servers deal each worker's schedule),
+workers that drift apart between meetings inside an epoch (each resumes its own state),
+PowerSGD's (each worker's error feedback). The checkpoint's workers start again and shoal's
+launcher starts the others as joiners (``shoal join OUT`` in processes of its own, which die
+with it): admitted at the job's first meeting point, they take a live peer's state, and the
+job has the workers asked for from then on (``membership_changes`` lists the joins).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import multiprocessing
+import sys
+import time
+from multiprocessing.connection import Connection
+from pathlib import Path
+
+from shoal.config import TrainConfig
+from shoal.core.failures import exit_status
+from shoal.core.processes import start_process
+from shoal.errors import ShoalError
+from shoal.strategies import get_strategy
+from shoal.train.checkpoint import Saved, saved_checkpoint
+from shoal.train.launch import job_topology
+
+#: Seconds the launcher waits for its joiners once the job has ended (each finishes with the
+#: job's store, its watchdog within seconds) before it stops them.
+JOINERS_END_S = 30.0
+
+
+def only_as_many(cfg: TrainConfig, saved: Saved) -> str | None:
+    """Why the checkpoint ``saved`` of ``cfg``'s run resumes only on the workers it holds
+    (in words), or ``None`` where any number goes on from it."""
+    if job_topology(cfg, saved.ranks).detached:
+        return "an asynchronous job's servers deal each worker's schedule"
+    if cfg.strategy_options.get("compress") == "powersgd":
+        return "each worker resumes its own PowerSGD error feedback"
+    if saved.inside_epoch and not get_strategy(cfg.strategy).replicas_in_sync:
+        return f"inside an epoch, {cfg.strategy}'s workers each resume their own"
+    return None
+
+
+def grow_by_joining(cfg: TrainConfig, given_data: bool) -> tuple[TrainConfig, int]:
+    """``cfg`` as the job starts (on the checkpoint's workers) and how many joiners the
+    launcher starts with it to reach ``--workers``; ``cfg`` and 0 where the checkpoint goes
+    on as asked (or its own refusal says why not: data given in Python cannot be joined)."""
+    if not cfg.elastic or cfg.resume_path is None or cfg.workers is None or given_data:
+        return cfg, 0
+    saved = saved_checkpoint(cfg.resume_path)
+    if saved is None or saved.ranks >= cfg.workers:
+        return cfg, 0
+    why = only_as_many(cfg, saved)
+    if why is None:
+        return cfg, 0
+    more = cfg.workers - saved.ranks
+    print(f"shoal: the checkpoint holds {saved.ranks} workers' state ({why}): {saved.ranks} "
+          f"start again and {more} more join them (as shoal join OUT does)",
+          file=sys.stderr, flush=True)
+    return dataclasses.replace(cfg, workers=saved.ranks,
+                               max_workers=cfg.max_workers or cfg.workers), more
+
+
+class Joiner:
+    """A joiner the launcher started, and the line it will tell it how it ended."""
+
+    def __init__(self, out: Path) -> None:
+        self.told, told = multiprocessing.Pipe(duplex=False)
+        self.process = start_process(_join, (out, told), name="shoal-resume-join")
+        told.close()
+
+    def end(self, deadline: float) -> str:
+        """Wait for it up to ``deadline`` (monotonic; then stop it); why it did not join or
+        finish with the job, ``""`` if it did."""
+        self.process.join(timeout=max(0.1, deadline - time.monotonic()))
+        if self.process.is_alive():
+            self.process.kill()
+            self.process.join(timeout=5.0)
+        with contextlib.suppress(EOFError, OSError):
+            if self.told.poll(0):
+                return str(self.told.recv())
+        return "" if self.process.exitcode == 0 else f"process {exit_status(self.process.exitcode or 1)}"
+
+
+def start_joiners(out: Path, count: int) -> list[Joiner]:
+    """``count`` joiners of the job in ``out`` (whose job file is published), each as
+    ``shoal join OUT`` runs it, in a process that dies with this one."""
+    return [Joiner(out) for _ in range(count)]
+
+
+def end_joiners(joiners: list[Joiner], wait_s: float = JOINERS_END_S) -> None:
+    """Wait for ``joiners`` (the job has ended: they finish with it) up to ``wait_s``
+    seconds in all, then stop those left; say in one line each why one did not join."""
+    deadline = time.monotonic() + wait_s
+    for joiner in joiners:
+        why = joiner.end(deadline)
+        if why:
+            print(f"shoal: a worker started to join at --resume did not: {why}",
+                  file=sys.stderr, flush=True)
+
+
+def _join(out: Path, told: Connection) -> None:
+    """A joiner the launcher started: ``shoal join OUT``'s work; how it ended goes to the
+    launcher (``told``), which says it once the job has ended."""
+    from shoal.train.joiner import join_job
+
+    try:
+        code, why = join_job(out), ""
+    except ShoalError as exc:
+        code, why = 1, (str(exc).strip().splitlines() or [""])[0]
+    with contextlib.suppress(OSError):
+        told.send(why)
+    sys.exit(code)
+
+
+__all__ = ["Joiner", "end_joiners", "grow_by_joining", "only_as_many", "start_joiners"]
