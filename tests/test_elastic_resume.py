@@ -17,6 +17,7 @@ from conftest import (
     assert_each_sample_once,
     shoal,
     step_workers,
+    train_here,
     train_losing,
 )
 
@@ -127,3 +128,23 @@ def test_a_restart_starts_the_workers_the_checkpoint_can_go_on_on(tmp_path, stra
     cfg = TrainConfig(model="mlp", dataset="digits", workers=3, strategy=strategy,
                       strategy_options=options, out=str(tmp_path)).validate()
     assert _restarted(cfg, job_topology(cfg, 3), Saved(20, 2, inside)).workers == starts
+
+
+def test_a_joiner_started_at_resume_that_the_job_ends_before_is_said_and_stopped(tmp_path):
+    """``--resume --workers 3`` of a hogwild checkpoint of 2 workers whose rest (a second of
+    training) ends before the joiner the launcher started is ready: the job ends 0 on its 2,
+    the launcher says in one line that the joiner did not join, stops it at once (not
+    waiting out its connection's timeouts) and leaves no process behind."""
+    out = tmp_path / "run"
+    args = ["--model", "mlp", "--dataset", "digits", "--strategy", "hogwild", "--elastic",
+            "--epochs", "2"]
+    train_here(out, *args, "--workers", "2", "--stop-at-step", "40")
+    res = shoal("train", "--out", str(out), "--progress", "plain", *args, "--workers", "3",
+                "--resume", timeout=120)
+    assert res.returncode == 0, res.stderr
+    assert "shoal: a worker started to join at --resume did not: the job ended before it " \
+        "joined" in res.stderr.splitlines()
+    assert res.stray == []
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["completed"] and summary["workers"] == 2
+    assert not summary.get("membership_changes")

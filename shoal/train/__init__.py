@@ -126,7 +126,9 @@ def _run_with_restarts(cfg: TrainConfig, topology: Topology, data: Dataset | Non
                             (attempt_cfg, attempt, data, extra, seal and seal.key_hex),
                             tolerate=lambda rank: _tolerated(cfg, topology, rank),
                             on_store=seal and (lambda port, n=attempt.workers: on_store(port, n)))
-            return _summary(cfg, topology, results, since)
+            summary = _summary(cfg, topology, results, since)
+            end_joiners(joiners, summary)
+            return summary
         except WorkerError as exc:
             exc, failed_at = _by_role(exc, topology), _last_logged_step(Path(cfg.out))
             mesh = _start_again(exc, failed_at, restarts)
@@ -149,7 +151,7 @@ def _run_with_restarts(cfg: TrainConfig, topology: Topology, data: Dataset | Non
             print(f"shoal: {exc}; {how}", file=sys.stderr, flush=True)
             attempt = _restarted(cfg, topology, saved) if saved is not None else topology
         finally:
-            end_joiners(joiners)
+            end_joiners(joiners, None)  # those left: the job failed or was stopped
             joiners.clear()
 
 

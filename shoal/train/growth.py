@@ -16,6 +16,7 @@ import sys
 import time
 from multiprocessing.connection import Connection
 from pathlib import Path
+from typing import Any
 
 from shoal.config import TrainConfig
 from shoal.core.failures import exit_status
@@ -63,24 +64,37 @@ def grow_by_joining(cfg: TrainConfig, given_data: bool) -> tuple[TrainConfig, in
 
 
 class Joiner:
-    """A joiner the launcher started, and the line it will tell it how it ended."""
+    """A joiner the launcher started; it tells the launcher its worker id, then why it did
+    not join (``""`` once it finished with the job)."""
 
     def __init__(self, out: Path) -> None:
         self.told, told = multiprocessing.Pipe(duplex=False)
         self.process = start_process(_join, (out, told), name="shoal-resume-join")
         told.close()
+        self.id: int | None = None
+        self.why = ""
 
-    def end(self, deadline: float) -> str:
-        """Wait for it up to ``deadline`` (monotonic; then stop it); why it did not join or
-        finish with the job, ``""`` if it did."""
-        self.process.join(timeout=max(0.1, deadline - time.monotonic()))
+    def _read(self) -> None:
+        with contextlib.suppress(EOFError, OSError):
+            while self.told.poll(0):
+                said = self.told.recv()
+                self.id, self.why = (said, self.why) if isinstance(said, int) else (self.id, said)
+
+    def end(self, deadline: float, joined: set[int]) -> str:
+        """Once the job has ended: wait for it up to ``deadline`` (monotonic) if it is among
+        the ``joined`` ids (it finishes with the job), else stop it at once (the job went
+        without it); why it did not join, ``""`` if it did."""
+        self._read()
+        if self.id in joined:
+            self.process.join(timeout=max(0.1, deadline - time.monotonic()))
         if self.process.is_alive():
             self.process.kill()
             self.process.join(timeout=5.0)
-        with contextlib.suppress(EOFError, OSError):
-            if self.told.poll(0):
-                return str(self.told.recv())
-        return "" if self.process.exitcode == 0 else f"process {exit_status(self.process.exitcode or 1)}"
+        self._read()
+        if self.id not in joined:
+            return self.why or "the job ended before it joined"
+        code = self.process.exitcode
+        return self.why or ("" if code == 0 else f"process {exit_status(code or 1)}")
 
 
 def start_joiners(out: Path, count: int) -> list[Joiner]:
@@ -89,24 +103,28 @@ def start_joiners(out: Path, count: int) -> list[Joiner]:
     return [Joiner(out) for _ in range(count)]
 
 
-def end_joiners(joiners: list[Joiner], wait_s: float = JOINERS_END_S) -> None:
-    """Wait for ``joiners`` (the job has ended: they finish with it) up to ``wait_s``
-    seconds in all, then stop those left; say in one line each why one did not join."""
+def end_joiners(joiners: list[Joiner], summary: dict[str, Any] | None,
+                wait_s: float = JOINERS_END_S) -> None:
+    """Once the job has ended (``summary``: its summary, ``None`` if it failed): wait for
+    the ``joiners`` that joined up to ``wait_s`` seconds in all, stop the others; say in one
+    line each why one did not join."""
+    joined = {int(w) for change in (summary or {}).get("membership_changes", [])
+              for w in change.get("joined", [])}
     deadline = time.monotonic() + wait_s
     for joiner in joiners:
-        why = joiner.end(deadline)
-        if why:
+        why = joiner.end(deadline, joined)
+        if why and summary is not None:
             print(f"shoal: a worker started to join at --resume did not: {why}",
                   file=sys.stderr, flush=True)
 
 
 def _join(out: Path, told: Connection) -> None:
-    """A joiner the launcher started: ``shoal join OUT``'s work; how it ended goes to the
-    launcher (``told``), which says it once the job has ended."""
+    """A joiner the launcher started: ``shoal join OUT``'s work; its id and how it ended go
+    to the launcher (``told``), which says it once the job has ended."""
     from shoal.train.joiner import join_job
 
     try:
-        code, why = join_job(out), ""
+        code, why = join_job(out, on_id=told.send), ""
     except ShoalError as exc:
         code, why = 1, (str(exc).strip().splitlines() or [""])[0]
     with contextlib.suppress(OSError):

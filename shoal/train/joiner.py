@@ -18,6 +18,7 @@ from __future__ import annotations
 import contextlib
 import os
 import sys
+from collections.abc import Callable
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -39,10 +40,11 @@ from shoal.train.joiner_async import job_servers, joiner_place, run_async_worker
 CONNECT_TIMEOUT = 5.0
 
 
-def join_job(out: Path | None, at: str | None = None) -> int:
+def join_job(out: Path | None, at: str | None = None,
+             on_id: Callable[[int], None] | None = None) -> int:
     """Run ``shoal join OUT`` (or ``shoal join --store HOST:PORT``, ``at``: a torchrun job's
     store, where its document is signed with the join secret): returns 0 once the joined
-    worker finished with the job."""
+    worker finished with the job. ``on_id``: told the worker id the ticket gave."""
     if (out is None) == (at is None):
         raise ShoalError("shoal join takes the job's --out, or --store HOST:PORT (a torchrun, "
                          "srun or mpirun job's, from a host that does not see its --out), not "
@@ -62,6 +64,8 @@ def join_job(out: Path | None, at: str | None = None) -> int:
                          f"(--max-workers {job['max_workers']}); join once one is lost")
     me = worker_id(job["workers"], take_ticket(_prefixed(store, job["attempt"], ELASTIC)))
     print(f"shoal: joining the job {where} as worker {me}", file=sys.stderr, flush=True)
+    if on_id is not None:
+        on_id(me)
     code, report = run_child(_worker_main, (job, me), f"shoal-join-{me}")
     failed = report is not None and report[0] == "failed"
     said = report[1] if report and report[0] == "returned" and report[1] else {}
