@@ -38,7 +38,7 @@ from shoal.strategies import get_strategy
 from shoal.strategies.topology import Topology
 from shoal.train.checkpoint import Saved, saved_checkpoint
 from shoal.train.elastic_check import check_elastic
-from shoal.train.growth import end_joiners, grow_by_joining, start_joiners
+from shoal.train.growth import end_joiners, first_joiner_id, grow_by_joining, start_joiners
 from shoal.train.jobfile import (
     JOIN_SECRET_VAR,
     join_secret,
@@ -115,7 +115,7 @@ def _run_with_restarts(cfg: TrainConfig, topology: Topology, data: Dataset | Non
     seal = Seal() if cfg.elastic and data is None else None
 
     def on_store(port: int, workers: int) -> None:
-        publish(cfg, port, seal.key_hex, workers)
+        publish(cfg, port, seal.key_hex, workers, first_id=first_joiner_id(attempt_cfg))
         joiners.extend(start_joiners(Path(cfg.out), max(0, grow_to - workers)))
 
     while True:
@@ -327,10 +327,11 @@ def _keep_rank(cfg: TrainConfig, env: Environment, given: Dataset | None
     secret = join_secret() if env.rank == 0 else None
     if secret is not None:
         rank_cfg = _rank_config(cfg, env, topology)
+        first_id = first_joiner_id(rank_cfg)
         publish(rank_cfg, env.master_port, None, topology.workers, address=env.master_addr,
-                attempt=env.attempt)
+                attempt=env.attempt, first_id=first_id)
         publish_in_store(store, rank_cfg, env.master_addr, env.master_port, secret,
-                         topology.workers, env.attempt)
+                         topology.workers, env.attempt, first_id)
         print(f"shoal: the job takes joiners: shoal join {cfg.out} (or, from a host that does "
               f"not see it, shoal join --store {env.master_addr}:{env.master_port}), with "
               f"{JOIN_SECRET_VAR}", file=sys.stderr, flush=True)

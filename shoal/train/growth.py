@@ -23,7 +23,7 @@ from shoal.core.failures import exit_status
 from shoal.core.processes import start_process
 from shoal.errors import ShoalError
 from shoal.strategies import get_strategy
-from shoal.train.checkpoint import Saved, saved_checkpoint
+from shoal.train.checkpoint import Saved, load_checkpoint, saved_checkpoint
 from shoal.train.launch import job_topology
 
 #: Seconds the launcher waits for its joiners once the job has ended (each finishes with the
@@ -41,6 +41,21 @@ def only_as_many(cfg: TrainConfig, saved: Saved) -> str | None:
     if saved.inside_epoch and not get_strategy(cfg.strategy).replicas_in_sync:
         return f"inside an epoch, {cfg.strategy}'s workers each resume their own"
     return None
+
+
+def first_joiner_id(cfg: TrainConfig) -> int | None:
+    """The first joiner's worker id in a job resumed from an asynchronous ``--elastic``
+    checkpoint: server 0 numbers joiners on from the checkpoint's (past every earlier
+    joiner's, whose ``--record-samples`` file stays its own); ``None`` elsewhere (the
+    job's first worker count)."""
+    if not cfg.elastic or cfg.resume_path is None:
+        return None
+    try:
+        payload = load_checkpoint(cfg.resume_path, mmap=True)
+    except ShoalError:
+        return None  # the run's own checks say why
+    part = payload.get("coordinator", {}).get("elastic") or {}
+    return part["next"] if isinstance(part.get("next"), int) else None
 
 
 def grow_by_joining(cfg: TrainConfig, given_data: bool) -> tuple[TrainConfig, int]:
@@ -132,4 +147,4 @@ def _join(out: Path, told: Connection) -> None:
     sys.exit(code)
 
 
-__all__ = ["Joiner", "end_joiners", "grow_by_joining", "only_as_many", "start_joiners"]
+__all__ = ["Joiner", "end_joiners", "first_joiner_id", "grow_by_joining", "only_as_many", "start_joiners"]

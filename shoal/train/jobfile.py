@@ -40,6 +40,7 @@ STORE_KEY, _SIGNED = "shoal/job", b"shoal-job"
 #: ``shoal join`` by their user.
 JOIN_SECRET_VAR = "SHOAL_JOIN_SECRET"
 MAX_BYTES = 1 << 20  # a job file is a few kB; anything larger is not one of shoal's
+MAX_WORKER_ID = 1 << 31  # a worker id becomes a rank (a C int in torch.distributed)
 
 
 def join_secret() -> str | None:
@@ -60,21 +61,22 @@ def join_secret() -> str | None:
 
 
 def publish(cfg: TrainConfig, port: int, key: str | None, workers: int, *,
-            address: str = "127.0.0.1", attempt: int = 0) -> None:
+            address: str = "127.0.0.1", attempt: int = 0, first_id: int | None = None) -> None:
     """Write the job file of ``cfg``'s job: its store on ``address``:``port`` (keys under
     ``attempt``'s prefix), its secret ``key`` (hex; ``None``: its user gives it in
     :data:`JOIN_SECRET_VAR`), ``workers`` at the start and at most ``cfg.max_workers``
-    (default: ``workers``)."""
+    (default: ``workers``); ``first_id``: the first joiner's worker id (default
+    ``workers``; past every earlier joiner's in a resumed asynchronous job)."""
     folder = private_dir(Path(cfg.out) / FOLDER, "the join folder")
-    job = _document(cfg, (address, port), key, workers, attempt)
+    job = _document(cfg, (address, port), key, workers, attempt, first_id)
     atomic_write(folder / NAME, lambda f: f.write(json.dumps(job).encode()), "join file")
 
 
 def _document(cfg: TrainConfig, store: tuple[str, int], key: str | None, workers: int,
-              attempt: int) -> dict[str, Any]:
+              attempt: int, first_id: int | None = None) -> dict[str, Any]:
     return {"store": list(store), "key": key, "attempt": attempt, "launcher": os.getpid(),
             "workers": workers, "max_workers": cfg.max_workers or workers,
-            "config": cfg.to_dict()}
+            "first_id": workers if first_id is None else first_id, "config": cfg.to_dict()}
 
 
 def withdraw(out: Path) -> None:
@@ -86,12 +88,12 @@ def withdraw(out: Path) -> None:
 
 
 def publish_in_store(store: Any, cfg: TrainConfig, address: str, port: int, key: str,
-                     workers: int, attempt: int) -> None:
+                     workers: int, attempt: int, first_id: int | None = None) -> None:
     """Put a torchrun job's document (as :func:`publish` writes it, without the secret) in
     its store under :data:`STORE_KEY`, signed with the join secret ``key`` (hex): a joiner on
     a host that does not see ``--out`` finds it there (``shoal join --store``) and trusts
     only what its own secret checks."""
-    raw = json.dumps(_document(cfg, (address, port), None, workers, attempt)).encode()
+    raw = json.dumps(_document(cfg, (address, port), None, workers, attempt, first_id)).encode()
     tag = Seal(bytes.fromhex(key)).tag(_SIGNED, raw).hex()
     store.set(STORE_KEY, json.dumps({"job": raw.decode(), "tag": tag}))
 
@@ -163,11 +165,14 @@ def _checked(job: Any, what: str) -> dict[str, Any]:
     try:
         config = TrainConfig.from_dict(job["config"])
         address, port = job["store"]
-        key = job["key"]
+        key, workers = job["key"], int(job["workers"])
+        first_id = int(job.get("first_id", workers))
+        if not workers <= first_id < MAX_WORKER_ID:
+            raise ValueError(first_id)
         return {"address": str(address), "port": int(port),
                 "key": None if key is None else str(key), "attempt": int(job.get("attempt", 0)),
-                "launcher": int(job["launcher"]), "workers": int(job["workers"]),
-                "max_workers": int(job["max_workers"]), "config": config}
+                "launcher": int(job["launcher"]), "workers": workers,
+                "first_id": first_id, "max_workers": int(job["max_workers"]), "config": config}
     except (ValueError, TypeError, KeyError, ShoalError):
         raise ShoalError(f"{what} is not a job file of shoal's") from None
 

@@ -62,7 +62,7 @@ def join_job(out: Path | None, at: str | None = None,
     if not servers and len(members) >= job["max_workers"]:
         raise ShoalError(f"the job {where} has {len(members)} workers, its most "
                          f"(--max-workers {job['max_workers']}); join once one is lost")
-    me = worker_id(job["workers"], take_ticket(_prefixed(store, job["attempt"], ELASTIC)))
+    me = worker_id(job["first_id"], take_ticket(_prefixed(store, job["attempt"], ELASTIC)))
     print(f"shoal: joining the job {where} as worker {me}", file=sys.stderr, flush=True)
     if on_id is not None:
         on_id(me)
@@ -168,7 +168,7 @@ def run_worker(job: dict[str, Any], me: int) -> dict[str, int] | None:
     from shoal.train.workload import load_workload
 
     cfg, env = joiner_place(job, me)
-    first = job["workers"]
+    first = job["workers"]  # the first joiner's id too (a synchronous job's first_id)
     comm = Comm(env, pick_device(cfg.device, me, me + 1), Timeline(keep_events=cfg.trace))
     work = load_workload(cfg)
     t = Trainer(cfg, comm, work.data, work.model)  # alone: its collectives go nowhere
