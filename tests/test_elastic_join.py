@@ -630,3 +630,24 @@ def test_a_request_at_the_cap_waits_for_a_lost_members_place_instead_of_refused(
     reply = answer(m.keys, ticket, timeout=1.0)
     assert reply["members"] == [0, 1, 3] and reply["joined"] == [3]
     assert reply["rounds"] == m.join_rounds == 2 and not m._asked()
+
+
+def test_a_job_files_first_joiner_id_is_read_back_only_within_its_bounds(tmp_path):
+    """The first joiner's id a job file gives (past the earlier joiners of a resumed
+    asynchronous job) becomes a worker id and a rank: one below the job's workers or past a
+    C int is not a job file of shoal's."""
+    from shoal.config import TrainConfig
+    from shoal.errors import ShoalError
+    from shoal.train.jobfile import publish, read_job
+
+    out = tmp_path / "run"
+    out.mkdir()
+    cfg = TrainConfig(out=str(out), elastic=True).validate()
+    publish(cfg, 29500, "ab" * 32, 3, first_id=5)
+    assert read_job(out)["first_id"] == 5
+    path = out / ".shoal-join" / "job.json"
+    for bad in (2, 1 << 31, "5x"):
+        job = json.loads(path.read_text())
+        path.write_text(json.dumps({**job, "first_id": bad}))
+        with pytest.raises(ShoalError, match="is not a job file of shoal's"):
+            read_job(out)
