@@ -180,7 +180,7 @@ def check_workers(payload: dict[str, Any], cfg: TrainConfig, world: int,
     if strategy_cls.replicas_in_sync or saved == world:
         return
     if "coordinator" in payload:
-        more = "; an --elastic job takes more with shoal join once it runs" * cfg.elastic
+        more = "; more join with shoal join once it runs" * (cfg.elastic and world > saved)
         raise ShoalError(f"checkpoint holds {saved} workers' state; strategy {cfg.strategy} "
                          f"resumes on as many (--workers {saved}), not {world}{more}")
     if progress["epoch_step"]:
