@@ -295,3 +295,16 @@ def test_version_help_and_a_mistyped_command_answer_without_importing_torch():
     assert "invalid choice: 'trian'" in done.stderr
     assert "shoal join [-h]" in done.stdout and "train a model data-parallel" in done.stdout
     assert fails("train", "--workers", "0").endswith("--workers must be at least 1, got 0")
+
+
+def test_a_reader_that_leaves_early_ends_the_command_quietly():
+    """``shoal list | head -1``: the pipe's reader gone, the command ends (status 1) with no
+    error line about a broken pipe, as cat or ls do."""
+    import subprocess
+    import sys
+
+    proc = subprocess.Popen([sys.executable, "-m", "shoal", "list"], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    proc.stdout.close()  # before the command writes a line
+    err = proc.communicate(timeout=120)[1]
+    assert proc.returncode == 1 and err == ""

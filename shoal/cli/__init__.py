@@ -268,6 +268,11 @@ def _main(argv: list[str]) -> int:
     except Terminated as exc:
         print(f"shoal: {exc}", file=sys.stderr)
         return EXIT_TERMINATED
+    except BrokenPipeError:  # `shoal list | head`: the reader left; end quietly, as cat does
+        import os
+
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # no flush error at exit
+        return EXIT_FAILURE
     except ShoalError as exc:
         return _error(exc, debug)
     except Exception as exc:
