@@ -58,7 +58,11 @@ def line_here(*args: str, code: int = 2) -> str:
     ([*PLAN, "--bogus"], "unrecognized arguments: --bogus (see shoal plan --help)"),
 ])
 def test_bad_input_is_one_line_of_the_real_command(tmp_path, args, line):
-    assert line_of(*args, "--out", str(tmp_path / "out")) == f"shoal: error: {line}"
+    # The first in an interpreter of its own (the command as a user starts it, 2-3 s); the
+    # others through the same main() in this process (its whole code path, but that start).
+    real = args[-1] == "1e99"
+    said = (line_of if real else line_here)(*args, "--out", str(tmp_path / "out"))
+    assert said == f"shoal: error: {line}"
     assert not (tmp_path / "out").exists()
 
 
