@@ -3,8 +3,9 @@ many can go on from it: an asynchronous job's (its servers deal each worker's sc
 workers that drift apart between meetings inside an epoch (each resumes its own state),
 PowerSGD's (each worker's error feedback). The checkpoint's workers start again and shoal's
 launcher starts the others as joiners (``shoal join OUT`` in processes of its own, which die
-with it): admitted at the job's first meeting point, they take a live peer's state, and the
-job has the workers asked for from then on (``membership_changes`` lists the joins).
+with it): each is admitted at the first meeting point after it has loaded the data, takes a
+live peer's state, and the job has the workers asked for from then on
+(``membership_changes`` lists the joins).
 """
 
 from __future__ import annotations
