@@ -260,7 +260,7 @@ def train(cfg: TrainConfig, dataset: Any = None) -> dict[str, Any] | None:
         return _keep_rank(cfg, env, given) if cfg.elastic else _train_as_rank(cfg, env, given)
     cfg = resolve_auto_resume(cfg)
     asked = cfg.workers or 0
-    cfg, joiners = grow_by_joining(cfg, given is not None)
+    cfg, joiners, growing = grow_by_joining(cfg, given is not None)
     topology = job_topology(cfg, default_workers(cfg))
     check_machine(cfg, topology)
     # In processes of their own: several ranks, restarts, or a membership (its store)
@@ -272,6 +272,8 @@ def train(cfg: TrainConfig, dataset: Any = None) -> dict[str, Any] | None:
     cfg = job_device(resolve_momentum(cfg, topology.workers), topology, topology.workers)
     work = preflight(cfg, topology.workers, given)
     check_machine(cfg, topology, work.data)
+    if growing:  # said once the run's checks passed
+        print(growing, file=sys.stderr, flush=True)
     with OutputLock(Path(cfg.out)):
         if not spawned:  # here, in this process
             return run_rank(cfg, Environment(), topology, work)

@@ -59,24 +59,24 @@ def first_joiner_id(cfg: TrainConfig) -> int | None:
     return part["next"] if isinstance(part.get("next"), int) else None
 
 
-def grow_by_joining(cfg: TrainConfig, given_data: bool) -> tuple[TrainConfig, int]:
-    """``cfg`` as the job starts (on the checkpoint's workers) and how many joiners the
-    launcher starts with it to reach ``--workers``; ``cfg`` and 0 where the checkpoint goes
-    on as asked (or its own refusal says why not: data given in Python cannot be joined)."""
+def grow_by_joining(cfg: TrainConfig, given_data: bool) -> tuple[TrainConfig, int, str]:
+    """``cfg`` as the job starts (on the checkpoint's workers), how many joiners the
+    launcher starts with it to reach ``--workers``, and the line that says so (for once the
+    run's checks passed); ``cfg``, 0 and ``""`` where the checkpoint goes on as asked (or
+    its own refusal says why not: data given in Python cannot be joined)."""
     if not cfg.elastic or cfg.resume_path is None or cfg.workers is None or given_data:
-        return cfg, 0
+        return cfg, 0, ""
     saved = saved_checkpoint(cfg.resume_path)
     if saved is None or saved.ranks >= cfg.workers:
-        return cfg, 0
+        return cfg, 0, ""
     why = only_as_many(cfg, saved)
     if why is None:
-        return cfg, 0
+        return cfg, 0, ""
     more = cfg.workers - saved.ranks
-    print(f"shoal: the checkpoint holds {saved.ranks} workers' state ({why}): {saved.ranks} "
-          f"start again and {more} more join them (as shoal join OUT does)",
-          file=sys.stderr, flush=True)
+    line = (f"shoal: the checkpoint holds {saved.ranks} workers' state ({why}): {saved.ranks} "
+            f"start again and {more} more join them (as shoal join OUT does)")
     return dataclasses.replace(cfg, workers=saved.ranks,
-                               max_workers=cfg.max_workers or cfg.workers), more
+                               max_workers=cfg.max_workers or cfg.workers), more, line
 
 
 class Joiner:
