@@ -39,6 +39,11 @@ def worker_id(first_world: int, ticket: int) -> int:
     return first_world + ticket - 1
 
 
+def ticket_of(first_world: int, worker: int) -> int:
+    """The ticket joiner ``worker`` holds (:func:`worker_id`'s inverse)."""
+    return worker - first_world + 1
+
+
 def take_ticket(store: Any) -> int:
     """A new ticket (``store``: the job's store under the elastic prefix)."""
     return int(store.add("join/tickets", 1))

@@ -34,11 +34,16 @@ from shoal.core.waits import key_prefix
 from shoal.data import Dataset, as_dataset
 from shoal.data.loader import loader_processes
 from shoal.errors import ShoalError, Terminated, WorkerError
-from shoal.strategies import get_strategy
 from shoal.strategies.topology import Topology
 from shoal.train.checkpoint import Saved, saved_checkpoint
 from shoal.train.elastic_check import check_elastic
-from shoal.train.growth import end_joiners, first_joiner_id, grow_by_joining, start_joiners
+from shoal.train.growth import (
+    end_joiners,
+    first_joiner_id,
+    grow_by_joining,
+    only_as_many,
+    start_joiners,
+)
 from shoal.train.jobfile import (
     JOIN_SECRET_VAR,
     join_secret,
@@ -119,7 +124,7 @@ def _run_with_restarts(cfg: TrainConfig, topology: Topology, data: Dataset | Non
         joiners.extend(start_joiners(Path(cfg.out), max(0, grow_to - workers)))
 
     while True:
-        started, since = time.monotonic(), time.time()
+        started, since, summary = time.monotonic(), time.time(), None
         extra = {"restarts": restarts} if restarts else None
         try:
             results = spawn(attempt.world_size, _spawned_rank,
@@ -127,7 +132,6 @@ def _run_with_restarts(cfg: TrainConfig, topology: Topology, data: Dataset | Non
                             tolerate=lambda rank: _tolerated(cfg, topology, rank),
                             on_store=seal and (lambda port, n=attempt.workers: on_store(port, n)))
             summary = _summary(cfg, topology, results, since)
-            end_joiners(joiners, summary)
             return summary
         except WorkerError as exc:
             exc, failed_at = _by_role(exc, topology), _last_logged_step(Path(cfg.out))
@@ -150,8 +154,8 @@ def _run_with_restarts(cfg: TrainConfig, topology: Topology, data: Dataset | Non
                 f"restarting from {where} (restart {counted + 1} of {cfg.max_restarts})"
             print(f"shoal: {exc}; {how}", file=sys.stderr, flush=True)
             attempt = _restarted(cfg, topology, saved) if saved is not None else topology
-        finally:
-            end_joiners(joiners, None)  # those left: the job failed or was stopped
+        finally:  # the job ended (a summary) or failed (None: those left are stopped)
+            end_joiners(joiners, summary)
             joiners.clear()
 
 
@@ -163,15 +167,11 @@ def _restarted(cfg: TrainConfig, topology: Topology, checkpoint: Saved) -> Topol
     :mod:`.resume_sync`), as drifting ones do from an epoch's end; an asynchronous job's on
     its first ``--workers``. ``--compress powersgd`` resumes on as many workers as the
     checkpoint holds, wherever it is (each worker's error feedback is its own)."""
-    saved, inside = checkpoint.ranks, checkpoint.inside_epoch
-    powersgd = cfg.strategy_options.get("compress") == "powersgd"
-    drifts = inside and not get_strategy(cfg.strategy).replicas_in_sync
-    if topology.servers or saved == topology.workers or not (drifts or powersgd):
+    saved, why = checkpoint.ranks, only_as_many(cfg, checkpoint)
+    if topology.servers or saved == topology.workers or why is None:
         return topology
-    why = "each worker resumes its own PowerSGD error feedback" if powersgd \
-        else f"{cfg.strategy}'s workers each resume their own"
-    print(f"shoal: the checkpoint holds {saved} workers' state{' inside an epoch' * drifts} "
-          f"({why}): {saved} start again", file=sys.stderr, flush=True)
+    print(f"shoal: the checkpoint holds {saved} workers' state{why}: {saved} start again",
+          file=sys.stderr, flush=True)
     return job_topology(cfg, saved)
 
 
@@ -259,7 +259,6 @@ def train(cfg: TrainConfig, dataset: Any = None) -> dict[str, Any] | None:
     if env is not None:
         return _keep_rank(cfg, env, given) if cfg.elastic else _train_as_rank(cfg, env, given)
     cfg = resolve_auto_resume(cfg)
-    asked = cfg.workers or 0
     cfg, joiners, growing = grow_by_joining(cfg, given is not None)
     topology = job_topology(cfg, default_workers(cfg))
     check_machine(cfg, topology)
@@ -278,7 +277,8 @@ def train(cfg: TrainConfig, dataset: Any = None) -> dict[str, Any] | None:
         if not spawned:  # here, in this process
             return run_rank(cfg, Environment(), topology, work)
         try:
-            return _run_with_restarts(cfg, topology, given, asked if joiners else 0)
+            return _run_with_restarts(cfg, topology, given,
+                                      topology.workers + joiners if joiners else 0)
         finally:
             if cfg.elastic:
                 withdraw(Path(cfg.out))

@@ -33,14 +33,16 @@ JOINERS_END_S = 30.0
 
 
 def only_as_many(cfg: TrainConfig, saved: Saved) -> str | None:
-    """Why the checkpoint ``saved`` of ``cfg``'s run resumes only on the workers it holds
-    (in words), or ``None`` where any number goes on from it."""
+    """Why the checkpoint ``saved`` of ``cfg``'s run resumes only on the workers it holds,
+    as words that follow "the checkpoint holds N workers' state" (`` inside an epoch
+    (easgd's workers each resume their own)``), or ``None`` where any number goes on from
+    it. A restart (``_restarted``) and a resume on more (:func:`grow_by_joining`) ask it."""
     if job_topology(cfg, saved.ranks).detached:
-        return "an asynchronous job's servers deal each worker's schedule"
+        return " (an asynchronous job's servers deal each worker's schedule)"
     if cfg.strategy_options.get("compress") == "powersgd":
-        return "each worker resumes its own PowerSGD error feedback"
+        return " (each worker resumes its own PowerSGD error feedback)"
     if saved.inside_epoch and not get_strategy(cfg.strategy).replicas_in_sync:
-        return f"inside an epoch, {cfg.strategy}'s workers each resume their own"
+        return f" inside an epoch ({cfg.strategy}'s workers each resume their own)"
     return None
 
 
@@ -73,7 +75,7 @@ def grow_by_joining(cfg: TrainConfig, given_data: bool) -> tuple[TrainConfig, in
     if why is None:
         return cfg, 0, ""
     more = cfg.workers - saved.ranks
-    line = (f"shoal: the checkpoint holds {saved.ranks} workers' state ({why}): {saved.ranks} "
+    line = (f"shoal: the checkpoint holds {saved.ranks} workers' state{why}: {saved.ranks} "
             f"start again and {more} more join them (as shoal join OUT does)")
     return dataclasses.replace(cfg, workers=saved.ranks,
                                max_workers=cfg.max_workers or cfg.workers), more, line
@@ -93,8 +95,11 @@ class Joiner:
     def _read(self) -> None:
         with contextlib.suppress(EOFError, OSError):
             while self.told.poll(0):
-                said = self.told.recv()
-                self.id, self.why = (said, self.why) if isinstance(said, int) else (self.id, said)
+                said = self.told.recv()  # its id first (an int), then why it ended
+                if isinstance(said, int):
+                    self.id = said
+                else:
+                    self.why = said
 
     def end(self, deadline: float, joined: set[int]) -> str:
         """Once the job has ended: wait for it up to ``deadline`` (monotonic) if it is among

@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from shoal.core.failures import exit_status
-from shoal.core.joining import answer, ask, take_ticket, worker_id
+from shoal.core.joining import answer, ask, take_ticket, ticket_of, worker_id
 from shoal.core.keeper import run_child
 from shoal.core.outlive import finished_key
 from shoal.core.processes import loopback_gloo_interface
@@ -168,15 +168,15 @@ def run_worker(job: dict[str, Any], me: int) -> dict[str, int] | None:
     from shoal.train.workload import load_workload
 
     cfg, env = joiner_place(job, me)
-    first = job["workers"]  # the first joiner's id too (a synchronous job's first_id)
+    first, ticket = job["workers"], ticket_of(job["first_id"], me)
     comm = Comm(env, pick_device(cfg.device, me, me + 1), Timeline(keep_events=cfg.trace))
     work = load_workload(cfg)
     t = Trainer(cfg, comm, work.data, work.model)  # alone: its collectives go nowhere
     m = comm.watch_as_joiner(env, _store(job, cfg.timeout), cfg.heartbeat_timeout, cfg.timeout)
     # The job's secret: as a member it may be the one that checks the next joiner's proof.
     m.seal = Seal(bytes.fromhex(job["key"]))
-    ask(m.keys, m.seal, me - first + 1)
-    reply = answer(m.keys, me - first + 1, cfg.timeout)
+    ask(m.keys, m.seal, ticket)
+    reply = answer(m.keys, ticket, cfg.timeout)
     if "refused" in reply:
         raise ShoalError(f"the job refused it: {reply['refused']}")
     m.first_world, m.joins_handled, m.join_rounds = first, reply["handled"], reply["rounds"]

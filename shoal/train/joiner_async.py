@@ -49,7 +49,7 @@ def run_async_worker(job: dict[str, Any], me: int, store: Any) -> dict[str, int]
 
     from shoal.core.comm import Comm
     from shoal.core.env import pick_device
-    from shoal.core.joining import answer, ask
+    from shoal.core.joining import answer, ask, ticket_of
     from shoal.core.timeline import Timeline
     from shoal.core.trust import Seal
     from shoal.core.waits import ELASTIC
@@ -64,7 +64,7 @@ def run_async_worker(job: dict[str, Any], me: int, store: Any) -> dict[str, int]
     comm = Comm(place, pick_device(cfg.device, me, me + 1, share=True),
                 Timeline(keep_events=cfg.trace), store, peers=False, timeout=cfg.timeout)
     work = load_workload(cfg)
-    keys, ticket = dist.PrefixStore(ELASTIC, comm.attempt_store), me - job["first_id"] + 1
+    keys, ticket = dist.PrefixStore(ELASTIC, comm.attempt_store), ticket_of(job["first_id"], me)
     ask(keys, Seal(bytes.fromhex(job["key"])), ticket)
     reply = answer(keys, ticket, cfg.timeout)
     if "refused" in reply:
