@@ -37,13 +37,14 @@ print(json.dumps({"loops": n, "share": (time.process_time() - c0) / (time.perf_c
 """
 #: One rank of a torchrun job: spins 2 s, writes its loops and its cpu cgroup to DIR/rankR.json.
 RANK_SPIN = """import json, os, sys, time
-t0, n = time.perf_counter(), 0
+t0, c0, n = time.perf_counter(), time.process_time(), 0
 while time.perf_counter() - t0 < 2.0:
     n += 1
+share = (time.process_time() - c0) / (time.perf_counter() - t0)
 cgroup = [l.split(":", 2)[2] for l in open("/proc/self/cgroup").read().splitlines()
-          if l.split(":")[1] == "cpu"]
+          if l.split(":")[1] == "cpu"][0]
 with open(os.path.join(sys.argv[1], f"rank{os.environ['RANK']}.json"), "w") as f:
-    json.dump({"loops": n, "cgroup": cgroup[0]}, f)
+    json.dump({"loops": n, "cpu_share": share, "cgroup": cgroup}, f)
 """
 
 
@@ -162,7 +163,7 @@ def test_a_throttled_process_really_runs_slower():
         limit.remove()
     assert not limit.path.exists()
     assert slow["share"] < 0.15, slow  # the quota, and a period's rounding
-    assert slow["loops"] < 0.5 * fast["loops"], (slow, fast)
+    assert slow["cpu_share"] < 0.25 * 1.3, (slow, fast)
 
 
 @needs_throttle
@@ -185,9 +186,11 @@ def test_cleanup_removes_what_a_killed_run_left():
 @needs_cluster
 def test_slow_emulated_host_runs_slower(tmp_path):
     """`python -m shoal.emulate --emulate-slow 1:0.25`: the rank on host 1 runs in the host's
-    cgroup and spins far fewer loops than the rank on host 0 in the same 2 s; afterwards no
-    cgroup or namespace of the run is left. (At 0.1 the host's torchrun took 20 s to import
-    torch: the whole host is slow, its launcher too.)"""
+    cgroup, capped at a quarter of a CPU (it gets no more than that in 2 s of spinning, however
+    busy or idle the machine is), the rank on host 0 in this process's; afterwards no cgroup or
+    namespace of the run is left. (Its loops against host 0's failed under the suite's load:
+    host 0's rank shared the 2 cores with other tests. At 0.1 the host's torchrun took 20 s to
+    import torch: the whole host is slow, its launcher too.)"""
     script = tmp_path / "spin.py"
     script.write_text(RANK_SPIN)
     res = run([sys.executable, "-m", "shoal.emulate", "--hosts", "2", "--emulate-slow", "1:0.25",
@@ -196,7 +199,7 @@ def test_slow_emulated_host_runs_slower(tmp_path):
     fast, slow = (json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1))
     assert fast["cgroup"] == cpu_cgroup() and slow["cgroup"].startswith(f"/{emulate.PREFIX}-")
     assert slow["cgroup"].endswith("-h1")
-    assert slow["loops"] < 0.5 * fast["loops"], (slow, fast)
+    assert slow["cpu_share"] < 0.25 * 1.3, (slow, fast)
     prefix = slow["cgroup"][1:].removesuffix("-h1")  # the run's own: shoalemu-<id>
     assert ours(prefix) == [] and namespaces(prefix) == []
 
