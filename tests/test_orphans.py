@@ -30,12 +30,14 @@ from pathlib import Path
 import pytest
 
 from conftest import (
+    MPIRUN_TRIES,
     children_of,
     command_process,
     listening_sockets,
     loads_torch,
     marked_processes,
     mpirun,
+    mpirun_failed_to_start,
     needs_mpirun,
     one_error_line,
     shoal_env,
@@ -106,9 +108,12 @@ class Job:
         self.marker = uuid.uuid4().hex
         self.dir = tmp_path
         self.log = tmp_path / "launcher.log"
-        full_env = {**shoal_env(self.marker), **env}
+        self.args, self.env, self.tries = args, {**shoal_env(self.marker), **env}, 1
+        self._start()
+
+    def _start(self) -> None:
         with open(self.log, "wb") as log:
-            self.proc = subprocess.Popen(args, env=full_env, cwd=tmp_path, stdout=log,
+            self.proc = subprocess.Popen(self.args, env=self.env, cwd=self.dir, stdout=log,
                                          stderr=subprocess.STDOUT, start_new_session=True)
 
     def __enter__(self) -> Job:
@@ -134,6 +139,11 @@ class Job:
             if value:
                 return value
             if self.proc.poll() is not None:
+                if (mpirun_failed_to_start(self.args, self.log.read_text())
+                        and self.tries < MPIRUN_TRIES):
+                    self.tries += 1
+                    self._start()
+                    continue
                 pytest.fail(f"the launcher ended before {what}:\n{self.log.read_text()}")
             time.sleep(0.005)
         pytest.fail(f"no {what} within {timeout:.0f} s:\n{self.log.read_text()}")
