@@ -16,6 +16,13 @@ rate (lr 0.125, its default since that step collapsed on noisier data; docs/asyn
 "A stale step without momentum"), single runs up to 2.8 below, so it is held to 3 points,
 what it kept on every run measured; a relapse to the old default's 90.8% still fails.
 
+async-msgd is held to 3 points as well: at this test's command (its default seed) 18 runs
+on 2026-11-29, 6 alone and 12 three at a time (as loaded as the suite's -n 2 or more),
+ended 95.09-97.69%, mean 96.48% against sync's 97.22%, and 4 of the 18 more than 1.5
+points below (the two tries of one CI run 95.56 and 94.99%); the 12-seed study of
+docs/asynchronous.md found about a third of its runs more than 1.5 below too. Its worst
+here, 2.13 below, is within 3; a collapse (87.2% before the auto rule) is not.
+
 hogwild is held to 3 points too: under the whole suite's load (its shared-memory updates
 interleave with the scheduler's whims) both tries of one CI run ended 2.6 and 2.3 points
 below sync (94.35%, 94.63%), where on a quiet machine it was within 0.9 on seeds 1-4. At
@@ -40,7 +47,7 @@ from conftest import train_here
 DEFAULTS = ["--workers", "2", "--epochs", "10"]
 MARGIN = 0.015
 #: Strategies held to a wider margin: what they reach on every run measured, not the goal.
-MARGINS = {"async-sgd": 0.03, "hogwild": 0.03}
+MARGINS = {"async-sgd": 0.03, "async-msgd": 0.03, "hogwild": 0.03}
 #: The strategies whose workers meet the center in elastic exchanges (every --tau steps).
 ELASTIC = ("async-easgd", "async-measgd", "hogwild-easgd")
 
