@@ -54,6 +54,12 @@ def leave_requested() -> bool:
     return LEAVE.is_set()
 
 
+def request_leave() -> None:
+    """Ask this worker to leave the job at its next meeting, as :func:`leave_on_sigterm`'s
+    SIGTERM does (a worker started again at ``--resume`` only to hand its work over)."""
+    LEAVE.set()
+
+
 def leave_on_sigterm() -> Any:
     """From now on SIGTERM asks this worker to leave the job at its next meeting (the
     others go on; a whole job stops on its launcher's SIGTERM). Returns the handler it
@@ -70,7 +76,8 @@ def _raise_on_sigterm(flag: Flag) -> Any:
 
 class Leaving(Exception):
     """This worker leaves the job after step ``step``, at its own request (SIGTERM to
-    ``shoal join``: :func:`leave_on_sigterm`); the job goes on without it."""
+    ``shoal join``: :func:`leave_on_sigterm`; :func:`request_leave`); the job goes on
+    without it."""
 
     def __init__(self, step: int) -> None:
         super().__init__(f"left the job after step {step}")

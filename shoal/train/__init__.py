@@ -28,7 +28,7 @@ from shoal.core.keeper import keep_rank
 from shoal.core.limits import check_processes
 from shoal.core.processes import Lost, spawn
 from shoal.core.starting import ensure_server
-from shoal.core.stop import stop_requested
+from shoal.core.stop import request_leave, stop_requested
 from shoal.core.trust import Seal, open_own
 from shoal.core.waits import key_prefix
 from shoal.data import Dataset, as_dataset
@@ -41,6 +41,7 @@ from shoal.train.growth import (
     end_joiners,
     first_joiner_id,
     grow_by_joining,
+    leave_at_resume,
     only_as_many,
     start_joiners,
 )
@@ -108,11 +109,12 @@ def _start_again(exc: WorkerError, failed_at: int, restarts: list[dict[str, Any]
 
 
 def _run_with_restarts(cfg: TrainConfig, topology: Topology, data: Dataset | None = None,
-                       grow_to: int = 0) -> dict[str, Any] | None:
+                       grow_to: int = 0, stay: int = 0) -> dict[str, Any] | None:
     """Spawn the job's processes (parameter servers first, where the topology has them);
     when a rank fails, start the job again from the last checkpoint, up to
     ``cfg.max_restarts`` times. Returns rank 0's summary, which says what each restart
-    redid. ``grow_to``: the workers to reach by joiners the launcher starts with the job
+    redid. ``grow_to``: the workers to reach by joiners the launcher starts with the job;
+    ``stay``: the workers that go on, the others leaving at their first meeting
     (:mod:`shoal.train.growth`)."""
     attempt_cfg, attempt, restarts, joiners = cfg, topology, [], []
     # --elastic: the job's join secret, which only its workers and its user's ``shoal join``
@@ -128,7 +130,7 @@ def _run_with_restarts(cfg: TrainConfig, topology: Topology, data: Dataset | Non
         extra = {"restarts": restarts} if restarts else None
         try:
             results = spawn(attempt.world_size, _spawned_rank,
-                            (attempt_cfg, attempt, data, extra, seal and seal.key_hex),
+                            (attempt_cfg, attempt, data, extra, seal and seal.key_hex, stay),
                             tolerate=lambda rank: _tolerated(cfg, topology, rank),
                             on_store=seal and (lambda port, n=attempt.workers: on_store(port, n)))
             summary = _summary(cfg, topology, results, since)
@@ -208,12 +210,16 @@ def _joiners_summary(path: Path, since: float) -> dict[str, Any] | None:
 
 
 def _spawned_rank(cfg: TrainConfig, topology: Topology, data: Dataset | None,
-                  extra: dict[str, Any] | None, key: str | None) -> dict[str, Any] | None:
+                  extra: dict[str, Any] | None, key: str | None, stay: int = 0
+                  ) -> dict[str, Any] | None:
     """A rank shoal's launcher started; ``data``: a dataset given in Python; ``key``: an
-    elastic job's join secret (hex)."""
+    elastic job's join secret (hex); ``stay``: the workers that go on (the others leave at
+    their first meeting), 0: all."""
     skip_exit_collection()
     env = detect_environment()
     assert env is not None
+    if stay and env.rank >= topology.servers + stay:
+        request_leave()
     return run_rank(cfg, env, topology, data=data, extra=extra,
                     seal=Seal(bytes.fromhex(key)) if key else None)
 
@@ -260,6 +266,7 @@ def train(cfg: TrainConfig, dataset: Any = None) -> dict[str, Any] | None:
         return _keep_rank(cfg, env, given) if cfg.elastic else _train_as_rank(cfg, env, given)
     cfg = resolve_auto_resume(cfg)
     cfg, joiners, growing = grow_by_joining(cfg, given is not None)
+    cfg, stay, shrinking = leave_at_resume(cfg)
     topology = job_topology(cfg, default_workers(cfg))
     check_machine(cfg, topology)
     # In processes of their own: several ranks, restarts, or a membership (its store)
@@ -271,14 +278,14 @@ def train(cfg: TrainConfig, dataset: Any = None) -> dict[str, Any] | None:
     cfg = job_device(resolve_momentum(cfg, topology.workers), topology, topology.workers)
     work = preflight(cfg, topology.workers, given)
     check_machine(cfg, topology, work.data)
-    if growing:  # said once the run's checks passed
-        print(growing, file=sys.stderr, flush=True)
+    if growing or shrinking:  # said once the run's checks passed
+        print(growing or shrinking, file=sys.stderr, flush=True)
     with OutputLock(Path(cfg.out)):
         if not spawned:  # here, in this process
             return run_rank(cfg, Environment(), topology, work)
         try:
             return _run_with_restarts(cfg, topology, given,
-                                      topology.workers + joiners if joiners else 0)
+                                      topology.workers + joiners if joiners else 0, stay)
         finally:
             if cfg.elastic:
                 withdraw(Path(cfg.out))

@@ -1,11 +1,12 @@
-"""``--resume`` of an ``--elastic`` checkpoint on more workers than it holds, where only as
-many can go on from it: an asynchronous job's (its servers deal each worker's schedule),
-workers that drift apart between meetings inside an epoch (each resumes its own state),
-PowerSGD's (each worker's error feedback). The checkpoint's workers start again and shoal's
-launcher starts the others as joiners (``shoal join OUT`` in processes of its own, which die
-with it): each is admitted at the first meeting point after it has loaded the data, takes a
-live peer's state, and the job has the workers asked for from then on
-(``membership_changes`` lists the joins).
+"""``--resume`` of an ``--elastic`` checkpoint on more or fewer workers than it holds, where
+only as many can go on from it: an asynchronous job's (its servers deal each worker's
+schedule), workers that drift apart between meetings inside an epoch (each resumes its own
+state), PowerSGD's (each worker's error feedback). The checkpoint's workers start again and,
+on more, shoal's launcher starts the others as joiners (``shoal join OUT`` in processes of
+its own, which die with it): each is admitted at the first meeting point after it has loaded
+the data, takes a live peer's state, and the job has the workers asked for from then on; on
+fewer, the last ones leave at their first meeting, their work counted, and the others are
+dealt their rest, as a lost worker's (``membership_changes`` lists the joins and leaves).
 """
 
 from __future__ import annotations
@@ -81,6 +82,27 @@ def grow_by_joining(cfg: TrainConfig, given_data: bool) -> tuple[TrainConfig, in
                                max_workers=cfg.max_workers or cfg.workers), more, line
 
 
+def leave_at_resume(cfg: TrainConfig) -> tuple[TrainConfig, int, str]:
+    """``cfg`` as the job starts (on the checkpoint's workers), how many of them stay (the
+    others leave at their first meeting: :func:`~shoal.core.stop.request_leave`), and the
+    line that says so; ``cfg``, 0 and ``""`` where the checkpoint goes on as asked (or its
+    own refusal says why not)."""
+    if not cfg.elastic or cfg.resume_path is None or cfg.workers is None:
+        return cfg, 0, ""
+    saved = saved_checkpoint(cfg.resume_path)
+    if saved is None or saved.ranks <= cfg.workers:
+        return cfg, 0, ""
+    why = only_as_many(cfg, saved)
+    if why is None:
+        return cfg, 0, ""
+    fewer = saved.ranks - cfg.workers
+    line = (f"shoal: the checkpoint holds {saved.ranks} workers' state{why}: {saved.ranks} "
+            f"start again and {fewer} of them {'leaves' if fewer == 1 else 'leave'} at "
+            f"{'its' if fewer == 1 else 'their'} first meeting, the others dealt "
+            f"{'its' if fewer == 1 else 'their'} rest")
+    return dataclasses.replace(cfg, workers=saved.ranks), cfg.workers, line
+
+
 class Joiner:
     """A joiner the launcher started; it tells the launcher its worker id, then why it did
     not join (``""`` once it finished with the job)."""
@@ -153,4 +175,5 @@ def _join(out: Path, told: Connection) -> None:
     sys.exit(code)
 
 
-__all__ = ["Joiner", "end_joiners", "first_joiner_id", "grow_by_joining", "only_as_many", "start_joiners"]
+__all__ = ["Joiner", "end_joiners", "first_joiner_id", "grow_by_joining", "leave_at_resume",
+           "only_as_many", "start_joiners"]

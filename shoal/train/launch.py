@@ -11,6 +11,7 @@ builds the model and loads the data once, then plays its role: worker (a
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import sys
@@ -25,10 +26,10 @@ from shoal.core.env import Environment, default_threads
 from shoal.core.failures import record_failure
 from shoal.core.group import join_group
 from shoal.core.join import init_comm
-from shoal.core.stop import stop_on_sigterm
+from shoal.core.stop import Leaving, stop_on_sigterm
 from shoal.core.timeline import Timeline
 from shoal.core.trust import Seal
-from shoal.core.waits import say_finished
+from shoal.core.waits import ended_key, say_finished
 from shoal.data import Dataset
 from shoal.errors import ShoalError
 from shoal.strategies import get_strategy, make_options
@@ -83,6 +84,9 @@ def run_rank(cfg: TrainConfig, env: Environment, topology: Topology, work: Workl
             comm.membership.seal = seal
         try:
             result = _play(cfg, env, comm, topology, work, data, extra, seal)
+        except Leaving:  # asked to (--resume on fewer workers): the others go on
+            _left(comm, env.rank)
+            return None
         except Exception as exc:
             if env.error_dir is not None:
                 _exit_failed(env, exc)
@@ -129,6 +133,8 @@ def _play(cfg: TrainConfig, env: Environment, comm: Comm, topology: Topology,
         if topology.role(env.rank).is_server:
             return run_server(cfg, env, comm, topology, work, extra, seal)
         return _train(cfg, comm, topology, work, extra)
+    except Leaving:  # at a meeting, its work counted: nothing to tell the others but that
+        raise
     except BaseException as exc:
         comm.abort(str(exc) or type(exc).__name__)
         if comm.ps is not None:
@@ -142,9 +148,22 @@ def _train(cfg: TrainConfig, comm: Comm, topology: Topology, work: Workload,
     if not topology.detached:
         return Trainer(cfg, comm, work.data, work.model, extra=extra).run()
     client = connect(cfg, comm, topology, work.model)
-    Trainer(cfg, comm, work.data, work.model, components=remote_components(client)).run()
+    try:
+        Trainer(cfg, comm, work.data, work.model, components=remote_components(client)).run()
+    except Leaving:  # its work sent and server 0 told: it leaves as a lost worker does
+        client.abandon()
+        raise
     leave(client)
     return None
+
+
+def _left(comm: Comm, rank: int) -> None:
+    """This rank's worker left the job at a meeting, as asked (``--resume`` on fewer workers
+    than the checkpoint holds): the others read why in the store and go on."""
+    with contextlib.suppress(Exception):  # the store gone: so is the job
+        comm.attempt_store.set(ended_key(rank), "left as the --resume on fewer workers asked")
+    comm.aborted = True  # nobody waits for it at the end
+    comm.close("left")
 
 
 def relaid(cfg: TrainConfig, env: Environment, comm: Comm, data: Dataset, tag: str
