@@ -62,19 +62,28 @@ def first_joiner_id(cfg: TrainConfig) -> int | None:
     return part["next"] if isinstance(part.get("next"), int) else None
 
 
+def _own_workers(cfg: TrainConfig) -> tuple[Saved, str] | None:
+    """The checkpoint ``cfg``'s ``--elastic`` run resumes on another number of ``--workers``
+    than it holds, and why it goes on only on its own (:func:`only_as_many`); ``None``
+    elsewhere (it goes on as asked, or its own refusal says why not)."""
+    if not cfg.elastic or cfg.resume_path is None or cfg.workers is None:
+        return None
+    saved = saved_checkpoint(cfg.resume_path)
+    if saved is None or saved.ranks == cfg.workers:
+        return None
+    why = only_as_many(cfg, saved)
+    return None if why is None else (saved, why)
+
+
 def grow_by_joining(cfg: TrainConfig, given_data: bool) -> tuple[TrainConfig, int, str]:
     """``cfg`` as the job starts (on the checkpoint's workers), how many joiners the
     launcher starts with it to reach ``--workers``, and the line that says so (for once the
     run's checks passed); ``cfg``, 0 and ``""`` where the checkpoint goes on as asked (or
     its own refusal says why not: data given in Python cannot be joined)."""
-    if not cfg.elastic or cfg.resume_path is None or cfg.workers is None or given_data:
+    found = None if given_data else _own_workers(cfg)
+    if found is None or found[0].ranks > (cfg.workers or 0):
         return cfg, 0, ""
-    saved = saved_checkpoint(cfg.resume_path)
-    if saved is None or saved.ranks >= cfg.workers:
-        return cfg, 0, ""
-    why = only_as_many(cfg, saved)
-    if why is None:
-        return cfg, 0, ""
+    saved, why = found
     more = cfg.workers - saved.ranks
     line = (f"shoal: the checkpoint holds {saved.ranks} workers' state{why}: {saved.ranks} "
             f"start again and {more} more join them (as shoal join OUT does)")
@@ -87,19 +96,15 @@ def leave_at_resume(cfg: TrainConfig) -> tuple[TrainConfig, int, str]:
     others leave at their first meeting: :func:`~shoal.core.stop.request_leave`), and the
     line that says so; ``cfg``, 0 and ``""`` where the checkpoint goes on as asked (or its
     own refusal says why not)."""
-    if not cfg.elastic or cfg.resume_path is None or cfg.workers is None:
+    found = _own_workers(cfg)
+    if found is None or found[0].ranks < (cfg.workers or 0):
         return cfg, 0, ""
-    saved = saved_checkpoint(cfg.resume_path)
-    if saved is None or saved.ranks <= cfg.workers:
-        return cfg, 0, ""
-    why = only_as_many(cfg, saved)
-    if why is None:
-        return cfg, 0, ""
-    fewer = saved.ranks - cfg.workers
+    saved, why = found
+    fewer, one = saved.ranks - cfg.workers, saved.ranks - cfg.workers == 1
     line = (f"shoal: the checkpoint holds {saved.ranks} workers' state{why}: {saved.ranks} "
-            f"start again and {fewer} of them {'leaves' if fewer == 1 else 'leave'} at "
-            f"{'its' if fewer == 1 else 'their'} first meeting, the others dealt "
-            f"{'its' if fewer == 1 else 'their'} rest")
+            f"start again and {fewer} of them {'leaves' if one else 'leave'} at "
+            f"{'its' if one else 'their'} first meeting, the others dealt "
+            f"{'its' if one else 'their'} rest")
     return dataclasses.replace(cfg, workers=saved.ranks), cfg.workers, line
 
 
