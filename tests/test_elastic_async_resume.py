@@ -268,3 +268,27 @@ def test_a_worker_back_past_the_recorded_epochs_is_not_waited_for_after_the_next
     third = members()
     third.resume(two)
     assert third.due(1) == {0, 1} and third.due(2) == {0, 1} and third.due(3) == {0, 1, 2}
+
+
+def test_a_restart_after_a_loss_cuts_the_records_the_killed_attempt_wrote_past_its_checkpoint(
+        tmp_path):
+    """Worker 2 is killed (its rest dealt to workers 0 and 1), then server 0 at its third
+    test of the center: the launcher starts the job again from its last checkpoint,
+    worker 2 back with part of the others' rest. Workers 0 and 1 had recorded the samples
+    they counted after that checkpoint; those are trained again, part of them now by worker
+    2. Before, their files kept those lines (a resumed worker wrote only past its file's
+    end): hundreds of samples recorded twice (found by hand: 362 of a 400-epoch run resumed
+    from a periodic checkpoint; 1,985 after a restart). Each worker's file is now cut to its
+    count in the checkpoint."""
+    out = tmp_path / "run"
+    res = train_losing(out, 3, "train:10", "--strategy", "async-easgd", "--schedule",
+                       "constant", "--checkpoint-every", "10", "--max-restarts", "1",
+                       model="tests.fixtures_models:dies_at", once=tmp_path / "once",
+                       more_env={"SHOAL_TEST_DIE_AT": "eval:3",
+                                 "SHOAL_TEST_DIE_UNLESS": str(out / "checkpoint.pt")})
+    assert res.returncode == 0, res.stderr
+    assert "server 0 (rank 0): process killed by signal 9; restarting from the checkpoint" \
+        in res.stderr and "worker 2 is back at --resume" in res.stderr, res.stderr
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["completed"] and len(summary["restarts"]) == 1
+    assert_each_sample_once(out, EPOCHS, TRAIN_ROWS)

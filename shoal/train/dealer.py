@@ -33,7 +33,7 @@ from shoal.train.deal import Schedule, Segment, cut, deal, length
 from shoal.train.elastic_async import DEALS, RELEASE, deal_key, leave_key, slots_of
 from shoal.train.handover import digest
 from shoal.train.resume_async import dealer_state, rebuild, schedule_of
-from shoal.train.samples import record_since, samples_file, say_held
+from shoal.train.samples import cut_upto, record_since, samples_file, say_held
 
 
 class Dealer:
@@ -327,6 +327,7 @@ class AsyncMembers:
         for w, count in part["counts"].items():  # a joiner's samples to its count, unless
             if w >= c.workers:  # its file has them: it is not started again
                 self.dealer.schedules[w] = schedule_of(part["schedules"][w])
+                cut_upto(samples_file(c.cfg, w), int(count))  # its rest is dealt to others
                 self.dealer.record_counted(w, int(count))
         starts = rebuild(payload, c.workers, self.dealer.slots, c.cfg.epochs)
         back = sorted(w for w, s in starts.items() if s.back)

@@ -33,7 +33,7 @@ from shoal.train.deal import Schedule, Segment, Slots, cut, length
 from shoal.train.handover import digest
 from shoal.train.optim import schedule_at
 from shoal.train.resume_async import Start, rebuild, uncounted
-from shoal.train.samples import record_since, samples_file
+from shoal.train.samples import cut_upto, record_since, samples_file
 
 _Step = TypeVar("_Step")
 DEALS = f"{ELASTIC}/async/deals"  #: how many deals server 0 published
@@ -102,6 +102,7 @@ class AsyncElastic:
         t = self.t
         self.schedule, self.resume_at, self.at = start.schedule, start.offset, start.at
         self.trained, self.dealt = uncounted(self.slots, start), True
+        cut_upto(self.record, start.at)  # what it counted after the checkpoint is redone
         if start.back:  # lost before the checkpoint: from the center, at its count
             t.state.epoch, t.state.step = start.epoch, start.epoch * self.steps
             schedule_at(t.scheduler, t.state.step)

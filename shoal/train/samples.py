@@ -93,17 +93,33 @@ def cut_after(cfg: TrainConfig, step: int) -> None:
     if not cfg.record_samples or not folder.is_dir():
         return
     for path in sorted(folder.glob("worker*.jsonl")):
-        fd = open_own(path, os.O_RDWR)  # ours only: a planted file is refused
-        try:
-            with _locked(fd, None):
-                data, at = os.pread(fd, os.fstat(fd).st_size, 0), 0
-                for line in data.splitlines(keepends=True):
-                    if _record(line).get("step", -1) > step:
-                        os.ftruncate(fd, at)
-                        break
-                    at += len(line)
-        finally:
-            os.close(fd)
+        _cut_from(path, lambda record: record.get("step", -1) > step)
+
+
+def cut_upto(path: Path | None, upto: int) -> None:
+    """An asynchronous ``--resume`` (or restart): drop the lines of ``path`` (a worker's, as
+    :func:`record_since` writes them) past ``upto``, its count in the checkpoint. Its
+    samples after that count are trained again, and not as before where the resume dealt
+    its schedule anew (a worker back takes part of the others' rest): the file's old lines
+    would name samples that another worker now trains."""
+    if path is not None and path.exists():
+        _cut_from(path, lambda record: isinstance(record.get("upto"), int)
+                  and record["upto"] > upto)
+
+
+def _cut_from(path: Path, past: Callable[[dict[str, Any]], bool]) -> None:
+    """Drop ``path``'s lines from the first one that is ``past`` the point to cut at."""
+    fd = open_own(path, os.O_RDWR)  # ours only: a planted file is refused
+    try:
+        with _locked(fd, None):
+            data, at = os.pread(fd, os.fstat(fd).st_size, 0), 0
+            for line in data.splitlines(keepends=True):
+                if past(_record(line)):
+                    os.ftruncate(fd, at)
+                    break
+                at += len(line)
+    finally:
+        os.close(fd)
 
 
 def _append(path: Path, lines: Callable[[dict[str, Any]], bytes], wait: float | None) -> bool:
