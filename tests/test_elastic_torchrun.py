@@ -72,43 +72,34 @@ def test_a_killed_worker_leaves_and_the_others_train_its_share_under_torchrun(tm
     _went_on_without_rank_2(tmp_path / "run")
 
 
-@needs_mpirun
-def test_a_killed_worker_leaves_and_the_others_train_its_share_under_mpirun(tmp_path):
-    # No launcher serves the store here: rank 0's keeper does, and stays until the keeper
-    # of the killed rank saw the job end (before, that keeper found the store gone: exit 1).
+def _launched(launcher: str, out) -> tuple[list[str], dict[str, str]]:
+    """The command line and environment of a 3-rank job of KILLED (rank 2 killed) under a
+    real ``launcher``: OpenMPI's mpirun (no launcher serves the store there: rank 0's keeper
+    does, and stays until the keeper of the killed rank saw the job end; before, that keeper
+    found the store gone: exit 1), MPICH's mpiexec (its ranks have PMI_RANK and PMI_SIZE),
+    or srun with --kill-on-bad-exit (a task that fails ends the step)."""
+    args = [*KILLED, "--record-samples", "--out", str(out)]
+    if launcher == "mpirun":
+        return mpirun(3, *args), _kill_env("2", mpirun_env())
+    if launcher == "mpich":
+        return [MPIEXEC_HYDRA, "-n", "3", "-genv", "MASTER_ADDR", "127.0.0.1", "-genv",
+                "MASTER_PORT", str(free_port()), sys.executable, "-m", "shoal", *args], \
+            _kill_env("2")
+    return ["srun", "--ntasks", "3", "--overcommit", "--kill-on-bad-exit=1", "--immediate=30",
+            "--chdir", str(REPO), sys.executable, "-m", "shoal", *args], \
+        {**_kill_env("2"), "MASTER_PORT": str(free_port())}
+
+
+@pytest.mark.parametrize("launcher", [pytest.param("mpirun", marks=needs_mpirun),
+                                      pytest.param("mpich", marks=needs_mpich),
+                                      pytest.param("srun", marks=needs_slurm)])
+def test_a_killed_worker_leaves_and_the_others_train_its_share_under_a_real_launcher(
+        tmp_path, launcher):
+    """Rank 2's worker killed mid-epoch: its process (the keeper) exits 0, so the launcher
+    sees no failed task and exits 0; the others trained its share."""
     out = tmp_path / "run"
-    res = run(mpirun(3, *KILLED, "--record-samples", "--out", str(out)), timeout=200,
-              env=_kill_env("2", mpirun_env()))
-    assert res.returncode == 0, res.stdout + res.stderr
-    assert res.stray == []
-    assert "shoal: rank 2 killed by signal 9; the job goes on without it (--elastic)" \
-        in res.stdout + res.stderr
-    _went_on_without_rank_2(out)
-
-
-@needs_mpich
-def test_a_killed_worker_leaves_and_the_others_train_its_share_under_mpich(tmp_path):
-    # MPICH's Hydra gives its ranks PMI_RANK and PMI_SIZE; rank 0 serves the store.
-    out, port = tmp_path / "run", free_port()
-    res = run([MPIEXEC_HYDRA, "-n", "3", "-genv", "MASTER_ADDR", "127.0.0.1", "-genv",
-               "MASTER_PORT", str(port), sys.executable, "-m", "shoal", *KILLED,
-               "--record-samples", "--out", str(out)], timeout=200, env=_kill_env("2"))
-    assert res.returncode == 0, res.stdout + res.stderr
-    assert res.stray == []
-    assert "shoal: rank 2 killed by signal 9; the job goes on without it (--elastic)" \
-        in res.stdout + res.stderr
-    _went_on_without_rank_2(out)
-
-
-@needs_slurm
-def test_a_killed_worker_leaves_and_the_others_train_its_share_under_a_real_srun(tmp_path):
-    """srun with --kill-on-bad-exit (a task that fails ends the step): rank 2's task exits
-    0 (its keeper outlived its killed worker), srun exits 0, the others trained its share."""
-    out = tmp_path / "run"
-    env = {**_kill_env("2"), "MASTER_PORT": str(free_port())}
-    res = run(["srun", "--ntasks", "3", "--overcommit", "--kill-on-bad-exit=1",
-               "--immediate=30", "--chdir", str(REPO), sys.executable, "-m", "shoal", *KILLED,
-               "--record-samples", "--out", str(out)], timeout=200, env=env)
+    cmd, env = _launched(launcher, out)
+    res = run(cmd, timeout=200, env=env)
     assert res.returncode == 0, res.stdout + res.stderr
     assert res.stray == []
     assert "shoal: rank 2 killed by signal 9; the job goes on without it (--elastic)" \
