@@ -40,9 +40,8 @@ from shoal.train.elastic_check import check_elastic
 from shoal.train.growth import (
     end_joiners,
     first_joiner_id,
-    grow_by_joining,
-    leave_at_resume,
     only_as_many,
+    resize_at_resume,
     start_joiners,
 )
 from shoal.train.jobfile import (
@@ -265,8 +264,7 @@ def train(cfg: TrainConfig, dataset: Any = None) -> dict[str, Any] | None:
     if env is not None:
         return _keep_rank(cfg, env, given) if cfg.elastic else _train_as_rank(cfg, env, given)
     cfg = resolve_auto_resume(cfg)
-    cfg, joiners, growing = grow_by_joining(cfg, given is not None)
-    cfg, stay, shrinking = leave_at_resume(cfg)
+    cfg, joiners, stay, resized = resize_at_resume(cfg, given is not None)
     topology = job_topology(cfg, default_workers(cfg))
     check_machine(cfg, topology)
     # In processes of their own: several ranks, restarts, or a membership (its store)
@@ -278,8 +276,8 @@ def train(cfg: TrainConfig, dataset: Any = None) -> dict[str, Any] | None:
     cfg = job_device(resolve_momentum(cfg, topology.workers), topology, topology.workers)
     work = preflight(cfg, topology.workers, given)
     check_machine(cfg, topology, work.data)
-    if growing or shrinking:  # said once the run's checks passed
-        print(growing or shrinking, file=sys.stderr, flush=True)
+    if resized:  # said once the run's checks passed
+        print(resized, file=sys.stderr, flush=True)
     with OutputLock(Path(cfg.out)):
         if not spawned:  # here, in this process
             return run_rank(cfg, Environment(), topology, work)

@@ -18,7 +18,7 @@ import sys
 import time
 from multiprocessing.connection import Connection
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 from shoal.config import TrainConfig
 from shoal.core.failures import exit_status
@@ -37,7 +37,8 @@ def only_as_many(cfg: TrainConfig, saved: Saved) -> str | None:
     """Why the checkpoint ``saved`` of ``cfg``'s run resumes only on the workers it holds,
     as words that follow "the checkpoint holds N workers' state" (`` inside an epoch
     (easgd's workers each resume their own)``), or ``None`` where any number goes on from
-    it. A restart (``_restarted``) and a resume on more (:func:`grow_by_joining`) ask it."""
+    it. A restart (``_restarted``) and a resume on more or fewer (:func:`resize_at_resume`)
+    ask it."""
     if job_topology(cfg, saved.ranks).detached:
         return " (an asynchronous job's servers deal each worker's schedule)"
     if cfg.strategy_options.get("compress") == "powersgd":
@@ -62,50 +63,44 @@ def first_joiner_id(cfg: TrainConfig) -> int | None:
     return part["next"] if isinstance(part.get("next"), int) else None
 
 
-def _own_workers(cfg: TrainConfig) -> tuple[Saved, str] | None:
-    """The checkpoint ``cfg``'s ``--elastic`` run resumes on another number of ``--workers``
-    than it holds, and why it goes on only on its own (:func:`only_as_many`); ``None``
-    elsewhere (it goes on as asked, or its own refusal says why not)."""
+class Resize(NamedTuple):
+    """How a resumed job starts (:func:`resize_at_resume`): ``cfg`` on the checkpoint's
+    workers, the ``joiners`` the launcher starts with it, the workers that ``stay`` (the
+    others leave at their first meeting; 0: all), and the ``line`` that says so."""
+
+    cfg: TrainConfig
+    joiners: int = 0
+    stay: int = 0
+    line: str = ""
+
+
+def resize_at_resume(cfg: TrainConfig, given_data: bool) -> Resize:
+    """The job that ``--resume --workers N`` of an ``--elastic`` checkpoint starts when the
+    checkpoint goes on only on its own workers (:func:`only_as_many`) and holds another
+    number: its own again, and on more the others as joiners, on fewer the last ones leaving
+    at their first meeting (:func:`~shoal.core.stop.request_leave`). ``Resize(cfg)`` where
+    it goes on as asked, or its own refusal says why not (data given in Python cannot be
+    joined). The line is for once the run's checks passed."""
     if not cfg.elastic or cfg.resume_path is None or cfg.workers is None:
-        return None
+        return Resize(cfg)
     saved = saved_checkpoint(cfg.resume_path)
-    if saved is None or saved.ranks == cfg.workers:
-        return None
+    if saved is None or saved.ranks == cfg.workers or (given_data and saved.ranks < cfg.workers):
+        return Resize(cfg)
     why = only_as_many(cfg, saved)
-    return None if why is None else (saved, why)
-
-
-def grow_by_joining(cfg: TrainConfig, given_data: bool) -> tuple[TrainConfig, int, str]:
-    """``cfg`` as the job starts (on the checkpoint's workers), how many joiners the
-    launcher starts with it to reach ``--workers``, and the line that says so (for once the
-    run's checks passed); ``cfg``, 0 and ``""`` where the checkpoint goes on as asked (or
-    its own refusal says why not: data given in Python cannot be joined)."""
-    found = None if given_data else _own_workers(cfg)
-    if found is None or found[0].ranks > (cfg.workers or 0):
-        return cfg, 0, ""
-    saved, why = found
-    more = cfg.workers - saved.ranks
-    line = (f"shoal: the checkpoint holds {saved.ranks} workers' state{why}: {saved.ranks} "
-            f"start again and {more} more join them (as shoal join OUT does)")
-    return dataclasses.replace(cfg, workers=saved.ranks,
-                               max_workers=cfg.max_workers or cfg.workers), more, line
-
-
-def leave_at_resume(cfg: TrainConfig) -> tuple[TrainConfig, int, str]:
-    """``cfg`` as the job starts (on the checkpoint's workers), how many of them stay (the
-    others leave at their first meeting: :func:`~shoal.core.stop.request_leave`), and the
-    line that says so; ``cfg``, 0 and ``""`` where the checkpoint goes on as asked (or its
-    own refusal says why not)."""
-    found = _own_workers(cfg)
-    if found is None or found[0].ranks < (cfg.workers or 0):
-        return cfg, 0, ""
-    saved, why = found
-    fewer, one = saved.ranks - cfg.workers, saved.ranks - cfg.workers == 1
-    line = (f"shoal: the checkpoint holds {saved.ranks} workers' state{why}: {saved.ranks} "
-            f"start again and {fewer} of them {'leaves' if one else 'leave'} at "
-            f"{'its' if one else 'their'} first meeting, the others dealt "
-            f"{'its' if one else 'their'} rest")
-    return dataclasses.replace(cfg, workers=saved.ranks), cfg.workers, line
+    if why is None:
+        return Resize(cfg)
+    start = (f"shoal: the checkpoint holds {saved.ranks} workers' state{why}: {saved.ranks} "
+             "start again and ")
+    if saved.ranks < cfg.workers:
+        more = cfg.workers - saved.ranks
+        return Resize(dataclasses.replace(cfg, workers=saved.ranks,
+                                          max_workers=cfg.max_workers or cfg.workers),
+                      joiners=more, line=f"{start}{more} more join them (as shoal join OUT does)")
+    fewer = saved.ranks - cfg.workers
+    its = "its" if fewer == 1 else "their"
+    return Resize(dataclasses.replace(cfg, workers=saved.ranks), stay=cfg.workers,
+                  line=f"{start}{fewer} of them {'leaves' if fewer == 1 else 'leave'} at {its} "
+                       f"first meeting, the others dealt {its} rest")
 
 
 class Joiner:
@@ -180,5 +175,5 @@ def _join(out: Path, told: Connection) -> None:
     sys.exit(code)
 
 
-__all__ = ["Joiner", "end_joiners", "first_joiner_id", "grow_by_joining", "leave_at_resume",
-           "only_as_many", "start_joiners"]
+__all__ = ["Joiner", "Resize", "end_joiners", "first_joiner_id", "only_as_many",
+           "resize_at_resume", "start_joiners"]
