@@ -73,7 +73,7 @@ class _KilledAt(nn.Module):
         mode = "train" if self.training else "eval"
         self.calls[mode] += 1
         rank = next((os.environ[v] for v in ("RANK", "OMPI_COMM_WORLD_RANK", "PMI_RANK", "SLURM_PROCID")
-                     if v in os.environ), None)  # torchrun's, mpirun's, srun's
+                     if v in os.environ), None)  # torchrun's, OpenMPI's, MPICH's, srun's
         if rank in os.environ.get("SHOAL_TEST_KILL_RANK", "").split(","):
             when, _, count = os.environ.get("SHOAL_TEST_KILL_AT", "").partition(":")
             if when == mode and self.calls[mode] == int(count) and self._first():
