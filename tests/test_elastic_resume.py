@@ -177,3 +177,21 @@ def test_resumed_on_fewer_workers_than_its_checkpoint_holds_the_others_leave(
         f"worker {w} left as the --resume on fewer workers asked" for w in (1, 2)}
     assert summary["completed"] and summary["workers"] == 1
     assert_each_sample_once(out, EPOCHS, TRAIN_ROWS)
+    from shoal.train.checkpoint import saved_checkpoint  # the next resume's joins come after
+
+    assert saved_checkpoint(out / "checkpoint.pt").changes == len(summary["membership_changes"])
+
+
+def test_only_the_joins_after_the_checkpoints_changes_count_as_this_runs_joiners():
+    """A synchronous job numbers its workers anew at a resume: a joiner started now may have
+    the id an earlier run's joiner had (listed in the checkpoint's changes, which the
+    summary repeats first). The launcher waits only for the joiners that joined this run;
+    before, an earlier run's join of id 3 made it wait 30 s for a joiner 3 that never did."""
+    from shoal.train.growth import joined_since
+
+    earlier = [{"step": 10, "joined": [3], "workers": 4}, {"step": 20, "left": [3]}]
+    summary = {"membership_changes": [*earlier, {"step": 30, "resumed": True},
+                                      {"step": 41, "joined": [4], "workers": 4}]}
+    assert joined_since(summary, len(earlier)) == {4}
+    assert joined_since(summary, 0) == {3, 4}
+    assert joined_since(None, 0) == set()

@@ -108,13 +108,14 @@ def _start_again(exc: WorkerError, failed_at: int, restarts: list[dict[str, Any]
 
 
 def _run_with_restarts(cfg: TrainConfig, topology: Topology, data: Dataset | None = None,
-                       grow_to: int = 0, stay: int = 0) -> dict[str, Any] | None:
+                       grow_to: int = 0, stay: int = 0, before: int = 0
+                       ) -> dict[str, Any] | None:
     """Spawn the job's processes (parameter servers first, where the topology has them);
     when a rank fails, start the job again from the last checkpoint, up to
     ``cfg.max_restarts`` times. Returns rank 0's summary, which says what each restart
     redid. ``grow_to``: the workers to reach by joiners the launcher starts with the job;
-    ``stay``: the workers that go on, the others leaving at their first meeting
-    (:mod:`shoal.train.growth`)."""
+    ``stay``: the workers that go on, the others leaving at their first meeting;
+    ``before``: the membership changes of the checkpoint resumed (:mod:`shoal.train.growth`)."""
     attempt_cfg, attempt, restarts, joiners = cfg, topology, [], []
     # --elastic: the job's join secret, which only its workers and its user's ``shoal join``
     # learn (through the job file, shoal.train.jobfile).
@@ -156,7 +157,7 @@ def _run_with_restarts(cfg: TrainConfig, topology: Topology, data: Dataset | Non
             print(f"shoal: {exc}; {how}", file=sys.stderr, flush=True)
             attempt = _restarted(cfg, topology, saved) if saved is not None else topology
         finally:  # the job ended (a summary) or failed (None: those left are stopped)
-            end_joiners(joiners, summary)
+            end_joiners(joiners, summary, before)
             joiners.clear()
 
 
@@ -264,7 +265,7 @@ def train(cfg: TrainConfig, dataset: Any = None) -> dict[str, Any] | None:
     if env is not None:
         return _keep_rank(cfg, env, given) if cfg.elastic else _train_as_rank(cfg, env, given)
     cfg = resolve_auto_resume(cfg)
-    cfg, joiners, stay, resized = resize_at_resume(cfg, given is not None)
+    cfg, joiners, stay, resized, before = resize_at_resume(cfg, given is not None)
     topology = job_topology(cfg, default_workers(cfg))
     check_machine(cfg, topology)
     # In processes of their own: several ranks, restarts, or a membership (its store)
@@ -283,7 +284,8 @@ def train(cfg: TrainConfig, dataset: Any = None) -> dict[str, Any] | None:
             return run_rank(cfg, Environment(), topology, work)
         try:
             return _run_with_restarts(cfg, topology, given,
-                                      topology.workers + joiners if joiners else 0, stay)
+                                      topology.workers + joiners if joiners else 0, stay,
+                                      before)
         finally:
             if cfg.elastic:
                 withdraw(Path(cfg.out))

@@ -111,6 +111,7 @@ class Saved(NamedTuple):
     step: int  # the step it was written after
     ranks: int  # how many workers' parts it holds
     inside_epoch: bool  # written inside an epoch (not at its end)
+    changes: int = 0  # the membership changes it lists (a resumed run's list goes on from them)
 
 
 def saved_checkpoint(path: Path) -> Saved | None:
@@ -122,9 +123,17 @@ def saved_checkpoint(path: Path) -> Saved | None:
     try:
         payload = load_checkpoint(path, mmap=True)
         progress = payload["progress"]
-        return Saved(int(progress["step"]), len(payload["ranks"]), bool(progress["epoch_step"]))
+        return Saved(int(progress["step"]), len(payload["ranks"]), bool(progress["epoch_step"]),
+                     len(_changes(payload)))
     except ShoalError:
         return None
+
+
+def _changes(payload: dict[str, Any]) -> list[Any]:
+    """The membership changes a checkpoint lists: a synchronous job's own, or an
+    asynchronous one's server 0's (its dealer's)."""
+    elastic = (payload.get("coordinator") or {}).get("elastic") or {}
+    return list(payload.get("membership_changes") or elastic.get("changes") or [])
 
 
 def check_resume(payload: dict[str, Any], cfg: TrainConfig, world: int,

@@ -66,12 +66,14 @@ def first_joiner_id(cfg: TrainConfig) -> int | None:
 class Resize(NamedTuple):
     """How a resumed job starts (:func:`resize_at_resume`): ``cfg`` on the checkpoint's
     workers, the ``joiners`` the launcher starts with it, the workers that ``stay`` (the
-    others leave at their first meeting; 0: all), and the ``line`` that says so."""
+    others leave at their first meeting; 0: all), the ``line`` that says so, and how many
+    membership changes the checkpoint lists (``before``: the joins past them are this run's)."""
 
     cfg: TrainConfig
     joiners: int = 0
     stay: int = 0
     line: str = ""
+    before: int = 0
 
 
 def resize_at_resume(cfg: TrainConfig, given_data: bool) -> Resize:
@@ -95,7 +97,8 @@ def resize_at_resume(cfg: TrainConfig, given_data: bool) -> Resize:
         more = cfg.workers - saved.ranks
         return Resize(dataclasses.replace(cfg, workers=saved.ranks,
                                           max_workers=cfg.max_workers or cfg.workers),
-                      joiners=more, line=f"{start}{more} more join them (as shoal join OUT does)")
+                      joiners=more, line=f"{start}{more} more join them (as shoal join OUT does)",
+                      before=saved.changes)
     fewer = saved.ranks - cfg.workers
     its = "its" if fewer == 1 else "their"
     return Resize(dataclasses.replace(cfg, workers=saved.ranks), stay=cfg.workers,
@@ -146,13 +149,20 @@ def start_joiners(out: Path, count: int) -> list[Joiner]:
     return [Joiner(out) for _ in range(count)]
 
 
-def end_joiners(joiners: list[Joiner], summary: dict[str, Any] | None,
+def joined_since(summary: dict[str, Any] | None, before: int) -> set[int]:
+    """The worker ids that joined the job whose ``summary`` it is, after the ``before``
+    membership changes its checkpoint listed: an earlier run's joiner may have had an id a
+    joiner has now (a synchronous job numbers its workers anew at a resume)."""
+    changes = (summary or {}).get("membership_changes", [])[before:]
+    return {int(w) for change in changes for w in change.get("joined", [])}
+
+
+def end_joiners(joiners: list[Joiner], summary: dict[str, Any] | None, before: int = 0,
                 wait_s: float = JOINERS_END_S) -> None:
     """Once the job has ended (``summary``: its summary, ``None`` if it failed): wait for
-    the ``joiners`` that joined up to ``wait_s`` seconds in all, stop the others; say in one
-    line each why one did not join."""
-    joined = {int(w) for change in (summary or {}).get("membership_changes", [])
-              for w in change.get("joined", [])}
+    the ``joiners`` that joined (after the checkpoint's ``before`` changes) up to ``wait_s``
+    seconds in all, stop the others; say in one line each why one did not join."""
+    joined = joined_since(summary, before)
     deadline = time.monotonic() + wait_s
     for joiner in joiners:
         why = joiner.end(deadline, joined)
@@ -175,5 +185,5 @@ def _join(out: Path, told: Connection) -> None:
     sys.exit(code)
 
 
-__all__ = ["Joiner", "Resize", "end_joiners", "first_joiner_id", "only_as_many",
+__all__ = ["Joiner", "Resize", "end_joiners", "first_joiner_id", "joined_since", "only_as_many",
            "resize_at_resume", "start_joiners"]
