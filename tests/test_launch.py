@@ -26,6 +26,19 @@ def test_slurm_variables_take_master_from_the_node_list():
     assert env.master_port == 10000 + 4242
 
 
+@pytest.mark.parametrize("node, per_node, here", [
+    ("1", "2(x2)", 2), ("0", "3,2(x2),1", 3), ("2", "3,2(x2),1", 2), ("3", "3,2(x2),1", 1),
+    ("7", "3,2(x2),1", 1), ("0", "garbled", 1)])
+def test_slurm_tasks_on_this_node_come_from_the_steps_tasks_per_node(node, per_node, here):
+    """``srun -N 2 -n 4`` sets no SLURM_NTASKS_PER_NODE, only SLURM_STEP_TASKS_PER_NODE
+    ``2(x2)`` (as a real srun across two emulated nodes showed): each node's ranks are its
+    entry, so that they share its cores; before, each took 1 and so every core."""
+    env = detect_environment({"SLURM_PROCID": "2", "SLURM_NTASKS": "8", "SLURM_LOCALID": "0",
+                              "SLURM_NODEID": node, "SLURM_STEP_TASKS_PER_NODE": per_node,
+                              "SLURM_JOB_NODELIST": "n[1-4]"})
+    assert env.local_world_size == here
+
+
 def test_single_task_slurm_allocation_spawns_locally():
     assert detect_environment({"SLURM_PROCID": "0", "SLURM_NTASKS": "1"}) is None
 

@@ -146,13 +146,29 @@ def _slurm(env: Mapping[str, str]) -> Environment | None:
         rank=_int(env, "SLURM_PROCID"),
         world_size=_int(env, "SLURM_NTASKS"),
         local_rank=_int(env, "SLURM_LOCALID", default=0),
-        local_world_size=_int(env, "SLURM_NTASKS_PER_NODE", default=1)
-        if env.get("SLURM_NTASKS_PER_NODE", "").isdigit()
-        else 1,
+        local_world_size=_slurm_tasks_here(env),
         master_addr=addr,
         master_port=_int(env, "MASTER_PORT", default=10000 + job % 20000),
         launcher="slurm",
     )
+
+
+def _slurm_tasks_here(env: Mapping[str, str]) -> int:
+    """The tasks of this step on this node: ``--ntasks-per-node``'s count, else this node's
+    (``SLURM_NODEID``) entry of ``SLURM_STEP_TASKS_PER_NODE`` (``2(x3),1``: 2 on each of the
+    first three nodes, then 1), which srun sets for every step; 1 where neither is there."""
+    if env.get("SLURM_NTASKS_PER_NODE", "").isdigit():
+        return _int(env, "SLURM_NTASKS_PER_NODE")
+    spec = env.get("SLURM_STEP_TASKS_PER_NODE") or env.get("SLURM_TASKS_PER_NODE") or ""
+    node, counts = _int(env, "SLURM_NODEID", default=0), []
+    for item in spec.split(","):
+        found = re.fullmatch(r"(\d+)(?:\(x(\d+)\))?", item.strip())
+        if found is None:
+            return 1
+        counts += [int(found[1])] * min(int(found[2] or 1), node + 1 - len(counts))
+        if len(counts) > node:
+            return max(1, counts[node])
+    return 1
 
 
 def _mpi(env: Mapping[str, str]) -> Environment | None:
