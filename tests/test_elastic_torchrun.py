@@ -107,6 +107,22 @@ def test_a_killed_worker_leaves_and_the_others_train_its_share_under_a_real_laun
     _went_on_without_rank_2(out)
 
 
+@needs_slurm
+def test_hogwild_runs_under_a_real_srun_of_one_node(tmp_path):
+    """``srun -n 3`` on one node sets no SLURM_NTASKS_PER_NODE: its ranks read their node's
+    count from SLURM_STEP_TASKS_PER_NODE. Before, each thought itself alone on its host and
+    hogwild (one host's shared memory) was refused as spanning several."""
+    out = tmp_path / "run"
+    res = run(["srun", "--ntasks", "3", "--overcommit", "--kill-on-bad-exit=1", "--immediate=30",
+               "--chdir", str(REPO), sys.executable, "-m", "shoal", "train", "--dataset",
+               "digits", "--epochs", "2", "--strategy", "hogwild", "--progress", "plain",
+               "--out", str(out)], timeout=120,
+              env={**shoal_env(uuid.uuid4().hex), "MASTER_PORT": str(free_port())})
+    assert res.returncode == 0, res.stdout + res.stderr
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["completed"] and summary["workers"] == 2  # and its server
+
+
 def test_a_killed_worker_leaves_and_the_others_train_its_share_under_slurm(tmp_path):
     """Three tasks with exactly the variables srun gives them (where no Slurm is): each task
     exits 0, rank 2's too (its keeper outlived its killed worker), so srun would see no
