@@ -12,7 +12,14 @@ import pytest
 from shoal.cli import main
 from shoal.emulate import can_emulate
 from shoal.errors import ShoalError
-from shoal.plan.search import Omnivore, SearchSettings, epochs_to_target, group_knobs, rank
+from shoal.plan.search import (
+    Omnivore,
+    SearchSettings,
+    epochs_to_target,
+    explain,
+    group_knobs,
+    rank,
+)
 from shoal.plan.trials import HARDWARE, STATISTICAL, Candidate, Phase, Trial
 from shoal.schema import parse_duration
 
@@ -444,3 +451,11 @@ def test_a_session_on_the_emulated_cluster_runs_trials_one_after_another(tmp_pat
         summary = json.loads((tmp_path / f"trial-{k}" / "summary.json").read_text())
         assert summary["workers"] == 2 and summary["steps"] == 4
     assert len(list((tmp_path / "sessions").iterdir())) == 1
+
+
+def test_no_candidate_reaching_the_target_is_said_with_the_epochs_left_rounded():
+    """The epochs left after the probe are a fraction of the run's (a real srun of 4 ranks
+    said "within 9.130434782608695 epochs"): one decimal at most."""
+    left = dataclasses.replace(SETTINGS, epochs=10 - 0.8695652173913043)
+    assert explain([], left) == "no candidate is predicted to reach 90% within 9.1 epochs"
+    assert "within 20 epochs" in explain([], SETTINGS)

@@ -99,7 +99,7 @@ NOT_WORTH = "costs more than it could save"
 @dataclass
 class SearchSettings:
     target: float  #: test accuracy to reach
-    epochs: int  #: the run's epochs: a prediction beyond them is out of reach
+    epochs: float  #: the run's epochs after the probe's: a prediction beyond them is out of reach
     chance: float  #: accuracy at a trial's start: a guess's (1 / classes), a re-plan's run's
     budget_s: float  #: wall time all trials may take
     lr: float  #: the user's learning rate
@@ -367,7 +367,7 @@ def explain(ranked: Sequence[Trial], settings: SearchSettings) -> str:
     if not ranked or not ranked[0].ok or math.isinf(ranked[0].predicted_s):
         best = ranked[0] if ranked and ranked[0].ok else None
         return ("no candidate is predicted to reach "
-                f"{100 * settings.target:g}% within {settings.epochs} epochs"
+                f"{100 * settings.target:g}% within {round(settings.epochs, 1):g} epochs"
                 + (f"; the most accurate trial, {best.candidate.label()}, is kept"
                    if best is not None else ""))
     w = ranked[0]
