@@ -52,6 +52,22 @@ def test_openmpi_and_mpich_variables():
     assert (mpich.rank, mpich.world_size) == (1, 2)
 
 
+def test_mpiexec_inside_a_slurm_allocation_is_told_from_srun():
+    """``salloc -N 2 -n 4 mpiexec.hydra -bootstrap slurm -n 4``: each rank has its MPI rank
+    and the proxy's SLURM_PROCID (as a real one across two emulated nodes gave them, rank 1
+    below). Before, Slurm's were read first: ranks 0 and 1 both took rank 0. ``srun
+    --mpi=pmi2`` gives PMI variables that agree with srun's: those are srun's job."""
+    given = {"PMI_RANK": "1", "PMI_SIZE": "4", "MPI_LOCALRANKID": "1", "MPI_LOCALNRANKS": "2",
+             "SLURM_PROCID": "0", "SLURM_NTASKS": "4", "SLURM_STEP_TASKS_PER_NODE": "1(x2)",
+             "SLURM_JOB_NODELIST": "node[1-2]", "MASTER_ADDR": "node1"}
+    env = detect_environment(given)
+    assert (env.rank, env.world_size, env.local_world_size, env.launcher) == (1, 4, 2, "mpi")
+    srun = detect_environment({**given, "SLURM_PROCID": "1", "SLURM_STEP_TASKS_PER_NODE": "2(x2)",
+                               "SLURM_NODEID": "0"})
+    assert (srun.rank, srun.world_size, srun.local_world_size, srun.launcher) == \
+        (1, 4, 2, "slurm")
+
+
 def test_mpi_without_master_addr_is_a_clear_error():
     with pytest.raises(ShoalError, match="MASTER_ADDR"):
         detect_environment({"OMPI_COMM_WORLD_SIZE": "2", "OMPI_COMM_WORLD_RANK": "0"})

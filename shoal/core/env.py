@@ -98,7 +98,7 @@ def detect_environment(env: Mapping[str, str] | None = None) -> Environment | No
     A process shoal's own launcher started gets its :class:`Environment` handed over as an
     object (:func:`set_environment`). Otherwise the variables are read, in order: torchrun
     (or any launcher that sets ``RANK``/``WORLD_SIZE``), Slurm (``srun`` with more than one
-    task), OpenMPI, MPICH/Hydra.
+    task), OpenMPI, MPICH/Hydra; an MPI launcher's before Slurm's inside an allocation.
     """
     if env is None:
         if _GIVEN is not None:
@@ -117,7 +117,20 @@ def detect_environment(env: Mapping[str, str] | None = None) -> Environment | No
             agent_store=env.get("TORCHELASTIC_USE_AGENT_STORE") == "True",
             attempt=_int(env, "TORCHELASTIC_RESTART_COUNT", default=0),
         )
+    if _mpi_under_slurm(env):
+        return _mpi(env)
     return _slurm(env) or _mpi(env)
+
+
+def _mpi_under_slurm(env: Mapping[str, str]) -> bool:
+    """Whether an MPI launcher started this process inside a Slurm allocation (``salloc``
+    then ``mpiexec``): its rank and size are the launcher's, and ``SLURM_PROCID`` is that of
+    the launcher's proxy on this node (0 for two ranks of a two-node job). ``srun --mpi``'s
+    own PMI variables agree with srun's, which then go first."""
+    for size, rank in (("OMPI_COMM_WORLD_SIZE", "OMPI_COMM_WORLD_RANK"), ("PMI_SIZE", "PMI_RANK")):
+        if size in env and rank in env:
+            return (env[rank], env[size]) != (env.get("SLURM_PROCID"), env.get("SLURM_NTASKS"))
+    return False
 
 
 def rank_environment() -> Environment | None:
