@@ -54,18 +54,25 @@ def test_openmpi_and_mpich_variables():
 
 def test_mpiexec_inside_a_slurm_allocation_is_told_from_srun():
     """``salloc -N 2 -n 4 mpiexec.hydra -bootstrap slurm -n 4``: each rank has its MPI rank
-    and the proxy's SLURM_PROCID (as a real one across two emulated nodes gave them, rank 1
-    below). Before, Slurm's were read first: ranks 0 and 1 both took rank 0. ``srun
-    --mpi=pmi2`` gives PMI variables that agree with srun's: those are srun's job."""
-    given = {"PMI_RANK": "1", "PMI_SIZE": "4", "MPI_LOCALRANKID": "1", "MPI_LOCALNRANKS": "2",
-             "SLURM_PROCID": "0", "SLURM_NTASKS": "4", "SLURM_STEP_TASKS_PER_NODE": "1(x2)",
-             "SLURM_JOB_NODELIST": "node[1-2]", "MASTER_ADDR": "node1"}
-    env = detect_environment(given)
-    assert (env.rank, env.world_size, env.local_world_size, env.launcher) == (1, 4, 2, "mpi")
-    srun = detect_environment({**given, "SLURM_PROCID": "1", "SLURM_STEP_TASKS_PER_NODE": "2(x2)",
-                               "SLURM_NODEID": "0"})
-    assert (srun.rank, srun.world_size, srun.local_world_size, srun.launcher) == \
-        (1, 4, 2, "slurm")
+    and its node's proxy's SLURM_PROCID (as a real one across two emulated nodes gave them).
+    Before, Slurm's were read first: ranks 0 and 1 both took rank 0. Every rank must decide
+    alike: rank 0, whose ids agree (0 and 0), is the MPI job's too (a first fix let it take
+    srun's port while the others took MPI's, and the job hung). ``srun --mpi=pmi2`` gives
+    PMI variables that agree with srun's on every rank: srun's job."""
+    node = {"PMI_SIZE": "4", "MPI_LOCALNRANKS": "2", "SLURM_NTASKS": "4",
+            "SLURM_STEP_NUM_TASKS": "2", "SLURM_STEP_TASKS_PER_NODE": "1(x2)",
+            "SLURM_JOB_NODELIST": "node[1-2]", "SLURM_JOB_ID": "7", "MASTER_ADDR": "node1"}
+    ranks = [detect_environment({**node, "PMI_RANK": str(r), "MPI_LOCALRANKID": str(r % 2),
+                                 "SLURM_PROCID": str(r // 2), "SLURM_NODEID": str(r // 2)})
+             for r in range(4)]
+    assert [(e.rank, e.world_size, e.local_world_size, e.launcher) for e in ranks] == \
+        [(r, 4, 2, "mpi") for r in range(4)]
+    assert len({e.master_port for e in ranks}) == 1
+    srun = [detect_environment({**node, "SLURM_STEP_NUM_TASKS": "4", "PMI_RANK": str(r),
+                                "SLURM_PROCID": str(r), "SLURM_NODEID": str(r // 2),
+                                "SLURM_STEP_TASKS_PER_NODE": "2(x2)"}) for r in range(4)]
+    assert [(e.rank, e.world_size, e.local_world_size, e.launcher) for e in srun] == \
+        [(r, 4, 2, "slurm") for r in range(4)]
 
 
 def test_mpi_without_master_addr_is_a_clear_error():

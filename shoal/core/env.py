@@ -124,12 +124,14 @@ def detect_environment(env: Mapping[str, str] | None = None) -> Environment | No
 
 def _mpi_under_slurm(env: Mapping[str, str]) -> bool:
     """Whether an MPI launcher started this process inside a Slurm allocation (``salloc``
-    then ``mpiexec``): its rank and size are the launcher's, and ``SLURM_PROCID`` is that of
-    the launcher's proxy on this node (0 for two ranks of a two-node job). ``srun --mpi``'s
-    own PMI variables agree with srun's, which then go first."""
-    for size, rank in (("OMPI_COMM_WORLD_SIZE", "OMPI_COMM_WORLD_RANK"), ("PMI_SIZE", "PMI_RANK")):
-        if size in env and rank in env:
-            return (env[rank], env[size]) != (env.get("SLURM_PROCID"), env.get("SLURM_NTASKS"))
+    then ``mpiexec``): its rank and size are the launcher's, and the ``SLURM_*`` task ids
+    are those of the launcher's proxies (one a node: two ranks of a node share one).
+    Decided the same way on every rank of a job (a rank whose MPI rank happened to equal
+    its proxy's id went the other way, and the job split): the MPI job's size against the
+    Slurm step's task count, which are equal under ``srun --mpi`` (srun's own PMI)."""
+    for size in ("OMPI_COMM_WORLD_SIZE", "PMI_SIZE"):
+        if size in env:
+            return env[size] != env.get("SLURM_STEP_NUM_TASKS")
     return False
 
 
