@@ -22,6 +22,7 @@ from shoal.core.env import Environment
 from shoal.core.failures import EXIT_ABORTED
 from shoal.core.group import join_group
 from shoal.core.handle import Handle
+from shoal.core.inflight import FutureWork
 from shoal.core.membership import Membership
 from shoal.core.objects import ObjectCollectives
 from shoal.core.ops import reduce_op
@@ -258,6 +259,15 @@ class Comm(ObjectCollectives):
         self.count(tensor.numel() * tensor.element_size())
         return self.log.follow(describe("all_reduce", "bucket"), lambda: dist.all_reduce(
             tensor, op=dist.ReduceOp.SUM, async_op=True), self.membership and self.membership.watched)
+
+    def watch_future(self, future: torch.futures.Future) -> torch.futures.Future:
+        """A DDP hook's ``future`` that issued its collectives itself (PowerSGD's), followed
+        as one bucket's all-reduce and, under ``--elastic``, failed as soon as the step's
+        meeting is voted failed (its own collectives stay with the group left)."""
+        if self.membership is None:
+            return future
+        return self.log.follow(describe("all_reduce", "bucket"), lambda: FutureWork(future),
+                               self.membership.watched)
 
     def broadcast(self, tensor: torch.Tensor, src: int = 0, name: str = "broadcast") -> torch.Tensor:
         """Overwrite ``tensor`` on every rank with rank ``src``'s."""

@@ -52,6 +52,29 @@ SLOW = 1.0
 _Entry = tuple[str, torch.futures.Future, Any, float]
 
 
+class FutureWork:
+    """A future (a chain of collectives, e.g. PowerSGD's hook's) as the work of one
+    collective: what :meth:`InFlight.watch` waits on in slices, so that its wait is left as
+    soon as the meeting is voted failed (a hung peer holds such a chain until Gloo's own
+    timeout otherwise)."""
+
+    def __init__(self, future: torch.futures.Future) -> None:
+        self._future = future
+        self._done = threading.Event()
+        future.add_done_callback(lambda _: self._done.set())
+
+    def wait(self, timeout: timedelta) -> bool:
+        """Wait up to ``timeout``; raise as ``Work.wait`` does when it passes, or the
+        future's own error."""
+        if not self._done.wait(timeout.total_seconds()):
+            raise RuntimeError(f"{SLICED} waiting for a chain of collectives")
+        self._future.wait()
+        return True
+
+    def get_future(self) -> torch.futures.Future:
+        return self._future
+
+
 class InFlight:
     """This member's collectives in flight, each watched against its meeting's decision.
 

@@ -6,7 +6,8 @@
   bucket), with the all-reduce issued by :meth:`Comm.all_reduce_future`; the same hook
   without the cast for an elastic run's plain all-reduce;
 - PowerSGD (:func:`powersgd_hook`): PyTorch's own hook, which issues its several
-  all-reduces itself; :func:`powersgd_bytes` counts what they send. Its state is kept per
+  all-reduces itself (under ``--elastic`` their chain is waited on as one collective,
+  :meth:`Comm.watch_future`); :func:`powersgd_bytes` counts what they send. Its state is kept per
   parameter (:class:`PowerSGDMemory`), so checkpoints carry it and a resumed run is exact.
 
 No hook books time: DDP runs them inside backward; ``sync`` books the all-reduce that
@@ -65,7 +66,8 @@ def powersgd_hook(comm: Comm, model: nn.Module, rank: int, warmup: int
     def hook(hook_state, bucket):  # noqa: ANN001, ANN202
         memory.align(bucket)
         comm.count(powersgd_bytes(state, bucket))
-        return powerSGD_hook.powerSGD_hook(hook_state, bucket)
+        # --elastic: left as soon as the step's meeting fails, as the plain hook's is
+        return comm.watch_future(powerSGD_hook.powerSGD_hook(hook_state, bucket))
 
     return state, hook, memory
 
