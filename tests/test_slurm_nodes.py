@@ -25,7 +25,6 @@ from tests.conftest import (
 )
 
 CONF = "/etc/shoal-slurm-nodes/slurm.conf"
-pytestmark = pytest.mark.timeout(240)
 
 
 @functools.cache
@@ -41,7 +40,7 @@ def nodes_up() -> bool:
         state.rstrip("*") in ("idle", "mixed", "allocated") for state in res.stdout.split()) == 2
 
 
-pytestmark = [pytestmark, pytest.mark.skipif(
+pytestmark = [pytest.mark.timeout(240), pytest.mark.skipif(
     "not nodes_up()", reason="no Slurm of two emulated nodes (.ci/slurm-nodes sets one up)")]
 
 KILLED = ["train", "--dataset", "digits", "--epochs", str(EPOCHS), "--schedule", "constant",
