@@ -519,6 +519,25 @@ def test_a_joiner_killed_right_after_a_meeting_loses_nothing(held, strategy, die
         assert last["recorded_by"] == 0 and last["step"] >= join["step"]
 
 
+def test_an_asynchronous_joiner_lost_before_its_first_step_stands_at_the_jobs_step(held):
+    """async-easgd: a joiner admitted, then killed at its first training forward (before
+    any exchange). Its loss is recorded at the job's step (the furthest worker's, as its
+    join is), not at step 0, its own count, which it never had (before: the timeline had
+    the loss before the join). The job ends on its 2 workers, every sample once."""
+    job = held("--strategy", "async-easgd", "--tau", "4", "--elastic", "--record-samples",
+               "--max-workers", "3", kill=False, workers=2, held_after=0, model="dies_at")
+    job.wait_for_job_file()
+    joined = shoal("join", str(job.out), timeout=240, env={
+        **job.env, "SHOAL_TEST_MARKER": uuid.uuid4().hex, "SHOAL_TEST_DIE_AT": "train:1"})
+    assert joined.returncode == 1 and "killed by signal 9" in joined.stderr, joined.stderr
+    assert job.finish() == 0, job.stderr
+    summary = json.loads((job.out / "summary.json").read_text())
+    join, left = summary["membership_changes"]
+    assert join["joined"] == [2] and left["left"] == [2] and summary["workers"] == 2
+    assert left["step"] >= join["step"] > 0
+    assert_each_sample_once(job.out, EPOCHS, TRAIN_ROWS)
+
+
 def test_a_member_lost_as_a_worker_joins(held):
     """A member killed (kill -9) as the group grows by a joiner (the race benchmarks/
     soak_mpirun.py met: a kill during a join): the new group cannot form, so the members

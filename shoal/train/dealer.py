@@ -286,7 +286,10 @@ class AsyncMembers:
         counted = int(info.get("counted", 0))
         c.state.samples += counted - self.accounted.get(worker, 0)
         self.accounted[worker] = counted
-        dealt = self.dealer.lost(worker, info, c.live - c.finals.keys(), why)
+        live = c.live - c.finals.keys()
+        if not int(info.get("step", 0)):  # it never stepped (a joiner lost before its first
+            info = {**info, "step": self._job_step(live)}  # exchange): the job's step
+        dealt = self.dealer.lost(worker, info, live, why)
         c.recorder.notes["membership_changes"] = self.dealer.changes
         c.lost[worker].update(samples_trained=counted,
                               samples_not_trained=0, samples_dealt_again=dealt)
@@ -370,6 +373,11 @@ class AsyncMembers:
             dealer.stop(live)
         dealer.release(live)
 
+    def _job_step(self, live: set[int]) -> int:
+        """The job's step: the furthest of the ``live`` workers' (where a join, or the loss
+        of a worker that never stepped, stands in ``membership_changes``)."""
+        return max((self.c.shard.steps.get(w, 0) for w in live), default=0)
+
     def _admit(self, joiner: int) -> int:
         """Serve ``joiner`` and ask the others for its part; the epoch it starts at."""
         c = self.c
@@ -382,8 +390,7 @@ class AsyncMembers:
             c.followers.tell("serve", joiner, connect_timeout=wait)
         self.first_epoch[joiner] = epoch = c.state.epoch
         live = c.live - c.finals.keys()  # its step: the furthest live worker's now
-        self.dealer.admit(joiner, live, max((c.shard.steps.get(w, 0) for w in live), default=0),
-                          epoch)
+        self.dealer.admit(joiner, live, self._job_step(live), epoch)
         c.live.add(joiner)
         c.recorder.notes["membership_changes"] = self.dealer.changes
         return epoch
