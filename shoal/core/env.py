@@ -129,7 +129,7 @@ def _mpi_under_slurm(env: Mapping[str, str]) -> bool:
     Decided the same way on every rank of a job (a rank whose MPI rank happened to equal
     its proxy's id went the other way, and the job split): the MPI job's size against the
     Slurm step's task count, which are equal under ``srun --mpi`` (srun's own PMI)."""
-    for size in ("OMPI_COMM_WORLD_SIZE", "PMI_SIZE"):
+    for size, *_ in _MPI_VARIABLES:
         if size in env:
             return env[size] != env.get("SLURM_STEP_NUM_TASKS")
     return False
@@ -186,13 +186,18 @@ def _slurm_tasks_here(env: Mapping[str, str]) -> int:
     return 1
 
 
+#: Each MPI launcher's variables: the size, the rank, the node's rank and size (OpenMPI's,
+#: then MPICH/Hydra's).
+_MPI_VARIABLES = (
+    ("OMPI_COMM_WORLD_SIZE", "OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_LOCAL_RANK",
+     "OMPI_COMM_WORLD_LOCAL_SIZE"),
+    ("PMI_SIZE", "PMI_RANK", "MPI_LOCALRANKID", "MPI_LOCALNRANKS"),
+)
+
+
 def _mpi(env: Mapping[str, str]) -> Environment | None:
     """The job of OpenMPI's or MPICH/Hydra's ``mpirun`` with more than one rank, else ``None``."""
-    for size, rank, local, local_size in (
-        ("OMPI_COMM_WORLD_SIZE", "OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_LOCAL_RANK",
-         "OMPI_COMM_WORLD_LOCAL_SIZE"),
-        ("PMI_SIZE", "PMI_RANK", "MPI_LOCALRANKID", "MPI_LOCALNRANKS"),
-    ):
+    for size, rank, local, local_size in _MPI_VARIABLES:
         if size in env and _int(env, size) > 1:
             if "MASTER_ADDR" not in env:
                 raise ShoalError(
