@@ -483,6 +483,17 @@ def train_losing(out, rank: int | str, at: str, *flags: str, signal: int | None 
                  timeout=timeout)
 
 
+def assert_went_on_without(out, killed: int, workers: int) -> None:
+    """The elastic job in ``out`` (digits, EPOCHS epochs) lost worker ``killed`` to kill -9,
+    its one membership change, and completed on ``workers`` with every sample once."""
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["completed"] and summary["workers"] == workers
+    [change] = summary["membership_changes"]
+    assert change["left"] == [killed] and change["why"] == {
+        str(killed): f"worker {killed} killed by signal 9"}
+    assert_each_sample_once(out, EPOCHS, TRAIN_ROWS)
+
+
 def assert_each_sample_once(out, epochs: int, rows: int) -> None:
     """Every one of ``rows`` samples of each of ``epochs`` epochs trained exactly once, by the
     records, and by the summary's count when the run completed."""
