@@ -146,7 +146,7 @@ def test_server_0_answers_each_join_request_in_turn():
     from shoal.core.trust import Seal
     from shoal.core.waits import ELASTIC
     from shoal.errors import ShoalError
-    from shoal.train.dealer import JoinDesk
+    from shoal.train.members_async import JoinDesk
 
     store, seal = dist.HashStore(), Seal()
     desk = JoinDesk(store, seal, first=3, cap=4)

@@ -231,7 +231,7 @@ def test_a_worker_back_past_the_recorded_epochs_is_not_waited_for_after_the_next
     soak's records waited for such a report to the end of the run: 430 epochs lost)."""
     from types import SimpleNamespace
 
-    from shoal.train.dealer import AsyncMembers
+    from shoal.train.members_async import AsyncMembers
 
     cfg = TrainConfig(out=str(tmp_path), epochs=3, batch_size=4, seed=0)
 

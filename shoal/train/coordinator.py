@@ -40,8 +40,8 @@ from shoal.ps import ServerClient, ShardServer, staleness_summary
 from shoal.train.checkpoint import to_cpu
 from shoal.train.checkpointer import write_checkpoint
 from shoal.train.deal import loss_record
-from shoal.train.dealer import AsyncMembers
 from shoal.train.evaluation import Evaluator
+from shoal.train.members_async import AsyncMembers
 from shoal.train.recorder import Recorder
 from shoal.train.records import pending_reports, queued
 from shoal.train.remote import CLOCK_KEY, COLLAPSED_KEY
