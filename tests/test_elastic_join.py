@@ -260,6 +260,31 @@ def test_a_worker_joins_an_asynchronous_job_in_place_of_a_killed_one(held, strat
     assert sum(len(r["samples"]) for r in records) == join["samples_dealt_again"] > 0
 
 
+def test_a_worker_joins_a_compute_groups_job_as_a_group_of_its_own(held):
+    """groups on 4 workers (groups 0-1 and 2-3): worker 3 (rank 4) is killed, its group
+    leaves (worker 2 with it) and its rest goes to group 0; a joiner comes in as worker 4, a
+    group of its own, starts from the center its first pull has, and is given half of group
+    0's rest: the job ends with 3 workers, every sample of every epoch once."""
+    job = held("--strategy", "groups", "--groups", "2", "--elastic", "--record-samples",
+               workers=4, killed=4)
+    job.wait_line("worker 2 left at step")
+    joiner = job.join_in_background()
+    job.wait_line("worker 4 joined at step")
+    _, err = joiner.communicate(timeout=240)
+    assert joiner.returncode == 0, err
+    assert job.finish() == 0, job.stderr
+    summary = json.loads((job.out / "summary.json").read_text())
+    assert summary["completed"] and summary["workers"] == 3 and not summary["degraded"]
+    *left, join = summary["membership_changes"]
+    assert sorted(c["left"][0] for c in left) == [2, 3]
+    assert join["joined"] == [4] and join["workers"] == 3
+    assert join["joiner_state_sha256"] == {"4": join["state_sha256"]}
+    records = [json.loads(line) for line in
+               (job.out / "samples" / "worker4.jsonl").read_text().splitlines()]
+    assert sum(len(r["samples"]) for r in records) == join["samples_dealt_again"] > 0
+    assert_each_sample_once(job.out, EPOCHS, TRAIN_ROWS)
+
+
 @pytest.mark.parametrize("strategy", ["async-easgd", "easgd"])
 def test_resumed_on_more_workers_than_its_checkpoint_holds_the_others_join(held, strategy):
     """``--resume --workers 3`` of a checkpoint of 2 workers that only 2 can go on from (an

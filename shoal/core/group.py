@@ -11,6 +11,7 @@ import time
 from collections.abc import Iterator
 from datetime import timedelta
 
+import torch
 import torch.distributed as dist
 
 from shoal.core.env import Environment
@@ -107,6 +108,19 @@ def mesh_not_formed(message: str) -> bool:
     loaded machine (PyTorch's CI meets it too, pytorch/pytorch#53270), not the job's
     fault."""
     return "Gloo connectFullMesh failed" in message and "Connection closed by peer" in message
+
+
+def bound_waits(seconds: float) -> None:
+    """Bound every later collective of this process's default group to ``seconds`` (a
+    compute group under ``--elastic``: a member silent that long is gone, whatever
+    ``--timeout`` its group was joined with)."""
+    group = dist.distributed_c10d._get_default_group()
+    for device in ("cpu", "cuda"):
+        with contextlib.suppress(RuntimeError, ValueError):  # no backend for that device
+            backend = group._get_backend(torch.device(device))
+            setter = getattr(backend, "_set_default_timeout", None)
+            if setter is not None:
+                setter(timedelta(seconds=seconds))
 
 
 def join_group(store: dist.Store, rank: int, world_size: int, device_type: str,

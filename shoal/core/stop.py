@@ -79,6 +79,7 @@ class Leaving(Exception):
     ``shoal join``: :func:`leave_on_sigterm`; :func:`request_leave`); the job goes on
     without it."""
 
-    def __init__(self, step: int) -> None:
+    def __init__(self, step: int, why: str = "left as the --resume on fewer workers asked"
+                 ) -> None:
         super().__init__(f"left the job after step {step}")
-        self.step = step
+        self.step, self.why = step, why

@@ -163,6 +163,9 @@ class AsyncStrategy(Strategy):
         self.samples = 0  # samples this worker has trained on (its shares of the batches)
         self.carried = 0  # samples whose work the next exchange carries (its header's)
         self.counted = 0  # samples whose work an exchange has carried to the servers
+        #: The trainer's batches are a compute group's and its global rows what an exchange
+        #: carries (``groups`` under ``--elastic``: each member reads its part of them).
+        self.group_batches = False
         self._host_buffers: dict[str, torch.Tensor] = {}  # a GPU model's messages, on the host
         self.start()
 
@@ -280,7 +283,7 @@ class AsyncStrategy(Strategy):
         self.steps += 1
         before = self.samples
         if self.batch_share is not None:
-            self.samples += int(self.batch_share[0])
+            self.samples += int(self.batch_share[1 if self.group_batches else 0])
         self.carried = self.samples if self.carries_step else before
         self.update(t)
 

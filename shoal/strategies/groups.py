@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+from collections.abc import Callable
 from typing import Any, ClassVar
 
 import torch
@@ -110,6 +111,12 @@ class ComputeGroups(AsyncStrategy):
         super().__init__(model, optimizer, comm, opts)
         self._grad = torch.zeros_like(self.flat.buffer)
         self._grad_views = self.flat.views(self._grad)
+        #: ``--elastic`` (set by :class:`~shoal.train.elastic_async.AsyncElastic`): the
+        #: deals server 0 published, as the leader reads them; every member takes those up
+        #: to the leader's count at the same step (:attr:`agreed_deals`, sent with the
+        #: parameters), so that the group walks one schedule.
+        self.deal_count: Callable[[], int] | None = None
+        self.agreed_deals = 0
 
     @classmethod
     def asynchronous_groups(cls, options: GroupOptions, workers: int) -> int:
@@ -148,7 +155,7 @@ class ComputeGroups(AsyncStrategy):
         """Backpropagate through the group's DDP, this worker's loss weighted by its share of
         the group's rows (the trainer's :attr:`batch_share` is of the global batch)."""
         share = self.batch_share
-        if share is not None:
+        if share is not None and not self.group_batches:  # else the group's batch already
             n_local, n_global = share
             rows = split_sizes(n_global, self.comm.world_size)[self.first:self.end]
             share = (n_local, sum(rows))
@@ -172,4 +179,9 @@ class ComputeGroups(AsyncStrategy):
             self.exchange(self._grad, self.flat.buffer)
         self.group.broadcast(self.flat.buffer, src=0, name="group parameters")
         self.flat.unpack()
+        self.counted = self.carried  # the leader's exchange carried every member's work
+        if self.deal_count is not None:
+            deals = torch.tensor([self.deal_count() if self.leader else 0], dtype=torch.int64)
+            self.group.broadcast(deals, src=0, name="group deals")
+            self.agreed_deals = int(deals.item())
         self.optimizer._opt_called = True  # type: ignore[attr-defined]  # the server stepped

@@ -80,8 +80,9 @@ class Topology:
         return Role("worker", rank - self.servers)
 
     def group(self, worker: int) -> tuple[int, int]:
-        """The ``[first, end)`` workers of the group of worker ``worker``."""
-        return next(g for g in self.groups if g[0] <= worker < g[1])
+        """The ``[first, end)`` workers of the group of worker ``worker``; one past the
+        layout (a worker that joined an ``--elastic`` job) computes alone."""
+        return next((g for g in self.groups if g[0] <= worker < g[1]), (worker, worker + 1))
 
     def place(self, env: Environment) -> Environment:
         """The place of ``env``'s rank among those it computes with: a worker's rank among

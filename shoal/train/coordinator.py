@@ -65,14 +65,15 @@ class Coordinator:
     workers' summed, its bytes theirs); ``client``: its end of the other servers (they hold
     the rest of the center), ``None`` with one server. ``payload``: the checkpoint a resumed
     run goes on with; ``start``: the one ``--init-from --init-progress`` goes on from; ``extra``:
-    the summary's additions; ``ended(rank)``: how a lost worker's process ended (launcher's).
+    the summary's additions; ``ended(rank)``: how a lost worker's process ended (launcher's);
+    ``groups``: the workers' compute groups (``--elastic``: each walks one schedule).
     """
 
     def __init__(self, cfg: TrainConfig, comm: Comm, data: Dataset, model: torch.nn.Module,
                  flat: FlatParams, client: ServerClient | None, ranges: list[tuple[int, int]],
                  payload: dict[str, Any] | None, start: dict[str, Any] | None = None,
-                 extra: dict[str, Any] | None = None, ended: Any = None, seal: Any = None
-                 ) -> None:
+                 extra: dict[str, Any] | None = None, ended: Any = None, seal: Any = None,
+                 groups: tuple[tuple[int, int], ...] = ()) -> None:
         self.cfg, self.comm, self.data, self.model, self.flat = cfg, comm, data, model, flat
         self.client, self.ranges, self.workers = client, ranges, comm.world_size
         self.servers, self.extra, self.ended = len(ranges), extra or {}, ended
@@ -96,7 +97,7 @@ class Coordinator:
         self.lost: dict[int, dict[str, Any]] = {}
         self.test, self.saved_step, self.started_unix = (float("nan"), float("nan")), -1, time.time()
         #: --elastic: its side (a lost worker's rest dealt over the others, joiners admitted)
-        self.members = AsyncMembers(self, seal) if cfg.elastic else None
+        self.members = AsyncMembers(self, seal, groups) if cfg.elastic else None
         #: ``(worker, info) -> [counted, step]``, a lost worker's count where server 0's
         #: own is not it (hogwild's shared file; with several servers, the least of theirs)
         self.counted_of: Any = None

@@ -72,11 +72,14 @@ def cut(segments: list[Segment], at: int) -> tuple[list[Segment], list[Segment]]
 
 
 class Schedule:
-    """What one worker trains: ``blocks[e]``, the segments it trains in its epoch ``e``."""
+    """What one worker trains: ``blocks[e]``, the segments it trains in its epoch ``e``: its
+    slot's shard, or (a compute group of ``members`` workers from ``worker``, walked by all
+    of them together) its members' shards one after the other."""
 
-    def __init__(self, slots: Slots, worker: int, epochs: int) -> None:
-        size = slots.sizes[worker]
-        self.blocks: list[list[Segment]] = [[(e, worker, 0, size)] for e in range(epochs)]
+    def __init__(self, slots: Slots, worker: int, epochs: int, members: int = 1) -> None:
+        self.blocks: list[list[Segment]] = [
+            [(e, w, 0, slots.sizes[w]) for w in range(worker, worker + members)]
+            for e in range(epochs)]
 
     @classmethod
     def empty(cls, epochs: int) -> Schedule:
@@ -88,6 +91,14 @@ class Schedule:
     def start(self, epoch: int) -> int:
         """The samples of the blocks before ``epoch``."""
         return sum(length(b) for b in self.blocks[:epoch])
+
+    def epoch_at(self, done: int) -> int:
+        """The block the sample after the first ``done`` is in (the last once all are)."""
+        for e, block in enumerate(self.blocks):
+            done -= length(block)
+            if done < 0:
+                return e
+        return len(self.blocks) - 1
 
     def rest(self, done: int) -> list[Segment]:
         """Every segment after the first ``done`` samples."""

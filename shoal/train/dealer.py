@@ -37,10 +37,17 @@ class Dealer:
     lost worker's rest dealt over the live ones, a joiner's share taken from them, and the
     release once all are idle."""
 
-    def __init__(self, cfg: Any, store: Any, n: int, workers: int, servers: int) -> None:
-        self.store, self.cfg, self.servers = store, cfg, servers
+    def __init__(self, cfg: Any, store: Any, n: int, workers: int, servers: int,
+                 groups: tuple[tuple[int, int], ...] = ()) -> None:
+        self.store, self.cfg, self.servers, self.workers = store, cfg, servers, workers
         self.slots = slots_of(cfg, n, workers)
-        self.schedules = {w: Schedule(self.slots, w, cfg.epochs) for w in range(workers)}
+        # A compute group (``groups``) walks one schedule, its first worker's: its members'
+        # shards; the other members have none of their own (they are never dealt to).
+        groups = groups or tuple((w, w + 1) for w in range(workers))
+        self.schedules = {w: Schedule.empty(cfg.epochs) for w in range(workers)}
+        for first, end in groups:
+            self.schedules[first] = Schedule(self.slots, first, cfg.epochs, end - first)
+        self.leads = {first for first, _ in groups}
         self.deals: list[dict[int, list[Segment]]] = []
         self.adopted: dict[int, set[int]] = {w: set() for w in range(workers)}
         self.idle: dict[int, int] = {}  # worker -> deals it had read when it said idle
@@ -50,6 +57,15 @@ class Dealer:
         self.lost_at: dict[int, int] = {}  # a lost worker -> its last count
         self.released = False
         self.stopping = False  # the workers were told to stop (SIGTERM here)
+
+    def units(self, live: set[int]) -> list[int]:
+        """The ``live`` workers that walk a schedule of their own, in order: each compute
+        group's first, every joiner (it computes alone). Only they are dealt to or give."""
+        return sorted(w for w in live if w in self.leads or w >= self.workers)
+
+    def unit_of(self, worker: int) -> int:
+        """The worker whose schedule ``worker`` walks: its compute group's first."""
+        return worker if worker >= self.workers else max(u for u in self.leads if u <= worker)
 
     def resume(self, starts: dict[int, Any], changes: list[dict[str, Any]]) -> None:
         """Go on from a checkpoint (:func:`~shoal.train.resume_async.rebuild`'s ``starts``,
@@ -98,11 +114,16 @@ class Dealer:
                 rest += shares.get(worker, [])
         dealt = length(rest)
         self.idle.pop(worker, None)
-        if not live:
+        units = self.units(live)
+        if not units:
             return 0
         if not self.released:
-            self._publish(deal(rest, sorted(live)), live, lost=worker)
-        epochs = [e for e, _, _, _ in rest] or [self.cfg.epochs - 1]
+            self._publish(deal(rest, units), live, lost=worker)
+        # nothing to deal (a compute group's member): where its group is, else the end
+        at = info.get("group_at")
+        epochs = [e for e, _, _, _ in rest] or [
+            self.cfg.epochs - 1 if at is None else
+            self.schedules[self.unit_of(worker)].epoch_at(int(at))]
         self.changes.append(membership_change(int(info.get("step", 0)), min(epochs),
                                               {worker: why()}, len(live), dealt,
                                               last=max(epochs)))
@@ -111,15 +132,16 @@ class Dealer:
 
     def admit(self, joiner: int, live: set[int], step: int, epoch: int) -> None:
         """``joiner`` joins at ``step`` (the furthest worker's) and the records' ``epoch``
-        (from 0): ask ``live`` (without it) to give it its part."""
+        (from 0): ask ``live``'s :meth:`units` (without it) to give it its part."""
         self.schedules[joiner] = Schedule.empty(self.cfg.epochs)
         self.adopted[joiner] = set()
         change = {"step": step, "epoch": epoch + 1, "joined": [joiner],
                   "why": {joiner: "joined"}, "workers": len(live) + 1, "samples_dealt_again": 0}
         self.changes.append(change)
-        n = self._publish({}, live | {joiner}, give={"joiner": joiner, "parts": len(live) + 1,
-                                                     "givers": sorted(live)})
-        self.giving[n] = {"joiner": joiner, "parts": len(live) + 1, "waiting": set(live),
+        givers = self.units(live)
+        n = self._publish({}, live | {joiner}, give={"joiner": joiner, "parts": len(givers) + 1,
+                                                     "givers": givers})
+        self.giving[n] = {"joiner": joiner, "parts": len(givers) + 1, "waiting": set(givers),
                           "pieces": [], "change": change}
         self.given(live | {joiner})
 
@@ -140,8 +162,8 @@ class Dealer:
                       f"{len(live)} go on, worker {joiner} with the "
                       f"{give['change']['samples_dealt_again']} samples given it of {of}",
                       file=sys.stderr, flush=True)
-            elif pieces and live and not self.released:
-                self._publish(deal(pieces, sorted(live)), live, lost=joiner)
+            elif pieces and self.units(live) and not self.released:
+                self._publish(deal(pieces, self.units(live)), live, lost=joiner)
 
     def digests(self, joiner: int, server: torch.Tensor | None, mine: str | None) -> None:
         """The join's record: the center ``server`` sent ``joiner`` at its first pull, and

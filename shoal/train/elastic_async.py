@@ -18,6 +18,7 @@ later may still leave it work. Nobody waits for anybody otherwise.
 from __future__ import annotations
 
 import json
+import sys
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -25,6 +26,8 @@ from typing import Any, TypeVar
 
 import torch
 
+from shoal.core.group import bound_waits
+from shoal.core.pairs import peer_lost
 from shoal.core.stop import Leaving, leave_requested, request_stop, stop_requested
 from shoal.core.waits import ELASTIC
 from shoal.data import EpochPlan, ShardLoader, resolve_workers
@@ -69,10 +72,19 @@ class AsyncElastic:
         t = self.t = trainer
         self.store, self.me = t.comm.attempt_store, t.comm.rank
         workers = t.comm.world_size
+        # A compute group (``groups``) walks its first worker's schedule, every member its
+        # part of each batch, in lockstep: only the first reports, records and is dealt to.
+        self.unit = getattr(t.strategy, "first", self.me)
+        self.size = getattr(t.strategy, "end", self.me + 1) - self.unit
         self.slots = slots_of(t.cfg, len(t.data.train), workers)
-        self.schedule = Schedule(self.slots, self.me, t.cfg.epochs) if self.me < workers \
-            else Schedule.empty(t.cfg.epochs)  # a worker that joined: only what it is given
-        self.batch = max(1, t.cfg.global_batch(workers) // workers)
+        self.schedule = Schedule(self.slots, self.unit, t.cfg.epochs, self.size) \
+            if self.me < workers else Schedule.empty(t.cfg.epochs)  # a joiner: what it is given
+        self.batch = max(1, t.cfg.global_batch(workers) // workers) * self.size
+        if hasattr(t.strategy, "group_batches"):  # its batches are its group's (a joiner's own)
+            t.strategy.group_batches = hasattr(t.strategy, "first")
+        if self.size > 1:  # a member silent for the heartbeat timeout is gone, as at server 0
+            bound_waits(min(t.cfg.heartbeat_timeout, t.cfg.timeout))
+            t.strategy.deal_count = lambda: int(self.store.add(DEALS, 0))
         self.seen = 0  # deals read
         self.polled = 0.0
         self.stopped_job = False  #: its leave stopped the job: it was the last worker
@@ -80,7 +92,7 @@ class AsyncElastic:
         self.epochs = torch.zeros(0, dtype=torch.long)  # the current plan's samples' epochs
         self.trained: list[tuple[torch.Tensor, torch.Tensor]] = []  # (epochs, samples), uncounted
         self.at = 0  # the schedule position of self.trained's first sample
-        self.record = samples_file(t.cfg, self.me)
+        self.record = samples_file(t.cfg, self.me) if self.me == self.unit else None
         self.steps = t.plan.steps_per_epoch  # an epoch's steps for the schedule
         self.dealt = False  # a share was taken: the schedule follows the blocks' share read
         self.planned, self.resume_at = -1, 0  # the block planned last; where the next starts
@@ -117,7 +129,29 @@ class AsyncElastic:
         yield
 
     def step(self, train_step: Callable[[Any], _Step]) -> _Step:
-        return train_step(self.t.batches)
+        with self._group_intact():
+            return train_step(self.t.batches)
+
+    @contextmanager
+    def _group_intact(self) -> Iterator[None]:
+        """A compute group's collective that fails because a member is gone (Gloo's word)
+        ends this member's part in the job: it leaves as a lost worker does, after recording
+        what the leader's exchange carried, and server 0 deals the group's rest."""
+        try:
+            yield
+        except RuntimeError as exc:
+            lost = peer_lost(exc) if self.size > 1 else None
+            if lost is None:
+                raise
+            t = self.t
+            if t.state.epoch_step < t.plan.steps_per_epoch:  # the step's work, if it counted
+                lo, hi = t.plan.bounds[t.state.epoch_step]
+                self.trained.append((self.epochs[lo:hi], t.plan.order[lo:hi]))
+            self._count()
+            why = (f"left: its compute group (workers {self.unit}-{self.unit + self.size - 1}) "
+                   f"lost a member ({'silent' if lost == 'silent' else 'connection closed'})")
+            print(f"shoal: worker {self.me} {why}", file=sys.stderr, flush=True)
+            raise Leaving(t.state.step, why) from None
 
     def start_epoch(self) -> None:
         self._plan(self.resume_at)
@@ -129,9 +163,9 @@ class AsyncElastic:
         self.offset, self.planned = offset, t.state.epoch
         order, self.epochs = self.slots.samples(cut(self.schedule.blocks[t.state.epoch],
                                                     offset)[1])
-        t.plan = EpochPlan(len(order), self.batch, 1, t.cfg.seed, order)
+        t.plan = EpochPlan(len(order), self.batch, self.size, t.cfg.seed, order)
         t.loader.close()
-        t.loader = ShardLoader(t.data, t.plan, 0,
+        t.loader = ShardLoader(t.data, t.plan, self.me - self.unit,
                                resolve_workers(t.cfg.loader_workers, t.data.train),
                                pin_memory=t.device.type == "cuda", seed=t.cfg.seed)
         t.recorder.plan = t.checkpointer.plan = t.plan
@@ -166,7 +200,9 @@ class AsyncElastic:
         self._count()
         if leave_requested():
             self._leave()
-        if time.monotonic() - self.polled >= POLL_S:
+        if self.size > 1:  # the deals the leader read before this step's exchange
+            self._poll(self.t.strategy.agreed_deals)
+        elif time.monotonic() - self.polled >= POLL_S:
             self._poll()
         if self.dealt:  # the share of this epoch's block read, not the count of steps
             block = length(self.schedule.blocks[t.state.epoch])
@@ -208,10 +244,12 @@ class AsyncElastic:
         self.stopped_job = True
 
     # -- deals --------------------------------------------------------------------------------
-    def _poll(self) -> tuple[bool, bool]:
-        """Take the deals published since the last look: (any new, any share for me)."""
+    def _poll(self, published: int | None = None) -> tuple[bool, bool]:
+        """Take the deals published since the last look (up to ``published``, a compute
+        group's agreed count): (any new, any share for me)."""
         self.polled = time.monotonic()
-        published = self.store.add(DEALS, 0)
+        if published is None:
+            published = int(self.store.add(DEALS, 0))
         new, mine = published > self.seen, False
         while self.seen < published:
             self.seen += 1
@@ -219,10 +257,10 @@ class AsyncElastic:
             if record.get("stop"):  # the job was stopped (SIGTERM): a joiner's only word of it
                 request_stop()
             give = record.get("give")
-            if give is not None and self.me in give["givers"]:
+            if give is not None and self.unit in give["givers"]:
                 self._give(self.seen, int(give["parts"]))
-            pieces: list[Segment] = [tuple(p) for p in record["shares"].get(str(self.me), [])]  # type: ignore[misc]
-            if pieces or record.get("joined") == self.me:
+            pieces: list[Segment] = [tuple(p) for p in record["shares"].get(str(self.unit), [])]  # type: ignore[misc]
+            if pieces or record.get("joined") == self.unit:
                 self._adopt(self.seen, pieces)
                 mine = True
         return new, mine
@@ -231,7 +269,8 @@ class AsyncElastic:
         """Give a joiner the last ``1/parts`` of this worker's rest (deal ``n``), from where
         it is, told to server 0 first."""
         t, offset = self.t, self._read()
-        t.comm.ps.report({"kind": "give", "deal": n, "epoch": t.state.epoch, "offset": offset})
+        if self.me == self.unit:
+            t.comm.ps.report({"kind": "give", "deal": n, "epoch": t.state.epoch, "offset": offset})
         block = self.schedule.blocks[t.state.epoch]
         if self.schedule.give(t.state.epoch, offset, parts):
             self.dealt = True
@@ -259,7 +298,8 @@ class AsyncElastic:
     def _adopt(self, n: int, pieces: list[Segment]) -> None:
         """Take deal ``n``'s ``pieces`` where this worker is, told to server 0 first."""
         t, offset = self.t, self._read()
-        t.comm.ps.report({"kind": "adopt", "deal": n, "epoch": t.state.epoch, "offset": offset})
+        if self.me == self.unit:
+            t.comm.ps.report({"kind": "adopt", "deal": n, "epoch": t.state.epoch, "offset": offset})
         self.schedule.adopt(t.state.epoch, offset, pieces)
         self._plan(offset)
         self.dealt = True
@@ -271,8 +311,11 @@ class AsyncElastic:
         t.strategy.flush()
         self._count()
         said = 0.0
-        while not self.store.check([RELEASE]) and not stop_requested():
-            new, mine = self._poll()
+        while True:
+            published, ended = self._agreed_look()
+            if ended:
+                break
+            new, mine = self._poll(published)
             if mine:
                 t.strategy.rejoin()
                 return True
@@ -281,6 +324,18 @@ class AsyncElastic:
                 said = time.monotonic()
             time.sleep(POLL_S)
         return False
+
+    def _agreed_look(self) -> tuple[int | None, bool]:
+        """While waiting for the release: the deals to take (``None``: all published) and
+        whether the wait is over (released, or SIGTERM); a compute group's members agree on
+        both (the least of their counts, every flag), so that they go on together."""
+        ended = self.store.check([RELEASE]) or stop_requested()
+        if self.size == 1:
+            return None, ended
+        with self._group_intact():
+            look = torch.tensor([self.store.add(DEALS, 0), -int(ended)], dtype=torch.int64)
+            self.t.strategy.group.all_reduce(look, op="min", name="group deals")
+        return int(look[0]), bool(look[1])
 
 
 __all__ = ["DEALS", "RELEASE", "AsyncElastic", "deal_key", "leave_key", "slots_of"]

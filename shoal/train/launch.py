@@ -84,8 +84,8 @@ def run_rank(cfg: TrainConfig, env: Environment, topology: Topology, work: Workl
             comm.membership.seal = seal
         try:
             result = _play(cfg, env, comm, topology, work, data, extra, seal)
-        except Leaving:  # asked to (--resume on fewer workers): the others go on
-            _left(comm, env.rank)
+        except Leaving as left:  # asked to, or its compute group broke: the others go on
+            _left(comm, env.rank, left.why)
             return None
         except Exception as exc:
             if env.error_dir is not None:
@@ -157,11 +157,12 @@ def _train(cfg: TrainConfig, comm: Comm, topology: Topology, work: Workload,
     return None
 
 
-def _left(comm: Comm, rank: int) -> None:
-    """This rank's worker left the job at a meeting, as asked (``--resume`` on fewer workers
-    than the checkpoint holds): the others read why in the store and go on."""
+def _left(comm: Comm, rank: int, why: str) -> None:
+    """This rank's worker left the job (asked to by a ``--resume`` on fewer workers than the
+    checkpoint holds, or its compute group lost a member): the others read ``why`` in the
+    store and go on."""
     with contextlib.suppress(Exception):  # the store gone: so is the job
-        comm.attempt_store.set(ended_key(rank), "left as the --resume on fewer workers asked")
+        comm.attempt_store.set(ended_key(rank), why)
     comm.aborted = True  # nobody waits for it at the end
     comm.close("left")
 

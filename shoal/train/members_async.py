@@ -64,9 +64,9 @@ class AsyncMembers:
     :class:`JoinDesk` (where the job's join secret ``seal`` is known) and the epoch each
     joiner starts at."""
 
-    def __init__(self, c: Any, seal: Any) -> None:
+    def __init__(self, c: Any, seal: Any, groups: tuple[tuple[int, int], ...] = ()) -> None:
         self.c, store = c, c.comm.attempt_store
-        self.dealer = Dealer(c.cfg, store, len(c.data.train), c.workers, c.servers)
+        self.dealer = Dealer(c.cfg, store, len(c.data.train), c.workers, c.servers, groups)
         self.desk = JoinDesk(store, seal, c.workers, c.cfg.max_workers or c.workers) \
             if seal is not None and store is not None else None
         self.first_epoch: dict[int, int] = {}  # a joiner -> the epoch (from 0) it starts at
@@ -118,6 +118,10 @@ class AsyncMembers:
         c.state.samples += counted - self.accounted.get(worker, 0)
         self.accounted[worker] = counted
         live = c.live - c.finals.keys()
+        unit = self.dealer.unit_of(worker)
+        if unit != worker:  # a compute group's member (it never pushes): where its group is
+            info = {**info, "step": c.shard.steps.get(unit, 0),
+                    "group_at": c.shard.samples.get(unit, 0)}
         if not int(info.get("step", 0)):  # it never stepped (a joiner lost before its first
             info = {**info, "step": self._job_step(live)}  # exchange): the job's step
         dealt = self.dealer.lost(worker, info, live, why)

@@ -173,7 +173,7 @@ def _coordinator(cfg: TrainConfig, env: Environment, comm: Comm, topology: Topol
 
     coordinator = Coordinator(cfg, comm, work.data, work.model, flat, client, ranges, payload,
                               start if start is not None and cfg.init_progress else None,
-                              extra, ended, seal)
+                              extra, ended, seal, topology.groups)
     if counts is not None:  # hogwild: a lost worker's count is in the shared file
         coordinator.counted_of = lambda worker, info: counts[worker].tolist() \
             if worker < COUNT_SLOTS else [0, 0]

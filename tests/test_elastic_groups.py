@@ -1,0 +1,100 @@
+"""Compute groups (``groups``) under --elastic: a group walks one schedule, its members in
+lockstep, each its part of every group batch; a member lost (kill -9, or silent past the
+heartbeat timeout) takes its group out (its collectives fail on every other member, which
+leave), and server 0 deals the group's rest, from its leader's last exchange, over the other
+groups. Real processes, Gloo on CPU; joining: test_elastic_join.py."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch.distributed as dist
+
+from shoal.strategies.groups import GroupOptions
+from shoal.strategies.registry import get_strategy
+from shoal.train.deal import Schedule, Slots
+from shoal.train.dealer import Dealer
+
+from conftest import EPOCHS, TRAIN_ROWS, assert_each_sample_once, train_losing
+
+pytestmark = pytest.mark.timeout(300)
+
+
+@pytest.mark.parametrize("killed, partner", [(1, 0), (2, 3)])
+def test_a_group_that_loses_a_member_leaves_and_the_other_trains_its_rest(tmp_path, killed,
+                                                                         partner):
+    # 4 workers in 2 groups (0-1, 2-3), 16 rows each a step: a group step is 32 rows, 23
+    # steps an epoch. Worker `killed` (rank killed + 1: server 0 first) kills itself at its
+    # 20th training forward, mid-epoch 1: a member (1), or a leader (2), which pushes.
+    out = tmp_path / "run"
+    res = train_losing(out, killed + 1, "train:20", "--schedule", "constant", "--strategy",
+                       "groups", "--groups", "2", workers=4, timeout=240)
+    assert res.returncode == 0, res.stderr
+    assert res.stray == []
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["completed"] and summary["workers"] == 2
+    assert summary["samples"] == EPOCHS * TRAIN_ROWS
+    changes = {c["left"][0]: c for c in summary["membership_changes"]}
+    assert sorted(changes) == sorted([killed, partner])
+    first = min(killed, partner)
+    assert changes[killed]["why"] == {str(killed): f"worker {killed} killed by signal 9"}
+    assert changes[partner]["why"] == {str(partner): (
+        f"worker {partner} left: its compute group (workers {first}-{first + 1}) lost a "
+        "member (connection closed)")}
+    # Both stand at their group's step, in epoch 1; the leader's rest is the group's, dealt
+    # to the other group (a member has no schedule of its own: nothing to deal).
+    assert {c["step"] for c in changes.values()} == {19}
+    assert {c["epoch"] for c in changes.values()} == {1}
+    dealt = changes[first]["samples_dealt_again"]
+    assert changes[first + 1]["samples_dealt_again"] == 0
+    # its two shards an epoch (360 + 359 rows, 359 + 359), less its 19 steps that counted
+    assert dealt == EPOCHS * (719 if first == 0 else 718) - 32 * 19
+    assert_each_sample_once(out, EPOCHS, TRAIN_ROWS)
+    # only a group's first worker records: its file holds the whole group's samples
+    assert sorted(p.name for p in (out / "samples").iterdir()) == ["worker0.jsonl",
+                                                                   "worker2.jsonl"]
+
+
+def test_a_silent_member_takes_its_group_out_within_the_heartbeat_timeout(tmp_path):
+    """Worker 3 stops (SIGSTOP) in its group's step: its leader's collective gives up after
+    --heartbeat-timeout (not --timeout, 300 s), the leader leaves, its group's rest is
+    trained by the other group, and the launcher ends the stopped process at the end."""
+    out = tmp_path / "run"
+    res = train_losing(out, 4, "train:20", "--strategy", "groups", "--groups", "2",
+                       "--heartbeat-timeout", "4", signal=19, workers=4, timeout=240)
+    assert res.returncode == 0, res.stderr
+    assert res.stray == []
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["completed"] and summary["workers"] == 2
+    why = {c["left"][0]: c["why"] for c in summary["membership_changes"]}
+    assert why[3]["3"].startswith("worker 3 stopped answering")
+    assert why[2]["2"].endswith("its compute group (workers 2-3) lost a member (silent)")
+    assert_each_sample_once(out, EPOCHS, TRAIN_ROWS)
+
+
+def test_a_groups_schedule_is_its_members_shards_and_only_groups_are_dealt_to():
+    slots = Slots(100, 20, 4, seed=0)  # 4 workers of 5 rows a step
+    group = Schedule(slots, 2, 2, members=2)
+    assert group.blocks[1] == [(1, 2, 0, slots.sizes[2]), (1, 3, 0, slots.sizes[3])]
+    assert group.epoch_at(0) == 0 and group.epoch_at(slots.sizes[2] + slots.sizes[3]) == 1
+    cfg = type("Cfg", (), {"epochs": 2, "seed": 0, "record_samples": False,
+                           "global_batch": lambda self, w: 20})()
+    dealer = Dealer(cfg, dist.HashStore(), 100, 4, 1, groups=((0, 2), (2, 4)))
+    assert dealer.units({0, 1, 2, 3, 5}) == [0, 2, 5]  # 5: a joiner, a group of its own
+    assert dealer.unit_of(1) == 0 and dealer.unit_of(3) == 2 and dealer.unit_of(5) == 5
+    # a member lost deals nothing; its leader lost deals the group's rest to group 0's first
+    assert dealer.lost(3, {"counted": 0, "step": 4, "group_at": 40}, {0, 1, 2},
+                       lambda: "killed") == 0
+    assert dealer.changes[-1]["epoch"] == 1  # its group's epoch (from 1), not the last
+    dealt = dealer.lost(2, {"counted": 40, "step": 4}, {0, 1}, lambda: "left")
+    assert dealt == 2 * (slots.sizes[2] + slots.sizes[3]) - 40
+    assert list(dealer.deals[-1]) == [0]
+    # a joiner's part comes from the groups alone (a member gives nothing)
+    dealer.admit(5, {0, 1}, 4, 0)
+    assert dealer.giving[len(dealer.deals)]["waiting"] == {0}
+
+
+def test_a_joiner_computes_alone_past_the_groups_layout():
+    topology = get_strategy("groups").topology(GroupOptions(groups=2), 4)
+    assert topology.group(3) == (2, 4) and topology.group(4) == (4, 5)
