@@ -145,8 +145,7 @@ class AsyncElastic:
                 raise
             t = self.t
             if t.state.epoch_step < t.plan.steps_per_epoch:  # the step's work, if it counted
-                lo, hi = t.plan.bounds[t.state.epoch_step]
-                self.trained.append((self.epochs[lo:hi], t.plan.order[lo:hi]))
+                self._read_step(t.state.epoch_step)
             self._count()
             why = (f"left: its compute group (workers {self.unit}-{self.unit + self.size - 1}) "
                    f"lost a member ({'silent' if lost == 'silent' else 'connection closed'})")
@@ -195,8 +194,7 @@ class AsyncElastic:
     def step_done(self) -> None:
         """After each step: its samples, those that count now, and a look for new deals."""
         t = self.t
-        lo, hi = t.plan.bounds[t.state.epoch_step - 1]
-        self.trained.append((self.epochs[lo:hi], t.plan.order[lo:hi]))
+        self._read_step(t.state.epoch_step - 1)
         self._count()
         if leave_requested():
             self._leave()
@@ -208,6 +206,12 @@ class AsyncElastic:
             block = length(self.schedule.blocks[t.state.epoch])
             read = min(self._read() / block, 1.0) if block else 1.0
             schedule_at(t.scheduler, t.state.epoch * self.steps + round(self.steps * read))
+
+    def _read_step(self, step: int) -> None:
+        """The samples of the plan's step ``step``, trained: counted once an exchange
+        carries them (:meth:`_count`)."""
+        lo, hi = self.t.plan.bounds[step]
+        self.trained.append((self.epochs[lo:hi], self.t.plan.order[lo:hi]))
 
     def _count(self) -> None:
         """Record the samples whose work reached the servers (the strategy's count)."""
