@@ -84,9 +84,10 @@ class AsyncElastic:
             t.strategy.group_batches = hasattr(t.strategy, "first")
         if self.size > 1:  # a member silent for the heartbeat timeout is gone, as at server 0
             bound_waits(min(t.cfg.heartbeat_timeout, t.cfg.timeout))
-            t.strategy.deal_count = lambda: int(self.store.add(DEALS, 0))
+            t.strategy.deal_count = self._published
         self.seen = 0  # deals read
         self.polled = 0.0
+        self.looked = (0.0, 0)  # a compute group's leader: when it read the deals published
         self.stopped_job = False  #: its leave stopped the job: it was the last worker
         self.offset = 0  # samples of this block before the current plan
         self.epochs = torch.zeros(0, dtype=torch.long)  # the current plan's samples' epochs
@@ -248,6 +249,13 @@ class AsyncElastic:
         self.stopped_job = True
 
     # -- deals --------------------------------------------------------------------------------
+    def _published(self) -> int:
+        """The deals published, as a compute group's leader tells its group after its
+        exchange: read in the store at most every :data:`POLL_S`, as any worker looks."""
+        if time.monotonic() - self.looked[0] >= POLL_S:
+            self.looked = (time.monotonic(), int(self.store.add(DEALS, 0)))
+        return self.looked[1]
+
     def _poll(self, published: int | None = None) -> tuple[bool, bool]:
         """Take the deals published since the last look (up to ``published``, a compute
         group's agreed count): (any new, any share for me)."""
