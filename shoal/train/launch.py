@@ -150,19 +150,27 @@ def _train(cfg: TrainConfig, comm: Comm, topology: Topology, work: Workload,
     client = connect(cfg, comm, topology, work.model)
     try:
         Trainer(cfg, comm, work.data, work.model, components=remote_components(client)).run()
-    except Leaving:  # its work sent and server 0 told: it leaves as a lost worker does
+    except Leaving as left:  # its work sent: it leaves as a lost worker does
+        # its reason in the store before its pairs break: server 0 reads it at the loss
+        # (at once where no launcher of shoal's says how a rank ended: torchrun's)
+        _say_left(comm, topology.servers + comm.rank, left.why)
         client.abandon()
         raise
     leave(client)
     return None
 
 
+def _say_left(comm: Comm, rank: int, why: str) -> None:
+    """Say in the store why rank ``rank`` left (what the others record of its end)."""
+    with contextlib.suppress(Exception):  # the store gone: so is the job
+        comm.attempt_store.set(ended_key(rank), why)
+
+
 def _left(comm: Comm, rank: int, why: str) -> None:
     """This rank's worker left the job (asked to by a ``--resume`` on fewer workers than the
     checkpoint holds, or its compute group lost a member): the others read ``why`` in the
     store and go on."""
-    with contextlib.suppress(Exception):  # the store gone: so is the job
-        comm.attempt_store.set(ended_key(rank), why)
+    _say_left(comm, rank, why)
     comm.aborted = True  # nobody waits for it at the end
     comm.close("left")
 
