@@ -1,8 +1,9 @@
 """Compute groups (``groups``) under --elastic: a group walks one schedule, its members in
-lockstep, each its part of every group batch; a member lost (kill -9, or silent past the
-heartbeat timeout) takes its group out (its collectives fail on every other member, which
-leave), and server 0 deals the group's rest, from its leader's last exchange, over the other
-groups. Real processes, Gloo on CPU; joining: test_elastic_join.py."""
+lockstep, each its part of every group batch. A member lost (kill -9, or silent past the
+heartbeat timeout) fails the group's meeting; the members alive re-form the group and go on,
+the group batch split over them. The leader lost takes its group out (its members leave) and
+server 0 deals the group's rest, from the leader's last exchange, over the other groups.
+Real processes, Gloo on CPU; joining: test_elastic_join.py."""
 
 from __future__ import annotations
 
@@ -21,55 +22,73 @@ from conftest import EPOCHS, TRAIN_ROWS, assert_each_sample_once, train_losing
 pytestmark = pytest.mark.timeout(300)
 
 
-@pytest.mark.parametrize("killed, partner", [(1, 0), (2, 3)])
-def test_a_group_that_loses_a_member_leaves_and_the_other_trains_its_rest(tmp_path, killed,
-                                                                         partner):
-    # 4 workers in 2 groups (0-1, 2-3), 16 rows each a step: a group step is 32 rows, 23
-    # steps an epoch. Worker `killed` (rank killed + 1: server 0 first) kills itself at its
-    # 20th training forward, mid-epoch 1: a member (1), or a leader (2), which pushes.
+@pytest.mark.parametrize("workers, groups", [(3, 1), (4, 2)])
+def test_a_group_that_loses_a_member_goes_on_without_it(tmp_path, workers, groups):
+    """Worker 1 (rank 2: server 0 first), a member of group 0, kills itself at its 20th
+    training forward, mid-epoch 1. Its group re-forms from the members alive and goes on:
+    nothing is dealt, and the survivors split each group batch among them (3 workers in one
+    group: workers 0 and 2 read halves of 48 rows, where they read thirds). The job's count
+    of samples, the sum of what each worker says it read plus the rows the leader tells of
+    the member lost, is then exact, and so is the leader's record of the group's samples."""
     out = tmp_path / "run"
-    res = train_losing(out, killed + 1, "train:20", "--schedule", "constant", "--strategy",
+    res = train_losing(out, 2, "train:20", "--schedule", "constant", "--strategy", "groups",
+                       "--groups", str(groups), workers=workers, timeout=240)
+    assert res.returncode == 0, res.stderr
+    assert res.stray == []
+    assert "its compute group goes on without it, led by worker 0" in res.stderr
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["completed"] and summary["workers"] == workers - 1
+    [change] = summary["membership_changes"]
+    assert change["left"] == [1] and change["why"] == {"1": "worker 1 killed by signal 9"}
+    assert change["step"] == 19 and change["epoch"] == 1
+    assert change["samples_dealt_again"] == 0
+    assert_each_sample_once(out, EPOCHS, TRAIN_ROWS)  # and summary["samples"] exact
+    leaders = ["worker0.jsonl"] + (["worker2.jsonl"] if groups == 2 else [])
+    assert sorted(p.name for p in (out / "samples").iterdir()) == leaders
+
+
+def test_a_group_that_loses_its_leader_leaves_and_the_other_trains_its_rest(tmp_path):
+    # 4 workers in 2 groups (0-1, 2-3), 16 rows each a step: a group step is 32 rows, 23
+    # steps an epoch. Worker 2, group 1's leader (it pushes), is killed at its 20th forward.
+    out = tmp_path / "run"
+    res = train_losing(out, 3, "train:20", "--schedule", "constant", "--strategy",
                        "groups", "--groups", "2", workers=4, timeout=240)
     assert res.returncode == 0, res.stderr
     assert res.stray == []
     summary = json.loads((out / "summary.json").read_text())
     assert summary["completed"] and summary["workers"] == 2
-    assert summary["samples"] == EPOCHS * TRAIN_ROWS
     changes = {c["left"][0]: c for c in summary["membership_changes"]}
-    assert sorted(changes) == sorted([killed, partner])
-    first = min(killed, partner)
-    assert changes[killed]["why"] == {str(killed): f"worker {killed} killed by signal 9"}
-    assert changes[partner]["why"] == {str(partner): (
-        f"worker {partner} left: its compute group (workers {first}-{first + 1}) lost a "
-        "member (connection closed)")}
+    assert sorted(changes) == [2, 3]
+    assert changes[2]["why"] == {"2": "worker 2 killed by signal 9"}
+    assert changes[3]["why"] == {"3": "worker 3 left: its compute group (workers 2-3) lost "
+                                      "its leader, worker 2"}
     # Both stand at their group's step, in epoch 1; the leader's rest is the group's, dealt
     # to the other group (a member has no schedule of its own: nothing to deal).
     assert {c["step"] for c in changes.values()} == {19}
     assert {c["epoch"] for c in changes.values()} == {1}
-    dealt = changes[first]["samples_dealt_again"]
-    assert changes[first + 1]["samples_dealt_again"] == 0
-    # its two shards an epoch (360 + 359 rows, 359 + 359), less its 19 steps that counted
-    assert dealt == EPOCHS * (719 if first == 0 else 718) - 32 * 19
+    assert changes[3]["samples_dealt_again"] == 0
+    # its two shards an epoch (359 + 359 rows), less its 19 steps that counted
+    assert changes[2]["samples_dealt_again"] == EPOCHS * 718 - 32 * 19
     assert_each_sample_once(out, EPOCHS, TRAIN_ROWS)
     # only a group's first worker records: its file holds the whole group's samples
     assert sorted(p.name for p in (out / "samples").iterdir()) == ["worker0.jsonl",
                                                                    "worker2.jsonl"]
 
 
-def test_a_silent_member_takes_its_group_out_within_the_heartbeat_timeout(tmp_path):
+def test_a_silent_member_is_left_out_within_the_heartbeat_timeout(tmp_path):
     """Worker 3 stops (SIGSTOP) in its group's step: its leader's collective gives up after
-    --heartbeat-timeout (not --timeout, 300 s), the leader leaves, its group's rest is
-    trained by the other group, and the launcher ends the stopped process at the end."""
+    --heartbeat-timeout (not --timeout, 300 s), server 0 says worker 3 is gone, and worker
+    2 goes on alone in its group; the launcher ends the stopped process at the end."""
     out = tmp_path / "run"
     res = train_losing(out, 4, "train:20", "--strategy", "groups", "--groups", "2",
                        "--heartbeat-timeout", "4", signal=19, workers=4, timeout=240)
     assert res.returncode == 0, res.stderr
     assert res.stray == []
     summary = json.loads((out / "summary.json").read_text())
-    assert summary["completed"] and summary["workers"] == 2
-    why = {c["left"][0]: c["why"] for c in summary["membership_changes"]}
-    assert why[3]["3"].startswith("worker 3 stopped answering")
-    assert why[2]["2"].endswith("its compute group (workers 2-3) lost a member (silent)")
+    assert summary["completed"] and summary["workers"] == 3
+    [change] = summary["membership_changes"]
+    assert change["left"] == [3] and change["why"]["3"].startswith("worker 3 stopped answering")
+    assert change["samples_dealt_again"] == 0
     assert_each_sample_once(out, EPOCHS, TRAIN_ROWS)
 
 

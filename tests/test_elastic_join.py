@@ -261,13 +261,13 @@ def test_a_worker_joins_an_asynchronous_job_in_place_of_a_killed_one(held, strat
 
 
 def test_a_worker_joins_a_compute_groups_job_as_a_group_of_its_own(held):
-    """groups on 4 workers (groups 0-1 and 2-3): worker 3 (rank 4) is killed, its group
-    leaves (worker 2 with it) and its rest goes to group 0; a joiner comes in as worker 4, a
-    group of its own, starts from the center its first pull has, and is given half of group
-    0's rest: the job ends with 3 workers, every sample of every epoch once."""
+    """groups on 4 workers (groups 0-1 and 2-3): worker 2 (rank 3), a leader, is killed,
+    its group leaves (worker 3 with it) and its rest goes to group 0; a joiner comes in as
+    worker 4, a group of its own, starts from the center its first pull has, and is given
+    half of group 0's rest: the job ends with 3 workers, every sample of every epoch once."""
     job = held("--strategy", "groups", "--groups", "2", "--elastic", "--record-samples",
-               workers=4, killed=4)
-    job.wait_line("worker 2 left at step")
+               workers=4, killed=3)
+    job.wait_line("worker 3 left at step")
     joiner = job.join_in_background()
     job.wait_line("worker 4 joined at step")
     _, err = joiner.communicate(timeout=240)

@@ -69,19 +69,22 @@ def test_a_killed_worker_leaves_and_the_others_train_its_share_under_torchrun(tm
     _went_on_without_rank_2(tmp_path / "run")
 
 
-def test_a_compute_group_that_loses_a_member_leaves_under_torchrun(tmp_path):
-    """groups on 4 workers (ranks 1-4, server 0 first): rank 2, worker 1, is killed; worker
-    0, its group's leader, leaves, and its reason stands in the summary (written before its
-    pairs break: torchrun says nothing of how a rank ended, so server 0 reads it at once)."""
-    res = _torchrun(tmp_path, 5, "2", "--strategy", "groups", "--groups", "2",
+@pytest.mark.parametrize("killed", [1, 0])
+def test_a_compute_group_under_torchrun_goes_on_or_leaves(tmp_path, killed):
+    """groups on 4 workers (ranks 1-4, server 0 first). Worker 1 killed: its group re-forms
+    without it (server 0 says it is gone: torchrun says nothing of how a rank ended) and
+    goes on. Worker 0, the leader, killed: worker 1 leaves, and its reason stands in the
+    summary (written before its pairs break, since server 0 reads it at once)."""
+    res = _torchrun(tmp_path, 5, str(killed + 1), "--strategy", "groups", "--groups", "2",
                     "--record-samples")
     assert res.returncode == 0, res.stderr
     assert res.stray == []
     summary = json.loads((tmp_path / "run" / "summary.json").read_text())
-    assert summary["completed"] and summary["workers"] == 2
+    assert summary["completed"] and summary["workers"] == (3 if killed else 2)
     why = {c["left"][0]: c["why"][str(c["left"][0])] for c in summary["membership_changes"]}
-    assert why == {1: "worker 1 killed by signal 9", 0: "worker 0 left: its compute group "
-                   "(workers 0-1) lost a member (connection closed)"}
+    assert why == {1: "worker 1 killed by signal 9"} if killed else why == {
+        0: "worker 0 killed by signal 9",
+        1: "worker 1 left: its compute group (workers 0-1) lost its leader, worker 0"}
     assert_each_sample_once(tmp_path / "run", EPOCHS, TRAIN_ROWS)
 
 

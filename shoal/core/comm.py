@@ -363,8 +363,9 @@ class Comm(ObjectCollectives):
         finally:
             if self._watchdog is not None:
                 self._watchdog.stop(timeout=5.0)
-            if self.membership is not None:
-                self.membership.inflight.stop(timeout=5.0)
+            for membership in (self.membership, self.subgroup and self.subgroup.membership):
+                if membership is not None:  # a compute group's too
+                    membership.inflight.stop(timeout=5.0)
             try:
                 if finished and self.active and self._rank0_hosts:
                     # Rank 0 hosts the store: it must not exit while another rank's

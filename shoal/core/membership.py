@@ -77,15 +77,17 @@ class Membership:
     wait for a member that still beats.
     """
 
-    def __init__(self, store: Any, me: int, world: int, heartbeat: Callable[[int], str],
+    def __init__(self, store: Any, me: int, world: int, heartbeat: Callable[[int], str] | None,
                  timeout: float, patience: float, device_type: str,
-                 connect: Callable[[], Any] | None = None) -> None:
-        self._raw = store
-        self._store = dist.PrefixStore(ELASTIC, store)
+                 connect: Callable[[], Any] | None = None, *, scope: str = ELASTIC,
+                 members: list[int] | None = None,
+                 ended: Callable[[int], str] = ended_key) -> None:
+        self._raw, self.scope, self._ended = store, scope, ended
+        self._store = dist.PrefixStore(scope, store)
         #: Collectives in flight, failed early when their meeting is decided failed; its
         #: thread reads the store through ``connect()`` (a client of its own), else ``store``.
-        self.inflight = InFlight(connect or (lambda: store), ELASTIC)
-        self.me, self.members = me, list(range(world))
+        self.inflight = InFlight(connect or (lambda: store), scope)
+        self.me, self.members = me, list(range(world)) if members is None else list(members)
         self._heartbeat, self.timeout, self.patience = heartbeat, timeout, patience
         self._device_type = device_type
         self.epoch = 0  # the membership epoch: one per group
@@ -110,15 +112,30 @@ class Membership:
            timeout: float | None, attempt: int = 0) -> Membership:
         """``comm``'s membership (``store``: the job's under its key prefix), which keeps
         its rank and world size those of the group after every change."""
-        membership = cls(store, comm.rank, comm.world_size, comm._keys.heartbeat,
-                         heartbeat_timeout or 10.0, timeout or 300.0, comm.device.type,
-                         connect=lambda: own_client(comm.store, attempt))
+        return cls(store, comm.rank, comm.world_size, comm._keys.heartbeat,
+                   heartbeat_timeout or 10.0, timeout or 300.0, comm.device.type,
+                   connect=lambda: own_client(comm.store, attempt))._followed_by(comm)
+
+    @classmethod
+    def of_group(cls, comm: Any, store: Any, members: list[int], me: int,
+                 gone: Callable[[int], str], timeout: float, patience: float,
+                 connect: Callable[[], Any]) -> Membership:
+        """The membership of a group inside a job (a compute group: ``comm`` its Comm,
+        ``members`` the job's ids of its workers, ``me`` this one's), with keys of its own
+        in ``store``. Who is gone is not judged here: a member is once ``gone(id)`` is in
+        the store (the job's judge, server 0, says so)."""
+        return cls(store, me, len(members), None, timeout, patience, comm.device.type, connect,
+                   scope=f"{ELASTIC}/group/{members[0]}", members=members,
+                   ended=gone)._followed_by(comm)
+
+    def _followed_by(self, comm: Any) -> Membership:
+        """Keep ``comm``'s rank and world size those of the group after every change."""
 
         def regrouped(lost: list[int], ranks: list[int]) -> None:
-            comm.rank, comm.world_size = membership.rank, membership.world_size
+            comm.rank, comm.world_size = self.rank, self.world_size
 
-        membership.listeners.append(regrouped)
-        return membership
+        self.listeners.append(regrouped)
+        return self
 
     @property
     def rank(self) -> int:
@@ -196,7 +213,7 @@ class Membership:
             verdict = self._store.compare_set(decision, "", "commit" + ("+stop" if total >= STOP
                                               else "") + ("+join" if self._asked() else ""))
         else:
-            with self.inflight.vote(decision, [ended_key(m) for m in self.members if m != self.me]):
+            with self.inflight.vote(decision, [self._ended(m) for m in self.members if m != self.me]):
                 while not self._wait(decision, 4 * POLL, first=WAKE):
                     if any(self._gone(m) for m in self.members):  # it will never say so
                         self._store.compare_set(decision, "", "abort")
@@ -287,7 +304,7 @@ class Membership:
         if len(self.members) == 1:
             return True
         try:
-            join_group(dist.PrefixStore(f"{ELASTIC}/{self.epoch}/group", self._raw), self.rank,
+            join_group(dist.PrefixStore(f"{self.scope}/{self.epoch}/group", self._raw), self.rank,
                        len(self.members), self._device_type, self.timeout)
         except ShoalError:
             return False
@@ -296,12 +313,12 @@ class Membership:
     def lost_unseen(self) -> bool:
         """Whether shoal's launcher says a member's process ended (the members have not
         re-formed the group without it yet)."""
-        return any(self._raw.check([ended_key(m)]) for m in self.members if m != self.me)
+        return any(self._raw.check([self._ended(m)]) for m in self.members if m != self.me)
 
     def reason(self, member: int) -> str:
         """Why ``member`` left, as far as the store knows."""
-        if self._raw.check([ended_key(member)]):
-            return f"worker {member} {self._raw.get(ended_key(member)).decode()}"
+        if self._raw.check([self._ended(member)]):
+            return f"worker {member} {self._raw.get(self._ended(member)).decode()}"
         return f"worker {member} stopped answering (no heartbeat for {self.timeout:g} s)"
 
     # -- who is alive --------------------------------------------------------------------------
@@ -310,13 +327,14 @@ class Membership:
         ``timeout`` seconds."""
         if member == self.me:
             return False
-        if self._raw.check([ended_key(member)]):
+        if self._raw.check([self._ended(member)]):
             return True
-        return self._stood_still(self._raw, member)
+        return self._heartbeat is not None and self._stood_still(self._raw, member)
 
     def _stood_still(self, store: Any, member: int) -> bool:
         """Whether ``member``'s heartbeat counter, read through ``store`` (a client of the
         calling thread's), has not moved for ``timeout`` seconds of this process's looks."""
+        assert self._heartbeat is not None
         count = store.add(self._heartbeat(member), 0)
         with self._beats_lock:
             return stood_still(self._beats, member, count, self.timeout)
@@ -325,7 +343,7 @@ class Membership:
         """The members' heartbeats, looked at on the in-flight poll thread (its ``store``
         client) while a meeting is slow: the first look at a stopped member's counter would
         otherwise come only once its collective timed out, and its verdict a timeout later."""
-        for member in list(self.members):
+        for member in list(self.members) if self._heartbeat is not None else []:
             if member != self.me:
                 self._stood_still(store, member)
 

@@ -143,6 +143,11 @@ class ComputeGroups(AsyncStrategy):
         """The group: its members meet at every step, so they stop after the same one."""
         return self.group
 
+    def regroup(self) -> None:
+        """The compute group was re-formed without a lost member (``--elastic``): DDP is
+        wrapped again over the new group."""
+        self.inner.regroup()
+
     @property
     def leader(self) -> bool:
         return self.comm.rank == self.first

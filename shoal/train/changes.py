@@ -8,14 +8,16 @@ from typing import Any
 
 
 def membership_change(step: int, epoch: int, why: dict[int, str], workers: int, dealt: int,
-                      say: bool = True, last: int | None = None) -> dict[str, Any]:
+                      say: bool = True, last: int | None = None,
+                      note: str = " (no samples left)") -> dict[str, Any]:
     """summary.json's record of workers ``why`` names (id -> reason) leaving at ``step`` of
     ``epoch`` (from 0), ``workers`` going on with ``dealt`` samples dealt again (of epochs
-    ``epoch`` to ``last``, where later ones are dealt too); ``say``: print its line too."""
+    ``epoch`` to ``last``, where later ones are dealt too); ``say``: print its line too,
+    ending in ``note`` when nothing is dealt."""
     lost = sorted(why)
     if say:
         span = epoch_span(epoch, epoch if last is None else last)
-        rest = f" with the {dealt} samples left of {span}" if dealt else " (no samples left)"
+        rest = f" with the {dealt} samples left of {span}" if dealt else note
         print(f"shoal: {worker_names(lost)} left at step {step} ({'; '.join(why.values())}); "
               f"{workers} go on{rest}", file=sys.stderr, flush=True)
     return {"step": step, "epoch": epoch + 1, "left": lost, "why": why, "workers": workers,

@@ -124,9 +124,12 @@ class Dealer:
         epochs = [e for e, _, _, _ in rest] or [
             self.cfg.epochs - 1 if at is None else
             self.schedules[self.unit_of(worker)].epoch_at(int(at))]
+        unit = self.unit_of(worker)
+        note = f" (its compute group goes on without it, led by worker {unit})" \
+            if unit != worker and unit in live else " (no samples left)"
         self.changes.append(membership_change(int(info.get("step", 0)), min(epochs),
                                               {worker: why()}, len(live), dealt,
-                                              last=max(epochs)))
+                                              last=max(epochs), note=note))
         self.given(live)  # a give that waited for it
         return dealt
 

@@ -26,13 +26,13 @@ from typing import Any, TypeVar
 
 import torch
 
-from shoal.core.group import bound_waits
-from shoal.core.pairs import peer_lost
+from shoal.core.membership import MembershipChanged
 from shoal.core.stop import Leaving, leave_requested, request_stop, stop_requested
 from shoal.core.waits import ELASTIC
 from shoal.data import EpochPlan, ShardLoader, resolve_workers
 from shoal.errors import ShoalError
 from shoal.train.deal import Schedule, Segment, Slots, cut, length
+from shoal.train.elastic_groups import LeaderLost, Seat
 from shoal.train.handover import digest
 from shoal.train.optim import schedule_at
 from shoal.train.resume_async import Start, rebuild, uncounted
@@ -75,15 +75,15 @@ class AsyncElastic:
         # A compute group (``groups``) walks its first worker's schedule, every member its
         # part of each batch, in lockstep: only the first reports, records and is dealt to.
         self.unit = getattr(t.strategy, "first", self.me)
-        self.size = getattr(t.strategy, "end", self.me + 1) - self.unit
+        self.seat = Seat(t.strategy, self.me, self.unit, getattr(t.strategy, "end", self.me + 1))
+        size = self.seat.size
         self.slots = slots_of(t.cfg, len(t.data.train), workers)
-        self.schedule = Schedule(self.slots, self.unit, t.cfg.epochs, self.size) \
+        self.schedule = Schedule(self.slots, self.unit, t.cfg.epochs, size) \
             if self.me < workers else Schedule.empty(t.cfg.epochs)  # a joiner: what it is given
-        self.batch = max(1, t.cfg.global_batch(workers) // workers) * self.size
+        self.batch = max(1, t.cfg.global_batch(workers) // workers) * size
         if hasattr(t.strategy, "group_batches"):  # its batches are its group's (a joiner's own)
             t.strategy.group_batches = hasattr(t.strategy, "first")
-        if self.size > 1:  # a member silent for the heartbeat timeout is gone, as at server 0
-            bound_waits(min(t.cfg.heartbeat_timeout, t.cfg.timeout))
+        if size > 1:  # its members take the deals its leader read, in lockstep
             t.strategy.deal_count = self._published
         self.seen = 0  # deals read
         self.polled = 0.0
@@ -130,28 +130,35 @@ class AsyncElastic:
         yield
 
     def step(self, train_step: Callable[[Any], _Step]) -> _Step:
+        """A step; in a compute group that lost a member in DDP's all-reduce, the step
+        again, its group batch split over the members left."""
         with self._group_intact():
-            return train_step(self.t.batches)
+            while True:
+                try:
+                    return train_step(self.t.batches)
+                except MembershipChanged:
+                    self.t.strategy.zero_grad()
+                    self._replan()
+
+    def _replan(self) -> None:
+        """The rest of the block from the step being taken, over the compute group as it
+        was re-formed (:class:`~shoal.train.elastic_groups.Seat`)."""
+        self._plan(self._read())
 
     @contextmanager
     def _group_intact(self) -> Iterator[None]:
-        """A compute group's collective that fails because a member is gone (Gloo's word)
-        ends this member's part in the job: it leaves as a lost worker does, after recording
-        what the leader's exchange carried, and server 0 deals the group's rest."""
+        """A compute group re-formed without its leader ends this member's part in the
+        job: it leaves as a lost worker does, after recording what the leader's last
+        exchange carried, and server 0 deals the group's rest."""
         try:
             yield
-        except RuntimeError as exc:
-            lost = peer_lost(exc) if self.size > 1 else None
-            if lost is None:
-                raise
+        except LeaderLost as lost:
             t = self.t
             if t.state.epoch_step < t.plan.steps_per_epoch:  # the step's work, if it counted
                 self._read_step(t.state.epoch_step)
             self._count()
-            why = (f"left: its compute group (workers {self.unit}-{self.unit + self.size - 1}) "
-                   f"lost a member ({'silent' if lost == 'silent' else 'connection closed'})")
-            print(f"shoal: worker {self.me} {why}", file=sys.stderr, flush=True)
-            raise Leaving(t.state.step, why) from None
+            print(f"shoal: worker {self.me} {lost}", file=sys.stderr, flush=True)
+            raise Leaving(t.state.step, str(lost)) from None
 
     def start_epoch(self) -> None:
         self._plan(self.resume_at)
@@ -163,9 +170,10 @@ class AsyncElastic:
         self.offset, self.planned = offset, t.state.epoch
         order, self.epochs = self.slots.samples(cut(self.schedule.blocks[t.state.epoch],
                                                     offset)[1])
-        t.plan = EpochPlan(len(order), self.batch, self.size, t.cfg.seed, order)
+        self.seat.planned()
+        t.plan = EpochPlan(len(order), self.batch, self.seat.size, t.cfg.seed, order)
         t.loader.close()
-        t.loader = ShardLoader(t.data, t.plan, self.me - self.unit,
+        t.loader = ShardLoader(t.data, t.plan, self.seat.index,
                                resolve_workers(t.cfg.loader_workers, t.data.train),
                                pin_memory=t.device.type == "cuda", seed=t.cfg.seed)
         t.recorder.plan = t.checkpointer.plan = t.plan
@@ -197,9 +205,12 @@ class AsyncElastic:
         t = self.t
         self._read_step(t.state.epoch_step - 1)
         self._count()
+        if self.seat.moved:  # in the step's update: the next step is split anew
+            self._replan()
+        self.seat.tell_lost(t.comm.ps)  # a member lost: its rows, once the step counted
         if leave_requested():
             self._leave()
-        if self.size > 1:  # the deals the leader read before this step's exchange
+        if self.seat.size > 1:  # the deals the leader read before this step's exchange
             self._poll(self.t.strategy.agreed_deals)
         elif time.monotonic() - self.polled >= POLL_S:
             self._poll()
@@ -213,6 +224,7 @@ class AsyncElastic:
         carries them (:meth:`_count`)."""
         lo, hi = self.t.plan.bounds[step]
         self.trained.append((self.epochs[lo:hi], self.t.plan.order[lo:hi]))
+        self.seat.read(hi - lo, self.t.state.epoch)
 
     def _count(self) -> None:
         """Record the samples whose work reached the servers (the strategy's count)."""
@@ -325,6 +337,7 @@ class AsyncElastic:
         said = 0.0
         while True:
             published, ended = self._agreed_look()
+            self.seat.tell_lost(t.comm.ps)
             if ended:
                 break
             new, mine = self._poll(published)
@@ -342,7 +355,7 @@ class AsyncElastic:
         whether the wait is over (released, or SIGTERM); a compute group's members agree on
         both (the least of their counts, every flag), so that they go on together."""
         ended = self.store.check([RELEASE]) or stop_requested()
-        if self.size == 1:
+        if self.seat.size == 1:
             return None, ended
         with self._group_intact():
             look = torch.tensor([self.store.add(DEALS, 0), -int(ended)], dtype=torch.int64)

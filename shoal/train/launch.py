@@ -34,6 +34,7 @@ from shoal.data import Dataset
 from shoal.errors import ShoalError
 from shoal.strategies import get_strategy, make_options
 from shoal.strategies.topology import Topology
+from shoal.train.elastic_groups import group_membership
 from shoal.train.optim import resolve_momentum
 from shoal.train.remote import remote_components
 from shoal.train.server import connect, leave, run_server
@@ -118,7 +119,10 @@ def join(cfg: TrainConfig, env: Environment, topology: Topology,
     comm = init_comm(env, cfg.device, cfg.timeout, threads, timeline, place=place, store=store)
     first, end = topology.group(place.rank)
     if end - first > 1:
-        comm.join_subgroup(f"groups/{first}", place.rank - first, end - first, cfg.timeout)
+        group = comm.join_subgroup(f"groups/{first}", place.rank - first, end - first,
+                                   cfg.timeout)
+        if cfg.elastic:  # re-formed from its members alive when one is lost
+            group_membership(comm, group, (first, end), place.rank, cfg, env.attempt)
     return comm
 
 

@@ -17,6 +17,7 @@ from shoal.errors import ShoalError
 from shoal.train.deal import length
 from shoal.train.dealer import Dealer
 from shoal.train.elastic_async import leave_key
+from shoal.train.elastic_groups import gone_key
 from shoal.train.resume_async import dealer_state, rebuild, schedule_of
 from shoal.train.samples import cut_upto, samples_file
 
@@ -74,6 +75,7 @@ class AsyncMembers:
         #: epochs reported; a lost worker's counted samples are added at its loss)
         self.accounted: dict[int, int] = {}
         self.leaving: set[int] = set()  #: workers that said they leave (SIGTERM to shoal join)
+        self.reported: dict[int, set[int]] = {}  # a worker -> the epochs (from 1) it reported
 
     def take(self, worker: int, report: dict[str, Any]) -> bool:
         """A report of this side's (``True``): a share taken, a part given, idle, joined."""
@@ -81,6 +83,11 @@ class AsyncMembers:
         if kind == "epoch" and worker in self.dealer.schedules:
             done = self.dealer.schedules[worker].start(min(int(report["epoch"]), self.c.cfg.epochs))
             self.accounted[worker] = max(self.accounted.get(worker, 0), done)
+            self.reported.setdefault(worker, set()).add(int(report["epoch"]))
+        elif kind == "rows":  # a compute group's member lost: its rows of the blocks it
+            said = self.reported.get(int(report["worker"]), set())  # never reported
+            self.c.state.samples += sum(n for block, n in report["rows"].items()
+                                        if int(block) + 1 not in said)
         elif kind in ("adopt", "give", "idle"):
             self.dealer.take(worker, report)
         elif kind == "joined":
@@ -94,7 +101,7 @@ class AsyncMembers:
             if last:
                 request_stop()
             self.c.comm.attempt_store.set(leave_key(worker), "stop" if last else "go")
-        return kind in ("adopt", "give", "idle", "joined", "leaving")
+        return kind in ("adopt", "give", "idle", "joined", "leaving", "rows")
 
     def due(self, epoch: int) -> set[int]:
         """The live workers epoch ``epoch`` (from 1) is recorded from: not those that
@@ -110,6 +117,8 @@ class AsyncMembers:
             return f"worker {worker} {status}" if status else \
                 f"worker {worker} stopped answering ({info.get('error', 'connection lost')})"
 
+        if c.comm.attempt_store is not None:  # its compute group re-forms without it
+            c.comm.attempt_store.set(gone_key(worker), "lost")
         c.own.pop(worker, None)  # its state is not one to resume: its rest was dealt
         # What its work carried into the center since its last epoch report is in no record
         # (its sums of that epoch are gone with it): the samples count it all the same. What
