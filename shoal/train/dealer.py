@@ -27,7 +27,8 @@ import torch
 from shoal.core.waits import publish_members
 from shoal.train.changes import epoch_span, membership_change
 from shoal.train.deal import Schedule, Segment, cut, deal, length
-from shoal.train.elastic_async import DEALS, RELEASE, deal_key, slots_of
+from shoal.train.deals_async import DEALS, RELEASE, deal_key
+from shoal.train.elastic_async import slots_of
 from shoal.train.handover import digest
 from shoal.train.samples import record_since, samples_file, say_held
 

@@ -16,7 +16,7 @@ from shoal.core.waits import ELASTIC
 from shoal.errors import ShoalError
 from shoal.train.deal import length
 from shoal.train.dealer import Dealer
-from shoal.train.elastic_async import leave_key
+from shoal.train.deals_async import leave_key
 from shoal.train.elastic_groups import gone_key
 from shoal.train.resume_async import dealer_state, rebuild, schedule_of
 from shoal.train.samples import cut_upto, samples_file
