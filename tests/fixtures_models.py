@@ -60,8 +60,11 @@ class _KilledAt(nn.Module):
     ``SHOAL_TEST_KILL_SIGNAL``: another signal (19: SIGSTOP).
     With ``SHOAL_TEST_KILL_AFTER_COUNT`` (an asynchronous ``--elastic`` worker) it dies
     instead right after that forward's work next counts at server 0, before it records it
-    (``--record-samples``). With ``SHOAL_TEST_KILL_ONCE=PATH`` only the first process to
-    come there does, creating ``PATH`` (a job restarted after it trains on)."""
+    (``--record-samples``). With ``SHOAL_TEST_KILL_IN_EXCHANGE`` (a compute group's leader)
+    it dies as its next exchange with the servers starts: the server never applies it, while
+    its group's all-reduce of that step succeeded. With ``SHOAL_TEST_KILL_ONCE=PATH`` only
+    the first process to come there does, creating ``PATH`` (a job restarted after it
+    trains on)."""
 
     def __init__(self, input_shape, num_classes):
         super().__init__()
@@ -78,7 +81,8 @@ class _KilledAt(nn.Module):
             when, _, count = os.environ.get("SHOAL_TEST_KILL_AT", "").partition(":")
             if when == mode and self.calls[mode] == int(count) and self._first():
                 self.armed = True
-                if not os.environ.get("SHOAL_TEST_KILL_AFTER_COUNT"):
+                if not os.environ.get("SHOAL_TEST_KILL_AFTER_COUNT") and \
+                        not os.environ.get("SHOAL_TEST_KILL_IN_EXCHANGE"):
                     os.kill(os.getpid(), int(os.environ.get("SHOAL_TEST_KILL_SIGNAL", "9")))
         return self.net(x)
 
@@ -130,6 +134,18 @@ def killed_at(input_shape, num_classes):
             count(self)
 
         AsyncElastic._count = count_or_die
+    if os.environ.get("SHOAL_TEST_KILL_IN_EXCHANGE") \
+            and os.environ.get("RANK") == os.environ.get("SHOAL_TEST_KILL_RANK"):
+        from shoal.strategies.asynchronous import AsyncStrategy
+
+        exchange = AsyncStrategy.exchange
+
+        def exchange_or_die(self, payload, reply):
+            if model.armed:
+                os.kill(os.getpid(), signal.SIGKILL)
+            exchange(self, payload, reply)
+
+        AsyncStrategy.exchange = exchange_or_die
     return model
 
 

@@ -261,23 +261,25 @@ def test_a_worker_joins_an_asynchronous_job_in_place_of_a_killed_one(held, strat
 
 
 def test_a_worker_joins_a_compute_groups_job_as_a_group_of_its_own(held):
-    """groups on 4 workers (groups 0-1 and 2-3): worker 2 (rank 3), a leader, is killed,
-    its group leaves (worker 3 with it) and its rest goes to group 0; a joiner comes in as
-    worker 4, a group of its own, starts from the center its first pull has, and is given
-    half of group 0's rest: the job ends with 3 workers, every sample of every epoch once."""
+    """groups on 4 workers (groups 0-1 and 2-3): worker 2 (rank 3), a leader, is killed and
+    worker 3 takes its place; a joiner comes in as worker 4, a group of its own, starts
+    from the center its first pull has, and is given a third of each group's rest (worker
+    3 gives group 2-3's, as its leader now): the job ends with 4 workers, every sample of
+    every epoch once."""
+    # killed early: each group has its own rest only (46 group steps), slowed till the join
     job = held("--strategy", "groups", "--groups", "2", "--elastic", "--record-samples",
-               workers=4, killed=3)
-    job.wait_line("worker 3 left at step")
+               workers=4, killed=3, held_after=10, pace=0.3)
+    job.wait_line("worker 3 leads its compute group in worker 2's place")
     joiner = job.join_in_background()
     job.wait_line("worker 4 joined at step")
     _, err = joiner.communicate(timeout=240)
     assert joiner.returncode == 0, err
     assert job.finish() == 0, job.stderr
     summary = json.loads((job.out / "summary.json").read_text())
-    assert summary["completed"] and summary["workers"] == 3 and not summary["degraded"]
-    *left, join = summary["membership_changes"]
-    assert sorted(c["left"][0] for c in left) == [2, 3]
-    assert join["joined"] == [4] and join["workers"] == 3
+    assert summary["completed"] and summary["workers"] == 4 and not summary["degraded"]
+    left, join = summary["membership_changes"]
+    assert left["left"] == [2] and left["group_led_by"] == 3
+    assert join["joined"] == [4] and join["workers"] == 4
     assert join["joiner_state_sha256"] == {"4": join["state_sha256"]}
     records = [json.loads(line) for line in
                (job.out / "samples" / "worker4.jsonl").read_text().splitlines()]

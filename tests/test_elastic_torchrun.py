@@ -49,10 +49,12 @@ def _kill_env(kill: str, env: dict[str, str] | None = None) -> dict[str, str]:
             "SHOAL_TEST_KILL_AT": "train:20"}
 
 
-def _torchrun(tmp_path, procs: int, kill: str, *args: str):
+def _torchrun(tmp_path, procs: int, kill: str, *args: str,
+              more: dict[str, str] | None = None):
     return run([sys.executable, "-m", "torch.distributed.run", "--standalone",
                 "--nproc-per-node", str(procs), "-m", "shoal", *KILLED,
-                "--out", str(tmp_path / "run"), *args], env=_kill_env(kill), timeout=200)
+                "--out", str(tmp_path / "run"), *args], env={**_kill_env(kill), **(more or {})},
+               timeout=200)
 
 
 def _went_on_without_rank_2(out) -> None:
@@ -69,22 +71,26 @@ def test_a_killed_worker_leaves_and_the_others_train_its_share_under_torchrun(tm
     _went_on_without_rank_2(tmp_path / "run")
 
 
-@pytest.mark.parametrize("killed", [1, 0])
-def test_a_compute_group_under_torchrun_goes_on_or_leaves(tmp_path, killed):
+@pytest.mark.parametrize("killed, in_exchange", [(1, False), (0, False), (0, True)])
+def test_a_compute_group_under_torchrun_goes_on_or_leaves(tmp_path, killed, in_exchange):
     """groups on 4 workers (ranks 1-4, server 0 first). Worker 1 killed: its group re-forms
     without it (server 0 says it is gone: torchrun says nothing of how a rank ended) and
-    goes on. Worker 0, the leader, killed: worker 1 leaves, and its reason stands in the
-    summary (written before its pairs break, since server 0 reads it at once)."""
+    goes on. Worker 0, the leader, killed: worker 1 takes its place. Killed as its exchange
+    starts: worker 1 leaves, and its reason stands in the summary (written before its pairs
+    break, since server 0 reads it at once)."""
     res = _torchrun(tmp_path, 5, str(killed + 1), "--strategy", "groups", "--groups", "2",
-                    "--record-samples")
+                    "--record-samples",
+                    more={"SHOAL_TEST_KILL_IN_EXCHANGE": "1"} if in_exchange else None)
     assert res.returncode == 0, res.stderr
     assert res.stray == []
     summary = json.loads((tmp_path / "run" / "summary.json").read_text())
-    assert summary["completed"] and summary["workers"] == (3 if killed else 2)
+    assert summary["completed"] and summary["workers"] == (2 if in_exchange else 3)
     why = {c["left"][0]: c["why"][str(c["left"][0])] for c in summary["membership_changes"]}
-    assert why == {1: "worker 1 killed by signal 9"} if killed else why == {
-        0: "worker 0 killed by signal 9",
-        1: "worker 1 left: its compute group (workers 0-1) lost its leader, worker 0"}
+    assert why == {killed: f"worker {killed} killed by signal 9", **({1: (
+        "worker 1 left: its compute group (workers 0-1) lost its leader (worker 0) in its "
+        "exchange")} if in_exchange else {})}
+    assert summary["membership_changes"][0].get("group_led_by") == \
+        (1 if killed == 0 and not in_exchange else None)
     assert_each_sample_once(tmp_path / "run", EPOCHS, TRAIN_ROWS)
 
 

@@ -168,6 +168,15 @@ class ShardServer:
             t = self._serving(c)
         t.start()
 
+    def lead(self, c: int) -> None:
+        """Client ``c`` (a compute group's member, served already) pushes from now on in
+        its lost leader's place: it takes its turn as the pushers active now do."""
+        with self._cond:
+            live = [w for w in self.admission.pushers if w not in self.lost and w not in self.left]
+            if c not in live:
+                self.admission = dataclasses.replace(self.admission, pushers=(*live, c))
+                self.ledger.rejoin(c, self._active(c))
+
     def close(self, timeout: float = 5.0) -> None:
         """Stop serving: wait up to ``timeout`` seconds for the serving threads. A thread
         still waiting on a silent client (Gloo cannot interrupt a pending receive) ends at

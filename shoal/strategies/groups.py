@@ -117,6 +117,7 @@ class ComputeGroups(AsyncStrategy):
         #: parameters), so that the group walks one schedule.
         self.deal_count: Callable[[], int] | None = None
         self.agreed_deals = 0
+        self._with_deals: torch.Tensor | None = None  # the parameters' bytes, then the count
 
     @classmethod
     def asynchronous_groups(cls, options: GroupOptions, workers: int) -> int:
@@ -182,11 +183,26 @@ class ComputeGroups(AsyncStrategy):
                 else:
                     view.copy_(p.grad)
             self.exchange(self._grad, self.flat.buffer)
-        self.group.broadcast(self.flat.buffer, src=0, name="group parameters")
+        if self.deal_count is None:
+            self.group.broadcast(self.flat.buffer, src=0, name="group parameters")
+        else:
+            self._broadcast_with_deals()
         self.flat.unpack()
         self.counted = self.carried  # the leader's exchange carried every member's work
-        if self.deal_count is not None:
-            deals = torch.tensor([self.deal_count() if self.leader else 0], dtype=torch.int64)
-            self.group.broadcast(deals, src=0, name="group deals")
-            self.agreed_deals = int(deals.item())
         self.optimizer._opt_called = True  # type: ignore[attr-defined]  # the server stepped
+
+    def _broadcast_with_deals(self) -> None:
+        """The parameters and, after their bytes, the count of deals the leader read: one
+        broadcast (under ``--elastic`` every collective of the group is a voted meeting,
+        whose vote costs more than 8 bytes more)."""
+        params = self.flat.buffer.view(torch.uint8)
+        if self._with_deals is None:
+            self._with_deals = params.new_empty(params.numel() + 8)
+        both = self._with_deals
+        # every member's own, which it sends where the meeting is held again from it
+        both[:-8].copy_(params)
+        count = self.deal_count() if self.leader and self.deal_count else self.agreed_deals
+        both[-8:].copy_(torch.tensor([count], dtype=torch.int64).view(torch.uint8))
+        self.group.broadcast(both, src=0, name="group parameters")
+        params.copy_(both[:-8])
+        self.agreed_deals = int(both[-8:].cpu().view(torch.int64).item())

@@ -56,6 +56,12 @@ class Dealer:
         self.giving: dict[int, dict[str, Any]] = {}  # give deal -> its joiner, givers, pieces
         self.gone: set[int] = set()  # workers lost
         self.lost_at: dict[int, int] = {}  # a lost worker -> its last count
+        #: compute groups: a leader -> the leaders its group lost before it; a lost leader
+        #: whose place is not taken yet; where a new leader's records start (its group's count)
+        self.former: dict[int, tuple[int, ...]] = {}
+        self.orphans: set[int] = set()
+        self.base: dict[int, int] = {}
+        self.undealt: list[Segment] = []  # lost while every group alive was an orphan
         self.released = False
         self.stopping = False  # the workers were told to stop (SIGTERM here)
 
@@ -81,7 +87,7 @@ class Dealer:
         if kind == "adopt":
             n = int(report["deal"])
             self.schedules[worker].adopt(int(report["epoch"]), int(report["offset"]),
-                                         self.deals[n - 1][worker])
+                                         self._shares(n, worker))
             self.adopted[worker].add(n)
             self.idle.pop(worker, None)
         elif kind == "give":
@@ -105,34 +111,84 @@ class Dealer:
     def lost(self, worker: int, info: dict[str, Any], live: set[int], why: Callable[[], str]
              ) -> int:
         """Deal what ``worker`` left (after its ``info["counted"]`` samples, and the shares
-        it never took) over ``live``; the samples dealt."""
+        it never took) over ``live``; the samples dealt. A compute group that has members
+        alive goes on (a lost leader's place taken by the next, :meth:`lead`): its rest is
+        dealt once its last member is lost, from the group's last count."""
         counted = self.lost_at[worker] = int(info.get("counted", 0))
         self.gone.add(worker)
         self.record_counted(worker, counted)
-        rest = self.schedules[worker].rest(counted)
-        for n, shares in enumerate(self.deals, 1):
-            if n not in self.adopted[worker]:
-                rest += shares.get(worker, [])
-        dealt = length(rest)
         self.idle.pop(worker, None)
-        units = self.units(live)
-        if not units:
-            return 0
-        if not self.released:
-            self._publish(deal(rest, units), live, lost=worker)
-        # nothing to deal (a compute group's member): where its group is, else the end
-        at = info.get("group_at")
-        epochs = [e for e, _, _, _ in rest] or [
-            self.cfg.epochs - 1 if at is None else
-            self.schedules[self.unit_of(worker)].epoch_at(int(at))]
         unit = self.unit_of(worker)
-        note = f" (its compute group goes on without it, led by worker {unit})" \
-            if unit != worker and unit in live else " (no samples left)"
+        goes_on = self.heirs(unit, live)
+        if goes_on and worker == unit:  # its place is the next member's
+            self.orphans.add(unit)
+        elif not goes_on:
+            self.orphans.discard(unit)
+        rest = [] if goes_on else self._rest(unit)
+        dealt = length(rest)
+        units = self.units(live)
+        if not units and not self.orphans:
+            return 0
+        if units and not self.released:
+            self._publish(deal(rest, units), live, lost=worker)
+        elif not units:  # every group alive has lost its leader: its heir takes it (lead)
+            self.undealt += rest
+        # nothing to deal (its group goes on): where its group is, else the end
+        at = info.get("group_at", counted if goes_on else None)
+        epochs = [e for e, _, _, _ in rest] or [
+            self.cfg.epochs - 1 if at is None else self.schedules[unit].epoch_at(int(at))]
+        note = " (no samples left)" if not goes_on else \
+            f" (its compute group goes on without it, led by worker {unit})" if unit != worker \
+            else f" (worker {goes_on[0]} takes its place in its compute group, unless it was " \
+                 "lost in its exchange)"
         self.changes.append(membership_change(int(info.get("step", 0)), min(epochs),
                                               {worker: why()}, len(live), dealt,
                                               last=max(epochs), note=note))
         self.given(live)  # a give that waited for it
         return dealt
+
+    def heirs(self, unit: int, live: set[int]) -> list[int]:
+        """The ``live`` members of the compute group ``unit`` leads (or led), in order."""
+        return sorted(w for w in live if w < self.workers and self.unit_of(w) == unit)
+
+    def _shares(self, n: int, unit: int) -> list[Segment]:
+        """Deal ``n``'s shares to ``unit``, and to the leaders its compute group lost."""
+        return [s for u in (unit, *self.former.get(unit, ())) for s in self.deals[n - 1].get(u, [])]
+
+    def _rest(self, unit: int) -> list[Segment]:
+        """What ``unit`` (lost, and its group with it) left: its schedule's rest from its
+        last count, and the shares it never took."""
+        rest = self.schedules[unit].rest(self.lost_at[unit])
+        for n in range(1, len(self.deals) + 1):
+            if n not in self.adopted[unit]:
+                rest += self._shares(n, unit)
+        return rest
+
+    def lead(self, new: int, old: int, acts: list[dict[str, Any]], live: set[int]) -> None:
+        """``new`` takes lost ``old``'s place as its compute group's leader: the group's
+        schedule is its, with the ``acts`` (the group's shares taken and parts given, in
+        order) that ``old`` had not told, and so are the gives asked of ``old``; what was
+        lost while no group had a leader is dealt over ``live``'s units now."""
+        self.schedules[new], self.adopted[new] = self.schedules[old], self.adopted[old]
+        self.former[new] = (*self.former.get(old, ()), old)
+        self.leads.add(new)
+        self.orphans.discard(old)
+        self.base[new] = self.lost_at[old]
+        for give in self.giving.values():
+            if old in give["waiting"]:
+                give["waiting"].discard(old)
+                give["waiting"].add(new)
+        for act in acts:
+            n = int(act["deal"])
+            if (act["kind"] == "adopt" and n not in self.adopted[new]) or (
+                    act["kind"] == "give" and new in self.giving.get(n, {}).get("waiting", ())):
+                self.take(new, act)
+        for change in self.changes:
+            if change.get("left") == [old]:
+                change["group_led_by"] = new
+        if self.undealt and not self.released:
+            self._publish(deal(self.undealt, self.units(live)), live, lost=old)
+        self.undealt = []
 
     def admit(self, joiner: int, live: set[int], step: int, epoch: int) -> None:
         """``joiner`` joins at ``step`` (the furthest worker's) and the records' ``epoch``
@@ -153,7 +209,7 @@ class Dealer:
         """Deal each give whose givers all gave (or were lost) to its joiner, or over
         ``live`` when the joiner was lost meanwhile."""
         for n, give in list(self.giving.items()):
-            if give["waiting"] - self.gone:
+            if give["waiting"] - (self.gone - self.orphans):  # an orphan's: its heir gives
                 continue
             del self.giving[n]
             joiner, pieces = give["joiner"], give["pieces"]
@@ -189,7 +245,8 @@ class Dealer:
             return
         walk = [s for block in self.schedules[worker].blocks for s in block]
 
-        def since(last: int) -> dict[int, torch.Tensor]:
+        def since(last: int) -> dict[int, torch.Tensor]:  # a new leader's from its group's count
+            last = max(last, self.base.get(worker, 0))
             samples, epochs = self.slots.samples(cut(cut(walk, counted)[0], last)[1])
             return {e: samples[epochs == e] for e in sorted(epochs.unique().tolist())}
 

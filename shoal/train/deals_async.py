@@ -37,13 +37,14 @@ def leave_key(worker: int) -> str:
     return f"{ELASTIC}/async/leave/{worker}"
 
 
-
 class TakesDeals:
     """The deals part of :class:`~shoal.train.elastic_async.AsyncElastic` (its attributes:
     ``t``, ``store``, ``me``, ``unit``, ``schedule``, ``seen``, ``dealt``, ``seat``...)."""
 
     t: Any
     store: Any
+    former: tuple[int, ...]  # a compute group's earlier leaders: deals to them are its
+    acts: list[dict[str, Any]]  # a compute group's shares taken and parts given
 
     def _published(self) -> int:
         """The deals published, as a compute group's leader tells its group after its
@@ -64,10 +65,11 @@ class TakesDeals:
             record = json.loads(self.store.get(deal_key(self.seen)))
             if record.get("stop"):  # the job was stopped (SIGTERM): a joiner's only word of it
                 request_stop()
-            give = record.get("give")
-            if give is not None and self.unit in give["givers"]:
+            give, units = record.get("give"), (self.unit, *self.former)  # a group's ids
+            if give is not None and any(u in give["givers"] for u in units):
                 self._give(self.seen, int(give["parts"]))
-            pieces: list[Segment] = [tuple(p) for p in record["shares"].get(str(self.unit), [])]  # type: ignore[misc]
+            pieces: list[Segment] = [tuple(p) for u in units  # type: ignore[misc]
+                                     for p in record["shares"].get(str(u), [])]
             if pieces or record.get("joined") == self.unit:
                 self._adopt(self.seen, pieces)
                 mine = True
@@ -77,8 +79,7 @@ class TakesDeals:
         """Give a joiner the last ``1/parts`` of this worker's rest (deal ``n``), from where
         it is, told to server 0 first."""
         t, offset = self.t, self._read()
-        if self.me == self.unit:
-            t.comm.ps.report({"kind": "give", "deal": n, "epoch": t.state.epoch, "offset": offset})
+        self._tell({"kind": "give", "deal": n, "epoch": t.state.epoch, "offset": offset})
         block = self.schedule.blocks[t.state.epoch]
         if self.schedule.give(t.state.epoch, offset, parts):
             self.dealt = True
@@ -106,11 +107,18 @@ class TakesDeals:
     def _adopt(self, n: int, pieces: list[Segment]) -> None:
         """Take deal ``n``'s ``pieces`` where this worker is, told to server 0 first."""
         t, offset = self.t, self._read()
-        if self.me == self.unit:
-            t.comm.ps.report({"kind": "adopt", "deal": n, "epoch": t.state.epoch, "offset": offset})
+        self._tell({"kind": "adopt", "deal": n, "epoch": t.state.epoch, "offset": offset})
         self.schedule.adopt(t.state.epoch, offset, pieces)
         self._plan(offset)
         self.dealt = True
+
+    def _tell(self, act: dict[str, Any]) -> None:
+        """Tell server 0 a share taken or a part given (a compute group's leader does), and
+        keep it: a member that takes a lost leader's place tells those it may not have."""
+        if self.seat.size > 1 or self.former:
+            self.acts.append(act)
+        if self.me == self.unit:
+            self.t.comm.ps.report(act)
 
     def _wait_for_release(self) -> bool:
         """At the end: send the last work, say so, and wait for a share (``True``) or the
@@ -121,7 +129,7 @@ class TakesDeals:
         said = 0.0
         while True:
             published, ended = self._agreed_look()
-            self.seat.tell_lost(t.comm.ps)
+            self._regrouped()
             if ended:
                 break
             new, mine = self._poll(published)
@@ -141,9 +149,8 @@ class TakesDeals:
         ended = self.store.check([RELEASE]) or stop_requested()
         if self.seat.size == 1:
             return None, ended
-        with self._group_intact():
-            look = torch.tensor([self.store.add(DEALS, 0), -int(ended)], dtype=torch.int64)
-            self.t.strategy.group.all_reduce(look, op="min", name="group deals")
+        look = torch.tensor([self.store.add(DEALS, 0), -int(ended)], dtype=torch.int64)
+        self.t.strategy.group.all_reduce(look, op="min", name="group deals")
         return int(look[0]), bool(look[1])
 
 

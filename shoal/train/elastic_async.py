@@ -17,6 +17,7 @@ later may still leave it work. Nobody waits for anybody otherwise.
 
 from __future__ import annotations
 
+import json
 import sys
 import time
 from collections.abc import Callable, Iterator
@@ -30,7 +31,7 @@ from shoal.core.stop import Leaving, leave_requested, request_stop
 from shoal.data import EpochPlan, ShardLoader, resolve_workers
 from shoal.train.deal import Schedule, Slots, cut, length
 from shoal.train.deals_async import POLL_S, TakesDeals, leave_key
-from shoal.train.elastic_groups import LeaderLost, Seat
+from shoal.train.elastic_groups import Seat, gone_key, leader_lost
 from shoal.train.optim import schedule_at
 from shoal.train.resume_async import Start, rebuild, uncounted
 from shoal.train.samples import cut_upto, record_since, samples_file
@@ -65,6 +66,8 @@ class AsyncElastic(TakesDeals):
         if size > 1:  # its members take the deals its leader read, in lockstep
             t.strategy.deal_count = self._published
         self.seen = 0  # deals read
+        self.former: tuple[int, ...] = ()  # a compute group's leaders lost: their deals are its
+        self.acts: list[dict[str, Any]] = []  # a compute group's shares taken, parts given
         self.polled = 0.0
         self.looked = (0.0, 0)  # a compute group's leader: when it read the deals published
         self.stopped_job = False  #: its leave stopped the job: it was the last worker
@@ -111,33 +114,44 @@ class AsyncElastic(TakesDeals):
     def step(self, train_step: Callable[[Any], _Step]) -> _Step:
         """A step; in a compute group that lost a member in DDP's all-reduce, the step
         again, its group batch split over the members left."""
-        with self._group_intact():
-            while True:
-                try:
-                    return train_step(self.t.batches)
-                except MembershipChanged:
-                    self.t.strategy.zero_grad()
-                    self._replan()
+        while True:
+            try:
+                return train_step(self.t.batches)
+            except MembershipChanged:
+                self.t.strategy.zero_grad()
+                self._regrouped()
 
-    def _replan(self) -> None:
-        """The rest of the block from the step being taken, over the compute group as it
-        was re-formed (:class:`~shoal.train.elastic_groups.Seat`)."""
-        self._plan(self._read())
+    def _regrouped(self) -> None:
+        """After a compute group was re-formed (:class:`~shoal.train.elastic_groups.Seat`):
+        a lost leader's place taken, the rest of the block from the step being taken
+        planned over the group as it is, the lost members' rows told to server 0."""
+        if self.seat.orphaned is not None:
+            self._take_over()
+        if self.seat.moved:
+            self._plan(self._read())
+        self.seat.tell_lost(self.t.comm.ps)
 
-    @contextmanager
-    def _group_intact(self) -> Iterator[None]:
-        """A compute group re-formed without its leader ends this member's part in the
-        job: it leaves as a lost worker does, after recording what the leader's last
-        exchange carried, and server 0 deals the group's rest."""
-        try:
-            yield
-        except LeaderLost as lost:
-            t = self.t
-            if t.state.epoch_step < t.plan.steps_per_epoch:  # the step's work, if it counted
-                self._read_step(t.state.epoch_step)
+    def _take_over(self) -> None:
+        """The compute group's leader was lost: its first member alive takes its place at
+        the servers where server 0 applied every exchange the group counts (its count of
+        the leader is the group's); else (lost in its exchange) the group leaves as lost
+        workers do, and server 0 deals its rest from its count."""
+        t, seat = self.t, self.seat
+        old, seat.orphaned = seat.orphaned, None
+        key = gone_key(old)
+        said = json.loads(self.store.get(key)) if self.store.check([key]) else {}
+        if said.get("counted") != t.strategy.counted:
             self._count()
-            print(f"shoal: worker {self.me} {lost}", file=sys.stderr, flush=True)
-            raise Leaving(t.state.step, str(lost)) from None
+            why = f"{leader_lost(old, seat.end)} in its exchange"
+            print(f"shoal: worker {self.me} {why}", file=sys.stderr, flush=True)
+            raise Leaving(t.state.step, why)
+        self.former = (*self.former, old)
+        self.unit = seat.first = t.strategy.first = seat.members[0]
+        if self.me == self.unit:  # told before its first exchange, with the group's deals
+            self.record = samples_file(t.cfg, self.me)
+            t.comm.ps.report({"kind": "lead", "group": old, "acts": self.acts})
+            print(f"shoal: worker {self.me} leads its compute group in worker {old}'s place",
+                  file=sys.stderr, flush=True)
 
     def start_epoch(self) -> None:
         self._plan(self.resume_at)
@@ -184,9 +198,7 @@ class AsyncElastic(TakesDeals):
         t = self.t
         self._read_step(t.state.epoch_step - 1)
         self._count()
-        if self.seat.moved:  # in the step's update: the next step is split anew
-            self._replan()
-        self.seat.tell_lost(t.comm.ps)  # a member lost: its rows, once the step counted
+        self._regrouped()  # in the step's update: the next step is split anew
         if leave_requested():
             self._leave()
         if self.seat.size > 1:  # the deals the leader read before this step's exchange

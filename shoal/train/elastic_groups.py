@@ -11,10 +11,15 @@ others; the members alive agree on who is left, join a new process group and go 
 - the group batch stays what it was (the servers see the same group gradient, the step's
   learning rate is the same), split over the members left, from the step that failed on
   (:class:`~shoal.train.elastic_async.AsyncElastic` plans its rest anew);
-- a member lost deals nothing at server 0: its group walks its schedule on;
-- the leader lost takes the group out (:class:`LeaderLost`): it was the group's end at the
-  servers, whose count of the group's work dies with it; its members leave, and server 0
-  deals the group's rest from the leader's last exchange over the other groups.
+- a member lost deals nothing at server 0: its group walks its schedule on; the leader
+  tells server 0 the rows the member trained in the blocks it never reported;
+- the leader lost: the first member alive takes its place at the servers (it pushes for
+  the group from then on, records its samples, and tells server 0 the shares the group
+  took and the parts it gave, which the leader may not have told), where server 0's count
+  of the leader is the group's. A leader lost in its exchange (server 0 may not have
+  applied it) takes the group out instead: its members leave, and server 0 deals the
+  group's rest from its count over the other groups. Server 0 deals a group's rest only
+  once its last member is lost.
 """
 
 from __future__ import annotations
@@ -32,12 +37,9 @@ def gone_key(worker: int) -> str:
     return f"{ELASTIC}/async/gone/{worker}"
 
 
-class LeaderLost(Exception):
-    """A compute group re-formed without its leader: its members leave."""
-
-    def __init__(self, first: int, end: int) -> None:
-        super().__init__(f"left: its compute group (workers {first}-{end - 1}) lost its "
-                         f"leader, worker {first}")
+def leader_lost(first: int, end: int) -> str:
+    """Why a member of the compute group ``[first, end)`` left when it lost its leader."""
+    return f"left: its compute group (workers {first}-{end - 1}) lost its leader (worker {first})"
 
 
 def group_membership(comm: Any, group: Any, bounds: tuple[int, int], me: int, cfg: Any,
@@ -60,27 +62,29 @@ class Seat:
     index and the group's size as last formed, the members the current plan is split over
     (:meth:`planned`), and, on the leader, the rows each member trained in each block. A
     member lost mid-block never reports that block, so the leader tells server 0 its rows
-    of it (:meth:`tell_lost`) for the job's count of samples."""
+    of it (:meth:`tell_lost`) for the job's count of samples. A member that takes a lost
+    leader's place is the group's :attr:`first` from then on."""
 
     def __init__(self, strategy: Any, me: int, first: int, end: int) -> None:
         self.strategy, self.me, self.first, self.end = strategy, me, first, end
         self.index, self.size = me - first, end - first
         self.members = self.split = list(range(first, end))
         self.moved = False  #: re-formed since the rest was planned: plan it anew
-        self.rows: dict[int, dict[int, int]] = {}  # the leader's: member -> block -> rows
+        self.rows: dict[int, dict[int, int]] = {}  # member -> block -> rows
         self.lost: list[int] = []  # members lost, not told to server 0 yet
+        #: the leader lost at the last re-forming, whose place is not taken yet
+        self.orphaned: int | None = None
         if self.size > 1:
             strategy.group.membership.listeners.append(self._regrouped)
 
     def _regrouped(self, lost: list[int], ranks: list[int]) -> None:
-        """The group was re-formed without ``lost``; without its leader it is out."""
-        if self.first in lost:
-            raise LeaderLost(self.first, self.end)
+        """The group was re-formed without ``lost`` (its leader too, maybe)."""
         group = self.strategy.group
         self.index, self.size, self.moved = group.rank, group.world_size, True
         self.members = list(group.membership.members)
-        if self.me == self.first:
-            self.lost += lost
+        self.lost += lost
+        if self.first in lost:
+            self.orphaned = self.first
         self.strategy.regroup()
 
     def planned(self) -> None:
@@ -88,8 +92,9 @@ class Seat:
         self.moved, self.split = False, list(self.members)
 
     def read(self, rows: int, block: int) -> None:
-        """The leader: a group batch of ``rows`` of ``block`` trained, each member its part."""
-        if self.me != self.first or len(self.split) == 1:
+        """A group batch of ``rows`` of ``block`` trained, each member its part (kept by
+        every member: any may come to lead)."""
+        if len(self.split) == 1:
             return
         for i, member in enumerate(self.split):
             lo, hi = shard_range(rows, len(self.split), i)
@@ -99,9 +104,11 @@ class Seat:
     def tell_lost(self, client: Any) -> None:
         """The leader: tell server 0 each lost member's rows of each block."""
         for member in self.lost:
-            client.report({"kind": "rows", "worker": member, "rows": {
-                str(block): n for block, n in self.rows.pop(member, {}).items()}})
+            rows = self.rows.pop(member, {})
+            if self.me == self.first:
+                client.report({"kind": "rows", "worker": member, "group": self.first,
+                               "rows": {str(block): n for block, n in rows.items()}})
         self.lost = []
 
 
-__all__ = ["LeaderLost", "Seat", "gone_key", "group_membership"]
+__all__ = ["Seat", "gone_key", "group_membership", "leader_lost"]

@@ -72,6 +72,8 @@ class Follower:
         kind, worker = obj["kind"], int(obj["client"])
         if kind == "serve":
             self.shard.add_client(worker, float(obj["connect_timeout"]))
+        elif kind == "lead":  # a compute group's member in its lost leader's place
+            self.shard.lead(worker)
         elif kind == "rest":
             self.shard.rest(worker, bool(obj["resting"]))
         elif kind == "taken":  # one dict operation: atomic beside the serving threads'

@@ -76,6 +76,8 @@ class AsyncMembers:
         self.accounted: dict[int, int] = {}
         self.leaving: set[int] = set()  #: workers that said they leave (SIGTERM to shoal join)
         self.reported: dict[int, set[int]] = {}  # a worker -> the epochs (from 1) it reported
+        #: (compute group's leader, block) -> rows of its members lost, told by the leader
+        self.told: dict[tuple[int, int], int] = {}
 
     def take(self, worker: int, report: dict[str, Any]) -> bool:
         """A report of this side's (``True``): a share taken, a part given, idle, joined."""
@@ -86,8 +88,18 @@ class AsyncMembers:
             self.reported.setdefault(worker, set()).add(int(report["epoch"]))
         elif kind == "rows":  # a compute group's member lost: its rows of the blocks it
             said = self.reported.get(int(report["worker"]), set())  # never reported
-            self.c.state.samples += sum(n for block, n in report["rows"].items()
-                                        if int(block) + 1 not in said)
+            for block, n in report["rows"].items():
+                if int(block) + 1 not in said:
+                    self.c.state.samples += n
+                    key = (int(report["group"]), int(block))
+                    self.told[key] = self.told.get(key, 0) + n
+        elif kind == "lead":  # a compute group's member in its lost leader's place
+            old = int(report["group"])
+            self.dealer.lead(worker, old, report["acts"], self.c.live - self.c.finals.keys())
+            self.accounted[worker] = self.accounted.get(old, 0)
+            self.c.shard.lead(worker)
+            if self.c.followers is not None:
+                self.c.followers.tell("lead", worker)
         elif kind in ("adopt", "give", "idle"):
             self.dealer.take(worker, report)
         elif kind == "joined":
@@ -101,7 +113,19 @@ class AsyncMembers:
             if last:
                 request_stop()
             self.c.comm.attempt_store.set(leave_key(worker), "stop" if last else "go")
-        return kind in ("adopt", "give", "idle", "joined", "leaving", "rows")
+        return kind in ("adopt", "give", "idle", "joined", "leaving", "rows", "lead")
+
+    def _account(self, unit: int, counted: int) -> None:
+        """``unit`` (a worker, a compute group by its leader) is lost at its ``counted``
+        samples. What its work carried into the center since its last epoch report is in
+        no record (its sums of that epoch are gone with it): the samples count it all the
+        same, less the rows its group's leader told of its members lost. What it reported
+        past its count is dealt again and will be reported again: once only."""
+        block = max(self.reported.get(unit, set()) | {0})  # its blocks reported
+        told = sum(n for (u, b), n in self.told.items()
+                   if b >= block and u in (unit, *self.dealer.former.get(unit, ())))
+        self.c.state.samples += counted - self.accounted.get(unit, 0) - told
+        self.accounted[unit] = counted
 
     def due(self, epoch: int) -> set[int]:
         """The live workers epoch ``epoch`` (from 1) is recorded from: not those that
@@ -117,17 +141,14 @@ class AsyncMembers:
             return f"worker {worker} {status}" if status else \
                 f"worker {worker} stopped answering ({info.get('error', 'connection lost')})"
 
-        if c.comm.attempt_store is not None:  # its compute group re-forms without it
-            c.comm.attempt_store.set(gone_key(worker), "lost")
-        c.own.pop(worker, None)  # its state is not one to resume: its rest was dealt
-        # What its work carried into the center since its last epoch report is in no record
-        # (its sums of that epoch are gone with it): the samples count it all the same. What
-        # it reported past its count is dealt again and will be reported again: once only.
         counted = int(info.get("counted", 0))
-        c.state.samples += counted - self.accounted.get(worker, 0)
-        self.accounted[worker] = counted
-        live = c.live - c.finals.keys()
+        if c.comm.attempt_store is not None:  # its compute group re-forms without it (and
+            c.comm.attempt_store.set(gone_key(worker), json.dumps({"counted": counted}))
+        c.own.pop(worker, None)  # its state is not one to resume: its rest was dealt
+        live = c.live - c.finals.keys()  # a lost leader's place taken where counts agree)
         unit = self.dealer.unit_of(worker)
+        if not self.dealer.heirs(unit, live):  # a group goes on: its members report
+            self._account(unit, counted if unit == worker else self.dealer.lost_at[unit])
         if unit != worker:  # a compute group's member (it never pushes): where its group is
             info = {**info, "step": c.shard.steps.get(unit, 0),
                     "group_at": c.shard.samples.get(unit, 0)}
