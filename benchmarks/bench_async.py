@@ -11,6 +11,8 @@ and range. Run:
     .venv/bin/python benchmarks/bench_async.py --strategy async-sgd --workers 2 --repeats 5
     git archive main | tar -x -C /tmp/old
     .venv/bin/python benchmarks/bench_async.py --trees /tmp/old . --repeats 5
+    .venv/bin/python benchmarks/bench_async.py --strategy groups --workers 4 \
+        --flags "--groups 2 --elastic" --trees /tmp/old . --repeats 5
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shlex
 import statistics
 import subprocess
 import sys
@@ -34,7 +37,8 @@ def run(a: argparse.Namespace, tree: Path) -> float:
         subprocess.run([sys.executable, "-m", "shoal", "train", "--strategy", a.strategy,
                         "--model", a.model, "--dataset", a.dataset, "--workers", str(a.workers),
                         "--epochs", str(a.epochs), "--batch-size", str(a.batch),
-                        "--progress", "none", "--out", out], check=True, cwd=tree, env=env)
+                        "--progress", "none", "--out", out, *shlex.split(a.flags)],
+                       check=True, cwd=tree, env=env)
         records = [json.loads(line) for line in (Path(out) / "metrics.jsonl").read_text()
                    .splitlines()]
         summary = json.loads((Path(out) / "summary.json").read_text())
@@ -53,6 +57,8 @@ def main() -> None:
     p.add_argument("--epochs", type=int, default=6)
     p.add_argument("--batch", type=int, default=16, help="per worker")
     p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--flags", default="", help="more flags of shoal train, e.g. "
+                   "'--groups 2 --elastic'")
     p.add_argument("--trees", nargs="+", type=Path, default=[REPO],
                    help="source trees of shoal to alternate (default: this one)")
     a = p.parse_args()
@@ -63,7 +69,7 @@ def main() -> None:
             runs[tree].append(run(a, tree))
             print(f"repeat {k + 1}, {tree}: {runs[tree][-1]:,.0f} samples/s", flush=True)
     for tree, rates in runs.items():
-        print(f"{tree}: {a.strategy}, {a.model} on {a.dataset}, {a.workers} workers, batch "
+        print(f"{tree}: {a.strategy} {a.flags}, {a.model} on {a.dataset}, {a.workers} workers, batch "
               f"{a.batch}/worker: {statistics.median(rates):,.0f} samples/s (median of "
               f"{a.repeats}; {min(rates):,.0f}-{max(rates):,.0f}; runs "
               f"{', '.join(f'{r:,.0f}' for r in rates)})")
