@@ -177,7 +177,7 @@ def test_the_rest_of_an_epoch_after_a_loss():
 
 @pytest.mark.parametrize("args, expected", [
     (["--strategy", "groups", "--elastic", "--max-restarts", "1"],
-     "--elastic groups does not resume yet (--max-restarts)"),
+     "--elastic groups does not restart yet (--max-restarts)"),
     (["--record-samples"], "add --elastic"),
     (["--max-workers", "3"], "add --elastic"),
 ])

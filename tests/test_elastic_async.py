@@ -10,14 +10,13 @@ import json
 import pytest
 import torch
 
-from shoal.cli import main
+from shoal.cli import _changed_compute_groups
 from shoal.train.deal import Schedule, Slots, cut, deal
 
 from conftest import (
     EPOCHS,
     TRAIN_ROWS,
     assert_each_sample_once,
-    one_error_line,
     train_losing,
 )
 
@@ -177,14 +176,18 @@ def test_server_0_answers_each_join_request_in_turn():
     assert answers(2) == []  # nothing asked since
 
 
-def test_what_async_elastic_does_not_take_is_one_line(tmp_path, capsys):
-    code = main(["train", "--out", str(tmp_path / "run"), "--workers", "2", "--epochs", "1",
-                 "--dataset", "digits", "--elastic", "--strategy", "groups", "--resume",
-                 str(tmp_path / "checkpoint.pt")])
-    assert code == 2
-    assert "--elastic groups does not resume yet (--resume)" in one_error_line(
-        capsys.readouterr().err)
-    assert not (tmp_path / "run").exists()
+def test_a_sigterm_stop_line_says_how_to_go_on():
+    """After SIGTERM the launcher says how to go on: --resume, except from a run of compute
+    groups that lost a worker (its checkpoint does not resume yet: --init-from)."""
+
+    lost = [{"left": [1], "why": {"1": "killed"}}]
+    groups = {"strategy": "groups", "strategy_options": {"groups": 2}, "workers": 3}
+    assert _changed_compute_groups({**groups, "membership_changes": lost})
+    assert not _changed_compute_groups({**groups, "membership_changes": []})
+    # 2 groups of one worker each, one lost: its checkpoint resumes
+    assert not _changed_compute_groups({**groups, "workers": 1, "membership_changes": lost})
+    assert not _changed_compute_groups({**groups, "strategy": "async-msgd",
+                                        "membership_changes": lost})
 
 
 def test_another_server_follows_what_server_0_tells_it_and_nobody_else(monkeypatch):

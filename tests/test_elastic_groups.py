@@ -18,7 +18,13 @@ from shoal.strategies.registry import get_strategy
 from shoal.train.deal import Schedule, Slots, length
 from shoal.train.dealer import Dealer
 
-from conftest import EPOCHS, TRAIN_ROWS, assert_each_sample_once, train_losing
+from conftest import (
+    EPOCHS,
+    TRAIN_ROWS,
+    assert_each_sample_once,
+    one_error_line,
+    train_losing,
+)
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -166,3 +172,28 @@ def test_a_member_in_a_lost_leaders_place_takes_its_groups_schedule_and_deals():
     assert list(dealer.deals[-1]) == [1] and length(dealer.deals[-1][1]) == 2 * size[1] - 8
     dealer.take(1, {"kind": "adopt", "deal": len(dealer.deals), "epoch": 0, "offset": 20})
     assert length(dealer.schedules[1].rest(20)) == 2 * size[0] - 20 + 5 + 2 * size[1] - 8
+
+
+def test_an_elastic_groups_run_resumes_unless_its_groups_changed(tmp_path):
+    """Stopped at step 30 (a checkpoint) and resumed with one epoch more: each group goes on
+    from its leader's position (a member from its group's, its own schedule empty) and
+    walks its members' shards of the new epoch: every sample of every epoch once. A run
+    whose groups lost a worker before its checkpoint is refused at --resume, in one line."""
+    out = tmp_path / "run"
+    flags = ["--strategy", "groups", "--groups", "2", "--schedule", "constant"]
+    res = train_losing(out, 99, "train:1", *flags, "--stop-at-step", "30", workers=4)
+    assert res.returncode == 0, res.stderr
+    res = train_losing(out, 99, "train:1", *flags, "--resume", "--epochs", str(EPOCHS + 1),
+                       workers=4)
+    assert res.returncode == 0, res.stderr
+    assert json.loads((out / "summary.json").read_text())["epochs"] == EPOCHS + 1
+    assert_each_sample_once(out, EPOCHS + 1, TRAIN_ROWS)
+    changed = tmp_path / "changed"
+    res = train_losing(changed, 2, "train:20", *flags, "--stop-at-step", "30", workers=4)
+    assert res.returncode == 0, res.stderr
+    res = train_losing(changed, 2, "train:20", *flags, "--resume", workers=4)
+    assert res.returncode == 2
+    assert one_error_line(res.stderr) == (
+        "shoal: error: the checkpoint is of an --elastic run of compute groups that lost or "
+        "gained workers, which does not resume yet (one that did not does); start from it "
+        "with --init-from instead")

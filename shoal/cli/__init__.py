@@ -149,10 +149,25 @@ def _stopped_by_sigterm(summary: dict[str, Any] | None) -> bool:
     from shoal.core.stop import stop_requested
 
     if summary is not None and summary.get("stopped_by") == "SIGTERM":
+        go_on = "continue with the same command and --resume"
+        if _changed_compute_groups(summary):
+            go_on = ("an --elastic run of compute groups that lost or gained workers does not "
+                     "resume yet: start from it with --init-from")
         print(f"shoal: stopped by SIGTERM at step {summary['steps']}; the checkpoint is saved, "
-              "continue with the same command and --resume", file=sys.stderr, flush=True)
+              f"{go_on}", file=sys.stderr, flush=True)
         return True
     return summary is None and stop_requested()
+
+
+def _changed_compute_groups(summary: dict[str, Any]) -> bool:
+    """Whether ``summary`` is of a run of compute groups of several workers whose
+    membership changed (its checkpoint does not resume yet)."""
+    changes = summary.get("membership_changes") or []
+    if summary.get("strategy") != "groups" or not changes:
+        return False
+    started = summary["workers"] + sum(len(c.get("left", [])) - len(c.get("joined", []))
+                                       for c in changes)
+    return int((summary.get("strategy_options") or {}).get("groups", 1)) < started
 
 
 def _where() -> str:

@@ -44,6 +44,7 @@ class Dealer:
         self.slots = slots_of(cfg, n, workers)
         # A compute group (``groups``) walks one schedule, its first worker's: its members'
         # shards; the other members have none of their own (they are never dealt to).
+        self.groups = groups  # the compute groups' layout (a checkpoint holds it)
         groups = groups or tuple((w, w + 1) for w in range(workers))
         self.schedules = {w: Schedule.empty(cfg.epochs) for w in range(workers)}
         for first, end in groups:

@@ -83,7 +83,8 @@ class AsyncElastic(TakesDeals):
         payload = getattr(t.checkpointer, "elastic_payload", None)  # --resume
         if payload is not None:
             t.checkpointer.elastic_payload = None
-            self._go_on(rebuild(payload, workers, self.slots, t.cfg.epochs)[self.me])
+            # a compute group's members go on from its first's position, which is theirs
+            self._go_on(rebuild(payload, workers, self.slots, t.cfg.epochs)[self.unit])
 
     def state_dict(self) -> dict[str, int]:
         """This worker's position for a checkpoint: its block, the samples of it read, the

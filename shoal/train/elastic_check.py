@@ -11,7 +11,7 @@ from shoal.errors import ShoalError
 #: The strategies that take ``--elastic``: the synchronous and periodic ones (a re-formed
 #: group) and the asynchronous ones, whose server 0 deals a lost worker's rest
 #: (:mod:`shoal.train.elastic_async`; hogwild's server 0 is its coordinator; a compute
-#: group of ``groups`` is dealt to as one, and leaves whole when it loses a member).
+#: group of ``groups`` is dealt to as one, and re-forms when it loses a member).
 ASYNC_ELASTIC = ("async-sgd", "async-msgd", "async-easgd", "async-measgd", "hogwild-easgd",
                  "hogwild", "groups")
 ELASTIC = ("sync", "local-sgd", "easgd", "eamsgd", "diloco", *ASYNC_ELASTIC)
@@ -30,9 +30,9 @@ def check_elastic(cfg: TrainConfig) -> None:
     if cfg.strategy not in ELASTIC:
         raise ShoalError(f"--elastic works with {', '.join(ELASTIC)} (not yet with "
                          f"{cfg.strategy})")
-    if cfg.strategy == "groups" and (cfg.resume or cfg.max_restarts):
-        raise ShoalError(f"--elastic groups does not resume yet (--"
-                         f"{'resume' if cfg.resume else 'max-restarts'}): its compute groups' "
-                         "checkpoints are not kept; leave it out, or use async-msgd")
+    if cfg.strategy == "groups" and cfg.max_restarts:
+        raise ShoalError("--elastic groups does not restart yet (--max-restarts): a restart "
+                         "goes on from a checkpoint of compute groups that lost a worker; "
+                         "leave it out, or use async-msgd")
     if cfg.strategy in ASYNC_ELASTIC:
         return

@@ -142,10 +142,12 @@ class AsyncMembers:
                 f"worker {worker} stopped answering ({info.get('error', 'connection lost')})"
 
         counted = int(info.get("counted", 0))
-        if c.comm.attempt_store is not None:  # its compute group re-forms without it (and
+        # Its compute group re-forms without it; a lost leader's place is taken where this
+        # count is the group's.
+        if c.comm.attempt_store is not None:
             c.comm.attempt_store.set(gone_key(worker), json.dumps({"counted": counted}))
         c.own.pop(worker, None)  # its state is not one to resume: its rest was dealt
-        live = c.live - c.finals.keys()  # a lost leader's place taken where counts agree)
+        live = c.live - c.finals.keys()
         unit = self.dealer.unit_of(worker)
         if not self.dealer.heirs(unit, live):  # a group goes on: its members report
             self._account(unit, counted if unit == worker else self.dealer.lost_at[unit])

@@ -56,7 +56,8 @@ def dealer_state(dealer: Any, counts: dict[int, int], lost: dict[int, int], next
             "deals": dealer.deals, "adopted": {w: sorted(n) for w, n in dealer.adopted.items()},
             "giving": [g["pieces"] for g in dealer.giving.values()],
             "counts": counts, "lost": lost, "changes": dealer.changes, "next": next_id,
-            "accounted": accounted or {}, "first": first or {}}
+            "accounted": accounted or {}, "first": first or {},
+            "groups": [list(g) for g in dealer.groups]}
 
 
 def _segments(raw: Any) -> list[Segment]:
@@ -90,8 +91,14 @@ def positions_of(payload: dict[str, Any]) -> dict[int, dict[str, int]]:
 
 
 def check(payload: dict[str, Any], elastic: bool) -> None:
-    """One line where an asynchronous checkpoint cannot go on with or without ``--elastic``."""
+    """One line where an asynchronous checkpoint cannot go on with or without ``--elastic``
+    (nor, from an ``--elastic`` run of compute groups that lost or gained a worker, yet)."""
     part = (payload.get("coordinator") or {}).get("elastic")
+    if elastic and part is not None and part.get("changes") and \
+            any(end - first > 1 for first, end in part.get("groups", [])):
+        raise ShoalError("the checkpoint is of an --elastic run of compute groups that lost or "
+                         "gained workers, which does not resume yet (one that did not does); "
+                         "start from it with --init-from instead")
     if elastic and part is None:
         raise ShoalError("--elastic resumes an asynchronous run only from a checkpoint of an "
                          "--elastic run (its shares dealt); start from this one with "
@@ -101,11 +108,13 @@ def check(payload: dict[str, Any], elastic: bool) -> None:
                          "--elastic (its workers' shares were dealt)")
 
 
-def _extend(schedule: Schedule, worker: int, slots: Slots, epochs: int) -> Schedule:
-    """``schedule`` to ``epochs`` blocks (``--epochs`` grew): ``worker``'s own shard of each
-    new epoch (a joiner's: nothing)."""
-    size = slots.sizes[worker] if worker < len(slots.sizes) else 0
-    schedule.blocks += [[(e, worker, 0, size)] if size else []
+def _extend(schedule: Schedule, worker: int, slots: Slots, epochs: int, shards: int = 1
+            ) -> Schedule:
+    """``schedule`` to ``epochs`` blocks (``--epochs`` grew): the ``shards`` shards of each
+    new epoch from ``worker``'s on (its own; a compute group's members'; a joiner's and a
+    group member's: nothing)."""
+    own = [v for v in range(worker, worker + shards) if v < len(slots.sizes) and slots.sizes[v]]
+    schedule.blocks += [[(e, v, 0, slots.sizes[v]) for v in own]
                         for e in range(len(schedule.blocks), epochs)]
     return schedule
 
@@ -116,7 +125,12 @@ def rebuild(payload: dict[str, Any], workers: int, slots: Slots, epochs: int
     ``--elastic`` run, on its ``workers`` workers (``slots``: theirs), for ``epochs``."""
     part = payload["coordinator"]["elastic"]
     saved_schedules = {int(w): schedule_of(b) for w, b in part["schedules"].items()}
-    schedules = {w: _extend(schedule_of(s.blocks), w, slots, epochs)
+    # a compute group's schedule is its members' shards (``groups``: its first's), a
+    # member's none of its own
+    shards = {w: 1 for w in range(workers)} | {
+        w: (end - first if w == first else 0) for first, end in part.get("groups", [])
+        for w in range(first, end)}
+    schedules = {w: _extend(schedule_of(s.blocks), w, slots, epochs, shards.get(w, 1))
                  for w, s in saved_schedules.items()}
     deals = [{int(w): _segments(s) for w, s in d.items()} for d in part["deals"]]
     adopted = {int(w): set(n) for w, n in part["adopted"].items()}
@@ -147,7 +161,7 @@ def rebuild(payload: dict[str, Any], workers: int, slots: Slots, epochs: int
         count = int(part["lost"].get(w, part["counts"].get(w, 0)))
         head = _head(saved_schedules[w], count)
         last = max((e for e, b in enumerate(head.blocks) if b), default=0)
-        head = _extend(head, w, slots, epochs)
+        head = _extend(head, w, slots, epochs, shards.get(w, 1))
         epoch = min(max(last, recorded), epochs - 1)
         offset = count - head.start(epoch)
         starts[w] = Start(head, epoch, offset, count, count, back=True)
