@@ -49,7 +49,7 @@ from shoal.strategies import get_strategy, option_fields
 REPO = Path(__file__).resolve().parent.parent
 ROWS = 1437  # digits' training rows
 STALL_WINDOW = 40.0
-ASYNC = ("async-", "hogwild")  # strategies with a parameter server: rank 0 is server 0
+ASYNC = ("async-", "hogwild", "groups")  # with a parameter server: rank 0 is server 0
 
 
 def _servers(a: argparse.Namespace) -> int:
