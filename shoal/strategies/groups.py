@@ -24,7 +24,9 @@ Each group of several workers is its own process group (``ProcessGroupGloo`` on 
 prefix ``groups/<first>``, this process's default group), declared by :meth:`topology` and
 joined by the launch path before the strategy is built: a group's all-reduce and broadcast
 never touch another group. The worker's own :class:`~shoal.core.comm.Comm` has no peers
-(it meets the others through the servers); the group's is its ``subgroup``.
+(it meets the others through the servers); the group's is its ``subgroup``. Under
+``--elastic`` the group's collectives are voted meetings of a membership of its own, and
+the group re-forms from its members alive (:mod:`shoal.train.elastic_groups`).
 """
 
 from __future__ import annotations

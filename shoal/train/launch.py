@@ -172,8 +172,8 @@ def _say_left(comm: Comm, rank: int, why: str) -> None:
 
 def _left(comm: Comm, rank: int, why: str) -> None:
     """This rank's worker left the job (asked to by a ``--resume`` on fewer workers than the
-    checkpoint holds, or its compute group lost a member): the others read ``why`` in the
-    store and go on."""
+    checkpoint holds, or its compute group lost its leader in its exchange): the others
+    read ``why`` in the store and go on."""
     _say_left(comm, rank, why)
     comm.aborted = True  # nobody waits for it at the end
     comm.close("left")
