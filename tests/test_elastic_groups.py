@@ -29,17 +29,16 @@ from conftest import (
 pytestmark = pytest.mark.timeout(300)
 
 
-@pytest.mark.parametrize("workers, groups", [(3, 1), (4, 2)])
-def test_a_group_that_loses_a_member_goes_on_without_it(tmp_path, workers, groups):
+def test_a_group_that_loses_a_member_goes_on_without_it(tmp_path):
     """Worker 1 (rank 2: server 0 first), a member of group 0, kills itself at its 20th
     training forward, mid-epoch 1. Its group re-forms from the members alive and goes on:
     nothing is dealt, and the survivors split each group batch among them (3 workers in one
     group: workers 0 and 2 read halves of 48 rows, where they read thirds). The job's count
     of samples, the sum of what each worker says it read plus the rows the leader tells of
     the member lost, is then exact, and so is the leader's record of the group's samples."""
-    out = tmp_path / "run"
+    out, workers = tmp_path / "run", 3
     res = train_losing(out, 2, "train:20", "--schedule", "constant", "--strategy", "groups",
-                       "--groups", str(groups), workers=workers, timeout=240)
+                       "--groups", "1", workers=workers, timeout=240)
     assert res.returncode == 0, res.stderr
     assert res.stray == []
     assert "its compute group goes on without it, led by worker 0" in res.stderr
@@ -50,8 +49,7 @@ def test_a_group_that_loses_a_member_goes_on_without_it(tmp_path, workers, group
     assert change["step"] == 19 and change["epoch"] == 1
     assert change["samples_dealt_again"] == 0
     assert_each_sample_once(out, EPOCHS, TRAIN_ROWS)  # and summary["samples"] exact
-    leaders = ["worker0.jsonl"] + (["worker2.jsonl"] if groups == 2 else [])
-    assert sorted(p.name for p in (out / "samples").iterdir()) == leaders
+    assert sorted(p.name for p in (out / "samples").iterdir()) == ["worker0.jsonl"]
 
 
 @pytest.mark.parametrize("in_exchange", [False, True])
