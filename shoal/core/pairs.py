@@ -133,24 +133,12 @@ class Client(Protocol):
         """Leave the servers without a word, after a failure reported; never raises."""
 
 
-def peer_lost(exc: BaseException) -> str | None:
-    """Whether Gloo's error ``exc`` says a peer is gone: ``"silent"`` (nothing came within
-    the timeout), ``"closed"`` (its connection closed: killed, crashed or exited), else
-    ``None`` (an error of the program's)."""
+def _reason(exc: BaseException, peer: str, timeout: float) -> str:
     text = str(exc)
     if "Timed out" in text or "timed out" in text or "wait timeout" in text:
-        return "silent"
+        return f"{peer} sent nothing for {timeout:g} s (hung, stopped or too slow)"
     if "closed by peer" in text or "Connection reset" in text or "closure" in text \
             or "Broken pipe" in text or "EPIPE" in text:
-        return "closed"
-    return None
-
-
-def _reason(exc: BaseException, peer: str, timeout: float) -> str:
-    lost, text = peer_lost(exc), str(exc)
-    if lost == "silent":
-        return f"{peer} sent nothing for {timeout:g} s (hung, stopped or too slow)"
-    if lost == "closed":
         return f"{peer} closed the connection (killed, crashed or exited)"
     first = (text.strip().splitlines() or [type(exc).__name__])[0]
     return f"{peer}: {first[:200]}"
