@@ -58,16 +58,16 @@ def group_membership(comm: Any, group: Any, bounds: tuple[int, int], me: int, cf
 
 
 class Seat:
-    """A worker's place in its compute group (``[first, end)``) under ``--elastic``: its
-    index and the group's size as last formed, the members the current plan is split over
-    (:meth:`planned`), and, on the leader, the rows each member trained in each block. A
-    member lost mid-block never reports that block, so the leader tells server 0 its rows
-    of it (:meth:`tell_lost`) for the job's count of samples. A member that takes a lost
-    leader's place is the group's :attr:`first` from then on."""
+    """A worker's place in its compute group (``[first, end)``) under ``--elastic``: the
+    group's members as last formed (its size, this worker's index), those the current plan
+    is split over (:meth:`planned`), and the rows each member trained in each block (kept
+    by every member: any may come to lead). A member lost mid-block never reports that
+    block, so the leader tells server 0 its rows of it (:meth:`tell_lost`) for the job's
+    count of samples. A member that takes a lost leader's place is the group's
+    :attr:`first` from then on."""
 
     def __init__(self, strategy: Any, me: int, first: int, end: int) -> None:
         self.strategy, self.me, self.first, self.end = strategy, me, first, end
-        self.index, self.size = me - first, end - first
         self.members = self.split = list(range(first, end))
         self.moved = False  #: re-formed since the rest was planned: plan it anew
         self.rows: dict[int, dict[int, int]] = {}  # member -> block -> rows
@@ -77,11 +77,17 @@ class Seat:
         if self.size > 1:
             strategy.group.membership.listeners.append(self._regrouped)
 
+    @property
+    def size(self) -> int:
+        return len(self.members)
+
+    @property
+    def index(self) -> int:
+        return self.members.index(self.me)
+
     def _regrouped(self, lost: list[int], ranks: list[int]) -> None:
         """The group was re-formed without ``lost`` (its leader too, maybe)."""
-        group = self.strategy.group
-        self.index, self.size, self.moved = group.rank, group.world_size, True
-        self.members = list(group.membership.members)
+        self.members, self.moved = list(self.strategy.group.membership.members), True
         self.lost += lost
         if self.first in lost:
             self.orphaned = self.first
@@ -92,8 +98,7 @@ class Seat:
         self.moved, self.split = False, list(self.members)
 
     def read(self, rows: int, block: int) -> None:
-        """A group batch of ``rows`` of ``block`` trained, each member its part (kept by
-        every member: any may come to lead)."""
+        """A group batch of ``rows`` of ``block`` trained, each member its part."""
         if len(self.split) == 1:
             return
         for i, member in enumerate(self.split):

@@ -110,12 +110,13 @@ def check(payload: dict[str, Any], elastic: bool) -> None:
 
 def _extend(schedule: Schedule, worker: int, slots: Slots, epochs: int, shards: int = 1
             ) -> Schedule:
-    """``schedule`` to ``epochs`` blocks (``--epochs`` grew): the ``shards`` shards of each
-    new epoch from ``worker``'s on (its own; a compute group's members'; a joiner's and a
-    group member's: nothing)."""
-    own = [v for v in range(worker, worker + shards) if v < len(slots.sizes) and slots.sizes[v]]
-    schedule.blocks += [[(e, v, 0, slots.sizes[v]) for v in own]
-                        for e in range(len(schedule.blocks), epochs)]
+    """``schedule`` to ``epochs`` blocks (``--epochs`` grew): each new epoch's blocks of a
+    new :class:`Schedule` of ``worker`` and ``shards`` members (its own shard; a compute
+    group's members'; a joiner's and a group member's: nothing), empty shards left out."""
+    if worker >= len(slots.sizes):  # a joiner: it has no slot
+        shards = 0
+    new = Schedule(slots, worker, epochs, shards).blocks[len(schedule.blocks):]
+    schedule.blocks += [[s for s in block if s[3] > s[2]] for block in new]
     return schedule
 
 
@@ -127,9 +128,8 @@ def rebuild(payload: dict[str, Any], workers: int, slots: Slots, epochs: int
     saved_schedules = {int(w): schedule_of(b) for w, b in part["schedules"].items()}
     # a compute group's schedule is its members' shards (``groups``: its first's), a
     # member's none of its own
-    shards = {w: 1 for w in range(workers)} | {
-        w: (end - first if w == first else 0) for first, end in part.get("groups", [])
-        for w in range(first, end)}
+    shards = {w: (end - first if w == first else 0) for first, end in part.get("groups", [])
+              for w in range(first, end)}
     schedules = {w: _extend(schedule_of(s.blocks), w, slots, epochs, shards.get(w, 1))
                  for w, s in saved_schedules.items()}
     deals = [{int(w): _segments(s) for w, s in d.items()} for d in part["deals"]]
