@@ -367,6 +367,22 @@ def collapse_from(input_shape, num_classes):
     return _CollapseFrom(input_shape, num_classes)
 
 
+class _CollapseEverywhereFrom(_CollapseFrom):
+    """`collapse_from`, whose evaluations are at chance too once its training is (from its
+    ``SHOAL_TEST_COLLAPSE_AT``-th training forward on): a synchronous run collapsed at a known
+    step, whatever the CPU's arithmetic, where a real blow-up's path depends on it."""
+
+    def forward(self, x):
+        out = super().forward(x)
+        if not self.training and self.calls >= int(os.environ[self.at_key]):
+            return out * 0.0
+        return out
+
+
+def collapse_everywhere_from(input_shape, num_classes):
+    return _CollapseEverywhereFrom(input_shape, num_classes)
+
+
 
 class _SlowStart(nn.Module):
     """`tiny`, whose move to its device (a trainer's first touch of it, in the rank's own
