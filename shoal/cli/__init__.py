@@ -16,7 +16,14 @@ import traceback
 from collections.abc import Sequence
 from typing import Any
 
-from shoal.cli.early import run_forked, start_server_early, stop_server
+from shoal.cli.early import (
+    adopt_job_processes,
+    end_job_processes,
+    run_forked,
+    runs_a_job,
+    start_server_early,
+    stop_server,
+)
 from shoal.cli.parsers import build_parser, command_of
 from shoal.cli.settings import config_from_args
 from shoal.core.guard import skip_exit_collection
@@ -237,6 +244,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     if own:
         skip_exit_collection()
     argv = list(sys.argv[1:] if argv is None else argv)
+    job = own and runs_a_job(argv)
+    if job:
+        adopt_job_processes()
     early = own and start_server_early(argv)
     try:
         code = run_forked(argv) if early else None
@@ -244,6 +254,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     finally:
         if early:
             stop_server()
+        if job:
+            end_job_processes()
 
 
 def _main(argv: list[str]) -> int:

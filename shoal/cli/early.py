@@ -20,6 +20,7 @@ import signal
 import sys
 from collections.abc import Sequence
 
+from shoal.core.descendants import adopt_orphans, end_descendants
 from shoal.core.env import detect_environment
 from shoal.core.guard import guarded_name, name_thread, skip_exit_collection
 from shoal.core.starting import (
@@ -29,6 +30,8 @@ from shoal.core.starting import (
     server_address,
     start_guarded,
     stop_server,
+    stop_tracker,
+    tracker_pid,
 )
 from shoal.errors import ShoalError
 
@@ -107,6 +110,29 @@ def start_server_early(argv: Sequence[str]) -> bool:
     return True
 
 
+def runs_a_job(argv: Sequence[str]) -> bool:
+    """Whether ``argv`` is a command that runs a job (``train``, ``run``, ``join``, here or
+    as a rank of an outside launcher): its process adopts the orphans below it and ends
+    them with the job (:func:`adopt_job_processes`, :func:`end_job_processes`)."""
+    return bool(argv) and argv[0] in COMMANDS
+
+
+def adopt_job_processes() -> None:
+    """Before anything starts: every process the job starts, and every process those
+    start (a user's script's, double-forked or not), stays below this one
+    (:mod:`shoal.core.descendants`)."""
+    adopt_orphans()
+
+
+def end_job_processes() -> None:
+    """At the command's end, whatever ends it but SIGKILL: end every process still below
+    this one (a user's script's children, the orphans it adopted), then multiprocessing's
+    resource tracker (which ignores SIGTERM, and unlinks what was left registered)."""
+    tracker = tracker_pid()
+    end_descendants(spare=() if tracker is None else (tracker,))
+    stop_tracker()
+
+
 def _forked_command(argv: list[str], address: str) -> None:
     """The command ``argv``, in a process forked from the server at ``address``, whose
     workers that server forks too; exits with the command's status."""
@@ -161,4 +187,5 @@ def run_forked(argv: list[str]) -> int | None:
     return code if code >= 0 else 128 - code
 
 
-__all__ = ["COMMANDS", "command_name", "run_forked", "start_server_early", "stop_server", "wants_workers"]
+__all__ = ["COMMANDS", "adopt_job_processes", "command_name", "end_job_processes", "run_forked",
+           "runs_a_job", "start_server_early", "stop_server", "wants_workers"]

@@ -32,6 +32,7 @@ import os
 import signal
 import sys
 import threading
+import time
 import types
 from collections.abc import Callable, Sequence
 from multiprocessing import popen_forkserver
@@ -187,6 +188,29 @@ def stop_server() -> None:
         os.kill(pid, signal.SIGKILL)
     with contextlib.suppress(OSError):
         server._stop()  # closes this end of its pipe, reaps it, removes its socket
+
+
+def stop_tracker(timeout: float = 5.0) -> None:
+    """End multiprocessing's resource tracker, if this process started it: it unlinks what
+    the processes it served left registered, then exits, once no process holds its pipe
+    (this one lets go of its end here; the job's have ended). Waits ``timeout`` seconds
+    at most."""
+    tracker = mp.resource_tracker._resource_tracker  # type: ignore[attr-defined]
+    fd, pid = getattr(tracker, "_fd", None), getattr(tracker, "_pid", None)
+    if fd is None or pid is None:
+        return
+    tracker._fd = tracker._pid = None
+    with contextlib.suppress(OSError):
+        os.close(fd)
+    deadline = time.monotonic() + timeout
+    with contextlib.suppress(ChildProcessError):
+        while os.waitpid(pid, os.WNOHANG)[0] == 0 and time.monotonic() < deadline:
+            time.sleep(0.01)
+
+
+def tracker_pid() -> int | None:
+    """The pid of the resource tracker this process started, or ``None``."""
+    return getattr(mp.resource_tracker._resource_tracker, "_pid", None)  # type: ignore[attr-defined]
 
 
 class _Streams:
