@@ -14,7 +14,7 @@ import os
 import re
 import socket
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from shoal.core.guard import die_with_launcher
@@ -44,6 +44,9 @@ class Environment:
     attempt: int = 0
     #: Where shoal's own launcher reads the ranks' failure reports (``None``: no such launcher).
     error_dir: str | None = None
+    #: The job's secret (hex) that seals its store, where shoal's own launcher made it
+    #: (:mod:`shoal.core.secret`); never shown.
+    secret: str | None = field(default=None, repr=False, compare=False)
 
     def export(self) -> None:
         """Set the variables torch.distributed's ``env://`` rendezvous reads (for user code

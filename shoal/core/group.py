@@ -16,6 +16,8 @@ import torch.distributed as dist
 
 from shoal.core.env import Environment
 from shoal.core.processes import loopback_gloo_interface
+from shoal.core.sealed import SealedStore, kept
+from shoal.core.secret import job_secret
 from shoal.core.sockets import opened
 from shoal.core.waits import ended_key, key_prefix
 from shoal.errors import JobError, ShoalError
@@ -28,23 +30,24 @@ DEFAULT_SOCKETS: set[int] = set()
 def job_store(env: Environment, timeout: float) -> dist.Store:
     """The job's store as ``env`` describes it, as torch's ``env://`` rendezvous makes it: a
     client of the store the launcher serves (``env.agent_store``), else rank 0 serves it and
-    the others are its clients."""
+    the others are its clients; sealed with the job's secret (:mod:`shoal.core.sealed`)."""
     serve = env.rank == 0 and not env.agent_store
+    secret = job_secret(env)
     try:
-        return dist.TCPStore(env.master_addr, env.master_port, env.world_size, serve,
-                             timeout=timedelta(seconds=timeout), multi_tenant=not env.agent_store)
+        inner = dist.TCPStore(env.master_addr, env.master_port, env.world_size, serve,
+                              timeout=timedelta(seconds=timeout), multi_tenant=not env.agent_store)
     except (RuntimeError, ValueError) as exc:
         raise ShoalError(f"could not reach the job's store at {env.master_addr}:{env.master_port} "
                          f"as rank {env.rank} of {env.world_size}: {exc}") from exc
+    return kept(SealedStore(inner, secret))
 
 
 def own_client(store: dist.Store, attempt: int) -> dist.Store:
     """A client of its own of the job's ``store`` (under ``attempt``'s key prefix), for a
-    thread that must never queue behind another's call; ``store`` itself when it is not a
-    TCP store."""
-    if isinstance(store, dist.TCPStore):
-        store = dist.TCPStore(store.host, store.port, None, False,
-                              timeout=timedelta(seconds=30), wait_for_workers=False)
+    thread that must never queue behind another's call; ``store`` itself when it is not the
+    job's sealed store."""
+    if isinstance(store, SealedStore):
+        store = store.client(timeout=30)
     return dist.PrefixStore(key_prefix(attempt), store)
 
 

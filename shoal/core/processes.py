@@ -38,17 +38,22 @@ from shoal.core.waits import ended_key, key_prefix, members_now, say_gone
 from shoal.errors import ShoalError, Terminated, WorkerError
 
 
-def loopback_store(timeout: float) -> Any:
-    """A TCPStore served by this process that listens on 127.0.0.1 only.
+def loopback_store(timeout: float, secret: bytes | None = None) -> Any:
+    """A TCPStore served by this process that listens on 127.0.0.1 only, sealed with
+    ``secret`` (a fresh one when ``None``; :mod:`shoal.core.sealed`).
 
     ``torch.distributed.TCPStore`` binds its server to every interface whatever host name it
     is given, so a job on one machine would take commands (``shoal/abort``) from anyone who
     can reach it. Here the listening socket is bound to loopback first and handed over
-    (``master_listen_fd``); the store owns and closes it.
+    (``master_listen_fd``); the store owns and closes it. The seal keeps the other users of
+    this machine, who can reach loopback, from reading or addressing any key.
     """
+    import secrets
     from datetime import timedelta
 
     import torch.distributed as dist
+
+    from shoal.core.sealed import SealedStore
 
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     try:
@@ -57,8 +62,9 @@ def loopback_store(timeout: float) -> Any:
     except BaseException:
         sock.close()
         raise
-    return dist.TCPStore("127.0.0.1", 0, None, True, timeout=timedelta(seconds=timeout),
-                         wait_for_workers=False, master_listen_fd=sock.detach())
+    inner = dist.TCPStore("127.0.0.1", 0, None, True, timeout=timedelta(seconds=timeout),
+                          wait_for_workers=False, master_listen_fd=sock.detach())
+    return SealedStore(inner, secret or secrets.token_bytes(32))
 
 
 def loopback_gloo_interface() -> str | None:
@@ -177,6 +183,7 @@ def spawn(
     grace: float = 2.0,
     tolerate: Callable[[int], bool] | None = None,
     on_store: Callable[[int], None] | None = None,
+    secret: bytes | None = None,
 ) -> list[Any]:
     """Run ``target(*args)`` in ``world_size`` fresh processes joined as one job on this machine.
 
@@ -187,11 +194,13 @@ def spawn(
     as :func:`_supervise` says (``grace``, ``tolerate``). SIGTERM to this process (on the main
     thread) is passed on to the workers and sets :func:`stop_requested` (training checkpoints
     and stops); while they start, it stops them and raises :class:`~shoal.errors.Terminated`.
-    ``on_store(port)``: told the store's port before any rank starts (where joiners find it)."""
+    ``on_store(port)``: told the store's port before any rank starts (where joiners find it).
+    ``secret``: the job's (a fresh one when ``None``), which seals its store; the ranks get
+    it in their :class:`~shoal.core.env.Environment`."""
     job = _pack_job(world_size, target, args)
     # Served by the launcher (on loopback only, see loopback_store): it outlives any
     # worker, so a dead or stopped rank 0 cannot take the rendezvous with it.
-    store = loopback_store(timeout=60.0)
+    store = loopback_store(timeout=60.0, secret=secret)
     port = store.port
     if on_store is not None:
         on_store(port)
@@ -211,7 +220,8 @@ def spawn(
     previous = signal.signal(signal.SIGTERM, forward_sigterm) if on_main else None
     try:
         _start_ranks(procs, Environment(0, world_size, 0, world_size, "127.0.0.1", port, "local",
-                                        agent_store=True, error_dir=errdir), job, sigterm)
+                                        agent_store=True, error_dir=errdir,
+                                        secret=store.secret_hex), job, sigterm)
         if STOP.is_set():  # a SIGTERM that came before this call
             forward_sigterm(signal.SIGTERM, None)
         try:

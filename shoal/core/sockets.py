@@ -24,6 +24,8 @@ from typing import Any
 
 import torch.distributed as dist
 
+from shoal.core.sealed import SealedStore
+
 LISTEN = "0A"  # a listening socket's state in /proc/net/tcp
 
 
@@ -55,10 +57,11 @@ def connections() -> dict[int, tuple[int, int]]:
 
 
 def store_port(store: Any) -> int | None:
-    """The TCP port of the store under ``store`` (through its prefixes), if it is a TCPStore."""
+    """The TCP port of the store under ``store`` (through its prefixes), if it is a TCPStore
+    (sealed or not)."""
     while isinstance(store, dist.PrefixStore):
         store = store.underlying_store
-    return int(store.port) if isinstance(store, dist.TCPStore) else None
+    return int(store.port) if isinstance(store, (dist.TCPStore, SealedStore)) else None
 
 
 @contextlib.contextmanager

@@ -23,9 +23,10 @@ from pathlib import Path
 from shoal.core.files import describe_stat
 from shoal.errors import ShoalError
 
-#: The environment variable that hands a session's secret to the processes it starts
-#: (an environment is readable by its owner only, unlike a command line).
-SEAL_KEY_VAR = "SHOAL_SESSION_KEY"
+#: The environment variable that hands a session's or job's secret to the processes it
+#: starts (an environment is readable by its owner only, unlike a command line); the same
+#: one a user gives a job's ranks (:mod:`shoal.core.secret`).
+SEAL_KEY_VAR = "SHOAL_SECRET"
 
 
 def check_private_dir(path: Path, what: str = "folder") -> None:

@@ -23,6 +23,7 @@ from shoal.core.env import Environment
 from shoal.core.failures import EXIT_ABORTED, first_line, record_for
 from shoal.core.group import own_client
 from shoal.core.guard import name_thread
+from shoal.core.sealed import SealedStore
 from shoal.core.waits import Waits, beat
 
 ABORT_KEY = "abort"
@@ -68,7 +69,7 @@ class Watchdog:
         self._waits = waits  # this rank's collectives, and what to make of a long wait
         self._judge = judge_peers  # False (elastic): beat, but end nothing for a lost peer
         self._store = store
-        if isinstance(store, dist.TCPStore):
+        if isinstance(store, (dist.TCPStore, SealedStore)):
             self._address = f"{store.host}:{store.port}"
         else:
             self._address = f"{env.master_addr}:{env.master_port}"

@@ -109,14 +109,15 @@ class ParallelSession:
 
     # -- start and stop ---------------------------------------------------------------------
     def _start(self, device: str, worker_main: Callable[..., None]) -> None:
-        # Bound to 127.0.0.1: a plain TCPStore listens on every interface, unauthenticated.
+        # Bound to 127.0.0.1 (a plain TCPStore listens on every interface) and sealed with a
+        # fresh secret, which the workers get with their arguments.
         self._store = loopback_store(max(self.timeout, 60.0))
         # Not daemonic, so a function may start processes of its own (a DataLoader's workers);
         # close() runs at exit and PR_SET_PDEATHSIG covers a controller that dies outright.
         # Workers never run the caller's main program: functions reach them by value.
         self.pool.start(worker_main, range(1, self.world_size),
                         (self.world_size, self._store.port, device, self.timeout, self.threads,
-                         self.trace is not None), name="shoal-worker")
+                         self.trace is not None, self._store.secret_hex), name="shoal-worker")
         # Wait until every worker has imported torch (a dead one shows at once), then join.
         # Starting is allowed a minute even under a short call timeout: a loaded machine
         # can take that long to import torch in n processes.

@@ -109,9 +109,10 @@ class Worker:
 
 
 def worker_main(conn: Any, rank: int, world_size: int, port: int, device: str, timeout: float,
-                threads: int, trace: bool) -> None:
+                threads: int, trace: bool, secret: str) -> None:
     """Entry point of a spawned worker (rank >= 1; ``conn``: its pipe in the session's pool);
-    with ``trace`` it keeps its spans and sends them to the controller when told to close."""
+    with ``trace`` it keeps its spans and sends them to the controller when told to close;
+    ``secret``: the session's, which seals its store."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the controller's to handle
     torch.set_num_threads(threads)
     dev = torch.device("cpu")
@@ -123,7 +124,7 @@ def worker_main(conn: Any, rank: int, world_size: int, port: int, device: str, t
     conn.send_bytes(b"ready")
     # A client of the store the controller serves on loopback.
     store = job_store(Environment(rank=rank, world_size=world_size, master_addr="127.0.0.1",
-                                  master_port=port), max(timeout, 60.0))
+                                  master_port=port, secret=secret), max(timeout, 60.0))
     # This process is ours: Gloo listens on loopback only, whatever the controller's user set.
     with loopback_gloo():
         join_group(store, rank, world_size, device, timeout, where="the parallel session")

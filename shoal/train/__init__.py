@@ -117,9 +117,11 @@ def _run_with_restarts(cfg: TrainConfig, topology: Topology, data: Dataset | Non
     ``stay``: the workers that go on, the others leaving at their first meeting;
     ``before``: the membership changes of the checkpoint resumed (:mod:`shoal.train.growth`)."""
     attempt_cfg, attempt, restarts, joiners = cfg, topology, [], []
-    # --elastic: the job's join secret, which only its workers and its user's ``shoal join``
-    # learn (through the job file, shoal.train.jobfile).
-    seal = Seal() if cfg.elastic and data is None else None
+    # The job's secret: it seals the job's store, and under --elastic proves its joiners,
+    # which only its workers and its user's ``shoal join`` learn (through the job file,
+    # shoal.train.jobfile).
+    secret = Seal()
+    seal = secret if cfg.elastic and data is None else None
 
     def on_store(port: int, workers: int) -> None:
         publish(cfg, port, seal.key_hex, workers, first_id=first_joiner_id(attempt_cfg))
@@ -132,7 +134,8 @@ def _run_with_restarts(cfg: TrainConfig, topology: Topology, data: Dataset | Non
             results = spawn(attempt.world_size, _spawned_rank,
                             (attempt_cfg, attempt, data, extra, seal and seal.key_hex, stay),
                             tolerate=lambda rank: _tolerated(cfg, topology, rank),
-                            on_store=seal and (lambda port, n=attempt.workers: on_store(port, n)))
+                            on_store=seal and (lambda port, n=attempt.workers: on_store(port, n)),
+                            secret=bytes.fromhex(secret.key_hex))
             summary = _summary(cfg, topology, results, since)
             return summary
         except WorkerError as exc:

@@ -9,7 +9,8 @@ and the file are its user's own, not links, and readable by nobody else (:func:`
 every other case is one line naming it: no job, a finished one, one without ``--elastic``.
 
 Under torchrun there is no launcher of shoal's to make the secret: its user gives the same
-one to every rank and to ``shoal join`` in :data:`JOIN_SECRET_VAR` (:func:`join_secret`), and
+one to every rank and to ``shoal join`` in :data:`JOIN_SECRET_VAR` (:func:`join_secret`; the
+secret that seals the job's store, :mod:`shoal.core.secret`), and
 rank 0's keeper publishes the job file without it (the torchrun store's address and the
 attempt's key prefix; the keeper's pid stands for the launcher's), and the same document in
 the job's store, signed with the secret (:func:`publish_in_store`), for a joiner on a host
@@ -30,34 +31,25 @@ from typing import Any
 
 from shoal.config import TrainConfig
 from shoal.core.files import atomic_write, describe_stat
+from shoal.core.secret import SECRET_VAR, given_secret
 from shoal.core.trust import Seal, check_private_dir, open_own, private_dir
 from shoal.errors import ShoalError
 
 FOLDER, NAME = ".shoal-join", "job.json"
 #: A torchrun job's document in its store (:func:`publish_in_store`), and what its tag signs.
 STORE_KEY, _SIGNED = "shoal/job", b"shoal-job"
-#: Under torchrun: the job's join secret, hex (16 bytes at least), given to every rank and to
-#: ``shoal join`` by their user.
-JOIN_SECRET_VAR = "SHOAL_JOIN_SECRET"
+#: Under torchrun: the job's secret, hex (16 bytes at least), given to every rank and to
+#: ``shoal join`` by their user: the one that seals the job's store (:mod:`shoal.core.secret`).
+JOIN_SECRET_VAR = SECRET_VAR
 MAX_BYTES = 1 << 20  # a job file is a few kB; anything larger is not one of shoal's
 MAX_WORKER_ID = 1 << 31  # a worker id becomes a rank (a C int in torch.distributed)
 
 
 def join_secret() -> str | None:
-    """The join secret (hex) in :data:`JOIN_SECRET_VAR`, ``None`` when unset; a one-line
-    error when it is too short or not hex."""
-    value = os.environ.get(JOIN_SECRET_VAR)
-    if value is None:
-        return None
-    try:
-        key = bytes.fromhex(value.strip())
-    except ValueError:
-        key = b""
-    if len(key) < 16:
-        raise ShoalError(f"{JOIN_SECRET_VAR} must be a secret of at least 32 hex digits, the "
-                         "same for every rank and shoal join (python -c 'import secrets; "
-                         "print(secrets.token_hex(32))' makes one)")
-    return key.hex()
+    """The job's secret (hex) its user gave in :data:`JOIN_SECRET_VAR` (or its older name),
+    ``None`` when unset; a one-line error when it is too short or not hex."""
+    key = given_secret()
+    return None if key is None else key.hex()
 
 
 def publish(cfg: TrainConfig, port: int, key: str | None, workers: int, *,

@@ -31,7 +31,7 @@ from shoal.core.processes import loopback_gloo_interface
 from shoal.core.stop import Leaving, leave_on_sigterm
 from shoal.core.waits import ELASTIC, ended_key, key_prefix, members_now, say_finished
 from shoal.errors import JobError, ShoalError
-from shoal.train.jobfile import read_job, read_job_in_store
+from shoal.train.jobfile import JOIN_SECRET_VAR, join_secret, read_job, read_job_in_store
 from shoal.train.joiner_async import job_servers, joiner_place, run_async_worker
 
 #: Seconds a joiner waits for the job's store to take its connection: a live one answers at
@@ -51,7 +51,7 @@ def join_job(out: Path | None, at: str | None = None,
                          "both")
     if at is not None:
         host, port = _address(at)
-        store = _store({"address": host, "port": port}, timeout=10.0)
+        store = _store({"address": host, "port": port, "key": join_secret()}, timeout=10.0)
         job, where = read_job_in_store(store, host, port), f"at {at}"
     else:
         job, where = read_job(out), f"in {out}"
@@ -95,15 +95,22 @@ def join_job(out: Path | None, at: str | None = None,
 
 
 def _store(job: dict[str, Any], timeout: float) -> Any:
-    """A client of the job's store whose calls wait up to ``timeout`` seconds, or a one-line
-    error when the store does not take the connection within :data:`CONNECT_TIMEOUT` (the
-    job ended: a client would retry for all of ``timeout``)."""
+    """A client of the job's store, sealed with its secret (``job["key"]``), whose calls wait
+    up to ``timeout`` seconds, or a one-line error when the store does not take the
+    connection within :data:`CONNECT_TIMEOUT` (the job ended: a client would retry for all
+    of ``timeout``) or no secret is given."""
     import torch.distributed as dist
 
+    from shoal.core.sealed import SealedStore, kept
+
+    if job["key"] is None:
+        raise ShoalError(f"shoal join --store needs the job's secret in {JOIN_SECRET_VAR} (the "
+                         "one its ranks have)")
     try:
-        store = dist.TCPStore(job["address"], job["port"], None, False,
+        inner = dist.TCPStore(job["address"], job["port"], None, False,
                               timeout=timedelta(seconds=min(timeout, CONNECT_TIMEOUT)),
                               wait_for_workers=False)
+        store = kept(SealedStore(inner, bytes.fromhex(job["key"])))
         store.set_timeout(timedelta(seconds=timeout))
         return store
     except (RuntimeError, ValueError) as exc:
