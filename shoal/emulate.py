@@ -29,6 +29,7 @@ import argparse
 import contextlib
 import os
 import re
+import secrets
 import shutil
 import signal
 import subprocess
@@ -47,7 +48,7 @@ from shoal.core.env import NODE_CORES
 from shoal.core.guard import after_death, guarded_command
 from shoal.core.hostspec import burst_bytes, link_rates, rate_bits, slow_hosts
 from shoal.core.limits import check_processes
-from shoal.core.trust import open_own
+from shoal.core.trust import SEAL_KEY_VAR, open_own
 from shoal.errors import ShoalError
 
 #: Every namespace this module creates starts with this.
@@ -266,7 +267,8 @@ class Cluster:
 
         ``program`` is what follows torchrun's own options (``-m shoal train ...``). ``env``
         reaches every node's processes through their environment (not their command line,
-        which anyone on the machine can read). Output goes to ``log`` when given (else to
+        which anyone on the machine can read), with the job's secret (``SHOAL_SECRET``, a fresh
+        one unless this process has one). Output goes to ``log`` when given (else to
         this process's), appended, never through a symbolic link. When a node fails, the
         others are stopped; nothing outlives this call, and nothing outlives this process
         (each host's torchrun dies with it, see :mod:`shoal.core.guard`).
@@ -275,6 +277,8 @@ class Cluster:
         check_processes(f"{self.hosts} emulated hosts x {nproc_per_node} workers",
                         self.hosts * (1 + nproc_per_node))
         run_id = uuid.uuid4().hex[:8]
+        # The job's secret (shoal.core.secret), fresh unless given: the hosts share no key file.
+        env = {SEAL_KEY_VAR: os.environ.get(SEAL_KEY_VAR) or secrets.token_hex(32), **(env or {})}
         procs: list[subprocess.Popen] = []
         out = os.fdopen(open_own(log, os.O_WRONLY | os.O_APPEND | os.O_CREAT), "ab") \
             if log is not None else None

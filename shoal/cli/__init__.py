@@ -27,6 +27,7 @@ from shoal.cli.early import (
 from shoal.cli.parsers import build_parser, command_of
 from shoal.cli.settings import config_from_args
 from shoal.core.guard import skip_exit_collection
+from shoal.core.secret import use_secret_file
 from shoal.errors import ShoalError, Terminated, WorkerError
 from shoal.schema import parse_names
 
@@ -267,6 +268,8 @@ def _main(argv: list[str]) -> int:
         if extra:  # the subcommand's own help knows its flags
             command = f"shoal {args.command}" if args.command else "shoal"
             raise ShoalError(f"unrecognized arguments: {' '.join(extra)} (see {command} --help)")
+        if args.command in ("train", "plan", "join", "run") and args.secret_file is not None:
+            use_secret_file(args.secret_file)  # the job's processes find it in SHOAL_SECRET
         if args.command == "train":
             return _train(args)
         if args.command == "plan":

@@ -121,9 +121,18 @@ def _add_train_flags(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
             _add_strategy_options(group)
         elif f.metadata.get("flag", True):
             add_flag(group, f, hints[f.name])
+    _add_secret_flag(p)
     p.add_argument("--debug", action="store_true", default=argparse.SUPPRESS,
                    help="show tracebacks of errors")
     return p
+
+
+def _add_secret_flag(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--secret-file", metavar="PATH", default=None,
+                   help="a file only you can read holding the job's secret (hex), which seals "
+                        "its store: the same for every rank (torchrun, srun, mpirun) and "
+                        "shoal join; default: SHOAL_SECRET, else shoal's launcher makes one "
+                        "(docs/launching.md#security)")
 
 
 def _bench_parser(sub: Any) -> argparse.ArgumentParser:
@@ -235,7 +244,9 @@ def _join_parser(sub: Any) -> argparse.ArgumentParser:
     p.add_argument("--store", metavar="HOST:PORT", default=None,
                    help="instead of OUT: the store of a torchrun, srun or mpirun job, as its "
                         "rank 0 prints it (a "
-                        "host that does not see OUT; the secret in SHOAL_JOIN_SECRET)")
+                        "host that does not see OUT; the secret in SHOAL_SECRET or "
+                        "--secret-file)")
+    _add_secret_flag(p)
     p.add_argument("--debug", action="store_true", default=argparse.SUPPRESS,
                    help="show tracebacks of errors")
     return p
@@ -256,6 +267,7 @@ def _run_parser(sub: Any) -> argparse.ArgumentParser:
                    help="intra-op threads per worker (default: cores // workers)")
     p.add_argument("-m", dest="module", action="store_true",
                    help="the target is a module, run as `python -m MODULE` would")
+    _add_secret_flag(p)
     p.add_argument("--debug", action="store_true", default=argparse.SUPPRESS,
                    help="show tracebacks of errors")
     # REMAINDER: the script's own flags (even --workers or --debug) are the script's.

@@ -33,7 +33,7 @@ def config_from_args(args: argparse.Namespace) -> Any:
         if key.startswith("opt_"):
             options[key[4:]] = value
             from_file.discard(key[4:])
-        elif key not in ("command", "config", "debug"):
+        elif key not in ("command", "config", "debug", "secret_file"):
             values[key] = value
             from_file.discard(key)
     values["strategy_options"] = options
