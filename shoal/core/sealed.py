@@ -12,7 +12,8 @@ them all go through it, and no call site changes:
 - a *value* is stored as ``MAGIC + tag + nonce + value``, the tag an HMAC of the logical key,
   the nonce and the value. A value that does not verify (written by someone without the
   secret, or written for another key) is ignored and reported once per key
-  (:func:`forged_line`, through :mod:`logging`); a read waits on for a sealed one, up to the
+  (:func:`forged_line`, through :mod:`logging`, by the first process of the job that meets
+  it); a read waits on for a sealed one, up to the
   store's timeout, so the job goes on;
 - a value this process saw superseded for its key is a *replay*: ignored the same way
   (:class:`Seen`, shared by every client of the store in this process).
@@ -49,6 +50,8 @@ POLL_S = 0.05
 #: Keys whose accepted tags are remembered (the least recently read forgotten first), and tags
 #: remembered per key.
 REMEMBERED_KEYS, REMEMBERED_TAGS = 1 << 16, 16
+#: Where the job counts the processes that met a forged value of a key (under its name).
+REPORTED = "\0reported"
 #: Clients made here, kept alive (see the module's docstring).
 _CLIENTS: list[SealedStore] = []
 
@@ -63,8 +66,8 @@ def _bytes(value: str | bytes | bytearray) -> bytes:
 
 
 class Seen:
-    """What this process accepted of each key (its values' tags, newest last) and which keys
-    it reported: a value superseded by a newer one is a replay."""
+    """What this process accepted of each key (its values' tags, newest last) and the keys
+    whose forged values it met: a value superseded by a newer one is a replay."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
@@ -87,13 +90,13 @@ class Seen:
                 self._tags.popitem(last=False)
             return True
 
-    def report(self, key: str) -> None:
-        """Say once per key that a value of ``key`` was ignored."""
+    def first(self, key: str) -> bool:
+        """Whether this is the first value of ``key`` ignored in this process."""
         with self._lock:
             if key in self._reported:
-                return
+                return False
             self._reported.add(key)
-        log.warning(forged_line(key))
+            return True
 
 
 class SealedStore(dist.Store):
@@ -163,8 +166,20 @@ class SealedStore(dist.Store):
             if self._values.check(tag, key.encode(), b"\0", body[:NONCE_BYTES],
                                   body[NONCE_BYTES:]) and self._seen.accept(key, tag):
                 return body[NONCE_BYTES:]
-        self._seen.report(key)
+        self._report(key)
         return None
+
+    def _report(self, key: str) -> None:
+        """Say once per job that a value of ``key`` was ignored: the first process of the job
+        to meet one (a counter in the store) says it."""
+        if not self._seen.first(key):
+            return
+        try:
+            first = self._inner.add(self.name(f"{REPORTED}/{key}"), 1) == 1
+        except RuntimeError:  # the store is going away: say it here
+            first = True
+        if first:
+            log.warning(forged_line(key))
 
     def _peek(self, name: str) -> bytes | None:
         """What the TCPStore holds under ``name`` now (``None``: nothing), without waiting: a
