@@ -198,14 +198,15 @@ def test_a_worker_joins_a_torchrun_job_with_the_secret_its_ranks_have(held, monk
     code, err = join_here(job.out)
     assert code == 2 and one_error_line(err) == (
         f"shoal: error: the job in {job.out} runs under torchrun, srun or mpirun: give shoal "
-        "join the secret its ranks have, in SHOAL_JOIN_SECRET")
+        "join the secret its ranks have, in SHOAL_SECRET")
     [said] = [line for line in job.lines if "shoal join --store " in line]
     at = said.split("shoal join --store ")[1].split(")")[0]
     monkeypatch.setenv("SHOAL_JOIN_SECRET", "a5" * 32)
     code, err = join_here("--store", at)
-    assert code == 2 and one_error_line(err) == (
-        f"shoal: error: the job in the store at {at} is not signed with the secret in "
-        "SHOAL_JOIN_SECRET (another job's secret?); not trusted")
+    assert code == 2 and one_error_line(err) == (  # the store is sealed with the ranks' secret
+        f"shoal: error: the store at {at} holds no shoal job that takes joiners under the "
+        "secret in SHOAL_SECRET (another job's secret? its ranks need the same; rank 0 says "
+        "where it takes joiners)")
     (job.out / ".shoal-join" / "job.json").unlink()  # as on a host that does not see OUT
     joined = shoal("join", "--store", at, env={**env, "SHOAL_JOIN_SECRET": secret}, timeout=240)
     assert job.finish() == 0, job.stderr

@@ -184,7 +184,7 @@ def test_the_join_secret_of_a_torchrun_job_is_checked_in_one_line(monkeypatch):
     assert join_secret() is None  # no secret: the job takes no joiners
     for bad in ("", "not hex", "ab" * 15):
         monkeypatch.setenv(JOIN_SECRET_VAR, bad)
-        with pytest.raises(ShoalError, match="SHOAL_JOIN_SECRET must be a secret of at least 32"):
+        with pytest.raises(ShoalError, match=f"{JOIN_SECRET_VAR} must be a secret of at least 32"):
             join_secret()
     monkeypatch.setenv(JOIN_SECRET_VAR, "AB" * 16 + "\n")
     assert join_secret() == "ab" * 16
@@ -205,7 +205,7 @@ def test_a_joiner_gives_up_on_a_store_gone_within_its_connect_timeout(monkeypatc
     monkeypatch.setattr(joiner, "CONNECT_TIMEOUT", 1.0)
     began = time.monotonic()
     with pytest.raises(ShoalError, match=f"the job's store at 127.0.0.1:{port} does not answer"):
-        joiner._store({"address": "127.0.0.1", "port": port}, timeout=300.0)
+        joiner._store({"address": "127.0.0.1", "port": port, "key": "ab" * 32}, timeout=300.0)
     assert time.monotonic() - began < 30  # not the 300 s asked for the calls
 
 
@@ -237,7 +237,7 @@ def test_a_job_document_in_the_store_is_trusted_only_under_the_joiners_secret(mo
             job["max_workers"]) == ("node0", 41000, secret, 2, 3, 4)
     assert job["config"].dataset == "digits" and job["config"].elastic
     monkeypatch.setenv(JOIN_SECRET_VAR, "a5" * 32)
-    with pytest.raises(ShoalError, match="is not signed with the secret in SHOAL_JOIN_SECRET"):
+    with pytest.raises(ShoalError, match=f"is not signed with the secret in {JOIN_SECRET_VAR}"):
         read_job_in_store(store, "node0", 41000)
     signed = json.loads(store.get(STORE_KEY))
     forged = json.dumps({**json.loads(signed["job"]), "workers": 1})

@@ -98,8 +98,9 @@ def read_job_in_store(store: Any, host: str, port: int) -> dict[str, Any]:
         raise ShoalError(f"shoal join --store needs the job's secret in {JOIN_SECRET_VAR} (the "
                          "one its ranks have)")
     if not store.check([STORE_KEY]):
-        raise ShoalError(f"the store at {where} holds no shoal job that takes joiners (its "
-                         f"ranks need {JOIN_SECRET_VAR}; rank 0 says where it takes them)")
+        raise ShoalError(f"the store at {where} holds no shoal job that takes joiners under the "
+                         f"secret in {JOIN_SECRET_VAR} (another job's secret? its ranks need "
+                         "the same; rank 0 says where it takes joiners)")
     raw = store.get(STORE_KEY)
     try:
         signed = json.loads(raw) if len(raw) <= MAX_BYTES else None
