@@ -187,23 +187,19 @@ def spawn(
 ) -> list[Any]:
     """Run ``target(*args)`` in ``world_size`` fresh processes joined as one job on this machine.
 
-    Each process gets ``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``, ``LOCAL_WORLD_SIZE``,
-    ``MASTER_ADDR``, ``MASTER_PORT`` (a free port) and its :class:`~shoal.core.env.Environment`.
-    ``target`` and ``args`` travel cloudpickled (by value when not importable); the main
-    program is not run again. Returns the ranks' results, or raises the root-cause failure,
-    as :func:`_supervise` says (``grace``, ``tolerate``). SIGTERM to this process (on the main
-    thread) is passed on to the workers and sets :func:`stop_requested` (training checkpoints
-    and stops); while they start, it stops them and raises :class:`~shoal.errors.Terminated`.
-    ``on_store(port)``: told the store's port before any rank starts (where joiners find it).
-    ``secret``: the job's (a fresh one when ``None``), which seals its store; the ranks get
-    it in their :class:`~shoal.core.env.Environment`."""
+    Each process gets ``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``, ``LOCAL_WORLD_SIZE``, ``MASTER_ADDR``,
+    ``MASTER_PORT`` (a free port) and its :class:`~shoal.core.env.Environment`. ``target`` and ``args``
+    travel cloudpickled (by value when not importable); the main program is not run again. Returns the
+    ranks' results, or raises the root-cause failure, as :func:`_supervise` says (``grace``, ``tolerate``).
+    SIGTERM to this process (on the main thread) is passed on to the workers and sets :func:`stop_requested`
+    (training checkpoints and stops); while they start, it stops them and raises
+    :class:`~shoal.errors.Terminated`. ``on_store(port)``: told the store's port before any rank starts
+    (where joiners find it); ``secret``: the job's, sealing its store (fresh when ``None``)."""
     job = _pack_job(world_size, target, args)
-    # Served by the launcher (on loopback only, see loopback_store): it outlives any
-    # worker, so a dead or stopped rank 0 cannot take the rendezvous with it.
+    # Served here (loopback only): it outlives any worker, a dead rank 0 too.
     store = loopback_store(timeout=60.0, secret=secret)
-    port = store.port
     if on_store is not None:
-        on_store(port)
+        on_store(store.port)
     errdir = tempfile.mkdtemp(prefix="shoal-errors-")
     procs: list[BaseProcess] = []
     sigterm = Flag()  # a SIGTERM came while this call runs
@@ -219,9 +215,9 @@ def spawn(
     on_main = threading.current_thread() is threading.main_thread()
     previous = signal.signal(signal.SIGTERM, forward_sigterm) if on_main else None
     try:
-        _start_ranks(procs, Environment(0, world_size, 0, world_size, "127.0.0.1", port, "local",
-                                        agent_store=True, error_dir=errdir,
-                                        secret=store.secret_hex), job, sigterm)
+        env = Environment(0, world_size, 0, world_size, "127.0.0.1", store.port, "local",
+                          agent_store=True, error_dir=errdir, secret=store.secret_hex)
+        _start_ranks(procs, env, job, sigterm)
         if STOP.is_set():  # a SIGTERM that came before this call
             forward_sigterm(signal.SIGTERM, None)
         try:
