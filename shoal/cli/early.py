@@ -22,12 +22,13 @@ from collections.abc import Sequence
 
 from shoal.core.descendants import adopt_orphans, end_descendants
 from shoal.core.env import detect_environment
-from shoal.core.guard import guarded_name, name_thread, skip_exit_collection
+from shoal.core.guard import die_with, guarded_name, name_thread, skip_exit_collection
 from shoal.core.starting import (
     adopt_server,
     ensure_server,
     new_process,
     server_address,
+    server_lost,
     start_guarded,
     stop_server,
     stop_tracker,
@@ -133,11 +134,13 @@ def end_job_processes() -> None:
     stop_tracker()
 
 
-def _forked_command(argv: list[str], address: str) -> None:
+def _forked_command(argv: list[str], address: str, command: int) -> None:
     """The command ``argv``, in a process forked from the server at ``address``, whose
-    workers that server forks too; exits with the command's status."""
+    workers that server forks too; exits with the command's status. It ends with the
+    ``command``'s process, not with the server: a server lost is a failure it reports."""
     from shoal.cli import _main
 
+    die_with(command)
     adopt_server(address)
     skip_exit_collection()
     name_thread(command_name(argv[0]))  # the main thread: the process's name in ps
@@ -162,7 +165,7 @@ def run_forked(argv: list[str]) -> int | None:
     address = server_address()
     if address is None:
         return None
-    process = new_process(_forked_command, (list(argv), address), daemon=False,
+    process = new_process(_forked_command, (list(argv), address, os.getpid()), daemon=False,
                           name=guarded_name("shoal", os.getpid()))
 
     def pass_on(signum: int, frame: object) -> None:
@@ -181,9 +184,10 @@ def run_forked(argv: list[str]) -> int | None:
         for sig, handler in before.items():
             signal.signal(sig, handler)
     code = process.exitcode
+    lost = server_lost() if code != 0 else None
     if code < 0 and -code not in before:  # SIGKILL (the OOM killer's), SIGSEGV: no word left
         print(f"shoal: error: the command's process (pid {process.pid}) was killed by "
-              f"{signal.Signals(-code).name}", file=sys.stderr)
+              f"{signal.Signals(-code).name}" + (f" ({lost})" if lost else ""), file=sys.stderr)
     return code if code >= 0 else 128 - code
 
 

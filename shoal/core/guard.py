@@ -32,8 +32,10 @@ import gc
 import multiprocessing
 import os
 import re
+import select
 import signal
 import sys
+import threading
 
 PR_SET_PDEATHSIG = 1
 PR_SET_NAME = 15
@@ -62,6 +64,26 @@ def die_with_parent(parent: int) -> None:
     # before shows as a different parent now.
     if os.getppid() != parent:
         os.kill(os.getpid(), signal.SIGKILL)
+
+
+def die_with(pid: int) -> None:
+    """End this process when process ``pid`` ends (at once if it has), instead of with its
+    parent: a watcher thread holds a pidfd of ``pid``. For a process whose parent may be lost
+    while the job goes on (``shoal``'s work process, forked from the command's server: the
+    command, a child subreaper, adopts it then)."""
+    try:
+        fd = os.pidfd_open(pid)
+    except OSError:  # gone already (or no pidfds: keep the parent's death signal)
+        if not os.path.exists(f"/proc/{pid}"):
+            os.kill(os.getpid(), signal.SIGKILL)
+        return
+    prctl(PR_SET_PDEATHSIG, 0)
+    threading.Thread(target=_kill_when_ready, args=(fd,), name="shoal-guard", daemon=True).start()
+
+
+def _kill_when_ready(fd: int) -> None:
+    select.select([fd], [], [])
+    os.kill(os.getpid(), signal.SIGKILL)
 
 
 def die_with_launcher() -> None:

@@ -32,10 +32,10 @@ from shoal.core.failures import exit_status, first_line, record_failure, root_ca
 from shoal.core.guard import guarded_name
 from shoal.core.limits import check_processes
 from shoal.core.outlive import STALE, outlive
-from shoal.core.starting import new_process, start_guarded
+from shoal.core.starting import new_process, server_lost, start_guarded
 from shoal.core.stop import STOP, Flag
 from shoal.core.waits import ended_key, key_prefix, members_now, say_gone
-from shoal.errors import ShoalError, Terminated, WorkerError
+from shoal.errors import JobError, ShoalError, Terminated, WorkerError
 
 
 def loopback_store(timeout: float, secret: bytes | None = None) -> Any:
@@ -289,6 +289,9 @@ def _supervise(procs: list[BaseProcess], store: Any, errdir: str, grace: float,
     exits = {r: p.exitcode for r, p in enumerate(procs)
              if p.exitcode is not None and not _finished(errdir, r) and r not in lost}
     stop_processes(procs, grace)
+    server = server_lost()
+    if server is not None:  # every rank it forked died with it: none of them is the cause
+        raise JobError(f"{server}; the workers it forked ended with it")
     raise root_cause(errdir, exits)
 
 
@@ -309,11 +312,15 @@ def _results(procs: list[BaseProcess], errdir: str, lost: dict[int, Lost]) -> li
     """What each rank returned (``None`` for one that ended with ``os._exit(0)``, which
     leaves nothing), or how it was lost."""
     results = []
+    server = server_lost() if any(p.exitcode != 0 for p in procs) else None
+    if server is not None:
+        print(f"shoal: warning: {server} as the workers exited; their work was done",
+              file=sys.stderr, flush=True)
     for rank, p in enumerate(procs):
         if rank in lost:
             results.append(lost[rank])
             continue
-        if p.exitcode != 0:
+        if p.exitcode != 0 and server is None:
             # Its work is done and its results written; only the interpreter's own
             # teardown failed. Losing the job for that would lose good results.
             print(f"shoal: warning: rank {rank} finished its work, then its process died "

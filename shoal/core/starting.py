@@ -29,6 +29,7 @@ import multiprocessing.forkserver
 import multiprocessing.resource_tracker
 import multiprocessing.util
 import os
+import select
 import signal
 import sys
 import threading
@@ -40,6 +41,7 @@ from multiprocessing.context import BaseContext
 from typing import Any
 
 from shoal.core import guard
+from shoal.errors import JobError
 
 #: What the server imports once for every process it forks; the first blocks SIGTERM.
 PRELOAD = ["shoal.core.zygote", "torch", "torch.distributed"]
@@ -94,11 +96,58 @@ class _ReapedOnce(popen_forkserver.Popen):
                 if self.returncode is None:
                     try:
                         self.returncode = mp.forkserver.read_signed(self.sentinel)
-                    except (OSError, EOFError):
-                        self.returncode = 255  # the server itself is gone
+                    except (OSError, EOFError):  # the server itself is gone
+                        self.returncode = _status_without_server(self.pid, flag)
             finally:
                 self._read_lock.release()
         return self.returncode
+
+
+def _status_without_server(pid: int, flag: int) -> int | None:
+    """A forked process's exit status once the server that would have sent it is gone. An
+    orphan this process adopted (``shoal``'s command is a child subreaper:
+    :mod:`shoal.core.descendants`; its work process outlives the server) is waited for
+    here (``None``: still running, where ``flag`` does not block); any other died with the
+    server (its death signal), which multiprocessing reports as status 255."""
+    deadline = time.monotonic() + 2.0
+    while True:
+        try:
+            done, status = os.waitpid(pid, flag)
+        except ChildProcessError:
+            # The server's pipe ends before its children are handed on: wait for that.
+            if guard.parent_of(pid) == _SERVER.get("pid") and time.monotonic() < deadline:
+                time.sleep(0.01)
+                continue
+            return 255
+        return os.waitstatus_to_exitcode(status) if done else None
+
+
+#: The server this process forks from (``pid``) and a pidfd of it (``fd``), once known.
+_SERVER: dict[str, int] = {}
+
+
+def _watch_server(pid: int) -> None:
+    if "fd" in _SERVER:
+        os.close(_SERVER["fd"])
+    _SERVER.clear()
+    with contextlib.suppress(OSError):
+        _SERVER.update(pid=pid, fd=os.pidfd_open(pid))
+
+
+def server_lost(wait: float = 1.0) -> str | None:
+    """How the server this process forks its processes from was lost (killed while the job
+    ran: every process it forked ends with it), as a phrase; ``None`` while it runs or
+    where there is none. Asked after a failure: the server's connections end before it
+    does, so its end is waited for up to ``wait`` seconds."""
+    fd = _SERVER.get("fd")
+    if fd is None or not select.select([fd], [], [], wait)[0]:
+        return None
+    pid, how = _SERVER["pid"], ""
+    with contextlib.suppress(OSError):  # its status: only its parent (the command) reads it
+        info = os.waitid(os.P_PID, pid, os.WEXITED | os.WNOHANG | os.WNOWAIT)
+        if info is not None and info.si_code in (os.CLD_KILLED, os.CLD_DUMPED):
+            how = f": killed by {signal.Signals(info.si_status).name}"
+    return f"the server that forks the job's processes (pid {pid}) was lost{how}"
 
 
 class _ForkServerProcess(mp.context.ForkServerProcess):  # type: ignore[name-defined,misc]
@@ -136,6 +185,11 @@ def start_guarded(process: Any) -> None:
     sys.modules["__main__"] = stand_in
     try:
         process.start()
+    except (OSError, EOFError):
+        lost = server_lost() if _ADOPTED else None
+        if lost is not None:  # the command's server: none of its own to start instead
+            raise JobError(f"{lost}; no process of the job can start") from None
+        raise
     finally:
         sys.modules["__main__"] = main
 
@@ -163,6 +217,7 @@ def adopt_server(address: str) -> None:
     server._forkserver_alive_fd = os.open(os.devnull, os.O_RDONLY)
     server.ensure_running = mp.resource_tracker.ensure_running  # never a server of its own
     _ADOPTED = True
+    _watch_server(os.getppid())  # this process was forked from it
 
 
 def ensure_server(more: Sequence[str] = ()) -> None:
@@ -173,6 +228,9 @@ def ensure_server(more: Sequence[str] = ()) -> None:
     if start_method() == "forkserver" and not _ADOPTED:
         context(more)
         mp.forkserver.ensure_running()
+        pid = mp.forkserver._forkserver._forkserver_pid  # type: ignore[attr-defined]
+        if pid is not None and _SERVER.get("pid") != pid:
+            _watch_server(pid)
 
 
 def stop_server() -> None:
