@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 from shoal.core.comm import Comm
 from shoal.core.env import Environment, default_threads, detect_environment, rank_environment
-from shoal.core.failures import first_line
+from shoal.core.failures import first_line, is_comm_failure
 from shoal.core.join import init_comm
 from shoal.core.processes import spawn
 from shoal.errors import ShoalError
@@ -90,10 +90,11 @@ def _leave(how: str) -> None:
         comm.close(how)
 
 
-def _abort(message: str) -> None:
-    """Tell the other ranks of the joined job, if any, that this one failed."""
+def _abort(exc: BaseException) -> None:
+    """Tell the other ranks of the joined job, if any, that this one failed with ``exc``
+    (a lost connection may be the echo of a rank that left first: :meth:`Comm.abort`)."""
     if _COMM is not None:
-        _COMM.abort(message)
+        _COMM.abort(_describe(exc), echo=is_comm_failure(exc))
 
 
 def _leave_at_exit() -> None:
@@ -126,7 +127,7 @@ def _chain_excepthook() -> None:
 def _excepthook(kind: type[BaseException], exc: BaseException, tb: TracebackType | None) -> None:
     # First the other ranks, which may be waiting in a collective for this one; then the
     # usual traceback. The atexit handler that follows finds the Comm aborted.
-    _abort(_describe(exc))
+    _abort(exc)
     assert _previous_excepthook is not None
     _previous_excepthook(kind, exc, tb)
 
@@ -151,11 +152,11 @@ def _launched(fn: Callable[..., T], args: tuple[Any, ...], kwargs: dict[str, Any
         result = fn(*args, **kwargs)
     except SystemExit as exc:
         if exc.code not in (None, 0):
-            _abort(_describe(exc))
+            _abort(exc)
             raise
         result, how = None, "exited with status 0"
     except BaseException as exc:
-        _abort(_describe(exc))
+        _abort(exc)
         raise
     _leave(how)
     return result

@@ -19,8 +19,8 @@ import torch
 import torch.distributed as dist
 
 from shoal.core.env import Environment
-from shoal.core.failures import EXIT_ABORTED
-from shoal.core.group import join_group
+from shoal.core.failures import EXIT_ABORTED, LEFT_EARLY, record_for
+from shoal.core.group import hang_up, join_group
 from shoal.core.handle import Handle
 from shoal.core.inflight import FutureWork
 from shoal.core.membership import Membership
@@ -32,10 +32,12 @@ from shoal.core.waits import (
     CollectiveLog,
     Keys,
     Waits,
+    departures,
     describe,
     ended_key,
     generation_key,
     key_prefix,
+    say_closed,
     say_left,
 )
 from shoal.core.watchdog import ABORT_KEY, Watchdog
@@ -85,6 +87,7 @@ class Comm(ObjectCollectives):
         self.store = store
         self._store = dist.PrefixStore(key_prefix(env.attempt), store) if store is not None else None
         self._rank0_hosts = not env.agent_store  # the store (as job_store makes it)
+        self._error_dir = env.error_dir
         self.aborted = False  # this rank called abort(): nobody will wait for it at close()
         self.ps: Client | None = None  #: an asynchronous job's worker: its end of the servers
         #: The Comm of the group this process computes with inside a job without a process
@@ -319,13 +322,14 @@ class Comm(ObjectCollectives):
         except Exception:  # the store is gone
             return None
 
-    def abort(self, message: str) -> None:
+    def abort(self, message: str, *, echo: bool = False) -> None:
         """Tell every other rank that this one failed, so they exit instead of waiting.
 
         The first report stands (a later one is most likely its echo). A rank that another
         rank's watchdog already reported (hung while it did not run, gone, never come) leaves
         here at once, without a report of its own: what it raises is the echo of that.
         Without peers (an asynchronous job's rank) nobody waits on this one: nothing to tell.
+        ``echo``: a lost connection, reported as the leaving of a rank that left first.
         """
         self.aborted = True  # first: this rank's watchdog must not take the report for another's
         if self._store is None or not self.peers:
@@ -333,6 +337,12 @@ class Comm(ObjectCollectives):
         first = (message.strip().splitlines() or ["failed"])[0][:300]
         report = f"rank {self.rank}: {first}"
         try:
+            if echo and (gone := departures(self._store, self._keys, self.world_size, {})):
+                rank, (_, how) = min(gone.items())
+                report = f"rank {rank}: {LEFT_EARLY.format(how=how)}"
+                if self._error_dir:  # shoal's launcher: the root cause, over this rank's echo
+                    record_for(self._error_dir, rank, report.partition(": ")[2], "",
+                               f"rank {self.rank}'s collective lost its connection to it")
             standing = self._store.compare_set(ABORT_KEY, "", report).decode()
         except Exception:  # the store may be gone already; the launcher still reaps us
             return
@@ -342,11 +352,11 @@ class Comm(ObjectCollectives):
     def close(self, how: str = "left the job") -> None:
         """Wait for every rank, stop the watchdog (and elastic's in-flight watch) and leave
         the process group. The wait is in the job's store, not a collective: this rank says
-        there that it left after its collectives so far, and ``how`` (``"returned"``), and
-        waits until every rank did (shoal's launcher says it for a rank that ended with
-        ``os._exit(0)``). A rank still waiting in a later collective then stops the job at
-        once, naming this one, instead of waiting for it until the timeout
-        (:mod:`shoal.core.waits`). After :meth:`abort` it does not wait."""
+        there that it left after its collectives so far, and ``how`` (``"returned"``), shuts
+        its group's connections down (a rank still in a collective with it, even one of its
+        own ``torch.distributed`` calls, fails at once and names this one, as :meth:`abort`
+        says) and waits until every rank left (shoal's launcher says it for a rank that ended
+        with ``os._exit(0)``). After :meth:`abort` it does not wait."""
         finished = False
         try:
             if self.membership is not None and not self.aborted:
@@ -358,6 +368,7 @@ class Comm(ObjectCollectives):
                     else:
                         say_left(self._store, self._keys, self.rank, self.world_size, how,
                                  self.log.count)
+                        hang_up()  # a rank still in a collective with this one fails now
                         self._store.wait([self._keys.all_left])  # the store's timeout bounds it
                 finished = True
         finally:
@@ -367,11 +378,13 @@ class Comm(ObjectCollectives):
                 if membership is not None:  # a compute group's too
                     membership.inflight.stop(timeout=5.0)
             try:
-                if finished and self.active and self._rank0_hosts:
+                if finished and self.active and self._rank0_hosts and self._store is not None:
                     # Rank 0 hosts the store: it must not exit while another rank's
                     # watchdog may still be asking it. A store call cut off while the
                     # interpreter shuts down ends the process in std::terminate (signal 6).
-                    dist.barrier()
+                    say_closed(self._store, self._keys, self.world_size)
+                    if self.rank == 0:
+                        self._store.wait([self._keys.all_closed])
             finally:
                 if dist.is_initialized():
                     dist.destroy_process_group()

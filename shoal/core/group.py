@@ -18,7 +18,7 @@ from shoal.core.env import Environment
 from shoal.core.processes import loopback_gloo_interface
 from shoal.core.sealed import SealedStore, kept
 from shoal.core.secret import job_secret
-from shoal.core.sockets import opened
+from shoal.core.sockets import cut, opened
 from shoal.core.waits import ended_key, key_prefix
 from shoal.errors import JobError, ShoalError
 
@@ -140,3 +140,12 @@ def join_group(store: dist.Store, rank: int, world_size: int, device_type: str,
         DEFAULT_SOCKETS.update(found)
     except (RuntimeError, ValueError) as exc:
         raise JobError(f"could not join {where} as rank {rank} of {world_size}: {exc}") from exc
+
+
+def hang_up() -> None:
+    """Shut down the connections of this process's Gloo process group (as :func:`join_group`
+    opened it), which stays joined: a peer still in a collective with this process, one of
+    shoal's or its own ``torch.distributed`` call, fails at once, as it would had this
+    process ended. (NCCL's connections are its own: left as they are.)"""
+    if dist.is_initialized() and dist.get_backend() == "gloo":
+        cut(DEFAULT_SOCKETS)

@@ -68,6 +68,10 @@ class Keys:
         #: the count is not known); ``left/<g>/all`` is there once every rank left.
         self.left = f"left/{generation}"
         self.all_left = f"left/{generation}/all"
+        #: How many ranks stopped their watchdog after every rank left; ``closed/<g>/all``:
+        #: all did (the store's host, rank 0 under Slurm or mpirun, may then exit).
+        self.closed = f"closed/{generation}"
+        self.all_closed = f"closed/{generation}/all"
 
     def heartbeat(self, rank: int) -> str:
         return f"hb/{self.generation}/{rank}"
@@ -84,6 +88,28 @@ def say_left(store: Any, keys: Keys, rank: int, world_size: int, how: str,
     store.set(keys.left_by(rank), f"{'?' if count is None else count} {how}")
     if store.add(keys.left, 1) >= world_size:
         store.set(keys.all_left, "1")
+
+
+def say_closed(store: Any, keys: Keys, world_size: int) -> None:
+    """Say in the job's ``store`` that this rank, having left, asks the store nothing more
+    (its watchdog stopped); the last to say so says that all did."""
+    if store.add(keys.closed, 1) >= world_size:
+        store.set(keys.all_closed, "1")
+
+
+def departures(store: Any, keys: Keys, world_size: int, known: dict[int, tuple[int | None, str]],
+               call: Callable[..., Any] = lambda fn, *args: fn(*args)
+               ) -> dict[int, tuple[int | None, str]]:
+    """The ranks that left the job (:func:`say_left`): their collective count (``None``: not
+    known) and how they left; ``known`` (those found before) is updated and returned.
+    ``call(fn, *args)`` makes the store calls."""
+    if call(store.add, keys.left, 0) > len(known):
+        for rank in range(world_size):
+            key = keys.left_by(rank)
+            if rank not in known and call(store.check, [key]):
+                count, _, how = call(store.get, key).decode().partition(" ")
+                known[rank] = (None if count == "?" else int(count), how)
+    return known
 
 
 def say_gone(store: Any, rank: int, world_size: int, how: str) -> None:
@@ -322,13 +348,7 @@ class Waits:
     def _departures(self, store: Any, call: Callable[..., Any]
                     ) -> dict[int, tuple[int | None, str]]:
         """The ranks that left the job: their collective count and how they left."""
-        if call(store.add, self.keys.left, 0) > len(self._departed):
-            for rank in range(self._world):
-                key = self.keys.left_by(rank)
-                if rank not in self._departed and call(store.check, [key]):
-                    count, _, how = call(store.get, key).decode().partition(" ")
-                    self._departed[rank] = (None if count == "?" else int(count), how)
-        return self._departed
+        return departures(store, self.keys, self._world, self._departed, call)
 
     def _missing(self, store: Any, call: Callable[..., Any], pending: Pending,
                  departed: dict[int, Any]) -> list[tuple[int, int]]:
@@ -344,8 +364,10 @@ class Waits:
         return found
 
     def _seen(self, count: int) -> str:
+        # Only collectives through shoal are counted: a rank may well be in one of its own
+        # torch.distributed calls, which shoal does not see.
         if count <= 0:
-            return "not yet in any collective"
+            return "not seen in any collective through shoal yet"
         at = self.log.finished_at(count)
         ago = "" if at is None else f", {int(time.monotonic() - at)} s ago"
         return f"last seen in collective #{count}{ago}"
