@@ -41,6 +41,7 @@ from typing import Any
 from shoal.core.failures import exit_status
 from shoal.core.outlive import STALE, live_joiners
 from shoal.core.processes import start_process
+from shoal.core.starting import server_lost
 from shoal.core.stop import request_stop
 from shoal.core.waits import DONE_KEY, ended_key, members_now
 from shoal.errors import JobError, ShoalError
@@ -61,12 +62,13 @@ def _child_main(target: Callable[..., Any], args: tuple[Any, ...], report: Any) 
     except BaseException as exc:  # noqa: BLE001 - told to the keeper, whatever it is
         line = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
         shown = line if isinstance(exc, ShoalError) else f"{type(exc).__name__}: {line}"
-        report.send(("failed", shown, isinstance(exc, ShoalError) and exc.user_error))
+        said = ("failed", shown, isinstance(exc, ShoalError) and exc.user_error)
         code = 1
     else:
-        report.send(("returned", result))
-        code = 0
-    report.close()
+        said, code = ("returned", result), 0
+    with contextlib.suppress(OSError):  # a keeper lost (killed) is told nothing
+        report.send(said)
+        report.close()
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(code)
@@ -151,8 +153,9 @@ def _keep(rank: int, keys: Any, target: Callable[..., Any], args: tuple[Any, ...
         raise JobError(f"rank {rank}: process {exit_status(code or 1)}")
     how = exit_status(code)
     keys.set(ended_key(rank), how)  # for the ranks that go on
-    print(f"shoal: rank {rank} {how}; the job goes on without it (--elastic)", file=sys.stderr,
-          flush=True)
+    server = server_lost(0.5)  # its death signal: the server that forked it was killed
+    print(f"shoal: rank {rank} {how}{f' ({server})' if server else ''}; the job goes on "
+          "without it (--elastic)", file=sys.stderr, flush=True)
     return _wait_for_end(keys, workers)
 
 

@@ -185,6 +185,7 @@ def start_guarded(process: Any) -> None:
     sys.modules["__main__"] = stand_in
     try:
         process.start()
+        _note_server()
     except (OSError, EOFError):
         lost = server_lost() if _ADOPTED else None
         if lost is not None:  # the command's server: none of its own to start instead
@@ -228,9 +229,14 @@ def ensure_server(more: Sequence[str] = ()) -> None:
     if start_method() == "forkserver" and not _ADOPTED:
         context(more)
         mp.forkserver.ensure_running()
-        pid = mp.forkserver._forkserver._forkserver_pid  # type: ignore[attr-defined]
-        if pid is not None and _SERVER.get("pid") != pid:
-            _watch_server(pid)
+        _note_server()
+
+
+def _note_server() -> None:
+    """Watch the server this process started (:func:`server_lost`), a new one included."""
+    pid = getattr(mp.forkserver._forkserver, "_forkserver_pid", None)  # type: ignore[attr-defined]
+    if pid is not None and not _ADOPTED and _SERVER.get("pid") != pid:
+        _watch_server(pid)
 
 
 def stop_server() -> None:
