@@ -82,11 +82,20 @@ def read_errors(errdir: str) -> dict[int, dict[str, Any]]:
     return found
 
 
-def root_cause(errdir: str, exits: dict[int, int]) -> WorkerError:
+def lost_connection(error: dict[str, Any]) -> bool:
+    """Whether the failure report ``error`` says a connection closed under its rank."""
+    text = error["message"].lower()
+    return "connection closed" in text or "connection reset" in text
+
+
+def root_cause(errdir: str, exits: dict[int, int],
+               finished: dict[int, float] | None = None) -> WorkerError:
     """The failure that started it, from the error files and the exit codes of ranks that
     ended before shoal stopped the rest (their work undone): a real error first (or what a
     watchdog found out about a rank); then a rank that died without a word (killed, crashed);
-    then one that exited with status 0 before its work was done; only then the "peer closed
+    then one that exited with status 0 before its work was done, or whose work ended
+    (``finished``: when, as ``time.time()``) before another rank lost a connection (a
+    process group of the script's own, which nobody hangs up); only then the "peer closed
     the connection" echoes of them."""
     errors = read_errors(errdir)
     primary = sorted((e for e in errors.values() if e["primary"]), key=lambda e: e["time"])
@@ -99,6 +108,9 @@ def root_cause(errdir: str, exits: dict[int, int]) -> WorkerError:
     # A rank that ended with status 0 before its work was done (os._exit(0)): its peers'
     # errors ("connection reset by peer") are the echoes of its leaving.
     left = sorted(rank for rank, code in exits.items() if code == 0 and rank not in errors)
+    cut_off = min((e["time"] for e in errors.values() if lost_connection(e)), default=None)
+    left += sorted(rank for rank, at in (finished or {}).items()
+                   if cut_off is not None and at <= cut_off and rank not in errors)
     if not primary and left:
         return WorkerError(left[0], LEFT_EARLY.format(how="exited with status 0"))
     echoes = sorted(errors.values(), key=lambda e: e["time"])

@@ -288,11 +288,13 @@ def _supervise(procs: list[BaseProcess], store: Any, errdir: str, grace: float,
     # may be the echoes of its leaving.
     exits = {r: p.exitcode for r, p in enumerate(procs)
              if p.exitcode is not None and not _finished(errdir, r) and r not in lost}
+    finished = {r: os.path.getmtime(_result_path(errdir, r)) for r in range(len(procs))
+                if _finished(errdir, r) and r not in lost}
     stop_processes(procs, grace)
     server = server_lost()
     if server is not None:  # every rank it forked died with it: none of them is the cause
         raise JobError(f"{server}; the workers it forked ended with it")
-    raise root_cause(errdir, exits)
+    raise root_cause(errdir, exits, finished)
 
 
 def _end_left_out(procs: list[BaseProcess], members: list[int] | None, errdir: str) -> None:
