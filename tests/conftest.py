@@ -67,11 +67,42 @@ def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
     from xdist.scheduler import LoadScopeScheduling
 
     class SharedFixtureScheduling(LoadScopeScheduling):
+        """Hands out the costliest unit left first (:func:`_known_seconds`): a long test
+        handed out last would keep one process busy while the other has nothing left."""
+
+        def __init__(self, config: pytest.Config, log: Any = None) -> None:
+            super().__init__(config, log)
+            self.costs: dict[str, float] = {}
+
         def _split_scope(self, nodeid: str) -> str:
             path = nodeid.split("::", 1)[0]
             return path if _shares_a_fixture(path) else nodeid
 
+        def _assign_work_unit(self, node: Any) -> None:
+            known = _known_seconds()
+            for scope, unit in self.workqueue.items():
+                if scope not in self.costs:
+                    self.costs[scope] = sum(known.get(nodeid, 1.0) for nodeid in unit)
+            costliest = max(self.workqueue, key=self.costs.__getitem__)
+            self.workqueue.move_to_end(costliest, last=False)
+            super()._assign_work_unit(node)
+
     return SharedFixtureScheduling(config, log)
+
+
+@functools.cache
+def _known_seconds() -> dict[str, float]:
+    """Test id -> seconds (setup and call) in a whole run, from ``tests/durations.txt``: the
+    ``--durations`` lines of a ``make test`` (paste them there again as tests change; a test
+    not listed counts as 1 s)."""
+    seconds: dict[str, float] = collections.defaultdict(float)
+    with contextlib.suppress(OSError):
+        for line in (REPO / "tests" / "durations.txt").read_text().splitlines():
+            fields = line.split()
+            if len(fields) == 3 and fields[0].endswith("s"):
+                with contextlib.suppress(ValueError):
+                    seconds[fields[2]] += float(fields[0][:-1])
+    return dict(seconds)
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
