@@ -1,0 +1,253 @@
+"""Every process of a job is essential and its loss named in one line, or survived; and
+nothing a job started outlives it, a user's own processes included (issue 55, parts 2-3).
+
+Real jobs, caught in a phase from the outside (the process tree and the files the job
+writes), one of their helper processes killed with ``kill -9``:
+
+- start-up: the first worker process exists;
+- training: ``metrics.jsonl`` has a record;
+- shutdown: rank 1's work is done and its interpreter holds in its exit (released by a
+  file once the kill is made).
+
+The fork server that forks a job's processes holds every worker (they die with it): a job
+ends with one line naming it, exit 1 and its files cleaned, ``--elastic`` too; at shutdown,
+when the work is done, it is a warning. multiprocessing's resource tracker holds nothing:
+the job goes on, exit 0. Under torchrun ``--elastic`` the keeper's server holds one rank's
+worker (the job goes on without it), the keeper is the rank torchrun watches (torchrun ends
+the job, naming the rank). And a user script's children (``Popen``, a double fork with
+``setsid``) end with ``shoal run``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+import uuid
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+
+from conftest import children_of, shoal_env, started_by, wait_gone
+
+pytestmark = pytest.mark.timeout(240)
+
+SERVER, TRACKER = "multiprocessing.forkserver", "multiprocessing.resource_tracker"
+SERVER_LOST = "the server that forks the job's processes (pid {pid}) was lost"
+TRAIN = ["train", "--model", "tests.fixtures_models:held_at_exit", "--dataset", "digits",
+         "--progress", "none", "--log-every", "1", "--timeout", "60", "--out", "out"]
+
+
+def _cmdline(pid: int) -> bytes:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes()
+    except OSError:
+        return b""
+
+
+def _rank_of(pid: int) -> str | None:
+    try:
+        env = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+    except OSError:
+        return None
+    return next((v[5:].decode() for v in env if v.startswith(b"RANK=")), None)
+
+
+class Job:
+    """A ``shoal`` command (or torchrun) started in ``tmp_path`` with the test's marker; rank
+    1 holds in its exit until :meth:`kill` releases it. Leaving the block kills whatever of
+    it is left, by pid."""
+
+    def __init__(self, tmp_path: Path, args: list[str]) -> None:
+        self.dir, self.marker = tmp_path, uuid.uuid4().hex
+        self.release = tmp_path / "release"
+        env = {**shoal_env(self.marker), "SHOAL_TEST_HOLD_RANK": "1",
+               "SHOAL_TEST_HOLD_FILE": str(tmp_path / "exiting"),
+               "SHOAL_TEST_RELEASE_FILE": str(self.release)}
+        self.log = tmp_path / "log"
+        with open(self.log, "wb") as log:
+            self.proc = subprocess.Popen([sys.executable, "-m", *args], env=env, cwd=tmp_path,
+                                         stdout=log, stderr=subprocess.STDOUT,
+                                         start_new_session=True)
+
+    def __enter__(self) -> Job:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.release.touch()
+        for pid in wait_gone(self.marker, 0.0):
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            self.proc.wait(timeout=10)
+
+    def wait_until(self, what: str, ready: Callable[[], object], timeout: float = 120.0):
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            value = ready()
+            if value:
+                return value
+            if self.proc.poll() is not None:
+                pytest.fail(f"the job ended before {what}:\n{self.log.read_text()}")
+            time.sleep(0.005)
+        pytest.fail(f"no {what} within {timeout:.0f} s:\n{self.log.read_text()}")
+
+    def reach(self, phase: str, workers: Callable[[], list[int]]) -> None:
+        if phase == "start-up":
+            self.wait_until("a worker process", workers)
+        elif phase == "training":
+            records = self.dir / "out" / "metrics.jsonl"
+            self.wait_until("a record", lambda: records.exists() and records.stat().st_size)
+        else:
+            self.wait_until("rank 1 in its exit", (self.dir / "exiting").exists)
+
+    def kill(self, pid: int) -> None:
+        """kill -9 ``pid``, release rank 1's hold, wait for the job to end."""
+        os.kill(pid, signal.SIGKILL)
+        time.sleep(0.5)  # a held rank 1 is still holding when the kill lands
+        self.release.touch()
+        try:
+            self.code = self.proc.wait(timeout=120)
+        except subprocess.TimeoutExpired:
+            pytest.fail(f"the job did not end:\n{self.log.read_text()}")
+        self.output = self.log.read_text()
+        assert wait_gone(self.marker, 10.0) == [], "processes outlived the job"
+
+    def shoal_lines(self) -> list[str]:
+        return [line for line in self.output.splitlines() if line.startswith("shoal:")]
+
+
+def _child(parent: int, what: str) -> int | None:
+    return next((pid for pid in children_of(parent) if what.encode() in _cmdline(pid)), None)
+
+
+def _left_no_join_file(job: Job) -> None:
+    assert not (job.dir / "out" / ".shoal-join").exists() or \
+        not any((job.dir / "out" / ".shoal-join").iterdir())
+
+
+@pytest.mark.parametrize(("phase", "elastic"), [("start-up", False), ("training", False),
+                                                ("shutdown", False), ("training", True)])
+def test_a_lost_fork_server_is_named_in_one_line(tmp_path, phase, elastic):
+    epochs = "1" if phase == "shutdown" else "200"
+    with Job(tmp_path, ["shoal", *TRAIN, "--workers", "2", "--epochs", epochs,
+                        *(["--elastic"] if elastic else [])]) as job:
+        job.reach(phase, lambda: started_by(job.proc.pid))
+        server = _child(job.proc.pid, SERVER)
+        assert server is not None
+        job.kill(server)
+    lost = SERVER_LOST.format(pid=server)
+    if phase == "shutdown":  # the work was done: its results stand
+        assert job.code == 0, job.output
+        assert job.shoal_lines() == [f"shoal: warning: {lost} as the workers exited; their "
+                                     "work was done"], job.output
+        assert (tmp_path / "out" / "summary.json").exists()
+    else:
+        assert job.code == 1, job.output
+        lines = job.shoal_lines()
+        assert len(lines) == 1 and lines[0].startswith(f"shoal: error: {lost}"), job.output
+        assert "Traceback" not in job.output
+        assert not (tmp_path / "out" / "summary.json").exists()
+    _left_no_join_file(job)
+
+
+@pytest.mark.parametrize(("phase", "elastic"), [("start-up", False), ("training", True),
+                                                ("shutdown", False)])
+def test_a_lost_resource_tracker_is_survived(tmp_path, phase, elastic):
+    epochs = "1" if phase == "shutdown" else "3"
+    with Job(tmp_path, ["shoal", *TRAIN, "--workers", "2", "--epochs", epochs,
+                        *(["--elastic"] if elastic else [])]) as job:
+        job.reach(phase, lambda: started_by(job.proc.pid))
+        tracker = _child(job.proc.pid, TRACKER)
+        assert tracker is not None
+        job.kill(tracker)
+    assert job.code == 0, job.output
+    assert (tmp_path / "out" / "summary.json").exists()
+    assert "Traceback" not in job.output and "error" not in job.output, job.output
+    _left_no_join_file(job)
+
+
+def _keeper(job: Job) -> int | None:
+    """Rank 1's keeper: torchrun's process of rank 1."""
+    return next((pid for pid in children_of(job.proc.pid) if _rank_of(pid) == "1"), None)
+
+
+def _in_keeper(job: Job, what: str) -> int | None:
+    keeper = _keeper(job)
+    return keeper and _child(keeper, what)
+
+
+@pytest.mark.parametrize("lost", ["server", "tracker", "keeper"])
+def test_under_torchrun_elastic_a_keepers_processes(tmp_path, lost):
+    """Rank 1's keeper's fork server (its worker dies with it: the job goes on without it),
+    resource tracker (nothing lost), or the keeper itself (the process torchrun watches:
+    torchrun ends the job and names the rank) killed mid-training."""
+    with Job(tmp_path, ["torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+                        "-m", "shoal", *TRAIN, "--epochs", "200", "--elastic"]) as job:
+        job.reach("training", lambda: [])
+        victim = {"server": lambda: _in_keeper(job, SERVER),
+                  "tracker": lambda: _in_keeper(job, TRACKER), "keeper": lambda: _keeper(job)}
+        pid = job.wait_until(f"rank 1's {lost}", victim[lost])
+        server = _in_keeper(job, SERVER)
+        job.kill(pid)
+    if lost == "keeper":  # torchrun's own report names the rank and the signal
+        assert job.code != 0
+        assert "rank      : 1 (local_rank: 1)\n  exitcode  : -9" in job.output, job.output
+        assert "BrokenPipeError" not in job.output
+        return
+    assert job.code == 0, job.output
+    assert (tmp_path / "out" / "summary.json").exists()
+    if lost == "server":
+        assert (f"shoal: rank 1 killed by signal 9 ({SERVER_LOST.format(pid=server)}: killed "
+                "by SIGKILL); the job goes on without it (--elastic)") in job.output
+    _left_no_join_file(job)
+
+
+USER_SCRIPT = textwrap.dedent("""
+    import os, subprocess, time
+    import shoal
+
+    shoal.init()
+    rank, here = os.environ["RANK"], os.environ["SHOAL_TEST_DIR"]
+    child = subprocess.Popen(["sleep", "300"])
+    with open(os.path.join(here, f"popen{rank}"), "w") as f:
+        f.write(str(child.pid))
+    if os.fork() == 0:  # a daemon of the user's: a double fork, a session of its own
+        os.setsid()
+        if os.fork() == 0:
+            with open(os.path.join(here, f"detached{rank}"), "w") as f:
+                f.write(str(os.getpid()))
+            time.sleep(300)
+        os._exit(0)
+    while not os.path.exists(os.path.join(here, f"detached{rank}")):
+        time.sleep(0.01)
+""")
+
+
+def test_a_user_scripts_children_end_with_shoal_run(tmp_path):
+    (tmp_path / "user.py").write_text(USER_SCRIPT)
+    marker = uuid.uuid4().hex
+    env = {**shoal_env(marker), "SHOAL_TEST_DIR": str(tmp_path)}
+    pids: list[int] = []
+    try:
+        res = subprocess.run([sys.executable, "-m", "shoal", "run", "--workers", "2", "user.py"],
+                             env=env, cwd=tmp_path, capture_output=True, text=True,
+                             timeout=120, start_new_session=True)
+        assert res.returncode == 0, res.stderr
+        pids = [int((tmp_path / f"{kind}{rank}").read_text())
+                for kind in ("popen", "detached") for rank in (0, 1)]
+        alive = [pid for pid in pids if Path(f"/proc/{pid}").exists()
+                 and not Path(f"/proc/{pid}/stat").read_text().split(")")[1].startswith(" Z")]
+        assert alive == [], f"outlived shoal run: {alive}"
+        assert wait_gone(marker, 5.0) == []  # the resource tracker too
+    finally:
+        for pid in pids + wait_gone(marker, 0.0):
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
