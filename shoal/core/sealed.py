@@ -219,22 +219,26 @@ class SealedStore(dist.Store):
         is ``expected`` (or there is none and ``expected`` is empty; a value that does not
         verify counts as none); returns the value the key holds after it."""
         name, expected, desired = self.name(key), _bytes(expected), _bytes(desired)
+        sealed, tag = self._sealed(key, desired)
+        # A vote (nothing expected) tries first as if the key were absent: one round trip.
+        raw = None if expected else bytes(self._inner.compare_set(name, b"", sealed))
+        if raw == sealed:
+            self._seen.accept(key, tag)
+            return desired
         while True:
-            raw = self._peek(name)
+            raw = self._peek(name) if raw is None else raw
             current = None if raw is None else self._open(key, raw)
             if current is None and expected:
                 return expected  # as torch answers for a key that is not there
             if current is not None and current != expected:
                 return current
-            sealed, tag = self._sealed(key, desired)
             if bytes(self._inner.compare_set(name, raw or b"", sealed)) == sealed:
                 self._seen.accept(key, tag)
                 return desired
+            raw = None
 
     def check(self, keys: list[str]) -> bool:
-        if not self._inner.check([self.name(key) for key in keys]):
-            return False
-        for key in keys:
+        for key in keys:  # one round trip a key, which reads the value it checks
             raw = self._peek(self.name(key))
             if raw is None or self._open(key, raw) is None:
                 return False
