@@ -65,7 +65,10 @@ def test_bf16_mixed_learns_digits(runs):
 def test_fp16_and_accumulation_with_averaging_run(runs):
     fp16, fp32 = runs["fp16"][1], runs["large"][1]  # the same global batch, 64
     assert fp16["train_loss"] == pytest.approx(fp32["train_loss"], abs=1e-3)
-    assert fp16["test_accuracy"] == pytest.approx(fp32["test_accuracy"], abs=0.03)
+    # After one epoch lenet5 sits just below chance's loss, where a rounding flips the argmax
+    # of nearly equal outputs (test accuracy 47.2% or 47.5% by the CPU's kernels): the test
+    # loss, which moves smoothly, is compared instead (fp16 that did not learn: 0.03 apart).
+    assert fp16["test_loss"] == pytest.approx(fp32["test_loss"], abs=5e-3)
     summary = runs["local-sgd"][1]
     assert summary["completed"] and summary["steps"] == 15  # 1437 samples, 96 a step
     assert summary["train_loss"] < 2.31  # from ln 10 = 2.30
