@@ -33,11 +33,12 @@ from pathlib import Path
 
 import pytest
 
-from conftest import children_of, shoal_env, started_by, wait_gone
+from conftest import children_of, shoal_env, wait_gone
 
 pytestmark = pytest.mark.timeout(240)
 
-SERVER, TRACKER = "multiprocessing.forkserver", "multiprocessing.resource_tracker"
+#: How the server shows in its command line (multiprocessing's, or its name in ps).
+SERVER = "forkserver"
 SERVER_LOST = "the server that forks the job's processes (pid {pid}) was lost"
 TRAIN = ["train", "--model", "tests.fixtures_models:held_at_exit", "--dataset", "digits",
          "--progress", "none", "--log-every", "1", "--timeout", "60", "--out", "out"]
@@ -99,7 +100,7 @@ class Job:
             time.sleep(0.005)
         pytest.fail(f"no {what} within {timeout:.0f} s:\n{self.log.read_text()}")
 
-    def reach(self, phase: str, workers: Callable[[], list[int]]) -> None:
+    def reach(self, phase: str, workers: Callable[[], bool]) -> None:
         if phase == "start-up":
             self.wait_until("a worker process", workers)
         elif phase == "training":
@@ -124,8 +125,21 @@ class Job:
         return [line for line in self.output.splitlines() if line.startswith("shoal:")]
 
 
-def _child(parent: int, what: str) -> int | None:
-    return next((pid for pid in children_of(parent) if what.encode() in _cmdline(pid)), None)
+def _server(parent: int) -> int | None:
+    """The fork server ``parent`` (a ``shoal`` command, a keeper) started."""
+    return next((pid for pid in children_of(parent) if SERVER.encode() in _cmdline(pid)), None)
+
+
+def _tracker(parent: int) -> int | None:
+    """multiprocessing's resource tracker ``parent`` started: its other child."""
+    return next((pid for pid in children_of(parent) if SERVER.encode() not in _cmdline(pid)),
+                None)
+
+
+def _forked(command: int) -> list[int]:
+    """The processes the server of ``command`` forked (its work process, then workers)."""
+    server = _server(command)
+    return children_of(server) if server else []
 
 
 def _left_no_join_file(job: Job) -> None:
@@ -139,8 +153,8 @@ def test_a_lost_fork_server_is_named_in_one_line(tmp_path, phase, elastic):
     epochs = "1" if phase == "shutdown" else "200"
     with Job(tmp_path, ["shoal", *TRAIN, "--workers", "2", "--epochs", epochs,
                         *(["--elastic"] if elastic else [])]) as job:
-        job.reach(phase, lambda: started_by(job.proc.pid))
-        server = _child(job.proc.pid, SERVER)
+        job.reach(phase, lambda: len(_forked(job.proc.pid)) > 1)
+        server = _server(job.proc.pid)
         assert server is not None
         job.kill(server)
     lost = SERVER_LOST.format(pid=server)
@@ -164,8 +178,8 @@ def test_a_lost_resource_tracker_is_survived(tmp_path, phase, elastic):
     epochs = "1" if phase == "shutdown" else "3"
     with Job(tmp_path, ["shoal", *TRAIN, "--workers", "2", "--epochs", epochs,
                         *(["--elastic"] if elastic else [])]) as job:
-        job.reach(phase, lambda: started_by(job.proc.pid))
-        tracker = _child(job.proc.pid, TRACKER)
+        job.reach(phase, lambda: len(_forked(job.proc.pid)) > 1)
+        tracker = _tracker(job.proc.pid)
         assert tracker is not None
         job.kill(tracker)
     assert job.code == 0, job.output
@@ -179,9 +193,6 @@ def _keeper(job: Job) -> int | None:
     return next((pid for pid in children_of(job.proc.pid) if _rank_of(pid) == "1"), None)
 
 
-def _in_keeper(job: Job, what: str) -> int | None:
-    keeper = _keeper(job)
-    return keeper and _child(keeper, what)
 
 
 @pytest.mark.parametrize("lost", ["server", "tracker", "keeper"])
@@ -190,12 +201,13 @@ def test_under_torchrun_elastic_a_keepers_processes(tmp_path, lost):
     resource tracker (nothing lost), or the keeper itself (the process torchrun watches:
     torchrun ends the job and names the rank) killed mid-training."""
     with Job(tmp_path, ["torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-                        "-m", "shoal", *TRAIN, "--epochs", "200", "--elastic"]) as job:
-        job.reach("training", lambda: [])
-        victim = {"server": lambda: _in_keeper(job, SERVER),
-                  "tracker": lambda: _in_keeper(job, TRACKER), "keeper": lambda: _keeper(job)}
-        pid = job.wait_until(f"rank 1's {lost}", victim[lost])
-        server = _in_keeper(job, SERVER)
+                        "-m", "shoal", *TRAIN, "--epochs", "200" if lost == "keeper" else "3",
+                        "--elastic"]) as job:
+        job.reach("training", lambda: False)
+        keeper = job.wait_until("rank 1's keeper", lambda: _keeper(job))
+        server = job.wait_until("rank 1's fork server", lambda: _server(keeper))
+        pid = {"server": server, "tracker": _tracker(keeper), "keeper": keeper}[lost]
+        assert pid is not None
         job.kill(pid)
     if lost == "keeper":  # torchrun's own report names the rank and the signal
         assert job.code != 0
