@@ -4,16 +4,37 @@ synchronous trainer and an asynchronous run's coordinator alike (real processes,
 
 import json
 import math
+import subprocess
 
 import pytest
 import torch
 
+from shoal.cli import main
 from shoal.train.health import COLLAPSE_EPOCHS, Health
 
-from conftest import one_error_line, shoal, shoal_env
+from conftest import one_error_line
 
 LN10 = math.log(10)
 DIGITS = ["--dataset", "digits", "--workers", "2", "--progress", "plain"]
+
+
+@pytest.fixture
+def train(capfd, monkeypatch):
+    """``shoal train ARGS`` in this process (``shoal.cli.main``, the command's code; its
+    workers forked from this process's server, which has torch already, so no interpreter
+    and import of torch per run), with ``env`` set for it and its workers: its exit status
+    and what it printed."""
+    def run(*args: str, env: dict[str, str]) -> subprocess.CompletedProcess:
+        for key, value in env.items():
+            monkeypatch.setenv(key, value)
+        capfd.readouterr()
+        code = main(["train", *args])
+        out, err = capfd.readouterr()
+        for key in env:
+            monkeypatch.delenv(key)
+        return subprocess.CompletedProcess(args, code, out, err)
+
+    return run
 
 
 def feed(health: Health, epochs: list[tuple[float, float, float]]) -> list[str | None]:
@@ -71,7 +92,7 @@ def test_a_run_that_fell_back_from_its_best_says_so_at_the_end():
     assert never.verdict() is None
 
 
-def test_collapsing_run_stops_with_its_line_and_exit_status(tmp_path):
+def test_collapsing_run_stops_with_its_line_and_exit_status(tmp_path, train):
     """A synchronous run that learns in epoch 1, then sits at chance from the first step of
     epoch 2 (45 steps an epoch), its tests too (the fixture's outputs turn to zeros there: a
     collapse at a known step on every CPU, where a real blow-up's path, its lr warming up to
@@ -80,8 +101,8 @@ def test_collapsing_run_stops_with_its_line_and_exit_status(tmp_path):
     it trains every epoch and exits 0, the summary saying so all the same."""
     args = [*DIGITS, "--model", "tests.fixtures_models:collapse_everywhere_from",
             "--epochs", "6"]
-    env = {**shoal_env(), "SHOAL_TEST_COLLAPSE_AT": "46"}
-    res = shoal("train", "--out", str(tmp_path / "stop"), *args, env=env, timeout=240)
+    env = {"SHOAL_TEST_COLLAPSE_AT": "46"}
+    res = train("--out", str(tmp_path / "stop"), *args, env=env)
     assert res.returncode == 4, res.stdout + res.stderr
     assert "done:" not in res.stdout and "Traceback" not in res.stderr
     said = [ln for ln in res.stdout.splitlines() if "training collapsed: since epoch" in ln]
@@ -90,8 +111,7 @@ def test_collapsing_run_stops_with_its_line_and_exit_status(tmp_path):
     summary = json.loads((tmp_path / "stop" / "summary.json").read_text())
     assert summary["collapsed"]["kind"] == "collapsed" and not summary["completed"]
     assert summary["epochs"] == 1 + COLLAPSE_EPOCHS and summary["test_accuracy"] < 0.15
-    go_on = shoal("train", "--out", str(tmp_path / "on"), *args, "--allow-collapse", env=env,
-                  timeout=240)
+    go_on = train("--out", str(tmp_path / "on"), *args, "--allow-collapse", env=env)
     assert go_on.returncode == 0, go_on.stdout + go_on.stderr
     summary = json.loads((tmp_path / "on" / "summary.json").read_text())
     assert summary["completed"] and summary["epochs"] == 6 and summary["collapsed"]
@@ -99,13 +119,13 @@ def test_collapsing_run_stops_with_its_line_and_exit_status(tmp_path):
 
 
 @pytest.mark.parametrize("strategy", ["sync", "local-sgd", "async-sgd", "groups"])
-def test_nan_stops_at_once_and_keeps_the_last_good_checkpoint(tmp_path, strategy):
+def test_nan_stops_at_once_and_keeps_the_last_good_checkpoint(tmp_path, train, strategy):
     """The outputs turn NaN at step 60 (epoch 2 of 45 steps): the run stops at that step with
     one line (step, what to try, the checkpoint kept), exit 2; the checkpoint is epoch 1's,
     finite, never overwritten by the NaN state. (An asynchronous run's coordinator writes
     epoch 1's checkpoint once both workers sent their part, which the failure may overtake:
     there, whatever checkpoint exists is an earlier, finite one.)"""
-    res = _turns_nan(tmp_path, strategy, {"SHOAL_TEST_NAN_AT": "60"})
+    res = _turns_nan(train, tmp_path, strategy, {"SHOAL_TEST_NAN_AT": "60"})
     assert res.returncode == 2, res.stdout + res.stderr
     line = one_error_line(res.stderr)
     assert "training loss became nan at step 60 (epoch 2)" in line, line
@@ -126,18 +146,16 @@ def test_nan_stops_at_once_and_keeps_the_last_good_checkpoint(tmp_path, strategy
     ("async-sgd", []), ("hogwild", []),
     # Two compute groups of two: a group's members agree on the step they stop after.
     ("groups", ["--workers", "4", "--groups", "2"])])
-def test_a_collapsed_asynchronous_run_stops_its_workers(tmp_path, strategy, more):
+def test_a_collapsed_asynchronous_run_stops_its_workers(tmp_path, train, strategy, more):
     """Every worker's training sits at chance from its step 60 on (epoch 2 of 45 steps; 3 of
     23 on 4 workers): three epochs later each worker judges its own epochs collapsed (the
     coordinator, which may lag, judges the run's and tells them too) and stops, as a
     synchronous run's ranks do, instead of training all 12 epochs: exit 4, its line, no
     `done:`. Only the last epoch is tested (the
     fixture leaves the center as it was, so a tested epoch would not be at chance)."""
-    res = shoal("train", "--out", str(tmp_path / "run"), *DIGITS, "--strategy", strategy,
+    res = train("--out", str(tmp_path / "run"), *DIGITS, "--strategy", strategy,
                 "--model", "tests.fixtures_models:collapse_from", "--epochs", "12",
-                "--eval-every", "12", *more,
-                env={**shoal_env(), "SHOAL_TEST_COLLAPSE_AT": "60"},
-                timeout=240)
+                "--eval-every", "12", *more, env={"SHOAL_TEST_COLLAPSE_AT": "60"})
     assert res.returncode == 4, res.stdout + res.stderr
     assert "done:" not in res.stdout and "Traceback" not in res.stderr
     said = [ln for ln in res.stdout.splitlines() if "training collapsed: since epoch" in ln]
@@ -148,13 +166,13 @@ def test_a_collapsed_asynchronous_run_stops_its_workers(tmp_path, strategy, more
     assert summary["epochs"] <= 6, summary["epochs"]  # stopped, not trained to epoch 12
 
 
-def test_workers_that_collapsed_where_the_center_tests_well_say_so(tmp_path):
+def test_workers_that_collapsed_where_the_center_tests_well_say_so(tmp_path, train):
     """The fixture's workers sit at chance while the center they leave unchanged tests well
     every epoch: the coordinator sees no collapse, the workers do and stop; the run says it
     stopped for that and exits 4, never as asked or `done:`."""
-    res = shoal("train", "--out", str(tmp_path / "run"), *DIGITS, "--strategy", "async-sgd",
+    res = train("--out", str(tmp_path / "run"), *DIGITS, "--strategy", "async-sgd",
                 "--model", "tests.fixtures_models:collapse_from", "--epochs", "12",
-                env={**shoal_env(), "SHOAL_TEST_COLLAPSE_AT": "60"}, timeout=240)
+                env={"SHOAL_TEST_COLLAPSE_AT": "60"})
     assert res.returncode == 4, res.stdout + res.stderr
     assert "stopped by collapse at step" in res.stdout and "done:" not in res.stdout
     summary = json.loads((tmp_path / "run" / "summary.json").read_text())
@@ -162,24 +180,23 @@ def test_workers_that_collapsed_where_the_center_tests_well_say_so(tmp_path):
 
 
 @pytest.mark.parametrize("strategy", ["async-sgd", "hogwild"])
-def test_an_asynchronous_workers_nan_is_named_at_its_own_step(tmp_path, strategy):
+def test_an_asynchronous_workers_nan_is_named_at_its_own_step(tmp_path, train, strategy):
     """Worker 0 alone turns NaN, at its 60th step: the run names it at that step, and its NaN
     never reached the center (the other worker never computed on non-finite parameters, so
     it cannot stop first at a step of its own, as it did when the check came after the
     push)."""
     seen = tmp_path / "seen"
     seen.mkdir()
-    res = _turns_nan(tmp_path, strategy, {"SHOAL_TEST_NAN_AT": "60", "SHOAL_TEST_NAN_RANK": "1",
-                                          "SHOAL_TEST_NAN_SEEN": str(seen)})
+    res = _turns_nan(train, tmp_path, strategy, {
+        "SHOAL_TEST_NAN_AT": "60", "SHOAL_TEST_NAN_RANK": "1", "SHOAL_TEST_NAN_SEEN": str(seen)})
     assert res.returncode == 2, res.stdout + res.stderr
     line = one_error_line(res.stderr)
     assert "worker 0 (rank 1): training loss became nan at step 60 (epoch 2)" in line, line
     assert not sorted(p.name for p in seen.iterdir())
 
 
-def _turns_nan(tmp_path, strategy: str, env: dict[str, str]):
+def _turns_nan(train, tmp_path, strategy: str, env: dict[str, str]):
     """``shoal train`` of ``tests.fixtures_models:nan_from`` (digits, 3 epochs) with the
     fixture's settings ``env`` (at which step, on which rank its loss turns NaN)."""
-    return shoal("train", "--out", str(tmp_path / "run"), *DIGITS, "--strategy", strategy,
-                 "--model", "tests.fixtures_models:nan_from", "--epochs", "3",
-                 env={**shoal_env(), **env}, timeout=240)
+    return train("--out", str(tmp_path / "run"), *DIGITS, "--strategy", strategy,
+                 "--model", "tests.fixtures_models:nan_from", "--epochs", "3", env=env)
