@@ -13,7 +13,7 @@ import pytest
 
 from shoal.sweep.measure import measure_race
 
-from conftest import shoal_env, train
+from conftest import train_here
 
 SLOW = 5.0  # seconds one worker's start-up takes: several times the run's training time
 DIGITS = ["--dataset", "digits", "--workers", "2", "--epochs", "1"]
@@ -25,14 +25,15 @@ def records(out, event):
 
 
 @pytest.mark.parametrize("strategy, slow_rank", [("sync", "1"), ("async-sgd", "2")])
-def test_the_clock_starts_when_every_worker_can_train(tmp_path, strategy, slow_rank):
+def test_the_clock_starts_when_every_worker_can_train(tmp_path, monkeypatch, strategy,
+                                                      slow_rank):
     """Worker 1 starts SLOW seconds late: no record's time, nor the training time, holds it.
     (An asynchronous run's server 0 counted it, from its own start; sync's ranks already met
     before its clock, in DDP's first broadcast, and now meet at a barrier of their own.)"""
-    env = {**shoal_env(), "SHOAL_TEST_SLOW_RANK": slow_rank,
-           "SHOAL_TEST_SLOW_START": str(SLOW)}
-    summary = train(tmp_path, *DIGITS, "--strategy", strategy, "--model",
-                    "tests.fixtures_models:slow_start", env=env, timeout=240)
+    monkeypatch.setenv("SHOAL_TEST_SLOW_RANK", slow_rank)
+    monkeypatch.setenv("SHOAL_TEST_SLOW_START", str(SLOW))
+    summary = train_here(tmp_path, *DIGITS, "--strategy", strategy, "--model",
+                         "tests.fixtures_models:slow_start")
     times = [r["elapsed_s"] for r in records(tmp_path, "epoch") + records(tmp_path, "step")]
     assert times and max(times) < SLOW, times
     assert summary["train_time_s"] < SLOW, summary["train_time_s"]
@@ -43,7 +44,7 @@ def test_an_asynchronous_center_is_tested_by_the_workers_samples(tmp_path, strat
     """--eval-every-steps 10: the center is tested each time the workers' own samples add
     up to 10 more global batches (320 samples), inside the epoch, not at its end only; the
     race's curve holds those tests, in time order."""
-    train(tmp_path, *DIGITS, "--strategy", strategy, "--eval-every-steps", "10", timeout=240)
+    train_here(tmp_path, *DIGITS, "--strategy", strategy, "--eval-every-steps", "10")
     evals = records(tmp_path, "eval")
     samples = [r["samples"] for r in evals]
     assert len(evals) >= 3 and samples == sorted(samples), samples
