@@ -335,12 +335,18 @@ def _forked_command(launcher: int, server: int) -> int | None:
     return kids[0] if kids else None
 
 
+def is_fork_server(cmdline: bytes) -> bool:
+    """Whether ``cmdline`` is the server that forks shoal's processes (``shoal forkserver``
+    in ``ps``, multiprocessing's command line before it names itself)."""
+    return b"forkserver" in cmdline
+
+
 def command_process(pid: int) -> int:
     """The process that does the work of the ``shoal train`` (``run``, ``join``) whose
     process is ``pid``: the one it forks from its server (:func:`shoal.cli.early.run_forked`),
     else ``pid``."""
     for kid in children_of(pid):
-        if b"multiprocessing.forkserver" in _cmdline(kid):
+        if is_fork_server(_cmdline(kid)):
             return _forked_command(pid, kid) or pid
     return pid
 
@@ -370,10 +376,10 @@ def started_by(launcher: int) -> list[int]:
     found = []
     for kid in children_of(launcher):
         line = _cmdline(kid)
-        if b"multiprocessing.forkserver" in line:
+        if is_fork_server(line):
             command = _forked_command(launcher, kid)
             found += [pid for pid in children_of(kid) if pid != command]
-        elif b"spawn_main" in line:
+        elif b"spawn_main" in line or line.startswith(b"shoal "):  # named by its role
             found.append(kid)
     return sorted(found, key=lambda pid: (_start_time(pid), pid))
 

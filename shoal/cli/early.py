@@ -4,7 +4,7 @@ before they import anything heavy, and do their work in a process forked from th
 That server imports torch (and ``torch._dynamo`` for ``--compile``) once for every process
 it forks (:mod:`shoal.core.starting`). The command's checks, its job's store and its records
 need torch too: they run in a process the server forks first (:func:`run_forked`, named
-``shoal-train``, ``shoal-run`` or ``shoal-join`` in ``ps``), which asks the same server for
+``shoal launcher`` in ``ps`` and ``top``), which asks the same server for
 the workers. The command's own process imports no torch at all: it passes signals on and
 ends with the work's status. Only the command's own argument list is read to decide this,
 before it is parsed: a guess about what the job needs (its number of workers, whether it
@@ -19,10 +19,11 @@ import os
 import signal
 import sys
 from collections.abc import Sequence
+from pathlib import Path
 
 from shoal.core.descendants import adopt_orphans, end_descendants
 from shoal.core.env import detect_environment
-from shoal.core.guard import die_with, guarded_name, name_thread, skip_exit_collection
+from shoal.core.guard import die_with, guarded_name, name_process, skip_exit_collection
 from shoal.core.starting import (
     adopt_server,
     ensure_server,
@@ -37,13 +38,10 @@ from shoal.core.starting import (
 from shoal.errors import ShoalError
 
 #: The commands that start processes here and do their work in a process forked from their
-#: server, named :func:`command_name` there.
+#: server, named :data:`LAUNCHER` there.
 COMMANDS = ("train", "run", "join")
-
-
-def command_name(command: str) -> str:
-    """The name (in ``ps``) of the process that does ``shoal command``'s work."""
-    return f"shoal-{command}"
+#: The name (in ``ps`` and ``top``) of the process that does such a command's work.
+LAUNCHER = "shoal launcher"
 
 
 def _a_rank() -> bool:
@@ -143,7 +141,7 @@ def _forked_command(argv: list[str], address: str, command: int) -> None:
     die_with(command)
     adopt_server(address)
     skip_exit_collection()
-    name_thread(command_name(argv[0]))  # the main thread: the process's name in ps
+    name_process(LAUNCHER)
     sys.exit(_main(argv))
 
 
@@ -188,8 +186,20 @@ def run_forked(argv: list[str]) -> int | None:
     if code < 0 and -code not in before:  # SIGKILL (the OOM killer's), SIGSEGV: no word left
         print(f"shoal: error: the command's process (pid {process.pid}) was killed by "
               f"{signal.Signals(-code).name}" + (f" ({lost})" if lost else ""), file=sys.stderr)
+        stop_server()  # its workers end now, not after the import below
+        _withdraw_job_file(argv)
     return code if code >= 0 else 128 - code
 
 
-__all__ = ["COMMANDS", "adopt_job_processes", "command_name", "end_job_processes", "run_forked",
+def _withdraw_job_file(argv: Sequence[str]) -> None:
+    """The file a ``shoal join`` finds an elastic job by, which the command's process
+    killed could not take away (``OUT`` as ``--out`` gives it)."""
+    out = _flag(argv, "--out")
+    if argv[:1] == ["train"] and "--elastic" in argv and out is not None:
+        from shoal.train.jobfile import withdraw
+
+        withdraw(Path(out))
+
+
+__all__ = ["COMMANDS", "LAUNCHER", "adopt_job_processes", "end_job_processes", "run_forked",
            "runs_a_job", "start_server_early", "stop_server", "wants_workers"]

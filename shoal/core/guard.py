@@ -56,6 +56,25 @@ def name_thread(name: str) -> None:
     prctl(PR_SET_NAME, name.encode()[:15])
 
 
+def name_process(title: str) -> None:
+    """Name this process ``title`` (``shoal worker 2``, ``shoal server 0``) where ``ps``
+    (its command line) and ``top`` (its name, 15 bytes: ``worker 12345`` where
+    ``shoal worker 12345`` would be cut) show it; from the main thread, whose name is the
+    process's. The title gets the room of the command line the process started with
+    (every shoal process's is longer), so that ``/proc/PID/environ`` keeps the environment
+    (``setproctitle``'s ``SPT_NOENV``): the tests find their processes there."""
+    import setproctitle  # not at the top: a guarded child's first code is standard only
+
+    ours = "SPT_NOENV" not in os.environ
+    os.environ["SPT_NOENV"] = "1"  # read once, at the first title
+    try:
+        setproctitle.setproctitle(title)
+    finally:
+        if ours:
+            del os.environ["SPT_NOENV"]
+    name_thread(title if len(title) <= 15 else title.removeprefix("shoal "))
+
+
 def die_with_parent(parent: int) -> None:
     """End this process now unless its parent is ``parent`` (the pid that started it), and
     have Linux end it when that parent dies from now on."""
@@ -108,6 +127,11 @@ def skip_exit_collection() -> None:
 def guarded_name(name: str | None, parent: int) -> str:
     """The multiprocessing name that tells a child started by ``parent`` whom to watch."""
     return f"{name or 'shoal'} [launcher {parent}]"
+
+
+def title_of(name: str) -> str:
+    """The process title a :func:`guarded_name` gives (``shoal-join-3`` -> ``shoal join 3``)."""
+    return _NAME.sub("", name).replace("-", " ")
 
 
 def launcher_of(name: str) -> int | None:

@@ -39,6 +39,7 @@ from collections.abc import Callable
 from typing import Any
 
 from shoal.core.failures import exit_status
+from shoal.core.guard import name_process
 from shoal.core.outlive import STALE, live_joiners
 from shoal.core.processes import start_process
 from shoal.core.starting import server_lost
@@ -114,6 +115,7 @@ def keep_rank(rank: int, keys: Any, target: Callable[..., Any], args: tuple[Any,
     work ``target(*args)`` in a child; ``tolerated``: the job goes on when a signal kills
     it (``workers``: the ranks the job may lose, all of them lost is the job lost, and
     ``workers.stop`` the job's ranks); ``serving``: this keeper serves the store."""
+    name_process(f"shoal keeper {rank}")
     try:
         return _keep(rank, keys, target, args, workers, tolerated)
     finally:

@@ -29,7 +29,7 @@ import cloudpickle
 
 from shoal.core.env import Environment, set_environment
 from shoal.core.failures import exit_status, first_line, record_failure, root_cause
-from shoal.core.guard import guarded_name
+from shoal.core.guard import guarded_name, name_process
 from shoal.core.limits import check_processes
 from shoal.core.outlive import STALE, outlive
 from shoal.core.starting import new_process, server_lost, start_guarded
@@ -102,6 +102,7 @@ def _result_path(jobdir: str, rank: int) -> str:
 
 
 def _worker_main(env: Environment, job: bytes) -> None:
+    name_process(f"shoal worker {env.rank}")  # a training job's rank may be a server: run_rank
     set_environment(env)  # shoal's own code takes it as this object
     env.export()  # for user code that calls torch.distributed itself
     interface = loopback_gloo_interface()

@@ -338,6 +338,7 @@ def run_as_launched(environ: dict[str, str], streams: None, forked: bool,
         faulthandler.register(signal.SIGUSR1, all_threads=True)
     if forked:
         _leave_server()
+    guard.name_process(guard.title_of(mp.current_process().name))  # not the server's
     os.environ.clear()
     os.environ.update(environ)
     try:

@@ -19,4 +19,7 @@ from __future__ import annotations
 
 import signal
 
+from shoal.core.guard import name_process
+
 signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})
+name_process("shoal forkserver")

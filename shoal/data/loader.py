@@ -29,7 +29,7 @@ import numpy as np
 import torch
 from torch.utils.data import DataLoader, Sampler
 
-from shoal.core.guard import die_with_parent
+from shoal.core.guard import die_with_parent, name_process
 from shoal.data.base import Dataset, Split
 from shoal.data.sharding import EpochPlan, shard_range
 from shoal.errors import ShoalError
@@ -125,8 +125,9 @@ def _start_method() -> str | None:
     return "fork" if "fork" in multiprocessing.get_all_start_methods() else None
 
 
-def _worker_init(parent: int, worker_id: int) -> None:
+def _worker_init(parent: int, rank: int, worker_id: int) -> None:
     die_with_parent(parent)  # a loader process never outlives its training process
+    name_process(f"shoal loader {rank}")
 
 
 class ShardLoader:
@@ -147,7 +148,7 @@ class ShardLoader:
             self._loader = DataLoader(
                 self._rows, sampler=self._keys, batch_size=None, num_workers=workers,
                 pin_memory=pin_memory, persistent_workers=True, prefetch_factor=PREFETCH,
-                worker_init_fn=functools.partial(_worker_init, os.getpid()),
+                worker_init_fn=functools.partial(_worker_init, os.getpid(), rank),
                 generator=torch.Generator().manual_seed(seed),
                 multiprocessing_context=_start_method())
 

@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from shoal.core.failures import exit_status
+from shoal.core.guard import name_process
 from shoal.core.joining import answer, ask, take_ticket, ticket_of, worker_id
 from shoal.core.keeper import run_child
 from shoal.core.outlive import finished_key
@@ -153,6 +154,7 @@ def _worker_main(job: dict[str, Any], me: int) -> dict[str, int] | None:
     job on a host of its own), else where ``GLOO_SOCKET_IFNAME`` says, as for the job's
     ranks; then :func:`run_worker` or, in an asynchronous job,
     :func:`~shoal.train.joiner_async.run_async_worker`."""
+    name_process(f"shoal worker {me}")
     interface = loopback_gloo_interface() if _loopback(job["address"]) else None
     if interface is not None:
         os.environ["GLOO_SOCKET_IFNAME"] = interface

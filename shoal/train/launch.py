@@ -25,6 +25,7 @@ from shoal.core.comm import Comm
 from shoal.core.env import Environment, default_threads
 from shoal.core.failures import record_failure
 from shoal.core.group import join_group
+from shoal.core.guard import name_process
 from shoal.core.join import init_comm
 from shoal.core.stop import Leaving, stop_on_sigterm
 from shoal.core.timeline import Timeline
@@ -78,6 +79,7 @@ def run_rank(cfg: TrainConfig, env: Environment, topology: Topology, work: Workl
     reports it and exits at once (tearing down the Gloo pairs of a failed rank can block on
     a peer that is failing too, which would hold the job's end for seconds).
     """
+    name_process(f"shoal {topology.role(env.rank)}")  # shoal worker 2, shoal server 0
     previous = stop_on_sigterm()
     try:
         comm = join(cfg, env, topology)
