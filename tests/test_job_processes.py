@@ -172,6 +172,22 @@ def test_a_lost_fork_server_is_named_in_one_line(tmp_path, phase, elastic):
     _left_no_join_file(job)
 
 
+def test_a_killed_work_process_is_named_and_its_join_file_taken_away(tmp_path):
+    """The command's work process (the job's store, the records) killed while an
+    ``--elastic`` job trains: the command names it, exit 137, and removes the file a
+    ``shoal join`` would find the job by, which that process could not."""
+    with Job(tmp_path, ["shoal", *TRAIN, "--workers", "2", "--epochs", "200",
+                        "--elastic"]) as job:
+        job.reach("training", lambda: False)
+        assert (tmp_path / "out" / ".shoal-join").exists()
+        work = min(_forked(job.proc.pid))  # the server's first child
+        job.kill(work)
+    assert job.code == 137, job.output
+    assert (f"shoal: error: the command's process (pid {work}) was killed by SIGKILL"
+            in job.shoal_lines()), job.output
+    assert not (tmp_path / "out" / ".shoal-join").exists()
+
+
 @pytest.mark.parametrize(("phase", "elastic"), [("start-up", False), ("training", True),
                                                 ("shutdown", False)])
 def test_a_lost_resource_tracker_is_survived(tmp_path, phase, elastic):
