@@ -21,6 +21,7 @@ from shoal.core.env import Environment, default_threads, detect_environment, ran
 from shoal.core.failures import first_line, is_comm_failure
 from shoal.core.join import init_comm
 from shoal.core.processes import spawn
+from shoal.core.secret import use_secret_file
 from shoal.errors import ShoalError
 from shoal.strategies import get_strategy, make_options
 
@@ -38,7 +39,7 @@ _previous_excepthook: Callable[..., Any] | None = None
 
 
 def init(device: str = "auto", timeout: float = 300.0, threads: int | None = None, *,
-         heartbeat_timeout: float | None = 10.0) -> Comm:
+         heartbeat_timeout: float | None = 10.0, secret_file: str | None = None) -> Comm:
     """Join the job this process was launched into and return its :class:`~shoal.core.comm.Comm`.
 
     Reads torchrun's, Slurm's or mpirun's environment (or the one :func:`launch` gives); a
@@ -46,13 +47,17 @@ def init(device: str = "auto", timeout: float = 300.0, threads: int | None = Non
     ``threads`` defaults to the machine's cores divided by the processes on this node.
     ``timeout`` (seconds) bounds every collective; a rank that sends no heartbeat for
     ``heartbeat_timeout`` seconds (stopped, swapped out: not merely slow) stops the job
-    sooner, named as hung (``None``: never).
+    sooner, named as hung (``None``: never). ``secret_file``: under torchrun, srun or mpirun,
+    an owner-only file holding the job's secret, which seals its store (as ``--secret-file``;
+    default ``SHOAL_SECRET``, else one derived: docs/launching.md, security).
 
     A program need not call :func:`shutdown`: at exit the job is left in order, and an
     uncaught exception first tells the other ranks, which then stop within seconds.
     """
     global _COMM
     if _COMM is None:
+        if secret_file is not None:
+            use_secret_file(secret_file)
         env = rank_environment() or Environment()
         if threads is None:
             threads = _THREADS or default_threads(env.local_world_size)

@@ -47,6 +47,13 @@ def served():
     del server
 
 
+def _write(outsider: dist.TCPStore, name: str, value: str | bytes) -> None:
+    """``outsider`` sets ``name``, and waits until the store has it (a TCPStore client's set
+    is not answered: a call on another connection could otherwise come first)."""
+    outsider.set(name, value)
+    outsider.get(name)
+
+
 def _forgeries(caplog) -> list[str]:
     return [r.getMessage() for r in caplog.records if "unauthenticated" in r.getMessage()]
 
@@ -69,7 +76,7 @@ def test_values_are_sealed_and_names_blinded_so_an_outsider_reads_nothing(served
 def test_a_forged_value_is_ignored_once_reported_and_the_real_one_taken(served, caplog):
     server, client, outsider = served
     name = client.name("shoal/0/elastic/1/members")
-    outsider.set(name, "0,5")  # a forged member list at the real name
+    _write(outsider, name, "0,5")  # a forged member list at the real name
     got: list[bytes] = []
     reader = threading.Thread(target=lambda: got.append(client.get("shoal/0/elastic/1/members")))
     with caplog.at_level(logging.WARNING, logger="shoal.store"):
@@ -82,7 +89,7 @@ def test_a_forged_value_is_ignored_once_reported_and_the_real_one_taken(served, 
     assert got == [b"0,1"]
     assert _forgeries(caplog) == [forged_line("shoal/0/elastic/1/members")]  # once
     # the other blocking reads wait the same way, until the store's timeout
-    outsider.set(client.name("shoal/0/abort"), b"\x00shoal-sealed-1\x00" + bytes(60))
+    _write(outsider, client.name("shoal/0/abort"), b"\x00shoal-sealed-1\x00" + bytes(60))
     with pytest.raises(dist.DistStoreError, match="no sealed value of shoal/0/abort"):
         client.wait(["shoal/0/abort"], timedelta(seconds=1))
 
@@ -93,8 +100,9 @@ def test_a_value_superseded_then_replayed_is_refused(served, caplog):
     client.set("shoal/0/ended/1", "old")
     old = outsider.get(name)  # what a sniffer saw on the wire
     server.set("shoal/0/ended/1", "new")
+    assert server.get("shoal/0/ended/1") == b"new"  # answered: the set came first
     assert client.get("shoal/0/ended/1") == b"new"
-    outsider.set(name, old)
+    _write(outsider, name, old)
     with caplog.at_level(logging.WARNING, logger="shoal.store"):
         assert not client.check(["shoal/0/ended/1"])
         client.set_timeout(timedelta(seconds=1))
@@ -102,7 +110,7 @@ def test_a_value_superseded_then_replayed_is_refused(served, caplog):
             client.get("shoal/0/ended/1")
     assert _forgeries(caplog) == [forged_line("shoal/0/ended/1")]
     # A value sealed for another key does not verify at this one either.
-    outsider.set(client.name("shoal/0/ended/2"), outsider.get(client.name("shoal/0/ended/1")))
+    _write(outsider, client.name("shoal/0/ended/2"), outsider.get(client.name("shoal/0/ended/1")))
     assert not client.check(["shoal/0/ended/2"])
 
 
@@ -113,7 +121,7 @@ def test_compare_set_takes_sealed_values_and_counts_a_forged_one_as_none(served,
     assert server.compare_set("d", "", "abort") == b"commit"  # the first vote stands
     assert server.compare_set("d", "commit", "commit+stop") == b"commit+stop"
     assert client.get("d") == b"commit+stop"
-    outsider.set(client.name("e"), "fail")  # a forged decision before anyone voted
+    _write(outsider, client.name("e"), "fail")  # a forged decision before anyone voted
     with caplog.at_level(logging.WARNING, logger="shoal.store"):
         assert client.compare_set("e", "", "commit") == b"commit"
     assert server.get("e") == b"commit" and _forgeries(caplog) == [forged_line("e")]
@@ -123,7 +131,7 @@ def test_compare_set_takes_sealed_values_and_counts_a_forged_one_as_none(served,
 def test_a_gloo_group_forms_over_it_and_a_forged_members_address_is_ignored(served, caplog):
     server, _, outsider = served
     # Gloo's rendezvous keys under the group's prefix: "<prefix>/0/<rank>", each rank's address.
-    outsider.set(server.name("g/0/1"), b"forged address of rank 1")
+    _write(outsider, server.name("g/0/1"), b"forged address of rank 1")
     sums: dict[int, torch.Tensor] = {}
 
     def rank(r: int) -> None:
@@ -174,9 +182,13 @@ def test_the_secret_given_in_a_file_or_the_environment_or_derived(tmp_path, monk
 
 
 def test_a_secret_file_others_can_read_is_one_line(tmp_path, capsys):
+    import shoal
+
     secret = tmp_path / "secret"
     secret.write_text("ab" * 32)
     secret.chmod(0o644)
+    with pytest.raises(ShoalError, match="is not a file of yours that only you can read"):
+        shoal.init(secret_file=str(secret))  # before anything joins
     code = main(["train", "--out", str(tmp_path / "run"), "--secret-file", str(secret)])
     err = capsys.readouterr().err.strip()
     assert code == 2 and err.count("\n") == 0
