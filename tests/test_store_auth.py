@@ -94,6 +94,17 @@ def test_a_forged_value_is_ignored_once_reported_and_the_real_one_taken(served, 
         client.wait(["shoal/0/abort"], timedelta(seconds=1))
 
 
+def test_a_key_deleted_while_read_is_empty_and_no_forgery(served, caplog):
+    """torch's store answers an empty value for a key deleted between a reader's wait and
+    its get (a member forgets a meeting's decision while another looks at it): before this
+    was read as a forgery, and a killed --elastic worker printed a false line."""
+    server, client, outsider = served
+    with caplog.at_level(logging.WARNING, logger="shoal.store"):
+        _write(outsider, client.name("shoal/0/elastic/0/13/decision"), b"")
+        assert client.get("shoal/0/elastic/0/13/decision") == b""
+    assert _forgeries(caplog) == []
+
+
 def test_a_value_superseded_then_replayed_is_refused(served, caplog):
     server, client, outsider = served
     name = client.name("shoal/0/ended/1")

@@ -159,7 +159,11 @@ class SealedStore(dist.Store):
 
     def _open(self, key: str, raw: bytes) -> bytes | None:
         """The value sealed in ``raw`` for ``key``, or ``None`` (reported) when it does not
-        verify or replays one superseded."""
+        verify or replays one superseded. Empty: what torch's store answers for a key deleted
+        while it was read (a member forgets a meeting's keys as another looks at them), which
+        carries nothing to trust and is no forgery."""
+        if not raw:
+            return raw
         head = len(MAGIC) + TAG_BYTES
         if raw.startswith(MAGIC) and len(raw) >= head + NONCE_BYTES:
             tag, body = raw[len(MAGIC):head], raw[head:]
