@@ -15,6 +15,7 @@ import copy
 import multiprocessing as mp
 import os
 import pickle
+import secrets
 import signal
 import threading
 import time
@@ -28,7 +29,9 @@ import torch.distributed as dist
 from shoal.core.comm import Comm
 from shoal.core.ops import split_sizes
 from shoal.core.pairs import Header, Kind
-from shoal.core.processes import start_process
+from shoal.core.processes import loopback_store, start_process
+from shoal.core.sealed import SealedStore, kept
+from shoal.core.secret import SECRET_VAR, given_secret
 from shoal.ps import ServerClient, ShardServer
 from shoal.ps.rule import ServerRule, tell
 
@@ -140,10 +143,24 @@ class AddRule:
         self.applied = state["applied"]
 
 
+def served_store(monkeypatch) -> SealedStore:
+    """A job's store served here, as shoal's launcher serves one: sealed with a fresh secret,
+    which the child processes take from the environment (:func:`connect`), as ranks do."""
+    secret = secrets.token_bytes(32)
+    monkeypatch.setenv(SECRET_VAR, secret.hex())
+    monkeypatch.setenv("GLOO_SOCKET_IFNAME", "lo")  # the pairs stay on loopback; children inherit
+    return loopback_store(30.0, secret)
+
+
+def store_client(port: int) -> SealedStore:
+    """A client, in a child process, of the store :func:`served_store` serves at ``port``."""
+    inner = dist.TCPStore("127.0.0.1", port, None, False, timeout=timedelta(seconds=30))
+    return kept(SealedStore(inner, given_secret()))
+
+
 def connect(port: int, client: int, ranges, timeout: float, keepalive=None) -> ServerClient:
     torch.set_num_threads(1)
-    store = dist.TCPStore("127.0.0.1", port, None, False, timeout=timedelta(seconds=30))
-    return ServerClient(store, client, ranges, timeout=timeout, keepalive=keepalive,
+    return ServerClient(store_client(port), client, ranges, timeout=timeout, keepalive=keepalive,
                         connect_timeout=30.0)
 
 

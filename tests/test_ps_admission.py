@@ -9,20 +9,18 @@ import pytest
 import torch
 
 from shoal.core.ops import split_ranges
-from shoal.core.processes import loopback_store
 from shoal.errors import ShoalError
 from shoal.ps import Admission, ShardServer, staleness_summary
 from shoal.ps.admission import Ledger
 
-from ps_doubles import Children, close_all, pushing_client, serve
+from ps_doubles import Children, close_all, pushing_client, serve, served_store
 
 pytestmark = pytest.mark.timeout(90)
 
 
 @pytest.fixture
 def store(monkeypatch):
-    monkeypatch.setenv("GLOO_SOCKET_IFNAME", "lo")  # the pairs stay on loopback; children inherit
-    return loopback_store(30.0)
+    return served_store(monkeypatch)
 
 
 @pytest.mark.parametrize("kwargs, expected", [

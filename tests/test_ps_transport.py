@@ -15,17 +15,14 @@ import os
 import signal
 import threading
 import time
-from datetime import timedelta
 
 import pytest
 import torch
-import torch.distributed as dist
 
 from shoal.core.comm import Comm
 from shoal.core.env import Environment
 from shoal.core.ops import split_ranges, split_sizes
 from shoal.core.pairs import ChannelError, Header
-from shoal.core.processes import loopback_store
 from shoal.core.timeline import COMM, Timeline
 from shoal.errors import ShoalError
 from shoal.ps import Admission, ServerClient, ShardServer
@@ -39,6 +36,8 @@ from ps_doubles import (
     pushing_client,
     send_to_parent,
     serve,
+    served_store,
+    store_client,
 )
 
 pytestmark = pytest.mark.timeout(90)
@@ -46,8 +45,7 @@ pytestmark = pytest.mark.timeout(90)
 
 @pytest.fixture
 def store(monkeypatch):
-    monkeypatch.setenv("GLOO_SOCKET_IFNAME", "lo")  # the pairs stay on loopback; children inherit
-    return loopback_store(30.0)
+    return served_store(monkeypatch)
 
 
 # -- client processes ------------------------------------------------------------------------
@@ -70,7 +68,7 @@ def round_trip_client(port: int, ranges, conn) -> None:
 
 def server_process(port: int, n: int, conn) -> None:
     """A server whose rule sleeps in its second exchange (the parent kills it then)."""
-    store = dist.TCPStore("127.0.0.1", port, None, False, timeout=timedelta(seconds=30))
+    store = store_client(port)
     center = torch.zeros(n)
     server = ShardServer(store, 0, 1, AddRule(center, sleep_on=2), center, timeout=20.0)
     server.start()
