@@ -94,14 +94,43 @@ def test_a_forged_value_is_ignored_once_reported_and_the_real_one_taken(served, 
         client.wait(["shoal/0/abort"], timedelta(seconds=1))
 
 
-def test_a_key_deleted_while_read_is_empty_and_no_forgery(served, caplog):
-    """torch's store answers an empty value for a key deleted between a reader's wait and
-    its get (a member forgets a meeting's decision while another looks at it): before this
-    was read as a forgery, and a killed --elastic worker printed a false line."""
+def test_a_reader_woken_before_its_key_is_there_waits_for_the_real_value(served, caplog):
+    """torch's store wakes the waiters of a key on any compare-and-set of it, a failed one on
+    a missing key too, and a woken get then answers an empty value. One member's empty read
+    of a meeting's decision made that meeting failed for it alone (the others committed):
+    the group then re-formed again and again until the job failed. A reader, a waiter and
+    a checker all wait for the real value, with no forgery reported; an empty value at the
+    key (as a delete between wait and get leaves it) is no value either."""
     server, client, outsider = served
+    key = "shoal/0/elastic/0/0/decision"
+    got: dict[str, object] = {}
+
+    def read(how: str) -> None:
+        reader = server.client()
+        try:
+            if how == "wait":
+                reader.wait([key], timedelta(seconds=4))
+            got[how] = reader.get(key)
+        except RuntimeError as exc:
+            got[how] = exc
+
+    readers = [threading.Thread(target=read, args=(how,), daemon=True) for how in ("get", "wait")]
     with caplog.at_level(logging.WARNING, logger="shoal.store"):
-        _write(outsider, client.name("shoal/0/elastic/0/13/decision"), b"")
-        assert client.get("shoal/0/elastic/0/13/decision") == b""
+        for reader in readers:
+            reader.start()
+        time.sleep(0.3)
+        ends = time.monotonic() + 0.6
+        while time.monotonic() < ends:  # probes that wake the readers (torch's compare_set)
+            outsider.compare_set(client.name(key), b"probe", b"probe")
+            assert not client.check([key])
+            time.sleep(0.02)
+        _write(outsider, client.name(key), b"")
+        assert not client.check([key])
+        assert all(reader.is_alive() for reader in readers)
+        dist.PrefixStore("shoal/0", client).set("elastic/0/0/decision", "commit")
+        for reader in readers:
+            reader.join(timeout=5)
+    assert got == {"get": b"commit", "wait": b"commit"}
     assert _forgeries(caplog) == []
 
 

@@ -158,12 +158,11 @@ class SealedStore(dist.Store):
         return MAGIC + tag + nonce + value, tag
 
     def _open(self, key: str, raw: bytes) -> bytes | None:
-        """The value sealed in ``raw`` for ``key``, or ``None`` (reported) when it does not
-        verify or replays one superseded. Empty: what torch's store answers for a key deleted
-        while it was read (a member forgets a meeting's keys as another looks at them), which
-        carries nothing to trust and is no forgery."""
+        """The value sealed in ``raw`` for ``key``, or ``None`` when there is none: ``raw`` is
+        empty (see :meth:`_read`), or it does not verify or replays one superseded (those
+        two are reported)."""
         if not raw:
-            return raw
+            return None
         head = len(MAGIC) + TAG_BYTES
         if raw.startswith(MAGIC) and len(raw) >= head + NONCE_BYTES:
             tag, body = raw[len(MAGIC):head], raw[head:]
@@ -193,7 +192,14 @@ class SealedStore(dist.Store):
         return None if raw == probe else raw
 
     def _read(self, key: str, deadline: float) -> bytes:
-        """``key``'s sealed value, waiting for one (until ``deadline``, monotonic)."""
+        """``key``'s sealed value, waiting for one (until ``deadline``, monotonic).
+
+        torch's get waits for the key, then answers an empty value when the key is not
+        there after all: its store wakes the waiters of a key on every compare-and-set of
+        it, a failed one on a missing key too (:meth:`check`'s probe), and a key may be
+        deleted between the wait and the read. Empty is then "not there yet": waited for
+        again, never taken for a value (a meeting's decision read empty was a failed
+        meeting to one member and a good one to the others)."""
         name = self.name(key)
         while True:
             value = self._open(key, bytes(self._inner.get(name)))
@@ -242,21 +248,29 @@ class SealedStore(dist.Store):
             raw = None
 
     def check(self, keys: list[str]) -> bool:
-        for key in keys:  # one round trip a key, which reads the value it checks
-            raw = self._peek(self.name(key))
+        for key in keys:  # torch's check first: a probe of a missing key wakes its waiters
+            name = self.name(key)
+            if not self._inner.check([name]):
+                return False
+            raw = self._peek(name)  # the value it checks
             if raw is None or self._open(key, raw) is None:
                 return False
         return True
 
     def wait(self, keys: list[str], timeout: timedelta | None = None) -> None:
         deadline = self._deadline(timeout)
-        names = [self.name(key) for key in keys]
-        if timeout is None:
-            self._inner.wait(names)
-        else:
-            self._inner.wait(names, timeout)
         for key in keys:
-            self._read(key, deadline)
+            name = self.name(key)
+            while True:  # torch's wait may end with the key not there (see _read)
+                left = max(deadline - time.monotonic(), 0.001)
+                self._inner.wait([name], timedelta(seconds=left))
+                raw = self._peek(name)
+                if raw is not None and self._open(key, raw) is not None:
+                    break
+                if time.monotonic() >= deadline:
+                    raise dist.DistStoreError(f"no sealed value of {key} came within the wait's "
+                                              "timeout (only values written from outside the job)")
+                time.sleep(POLL_S)
 
     def delete_key(self, key: str) -> bool:
         return bool(self._inner.delete_key(self.name(key)))
