@@ -26,6 +26,7 @@ from shoal.core.env import Environment
 from shoal.core.processes import loopback_store
 from shoal.core.sealed import MAGIC, SealedStore, forged_line
 from shoal.core.secret import SECRET_VAR, derived_secret, job_secret, use_secret_file
+from shoal.emulate import Cluster, can_emulate
 from shoal.errors import ShoalError
 
 from conftest import assert_went_on_without, shoal_env, train_losing
@@ -291,3 +292,66 @@ def test_a_third_host_cannot_reach_a_one_host_jobs_store(tmp_path):
         pytest.skip("no network namespaces here")
     assert res.returncode == 0, res.stderr
     assert server.port > 0
+
+
+# One process per emulated host: host 0 serves a job's store on its network address (as a
+# job spanning hosts does), host 1 is a member, host 2 an outsider who can reach the port.
+HOST_ROLE = """import json, logging, sys
+from datetime import timedelta
+import torch.distributed as dist
+from shoal.core.sealed import SealedStore
+role, addr, port, secret = sys.argv[1], sys.argv[2], int(sys.argv[3]), bytes.fromhex(sys.argv[4])
+logging.basicConfig(level=logging.WARNING, format="%(message)s")
+inner = dist.TCPStore(addr, port, None, role == "serve", timeout=timedelta(seconds=60),
+                      wait_for_workers=False)
+if role == "forge":
+    for name, value in json.loads(sys.argv[5]).items():
+        inner.set(name, value)
+        inner.get(name)
+    print(json.dumps([k for k in json.loads(sys.argv[6]) if inner.check([k])]), flush=True)
+    sys.exit()
+store = SealedStore(inner, secret)
+if role == "serve":
+    print("serving", flush=True)
+    store.wait(["shoal/0/done"])
+else:
+    seen = {k: store.check([f"shoal/0/{k}"]) for k in ("ended/1", "abort", "elastic/1/members")}
+    store.set("shoal/0/elastic/1/members", "0,1")
+    seen["members"] = store.get("shoal/0/elastic/1/members").decode()
+    store.set("shoal/0/done", "1")
+    print(json.dumps(seen), flush=True)
+"""
+
+
+@pytest.mark.skipif(can_emulate() is not None, reason=f"cannot emulate: {can_emulate()}")
+def test_forgeries_from_a_third_host_change_nothing_and_are_reported(tmp_path):
+    secret, port = os.urandom(32), 29541
+    literal = {"shoal/0/ended/1": "killed by signal 9", "shoal/0/abort": "forged",
+               "shoal/0/elastic/1/members": "0,5"}
+    sniffed = SealedStore(dist.HashStore(), secret)  # its names: what a sniffer would see
+    forged = {**literal, **{sniffed.name(k): v for k, v in literal.items()}}
+    with Cluster(hosts=3, rate="1gbit") as cluster:
+        common = [cluster.address(0), str(port), secret.hex()]
+        server = subprocess.Popen([*cluster.exec_args(0), sys.executable, "-c", HOST_ROLE,
+                                   "serve", *common], stdout=subprocess.PIPE, text=True,
+                                  env=shoal_env())
+        try:
+            assert server.stdout.readline().strip() == "serving"
+            forger = subprocess.run(
+                [*cluster.exec_args(2), sys.executable, "-c", HOST_ROLE, "forge", *common,
+                 json.dumps(forged), json.dumps(list(literal))],
+                capture_output=True, text=True, timeout=60, env=shoal_env())
+            assert forger.returncode == 0, forger.stderr
+            assert json.loads(forger.stdout) == list(literal)  # it wrote them: the port answered
+            member = subprocess.run(
+                [*cluster.exec_args(1), sys.executable, "-c", HOST_ROLE, "member", *common],
+                capture_output=True, text=True, timeout=60, env=shoal_env())
+            assert member.returncode == 0, member.stderr
+            server.wait(timeout=30)
+        finally:
+            server.kill()
+            server.wait()
+    assert json.loads(member.stdout) == {"ended/1": False, "abort": False,
+                                         "elastic/1/members": False, "members": "0,1"}
+    for key in literal:
+        assert member.stderr.count(forged_line(key)) == 1, member.stderr
