@@ -30,6 +30,7 @@ from shoal.core.starting import (
     new_process,
     server_address,
     server_lost,
+    server_modules,
     start_guarded,
     stop_server,
     stop_tracker,
@@ -105,7 +106,7 @@ def start_server_early(argv: Sequence[str]) -> bool:
     compiler front end too, for ``--compile``); whether it did."""
     if not wants_workers(argv):
         return False
-    ensure_server(["torch._dynamo"] if "--compile" in argv else [])
+    ensure_server(server_modules(compile="--compile" in argv, trains=argv[0] != "run"))
     return True
 
 

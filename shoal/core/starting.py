@@ -59,6 +59,13 @@ def start_method() -> str:
     return "forkserver"
 
 
+def server_modules(compile: bool, trains: bool) -> list[str]:
+    """What the server imports besides :data:`PRELOAD`: ``shoal.train`` for a job whose
+    workers train (each would import it, about 0.6 s of CPU apiece), ``torch._dynamo`` for
+    one that compiles."""
+    return ["shoal.train"] * trains + ["torch._dynamo"] * compile
+
+
 def context(more: Sequence[str] = ()) -> BaseContext:
     """The multiprocessing context shoal starts its processes in (see :func:`start_method`);
     a server it starts imports ``more`` modules too."""

@@ -27,7 +27,7 @@ from shoal.core.guard import skip_exit_collection
 from shoal.core.keeper import keep_rank
 from shoal.core.limits import check_processes
 from shoal.core.processes import Lost, spawn
-from shoal.core.starting import ensure_server
+from shoal.core.starting import ensure_server, server_modules
 from shoal.core.stop import request_leave, stop_requested
 from shoal.core.trust import Seal, open_own
 from shoal.core.waits import key_prefix
@@ -276,7 +276,7 @@ def train(cfg: TrainConfig, dataset: Any = None) -> dict[str, Any] | None:
     if spawned:
         # It imports torch for the workers while the checks below run (and torch's compiler
         # front end for --compile; shoal.core.dynamo keeps it out otherwise).
-        ensure_server(["torch._dynamo"] if cfg.compile else [])
+        ensure_server(server_modules(compile=cfg.compile, trains=True))
     cfg = job_device(resolve_momentum(cfg, topology.workers), topology, topology.workers)
     work = preflight(cfg, topology.workers, given)
     check_machine(cfg, topology, work.data)

@@ -175,7 +175,9 @@ class Trainer:
         cfg, st, rec = self.cfg, self.state, self.recorder
         self.elastic.start_epoch()
         self.batches = self.loader.epoch(st.epoch, st.epoch_step)
-        self.strategy.module.train()
+        # the model itself: DDP's wrapper (elastic: wrapped at the first step, a meeting that
+        # may see a worker lost) is made inside the step, where a change is settled
+        self.strategy.model.train()
         rec.start_epoch(st)
         stopped = False
         while not stopped and self.elastic.steps_left():  # the last closes the epoch
