@@ -211,17 +211,24 @@ def _keeper(job: Job) -> int | None:
 
 
 
-@pytest.mark.parametrize("lost", ["server", "tracker", "keeper"])
-def test_under_torchrun_elastic_a_keepers_processes(tmp_path, lost):
-    """Rank 1's keeper's fork server (its worker dies with it: the job goes on without it),
-    resource tracker (nothing lost), or the keeper itself (the process torchrun watches:
-    torchrun ends the job and names the rank) killed mid-training."""
+@pytest.mark.parametrize(("lost", "phase", "elastic"), [
+    ("server", "training", True), ("tracker", "training", True), ("keeper", "start-up", True),
+    ("keeper", "training", True), ("keeper", "training", False)])
+def test_under_torchrun_a_keepers_processes(tmp_path, lost, phase, elastic):
+    """Rank 1's keeper's fork server (its worker dies with it: an ``--elastic`` job goes on
+    without it), resource tracker (nothing lost), or the keeper itself (the process torchrun
+    watches: torchrun ends the job and names the rank, at start-up or mid-training; plain, the rank
+    itself trains in it); nothing of the job outlives
+    torchrun."""
+    epochs = "200" if lost == "keeper" else "3"
     with Job(tmp_path, ["torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-                        "-m", "shoal", *TRAIN, "--epochs", "200" if lost == "keeper" else "3",
-                        "--elastic"]) as job:
-        job.reach("training", lambda: False)
+                        "-m", "shoal", *TRAIN, "--epochs", epochs,
+                        *(["--elastic"] if elastic else [])]) as job:
         keeper = job.wait_until("rank 1's keeper", lambda: _keeper(job))
-        server = job.wait_until("rank 1's fork server", lambda: _server(keeper))
+        # plain, a rank trains in torchrun's process itself: no server, no work forked
+        job.reach(phase, lambda: bool(_forked(keeper)) or not elastic)
+        server = job.wait_until("rank 1's fork server", lambda: _server(keeper)) \
+            if lost == "server" else None
         pid = {"server": server, "tracker": _tracker(keeper), "keeper": keeper}[lost]
         assert pid is not None
         job.kill(pid)
