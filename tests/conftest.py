@@ -290,6 +290,18 @@ def wait_gone(marker: str, timeout: float) -> list[int]:
     return left
 
 
+def kill_job(proc: subprocess.Popen, marker: str) -> None:
+    """A test's clean-up, whatever happened: every process carrying ``marker`` and the
+    session of ``proc`` killed (kill -9), ``proc`` reaped."""
+    for pid in marked_processes(marker):
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(proc.pid, signal.SIGKILL)
+    with contextlib.suppress(subprocess.TimeoutExpired):
+        proc.wait(timeout=10)
+
+
 def children_of(pid: int) -> list[int]:
     """The pids of ``pid``'s child processes (any of its threads'), as Linux lists them."""
     kids: list[int] = []

@@ -33,7 +33,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import children_of, shoal_env, wait_gone
+from conftest import children_of, kill_job, shoal_env, wait_gone
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -81,13 +81,7 @@ class Job:
 
     def __exit__(self, *exc: object) -> None:
         self.release.touch()
-        for pid in wait_gone(self.marker, 0.0):
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(pid, signal.SIGKILL)
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(self.proc.pid, signal.SIGKILL)
-        with contextlib.suppress(subprocess.TimeoutExpired):
-            self.proc.wait(timeout=10)
+        kill_job(self.proc, self.marker)
 
     def wait_until(self, what: str, ready: Callable[[], object], timeout: float = 120.0):
         deadline = time.monotonic() + timeout
@@ -147,16 +141,24 @@ def _left_no_join_file(job: Job) -> None:
         not any((job.dir / "out" / ".shoal-join").iterdir())
 
 
-@pytest.mark.parametrize(("phase", "elastic"), [("start-up", False), ("training", False),
-                                                ("shutdown", False), ("training", True)])
-def test_a_lost_fork_server_is_named_in_one_line(tmp_path, phase, elastic):
-    epochs = "1" if phase == "shutdown" else "200"
+def _killed_in(tmp_path: Path, phase: str, elastic: bool, epochs: str,
+               find: Callable[[int], int | None]) -> tuple[Job, int]:
+    """A 2-worker ``shoal train`` whose process ``find`` gives (from the command's pid) is
+    killed in ``phase``: the ended job and that pid."""
     with Job(tmp_path, ["shoal", *TRAIN, "--workers", "2", "--epochs", epochs,
                         *(["--elastic"] if elastic else [])]) as job:
         job.reach(phase, lambda: len(_forked(job.proc.pid)) > 1)
-        server = _server(job.proc.pid)
-        assert server is not None
-        job.kill(server)
+        pid = find(job.proc.pid)
+        assert pid is not None
+        job.kill(pid)
+    return job, pid
+
+
+@pytest.mark.parametrize(("phase", "elastic"), [("start-up", False), ("training", False),
+                                                ("shutdown", False), ("training", True)])
+def test_a_lost_fork_server_is_named_in_one_line(tmp_path, phase, elastic):
+    job, server = _killed_in(tmp_path, phase, elastic, "1" if phase == "shutdown" else "200",
+                             _server)
     lost = SERVER_LOST.format(pid=server)
     if phase == "shutdown":  # the work was done: its results stand
         assert job.code == 0, job.output
@@ -191,13 +193,7 @@ def test_a_killed_work_process_is_named_and_its_join_file_taken_away(tmp_path):
 @pytest.mark.parametrize(("phase", "elastic"), [("start-up", False), ("training", True),
                                                 ("shutdown", False)])
 def test_a_lost_resource_tracker_is_survived(tmp_path, phase, elastic):
-    epochs = "1" if phase == "shutdown" else "3"
-    with Job(tmp_path, ["shoal", *TRAIN, "--workers", "2", "--epochs", epochs,
-                        *(["--elastic"] if elastic else [])]) as job:
-        job.reach(phase, lambda: len(_forked(job.proc.pid)) > 1)
-        tracker = _tracker(job.proc.pid)
-        assert tracker is not None
-        job.kill(tracker)
+    job, _ = _killed_in(tmp_path, phase, elastic, "1" if phase == "shutdown" else "3", _tracker)
     assert job.code == 0, job.output
     assert (tmp_path / "out" / "summary.json").exists()
     assert "Traceback" not in job.output and "error" not in job.output, job.output

@@ -33,9 +33,9 @@ from conftest import (
     MPIRUN_TRIES,
     children_of,
     command_process,
+    kill_job,
     listening_sockets,
     loads_torch,
-    marked_processes,
     mpirun,
     mpirun_failed_to_start,
     needs_mpirun,
@@ -120,13 +120,7 @@ class Job:
         return self
 
     def __exit__(self, *exc: object) -> None:
-        for pid in marked_processes(self.marker):
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(pid, signal.SIGKILL)
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(self.proc.pid, signal.SIGKILL)
-        with contextlib.suppress(subprocess.TimeoutExpired):
-            self.proc.wait(timeout=10)
+        kill_job(self.proc, self.marker)
 
     def workers(self) -> list[int]:
         """The launcher's worker (and server) processes, in the order they started."""
