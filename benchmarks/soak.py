@@ -45,8 +45,6 @@ from pathlib import Path
 
 import torch
 
-from shoal.cli.early import COMMANDS, command_name
-
 REPO = Path(__file__).resolve().parent.parent
 
 
@@ -60,31 +58,22 @@ def children(pid: int) -> list[int]:
     return pids
 
 
-#: The names of the processes that do a ``shoal train``, ``run`` or ``join``'s work.
-COMMAND_NAMES = {command_name(command) for command in COMMANDS}
+#: How a rank's process shows in ``ps`` (shoal.core.guard.name_process names it).
+RANK_NAMES = (b"shoal worker ", b"shoal server ")
 
 
 def workers_of(launcher: int) -> list[int]:
-    """The worker processes ``launcher`` started, in rank order (it starts them one after
-    the other: by start time, then pid): its multiprocessing spawn children, or (shoal's
-    default on Linux) the children of its fork server, which forks each worker. The process
-    that server forks first to do the command's work (named ``shoal-train``, ``shoal-run``
-    or ``shoal-join``: shoal.cli.early) is not a worker."""
-    pids: list[int] = []
-    for pid in children(launcher):
-        with contextlib.suppress(OSError):
-            cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
-            if b"spawn_main" in cmdline:
-                pids.append(pid)
-            elif b"multiprocessing.forkserver" in cmdline:
-                pids += children(pid)
-    found = []
-    for pid in pids:
+    """The rank processes (servers, then workers) below ``launcher``, in rank order (it
+    starts them one after the other: by start time, then pid), found by their names in
+    ``ps``: the fork server's children, a keeper's, or spawned ones alike."""
+    found, todo = [], children(launcher)
+    while todo:
+        pid = todo.pop()
+        todo += children(pid)
         with contextlib.suppress(OSError, ValueError, IndexError):
-            stat = Path(f"/proc/{pid}/stat").read_text()
-            name, state = stat.split("(", 1)[1].rsplit(")", 1)
-            fields = state.split()
-            if fields[0] != "Z" and name not in COMMAND_NAMES:
+            cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
+            fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+            if cmdline.startswith(RANK_NAMES) and fields[0] != "Z":
                 found.append((int(fields[19]), pid))
     return [pid for _, pid in sorted(found)]
 
