@@ -205,17 +205,14 @@ def _keeper(job: Job) -> int | None:
     return next((pid for pid in children_of(job.proc.pid) if _rank_of(pid) == "1"), None)
 
 
-
-
 @pytest.mark.parametrize(("lost", "phase", "elastic"), [
     ("server", "training", True), ("tracker", "training", True), ("keeper", "start-up", True),
     ("keeper", "training", True), ("keeper", "training", False)])
 def test_under_torchrun_a_keepers_processes(tmp_path, lost, phase, elastic):
     """Rank 1's keeper's fork server (its worker dies with it: an ``--elastic`` job goes on
     without it), resource tracker (nothing lost), or the keeper itself (the process torchrun
-    watches: torchrun ends the job and names the rank, at start-up or mid-training; plain, the rank
-    itself trains in it); nothing of the job outlives
-    torchrun."""
+    watches: torchrun ends the job and names the rank, at start-up or mid-training; plain,
+    the rank itself trains in it); nothing of the job outlives torchrun."""
     epochs = "200" if lost == "keeper" else "3"
     with Job(tmp_path, ["torch.distributed.run", "--standalone", "--nproc-per-node", "2",
                         "-m", "shoal", *TRAIN, "--epochs", epochs,
