@@ -34,3 +34,25 @@ def test_no_function_is_over_60_lines():
                 if lines > FUNCTION_LINES:
                     long[f"{path.relative_to(ROOT)}:{node.lineno} {node.name}"] = lines
     assert long == {}
+
+
+def _calls(name: str) -> dict[str, int]:
+    """Where ``shoal/`` calls ``name(...)`` (a plain or attribute name): file -> count."""
+    found: dict[str, int] = {}
+    for path in sources():
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Call) and name in (getattr(node.func, "id", None),
+                                                       getattr(node.func, "attr", None)):
+                key = str(path.relative_to(ROOT))
+                found[key] = found.get(key, 0) + 1
+    return found
+
+
+def test_a_trainers_plan_is_installed_in_one_place():
+    """A trainer's loader is made in one place (``Trainer._loader``), and a new plan reaches
+    the loader, evaluation, records and checkpoints through ``Trainer.install_plan`` alone:
+    two hand-made copies of it had drifted (only the synchronous one moved the evaluation
+    and the checkpoints to the new plan). The coordinator's own loader reads the test set
+    only."""
+    assert _calls("ShardLoader") == {"train/trainer.py": 1, "train/coordinator.py": 1}
+    assert set(_calls("install_plan")) <= {"train/elastic.py", "train/elastic_async.py"}

@@ -124,6 +124,11 @@ class Checkpointer:
         self.elastic_part: Callable[[], dict[str, Any]] | None = None
         self.own_part: dict[str, Any] | None = None
 
+    def follow(self, plan: EpochPlan, epoch: int) -> None:
+        """Checkpoint ``plan`` from now on: a plan of the rest of ``epoch`` (its order goes
+        into a checkpoint of that epoch)."""
+        self.plan, self.plan_epoch = plan, epoch
+
     def save(self) -> None:
         """Write ``checkpoint.pt`` atomically (rank 0): the progress, what the strategy shares
         once, the schedule, and every rank's own state (run state, epoch sums, strategy's)."""

@@ -26,7 +26,7 @@ import torch
 
 from shoal.core.membership import MembershipChanged
 from shoal.core.stop import Leaving, leave_requested, request_stop
-from shoal.data import EpochPlan, ShardLoader, resolve_workers
+from shoal.data import EpochPlan
 from shoal.train.changes import membership_change, resumed_change
 from shoal.train.elastic_join import Joins
 from shoal.train.optim import schedule_at
@@ -288,15 +288,7 @@ class Elastic(Joins):
         return plan.steps_per_epoch > 0
 
     def _new_loader(self) -> None:
-        t = self.t
-        t.loader.close()
-        t.loader = ShardLoader(t.data, t.plan, t.comm.rank,
-                               resolve_workers(t.cfg.loader_workers, t.data.train),
-                               pin_memory=t.device.type == "cuda", seed=t.cfg.seed)
-        t.recorder.plan = t.checkpointer.plan = t.plan  # the records', the checkpoints' plan
-        t.checkpointer.plan_epoch = t.state.epoch
-        t.evaluator.loader = t.loader
-        t.batches = t.loader.epoch(t.state.epoch, 0)
+        self.t.install_plan(self.t.plan, self.t.comm.rank)
 
     # -- a change -----------------------------------------------------------------------------
     def _changed(self, lost: list[int], ranks: list[int]) -> None:

@@ -28,7 +28,7 @@ import torch
 
 from shoal.core.membership import MembershipChanged
 from shoal.core.stop import Leaving, leave_requested, request_stop
-from shoal.data import EpochPlan, ShardLoader, resolve_workers
+from shoal.data import EpochPlan
 from shoal.train.deal import Schedule, Slots, cut, length
 from shoal.train.deals_async import POLL_S, TakesDeals, leave_key
 from shoal.train.elastic_groups import Seat, gone_key, leader_lost
@@ -165,14 +165,9 @@ class AsyncElastic(TakesDeals):
         order, self.epochs = self.slots.samples(cut(self.schedule.blocks[t.state.epoch],
                                                     offset)[1])
         self.seat.planned()
-        t.plan = EpochPlan(len(order), self.batch, self.seat.size, t.cfg.seed, order)
-        t.loader.close()
-        t.loader = ShardLoader(t.data, t.plan, self.seat.index,
-                               resolve_workers(t.cfg.loader_workers, t.data.train),
-                               pin_memory=t.device.type == "cuda", seed=t.cfg.seed)
-        t.recorder.plan = t.checkpointer.plan = t.plan
+        t.install_plan(EpochPlan(len(order), self.batch, self.seat.size, t.cfg.seed, order),
+                       self.seat.index)
         t.state.epoch_step = 0
-        t.batches = t.loader.epoch(t.state.epoch, 0)
 
     def _read(self) -> int:
         """Samples of this block read so far."""

@@ -36,6 +36,10 @@ class Evaluator:
         #: Seconds this invocation spent testing (the records' ``eval_s``).
         self.eval_s = 0.0
 
+    def follow(self, loader: ShardLoader) -> None:
+        """Read the test set through ``loader`` from now on (a new plan's)."""
+        self.loader = loader
+
     def test(self, model: nn.Module) -> tuple[float, float]:
         """:meth:`evaluate`, its time booked."""
         started = time.perf_counter()

@@ -18,7 +18,7 @@ from torch import nn
 
 from shoal.config import TrainConfig
 from shoal.core.comm import Comm
-from shoal.data import EpochPlan
+from shoal.data import EpochPlan, ShardLoader
 from shoal.errors import ShoalError
 from shoal.train.checkpoint import to_cpu
 from shoal.train.checkpointer import Checkpointer
@@ -59,6 +59,9 @@ class RemoteEvaluator:
 
     def test(self, model: nn.Module) -> tuple[float, float]:
         return float("nan"), float("nan")
+
+    def follow(self, loader: ShardLoader) -> None:
+        """Nothing to follow: the coordinator reads the test set."""
 
 
 class RemoteRecorder(Recorder):

@@ -50,6 +50,9 @@ class Tester(Protocol):
 
     def test(self, model: nn.Module) -> tuple[float, float]: ...
 
+    def follow(self, loader: ShardLoader) -> None:
+        """Read the test set through ``loader`` from now on (a new plan's)."""
+
 
 #: A trainer's evaluation, records and checkpoints.
 Components = tuple[Tester, Recorder, Checkpointer]
@@ -90,9 +93,7 @@ class Trainer:
         self.data = data if data is not None else load_dataset(cfg.dataset, data_options(cfg))
         self.plan = EpochPlan(len(self.data.train), cfg.global_batch(self.world), self.world,
                               cfg.seed)
-        self.loader = ShardLoader(self.data, self.plan, self.rank,
-                                  resolve_workers(cfg.loader_workers, self.data.train),
-                                  pin_memory=self.device.type == "cuda", seed=cfg.seed)
+        self.loader = self._loader(self.plan, self.rank)
         if model is None:
             torch.manual_seed(cfg.seed)  # identical initial weights on every rank
             model = build_model(cfg.model, self.data.input_shape, self.data.num_classes)
@@ -127,6 +128,29 @@ class Trainer:
         # --elastic: who trains what after a worker is lost (a detached worker: its schedule)
         self.elastic = AsyncElastic(self) if cfg.elastic and comm.ps is not None else Elastic(self)
         self.joined = False  # a worker that joined a running job (shoal join)
+
+    def _loader(self, plan: EpochPlan, shard: int) -> ShardLoader:
+        """The loader of shard ``shard`` of ``plan`` (the one place a trainer makes one)."""
+        return ShardLoader(self.data, plan, shard,
+                           resolve_workers(self.cfg.loader_workers, self.data.train),
+                           pin_memory=self.device.type == "cuda", seed=self.cfg.seed)
+
+    def install_plan(self, plan: EpochPlan, shard: int) -> None:
+        """Train from ``plan`` from now on, as its shard ``shard``, from the current epoch's
+        first step of it. The one way a new plan is installed: the loader is made anew, and
+        the evaluation, records and checkpoints follow it.
+
+        Args:
+            plan: the plan (of an epoch, or of its rest) over the workers there are now.
+            shard: which of its shards this worker reads: its place among those workers.
+        """
+        self.loader.close()
+        self.plan = plan
+        self.loader = self._loader(plan, shard)
+        self.evaluator.follow(self.loader)
+        self.recorder.plan = plan
+        self.checkpointer.follow(plan, self.state.epoch)
+        self.batches = self.loader.epoch(self.state.epoch, 0)
 
     def regroup(self) -> None:
         """The group was re-formed (a worker lost or joined): this rank's place in it, and
