@@ -132,6 +132,17 @@ class AsyncElasticOptions(AsyncOptions):
         return {"tau": self.tau, "alpha": round(self.moving_rate(workers), 12)}
 
 
+def detached(strategy: Strategy) -> AsyncStrategy:
+    """``strategy``, a detached worker's (it exchanges with parameter servers), typed so.
+
+    Raises:
+        TypeError: it is not an asynchronous strategy (a job with servers runs only those).
+    """
+    if not isinstance(strategy, AsyncStrategy):
+        raise TypeError(f"{type(strategy).__name__} is not an asynchronous strategy")
+    return strategy
+
+
 class AsyncStrategy(Strategy):
     """Base of the asynchronous strategies: a worker that exchanges with parameter servers.
 
@@ -150,6 +161,8 @@ class AsyncStrategy(Strategy):
     #: A step's exchange carries that step's own work (a gradient pushed); False: it carries
     #: the steps before (the elastic ones send ``x`` before their local step).
     carries_step: ClassVar[bool] = True
+    #: Its workers train in compute groups (``groups``): a group's batches are one.
+    grouped: ClassVar[bool] = False
 
     def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, comm: Comm,
                  options: Any = None) -> None:
@@ -229,6 +242,14 @@ class AsyncStrategy(Strategy):
                                  "neither an optimizer setting nor an attribute of the strategy")
             values[name] = float(value)
         return values
+
+    def seat(self) -> tuple[int, int]:
+        """The workers that train as this one, ``(first, end)``: itself alone."""
+        return self.comm.rank, self.comm.rank + 1
+
+    def go_on_from(self, position: int) -> None:
+        """Resumed from the center at ``position`` samples of its schedule: all counted."""
+        self.samples = self.carried = self.counted = position
 
     @torch.no_grad()
     def start(self) -> None:

@@ -93,6 +93,7 @@ class ComputeGroups(AsyncStrategy):
     name = "groups"
     Options = GroupOptions
     Rule = MomentumRule
+    grouped = True
 
     def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, comm: Any,
                  options: GroupOptions | None = None) -> None:
@@ -150,6 +151,10 @@ class ComputeGroups(AsyncStrategy):
         """The compute group was re-formed without a lost member (``--elastic``): DDP is
         wrapped again over the new group."""
         self.inner.regroup()
+
+    def seat(self) -> tuple[int, int]:
+        """Its compute group's workers, ``(first, end)``: they train as one."""
+        return self.first, self.end
 
     @property
     def leader(self) -> bool:

@@ -79,7 +79,7 @@ class Elastic(Joins):
         self._carried = 0  # resumed inside a round: the steps since the last count
         self._early: list[int] = []
         self.stopped_job = False  #: its leave stopped the job: it was the last worker
-        saved = getattr(trainer.checkpointer, "saved_plan", None)
+        saved = trainer.checkpointer.saved_plan
         if saved is not None:  # --resume
             self._go_on(saved)
         if self.membership is None:

@@ -29,10 +29,12 @@ import torch
 from shoal.core.membership import MembershipChanged
 from shoal.core.stop import Leaving, leave_requested, request_stop
 from shoal.data import EpochPlan
+from shoal.strategies.asynchronous import detached
 from shoal.train.deal import Schedule, Slots, cut, length
 from shoal.train.deals_async import POLL_S, TakesDeals, leave_key
 from shoal.train.elastic_groups import Seat, gone_key, leader_lost
 from shoal.train.optim import schedule_at
+from shoal.train.remote import RemoteCheckpointer
 from shoal.train.resume_async import Start, rebuild, uncounted
 from shoal.train.samples import cut_upto, record_since, samples_file
 
@@ -54,15 +56,15 @@ class AsyncElastic(TakesDeals):
         workers = t.comm.world_size
         # A compute group (``groups``) walks its first worker's schedule, every member its
         # part of each batch, in lockstep: only the first reports, records and is dealt to.
-        self.unit = getattr(t.strategy, "first", self.me)
-        self.seat = Seat(t.strategy, self.me, self.unit, getattr(t.strategy, "end", self.me + 1))
+        strategy = detached(t.strategy)
+        self.unit, end = strategy.seat()
+        self.seat = Seat(strategy, self.me, self.unit, end)
         size = self.seat.size
         self.slots = slots_of(t.cfg, len(t.data.train), workers)
         self.schedule = Schedule(self.slots, self.unit, t.cfg.epochs, size) \
             if self.me < workers else Schedule.empty(t.cfg.epochs)  # a joiner: what it is given
         self.batch = max(1, t.cfg.global_batch(workers) // workers) * size
-        if hasattr(t.strategy, "group_batches"):  # its batches are its group's (a joiner's own)
-            t.strategy.group_batches = hasattr(t.strategy, "first")
+        strategy.group_batches = strategy.grouped  # its batches are its group's (a joiner's own)
         if size > 1:  # its members take the deals its leader read, in lockstep
             t.strategy.deal_count = self._published
         self.seen = 0  # deals read
@@ -80,9 +82,11 @@ class AsyncElastic(TakesDeals):
         self.dealt = False  # a share was taken: the schedule follows the blocks' share read
         self.planned, self.resume_at = -1, 0  # the block planned last; where the next starts
         t.checkpointer.elastic_part = self.state_dict
-        payload = getattr(t.checkpointer, "elastic_payload", None)  # --resume
+        checkpointer = t.checkpointer
+        payload = checkpointer.elastic_payload \
+            if isinstance(checkpointer, RemoteCheckpointer) else None  # --resume
         if payload is not None:
-            t.checkpointer.elastic_payload = None
+            checkpointer.elastic_payload = None
             # a compute group's members go on from its first's position, which is theirs
             self._go_on(rebuild(payload, workers, self.slots, t.cfg.epochs)[self.unit])
 
@@ -102,9 +106,7 @@ class AsyncElastic(TakesDeals):
         if start.back:  # lost before the checkpoint: from the center, at its count
             t.state.epoch, t.state.step = start.epoch, start.epoch * self.steps
             schedule_at(t.scheduler, t.state.step)
-            for name in ("samples", "carried", "counted"):
-                if hasattr(t.strategy, name):
-                    setattr(t.strategy, name, start.position)
+            detached(t.strategy).go_on_from(start.position)
         elif t.state.epoch > start.epoch and self.schedule.rest(start.position):
             t.state.epoch = start.epoch  # it had ended, and is given work: its last block
 

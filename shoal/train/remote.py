@@ -20,6 +20,7 @@ from shoal.config import TrainConfig
 from shoal.core.comm import Comm
 from shoal.data import EpochPlan, ShardLoader
 from shoal.errors import ShoalError
+from shoal.strategies.asynchronous import detached
 from shoal.train.checkpoint import to_cpu
 from shoal.train.checkpointer import Checkpointer
 from shoal.train.recorder import Recorder
@@ -172,7 +173,7 @@ def remote_components(client: Any) -> Callable[[Trainer], Components]:
     def make(t: Trainer) -> Components:
         report = Reporter(client, t.comm)
         recorder = RemoteRecorder(t.cfg, t.comm, t.plan, report, t.model, t.data.num_classes,
-                                  lambda: int(getattr(t.strategy, "samples", 0)))
+                                  lambda: detached(t.strategy).samples)
         checkpointer = RemoteCheckpointer(t.cfg, t.comm, t.plan, t.state, recorder, t.amp,
                                           t.scheduler, t.strategy, report=report)
         return RemoteEvaluator(), recorder, checkpointer
