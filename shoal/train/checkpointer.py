@@ -123,6 +123,8 @@ class Checkpointer:
         #: ``--resume`` the part the checkpoint holds of this rank
         self.elastic_part: Callable[[], dict[str, Any]] | None = None
         self.own_part: dict[str, Any] | None = None
+        #: a detached worker's ``--resume``: where it goes on from (its coordinator's part)
+        self.elastic_payload: dict[str, Any] | None = None
 
     def follow(self, plan: EpochPlan, epoch: int) -> None:
         """Checkpoint ``plan`` from now on: a plan of the rest of ``epoch`` (its order goes

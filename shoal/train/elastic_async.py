@@ -34,7 +34,6 @@ from shoal.train.deal import Schedule, Slots, cut, length
 from shoal.train.deals_async import POLL_S, TakesDeals, leave_key
 from shoal.train.elastic_groups import Seat, gone_key, leader_lost
 from shoal.train.optim import schedule_at
-from shoal.train.remote import RemoteCheckpointer
 from shoal.train.resume_async import Start, rebuild, uncounted
 from shoal.train.samples import cut_upto, record_since, samples_file
 
@@ -82,11 +81,9 @@ class AsyncElastic(TakesDeals):
         self.dealt = False  # a share was taken: the schedule follows the blocks' share read
         self.planned, self.resume_at = -1, 0  # the block planned last; where the next starts
         t.checkpointer.elastic_part = self.state_dict
-        checkpointer = t.checkpointer
-        payload = checkpointer.elastic_payload \
-            if isinstance(checkpointer, RemoteCheckpointer) else None  # --resume
+        payload = t.checkpointer.elastic_payload  # --resume
         if payload is not None:
-            checkpointer.elastic_payload = None
+            t.checkpointer.elastic_payload = None
             # a compute group's members go on from its first's position, which is theirs
             self._go_on(rebuild(payload, workers, self.slots, t.cfg.epochs)[self.unit])
 

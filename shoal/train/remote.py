@@ -151,9 +151,6 @@ class RemoteCheckpointer(Checkpointer):
         """``parts``: the :class:`Checkpointer`'s."""
         super().__init__(*parts)
         self.report = report
-        #: ``--elastic``: where this worker goes on from after ``--resume``
-        #: (:mod:`shoal.train.resume_async`); its ``elastic_part``: its place in its schedule
-        self.elastic_payload: dict[str, Any] | None = None
 
     def position(self, progress: dict[str, Any]) -> dict[str, Any]:
         elastic = {} if self.elastic_part is None else {"elastic": self.elastic_part()}
