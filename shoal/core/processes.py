@@ -39,32 +39,38 @@ from shoal.errors import JobError, ShoalError, Terminated, WorkerError
 
 
 def loopback_store(timeout: float, secret: bytes | None = None) -> Any:
-    """A TCPStore served by this process that listens on 127.0.0.1 only, sealed with
-    ``secret`` (a fresh one when ``None``; :mod:`shoal.core.sealed`).
+    """A TCPStore served by this process that listens on loopback only, sealed with
+    ``secret`` (a fresh one when ``None``; :mod:`shoal.core.sealed`), behind a gate that
+    closes the connections of the other users of this machine (Linux;
+    :mod:`shoal.core.gate`), which ends when the returned store is dropped.
 
     ``torch.distributed.TCPStore`` binds its server to every interface whatever host name it
     is given, so a job on one machine would take commands (``shoal/abort``) from anyone who
     can reach it. Here the listening socket is bound to loopback first and handed over
-    (``master_listen_fd``); the store owns and closes it. The seal keeps the other users of
-    this machine, who can reach loopback, from reading or addressing any key.
+    (``master_listen_fd``); the store owns and closes it. Without a gate, the seal keeps the
+    other users of this machine, who reach loopback, from reading or addressing any key.
     """
     import secrets
+    import weakref
     from datetime import timedelta
 
     import torch.distributed as dist
 
+    from shoal.core.gate import store_listener
     from shoal.core.sealed import SealedStore
 
-    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    fd, gate = store_listener()
     try:
-        sock.bind(("127.0.0.1", 0))
-        sock.listen(socket.SOMAXCONN)
+        inner = dist.TCPStore("127.0.0.1", 0, None, True, timeout=timedelta(seconds=timeout),
+                              wait_for_workers=False, master_listen_fd=fd)
     except BaseException:
-        sock.close()
+        if gate is not None:
+            gate.close()
         raise
-    inner = dist.TCPStore("127.0.0.1", 0, None, True, timeout=timedelta(seconds=timeout),
-                          wait_for_workers=False, master_listen_fd=sock.detach())
-    return SealedStore(inner, secret or secrets.token_bytes(32))
+    store = SealedStore(inner, secret or secrets.token_bytes(32))
+    if gate is not None:
+        weakref.finalize(store, gate.close)
+    return store
 
 
 def loopback_gloo_interface() -> str | None:
