@@ -9,7 +9,7 @@ PY     ?= $(BIN)/python
 # Without an NVIDIA GPU, pin the CPU build of torch (a multi-GB CUDA build otherwise).
 CONSTRAINTS := $(if $(shell command -v nvidia-smi 2>/dev/null),,-c constraints-cpu.txt)
 
-.PHONY: demo test test-gpu lint install clean
+.PHONY: demo test test-gpu lint docs install clean
 
 $(STAMP): pyproject.toml constraints-cpu.txt
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -24,6 +24,7 @@ demo: $(STAMP)
 test: $(STAMP)
 	$(BIN)/ruff check shoal tests benchmarks examples
 	$(BIN)/lint-imports
+	$(BIN)/mkdocs build --strict --quiet -d build/site
 	@# Byte-compiled once: the suite starts hundreds of interpreters, which would each compile
 	@# shoal again where PYTHONDONTWRITEBYTECODE is set (as on this project's machines).
 	$(BIN)/python -m compileall -q shoal tests
@@ -42,6 +43,11 @@ test-gpu: $(if $(filter $(BIN)/python,$(PY)),$(STAMP))
 lint: $(STAMP)
 	$(BIN)/ruff check shoal tests benchmarks examples
 	$(BIN)/lint-imports
+
+# The documentation site (docs/ and the API reference from the docstrings, mkdocs.yml) in
+# build/site; warnings (a broken link or anchor, a docstring it cannot read) are errors.
+docs: $(STAMP)
+	$(BIN)/mkdocs build --strict -d build/site
 
 clean:
 	rm -rf $(VENV) runs build *.egg-info

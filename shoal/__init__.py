@@ -21,6 +21,9 @@ Or keep a serial program and run chosen functions data-parallel (``docs/parallel
     step = shoal.function(grad_step, scatter=["x", "y"], reduce="avg")
     with shoal.fork(2):
         loss = step(model, x, y)
+
+Every public name, with its arguments, returns and errors: ``docs/api.md`` (``make docs``
+builds it into ``build/site``).
 """
 
 from shoal.errors import ShoalError, WorkerError

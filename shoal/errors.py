@@ -9,7 +9,11 @@ from __future__ import annotations
 
 
 class ShoalError(Exception):
-    """A problem the user can fix: bad argument, missing file, diverged training, ..."""
+    """A problem the user can fix: a bad argument, a missing file, diverged training, ...
+
+    ``shoal`` prints it as one line (``shoal: error: ...``) and exits with status 2, or 1
+    where `user_error` is ``False`` (the job failed: a process died).
+    """
 
     #: Whether the user is the one to fix it (exit status 2); ``False``: the job failed
     #: (a process died, a job left without workers), exit status 1.
@@ -26,8 +30,18 @@ class JobError(ShoalError):
 class WorkerError(ShoalError):
     """A worker process failed; carries its rank and, when known, its traceback.
 
-    ``exit_code``: the process's exit status (negative: the signal) when it died without
-    reporting an error; ``who``: how the line names the process (default ``rank N``)."""
+    Raised by `shoal.launch`, `shoal.fork` and parallel calls; its message is the rank's
+    name and the first line of its error.
+
+    Args:
+        rank: The failed process's rank.
+        message: What happened, in one line.
+        traceback: The worker's traceback, when it reported one.
+        user_error: Whether the worker raised a `ShoalError` (bad input, divergence).
+        exit_code: The process's exit status (negative: the signal) when it died without
+            reporting an error.
+        who: How the line names the process; default ``rank N``.
+    """
 
     def __init__(self, rank: int, message: str, traceback: str = "",
                  user_error: bool = False, exit_code: int | None = None,

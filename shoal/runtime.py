@@ -40,19 +40,35 @@ _previous_excepthook: Callable[..., Any] | None = None
 
 def init(device: str = "auto", timeout: float = 300.0, threads: int | None = None, *,
          heartbeat_timeout: float | None = 10.0, secret_file: str | None = None) -> Comm:
-    """Join the job this process was launched into and return its :class:`~shoal.core.comm.Comm`.
+    """Join the job this process was launched into.
 
-    Reads torchrun's, Slurm's or mpirun's environment (or the one :func:`launch` gives); a
-    process started on its own is a job of one. Calling it again returns the same ``Comm``.
-    ``threads`` defaults to the machine's cores divided by the processes on this node.
-    ``timeout`` (seconds) bounds every collective; a rank that sends no heartbeat for
-    ``heartbeat_timeout`` seconds (stopped, swapped out: not merely slow) stops the job
-    sooner, named as hung (``None``: never). ``secret_file``: under torchrun, srun or mpirun,
-    an owner-only file holding the job's secret, which seals its store (as ``--secret-file``;
-    default ``SHOAL_SECRET``, else one derived: docs/launching.md, security).
-
-    A program need not call :func:`shutdown`: at exit the job is left in order, and an
+    Reads torchrun's, Slurm's or mpirun's environment (or the one `shoal.launch` gives); a
+    process started on its own is a job of one. Calling it again returns the same `Comm`.
+    A program need not call `shoal.shutdown`: at exit the job is left in order, and an
     uncaught exception first tells the other ranks, which then stop within seconds.
+
+    Args:
+        device: ``"cpu"`` (Gloo), ``"cuda"`` (NCCL, one GPU per rank) or ``"auto"`` (CUDA
+            where torch sees a GPU for every rank of this host, else the CPU).
+        timeout: Seconds that bound every collective and the rendezvous, so that a lost
+            peer is an error, never a hang.
+        threads: This process's torch threads; default the machine's cores divided by the
+            processes on this node.
+        heartbeat_timeout: Seconds a rank may send no heartbeat (stopped, swapped out: not
+            merely slow) before the job stops and names it as hung; ``None``: never.
+        secret_file: Under torchrun, srun or mpirun, an owner-only file holding the job's
+            secret, which seals its store (as ``--secret-file``; default ``SHOAL_SECRET``,
+            else one derived: docs/launching.md, security).
+
+    Returns:
+        The job's `shoal.core.comm.Comm`: this process's rank, the world size, the device,
+            and the collectives a strategy uses.
+
+    Raises:
+        ShoalError: An unknown or unavailable ``device``, a ``heartbeat_timeout`` that is not
+            a positive number, a launcher's environment that is incomplete, or a job that
+            cannot be joined (its store sealed with another secret, its ranks not all there
+            within ``timeout``).
     """
     global _COMM
     if _COMM is None:
@@ -73,8 +89,25 @@ def strategy(name: str, model: nn.Module, optimizer: torch.optim.Optimizer,
              comm: Comm | None = None, **options: Any) -> Strategy:
     """Make ``model`` and ``optimizer`` train data-parallel with the strategy ``name``.
 
-    Without ``comm`` the process joins the job its launcher describes (torchrun, Slurm,
-    mpirun: see :func:`init`), or runs alone. Options are the strategy's (``tau=4``).
+    The returned strategy takes the calls a training loop makes anyway (``batches``,
+    ``module``, ``backward``, ``step``, ``zero_grad``: `shoal.Strategy`), so one loop runs
+    on one process or on many.
+
+    Args:
+        name: A registered strategy (``"sync"``, ``"local-sgd"``, ``"easgd"``,
+            ``"async-sgd"``, ...: ``shoal.STRATEGIES``) or ``"pkg.module:Class"``.
+        model: The model, the same initial weights on every rank.
+        optimizer: The optimizer over ``model``'s parameters.
+        comm: The job to train in; default the one `shoal.init` joins (torchrun, Slurm,
+            mpirun, `shoal.launch`), or a job of one for a process started alone.
+        **options: The strategy's options, by field name (``tau=4``, ``alpha=0.5``).
+
+    Returns:
+        An instance of the strategy's class, a `shoal.Strategy`.
+
+    Raises:
+        ShoalError: An unknown strategy, an option it does not take or a value out of its
+            range, or a job that cannot be joined (see `shoal.init`).
     """
     cls = get_strategy(name)
     comm = comm if comm is not None else init()
@@ -82,7 +115,15 @@ def strategy(name: str, model: nn.Module, optimizer: torch.optim.Optimizer,
 
 
 def shutdown() -> None:
-    """Leave the job joined by :func:`init` (waits for every rank first)."""
+    """Leave the job joined by `shoal.init`, once every rank has left it too.
+
+    Optional: a program that never calls it leaves the job in order at exit. Calling it
+    without a joined job does nothing; a later `shoal.init` joins a new one.
+
+    Raises:
+        RuntimeError: Another rank did not leave within `shoal.init`'s ``timeout`` (the
+            job's store times out waiting for it: ``torch.distributed.DistStoreError``).
+    """
     _leave("called shoal.shutdown()")
 
 
@@ -171,24 +212,33 @@ def launch(fn: Callable[..., T], *args: Any, workers: int, **kwargs: Any) -> lis
     """Run ``fn(*args, **kwargs)`` in ``workers`` new local processes joined as one job.
 
     Each process is one rank: ``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``, ``LOCAL_WORLD_SIZE``,
-    ``MASTER_ADDR`` and ``MASTER_PORT`` are set, so :func:`init` and :func:`shoal.strategy`
-    inside ``fn`` join it (Gloo on CPU, one GPU per rank with NCCL under ``device="cuda"``).
-    ``fn`` and the arguments are sent by value where they are not importable (functions of a
+    ``MASTER_ADDR`` and ``MASTER_PORT`` are set, so `shoal.init` and `shoal.strategy` inside
+    ``fn`` join it (Gloo on CPU, one GPU per rank with NCCL under ``device="cuda"``). ``fn``
+    and the arguments are sent by value where they are not importable (functions of a
     script, of stdin, of a notebook), and the main program is not run again in the workers,
     so no ``if __name__ == "__main__":`` guard is needed. Each rank gets cores // workers
-    torch threads.
+    torch threads; ``fn`` need not call `shoal.shutdown`.
 
-    Returns the ranks' return values in rank order (picklable with cloudpickle; ``None`` for
-    a rank that ended with ``sys.exit(0)`` or ``os._exit(0)``). ``fn`` need not call
-    :func:`shutdown`.
+    Args:
+        fn: The function every rank runs.
+        *args: Its positional arguments, the same on every rank.
+        workers: How many processes (ranks) to start, at least 1.
+        **kwargs: Its keyword arguments, the same on every rank.
 
-    When a rank raises or exits with a non-zero status, the other ranks are stopped within
-    seconds (even those blocked in a collective) and :class:`shoal.WorkerError` is raised,
-    naming the rank and the first line of its error, with its traceback in ``.traceback``.
-    So is a rank that ends (returns, exits with status 0) while another waits for it in a
-    collective it never joined (``rank 1: returned while the others were still running``),
-    or that does not come to a collective within ``init``'s ``timeout``; a rank that merely
-    finishes earlier than the others is normal.
+    Returns:
+        The ranks' return values in rank order (picklable with cloudpickle; ``None`` for a
+            rank that ended with ``sys.exit(0)`` or ``os._exit(0)``).
+
+    Raises:
+        ShoalError: ``workers`` is not a positive integer, or this process is already a rank
+            of a job of several (call ``fn`` directly there).
+        WorkerError: A rank raised or exited with a non-zero status (the other ranks are
+            stopped within seconds, even those blocked in a collective); it names the rank
+            and the first line of its error, with its traceback in ``.traceback``. So does a
+            rank that ends (returns, exits with status 0) while another waits for it in a
+            collective it never joined (``rank 1: returned while the others were still
+            running``), or that does not come to a collective within `shoal.init`'s
+            ``timeout``; a rank that merely finishes earlier than the others is normal.
     """
     if isinstance(workers, bool) or not isinstance(workers, int) or workers < 1:
         raise ShoalError(f"shoal.launch needs workers=N with N >= 1, got {workers!r}")

@@ -30,10 +30,20 @@ from shoal.parallel.start import fork
 
 
 def replicate(*objects: object) -> None:
-    """Send ``objects`` (modules, optimizers, anything picklable) to every worker now, by value;
-    afterwards they are passed by reference to each worker's replica. Modules, optimizers and
-    :func:`shared` arrays are replicated automatically the first time a call needs them; for a
-    module, do it before its optimizer. Without an open session this does nothing."""
+    """Send ``objects`` to every worker now, by value; afterwards they are passed by
+    reference to each worker's replica.
+
+    Modules, optimizers and `shoal.shared` arrays are replicated automatically the first
+    time a call needs them; replicate a module before its optimizer. Without an open
+    session this does nothing.
+
+    Args:
+        *objects: Modules, optimizers, anything picklable.
+
+    Raises:
+        ShoalError: The current session is broken (a `shoal.WorkerError` naming the worker
+            whose failure broke it).
+    """
     session = active()  # raises while a broken session is current
     if session is not None and session.world_size > 1:
         for obj in objects:

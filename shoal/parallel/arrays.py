@@ -96,5 +96,19 @@ class SharedArray:
 
 
 def shared(array: Any) -> SharedArray:
-    """Place ``array`` (tensor, NumPy array or nested list) once where every worker can read it."""
+    """Place ``array`` once in shared memory, where every worker reads it without copies.
+
+    Pass the result to a parallel function as a ``scatter`` argument (each worker takes its
+    rows, selected by the call's ``batch=`` indices when given), as a ``broadcast`` argument
+    or as a plain one: the function sees a ``torch.Tensor``.
+
+    Args:
+        array: A tensor, a NumPy array or a nested list, with at least one dimension.
+
+    Returns:
+        The shared copy (a `shoal.parallel.SharedArray`).
+
+    Raises:
+        ShoalError: ``array`` is empty or has no rows (0-dim).
+    """
     return SharedArray(array)

@@ -284,33 +284,114 @@ _SPMD = {"broadcast": _broadcast, "all_reduce": _all_reduce, "reduce": _reduce, 
 
 # -- public ----------------------------------------------------------------------------------
 def broadcast(target: Target, src: int = 0) -> Any:
-    """Overwrite ``target`` on every rank with rank ``src``'s values (in place); returns it."""
+    """Overwrite ``target`` on every rank with rank ``src``'s values, in place.
+
+    Args:
+        target: A tensor, a module (its parameters and floating-point buffers) or a list of them.
+        src: The rank whose values every rank gets.
+
+    Returns:
+        ``target`` (the tensor itself, for a single tensor).
+
+    Raises:
+        ShoalError: Another kind of ``target``, ranks holding different tensors, or (from
+            the controller) tensors of no module the workers hold.
+    """
     return _dispatch("broadcast", target, src=src)
 
 
 def all_reduce(target: Target, op: str = "sum") -> Any:
-    """Reduce ``target`` across ranks in place (op ``avg``, ``sum``, ``min``, ``max``, ``prod``)."""
+    """Reduce ``target`` across ranks, in place on every rank.
+
+    From the controller, ``shoal.all_reduce(model, op="avg")`` averages the workers'
+    replicas of ``model``.
+
+    Args:
+        target: A tensor, a module (its parameters and floating-point buffers) or a list of them.
+        op: ``"avg"`` (the plain mean over ranks), ``"sum"``, ``"min"``, ``"max"`` or
+            ``"prod"``.
+
+    Returns:
+        ``target`` (the tensor itself, for a single tensor).
+
+    Raises:
+        ShoalError: Another kind of ``target``, ranks holding different tensors, an unknown
+            ``op``, or (from the controller) tensors of no module the workers hold.
+    """
     return _dispatch("all_reduce", target, op=op)
 
 
 def reduce(target: Target, op: str = "sum", dst: int = 0) -> Any:
-    """Reduce ``target`` into rank ``dst``'s tensors in place; other ranks keep theirs."""
+    """Reduce ``target`` into rank ``dst``'s tensors, in place; other ranks keep theirs.
+
+    Args:
+        target: A tensor, a module (its parameters and floating-point buffers) or a list of them.
+        op: ``"avg"``, ``"sum"``, ``"min"``, ``"max"`` or ``"prod"``.
+        dst: The rank that receives the result.
+
+    Returns:
+        ``target`` (the tensor itself, for a single tensor).
+
+    Raises:
+        ShoalError: Another kind of ``target``, ranks holding different tensors, an unknown
+            ``op``, or (from the controller) tensors of no module the workers hold.
+    """
     return _dispatch("reduce", target, op=op, dst=dst)
 
 
 def gather(target: Target, dst: int = 0) -> Any:
-    """Concatenate every rank's tensors along dimension 0 in rank order, on rank ``dst``
-    (a tensor, or a list for several; ``None`` on other ranks). Dimension 0 may differ."""
+    """Concatenate every rank's tensors along dimension 0, in rank order, on rank ``dst``.
+
+    Dimension 0 may differ between ranks; the other dimensions may not.
+
+    Args:
+        target: A tensor, a module (its parameters and floating-point buffers) or a list of them.
+        dst: The rank that receives the result.
+
+    Returns:
+        On ``dst``, a new tensor (a list of them for several); ``None`` on other ranks.
+
+    Raises:
+        ShoalError: Another kind of ``target``, ranks holding different tensors, or (from
+            the controller) tensors of no module the workers hold.
+    """
     return _dispatch("gather", target, dst=dst)
 
 
 def all_gather(target: Target) -> Any:
-    """Like :func:`gather`, with the result on every rank."""
+    """Concatenate every rank's tensors along dimension 0, in rank order, on every rank.
+
+    Like `shoal.gather`, with the result everywhere.
+
+    Args:
+        target: A tensor, a module (its parameters and floating-point buffers) or a list of them.
+
+    Returns:
+        A new tensor (a list of them for several).
+
+    Raises:
+        ShoalError: Another kind of ``target``, ranks holding different tensors, or (from
+            the controller) tensors of no module the workers hold.
+    """
     return _dispatch("all_gather", target)
 
 
 def scatter(target: Target, src: int = 0) -> Any:
-    """Split rank ``src``'s tensors along dimension 0 (rank order, the first ``n % world_size``
-    shares one row larger); every rank gets its share as new tensors. All ranks pass tensors
-    of the same shape (only ``src``'s values are read)."""
+    """Split rank ``src``'s tensors along dimension 0; every rank gets its share.
+
+    Shares go in rank order, the first ``n % world_size`` one row larger. All ranks pass
+    tensors of the same shape; only ``src``'s values are read.
+
+    Args:
+        target: A tensor, a module (its parameters and floating-point buffers) or a list of them.
+        src: The rank whose tensors are split.
+
+    Returns:
+        This rank's share, as a new tensor (a list of them for several).
+
+    Raises:
+        ShoalError: Another kind of ``target``, ranks holding different tensors, a 0-dim
+            tensor (no rows to split), or (from the controller) tensors of no module the
+            workers hold.
+    """
     return _dispatch("scatter", target, src=src)

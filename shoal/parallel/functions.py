@@ -40,16 +40,34 @@ def function(fn: Callable[..., Any] | None = None, *, scatter: Sequence[str] = (
     """Make ``fn`` a parallel function (also usable as ``@shoal.function(scatter=[...])``).
 
     Calling it splits the ``scatter`` arguments along dimension 0 across the session's
-    processes (tensors, NumPy arrays or :func:`shoal.shared` arrays), sends ``broadcast``
-    tensors whole, passes other arguments as they are (modules and optimizers by reference
-    to each worker's replica), runs ``fn`` everywhere and combines its outputs. ``reduce`` is
-    one mode for every output, a sequence (one per element of a returned tuple) or a dict
-    (by tuple index or dict key; the rest ``avg``). Modes: ``avg`` (weighted by rows),
-    ``sum``, ``prod``, ``min``, ``max``, ``gather`` (concatenated in rank order along
-    dimension 0) and ``None`` (rank 0's value). Outputs may be tensors, numbers, or lists,
-    tuples and dicts of them. Call options: ``num_slices=k`` runs each share in ``k`` pieces
-    and accumulates before the one reduction; ``batch=indices`` first selects those rows of
-    every scatter argument. Without a session (no :func:`shoal.fork`) the call runs serially.
+    processes, sends the ``broadcast`` ones whole, passes other arguments as they are
+    (modules and optimizers by reference to each worker's replica), runs ``fn`` everywhere
+    and combines its outputs. Outputs may be tensors, numbers, or lists, tuples and dicts of
+    them. A call takes two options of its own: ``num_slices=k`` runs each share in ``k``
+    pieces and accumulates before the one reduction; ``batch=indices`` first selects those
+    rows of every scatter argument. Without a session (no `shoal.fork`) a call runs
+    serially.
+
+    Args:
+        fn: The function; ``None`` when used as a decorator with options.
+        scatter: Names of ``fn``'s parameters to split across processes (tensors, NumPy
+            arrays or `shoal.shared` arrays).
+        broadcast: Names of ``fn``'s parameters to send whole to every process.
+        reduce: How to combine the outputs: one mode for every output, a sequence (one per
+            element of a returned tuple) or a dict (by tuple index or dict key; the rest
+            ``avg``). Modes: ``avg`` (weighted by rows), ``sum``, ``prod``, ``min``,
+            ``max``, ``gather`` (concatenated in rank order along dimension 0) and ``None``
+            (rank 0's value).
+        name: The name errors and traces give it; default ``fn``'s.
+
+    Returns:
+        The parallel function (a `shoal.parallel.Function`), or, without ``fn``, a decorator
+            that makes one.
+
+    Raises:
+        ShoalError: ``fn`` is not callable, a name in ``scatter`` or ``broadcast`` is not a
+            named parameter of ``fn`` (or is in both), a parameter clashes with a call
+            option, or a mode is unknown.
     """
     if fn is None:
         return lambda f: Function(f, scatter, broadcast, reduce, name)

@@ -281,8 +281,11 @@ def make_current(session: ParallelSession) -> ParallelSession:
 
 
 def close() -> None:
-    """End the open parallel session, if any: workers exit, the process group is left. A
-    broken session is ended too (calls run serially again)."""
+    """End the open parallel session, if any: its workers exit and its process group is left.
+
+    A broken session is ended too; calls run serially again until the next `shoal.fork`.
+    Without an open session it does nothing.
+    """
     session = _CURRENT
     if session is not None:
         session.close()

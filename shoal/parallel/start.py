@@ -13,18 +13,36 @@ from shoal.parallel.worker import worker_main
 
 def fork(n: int, device: str = "cpu", *, timeout: float = 600.0, threads: int | None = None,
          trace: str | os.PathLike[str] | None = None) -> ParallelSession:
-    """Start ``n - 1`` workers; this process is rank 0 and computes its share too.
+    """Start a parallel session of ``n`` processes: ``n - 1`` workers, and this process as
+    rank 0, which computes its share too.
 
-    ``device``: ``cpu`` (Gloo) or ``cuda`` (rank r on GPU r; NCCL for tensors). ``timeout``
-    bounds every wait in the session, including a call waiting for the slowest worker.
-    ``threads`` sets each process's torch threads (default: cores divided by ``n``).
-    ``trace``: a path; when the session closes, every rank's time in calls (arguments,
-    compute, communication) is written there as one Chrome trace, one lane per rank. Use it
-    as a context manager, or end it with :func:`close`. Workers never run the main program
+    Calls of `shoal.function` functions and the collectives then run on all ``n``. Use it
+    as a context manager, or end it with `shoal.close`. Workers never run the main program
     (a script needs no ``if __name__ == "__main__":`` guard; stdin, ``-c`` and a REPL work):
     functions reach them by value. A worker that dies ends the call it is in at once; the
     session is then broken: later calls raise until ``fork`` is called again (or
-    :func:`close`). The session listens on loopback only.
+    `shoal.close`). The session listens on loopback only.
+
+    Args:
+        n: The number of processes, this one included (1: calls run here alone).
+        device: ``"cpu"`` (Gloo) or ``"cuda"`` (rank r on GPU r; NCCL for tensors).
+        timeout: Seconds that bound every wait in the session, a call waiting for the
+            slowest worker included.
+        threads: Each process's torch threads; default the cores divided by ``n``.
+        trace: A path; when the session closes, every rank's time in calls (arguments,
+            compute, communication) is written there as one Chrome trace, one lane per
+            rank.
+
+    Returns:
+        The session, now the current one (a context manager that closes it).
+
+    Raises:
+        ShoalError: Called inside a parallel function or while a session is open, an
+            ``n`` below 1 or more processes than the machine holds, an unknown device or
+            too few GPUs, a process that already has a ``torch.distributed`` group, or a
+            ``trace`` whose directory does not exist.
+        WorkerError: A worker died while the session started, or did not start within
+            ``timeout`` (at least a minute).
     """
     if in_function():
         raise ShoalError("shoal.fork cannot be called inside a parallel function")

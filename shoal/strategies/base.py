@@ -60,10 +60,25 @@ def check_options(options: Any, workers: int | None) -> None:
 
 
 class Strategy:
-    """Base class: plain local SGD steps with no communication at all.
+    """How workers couple; the base class takes plain local steps with no communication.
 
-    Subclasses set :attr:`name` (the ``--strategy`` value), :attr:`Options` (a dataclass of
-    their settings, fields with ``metadata={"help": ...}``) and override the hooks they need.
+    Made by `shoal.strategy` (or ``shoal train --strategy``), it takes the calls a training
+    loop makes anyway: `batches` for this worker's rows, `module` for forward and backward,
+    `backward`, `step` instead of ``optimizer.step()``, `zero_grad`; `eval_module` is the
+    model to evaluate and save. A new strategy subclasses it, sets `name` (the
+    ``--strategy`` value) and `Options` (a dataclass of its settings, fields with
+    ``metadata={"help": ...}``: each becomes a flag), registers itself with
+    `shoal.register` and overrides the hooks it needs (docs/write-a-strategy.md).
+
+    Args:
+        model: The model this worker trains (the same initial weights on every worker).
+        optimizer: The optimizer over ``model``'s parameters.
+        comm: The job's `shoal.core.comm.Comm` (`shoal.init`).
+        options: An instance of `Options`; default its defaults.
+
+    Raises:
+        ShoalError: An option out of its range, or one that does not fit the number of
+            workers.
     """
 
     name: ClassVar[str] = ""
@@ -119,14 +134,23 @@ class Strategy:
     def batches(self, data: Any, batch_size: int, epoch: int = 0, *, seed: int = 0,
                 global_batch: int | None = None) -> Iterator[Any]:
         """This worker's rows of every global batch of epoch ``epoch``, as ``shoal train``
-        reads them; after the last one, :meth:`end_epoch`.
+        reads them; after the last one, `end_epoch`.
 
         Every worker draws the same seeded permutation of ``data`` and takes its contiguous
-        slice of each global batch (``batch_size`` x workers rows, or ``global_batch``);
-        nothing is dropped, so the last batch may be smaller and split unevenly, which
-        :meth:`backward` weighs. ``data`` is a shoal ``Split`` (``dataset.train``), a tuple
-        of tensors or a map-style ``torch.utils.data.Dataset``; batches arrive on the
-        strategy's device.
+        slice of each global batch; nothing is dropped, so the last batch may be smaller and
+        split unevenly, which `backward` weighs.
+
+        Args:
+            data: A shoal ``Split`` (``dataset.train``), a tuple of tensors or a map-style
+                ``torch.utils.data.Dataset``.
+            batch_size: Rows per worker in a global batch.
+            epoch: The epoch, which picks the permutation.
+            seed: The permutations' seed, the same on every worker.
+            global_batch: Rows in a global batch; default ``batch_size`` x workers.
+
+        Yields:
+            This worker's rows of each global batch (the type ``data``'s rows have), on the
+                strategy's device.
         """
         world, rank = self.comm.world_size, self.comm.rank
         plan = EpochPlan(num_rows(data), global_batch or batch_size * world, world, seed)
@@ -147,12 +171,12 @@ class Strategy:
     # -- the training step ------------------------------------------------------------------
     @property
     def module(self) -> nn.Module:
-        """The module to run forward and backward through."""
+        """The module to run forward and backward through (DDP-wrapped for ``sync``)."""
         return self.model
 
     @property
     def eval_module(self) -> nn.Module:
-        """The model to evaluate, report and save."""
+        """The model to evaluate, report and save (the elastic center for EASGD)."""
         return self.model
 
     def loss_weight(self, n_local: int, n_global: int) -> float:
@@ -168,14 +192,30 @@ class Strategy:
         return self.scaler.scale(loss) if self.scaler is not None else loss
 
     def no_sync(self, enabled: bool = True) -> contextlib.AbstractContextManager[Any]:
-        """Forward and backward passes inside only accumulate gradients here (while
-        ``enabled``); the next backward outside communicates them all. For gradient
-        accumulation: DDP's ``no_sync`` for ``sync`` and ``groups``; the strategies that
-        communicate in :meth:`step` have nothing to hold back."""
+        """A context in which backward passes only accumulate gradients, for gradient
+        accumulation: the next backward outside communicates them all.
+
+        DDP's ``no_sync`` for ``sync`` and ``groups``; the strategies that communicate in
+        `step` have nothing to hold back.
+
+        Args:
+            enabled: Whether to hold the gradients back (``False``: a context that does
+                nothing).
+
+        Returns:
+            The context manager.
+        """
         return contextlib.nullcontext()
 
     def backward(self, loss: torch.Tensor) -> None:
-        """Backpropagate this worker's mean loss over its share of the batch."""
+        """Backpropagate this worker's mean loss over its share of the batch.
+
+        Weighted for an uneven share of the global batch (see `batches`), and scaled for
+        float16 training.
+
+        Args:
+            loss: This worker's mean loss over its rows of the batch.
+        """
         self.weighted(loss).backward()
 
     def step(self) -> None:
@@ -188,10 +228,16 @@ class Strategy:
         self.optimizer.step()
 
     def zero_grad(self) -> None:
+        """Clear the gradients (``optimizer.zero_grad(set_to_none=True)``)."""
         self.optimizer.zero_grad(set_to_none=True)
 
     def end_epoch(self, epoch: int) -> None:
-        """Called once after each epoch, on every rank, before evaluation."""
+        """Called once after each epoch, on every rank, before evaluation (`batches` calls
+        it after the epoch's last batch).
+
+        Args:
+            epoch: The epoch that ended.
+        """
 
     def regroup(self) -> None:
         """The job's group was re-formed without a lost worker (``--elastic``): its Comm now
@@ -222,10 +268,19 @@ class Strategy:
         return self.state_dict()
 
     def state_dict(self) -> dict[str, Any]:
-        """This rank's strategy state (tensors, numbers, dicts); saved per rank."""
+        """This rank's strategy state, saved per rank in checkpoints.
+
+        Returns:
+            Tensors, numbers and dicts of them (the base class: the steps taken).
+        """
         return {"steps": self.steps}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Put back what `state_dict` returned.
+
+        Args:
+            state: A `state_dict` of this strategy.
+        """
         self.steps = int(state.get("steps", 0))
 
     def checkpoint_shared(self) -> dict[str, Any]:

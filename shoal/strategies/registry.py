@@ -14,7 +14,20 @@ STRATEGIES: dict[str, type[Strategy]] = {}
 
 
 def register(cls: type[Strategy]) -> type[Strategy]:
-    """Class decorator: make ``cls`` available as ``--strategy cls.name``."""
+    """Class decorator: make ``cls`` available by its name.
+
+    Then ``--strategy cls.name``, `shoal.strategy` and ``shoal bench --strategies`` find
+    it, and its options become flags.
+
+    Args:
+        cls: A subclass of `shoal.Strategy` with a non-empty ``name``.
+
+    Returns:
+        ``cls`` itself.
+
+    Raises:
+        ValueError: ``cls.name`` is empty, or taken by another class.
+    """
     if not cls.name:
         raise ValueError(f"{cls.__qualname__} needs a non-empty `name`")
     existing = STRATEGIES.get(cls.name)
@@ -25,7 +38,19 @@ def register(cls: type[Strategy]) -> type[Strategy]:
 
 
 def get_strategy(spec: str) -> type[Strategy]:
-    """The strategy class named ``spec`` (a registered name or ``pkg.module:Class``)."""
+    """The strategy class named ``spec``.
+
+    Args:
+        spec: A registered name (``shoal.STRATEGIES``) or ``pkg.module:Class``, imported
+            then.
+
+    Returns:
+        The class, a subclass of `shoal.Strategy`.
+
+    Raises:
+        ShoalError: An unknown name, a ``pkg.module:Class`` that cannot be imported, or a
+            class that is not a `shoal.Strategy`.
+    """
     from shoal.strategies.base import Strategy
 
     if spec in STRATEGIES:
