@@ -20,14 +20,15 @@ import torch.distributed as dist
 from shoal.core.processes import loopback_store
 
 
-def _per_call(call: Callable[[int], object], calls: int) -> float:
+def per_call(call: Callable[[int], object], calls: int) -> float:
     start = time.perf_counter()
     for i in range(calls):
         call(i)
     return (time.perf_counter() - start) / calls
 
 
-def _calls(store: dist.Store) -> dict[str, Callable[[int], object]]:
+def store_calls(store: dist.Store) -> dict[str, Callable[[int], object]]:
+    """The calls shoal makes, by name, each on its ``i``-th key (``present`` is set)."""
     store.set("present", "1")
     return {
         "set": lambda i: store.set(f"k{i}", "x" * 32),
@@ -51,8 +52,8 @@ def main() -> None:
     times: dict[str, dict[str, list[float]]] = {name: {} for name in stores}
     for _ in range(args.repeats):
         for name, store in stores.items():
-            for call, run in _calls(store).items():
-                times[name].setdefault(call, []).append(_per_call(run, args.calls))
+            for call, run in store_calls(store).items():
+                times[name].setdefault(call, []).append(per_call(run, args.calls))
         for store in stores.values():  # the next repeat's keys anew
             for i in range(args.calls):
                 store.delete_key(f"k{i}")

@@ -20,35 +20,19 @@ import socket
 import statistics
 import subprocess
 import sys
-import time
-from collections.abc import Callable
 from datetime import timedelta
 
 import torch.distributed as dist
+from bench_store import per_call, store_calls
 
 from shoal.core.gate import Gate
-
-
-def _per_call(call: Callable[[int], object], calls: int) -> float:
-    start = time.perf_counter()
-    for i in range(calls):
-        call(i)
-    return (time.perf_counter() - start) / calls
 
 
 def client(port: int, calls: int) -> None:
     """Time each call on the store at ``127.0.0.1:port``; print the means (seconds) as JSON."""
     store = dist.TCPStore("127.0.0.1", port, None, False, timeout=timedelta(seconds=30),
                           wait_for_workers=False)
-    store.set("present", "1")
-    runs: dict[str, Callable[[int], object]] = {
-        "set": lambda i: store.set(f"k{i}", "x" * 32),
-        "get": lambda i: store.get(f"k{i}"),
-        "add": lambda i: store.add("counter", 1),
-        "check": lambda i: store.check(["present"]),
-        "compare_set": lambda i: store.compare_set(f"vote{i}", "", "commit"),
-    }
-    means = {name: _per_call(run, calls) for name, run in runs.items()}
+    means = {name: per_call(run, calls) for name, run in store_calls(store).items()}
     for i in range(calls):
         store.delete_key(f"k{i}")
         store.delete_key(f"vote{i}")
@@ -95,13 +79,13 @@ def main() -> None:
             cpu[name].append((_cpu() - before) / (args.calls * len(means)))
             for call, mean in means.items():
                 times[name].setdefault(call, []).append(mean)
-    print(f"{'call':<14}{'direct us':>11}{'gated us':>10}{'added us':>10}")
+    print(f"{'call':<22}{'direct us':>11}{'gated us':>10}{'added us':>10}")
     for call in times["direct"]:
         direct = statistics.median(times["direct"][call]) * 1e6
         gated = statistics.median(times["gated"][call]) * 1e6
-        print(f"{call:<14}{direct:>11.1f}{gated:>10.1f}{gated - direct:>10.1f}")
+        print(f"{call:<22}{direct:>11.1f}{gated:>10.1f}{gated - direct:>10.1f}")
     direct, gated = (statistics.median(cpu[name]) * 1e6 for name in ("direct", "gated"))
-    print(f"{'server CPU':<14}{direct:>11.1f}{gated:>10.1f}{gated - direct:>10.1f}  (us per call)")
+    print(f"{'server CPU':<22}{direct:>11.1f}{gated:>10.1f}{gated - direct:>10.1f}  (us per call)")
 
 
 if __name__ == "__main__":
