@@ -220,8 +220,39 @@ def _mpi(env: Mapping[str, str]) -> Environment | None:
     return None
 
 
+def _ephemeral_range() -> tuple[int, int]:
+    """The ports the kernel picks for ``bind(0)`` and outgoing connections (Linux), or the
+    IANA range elsewhere."""
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            low, high = (int(x) for x in f.read().split())
+        return low, high
+    except (OSError, ValueError):
+        return 49152, 65535
+
+
 def free_port() -> int:
-    """A TCP port on the loopback interface that was free a moment ago."""
+    """A TCP port on the loopback interface that was free a moment ago.
+
+    It is drawn at random below the kernel's ephemeral range: a port the kernel handed out
+    (``bind(0)``) is the next one it may give any outgoing connection on this machine as its
+    source port, which then takes it before the job's store can listen there.
+
+    Returns:
+        The port number.
+    """
+    import random
+
+    low, _ = _ephemeral_range()
+    if low > 10_000:
+        for _ in range(64):
+            port = random.randrange(10_000, low)
+            with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+                try:
+                    s.bind(("127.0.0.1", port))
+                except OSError:
+                    continue
+                return port
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
