@@ -1,6 +1,7 @@
 import pytest
 
-from shoal.core.env import detect_environment, expand_hostlist
+from shoal.core.env import detect_environment
+from shoal.core.launchers import expand_hostlist
 from shoal.core.processes import spawn
 from shoal.errors import ShoalError, WorkerError
 

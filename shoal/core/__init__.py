@@ -3,6 +3,9 @@ stands on, and the only place each of these exists.
 
 - :mod:`~shoal.core.env`: where this process sits (local spawn, torchrun, Slurm, MPI), its
   device and its threads;
+- :mod:`~shoal.core.launchers`: each outside launcher's variables (torchrun, Accelerate, Ray
+  Train, Lightning, Slurm, MPI), completed the way it means them or refused, into this
+  process's place in the job (:mod:`~shoal.core.place`);
 - :mod:`~shoal.core.processes`: starting and supervising local processes, SIGTERM as
   "stop at the next safe point";
 - :mod:`~shoal.core.pool`: a controller's commands to a set of started workers and their
