@@ -44,7 +44,8 @@ def init(device: str = "auto", timeout: float = 300.0, threads: int | None = Non
 
     Reads torchrun's (Accelerate's, Ray Train's), Lightning's, Slurm's or mpirun's
     environment (or the one `shoal.launch` gives); a process started on its own is a job of
-    one, and a launcher's partial environment is an error, never a job of one. Calling it again returns the same `Comm`.
+    one, and a launcher's partial environment is an error, never a job of one. Calling it
+    again returns the same `Comm`.
     A program need not call `shoal.shutdown`: at exit the job is left in order, and an
     uncaught exception first tells the other ranks, which then stop within seconds.
 

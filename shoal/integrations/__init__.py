@@ -1,0 +1,5 @@
+"""shoal's strategies inside other frameworks' training loops: a small adapter each, over the
+own-loop API (`shoal.strategy`), never a copy of shoal's trainer.
+
+- :mod:`shoal.integrations.accelerate`: Hugging Face Accelerate (``shoal[accelerate]``).
+"""
