@@ -16,6 +16,7 @@ import torch.distributed as dist
 from shoal.config import TrainConfig
 from shoal.train.deal import cut
 from shoal.train.dealer import Dealer
+from shoal.train.reports import Adopt, Give
 from shoal.train.resume_async import dealer_state, rebuild, uncounted
 
 from conftest import (
@@ -43,18 +44,18 @@ def _dealer_midway(tmp_path, late: bool = False) -> tuple[Dealer, dict]:
     cfg = TrainConfig(out=str(tmp_path), epochs=3, batch_size=4, seed=0)
     dealer = Dealer(cfg, dist.HashStore(), 100, 3, 1)
     dealer.lost(2, {"counted": 50, "step": 13}, {0, 1}, lambda: "killed")
-    dealer.take(0, {"kind": "adopt", "deal": 1, "epoch": 0, "offset": 25})
+    dealer.take(0, Adopt(deal=1, epoch=0, offset=25))
     if not late:
-        dealer.take(1, {"kind": "adopt", "deal": 1, "epoch": 1, "offset": 5})
+        dealer.take(1, Adopt(deal=1, epoch=1, offset=5))
     dealer.admit(3, {0, 1}, 20, 0)
-    dealer.take(0, {"kind": "give", "deal": 2, "epoch": 0, "offset": 30})
+    dealer.take(0, Give(deal=2, epoch=0, offset=30))
     if late:
         return dealer, {3: 0}
-    dealer.take(1, {"kind": "give", "deal": 2, "epoch": 1, "offset": 6})
+    dealer.take(1, Give(deal=2, epoch=1, offset=6))
     dealer.given({0, 1, 3})  # deal 3: the pieces to the joiner
-    dealer.take(3, {"kind": "adopt", "deal": 3, "epoch": 0, "offset": 0})
+    dealer.take(3, Adopt(deal=3, epoch=0, offset=0))
     dealer.admit(4, {0, 1, 3}, 30, 0)  # deal 4
-    dealer.take(0, {"kind": "give", "deal": 4, "epoch": 0, "offset": 31})
+    dealer.take(0, Give(deal=4, epoch=0, offset=31))
     return dealer, {3: 10, 4: 0}  # live, no state in the file
 
 
@@ -216,14 +217,16 @@ def test_a_checkpoint_counts_the_reported_samples_of_a_worker_it_does_not_resume
     done again, so their samples count at once (the 8-run soak's summary lacked 55,292 of
     1,149,600 samples without this; without --elastic the lost worker is resumed from its
     own state and reports that work again)."""
+    from types import SimpleNamespace
+
     from shoal.train.records import pending_reports
 
     def report(step, samples):
-        return {"step": step, "sums": [0.0, 0.0, samples]}
+        return SimpleNamespace(step=step, sums=[0.0, 0.0, samples])
 
     epochs = {5: {0: report(40, 100), 1: report(44, 90), 2: report(47, 120)},
               6: {1: report(52, 95), 2: report(55, 110)}}
-    saved = {0: {"step": 45}, 1: {"step": 50}}  # worker 2 was lost
+    saved = {0: SimpleNamespace(step=45), 1: SimpleNamespace(step=50)}  # worker 2 was lost
     kept, gone = pending_reports(epochs, saved, elastic=True)
     assert kept == {5: {0: epochs[5][0], 1: epochs[5][1]}}  # worker 1's epoch 6: after its state
     assert gone == 120 + 110
@@ -246,12 +249,12 @@ def test_a_worker_back_past_the_recorded_epochs_is_not_waited_for_after_the_next
     def members() -> AsyncMembers:
         c = SimpleNamespace(comm=SimpleNamespace(attempt_store=dist.HashStore()), cfg=cfg,
                             data=SimpleNamespace(train=range(100)), workers=3, servers=1,
-                            live={0, 1, 2}, finals={}, recorder=SimpleNamespace(notes={}),
+                            live={0, 1, 2}, finals={}, recorder=SimpleNamespace(changes=None),
                             counted_of=None, followers=None)
         return AsyncMembers(c, None)
 
     def saved(m: AsyncMembers, positions: dict, recorded: int) -> dict:
-        reports = {w: {"own": {"elastic": p}} for w, p in positions.items()}
+        reports = {w: SimpleNamespace(own={"elastic": p}) for w, p in positions.items()}
         payload = {"progress": {"step": 40}, "ranks": [
             None if w not in positions else {"elastic": positions[w]} for w in range(3)],
             "coordinator": {"epoch": recorded,

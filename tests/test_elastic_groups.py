@@ -17,6 +17,7 @@ from shoal.strategies.groups import GroupOptions
 from shoal.strategies.registry import get_strategy
 from shoal.train.deal import Schedule, Slots, length
 from shoal.train.dealer import Dealer
+from shoal.train.reports import Adopt
 
 from conftest import (
     EPOCHS,
@@ -127,7 +128,7 @@ def test_a_groups_schedule_is_its_members_shards_and_only_groups_are_dealt_to():
     # a member lost deals nothing; its leader lost deals the group's rest to group 0's first
     assert dealer.lost(3, {"counted": 0, "step": 4, "group_at": 40}, {0, 1, 2},
                        lambda: "killed") == 0
-    assert dealer.changes[-1]["epoch"] == 1  # its group's epoch (from 1), not the last
+    assert dealer.changes[-1].epoch == 1  # its group's epoch (from 1), not the last
     dealt = dealer.lost(2, {"counted": 40, "step": 4}, {0, 1}, lambda: "left")
     assert dealt == 2 * (slots.sizes[2] + slots.sizes[3]) - 40
     assert list(dealer.deals[-1]) == [0]
@@ -155,20 +156,20 @@ def test_a_member_in_a_lost_leaders_place_takes_its_groups_schedule_and_deals():
     piece = (1, 0, 0, 5)  # a share dealt to group 0, which worker 0 took without telling
     dealer._publish({0: [piece]}, {0, 1, 2, 3})
     dealer.lost(0, {"counted": 10, "step": 2}, {1, 2, 3}, lambda: "killed")
-    assert not any(dealer.deals[-1].values()) and dealer.changes[-1]["samples_dealt_again"] == 0
+    assert not any(dealer.deals[-1].values()) and dealer.changes[-1].samples_dealt_again == 0
     assert dealer.heirs(0, {1, 2, 3}) == [1] and dealer.orphans == {0}
     # worker 2 lost (group 2 goes on, led by 3), then 3, while group 0 has no leader
     dealer.lost(2, {"counted": 8, "step": 2}, {1, 3}, lambda: "killed")
     dealer.lost(3, {"counted": 0, "step": 2}, {1}, lambda: "left")
-    assert dealer.units({1}) == [] and dealer.changes[-1]["samples_dealt_again"] == 2 * size[1] - 8
-    dealer.lead(1, 0, [{"kind": "adopt", "deal": 1, "epoch": 0, "offset": 10}], {1})
+    assert dealer.units({1}) == [] and dealer.changes[-1].samples_dealt_again == 2 * size[1] - 8
+    dealer.lead(1, 0, [Adopt(deal=1, epoch=0, offset=10)], {1})
     assert dealer.units({1}) == [1] and dealer.unit_of(1) == 1 and not dealer.orphans
-    assert dealer.changes[0]["group_led_by"] == 1
+    assert dealer.changes[0].group_led_by == 1
     assert dealer.schedules[1] is dealer.schedules[0] and 1 in dealer.adopted[1]
     assert length(dealer.schedules[1].rest(10)) == 2 * size[0] - 10 + 5
     # group 2's rest, lost while group 0 had no leader, is dealt to it now
     assert list(dealer.deals[-1]) == [1] and length(dealer.deals[-1][1]) == 2 * size[1] - 8
-    dealer.take(1, {"kind": "adopt", "deal": len(dealer.deals), "epoch": 0, "offset": 20})
+    dealer.take(1, Adopt(deal=len(dealer.deals), epoch=0, offset=20))
     assert length(dealer.schedules[1].rest(20)) == 2 * size[0] - 20 + 5 + 2 * size[1] - 8
 
 

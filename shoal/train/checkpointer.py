@@ -25,6 +25,7 @@ from shoal.data import EpochPlan
 from shoal.errors import ShoalError
 from shoal.strategies import Strategy, get_strategy
 from shoal.strategies.precision import MixedPrecision
+from shoal.train.changes import MembershipChange, records
 from shoal.train.checkpoint import (
     CHECKPOINT_HEADER,
     EVAL_MODEL,
@@ -55,7 +56,7 @@ def with_strategy(cfg: TrainConfig, ours: dict[str, Any], theirs: dict[str, Any]
 def write_checkpoint(cfg: TrainConfig, plan: EpochPlan, *, progress: dict[str, Any],
                      scheduler: dict[str, Any], ranks: list[Any], evaluated: dict[str, Any],
                      shared: dict[str, Any], order: Any = None,
-                     changes: list[dict[str, Any]] | None = None) -> None:
+                     changes: list[MembershipChange] | None = None) -> None:
     """Write ``checkpoint.pt``: the run's settings and position (the epoch's plan, and its
     ``order`` where the epoch's rest was dealt anew), each rank's part (``ranks``), the
     model it evaluates, what the strategy keeps once (``shared``) and the membership
@@ -63,7 +64,7 @@ def write_checkpoint(cfg: TrainConfig, plan: EpochPlan, *, progress: dict[str, A
     payload = {"config": cfg.to_dict(), "global_batch": plan.global_batch,
                "world_size": plan.world, "plan_order": order, "progress": progress,
                "scheduler": scheduler, "ranks": ranks, EVAL_MODEL: evaluated,
-               "membership_changes": list(changes or [])}
+               "membership_changes": records(changes)}
     save_checkpoint(cfg.checkpoint_path, with_strategy(cfg, payload, shared, "checkpoint_shared",
                                                        reserved=CHECKPOINT_HEADER))
 
@@ -159,7 +160,7 @@ class Checkpointer:
                              shared=to_cpu(self.strategy.checkpoint_shared()),
                              order=self.plan.order if self.plan_epoch == progress["epoch"]
                              else None,  # at an epoch's end, the last one's rest is done
-                             changes=self.recorder.notes.get("membership_changes"))
+                             changes=self.recorder.changes)
 
     def resume(self) -> None:
         """Rank 0 reads the checkpoint and sends it to all (errors reach every rank); each

@@ -25,6 +25,7 @@ import math
 import queue
 import time
 from collections import Counter
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -37,14 +38,27 @@ from shoal.data import Dataset, EpochPlan, ShardLoader
 from shoal.errors import JobError, ShoalError
 from shoal.models import count_parameters
 from shoal.ps import ServerClient, ShardServer, staleness_summary
+from shoal.train.center import Center
 from shoal.train.checkpoint import to_cpu
 from shoal.train.checkpointer import write_checkpoint
 from shoal.train.deal import loss_record
 from shoal.train.evaluation import Evaluator
 from shoal.train.members_async import AsyncMembers
 from shoal.train.recorder import Recorder
-from shoal.train.records import pending_reports, queued
+from shoal.train.records import coordinator_part, pending_reports, queued, records_position
 from shoal.train.remote import CLOCK_KEY, COLLAPSED_KEY
+from shoal.train.reports import (
+    CheckpointPart,
+    EpochEnd,
+    Failed,
+    Final,
+    Progress,
+    Report,
+    ReportKind,
+    Started,
+    Where,
+    decode_report,
+)
 from shoal.train.state import RunState
 from shoal.train.stopping import run_reason
 
@@ -76,6 +90,7 @@ class Coordinator:
                  groups: tuple[tuple[int, int], ...] = ()) -> None:
         self.cfg, self.comm, self.data, self.model, self.flat = cfg, comm, data, model, flat
         self.client, self.ranges, self.workers = client, ranges, comm.world_size
+        self.center = Center(flat, model, ranges, client)  # the center as it reads it
         self.servers, self.extra, self.ended = len(ranges), extra or {}, ended
         self.plan = EpochPlan(len(data.train), cfg.global_batch(self.workers), self.workers,
                               cfg.seed)
@@ -85,15 +100,15 @@ class Coordinator:
                                    lambda x, y: (x, y), Timeline())
         self.recorder = Recorder(cfg, comm, self.plan, self.evaluator, classes=data.num_classes)
         self.state = RunState(comm, torch.Generator(), lr=cfg.base_lr(self.workers))
-        self.reports: queue.Queue[tuple[int, Any]] = queue.Queue()
+        self.reports: queue.Queue[tuple[int, Report]] = queue.Queue()
         self.live = set(range(self.workers))
-        self.latest: dict[int, dict[str, Any]] = {}  # each worker's last report
-        self.epochs: dict[int, dict[int, dict[str, Any]]] = {}  # epochs not yet recorded
-        self.checkpoints: dict[int, dict[int, dict[str, Any]]] = {}  # step -> reports
-        self.last: dict[int, dict[str, Any]] = {}  # each worker's last checkpoint report
+        self.latest: dict[int, Where] = {}  # each worker's last report
+        self.epochs: dict[int, dict[int, EpochEnd]] = {}  # epochs not yet recorded
+        self.checkpoints: dict[int, dict[int, CheckpointPart]] = {}  # step -> reports
+        self.last: dict[int, CheckpointPart] = {}  # each worker's last checkpoint report
         self.saved: dict[int, int] = {}  # the step of each worker's state in the file
         self.own: dict[int, Any] = {}  # each worker's state in the file
-        self.finals: dict[int, dict[str, Any]] = {}
+        self.finals: dict[int, Final] = {}
         self.lost: dict[int, dict[str, Any]] = {}
         self.test, self.saved_step, self.started_unix = (float("nan"), float("nan")), -1, time.time()
         #: --elastic: its side (a lost worker's rest dealt over the others, joiners admitted)
@@ -108,6 +123,10 @@ class Coordinator:
         self.test_every = (cfg.eval_every_steps or 0) * self.plan.global_batch or None
         self.next_test = self.test_every or 0
         self.shard: ShardServer | None = None  # the shard served (run())
+        self._handlers: dict[ReportKind, Callable[[int, Any], None]] = {
+            ReportKind.STARTED: self._started, ReportKind.PROGRESS: self._progressed,
+            ReportKind.EPOCH: self._epoch_ended, ReportKind.CHECKPOINT: self._checkpoint_part,
+            ReportKind.FINAL: self._final, ReportKind.FAILED: self._failed}
         if payload is not None:
             self._resume(payload)
         elif start is not None:
@@ -122,13 +141,7 @@ class Coordinator:
         if saved is None:  # an older checkpoint: every worker at its step
             self._go_on_from(payload)
             return
-        epoch, spe = int(saved["epoch"]), self.plan.steps_per_epoch
-        # The last record's step (an elastic worker's epoch may take more steps: dealt work).
-        self.progress = {"epoch": epoch, "epoch_step": 0, "step": saved.get("step", epoch * spe),
-                         "samples": saved["samples"], "train_time_s": saved["train_time_s"],
-                         "wall_time_s": saved["wall_time_s"], "lr": saved["lr"]}
-        self.epochs = {int(e): {int(w): r for w, r in reports.items()}
-                       for e, reports in saved["pending"].items()}
+        self.progress, self.epochs = records_position(saved, self.plan.steps_per_epoch)
         if self.members is not None and saved.get("elastic") is not None:
             self.members.resume(payload)
 
@@ -140,14 +153,17 @@ class Coordinator:
                          "samples": source["progress"]["samples"] - carried}
         self.saved_step = self.progress["step"]
 
-    def on_report(self, client: int, obj: Any) -> None:
+    def on_report(self, client: int, obj: object) -> None:
         """A worker's report (called on its serving thread): queued for :meth:`run`; an elastic
-        worker's rest (``idle``) or return to work (``adopt``) told to the shard at once."""
-        if self.members is not None and self.shard is not None and obj["kind"] in ("idle", "adopt"):
-            self.shard.rest(client, obj["kind"] == "idle")
-            if self.followers is not None:
-                self.followers.tell("rest", client, resting=obj["kind"] == "idle")
-        self.reports.put((client, obj))
+        worker's rest (``idle``) or return to work (``adopt``) told to the shard at once.
+
+        Raises:
+            BadReport: not a report this coordinator takes (the worker is told so).
+        """
+        report = decode_report(obj, elastic=self.members is not None)
+        if self.members is not None and self.shard is not None:
+            self.members.resting(client, report)
+        self.reports.put((client, report))
 
     # -- the run --------------------------------------------------------------------------
     def run(self, shard: ShardServer) -> dict[str, Any]:
@@ -171,29 +187,42 @@ class Coordinator:
         rec.end_steps()
         return self._finish(shard)
 
-    def _take(self, worker: int, report: dict[str, Any]) -> None:
-        kind = report["kind"]
-        if kind == "failed":
-            raise WorkerFailed(f"worker {worker} failed ({report['error']}); the job ends")
+    def _take(self, worker: int, report: Report) -> None:
+        """``worker``'s ``report``, by its kind's handler (--elastic's kinds: its members')."""
         if self.members is not None and self.members.take(worker, report):
             return
-        self.latest[worker] = report
-        if kind == "started" and self.started is not None:
-            self.started.add(worker)
-        elif kind == "progress":
-            self.trained[worker] = int(report["trained"])
-            self._test_by_samples()
-        elif kind == "epoch" and report["epoch"] > self.state.epoch:  # else recorded already
-            self.epochs.setdefault(report["epoch"], {})[worker] = report
-        elif kind == "checkpoint":
-            step = report["step"]
-            self.last[worker] = report
-            self.checkpoints.setdefault(step, {})[worker] = report
-            for earlier in [s for s, r in self.checkpoints.items() if s < step and worker not in r]:
-                del self.checkpoints[earlier]  # it never will send that step's: never complete
-        elif kind == "final":
-            self.finals[worker] = report
+        self._handlers[report.KIND](worker, report)
         self._progress()
+
+    # -- the handlers of the reports: one per kind ---------------------------------------------
+    def _failed(self, worker: int, report: Failed) -> None:
+        raise WorkerFailed(f"worker {worker} failed ({report.error}); the job ends")
+
+    def _started(self, worker: int, report: Started) -> None:
+        self.latest[worker] = report
+        if self.started is not None:
+            self.started.add(worker)
+
+    def _progressed(self, worker: int, report: Progress) -> None:
+        self.latest[worker] = report
+        self.trained[worker] = report.trained
+        self._test_by_samples()
+
+    def _epoch_ended(self, worker: int, report: EpochEnd) -> None:
+        self.latest[worker] = report
+        if self.members is not None:
+            self.members.epoch(worker, report)
+        if report.epoch > self.state.epoch:  # else recorded already
+            self.epochs.setdefault(report.epoch, {})[worker] = report
+
+    def _checkpoint_part(self, worker: int, report: CheckpointPart) -> None:
+        self.latest[worker] = self.last[worker] = report
+        self.checkpoints.setdefault(report.step, {})[worker] = report
+        for earlier in [s for s, r in self.checkpoints.items() if s < report.step and worker not in r]:
+            del self.checkpoints[earlier]  # it never will send that step's: never complete
+
+    def _final(self, worker: int, report: Final) -> None:
+        self.latest[worker] = self.finals[worker] = report
 
     def _note_lost(self, lost: dict[int, dict[str, Any]]) -> None:
         """Workers whose pairs broke (killed, or silent past --timeout) leave the live set."""
@@ -204,7 +233,7 @@ class Coordinator:
                     counted, step = self.counted_of(worker, info)
                     info = {**info, "counted": counted, "step": max(step, info.get("step", 0))}
                 step = max(int(info.get("step", 0)),
-                           int(self.latest.get(worker, {}).get("step", 0)))
+                           self.latest[worker].step if worker in self.latest else 0)
                 self.lost[worker] = loss_record(self.plan, len(self.data.train), self.cfg.epochs,
                                                 (worker, self.servers + worker), step, info,
                                                 self.started_unix)
@@ -247,30 +276,27 @@ class Coordinator:
         kept); with none of them left, the joiners' (their rest dealt again at --resume)."""
         return {w for w in workers if w < self.workers} or set(workers)
 
-    def _sum_workers(self, at: dict[int, dict[str, Any]] | None = None) -> None:
+    def _sum_workers(self, at: dict[int, EpochEnd] | None = None) -> None:
         """The recorder's comm and timeline hold the workers' totals, summed: as of the
         reports ``at`` (an epoch's, which may complete late, once a lost worker is noticed),
         else each worker's latest."""
         totals: Counter[str] = Counter()
-        sent = 0
-        at = at or {}
-        for worker in self.latest.keys() | at.keys():
-            report = at.get(worker, self.latest.get(worker))
-            totals.update(report["times"])
-            sent += int(report["bytes"])
+        reports = {**self.latest, **(at or {})}.values()
+        for report in reports:
+            totals.update(report.times)
         tl = self.comm.timeline
         tl.carry_over({k: v - tl.totals.get(k, 0.0) for k, v in totals.items()})
-        self.comm.bytes_sent = sent
+        self.comm.bytes_sent = sum(r.bytes for r in reports)
 
-    def _epoch_record(self, epoch: int, reports: dict[int, dict[str, Any]]) -> None:
+    def _epoch_record(self, epoch: int, reports: dict[int, EpochEnd]) -> None:
         """Record epoch ``epoch`` from every live worker's report of it, as a trainer
         records its epochs: its sums and position, its test, its record."""
         st, rec = self.state, self.recorder
-        sums = torch.tensor([r["sums"] for r in reports.values()], dtype=torch.float64).sum(0)
+        sums = torch.tensor([r.sums for r in reports.values()], dtype=torch.float64).sum(0)
         rec.add(sums[0], sums[1], int(sums[2]))
         self._sum_workers(reports)
-        step = max([st.step + 1, *(r["step"] for r in reports.values())])  # a resume cuts at it
-        st.reported(step, self.plan.steps_per_epoch, int(sums[2]), reports[min(reports)]["lr"])
+        step = max([st.step + 1, *(r.step for r in reports.values())])  # a resume cuts at it
+        st.reported(step, self.plan.steps_per_epoch, int(sums[2]), reports[min(reports)].lr)
         rec.step(st, int(sums[2]))
         rec.end_steps()
         st.epoch_done()
@@ -293,62 +319,38 @@ class Coordinator:
         self.recorder.evaluation(self.state, self.evaluator.test(self._center_model(None)),
                                  samples=trained)
 
-    # -- the center -----------------------------------------------------------------------
-    def center(self) -> torch.Tensor:
-        """The whole flat center: this server's shard and the others' (pulled)."""
-        full = torch.empty(self.ranges[-1][1], dtype=torch.float32)
-        lo, hi = self.ranges[0]
-        full[lo:hi] = self.shard.snapshot()[: hi - lo]
-        if self.client is not None:
-            self.client.pull(full)
-        return full
-
-    @torch.no_grad()
-    def _center_model(self, reports: dict[int, dict[str, Any]] | None) -> torch.nn.Module:
-        """The model the run evaluates: the center, with the reporting workers' buffers
-        (their mean)."""
-        self.flat.unpack(self.center().to(self.flat.tensors[0].dtype))
-        buffers = [r["buffers"] for r in (reports or {}).values() if r.get("buffers")]
-        for name, buf in self.model.named_buffers():
-            values = [b[name] for b in buffers if name in b]
-            if values:
-                buf.copy_(torch.stack(values).float().mean(0) if buf.is_floating_point()
-                          else values[0])
-        return self.model
+    def _center_model(self, reports: dict[int, EpochEnd] | None) -> torch.nn.Module:
+        """The model the run evaluates: the center, with the reporting workers' buffers."""
+        return self.center.model_with(self.shard, [r.buffers for r in (reports or {}).values()
+                                                   if r.buffers])
 
     # -- checkpoints ----------------------------------------------------------------------
-    def _checkpoint(self, reports: dict[int, dict[str, Any]]) -> None:
+    def _checkpoint(self, reports: dict[int, CheckpointPart]) -> None:
         """Write ``checkpoint.pt`` with each reporting worker's state (the others': their
         last), the centers and the records' position; the slowest worker's is the file's."""
-        slowest = min(reports.values(), key=lambda r: (r["step"], r["worker"]))
-        self.saved.update({w: r["step"] for w, r in reports.items()})
+        slowest = min(reports.values(), key=lambda r: (r.step, r.worker))
+        self.saved.update({w: r.step for w, r in reports.items()})
         reports = {w: r for w, r in reports.items() if w < self.workers}  # a joiner's: not kept
-        self.own.update({w: r["own"] for w, r in reports.items()})
-        full = self.center()
+        self.own.update({w: r.own for w, r in reports.items()})
+        full = self.center.vector(self.shard)
         if not torch.isfinite(full).all():
-            raise ShoalError(f"the center became non-finite by step {slowest['step']}; checkpoint "
+            raise ShoalError(f"the center became non-finite by step {slowest.step}; checkpoint "
                              "not written, the last good one is kept (lower --lr?)")
-        self.flat.unpack(full.to(self.flat.tensors[0].dtype))
+        self.center.load(full)
         servers = [self.shard.state()] + [self.client.fetch_state(s) for s in range(1, self.servers)
                                           if self.client is not None]
         for server in servers:
             server.pop("first_pulls", None)  # the join records', not the run's
         dealt, unreported = self.members.checkpoint(servers, reports) if self.members else ({}, 0)
         center = to_cpu(self.model.state_dict())  # the evaluation model, saved once
-        st = self.state
         pending, gone = pending_reports(self.epochs, reports, self.members is not None)
         write_checkpoint(
-            self.cfg, self.plan, progress=slowest["own"]["progress"],
-            scheduler=slowest["own"]["scheduler"],
+            self.cfg, self.plan, progress=slowest.own["progress"],
+            scheduler=slowest.own["scheduler"],
             ranks=[self.own.get(w) for w in range(self.workers)], evaluated=center,
-            shared={"model": center, "servers": to_cpu(servers),
-                    "coordinator": {"epoch": st.epoch, "step": st.step,
-                                    "samples": st.samples + gone + unreported,
-                                    "train_time_s": st.train_time_s,
-                                    "wall_time_s": st.elapsed_s(), "lr": st.lr,
-                                    "pending": pending,
-                                    **({"elastic": dealt} if dealt else {})}})
-        self.saved_step = slowest["step"]
+            shared={"model": center, "servers": to_cpu(servers), "coordinator": coordinator_part(
+                self.state, pending, self.state.samples + gone + unreported, dealt)})
+        self.saved_step = slowest.step
 
     # -- the end --------------------------------------------------------------------------
     def _finish(self, shard: ShardServer) -> dict[str, Any]:
@@ -359,16 +361,16 @@ class Coordinator:
                                        for w, r in sorted(self.lost.items())))
         finals = self.finals
         last = {w: self.last[w] for w in self._placing(finals) if w in self.last}
-        if any(self.saved.get(w) != r["step"] for w, r in last.items()):
+        if any(self.saved.get(w) != r.step for w, r in last.items()):
             self._checkpoint(last)  # stopped (SIGTERM) at different steps: their last states
         self._sum_workers()
-        st.step = min(r["step"] for r in finals.values())  # the checkpoint's, as the file says
-        stopped = any(r["stopped"] for r in finals.values())
-        reason = run_reason([r["stopped_by"] for r in finals.values()], rec.health.collapsed)
+        st.step = min(r.step for r in finals.values())  # the checkpoint's, as the file says
+        stopped = any(r.stopped for r in finals.values())
+        reason = run_reason([r.stopped_by for r in finals.values()], rec.health.collapsed)
         st.train_time_s = st.elapsed_s()
         if math.isnan(self.test[1]) and not stopped:
             self.test = self.evaluator.test(self._center_model(None))
-        lanes = [r["trace"] for _, r in sorted(finals.items()) if r.get("trace")]
+        lanes = [r.trace for _, r in sorted(finals.items()) if r.trace]
         summary = rec.finish(st, stopped, reason, self.test, count_parameters(self.model),
                              {**self._extras(shard), **self.extra}, lanes)
         assert summary is not None
@@ -386,7 +388,7 @@ class Coordinator:
             if status is not None:
                 record["exit_status"] = status
         return {
-            "device": ", ".join(sorted({str(r.get("device", "cpu")) for r in finals})),
+            "device": ", ".join(sorted({r.device for r in finals})),
             "servers": self.servers,
             "staleness": staleness_summary(hists),
             "lost_workers": [self.lost[w] for w in sorted(self.lost)],

@@ -19,17 +19,19 @@ from __future__ import annotations
 
 import json
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
+from dataclasses import replace
 from typing import Any
 
 import torch
 
 from shoal.core.waits import publish_members
-from shoal.train.changes import epoch_span, membership_change
+from shoal.train.changes import MembershipChange, epoch_span, joined_change, membership_change
 from shoal.train.deal import Schedule, Segment, cut, deal, length
 from shoal.train.deals_async import DEALS, RELEASE, deal_key
 from shoal.train.elastic_async import slots_of
 from shoal.train.handover import digest
+from shoal.train.reports import Adopt, Give, Idle, ReportKind
 from shoal.train.samples import record_since, samples_file, say_held
 
 
@@ -53,7 +55,7 @@ class Dealer:
         self.deals: list[dict[int, list[Segment]]] = []
         self.adopted: dict[int, set[int]] = {w: set() for w in range(workers)}
         self.idle: dict[int, int] = {}  # worker -> deals it had read when it said idle
-        self.changes: list[dict[str, Any]] = []
+        self.changes: list[MembershipChange] = []
         self.giving: dict[int, dict[str, Any]] = {}  # give deal -> its joiner, givers, pieces
         self.gone: set[int] = set()  # workers lost
         self.lost_at: dict[int, int] = {}  # a lost worker -> its last count
@@ -65,6 +67,8 @@ class Dealer:
         self.undealt: list[Segment] = []  # lost while every group alive was an orphan
         self.released = False
         self.stopping = False  # the workers were told to stop (SIGTERM here)
+        self._takes: dict[ReportKind, Callable[[int, Any], None]] = {
+            ReportKind.ADOPT: self._adopt, ReportKind.GIVE: self._give, ReportKind.IDLE: self._idle}
 
     def units(self, live: set[int]) -> list[int]:
         """The ``live`` workers that walk a schedule of their own, in order: each compute
@@ -75,29 +79,29 @@ class Dealer:
         """The worker whose schedule ``worker`` walks: its compute group's first."""
         return worker if worker >= self.workers else max(u for u in self.leads if u <= worker)
 
-    def resume(self, starts: dict[int, Any], changes: list[dict[str, Any]]) -> None:
+    def resume(self, starts: dict[int, Any], changes: list[MembershipChange]) -> None:
         """Go on from a checkpoint (:func:`~shoal.train.resume_async.rebuild`'s ``starts``,
         every worker's schedule as it rebuilt it) with its membership ``changes``."""
         self.schedules = {w: s.schedule for w, s in starts.items()}
         self.adopted = {w: set() for w in starts}
         self.changes = list(changes)
 
-    def take(self, worker: int, report: dict[str, Any]) -> None:
-        """A worker's ``adopt``, ``give`` or ``idle`` report."""
-        kind = report["kind"]
-        if kind == "adopt":
-            n = int(report["deal"])
-            self.schedules[worker].adopt(int(report["epoch"]), int(report["offset"]),
-                                         self._shares(n, worker))
-            self.adopted[worker].add(n)
-            self.idle.pop(worker, None)
-        elif kind == "give":
-            give = self.giving[int(report["deal"])]
-            give["pieces"] += self.schedules[worker].give(
-                int(report["epoch"]), int(report["offset"]), give["parts"])
-            give["waiting"].discard(worker)
-        else:
-            self.idle[worker] = int(report["deals"])
+    def take(self, worker: int, report: Adopt | Give | Idle) -> None:
+        """A worker's share taken, part given, or wait for its release."""
+        self._takes[report.KIND](worker, report)
+
+    def _adopt(self, worker: int, report: Adopt) -> None:
+        self.schedules[worker].adopt(report.epoch, report.offset, self._shares(report.deal, worker))
+        self.adopted[worker].add(report.deal)
+        self.idle.pop(worker, None)
+
+    def _give(self, worker: int, report: Give) -> None:
+        give = self.giving[report.deal]
+        give["pieces"] += self.schedules[worker].give(report.epoch, report.offset, give["parts"])
+        give["waiting"].discard(worker)
+
+    def _idle(self, worker: int, report: Idle) -> None:
+        self.idle[worker] = report.deals
 
     def _publish(self, shares: dict[int, list[Segment]], live: set[int], **more: Any) -> int:
         """Deal ``shares`` (and what ``more`` says) to the workers; its number."""
@@ -165,7 +169,7 @@ class Dealer:
                 rest += self._shares(n, unit)
         return rest
 
-    def lead(self, new: int, old: int, acts: list[dict[str, Any]], live: set[int]) -> None:
+    def lead(self, new: int, old: int, acts: Sequence[Adopt | Give], live: set[int]) -> None:
         """``new`` takes lost ``old``'s place as its compute group's leader: the group's
         schedule is its, with the ``acts`` (the group's shares taken and parts given, in
         order) that ``old`` had not told, and so are the gives asked of ``old``; what was
@@ -180,13 +184,13 @@ class Dealer:
                 give["waiting"].discard(old)
                 give["waiting"].add(new)
         for act in acts:
-            n = int(act["deal"])
-            if (act["kind"] == "adopt" and n not in self.adopted[new]) or (
-                    act["kind"] == "give" and new in self.giving.get(n, {}).get("waiting", ())):
+            if (act.KIND == ReportKind.ADOPT and act.deal not in self.adopted[new]) or (
+                    act.KIND == ReportKind.GIVE
+                    and new in self.giving.get(act.deal, {}).get("waiting", ())):
                 self.take(new, act)
-        for change in self.changes:
-            if change.get("left") == [old]:
-                change["group_led_by"] = new
+        for i, change in enumerate(self.changes):
+            if not change.joined and change.ids == (old,):
+                self.changes[i] = replace(change, group_led_by=new)
         if self.undealt and not self.released:
             self._publish(deal(self.undealt, self.units(live)), live, lost=old)
         self.undealt = []
@@ -196,14 +200,12 @@ class Dealer:
         (from 0): ask ``live``'s :meth:`units` (without it) to give it its part."""
         self.schedules[joiner] = Schedule.empty(self.cfg.epochs)
         self.adopted[joiner] = set()
-        change = {"step": step, "epoch": epoch + 1, "joined": [joiner],
-                  "why": {joiner: "joined"}, "workers": len(live) + 1, "samples_dealt_again": 0}
-        self.changes.append(change)
+        self.changes.append(joined_change(step, epoch, [joiner], len(live) + 1, 0))
         givers = self.units(live)
         n = self._publish({}, live | {joiner}, give={"joiner": joiner, "parts": len(givers) + 1,
                                                      "givers": givers})
         self.giving[n] = {"joiner": joiner, "parts": len(givers) + 1, "waiting": set(givers),
-                          "pieces": [], "change": change}
+                          "pieces": [], "change": len(self.changes) - 1}  # its change's index
         self.given(live | {joiner})
 
     def given(self, live: set[int]) -> None:
@@ -213,15 +215,16 @@ class Dealer:
             if give["waiting"] - (self.gone - self.orphans):  # an orphan's: its heir gives
                 continue
             del self.giving[n]
-            joiner, pieces = give["joiner"], give["pieces"]
-            give["change"]["samples_dealt_again"] = length(pieces)
+            joiner, pieces, at = give["joiner"], give["pieces"], give["change"]
+            change = self.changes[at] = replace(self.changes[at],
+                                                samples_dealt_again=length(pieces))
             if joiner not in self.gone:
                 self._publish({joiner: pieces}, live, joined=joiner)
                 epochs = [e for e, _, _, _ in pieces]
                 of = epoch_span(min(epochs), max(epochs)) if epochs else "no epoch"
-                print(f"shoal: worker {joiner} joined at step {give['change']['step']}; "
+                print(f"shoal: worker {joiner} joined at step {change.step}; "
                       f"{len(live)} go on, worker {joiner} with the "
-                      f"{give['change']['samples_dealt_again']} samples given it of {of}",
+                      f"{change.samples_dealt_again} samples given it of {of}",
                       file=sys.stderr, flush=True)
             elif pieces and self.units(live) and not self.released:
                 self._publish(deal(pieces, self.units(live)), live, lost=joiner)
@@ -229,14 +232,15 @@ class Dealer:
     def digests(self, joiner: int, server: torch.Tensor | None, mine: str | None) -> None:
         """The join's record: the center ``server`` sent ``joiner`` at its first pull, and
         the digest ``mine`` of the model it built from it."""
-        for change in self.changes:
-            if change.get("joined") != [joiner]:
+        for i, change in enumerate(self.changes):
+            if not change.joined or change.ids != (joiner,):
                 continue
             if mine is None:  # hogwild's: the joiner maps the shared parameters themselves
-                change.update(state="the shared parameters, mapped")
+                self.changes[i] = replace(change, state="the shared parameters, mapped")
             else:
-                change.update(state_sha256=digest({"center": server, "progress": {}}),
-                              joiner_state_sha256={str(joiner): mine})
+                self.changes[i] = replace(
+                    change, state_sha256=digest({"center": server, "progress": {}}),
+                    joiner_state_sha256={str(joiner): mine})
 
     def record_counted(self, worker: int, counted: int) -> None:
         """``--record-samples``: ``worker``'s samples up to its last count that server 0

@@ -18,6 +18,7 @@ from shoal.errors import ShoalError
 from shoal.train.deal import Segment
 from shoal.train.handover import digest
 from shoal.train.optim import schedule_at
+from shoal.train.reports import Adopt, Give, Idle, Joined, encode
 
 DEALS = f"{ELASTIC}/async/deals"  #: how many deals server 0 published
 RELEASE = f"{ELASTIC}/async/release"  #: set once no worker has work left
@@ -44,7 +45,7 @@ class TakesDeals:
     t: Any
     store: Any
     former: tuple[int, ...]  # a compute group's earlier leaders: deals to them are its
-    acts: list[dict[str, Any]]  # a compute group's shares taken and parts given
+    acts: list[Adopt | Give]  # a compute group's shares taken and parts given
 
     def _published(self) -> int:
         """The deals published, as a compute group's leader tells its group after its
@@ -79,7 +80,7 @@ class TakesDeals:
         """Give a joiner the last ``1/parts`` of this worker's rest (deal ``n``), from where
         it is, told to server 0 first."""
         t, offset = self.t, self._read()
-        self._tell({"kind": "give", "deal": n, "epoch": t.state.epoch, "offset": offset})
+        self._tell(Give(n, t.state.epoch, offset))
         block = self.schedule.blocks[t.state.epoch]
         if self.schedule.give(t.state.epoch, offset, parts):
             self.dealt = True
@@ -96,7 +97,7 @@ class TakesDeals:
         # hogwild's parameters are the shared ones, stepped meanwhile: no copy to digest
         mine = None if t.strategy.shared_memory else digest({"center": t.strategy.flat.pack(),
                                                             "progress": {}})
-        t.comm.ps.report({"kind": "joined", "digest": mine})
+        t.comm.ps.report(encode(Joined(mine)))
         deadline = time.monotonic() + t.cfg.timeout
         while not self._poll()[1] and not self.store.check([RELEASE]) and not stop_requested():
             if time.monotonic() > deadline:
@@ -107,18 +108,18 @@ class TakesDeals:
     def _adopt(self, n: int, pieces: list[Segment]) -> None:
         """Take deal ``n``'s ``pieces`` where this worker is, told to server 0 first."""
         t, offset = self.t, self._read()
-        self._tell({"kind": "adopt", "deal": n, "epoch": t.state.epoch, "offset": offset})
+        self._tell(Adopt(n, t.state.epoch, offset))
         self.schedule.adopt(t.state.epoch, offset, pieces)
         self._plan(offset)
         self.dealt = True
 
-    def _tell(self, act: dict[str, Any]) -> None:
+    def _tell(self, act: Adopt | Give) -> None:
         """Tell server 0 a share taken or a part given (a compute group's leader does), and
         keep it: a member that takes a lost leader's place tells those it may not have."""
         if self.seat.size > 1 or self.former:
             self.acts.append(act)
         if self.me == self.unit:
-            self.t.comm.ps.report(act)
+            self.t.comm.ps.report(encode(act))
 
     def _wait_for_release(self) -> bool:
         """At the end: send the last work, say so, and wait for a share (``True``) or the
@@ -137,7 +138,7 @@ class TakesDeals:
                 t.strategy.rejoin()
                 return True
             if new or time.monotonic() - said > IDLE_REPORT_S:
-                t.comm.ps.report({"kind": "idle", "deals": self.seen})
+                t.comm.ps.report(encode(Idle(self.seen)))
                 said = time.monotonic()
             time.sleep(POLL_S)
         return False

@@ -27,7 +27,7 @@ import torch
 from shoal.core.membership import MembershipChanged
 from shoal.core.stop import Leaving, leave_requested, request_stop
 from shoal.data import EpochPlan
-from shoal.train.changes import membership_change, resumed_change
+from shoal.train.changes import MembershipChange, membership_change, resumed_change
 from shoal.train.elastic_join import Joins
 from shoal.train.optim import schedule_at
 from shoal.train.resume_sync import SavedPlan, go_on
@@ -64,7 +64,7 @@ class Elastic(Joins):
     def __init__(self, trainer: Any) -> None:
         self.t = trainer
         self.membership = trainer.comm.membership
-        self.changes: list[dict[str, Any]] = []  # summary.json's "membership_changes"
+        self.changes: list[MembershipChange] = []  # summary.json's "membership_changes"
         self._updating = False  # this step's local update is done (a periodic exchange runs)
         self._next: EpochPlan | None = None  # the rest of the epoch, dealt anew
         self._uncounted: list[Reading] = []
@@ -74,7 +74,7 @@ class Elastic(Joins):
         self._steps = trainer.plan.steps_per_epoch  # an epoch's steps for the schedule
         self._resized = False  # the group changed: the schedule follows the epochs' share
         self._joined = False  # a joiner's first epoch goes on from the plan it took over
-        self._joining: tuple[int, dict[str, Any]] | None = None  # a join's record, and where
+        self._joining: tuple[int, MembershipChange] | None = None  # a join, and where
         self._resumed = False  # the first epoch goes on from the checkpoint's plan
         self._carried = 0  # resumed inside a round: the steps since the last count
         self._early: list[int] = []
@@ -127,7 +127,7 @@ class Elastic(Joins):
         self._resized = bool(self.changes)  # the steps no longer count the epochs' share
         if self._resized:
             self._follow_share()
-            t.recorder.notes["membership_changes"] = self.changes
+            t.recorder.changes = self.changes
 
     def start_epoch(self) -> None:
         """A new epoch: dealt over the workers there are now (from the step resumed at)."""
@@ -317,7 +317,7 @@ class Elastic(Joins):
         why = {m: self.membership.reason(m) for m in lost}
         self.changes.append(membership_change(st.step, st.epoch, why, world, len(order),
                                               say=t.comm.rank == 0))
-        t.recorder.notes["membership_changes"] = self.changes
+        t.recorder.changes = self.changes
 
     def _rest(self, current: Reading, lost: list[int]) -> torch.Tensor:
         """The rest of the epoch after a change: what ``lost`` read since their work last

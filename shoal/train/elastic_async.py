@@ -34,6 +34,7 @@ from shoal.train.deal import Schedule, Slots, cut, length
 from shoal.train.deals_async import POLL_S, TakesDeals, leave_key
 from shoal.train.elastic_groups import Seat, gone_key, leader_lost
 from shoal.train.optim import schedule_at
+from shoal.train.reports import Adopt, Give, Lead, Leave, encode
 from shoal.train.resume_async import Start, rebuild, uncounted
 from shoal.train.samples import cut_upto, record_since, samples_file
 
@@ -68,7 +69,7 @@ class AsyncElastic(TakesDeals):
             t.strategy.deal_count = self._published
         self.seen = 0  # deals read
         self.former: tuple[int, ...] = ()  # a compute group's leaders lost: their deals are its
-        self.acts: list[dict[str, Any]] = []  # a compute group's shares taken, parts given
+        self.acts: list[Adopt | Give] = []  # a compute group's shares taken, parts given
         self.polled = 0.0
         self.looked = (0.0, 0)  # a compute group's leader: when it read the deals published
         self.stopped_job = False  #: its leave stopped the job: it was the last worker
@@ -149,7 +150,7 @@ class AsyncElastic(TakesDeals):
         self.unit = seat.first = t.strategy.first = seat.members[0]
         if self.me == self.unit:  # told before its first exchange, with the group's deals
             self.record = samples_file(t.cfg, self.me)
-            t.comm.ps.report({"kind": "lead", "group": old, "acts": self.acts})
+            t.comm.ps.report(encode(Lead(old, tuple(self.acts))))
             print(f"shoal: worker {self.me} leads its compute group in worker {old}'s place",
                   file=sys.stderr, flush=True)
 
@@ -237,7 +238,7 @@ class AsyncElastic(TakesDeals):
         t = self.t
         t.strategy.flush()
         self._count()
-        t.comm.ps.report({"kind": "leaving"})
+        t.comm.ps.report(encode(Leave()))
         key, deadline = leave_key(self.me), time.monotonic() + t.cfg.heartbeat_timeout
         while not self.store.check([key]) and time.monotonic() < deadline:
             time.sleep(POLL_S)  # no answer in time: it leaves

@@ -30,6 +30,7 @@ from shoal.core.group import bound_waits, own_client
 from shoal.core.membership import Membership
 from shoal.core.waits import ELASTIC
 from shoal.data.sharding import shard_range
+from shoal.train.reports import Rows, encode
 
 
 def gone_key(worker: int) -> str:
@@ -111,8 +112,7 @@ class Seat:
         for member in self.lost:
             rows = self.rows.pop(member, {})
             if self.me == self.first:
-                client.report({"kind": "rows", "worker": member, "group": self.first,
-                               "rows": {str(block): n for block, n in rows.items()}})
+                client.report(encode(Rows(member, self.first, rows)))
         self.lost = []
 
 

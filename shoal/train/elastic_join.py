@@ -7,11 +7,12 @@ from __future__ import annotations
 
 import sys
 import time
+from dataclasses import replace
 from typing import Any
 
 from shoal.core.joining import admit
 from shoal.train import handover
-from shoal.train.changes import worker_names
+from shoal.train.changes import MembershipChange, joined_change, worker_names
 
 
 class Joins:
@@ -20,8 +21,8 @@ class Joins:
 
     t: Any
     membership: Any
-    changes: list[dict[str, Any]]
-    _joining: tuple[int, dict[str, Any]] | None
+    changes: list[MembershipChange]
+    _joining: tuple[int, MembershipChange] | None
     _uncounted: list[Any]
     _trained: list[Any]
     _next: Any
@@ -52,24 +53,21 @@ class Joins:
             print(f"shoal: {worker_names(joined)} joined at step {st.step}; {workers} go on with "
                   f"the {t.plan.n} samples left of epoch {st.epoch + 1}", file=sys.stderr,
                   flush=True)
-        change = {"step": st.step, "epoch": st.epoch + 1, "joined": joined,
-                  "why": {m: "joined" for m in joined}, "workers": workers,
-                  "samples_dealt_again": t.plan.n}
+        change = joined_change(st.step, st.epoch, joined, workers, t.plan.n)
         self._joining = (at, change)  # the joiners keep it too (they may write the records)
         mine, theirs = handover.send(t, joined)
-        self.joined(mine, theirs, {"stall_s": round(time.perf_counter() - started, 4)})
+        self.joined(mine, theirs, round(time.perf_counter() - started, 4))
 
-    def joined(self, mine: str, theirs: dict[str, str], more: dict[str, Any] | None = None
-               ) -> None:
-        """After a handover (a member's, with its stall in ``more``; a joiner's): the join's
+    def joined(self, mine: str, theirs: dict[str, str], stall_s: float | None = None) -> None:
+        """After a handover (a member's, with its ``stall_s``; a joiner's): the join's
         record with worker 0's digest ``mine`` and the joiners' ``theirs``, in its place
         among the changes (a joiner lost meanwhile has its loss recorded after it)."""
         if self._joining is not None:
             at, change = self._joining
-            self.changes.insert(at, {**change, "state_sha256": mine, "joiner_state_sha256": theirs,
-                                     **(more or {})})
+            self.changes.insert(at, replace(change, state_sha256=mine, joiner_state_sha256=theirs,
+                                            stall_s=stall_s))
             self._joining = None
-        self.t.recorder.notes["membership_changes"] = self.changes
+        self.t.recorder.changes = self.changes
 
     def handover_state(self) -> dict[str, Any]:
         """What a joiner takes of this worker's side (:mod:`shoal.train.handover`)."""

@@ -20,11 +20,13 @@ from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Callable
 from typing import Any
 
 import torch
 
 from shoal.errors import JobError, ShoalError
+from shoal.train.reports import BadReport, Leads, Rest, Serve, Taken, Word, WordKind, decode_word, encode
 
 #: Server 0's client id on the other servers: outside every worker's id, joiners' included.
 COORDINATOR = 1 << 30
@@ -46,6 +48,9 @@ class Follower:
         self.server, self.store, self.timeout = server, store, timeout
         self.shard: Any = None
         self._ready = threading.Event()
+        self._handlers: dict[WordKind, Callable[[Any], None]] = {
+            WordKind.SERVE: self._serve, WordKind.LEAD: self._lead, WordKind.REST: self._rest,
+            WordKind.TAKEN: self._taken}
 
     def run(self, shard: Any) -> None:
         """Serve until every client left or was lost, taking server 0's word meanwhile and
@@ -62,24 +67,34 @@ class Follower:
             if done:
                 return
 
-    def on_report(self, client: int, obj: dict[str, Any]) -> None:
-        """What server 0 told this server (nobody else reports here)."""
+    def on_report(self, client: int, obj: object) -> None:
+        """What server 0 told this server (nobody else reports here).
+
+        Raises:
+            ShoalError: a report from another client, or not one of server 0's words.
+        """
         if client != COORDINATOR:
             raise ShoalError(f"server {self.server} takes reports from server 0 only, not "
                              f"from client {client}")
         if not self._ready.wait(self.timeout):
             raise ShoalError(f"server {self.server} was not serving yet")
-        kind, worker = obj["kind"], int(obj["client"])
-        if kind == "serve":
-            self.shard.add_client(worker, float(obj["connect_timeout"]))
-        elif kind == "lead":  # a compute group's member in its lost leader's place
-            self.shard.lead(worker)
-        elif kind == "rest":
-            self.shard.rest(worker, bool(obj["resting"]))
-        elif kind == "taken":  # one dict operation: atomic beside the serving threads'
-            self.shard.first_pulls.pop(worker, None)
-        else:
-            raise ShoalError(f"server {self.server}: unknown word from server 0: {kind!r}")
+        try:
+            word = decode_word(obj)
+        except BadReport as exc:
+            raise ShoalError(f"server {self.server}: {exc}") from None
+        self._handlers[word.KIND](word)
+
+    def _serve(self, word: Serve) -> None:
+        self.shard.add_client(word.client, word.connect_timeout)
+
+    def _lead(self, word: Leads) -> None:  # a compute group's member in its lost leader's place
+        self.shard.lead(word.client)
+
+    def _rest(self, word: Rest) -> None:
+        self.shard.rest(word.client, word.resting)
+
+    def _taken(self, word: Taken) -> None:  # one dict operation: atomic beside serving threads'
+        self.shard.first_pulls.pop(word.client, None)
 
 
 class Leader:
@@ -90,10 +105,10 @@ class Leader:
         self.client, self.store = client, store
         self.others, self.silence = range(1, servers), silence
 
-    def tell(self, kind: str, worker: int, **more: Any) -> None:
-        """Tell every other server ``kind`` of ``worker`` (it has applied it on return)."""
+    def tell(self, word: Word) -> None:
+        """Tell every other server ``word`` (each has applied it on return)."""
         for s in self.others:
-            self.client.report({"kind": kind, "client": worker, **more}, server=s)
+            self.client.report(encode(word), server=s)
 
     def counted(self, worker: int, mine: int) -> int:
         """The samples of lost ``worker``'s schedule that every server applied (``mine``:
@@ -121,5 +136,5 @@ class Leader:
             if shard is None:
                 raise JobError(f"server {s} did not serve joiner {joiner}'s first pull")
             shards.append(shard)
-            self.client.report({"kind": "taken", "client": joiner}, server=s)
+            self.client.report(encode(Taken(joiner)), server=s)
         return torch.cat(shards)

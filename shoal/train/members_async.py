@@ -14,10 +14,24 @@ from shoal.core.joining import BAD_PROOF, proved, worker_id
 from shoal.core.stop import request_stop, stop_requested
 from shoal.core.waits import ELASTIC
 from shoal.errors import ShoalError
+from shoal.train.changes import joined_change, of_records
 from shoal.train.deal import length
 from shoal.train.dealer import Dealer
 from shoal.train.deals_async import leave_key
 from shoal.train.elastic_groups import gone_key
+from shoal.train.reports import (
+    CheckpointPart,
+    EpochEnd,
+    Joined,
+    Lead,
+    Leads,
+    Leave,
+    Report,
+    ReportKind,
+    Rest,
+    Rows,
+    Serve,
+)
 from shoal.train.resume_async import dealer_state, rebuild, schedule_of
 from shoal.train.samples import cut_upto, samples_file
 
@@ -78,42 +92,72 @@ class AsyncMembers:
         self.reported: dict[int, set[int]] = {}  # a worker -> the epochs (from 1) it reported
         #: (compute group's leader, block) -> rows of its members lost, told by the leader
         self.told: dict[tuple[int, int], int] = {}
+        self._handlers: dict[ReportKind, Callable[[int, Any], None]] = {
+            ReportKind.ADOPT: self.dealer.take, ReportKind.GIVE: self.dealer.take,
+            ReportKind.IDLE: self.dealer.take, ReportKind.ROWS: self._rows,
+            ReportKind.LEAD: self._lead, ReportKind.JOINED: self._joined,
+            ReportKind.LEAVING: self._leaving}
 
-    def take(self, worker: int, report: dict[str, Any]) -> bool:
-        """A report of this side's (``True``): a share taken, a part given, idle, joined."""
-        kind = report["kind"]
-        if kind == "epoch" and worker in self.dealer.schedules:
-            done = self.dealer.schedules[worker].start(min(int(report["epoch"]), self.c.cfg.epochs))
-            self.accounted[worker] = max(self.accounted.get(worker, 0), done)
-            self.reported.setdefault(worker, set()).add(int(report["epoch"]))
-        elif kind == "rows":  # a compute group's member lost: its rows of the blocks it
-            said = self.reported.get(int(report["worker"]), set())  # never reported
-            for block, n in report["rows"].items():
-                if int(block) + 1 not in said:
-                    self.c.state.samples += n
-                    key = (int(report["group"]), int(block))
-                    self.told[key] = self.told.get(key, 0) + n
-        elif kind == "lead":  # a compute group's member in its lost leader's place
-            old = int(report["group"])
-            self.dealer.lead(worker, old, report["acts"], self.c.live - self.c.finals.keys())
-            self.accounted[worker] = self.accounted.get(old, 0)
-            self.c.shard.lead(worker)
+    def take(self, worker: int, report: Report) -> bool:
+        """Take ``worker``'s ``report`` if it is of this side's kinds (a share taken, a part
+        given, idle, joined, leaving, a lost member's rows, a new leader).
+
+        Returns:
+            Whether it was (else it is the coordinator's).
+        """
+        handler = self._handlers.get(report.KIND)
+        if handler is not None:
+            handler(worker, report)
+        return handler is not None
+
+    def resting(self, client: int, report: Report) -> None:
+        """Called on ``client``'s serving thread: its rest (``idle``) or return to work
+        (``adopt``) told to the shards at once (a staleness bound must not wait for it)."""
+        if report.KIND in (ReportKind.IDLE, ReportKind.ADOPT):
+            resting = report.KIND == ReportKind.IDLE
+            self.c.shard.rest(client, resting)
             if self.c.followers is not None:
-                self.c.followers.tell("lead", worker)
-        elif kind in ("adopt", "give", "idle"):
-            self.dealer.take(worker, report)
-        elif kind == "joined":
-            mine = self.c.shard.first_pulls.pop(worker, None)
-            if self.c.followers is not None:  # the other servers' shards of it
-                mine = self.c.followers.first_pull(worker, mine)
-            self.dealer.digests(worker, mine, report["digest"])
-        elif kind == "leaving":  # SIGTERM to its shoal join: the last one stops the job
-            self.leaving.add(worker)
-            last = not self.c.live - self.c.finals.keys() - self.leaving
-            if last:
-                request_stop()
-            self.c.comm.attempt_store.set(leave_key(worker), "stop" if last else "go")
-        return kind in ("adopt", "give", "idle", "joined", "leaving", "rows", "lead")
+                self.c.followers.tell(Rest(client, resting))
+
+    def epoch(self, worker: int, report: EpochEnd) -> None:
+        """``worker`` reported an epoch: its schedule is at that block's start."""
+        if worker in self.dealer.schedules:
+            done = self.dealer.schedules[worker].start(min(report.epoch, self.c.cfg.epochs))
+            self.accounted[worker] = max(self.accounted.get(worker, 0), done)
+            self.reported.setdefault(worker, set()).add(report.epoch)
+
+    def _rows(self, worker: int, report: Rows) -> None:
+        """A compute group's member lost: its rows of the blocks it never reported."""
+        said = self.reported.get(report.worker, set())
+        for block, n in report.rows.items():
+            if block + 1 not in said:
+                self.c.state.samples += n
+                key = (report.group, block)
+                self.told[key] = self.told.get(key, 0) + n
+
+    def _lead(self, worker: int, report: Lead) -> None:
+        """A compute group's member in its lost leader's place."""
+        old = report.group
+        self.dealer.lead(worker, old, report.acts, self.c.live - self.c.finals.keys())
+        self.accounted[worker] = self.accounted.get(old, 0)
+        self.c.shard.lead(worker)
+        if self.c.followers is not None:
+            self.c.followers.tell(Leads(worker))
+
+    def _joined(self, worker: int, report: Joined) -> None:
+        """A joiner's first state, for its join's record."""
+        mine = self.c.shard.first_pulls.pop(worker, None)
+        if self.c.followers is not None:  # the other servers' shards of it
+            mine = self.c.followers.first_pull(worker, mine)
+        self.dealer.digests(worker, mine, report.digest)
+
+    def _leaving(self, worker: int, report: Leave) -> None:
+        """SIGTERM to its shoal join: the last one stops the job."""
+        self.leaving.add(worker)
+        last = not self.c.live - self.c.finals.keys() - self.leaving
+        if last:
+            request_stop()
+        self.c.comm.attempt_store.set(leave_key(worker), "stop" if last else "go")
 
     def _account(self, unit: int, counted: int) -> None:
         """``unit`` (a worker, a compute group by its leader) is lost at its ``counted``
@@ -157,11 +201,11 @@ class AsyncMembers:
         if not int(info.get("step", 0)):  # it never stepped (a joiner lost before its first
             info = {**info, "step": self._job_step(live)}  # exchange): the job's step
         dealt = self.dealer.lost(worker, info, live, why)
-        c.recorder.notes["membership_changes"] = self.dealer.changes
+        c.recorder.changes = self.dealer.changes
         c.lost[worker].update(samples_trained=counted,
                               samples_not_trained=0, samples_dealt_again=dealt)
 
-    def checkpoint(self, servers: list[dict[str, Any]], savers: dict[int, Any]
+    def checkpoint(self, servers: list[dict[str, Any]], savers: dict[int, CheckpointPart]
                    ) -> tuple[dict[str, Any], int]:
         """Server 0's part of a checkpoint whose workers' states are ``savers``' (their
         reports; :func:`~shoal.train.resume_async.dealer_state`); ``servers``: every server's
@@ -180,7 +224,7 @@ class AsyncMembers:
         others = sorted(w for w in c.live if w not in savers and w not in dealer.gone)
         counts = {w: count(w) for w in others}
         going_on = {**dealer.lost_at, **counts,
-                    **{w: int(r["own"]["elastic"]["at"]) for w, r in savers.items()}}
+                    **{w: int(r.own["elastic"]["at"]) for w, r in savers.items()}}
         for server in servers:
             server["counted"] = dict(going_on)
         unreported = sum(n - self.accounted.get(w, 0) for w, n in counts.items())
@@ -201,20 +245,17 @@ class AsyncMembers:
                 self.dealer.record_counted(w, int(count))
         starts = rebuild(payload, c.workers, self.dealer.slots, c.cfg.epochs)
         back = sorted(w for w, s in starts.items() if s.back)
-        changes = list(part["changes"])
+        changes = of_records(part["changes"])
         if back:
-            changes.append({
-                "step": int(payload["progress"]["step"]),
-                "epoch": min(starts[w].epoch for w in back) + 1, "joined": back,
-                "why": dict.fromkeys(back, "back at --resume"), "workers": c.workers,
-                "samples_dealt_again": sum(length(starts[w].schedule.rest(starts[w].position))
-                                           for w in back)})
-            given = changes[-1]["samples_dealt_again"]
+            given = sum(length(starts[w].schedule.rest(starts[w].position)) for w in back)
+            changes.append(joined_change(int(payload["progress"]["step"]),
+                                         min(starts[w].epoch for w in back), back, c.workers,
+                                         given, "back at --resume"))
             print(f"shoal: {'worker' if len(back) == 1 else 'workers'} "
                   f"{', '.join(map(str, back))} {'is' if len(back) == 1 else 'are'} back at "
                   f"--resume with the {given} samples given", file=sys.stderr, flush=True)
         self.dealer.resume(starts, changes)
-        c.recorder.notes["membership_changes"] = changes
+        c.recorder.changes = self.dealer.changes
         self.accounted = {int(w): int(n) for w, n in part.get("accounted", {}).items()}
         # A worker back at an earlier resume may have started past epochs not recorded yet.
         self.first_epoch = {int(w): int(e) for w, e in part.get("first", {}).items()}
@@ -254,12 +295,12 @@ class AsyncMembers:
         wait = min(c.cfg.heartbeat_timeout, c.cfg.timeout)
         c.shard.add_client(joiner, wait)
         if c.followers is not None:  # served by every server before it is answered
-            c.followers.tell("serve", joiner, connect_timeout=wait)
+            c.followers.tell(Serve(joiner, wait))
         self.first_epoch[joiner] = epoch = c.state.epoch
         live = c.live - c.finals.keys()  # its step: the furthest live worker's now
         self.dealer.admit(joiner, live, self._job_step(live), epoch)
         c.live.add(joiner)
-        c.recorder.notes["membership_changes"] = self.dealer.changes
+        c.recorder.changes = self.dealer.changes
         return epoch
 
 

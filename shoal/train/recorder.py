@@ -32,6 +32,7 @@ from shoal.core.timeline import (
 )
 from shoal.data import EpochPlan
 from shoal.strategies import get_strategy, settings_of
+from shoal.train.changes import MembershipChange, records
 from shoal.train.checkpoint import resumes_in_place
 from shoal.train.evaluation import Evaluator
 from shoal.train.health import Health
@@ -85,8 +86,8 @@ class Recorder:
         self.last_train = (float("nan"), float("nan"))  # the last epoch's loss and accuracy
         self._profiler: Any = None  # torch.profiler.profile, inside the --profile window
         self._profiled_from = 0
-        #: More for summary.json (``--elastic``: the membership changes).
-        self.notes: dict[str, Any] = {}
+        #: ``--elastic``: the membership changes so far (summary.json's, once set).
+        self.changes: list[MembershipChange] | None = None
 
     @property
     def is_main(self) -> bool:
@@ -350,7 +351,8 @@ class Recorder:
             **({"momentum_auto": cfg.momentum_auto} if cfg.momentum_auto else {}),
             **({"lr_auto": cfg.lr_auto} if cfg.lr_auto else {}),
             **({"collapsed": verdict} if (verdict := self.health.verdict()) else {}),
-            "torch_version": torch.__version__, "shoal_version": __version__, **self.notes,
+            "torch_version": torch.__version__, "shoal_version": __version__,
+            **({"membership_changes": records(self.changes)} if self.changes is not None else {}),
             **(extra or {}),
         }
         write_json(self.out / "summary.json", summary)

@@ -8,11 +8,15 @@ import math
 import os
 import queue
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from shoal.core.files import atomic_write
 from shoal.core.trust import open_own
 from shoal.errors import ShoalError
+from shoal.train.reports import CheckpointPart, EpochEnd, decode_epoch, encode
+
+if TYPE_CHECKING:
+    from shoal.train.state import RunState
 
 
 def _clean(value: Any) -> Any:
@@ -119,18 +123,47 @@ def write_trace(path: Path, trace: dict[str, Any]) -> None:
     atomic_write(path, lambda f: f.write(text.encode()))
 
 
-def pending_reports(epochs: dict[int, dict[int, Any]], saved: dict[int, dict[str, Any]],
-                    elastic: bool) -> tuple[dict[int, dict[int, Any]], int]:
+def pending_reports(epochs: dict[int, dict[int, EpochEnd]], saved: dict[int, CheckpointPart],
+                    elastic: bool) -> tuple[dict[int, dict[int, EpochEnd]], int]:
     """What an asynchronous checkpoint keeps of the epoch reports not recorded yet
     (``epochs``: by epoch, by worker), given the states ``saved`` in it (by worker): each
     worker's reports sent before its state (a resumed worker does the later work again); and
     the samples of those it drops that count now: under ``--elastic`` a worker with no state
     in the file (lost, or a joiner) is not resumed and its work is not done again."""
-    kept = {e: {w: r for w, r in got.items() if w in saved and r["step"] <= saved[w]["step"]}
+    kept = {e: {w: r for w, r in got.items() if w in saved and r.step <= saved[w].step}
             for e, got in epochs.items()}
-    gone = sum(int(r["sums"][2]) for got in epochs.values() for w, r in got.items()
+    gone = sum(int(r.sums[2]) for got in epochs.values() for w, r in got.items()
                if w not in saved) if elastic else 0
     return {e: got for e, got in kept.items() if got}, gone
+
+
+def coordinator_part(st: RunState, pending: dict[int, dict[int, EpochEnd]], samples: int,
+                     dealt: dict[str, Any]) -> dict[str, Any]:
+    """Server 0's part of an asynchronous checkpoint (read back by :func:`records_position`):
+    where its records are (``st``, the ``samples`` counted), the epoch reports ``pending``
+    as they travel, and under ``--elastic`` what was ``dealt``."""
+    return {"epoch": st.epoch, "step": st.step, "samples": samples,
+            "train_time_s": st.train_time_s, "wall_time_s": st.elapsed_s(), "lr": st.lr,
+            "pending": {e: {w: encode(r) for w, r in got.items()} for e, got in pending.items()},
+            **({"elastic": dealt} if dealt else {})}
+
+
+def records_position(saved: dict[str, Any], steps_per_epoch: int
+                     ) -> tuple[dict[str, Any], dict[int, dict[int, EpochEnd]]]:
+    """Where the records of a checkpoint's :func:`coordinator_part` ``saved`` go on: their
+    position, and the epoch reports not recorded yet (by epoch, by worker).
+
+    Raises:
+        BadReport: a pending report that is not an epoch's.
+    """
+    epoch = int(saved["epoch"])
+    # The last record's step (an elastic worker's epoch may take more steps: dealt work).
+    progress = {"epoch": epoch, "epoch_step": 0,
+                "step": saved.get("step", epoch * steps_per_epoch), "samples": saved["samples"],
+                "train_time_s": saved["train_time_s"], "wall_time_s": saved["wall_time_s"],
+                "lr": saved["lr"]}
+    return progress, {int(e): {int(w): decode_epoch(r) for w, r in reports.items()}
+                      for e, reports in saved["pending"].items()}
 
 
 def queued(reports: queue.Queue, wait: float) -> list[Any]:

@@ -24,6 +24,7 @@ from shoal.strategies.asynchronous import detached
 from shoal.train.checkpoint import to_cpu
 from shoal.train.checkpointer import Checkpointer
 from shoal.train.recorder import Recorder
+from shoal.train.reports import CheckpointPart, EpochEnd, Final, Progress, Started, Where, encode
 from shoal.train.state import RunState
 
 #: The job's store key the coordinator sets once every live worker can train: the clock.
@@ -45,12 +46,13 @@ class Reporter:
     def __init__(self, client: Any, comm: Comm) -> None:
         self.client, self.comm = client, comm
 
-    def __call__(self, kind: str, st: RunState, **fields: Any) -> None:
-        """Report ``kind`` (epoch, checkpoint, final) with ``fields``."""
-        self.client.report({"kind": kind, "worker": self.comm.rank, "step": st.step,
-                            "samples": st.samples, "times": dict(self.comm.timeline.totals),
-                            "bytes": self.comm.bytes_sent, "lr": st.lr,
-                            "elapsed_s": st.elapsed_s(), **fields})
+    def __call__(self, kind: type[Where], st: RunState, **fields: Any) -> None:
+        """Report ``kind`` (:class:`~shoal.train.reports.Started`, ``EpochEnd``...) with
+        ``fields``, and where this worker is."""
+        self.client.report(encode(kind(
+            worker=self.comm.rank, step=st.step, samples=st.samples,
+            times=dict(self.comm.timeline.totals), bytes=self.comm.bytes_sent, lr=st.lr,
+            elapsed_s=st.elapsed_s(), **fields)))
 
 
 class RemoteEvaluator:
@@ -87,7 +89,7 @@ class RemoteRecorder(Recorder):
         """Tell the coordinator this worker can train and wait until it says that every
         live worker can (:data:`CLOCK_KEY` in the job's store): no worker trains before the
         run's clock starts, as no rank of a synchronous run does. Then start this worker's."""
-        self.report("started", st)
+        self.report(Started, st)
         store = self.comm.store
         if store is not None:
             try:
@@ -100,7 +102,7 @@ class RemoteRecorder(Recorder):
     def step(self, st: RunState, samples: int) -> None:
         super().step(st, samples)
         if self.progress_every and st.step % self.progress_every == 0:
-            self.report("progress", st, trained=self.trained())
+            self.report(Progress, st, trained=self.trained())
 
     def told_to_stop(self, st: RunState) -> bool:
         """Whether the run collapsed: this worker's own training sat at chance (its epochs'
@@ -125,7 +127,7 @@ class RemoteRecorder(Recorder):
 
     def epoch(self, st: RunState, test: tuple[float, float]) -> None:
         sums = self.epoch_sums()
-        self.report("epoch", st, epoch=st.epoch, sums=sums,  # buffers of a model that trained
+        self.report(EpochEnd, st, epoch=st.epoch, sums=sums,  # buffers of a model that trained
                     buffers=to_cpu(dict(self.model.named_buffers())) if sums[2] else None)
         if sums[2]:
             super().epoch(st, test)
@@ -136,7 +138,7 @@ class RemoteRecorder(Recorder):
                test: tuple[float, float], parameters: int, extra: dict[str, Any] | None = None,
                lanes: list[Any] | None = None) -> dict[str, Any] | None:
         super().finish(st, stopped, stop_reason, test, parameters)
-        self.report("final", st, stopped=stopped, stopped_by=stop_reason, epoch=st.epoch,
+        self.report(Final, st, stopped=stopped, stopped_by=stop_reason, epoch=st.epoch,
                     train_time_s=st.train_time_s, device=str(self.comm.device),
                     trace=self.tl.chrome_events(self.comm.rank) if self.cfg.trace else None)
         return None
@@ -161,7 +163,7 @@ class RemoteCheckpointer(Checkpointer):
             self.elastic_payload = payload
 
     def keep(self, own: dict[str, Any], progress: dict[str, Any]) -> None:
-        self.report("checkpoint", self.state, own=own)
+        self.report(CheckpointPart, self.state, own=own)
 
 
 def remote_components(client: Any) -> Callable[[Trainer], Components]:

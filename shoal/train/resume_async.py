@@ -29,6 +29,7 @@ from typing import Any
 import torch
 
 from shoal.errors import ShoalError
+from shoal.train.changes import records
 from shoal.train.deal import Schedule, Segment, Slots, cut, deal, length
 
 
@@ -55,7 +56,7 @@ def dealer_state(dealer: Any, counts: dict[int, int], lost: dict[int, int], next
     return {"schedules": {w: s.blocks for w, s in dealer.schedules.items()},
             "deals": dealer.deals, "adopted": {w: sorted(n) for w, n in dealer.adopted.items()},
             "giving": [g["pieces"] for g in dealer.giving.values()],
-            "counts": counts, "lost": lost, "changes": dealer.changes, "next": next_id,
+            "counts": counts, "lost": lost, "changes": records(dealer.changes), "next": next_id,
             "accounted": accounted or {}, "first": first or {},
             "groups": [list(g) for g in dealer.groups]}
 

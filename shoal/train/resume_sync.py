@@ -19,6 +19,7 @@ from typing import Any
 import torch
 
 from shoal.data import EpochPlan
+from shoal.train.changes import MembershipChange, of_records
 
 
 @dataclass
@@ -29,7 +30,7 @@ class SavedPlan:
     order: torch.Tensor | None
     global_batch: int
     world: int
-    changes: list[dict[str, Any]]
+    changes: list[MembershipChange]
 
     @classmethod
     def of(cls, payload: dict[str, Any]) -> SavedPlan:
@@ -37,7 +38,7 @@ class SavedPlan:
         over the checkpoint's ranks)."""
         return cls(payload.get("plan_order"), int(payload["global_batch"]),
                    int(payload.get("world_size", len(payload["ranks"]))),
-                   list(payload.get("membership_changes") or []))
+                   of_records(payload.get("membership_changes")))
 
 
 def go_on(saved: SavedPlan, n: int, global_batch: int, world: int, seed: int, epoch: int,

@@ -63,6 +63,7 @@ from shoal.train.checkpoint import load_checkpoint, load_eval_model
 from shoal.train.coordinator import Coordinator
 from shoal.train.followers import COORDINATOR, Follower, Leader
 from shoal.train.optim import build_optimizer
+from shoal.train.reports import Failed, encode
 from shoal.train.workload import Workload
 
 #: Seconds a failing worker waits for server 0 to take its failure report.
@@ -100,7 +101,7 @@ def leave(client: ServerClient, failure: BaseException | None = None) -> None:
         client.close()
         return
     with contextlib.suppress(ShoalError):
-        client.report({"kind": "failed", "worker": client.client, "error": first_line(failure)},
+        client.report(encode(Failed(client.client, first_line(failure))),
                       timeout=FAILURE_REPORT_TIMEOUT)
     client.abandon()
 
