@@ -1,8 +1,8 @@
 """Synchronous data parallelism: gradient averaging with PyTorch DistributedDataParallel.
 
 DDP buckets the gradients and all-reduces each bucket while backward is still computing the
-rest. shoal leaves that path exactly as PyTorch runs it: without compression it registers no
-communication hook at all, because any Python hook (even PyTorch's own ``allreduce_hook``)
+rest. Over Gloo shoal leaves that path exactly as PyTorch runs it: without compression it
+registers no communication hook at all, because any Python hook (even PyTorch's own ``allreduce_hook``)
 replaces DDP's fused "divide by the world size while copying into the bucket" with a copy
 and a separate division pass over every gradient, which cost 4-5% of the step's CPU time
 on a communication-bound MLP (docs/ddp-parity.md). The bytes sent are counted from the gradients'
@@ -10,6 +10,11 @@ sizes, and a timestamp hook on each parameter's gradient accumulation marks when
 gradient became ready: the time from there to the end of backward is the all-reduce that
 compute did not hide (the ``comm`` part of the step). Compression (fp16, bf16, PowerSGD)
 uses the hooks of :mod:`shoal.strategies.sync_hooks`, which count what they send.
+
+``--intra-host shm`` (and the default ``auto`` on a job whose ranks share one host) sums
+the buckets through the host's shared memory instead of Gloo's loopback TCP
+(:mod:`shoal.core.intrahost`), in a hook that returns once the sum is done: the hook's
+extra pass is far cheaper than the Gloo all-reduce it replaces (docs/performance.md).
 
 With ``--split-wait`` that exposed tail is split into ``wait`` (for the slowest rank to
 finish its backward) and ``comm`` (the transfer itself): every rank shares, in a tiny
@@ -34,12 +39,18 @@ from torch.nn.parallel import DistributedDataParallel
 
 from shoal.core.comm import Handle
 from shoal.core.dynamo import ddp_settings, defer_disable
+from shoal.core.intrahost import MODES, SharedReducer, join_host
 from shoal.core.timeline import Event
 from shoal.errors import ShoalError
 from shoal.strategies.base import Strategy
 from shoal.strategies.communication import Exchange, Pattern
 from shoal.strategies.registry import register
-from shoal.strategies.sync_hooks import PowerSGDMemory, compress_hook, powersgd_hook
+from shoal.strategies.sync_hooks import (
+    PowerSGDMemory,
+    compress_hook,
+    powersgd_hook,
+    shared_memory_hook,
+)
 
 COMPRESSIONS = ("none", "fp16", "bf16", "powersgd")
 
@@ -52,6 +63,10 @@ class SyncOptions:
     powersgd_rank: int = field(default=1, metadata={"help": "PowerSGD matrix approximation rank"})
     powersgd_warmup: int = field(default=10, metadata={
         "help": "steps of plain allreduce before PowerSGD compression starts"})
+    intra_host: str = field(default="auto", metadata={
+        "help": "how the processes of one host all-reduce: gloo, shm (shared memory) or "
+                "auto (shm where the whole job is on one host and sends no compressed "
+                "gradients, else gloo, saying why)", "choices": MODES})
     split_wait: bool = field(default=False, metadata={
         "help": "split the exposed all-reduce into waiting for the slowest rank's backward "
                 "and transfer (one 8-byte all-reduce per step)"})
@@ -62,6 +77,12 @@ class SyncOptions:
         if self.compress not in COMPRESSIONS:
             raise ShoalError(f"--compress must be one of {', '.join(COMPRESSIONS)}, "
                              f"got {self.compress!r}")
+        if self.intra_host not in MODES:
+            raise ShoalError(f"--intra-host must be one of {', '.join(MODES)}, "
+                             f"got {self.intra_host!r}")
+        if self.intra_host == "shm" and self.compress != "none":
+            raise ShoalError("--intra-host shm sums uncompressed gradients; "
+                             f"leave out --compress {self.compress} or use --intra-host gloo")
         if self.powersgd_rank < 1:
             raise ShoalError(f"--powersgd-rank must be >= 1, got {self.powersgd_rank}")
         if self.powersgd_warmup < 0:
@@ -106,11 +127,24 @@ class Synchronous(Strategy):
         #: DDP rebuilds its buckets at the forward after its first backward (elastic: here)
         self._rebuild: bool | None = None
         self._hooked = False
+        self._reducer = self._join_host()
         # Elastic: wrapped at the first forward, a meeting voted on inside a step (a worker
         # lost while the trainers are built is then left like any other); else at once.
         self._stale = comm.membership is not None and comm.active
         if not self._stale:
             self._wrap()
+
+    def _join_host(self) -> SharedReducer | None:
+        """The host's shared-memory all-reduce (``--intra-host``), or ``None``: Gloo's."""
+        opts: SyncOptions = self.options
+        blocker = None
+        if self.comm.membership is not None:
+            blocker = "--elastic re-forms the group, which the shared-memory path does not follow"
+        elif opts.compress != "none":  # compression asked for: Gloo's path, no fallback to tell
+            return None
+        if blocker is not None and opts.intra_host == "shm":
+            raise ShoalError(f"--intra-host shm: {blocker}")
+        return join_host(self.comm, opts.intra_host, blocker=blocker)
 
     def _wrap(self) -> None:
         """Wrap the model in DDP over the job's group (none when alone)."""
@@ -134,7 +168,9 @@ class Synchronous(Strategy):
             self._hooked = True
             for p in params:
                 p.register_post_accumulate_grad_hook(self._gradient_ready)
-        if opts.compress == "none" and comm.membership is None:
+        if self._reducer is not None:
+            self.ddp.register_comm_hook(None, shared_memory_hook(comm, self._reducer))
+        elif opts.compress == "none" and comm.membership is None:
             # DDP sends every gradient once a step, as is; with a hook, the hook counts
             # what is actually sent.
             self._step_bytes = sum(p.numel() * p.element_size() for p in params)

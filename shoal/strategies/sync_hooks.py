@@ -5,6 +5,9 @@
   ``bf16_compress_hook`` (cast, divide by the world size, all-reduce, cast back into the
   bucket), with the all-reduce issued by :meth:`Comm.all_reduce_future`; the same hook
   without the cast for an elastic run's plain all-reduce;
+- ``--intra-host`` (:func:`shared_memory_hook`): the sum through the host's shared memory
+  (:mod:`shoal.core.intrahost`), done inside the hook, DDP's division folded into its first
+  copy;
 - PowerSGD (:func:`powersgd_hook`): PyTorch's own hook, which issues its several
   all-reduces itself (under ``--elastic`` their chain is waited on as one collective,
   :meth:`Comm.watch_future`); :func:`powersgd_bytes` counts what they send. Its state is kept per
@@ -25,6 +28,8 @@ from torch import nn
 from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook
 
 from shoal.core.comm import Comm
+from shoal.core.intrahost import SharedReducer
+from shoal.core.waits import describe
 from shoal.errors import ShoalError
 
 #: A DDP communication hook: (state, bucket) -> future of the reduced bucket.
@@ -46,6 +51,25 @@ def compress_hook(comm: Comm, dtype: torch.dtype | None) -> Hook:
             return buffer if dtype is None else buffer.copy_(fut.value()[0])
 
         return comm.all_reduce_future(sent).then(decompress)
+
+    return hook
+
+
+def shared_memory_hook(comm: Comm, reducer: SharedReducer) -> Hook:
+    """A hook that averages each bucket through the host's shared memory, at once: the
+    returned future is done. Each rank's share is ``1 / world_size`` of its gradients (as
+    DDP's own path scales them), summed in rank order."""
+    scale = 1.0 / comm.world_size
+    what = describe("all_reduce", "bucket")
+
+    def hook(state, bucket):  # noqa: ANN001, ANN202
+        buffer = bucket.buffer()
+        comm.count(buffer.numel() * buffer.element_size())
+        with comm.log.track(what):
+            reducer.all_reduce(buffer, scale)
+        done: torch.futures.Future = torch.futures.Future()
+        done.set_result(buffer)
+        return done
 
     return hook
 

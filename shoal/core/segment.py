@@ -1,0 +1,79 @@
+"""A job's shared-memory segment in ``/dev/shm``, named so that nobody else finds it and
+nothing is left behind: created owner-only under a random name, mapped by every rank, and
+unlinked by its creator once all have mapped it (the memory goes with the last mapping).
+Segments whose creator was killed before it unlinked are swept by the next creator (the
+creator's process id is in the name). Used by :mod:`shoal.core.intrahost`."""
+
+from __future__ import annotations
+
+import contextlib
+import mmap
+import os
+import re
+import secrets
+
+#: Where POSIX shared memory lives on Linux.
+SHM_DIR = "/dev/shm"
+#: The segments' names: ``shoal-ih-<creator pid>-<random>``.
+_NAME = re.compile(r"^shoal-ih-(\d+)-[0-9a-f]{32}$")
+
+
+def segment_name() -> str:
+    """A fresh segment name: this process's id and 128 random bits."""
+    return f"shoal-ih-{os.getpid()}-{secrets.token_hex(16)}"
+
+
+def sweep_stale(directory: str = SHM_DIR) -> list[str]:
+    """Remove this user's segments whose creator is gone (killed before it unlinked);
+    returns their names."""
+    removed = []
+    with contextlib.suppress(OSError):
+        for name in os.listdir(directory):
+            match = _NAME.match(name)
+            if match is None or _alive(int(match.group(1))):
+                continue
+            path = os.path.join(directory, name)
+            with contextlib.suppress(OSError):
+                if os.stat(path).st_uid == os.getuid():
+                    os.unlink(path)
+                    removed.append(name)
+    return removed
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def create_segment(name: str, size: int, directory: str = SHM_DIR) -> mmap.mmap:
+    """Create the segment ``name`` of ``size`` bytes, readable by this user only, and map it."""
+    fd = os.open(os.path.join(directory, name), os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+    try:
+        os.ftruncate(fd, size)
+        return mmap.mmap(fd, size)
+    finally:
+        os.close(fd)
+
+
+def open_segment(name: str, size: int, directory: str = SHM_DIR) -> mmap.mmap:
+    """Map the segment ``name`` that another rank created; it must be ``size`` bytes."""
+    if _NAME.match(name) is None:
+        raise ValueError(f"not a segment name: {name!r}")
+    fd = os.open(os.path.join(directory, name), os.O_RDWR)
+    try:
+        if os.fstat(fd).st_size != size:
+            raise ValueError(f"segment {name} is not {size} bytes")
+        return mmap.mmap(fd, size)
+    finally:
+        os.close(fd)
+
+
+def unlink_segment(name: str, directory: str = SHM_DIR) -> None:
+    """Remove the segment's name (its mappings stay valid)."""
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(os.path.join(directory, name))

@@ -1,0 +1,190 @@
+"""The intra-host shared-memory all-reduce (``--intra-host``: shoal/core/intrahost.py and
+segment.py): its sums against Gloo's and a fixed-order reference, its fallback, and what it
+leaves in /dev/shm (nothing)."""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import subprocess
+import sys
+import threading
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import shoal
+from shoal.core import intrahost
+from shoal.core import segment as shm
+from shoal.core.intrahost import SharedReducer, join_host
+from shoal.errors import ShoalError, WorkerError
+from shoal.strategies.sync import SyncOptions
+
+from conftest import checkpoint_params, train_together
+
+DTYPES = (torch.float32, torch.float64, torch.bfloat16)
+SLOT = 4096  # bytes: small, so that 5000 elements go in several chunks
+SIZES = (1, 7, 1001, 5000)
+
+
+def ours() -> set[str]:
+    """The shared-memory segments of shoal's in /dev/shm now."""
+    return {n for n in os.listdir(shm.SHM_DIR) if n.startswith("shoal-ih-")}
+
+
+def _compare() -> list[str]:
+    """On every rank: the fast path's sums against Gloo's and against the inputs added in
+    rank order; returns what differed."""
+    comm = shoal.init(device="cpu", timeout=60)
+    n, rank = comm.world_size, comm.rank
+    reducer = join_host(comm, "shm", slot_bytes=SLOT, timeout=60)
+    assert reducer is not None
+    wrong = []
+    for direct in (reducer.direct_bytes, 0):  # 0: the reduce-scatter path from 3 ranks on
+        reducer.direct_bytes = direct
+        for dtype in DTYPES:
+            for numel in SIZES:
+                for scale in (None, 1.0 / n):
+                    gen = torch.Generator().manual_seed(1000 * rank + numel)
+                    x = torch.randn(numel, generator=gen, dtype=torch.float64).to(dtype)
+                    mine = x.clone() if scale is None else torch.mul(x, scale)
+                    got = reducer.all_reduce(x.clone(), scale)
+                    rows = [torch.empty_like(mine) for _ in range(n)]
+                    dist.all_gather(rows, mine)
+                    ordered = torch.add(rows[0], rows[1])
+                    for row in rows[2:]:
+                        ordered.add_(row)
+                    gloo = mine.clone()
+                    dist.all_reduce(gloo)
+                    what = f"{dtype} x{numel} scale {scale} direct {direct}"
+                    if not torch.equal(got, ordered):
+                        wrong.append(f"{what}: not the rank-order sum")
+                    if n == 2 and not torch.equal(got, gloo):
+                        wrong.append(f"{what}: not Gloo's sum bit for bit")
+                    # Another order of the same terms: apart by rounding only.
+                    bound = 2 * n * torch.finfo(dtype).eps * sum(r.double().abs() for r in rows)
+                    if ((got.double() - gloo.double()).abs() > bound).any():
+                        wrong.append(f"{what}: beyond rounding from Gloo's sum")
+    return wrong
+
+
+@pytest.mark.parametrize("workers", [2, 3, 4])
+def test_sums_equal_gloo_and_rank_order(workers):
+    before = ours()
+    results = shoal.launch(_compare, workers=workers)
+    assert results == [[]] * workers
+    assert ours() <= before  # unlinked once every rank mapped it
+
+
+def _die_inside() -> None:
+    """Rank 1 is killed (kill -9) while rank 0 waits for it in an all-reduce."""
+    comm = shoal.init(device="cpu", timeout=60)
+    reducer = join_host(comm, "shm", timeout=60)
+    assert reducer is not None
+    reducer.all_reduce(torch.ones(10))
+    if comm.rank == 1:
+        os.kill(os.getpid(), signal.SIGKILL)
+    reducer.all_reduce(torch.ones(10))
+
+
+def test_a_killed_rank_ends_the_job_and_leaves_no_segment():
+    before = ours()
+    with pytest.raises(WorkerError, match="rank 1"):
+        shoal.launch(_die_inside, workers=2)
+    assert ours() <= before
+
+
+def test_a_dead_creators_segment_is_swept(tmp_path):
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"],
+                          capture_output=True, text=True, check=True, timeout=30)
+    stale = f"shoal-ih-{int(dead.stdout)}-{'0' * 32}"
+    live = f"shoal-ih-{os.getpid()}-{'1' * 32}"
+    for name in (stale, live, "shoal-ih-other"):
+        (tmp_path / name).write_bytes(b"")
+    assert shm.sweep_stale(str(tmp_path)) == [stale]
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted([live, "shoal-ih-other"])
+
+
+def test_segment_is_owner_only_and_checked(tmp_path):
+    name = shm.segment_name()
+    segment = shm.create_segment(name, 4096, str(tmp_path))
+    assert (tmp_path / name).stat().st_mode & 0o777 == 0o600
+    with pytest.raises(ValueError, match="not 8192 bytes"):
+        shm.open_segment(name, 8192, str(tmp_path))
+    with pytest.raises(ValueError, match="not a segment name"):
+        shm.open_segment("../etc", 4096, str(tmp_path))
+    segment.close()
+
+
+def test_counters_wrap_around(tmp_path):
+    # Two ranks as threads on one mapping, their 32-bit barrier counters about to wrap.
+    size = intrahost.segment_bytes(2, SLOT)
+    name = shm.segment_name()
+    segment = shm.create_segment(name, size, str(tmp_path))
+    for rank in range(2):
+        segment[64 * rank:64 * rank + 4] = (2**32 - 3).to_bytes(4, "little")
+    reducers = [SharedReducer(segment, r, 2, slot_bytes=SLOT, timeout=30) for r in range(2)]
+    got: list[list[float]] = [[], []]
+
+    def work(rank: int) -> None:
+        for step in range(6):
+            got[rank].append(reducers[rank].all_reduce(torch.full((3,), rank + step * 1.0))[0]
+                             .item())
+
+    threads = [threading.Thread(target=work, args=(r,)) for r in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=60)
+    assert got == [[1.0 + 2 * s for s in range(6)]] * 2
+
+
+class _Comm(SimpleNamespace):
+    """A rank 0 whose peers said ``seen`` (host, why not) to the fast path's checks."""
+
+    def gather_objects(self, obj):  # noqa: ANN001, ANN201
+        return self.seen
+
+    def broadcast_object(self, obj):  # noqa: ANN001, ANN201
+        return obj
+
+
+def fake_comm(seen: list) -> _Comm:
+    return _Comm(active=True, rank=0, world_size=len(seen), device=torch.device("cpu"),
+                 seen=seen)
+
+
+def test_auto_falls_back_to_gloo_saying_why(caplog):
+    two_hosts = fake_comm([("a", None), ("b", None)])
+    with caplog.at_level(logging.WARNING, "shoal.intrahost"):
+        assert join_host(two_hosts, "auto") is None
+    assert [r.getMessage() for r in caplog.records] == [
+        "shoal: gradients all-reduced through Gloo: the job spans 2 hosts (one host only, "
+        "for now)"]
+    with pytest.raises(ShoalError, match="--intra-host shm: rank 1: its tensors are on cuda"):
+        join_host(fake_comm([("a", None), ("a", "its tensors are on cuda")]), "shm")
+    assert join_host(two_hosts, "gloo") is None
+
+
+def test_options_refuse_shm_with_compression():
+    with pytest.raises(ShoalError, match="--intra-host shm sums uncompressed"):
+        SyncOptions(intra_host="shm", compress="fp16").validate()
+    with pytest.raises(ShoalError, match="--intra-host must be one of auto, gloo, shm"):
+        SyncOptions(intra_host="mpi").validate()
+
+
+def test_training_on_shm_equals_gloo(tmp_path):
+    before = ours()
+    flags = ["--strategy", "sync", "--model", "lenet5", "--dataset", "digits", "--epochs", "1",
+             "--batch-size", "64", "--lr", "0.05", "--momentum", "0.9", "--seed", "3"]
+    runs = {tmp_path / mode: [*flags, "--intra-host", mode] for mode in ("gloo", "shm")}
+    summaries = train_together(runs, workers=2)
+    gloo, shm = (checkpoint_params(Path(out, "checkpoint.pt")) for out in runs)
+    assert all(torch.equal(gloo[k], shm[k]) for k in gloo)
+    assert summaries[tmp_path / "shm"]["bytes_sent"] == summaries[tmp_path / "gloo"]["bytes_sent"]
+    assert summaries[tmp_path / "shm"]["steps"] > 5
+    assert ours() <= before
