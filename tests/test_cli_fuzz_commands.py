@@ -37,8 +37,8 @@ def checks_only() -> Iterator[None]:
     (every trial a job), an asynchronous job's processes, ``shoal run``'s workers. All that
     reads and checks the flags, the data, the model and ``--out`` runs for real."""
     with mock.patch.object(Planner, "run", _search), \
-            mock.patch("shoal.train._run_with_restarts", side_effect=Valid), \
-            mock.patch("shoal.train.run_rank", side_effect=Valid), \
+            mock.patch("shoal.train.job._run_with_restarts", side_effect=Valid), \
+            mock.patch("shoal.train.job.run_rank", side_effect=Valid), \
             mock.patch("shoal.runtime.launch", side_effect=Valid):
         yield
 

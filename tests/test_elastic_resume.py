@@ -120,8 +120,8 @@ def test_a_restart_starts_the_workers_the_checkpoint_can_go_on_on(tmp_path, stra
     with PowerSGD (each worker's error feedback), the periodic strategies on all 3 from an
     epoch's end and on the 2 inside an epoch."""
     from shoal.config import TrainConfig
-    from shoal.train import _restarted, job_topology
     from shoal.train.checkpoint import Saved
+    from shoal.train.job import _restarted, job_topology
 
     cfg = TrainConfig(model="mlp", dataset="digits", workers=3, strategy=strategy,
                       strategy_options=options, out=str(tmp_path)).validate()

@@ -64,7 +64,7 @@ def test_a_mesh_that_did_not_form_at_the_start_is_started_once_more(tmp_path, ca
     assert stray == []
     # Twice in a row (the file removed before each start): the second is the job's error.
     (tmp_path / "once").unlink()
-    monkeypatch.setattr("shoal.train._last_logged_step", lambda out: (tmp_path / "once").unlink(
+    monkeypatch.setattr("shoal.train.job._last_logged_step", lambda out: (tmp_path / "once").unlink(
         missing_ok=True) or 0)
     code, err, _ = shoal_here(capfd, monkeypatch, uuid.uuid4().hex, *job, "--out",
                               str(tmp_path / "again"))
