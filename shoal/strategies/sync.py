@@ -11,7 +11,7 @@ gradient became ready: the time from there to the end of backward is the all-red
 compute did not hide (the ``comm`` part of the step). Compression (fp16, bf16, PowerSGD)
 uses the hooks of :mod:`shoal.strategies.sync_hooks`, which count what they send.
 
-``--intra-host shm`` (and the default ``auto`` on a job whose ranks share one host) sums
+``--intra-host shm`` (or ``auto`` on a job whose ranks share one host; the default is ``gloo``) sums
 the buckets through the host's shared memory instead of Gloo's loopback TCP
 (:mod:`shoal.core.intrahost`), in a hook that returns once the sum is done: the hook's
 extra pass is far cheaper than the Gloo all-reduce it replaces (docs/performance.md).
@@ -63,7 +63,7 @@ class SyncOptions:
     powersgd_rank: int = field(default=1, metadata={"help": "PowerSGD matrix approximation rank"})
     powersgd_warmup: int = field(default=10, metadata={
         "help": "steps of plain allreduce before PowerSGD compression starts"})
-    intra_host: str = field(default="auto", metadata={
+    intra_host: str = field(default="gloo", metadata={
         "help": "how the processes of one host all-reduce: gloo, shm (shared memory) or "
                 "auto (shm where the whole job is on one host and sends no compressed "
                 "gradients, else gloo, saying why)", "choices": MODES})
