@@ -139,4 +139,22 @@ def end_descendants(spare: Collection[int] = (), grace: float = GRACE_S) -> list
     return left
 
 
-__all__ = ["adopt_orphans", "descendants", "end_descendants", "reap"]
+def pid_alive(pid: int) -> bool:
+    """Whether a process ``pid`` exists (another user's included).
+
+    Args:
+        pid: The process id.
+
+    Returns:
+        ``False`` only when no process has that id.
+    """
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+__all__ = ["adopt_orphans", "descendants", "end_descendants", "pid_alive", "reap"]

@@ -12,6 +12,8 @@ import os
 import re
 import secrets
 
+from shoal.core.descendants import pid_alive
+
 #: Where POSIX shared memory lives on Linux.
 SHM_DIR = "/dev/shm"
 #: The segments' names: ``shoal-ih-<creator pid>-<random>``.
@@ -30,7 +32,7 @@ def sweep_stale(directory: str = SHM_DIR) -> list[str]:
     with contextlib.suppress(OSError):
         for name in os.listdir(directory):
             match = _NAME.match(name)
-            if match is None or _alive(int(match.group(1))):
+            if match is None or pid_alive(int(match.group(1))):
                 continue
             path = os.path.join(directory, name)
             with contextlib.suppress(OSError):
@@ -38,16 +40,6 @@ def sweep_stale(directory: str = SHM_DIR) -> list[str]:
                     os.unlink(path)
                     removed.append(name)
     return removed
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
 
 
 def create_segment(name: str, size: int, directory: str = SHM_DIR) -> mmap.mmap:

@@ -30,6 +30,7 @@ from pathlib import Path
 from typing import Any
 
 from shoal.config import TrainConfig
+from shoal.core.descendants import pid_alive
 from shoal.core.files import atomic_write, describe_stat
 from shoal.core.secret import SECRET_VAR, given_secret
 from shoal.core.trust import Seal, check_private_dir, open_own, private_dir
@@ -145,7 +146,7 @@ def read_job(out: Path) -> dict[str, Any]:
     except ValueError:
         job = None
     checked = _checked(job, str(folder / NAME))
-    if not _alive(checked["launcher"]):
+    if not pid_alive(checked["launcher"]):
         raise ShoalError(f"no running job in {out}: its launcher (pid {checked['launcher']}) "
                          "is gone")
     if checked["key"] is None:
@@ -191,13 +192,3 @@ def _no_job(out: Path) -> str:
     if elastic is False:
         return f"the job in {out} was started without --elastic: it takes no joiners"
     return f"no running elastic job in {out} (no {FOLDER}/{NAME} there)"
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
