@@ -124,7 +124,7 @@ def killed_at(input_shape, num_classes):
     model = _KilledAt(input_shape, num_classes)
     if os.environ.get("SHOAL_TEST_KILL_AFTER_COUNT") \
             and os.environ.get("RANK") == os.environ.get("SHOAL_TEST_KILL_RANK"):
-        from shoal.train.elastic_async import AsyncElastic
+        from shoal.train.membership.tracker.detached import AsyncElastic
 
         count = AsyncElastic._count
 

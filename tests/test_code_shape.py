@@ -55,4 +55,5 @@ def test_a_trainers_plan_is_installed_in_one_place():
     and the checkpoints to the new plan). The coordinator's own loader reads the test set
     only."""
     assert _calls("ShardLoader") == {"train/trainer.py": 1, "train/coordinator.py": 1}
-    assert set(_calls("install_plan")) <= {"train/elastic.py", "train/elastic_async.py"}
+    assert set(_calls("install_plan")) <= {"train/membership/tracker/process_group.py",
+                                           "train/membership/tracker/detached.py"}

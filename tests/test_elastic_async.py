@@ -1,7 +1,7 @@
 """Elastic membership of the asynchronous strategies (--elastic): a worker killed mid-epoch
 (kill -9) leaves its unfinished schedule, since its last push that counted at server 0, to
 the workers left, so every sample of every epoch is trained exactly once; the dealing
-itself (shoal.train.deal) without processes. Real processes, Gloo on CPU."""
+itself (shoal.train.membership.schedule) without processes. Real processes, Gloo on CPU."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from shoal.cli import _changed_compute_groups
-from shoal.train.deal import Schedule, Slots, cut, deal
+from shoal.train.membership.schedule import Schedule, Slots, cut, deal
 
 from conftest import (
     EPOCHS,
@@ -145,7 +145,7 @@ def test_server_0_answers_each_join_request_in_turn():
     from shoal.core.trust import Seal
     from shoal.core.waits import ELASTIC
     from shoal.errors import ShoalError
-    from shoal.train.members_async import JoinDesk
+    from shoal.train.membership.server.members import JoinDesk
 
     store, seal = dist.HashStore(), Seal()
     desk = JoinDesk(store, seal, first=3, cap=4)
@@ -198,7 +198,7 @@ def test_another_server_follows_what_server_0_tells_it_and_nobody_else(monkeypat
     from shoal.core.processes import loopback_store
     from shoal.errors import ShoalError
     from shoal.ps import Admission, ShardServer
-    from shoal.train.followers import COORDINATOR, Follower
+    from shoal.train.membership.server.followers import COORDINATOR, Follower
 
     monkeypatch.setenv("GLOO_SOCKET_IFNAME", "lo")
     shard = ShardServer(loopback_store(30.0), 1, 3, None, torch.zeros(2), timeout=1.0,
@@ -242,7 +242,7 @@ def test_a_lost_workers_count_is_the_least_of_the_servers_each_published_once_it
 
     from shoal.errors import JobError
     from shoal.ps import ShardServer
-    from shoal.train.followers import Follower, Leader
+    from shoal.train.membership.server.followers import Follower, Leader
 
     store = dist.HashStore()
     shard = ShardServer(None, 1, 2, None, torch.zeros(2), timeout=1.0)

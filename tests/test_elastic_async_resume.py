@@ -1,5 +1,5 @@
 """--resume of an asynchronous --elastic run: every worker's schedule rebuilt from the
-checkpoint (shoal.train.resume_async) so that what was read before it and what each worker
+checkpoint (shoal.train.membership.resume) so that what was read before it and what each worker
 trains after it hold every sample of every epoch exactly once, whoever was lost or had
 joined; end to end with real processes (Gloo on CPU): a worker killed, the run stopped, and
 resumed with the lost worker back."""
@@ -14,10 +14,10 @@ import torch
 import torch.distributed as dist
 
 from shoal.config import TrainConfig
-from shoal.train.deal import cut
-from shoal.train.dealer import Dealer
-from shoal.train.reports import Adopt, Give
-from shoal.train.resume_async import dealer_state, rebuild, uncounted
+from shoal.train.membership.messages import Adopt, Give
+from shoal.train.membership.resume import dealer_state, rebuild, uncounted
+from shoal.train.membership.schedule import cut
+from shoal.train.membership.server.dealer import Dealer
 
 from conftest import (
     EPOCHS,
@@ -242,7 +242,7 @@ def test_a_worker_back_past_the_recorded_epochs_is_not_waited_for_after_the_next
     soak's records waited for such a report to the end of the run: 430 epochs lost)."""
     from types import SimpleNamespace
 
-    from shoal.train.members_async import AsyncMembers
+    from shoal.train.membership.server.members import AsyncMembers
 
     cfg = TrainConfig(out=str(tmp_path), epochs=3, batch_size=4, seed=0)
 

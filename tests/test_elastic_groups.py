@@ -15,9 +15,9 @@ import torch.distributed as dist
 
 from shoal.strategies.groups import GroupOptions
 from shoal.strategies.registry import get_strategy
-from shoal.train.deal import Schedule, Slots, length
-from shoal.train.dealer import Dealer
-from shoal.train.reports import Adopt
+from shoal.train.membership.messages import Adopt
+from shoal.train.membership.schedule import Schedule, Slots, length
+from shoal.train.membership.server.dealer import Dealer
 
 from conftest import (
     EPOCHS,

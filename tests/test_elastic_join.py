@@ -703,7 +703,7 @@ def test_a_job_files_first_joiner_id_is_read_back_only_within_its_bounds(tmp_pat
     C int is not a job file of shoal's."""
     from shoal.config import TrainConfig
     from shoal.errors import ShoalError
-    from shoal.train.jobfile import publish, read_job
+    from shoal.train.membership.jobfile import publish, read_job
 
     out = tmp_path / "run"
     out.mkdir()

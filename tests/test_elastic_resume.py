@@ -185,7 +185,7 @@ def test_only_the_joins_after_the_checkpoints_changes_count_as_this_runs_joiners
     the id an earlier run's joiner had (listed in the checkpoint's changes, which the
     summary repeats first). The launcher waits only for the joiners that joined this run;
     before, an earlier run's join of id 3 made it wait 30 s for a joiner 3 that never did."""
-    from shoal.train.growth import joined_since
+    from shoal.train.resize import joined_since
 
     earlier = [{"step": 10, "joined": [3], "workers": 4}, {"step": 20, "left": [3]}]
     summary = {"membership_changes": [*earlier, {"step": 30, "resumed": True},

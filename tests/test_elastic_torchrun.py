@@ -178,7 +178,7 @@ def test_every_worker_lost_under_torchrun_fails_the_job_in_one_line(tmp_path):
 
 def test_the_join_secret_of_a_torchrun_job_is_checked_in_one_line(monkeypatch):
     from shoal.errors import ShoalError
-    from shoal.train.jobfile import JOIN_SECRET_VAR, join_secret
+    from shoal.train.membership.jobfile import JOIN_SECRET_VAR, join_secret
 
     monkeypatch.delenv(JOIN_SECRET_VAR, raising=False)
     assert join_secret() is None  # no secret: the job takes no joiners
@@ -197,7 +197,7 @@ def test_a_joiner_gives_up_on_a_store_gone_within_its_connect_timeout(monkeypatc
     import time
 
     from shoal.errors import ShoalError
-    from shoal.train import joiner
+    from shoal.train import join as joiner
 
     with socket.socket() as s:  # a port nobody listens on
         s.bind(("127.0.0.1", 0))
@@ -217,14 +217,14 @@ def test_a_job_document_in_the_store_is_trusted_only_under_the_joiners_secret(mo
 
     from shoal.config import TrainConfig
     from shoal.errors import ShoalError
-    from shoal.train.jobfile import (
+    from shoal.train.join import _address
+    from shoal.train.membership.jobfile import (
         JOIN_SECRET_VAR,
         STORE_KEY,
         publish_in_store,
         read_job_in_store,
         withdraw_from_store,
     )
-    from shoal.train.joiner import _address
 
     store, secret = dist.HashStore(), "5a" * 32
     cfg = TrainConfig(dataset="digits", elastic=True, max_workers=4)

@@ -1,4 +1,4 @@
-"""--record-samples' lines (shoal.train.samples): a line worker 0 writes for a lost worker and
+"""--record-samples' lines (shoal.train.membership.samples): a line worker 0 writes for a lost worker and
 the worker's own line for the same count are written once, whoever comes first; a half line
 a kill left is cut off; a lock held elsewhere is waited for, or given up after ``wait``."""
 
@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from shoal.errors import ShoalError
-from shoal.train.samples import record_samples, record_since
+from shoal.train.membership.samples import record_samples, record_since
 
 
 def _lines(path):

@@ -1,5 +1,5 @@
-"""The typed report protocol above the parameter servers' transport (shoal.train.reports) and
-the membership changes' records (shoal.train.changes): each message round-trips through its
+"""The typed report protocol above the parameter servers' transport (shoal.train.membership.messages) and
+the membership changes' records (shoal.train.membership.changes): each message round-trips through its
 wire form, a malformed or unknown one is refused in one line, and a change's record is the
 JSON summary.json and the checkpoints always held."""
 
@@ -16,14 +16,14 @@ import pytest
 import torch
 
 from shoal.errors import ShoalError
-from shoal.train.changes import (
+from shoal.train.membership.changes import (
     joined_change,
     membership_change,
     of_records,
     records,
     resumed_change,
 )
-from shoal.train.reports import (
+from shoal.train.membership.messages import (
     REPORTS,
     WORDS,
     Adopt,
@@ -206,7 +206,7 @@ def test_the_dealer_builds_and_amends_its_changes_as_records_the_old_dicts():
     leader lost then replaced, read as summary.json's records."""
     import torch.distributed as dist
 
-    from shoal.train.dealer import Dealer
+    from shoal.train.membership.server.dealer import Dealer
 
     cfg = type("Cfg", (), {"epochs": 2, "seed": 0, "record_samples": False,
                            "global_batch": lambda self, w: 20})()

@@ -277,7 +277,7 @@ def _main(argv: list[str]) -> int:
         if args.command == "join":
             from pathlib import Path
 
-            from shoal.train.joiner import join_job
+            from shoal.train.join import join_job
 
             return join_job(None if args.out is None else Path(args.out), args.store)
         if args.command == "run":

@@ -197,7 +197,7 @@ def _withdraw_job_file(argv: Sequence[str]) -> None:
     killed could not take away (``OUT`` as ``--out`` gives it)."""
     out = _flag(argv, "--out")
     if argv[:1] == ["train"] and "--elastic" in argv and out is not None:
-        from shoal.train.jobfile import withdraw
+        from shoal.train.membership.jobfile import withdraw
 
         withdraw(Path(out))
 

@@ -26,7 +26,7 @@ joined by the launch path before the strategy is built: a group's all-reduce and
 never touch another group. The worker's own :class:`~shoal.core.comm.Comm` has no peers
 (it meets the others through the servers); the group's is its ``subgroup``. Under
 ``--elastic`` the group's collectives are voted meetings of a membership of its own, and
-the group re-forms from its members alive (:mod:`shoal.train.elastic_groups`).
+the group re-forms from its members alive (:mod:`shoal.train.membership.tracker.compute_group`).
 """
 
 from __future__ import annotations
@@ -114,7 +114,7 @@ class ComputeGroups(AsyncStrategy):
         super().__init__(model, optimizer, comm, opts)
         self._grad = torch.zeros_like(self.flat.buffer)
         self._grad_views = self.flat.views(self._grad)
-        #: ``--elastic`` (set by :class:`~shoal.train.elastic_async.AsyncElastic`): the
+        #: ``--elastic`` (set by :class:`~shoal.train.membership.tracker.detached.AsyncElastic`): the
         #: deals server 0 published, as the leader reads them; every member takes those up
         #: to the leader's count at the same step (:attr:`agreed_deals`, sent with the
         #: parameters), so that the group walks one schedule.

@@ -30,7 +30,7 @@ from shoal.core.files import atomic_write
 from shoal.errors import ShoalError
 from shoal.schema import flag_name
 from shoal.strategies import Strategy, make_options
-from shoal.train.resume_async import check as check_dealt
+from shoal.train.membership.resume import check as check_dealt
 
 FORMAT = "shoal-checkpoint"
 VERSION = 1
@@ -151,7 +151,7 @@ def check_resume(payload: dict[str, Any], cfg: TrainConfig, world: int,
         raise ShoalError(f"--stop-at-step {cfg.stop_at_step} is not after the checkpoint's step "
                          f"{step}; nothing would be trained")
     # On another number of workers (check_workers) the rest of the epoch is dealt over them
-    # (shoal.train.resume_sync); on as many the data order is the checkpoint's.
+    # (shoal.train.membership.resume_plan); on as many the data order is the checkpoint's.
     saved_world = payload.get("world_size", len(payload["ranks"]))
     if payload["global_batch"] != cfg.global_batch(world) and (
             saved_world == world or "coordinator" in payload):

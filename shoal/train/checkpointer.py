@@ -25,7 +25,6 @@ from shoal.data import EpochPlan
 from shoal.errors import ShoalError
 from shoal.strategies import Strategy, get_strategy
 from shoal.strategies.precision import MixedPrecision
-from shoal.train.changes import MembershipChange, records
 from shoal.train.checkpoint import (
     CHECKPOINT_HEADER,
     EVAL_MODEL,
@@ -37,9 +36,10 @@ from shoal.train.checkpoint import (
     save_checkpoint,
     to_cpu,
 )
+from shoal.train.membership.changes import MembershipChange, records
+from shoal.train.membership.resume_plan import SavedPlan
 from shoal.train.optim import schedule_at
 from shoal.train.recorder import Recorder
-from shoal.train.resume_sync import SavedPlan
 from shoal.train.state import RunState
 
 

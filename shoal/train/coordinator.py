@@ -15,7 +15,7 @@ sums at each epoch's end, their state at each checkpoint, their totals at the en
   ran ahead, so that after ``--resume`` no epoch record is lost or written twice.
 - A worker killed mid-run (its pairs break) is lost: the others go on without it (with
   ``--elastic`` they train what it left, workers may join, and the checkpoint holds who
-  trains what: :mod:`shoal.train.dealer`). A worker that fails with an error says so first
+  trains what: :mod:`shoal.train.membership.server.dealer`). A worker that fails with an error says so first
   (a ``failed`` report): the job ends, as the echo of that failure, not a lost worker.
 """
 
@@ -41,13 +41,8 @@ from shoal.ps import ServerClient, ShardServer, staleness_summary
 from shoal.train.center import Center
 from shoal.train.checkpoint import to_cpu
 from shoal.train.checkpointer import write_checkpoint
-from shoal.train.deal import loss_record
 from shoal.train.evaluation import Evaluator
-from shoal.train.members_async import AsyncMembers
-from shoal.train.recorder import Recorder
-from shoal.train.records import coordinator_part, pending_reports, queued, records_position
-from shoal.train.remote import CLOCK_KEY, COLLAPSED_KEY
-from shoal.train.reports import (
+from shoal.train.membership.messages import (
     CheckpointPart,
     EpochEnd,
     Failed,
@@ -59,6 +54,11 @@ from shoal.train.reports import (
     Where,
     decode_report,
 )
+from shoal.train.membership.schedule import loss_record
+from shoal.train.membership.server.members import AsyncMembers
+from shoal.train.recorder import Recorder
+from shoal.train.records import coordinator_part, pending_reports, queued, records_position
+from shoal.train.remote import CLOCK_KEY, COLLAPSED_KEY
 from shoal.train.state import RunState
 from shoal.train.stopping import run_reason
 

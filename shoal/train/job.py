@@ -38,15 +38,8 @@ from shoal.data.loader import loader_processes
 from shoal.errors import ShoalError, Terminated, WorkerError
 from shoal.strategies.topology import Topology
 from shoal.train.checkpoint import Saved, saved_checkpoint
-from shoal.train.elastic_check import check_elastic
-from shoal.train.growth import (
-    end_joiners,
-    first_joiner_id,
-    only_as_many,
-    resize_at_resume,
-    start_joiners,
-)
-from shoal.train.jobfile import (
+from shoal.train.launch import job_topology, outside_topology, run_rank
+from shoal.train.membership.jobfile import (
     JOIN_SECRET_VAR,
     join_secret,
     publish,
@@ -54,9 +47,16 @@ from shoal.train.jobfile import (
     withdraw,
     withdraw_from_store,
 )
-from shoal.train.launch import job_topology, outside_topology, run_rank
+from shoal.train.membership.policy import check_elastic
 from shoal.train.optim import resolve_momentum
 from shoal.train.outdir import OutputLock
+from shoal.train.resize import (
+    end_joiners,
+    first_joiner_id,
+    only_as_many,
+    resize_at_resume,
+    start_joiners,
+)
 from shoal.train.workload import preflight
 
 
@@ -116,11 +116,11 @@ def _run_with_restarts(cfg: TrainConfig, topology: Topology, data: Dataset | Non
     ``cfg.max_restarts`` times. Returns rank 0's summary, which says what each restart
     redid. ``grow_to``: the workers to reach by joiners the launcher starts with the job;
     ``stay``: the workers that go on, the others leaving at their first meeting;
-    ``before``: the membership changes of the checkpoint resumed (:mod:`shoal.train.growth`)."""
+    ``before``: the membership changes of the checkpoint resumed (:mod:`shoal.train.resize`)."""
     attempt_cfg, attempt, restarts, joiners = cfg, topology, [], []
     # The job's secret: it seals the job's store, and under --elastic proves its joiners,
     # which only its workers and its user's ``shoal join`` learn (through the job file,
-    # shoal.train.jobfile).
+    # shoal.train.membership.jobfile).
     secret = Seal()
     seal = secret if cfg.elastic and data is None else None
 
@@ -327,7 +327,7 @@ def _keep_rank(cfg: TrainConfig, env: Environment, given: Dataset | None
                ) -> dict[str, Any] | None:
     """``--elastic`` under torchrun, mpirun or Slurm: this process keeps its rank's work in a
     child of its own, so that a worker lost is not a failure the launcher sees
-    (:mod:`shoal.core.keeper`). With a join secret (:data:`~shoal.train.jobfile.JOIN_SECRET_VAR`)
+    (:mod:`shoal.core.keeper`). With a join secret (:data:`~shoal.train.membership.jobfile.JOIN_SECRET_VAR`)
     rank 0's keeper publishes the job file ``shoal join`` reads, until the job ends. Where no
     launcher serves the job's store (mpirun, Slurm), rank 0's keeper serves it and its child is a
     client like the others."""

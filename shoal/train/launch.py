@@ -35,7 +35,7 @@ from shoal.data import Dataset
 from shoal.errors import ShoalError
 from shoal.strategies import get_strategy, make_options
 from shoal.strategies.topology import Topology
-from shoal.train.elastic_groups import group_membership
+from shoal.train.membership.tracker.compute_group import group_membership
 from shoal.train.optim import resolve_momentum
 from shoal.train.remote import remote_components
 from shoal.train.server import connect, leave, run_server

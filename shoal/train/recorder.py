@@ -32,10 +32,10 @@ from shoal.core.timeline import (
 )
 from shoal.data import EpochPlan
 from shoal.strategies import get_strategy, settings_of
-from shoal.train.changes import MembershipChange, records
 from shoal.train.checkpoint import resumes_in_place
 from shoal.train.evaluation import Evaluator
 from shoal.train.health import Health
+from shoal.train.membership.changes import MembershipChange, records
 from shoal.train.optim import describe_momentum
 from shoal.train.progress import Progress
 from shoal.train.records import MetricsLog, TensorBoardLog, write_json, write_trace

@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Any
 from shoal.core.files import atomic_write
 from shoal.core.trust import open_own
 from shoal.errors import ShoalError
-from shoal.train.reports import CheckpointPart, EpochEnd, decode_epoch, encode
+from shoal.train.membership.messages import CheckpointPart, EpochEnd, decode_epoch, encode
 
 if TYPE_CHECKING:
     from shoal.train.state import RunState

@@ -23,8 +23,8 @@ from shoal.errors import ShoalError
 from shoal.strategies.asynchronous import detached
 from shoal.train.checkpoint import to_cpu
 from shoal.train.checkpointer import Checkpointer
+from shoal.train.membership.messages import CheckpointPart, EpochEnd, Final, Progress, Started, Where, encode
 from shoal.train.recorder import Recorder
-from shoal.train.reports import CheckpointPart, EpochEnd, Final, Progress, Started, Where, encode
 from shoal.train.state import RunState
 
 #: The job's store key the coordinator sets once every live worker can train: the clock.
@@ -47,7 +47,7 @@ class Reporter:
         self.client, self.comm = client, comm
 
     def __call__(self, kind: type[Where], st: RunState, **fields: Any) -> None:
-        """Report ``kind`` (:class:`~shoal.train.reports.Started`, ``EpochEnd``...) with
+        """Report ``kind`` (:class:`~shoal.train.membership.messages.Started`, ``EpochEnd``...) with
         ``fields``, and where this worker is."""
         self.client.report(encode(kind(
             worker=self.comm.rank, step=st.step, samples=st.samples,

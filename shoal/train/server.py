@@ -23,7 +23,7 @@ and its coordinator (:func:`run_server`).
 A worker killed mid-run (``kill -9``) breaks its pairs: the servers mark it lost and the run
 completes with the others; ``summary.json`` says ``"degraded": true`` and ``shoal train``
 exits with status 3 (``shoal.cli.EXIT_DEGRADED``); with ``--elastic`` its unfinished work is
-dealt to the others instead (:mod:`shoal.train.elastic_async`), and the run is complete. A
+dealt to the others instead (:mod:`shoal.train.membership.tracker.detached`), and the run is complete. A
 worker that fails with an error tells
 server 0 before it exits, and the job ends with that error. A server that dies (any of them)
 ends the job: its workers' next exchange fails, and shoal's launcher names the server
@@ -61,9 +61,9 @@ from shoal.strategies.hogwild import (
 from shoal.strategies.topology import Topology
 from shoal.train.checkpoint import load_checkpoint, load_eval_model
 from shoal.train.coordinator import Coordinator
-from shoal.train.followers import COORDINATOR, Follower, Leader
+from shoal.train.membership.messages import Failed, encode
+from shoal.train.membership.server.followers import COORDINATOR, Follower, Leader
 from shoal.train.optim import build_optimizer
-from shoal.train.reports import Failed, encode
 from shoal.train.workload import Workload
 
 #: Seconds a failing worker waits for server 0 to take its failure report.
@@ -134,7 +134,7 @@ def run_server(cfg: TrainConfig, env: Environment, comm: Comm, topology: Topolog
             coordinator = _coordinator(cfg, env, comm, topology, work, flat, ranges, payload,
                                        start, extra, seal, counts)
         # Server 0 reads the others' state (its id outside the workers'); under --elastic
-        # they follow its word (shoal.train.followers).
+        # they follow its word (shoal.train.membership.server.followers).
         follower = Follower(server, comm.attempt_store, cfg.timeout) \
             if server > 0 and cfg.elastic else None
         side = coordinator or follower

@@ -30,9 +30,9 @@ from shoal.models import build_model, count_parameters
 from shoal.strategies import get_strategy, make_options
 from shoal.strategies.precision import MixedPrecision, clip_gradients, micro_batches
 from shoal.train.checkpointer import Checkpointer, read_start
-from shoal.train.elastic import Elastic
-from shoal.train.elastic_async import AsyncElastic
 from shoal.train.evaluation import Evaluator
+from shoal.train.membership.tracker.detached import AsyncElastic
+from shoal.train.membership.tracker.process_group import Elastic
 from shoal.train.optim import build_optimizer, build_schedule, resolve_momentum
 from shoal.train.probe import Probe
 from shoal.train.recorder import Recorder

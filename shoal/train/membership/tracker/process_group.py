@@ -27,11 +27,11 @@ import torch
 from shoal.core.membership import MembershipChanged
 from shoal.core.stop import Leaving, leave_requested, request_stop
 from shoal.data import EpochPlan
-from shoal.train.changes import MembershipChange, membership_change, resumed_change
-from shoal.train.elastic_join import Joins
+from shoal.train.membership.changes import MembershipChange, membership_change, resumed_change
+from shoal.train.membership.resume_plan import SavedPlan, go_on
+from shoal.train.membership.samples import cut_after, record_samples, samples_file, say_held
+from shoal.train.membership.tracker.joins import Joins
 from shoal.train.optim import schedule_at
-from shoal.train.resume_sync import SavedPlan, go_on
-from shoal.train.samples import cut_after, record_samples, samples_file, say_held
 
 _Step = TypeVar("_Step")
 
@@ -339,7 +339,7 @@ class Elastic(Joins):
     def _record_lost(self, lost: list[int]) -> None:
         """Worker 0 (``--record-samples``): each lost worker's samples of the last count,
         which its vote carried into the shared state, written for it unless it wrote them
-        itself before it was lost (:mod:`shoal.train.samples`)."""
+        itself before it was lost (:mod:`shoal.train.membership.samples`)."""
         last, m = self._last, self.membership
         if last is None or self._record is None or m.rank != 0:
             return

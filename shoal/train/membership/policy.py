@@ -10,7 +10,7 @@ from shoal.errors import ShoalError
 
 #: The strategies that take ``--elastic``: the synchronous and periodic ones (a re-formed
 #: group) and the asynchronous ones, whose server 0 deals a lost worker's rest
-#: (:mod:`shoal.train.elastic_async`; hogwild's server 0 is its coordinator; a compute
+#: (:mod:`shoal.train.membership.tracker.detached`; hogwild's server 0 is its coordinator; a compute
 #: group of ``groups`` is dealt to as one, and re-forms when it loses a member).
 ASYNC_ELASTIC = ("async-sgd", "async-msgd", "async-easgd", "async-measgd", "hogwild-easgd",
                  "hogwild", "groups")

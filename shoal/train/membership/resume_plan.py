@@ -19,7 +19,7 @@ from typing import Any
 import torch
 
 from shoal.data import EpochPlan
-from shoal.train.changes import MembershipChange, of_records
+from shoal.train.membership.changes import MembershipChange, of_records
 
 
 @dataclass

@@ -174,7 +174,7 @@ def end_joiners(joiners: list[Joiner], summary: dict[str, Any] | None, before: i
 def _join(out: Path, told: Connection) -> None:
     """A joiner the launcher started: ``shoal join OUT``'s work; its id and how it ended go
     to the launcher (``told``), which says it once the job has ended."""
-    from shoal.train.joiner import join_job
+    from shoal.train.join import join_job
 
     try:
         code, why = join_job(out, on_id=told.send), ""

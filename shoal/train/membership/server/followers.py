@@ -2,7 +2,7 @@
 others follow.
 
 Server 0's coordinator deals a lost worker's rest and admits joiners, as with one server
-(:mod:`shoal.train.dealer`); what the other servers must know of it, server 0 tells them
+(:mod:`shoal.train.membership.server.dealer`); what the other servers must know of it, server 0 tells them
 on its own pairs with them (a report each, :class:`Follower` applies it): a joiner to
 serve (before the joiner is answered, so that every server waits for it), a worker that
 rests or works again (a staleness bound or round robin must not wait for one that has
@@ -26,7 +26,17 @@ from typing import Any
 import torch
 
 from shoal.errors import JobError, ShoalError
-from shoal.train.reports import BadReport, Leads, Rest, Serve, Taken, Word, WordKind, decode_word, encode
+from shoal.train.membership.messages import (
+    BadReport,
+    Leads,
+    Rest,
+    Serve,
+    Taken,
+    Word,
+    WordKind,
+    decode_word,
+    encode,
+)
 
 #: Server 0's client id on the other servers: outside every worker's id, joiners' included.
 COORDINATOR = 1 << 30

@@ -1,13 +1,13 @@
 """``shoal join OUT``: a new worker joins the elastic job running in ``OUT``.
 
-The command reads the job file its launcher published (:mod:`shoal.train.jobfile`: checked
+The command reads the job file its launcher published (:mod:`shoal.train.membership.jobfile`: checked
 to be its user's own; ``--store HOST:PORT``: a torchrun job's document in its store, checked
 against the join secret), takes a ticket in the job's store (its worker id:
 :func:`~shoal.core.joining.worker_id`), and starts the worker in a child process that dies
 with it (:func:`~shoal.core.processes.start_process`). The worker loads the data and builds
 the trainer alone, then starts beating in the store, asks to join with the job's secret,
 and, admitted at the job's next meeting point, joins the new group, takes worker 0's live
-state (:mod:`shoal.train.handover`) and trains with the others to the job's end. The
+state (:mod:`shoal.train.membership.handover`) and trains with the others to the job's end. The
 command waits for it and, when it dies by a signal, says so in the store, as the
 launcher does for its own workers; a worker whose store goes away (the job ended or
 failed) stops within seconds (its watchdog).
@@ -32,8 +32,8 @@ from shoal.core.processes import loopback_gloo_interface
 from shoal.core.stop import Leaving, leave_on_sigterm
 from shoal.core.waits import ELASTIC, ended_key, key_prefix, members_now, say_finished
 from shoal.errors import JobError, ShoalError
-from shoal.train.jobfile import JOIN_SECRET_VAR, join_secret, read_job, read_job_in_store
-from shoal.train.joiner_async import job_servers, joiner_place, run_async_worker
+from shoal.train.join_async import job_servers, joiner_place, run_async_worker
+from shoal.train.membership.jobfile import JOIN_SECRET_VAR, join_secret, read_job, read_job_in_store
 
 #: Seconds a joiner waits for the job's store to take its connection: a live one answers at
 #: once, and a store gone (the job ended between the job file's read and the connection) would
@@ -153,7 +153,7 @@ def _worker_main(job: dict[str, Any], me: int) -> dict[str, int] | None:
     Gloo pairs on loopback where the job's store is (a job of shoal's launcher; a torchrun
     job on a host of its own), else where ``GLOO_SOCKET_IFNAME`` says, as for the job's
     ranks; then :func:`run_worker` or, in an asynchronous job,
-    :func:`~shoal.train.joiner_async.run_async_worker`."""
+    :func:`~shoal.train.join_async.run_async_worker`."""
     name_process(f"shoal worker {me}")
     interface = loopback_gloo_interface() if _loopback(job["address"]) else None
     if interface is not None:
@@ -170,8 +170,8 @@ def run_worker(job: dict[str, Any], me: int) -> dict[str, int] | None:
     from shoal.core.env import pick_device
     from shoal.core.timeline import Timeline
     from shoal.core.trust import Seal
-    from shoal.train import handover
-    from shoal.train.elastic import Elastic
+    from shoal.train.membership import handover
+    from shoal.train.membership.tracker.process_group import Elastic
     from shoal.train.stopping import StopVote
     from shoal.train.trainer import Trainer
     from shoal.train.workload import load_workload

@@ -1,5 +1,5 @@
 """Server 0's side of an asynchronous ``--elastic`` job, as the coordinator sees it:
-:class:`AsyncMembers` (its :class:`~shoal.train.dealer.Dealer`, the epoch each joiner starts
+:class:`AsyncMembers` (its :class:`~shoal.train.membership.server.dealer.Dealer`, the epoch each joiner starts
 at, the samples each worker's reports account for) and :class:`JoinDesk` (the answers to
 ``shoal join``)."""
 
@@ -14,12 +14,8 @@ from shoal.core.joining import BAD_PROOF, proved, worker_id
 from shoal.core.stop import request_stop, stop_requested
 from shoal.core.waits import ELASTIC
 from shoal.errors import ShoalError
-from shoal.train.changes import joined_change, of_records
-from shoal.train.deal import length
-from shoal.train.dealer import Dealer
-from shoal.train.deals_async import leave_key
-from shoal.train.elastic_groups import gone_key
-from shoal.train.reports import (
+from shoal.train.membership.changes import joined_change, of_records
+from shoal.train.membership.messages import (
     CheckpointPart,
     EpochEnd,
     Joined,
@@ -32,8 +28,12 @@ from shoal.train.reports import (
     Rows,
     Serve,
 )
-from shoal.train.resume_async import dealer_state, rebuild, schedule_of
-from shoal.train.samples import cut_upto, samples_file
+from shoal.train.membership.resume import dealer_state, rebuild, schedule_of
+from shoal.train.membership.samples import cut_upto, samples_file
+from shoal.train.membership.schedule import length
+from shoal.train.membership.server.dealer import Dealer
+from shoal.train.membership.tracker.compute_group import gone_key
+from shoal.train.membership.tracker.deals import leave_key
 
 
 class JoinDesk:
@@ -208,7 +208,7 @@ class AsyncMembers:
     def checkpoint(self, servers: list[dict[str, Any]], savers: dict[int, CheckpointPart]
                    ) -> tuple[dict[str, Any], int]:
         """Server 0's part of a checkpoint whose workers' states are ``savers``' (their
-        reports; :func:`~shoal.train.resume_async.dealer_state`); ``servers``: every server's
+        reports; :func:`~shoal.train.membership.resume.dealer_state`); ``servers``: every server's
         state, whose least count of a worker is what of it counts (hogwild's: the shared
         file's). Each server's saved counts become where each worker goes on from, so that one
         lost after the resume before its first exchange leaves what it had not counted only.

@@ -1,5 +1,6 @@
 """``--record-samples``: ``OUT/samples/worker<i>.jsonl``, the samples each worker trained,
-written as they count (:mod:`shoal.train.elastic`, :mod:`shoal.train.elastic_async`).
+written as they count (:mod:`~shoal.train.membership.tracker.process_group`,
+:mod:`~shoal.train.membership.tracker.detached`).
 
 A line is ``{"epoch", "samples", "step"}``: the samples of one epoch that a count carried
 into the shared state, and the step the count came after. A worker writes its own lines
@@ -12,7 +13,7 @@ written once whoever writes it (a worker that stopped answering and goes on late
 line written). A half line that a kill mid-write left is cut off first.
 
 An asynchronous worker's lines say instead ``"upto"``, its schedule position after the count
-(:mod:`shoal.train.deal`): server 0 writes a lost worker's samples from the file's last
+(:mod:`shoal.train.membership.schedule`): server 0 writes a lost worker's samples from the file's last
 ``upto`` to the count it applied last (:func:`record_since`, ``"recorded_by": "server 0"``),
 and the worker writes a line only past the file's last ``upto``.
 """

@@ -1,6 +1,6 @@
 """Server 0's side of an asynchronous job under ``--elastic``: who trains what, and who joins.
 
-:class:`Dealer` keeps every worker's :class:`~shoal.train.deal.Schedule` as the workers do
+:class:`Dealer` keeps every worker's :class:`~shoal.train.membership.schedule.Schedule` as the workers do
 (they report each share they take and each part they give before they act on it), deals a
 lost worker's rest over the live ones, and releases the workers once all are idle.
 
@@ -26,13 +26,13 @@ from typing import Any
 import torch
 
 from shoal.core.waits import publish_members
-from shoal.train.changes import MembershipChange, epoch_span, joined_change, membership_change
-from shoal.train.deal import Schedule, Segment, cut, deal, length
-from shoal.train.deals_async import DEALS, RELEASE, deal_key
-from shoal.train.elastic_async import slots_of
-from shoal.train.handover import digest
-from shoal.train.reports import Adopt, Give, Idle, ReportKind
-from shoal.train.samples import record_since, samples_file, say_held
+from shoal.train.membership.changes import MembershipChange, epoch_span, joined_change, membership_change
+from shoal.train.membership.handover import digest
+from shoal.train.membership.messages import Adopt, Give, Idle, ReportKind
+from shoal.train.membership.samples import record_since, samples_file, say_held
+from shoal.train.membership.schedule import Schedule, Segment, cut, deal, length
+from shoal.train.membership.tracker.deals import DEALS, RELEASE, deal_key
+from shoal.train.membership.tracker.detached import slots_of
 
 
 class Dealer:
@@ -80,7 +80,7 @@ class Dealer:
         return worker if worker >= self.workers else max(u for u in self.leads if u <= worker)
 
     def resume(self, starts: dict[int, Any], changes: list[MembershipChange]) -> None:
-        """Go on from a checkpoint (:func:`~shoal.train.resume_async.rebuild`'s ``starts``,
+        """Go on from a checkpoint (:func:`~shoal.train.membership.resume.rebuild`'s ``starts``,
         every worker's schedule as it rebuilt it) with its membership ``changes``."""
         self.schedules = {w: s.schedule for w, s in starts.items()}
         self.adopted = {w: set() for w in starts}

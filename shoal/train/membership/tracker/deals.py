@@ -1,5 +1,5 @@
 """A detached worker's side of server 0's deals under ``--elastic``
-(:class:`TakesDeals`, a part of :class:`~shoal.train.elastic_async.AsyncElastic`): it looks
+(:class:`TakesDeals`, a part of :class:`~shoal.train.membership.tracker.detached.AsyncElastic`): it looks
 for new deals between its steps, takes the shares dealt to it and gives a joiner its part,
 each told to server 0 before it acts; at its end it waits for a share or the release. The
 store keys server 0 publishes them under are here too."""
@@ -15,10 +15,10 @@ import torch
 from shoal.core.stop import request_stop, stop_requested
 from shoal.core.waits import ELASTIC
 from shoal.errors import ShoalError
-from shoal.train.deal import Segment
-from shoal.train.handover import digest
+from shoal.train.membership.handover import digest
+from shoal.train.membership.messages import Adopt, Give, Idle, Joined, encode
+from shoal.train.membership.schedule import Segment
 from shoal.train.optim import schedule_at
-from shoal.train.reports import Adopt, Give, Idle, Joined, encode
 
 DEALS = f"{ELASTIC}/async/deals"  #: how many deals server 0 published
 RELEASE = f"{ELASTIC}/async/release"  #: set once no worker has work left
@@ -39,7 +39,7 @@ def leave_key(worker: int) -> str:
 
 
 class TakesDeals:
-    """The deals part of :class:`~shoal.train.elastic_async.AsyncElastic` (its attributes:
+    """The deals part of :class:`~shoal.train.membership.tracker.detached.AsyncElastic` (its attributes:
     ``t``, ``store``, ``me``, ``unit``, ``schedule``, ``seen``, ``dealt``, ``seat``...)."""
 
     t: Any

@@ -1,7 +1,8 @@
 """A join's side of a synchronous or periodic ``--elastic`` run (:class:`Joins`, a part of
-:class:`~shoal.train.elastic.Elastic`): a worker that asked to join (``shoal join``) is
-admitted at a meeting where all work so far counts, the rest of the epoch is dealt over the
-grown group, and worker 0 hands it its live state (:mod:`shoal.train.handover`)."""
+:class:`~shoal.train.membership.tracker.process_group.Elastic`): a worker that asked to join
+(``shoal join``) is admitted at a meeting where all work so far counts, the rest of the epoch
+is dealt over the grown group, and worker 0 hands it its live state
+(:mod:`shoal.train.membership.handover`)."""
 
 from __future__ import annotations
 
@@ -11,13 +12,13 @@ from dataclasses import replace
 from typing import Any
 
 from shoal.core.joining import admit
-from shoal.train import handover
-from shoal.train.changes import MembershipChange, joined_change, worker_names
+from shoal.train.membership import handover
+from shoal.train.membership.changes import MembershipChange, joined_change, worker_names
 
 
 class Joins:
-    """:class:`~shoal.train.elastic.Elastic`'s joins (its trainer ``t``, ``membership``,
-    readings and changes; its ``settle`` and ``counted``)."""
+    """:class:`~shoal.train.membership.tracker.process_group.Elastic`'s joins (its trainer ``t``,
+    ``membership``, readings and changes; its ``settle`` and ``counted``)."""
 
     t: Any
     membership: Any
@@ -70,7 +71,7 @@ class Joins:
         self.t.recorder.changes = self.changes
 
     def handover_state(self) -> dict[str, Any]:
-        """What a joiner takes of this worker's side (:mod:`shoal.train.handover`)."""
+        """What a joiner takes of this worker's side (:mod:`shoal.train.membership.handover`)."""
         return {"steps": self._steps, "resized": self._resized, "changes": list(self.changes),
                 "joining": self._joining}
 

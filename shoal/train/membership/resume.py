@@ -1,7 +1,7 @@
 """``--resume`` (and ``--max-restarts``) of an asynchronous ``--elastic`` run: every worker's
 schedule rebuilt from the checkpoint, the same way on server 0 and on each worker.
 
-Server 0's part of the checkpoint is its :class:`~shoal.train.dealer.Dealer` as it was
+Server 0's part of the checkpoint is its :class:`~shoal.train.membership.server.dealer.Dealer` as it was
 (:func:`dealer_state`: every worker's schedule as server 0 keeps it, the deals and who took
 which, the gives not handed over yet, the lost workers' counts, the live joiners' counts);
 each worker's part says where it was in its schedule (its block, the samples of it read,
@@ -29,8 +29,8 @@ from typing import Any
 import torch
 
 from shoal.errors import ShoalError
-from shoal.train.changes import records
-from shoal.train.deal import Schedule, Segment, Slots, cut, deal, length
+from shoal.train.membership.changes import records
+from shoal.train.membership.schedule import Schedule, Segment, Slots, cut, deal, length
 
 
 @dataclass

@@ -5,8 +5,8 @@ A worker's samples *count* once an exchange carried their work to the servers an
 applied it (a pushed gradient; the elastic strategies' ``x``, sent before the local step,
 carries the steps before it; at its end a worker makes one more exchange for the steps
 after its last). Each exchange says how many samples of the worker's schedule
-(:mod:`shoal.train.deal`) it carries, and server 0 keeps the count of the last one applied.
-When a worker is lost, server 0's :class:`~shoal.train.dealer.Dealer` deals the rest of its
+(:mod:`shoal.train.membership.schedule`) it carries, and server 0 keeps the count of the last one applied.
+When a worker is lost, server 0's :class:`~shoal.train.membership.server.dealer.Dealer` deals the rest of its
 schedule over the workers left and publishes the deal in the job's store; each worker looks
 for new deals between its steps (every 50 ms at most), reports where it takes its share, and
 trains it. When a worker joins, each gives it a part of its rest the same way, from where it
@@ -30,13 +30,13 @@ from shoal.core.membership import MembershipChanged
 from shoal.core.stop import Leaving, leave_requested, request_stop
 from shoal.data import EpochPlan
 from shoal.strategies.asynchronous import detached
-from shoal.train.deal import Schedule, Slots, cut, length
-from shoal.train.deals_async import POLL_S, TakesDeals, leave_key
-from shoal.train.elastic_groups import Seat, gone_key, leader_lost
+from shoal.train.membership.messages import Adopt, Give, Lead, Leave, encode
+from shoal.train.membership.resume import Start, rebuild, uncounted
+from shoal.train.membership.samples import cut_upto, record_since, samples_file
+from shoal.train.membership.schedule import Schedule, Slots, cut, length
+from shoal.train.membership.tracker.compute_group import Seat, gone_key, leader_lost
+from shoal.train.membership.tracker.deals import POLL_S, TakesDeals, leave_key
 from shoal.train.optim import schedule_at
-from shoal.train.reports import Adopt, Give, Lead, Leave, encode
-from shoal.train.resume_async import Start, rebuild, uncounted
-from shoal.train.samples import cut_upto, record_since, samples_file
 
 _Step = TypeVar("_Step")
 def slots_of(cfg: Any, n: int, workers: int) -> Slots:
@@ -48,7 +48,8 @@ class AsyncElastic(TakesDeals):
     """A detached worker's side: it walks its :class:`Schedule` block by block (one a
     trainer epoch, in batches of its share of the global batch), takes the shares dealt to
     it, records its samples as they count (``--record-samples``) and, at its end, waits
-    for server 0's release. Same interface as :class:`~shoal.train.elastic.Elastic`."""
+    for server 0's release. Same interface as
+    :class:`~shoal.train.membership.tracker.process_group.Elastic`."""
 
     def __init__(self, trainer: Any) -> None:
         t = self.t = trainer
@@ -90,7 +91,7 @@ class AsyncElastic(TakesDeals):
 
     def state_dict(self) -> dict[str, int]:
         """This worker's position for a checkpoint: its block, the samples of it read, the
-        samples of its schedule that counted (:mod:`shoal.train.resume_async`)."""
+        samples of its schedule that counted (:mod:`shoal.train.membership.resume`)."""
         epoch = self.t.state.epoch
         return {"epoch": epoch, "read": self._read() if self.planned == epoch else 0,
                 "at": self.at}
@@ -123,7 +124,7 @@ class AsyncElastic(TakesDeals):
                 self._regrouped()
 
     def _regrouped(self) -> None:
-        """After a compute group was re-formed (:class:`~shoal.train.elastic_groups.Seat`):
+        """After a compute group was re-formed (:class:`~shoal.train.membership.tracker.compute_group.Seat`):
         a lost leader's place taken, the rest of the block from the step being taken
         planned over the group as it is, the lost members' rows told to server 0."""
         if self.seat.orphaned is not None:

@@ -2,7 +2,7 @@
 
 The joiner loads the data alone, asks to join (its ticket's proof in the job's store, as
 for a synchronous job: :mod:`shoal.core.joining`), and once server 0 admitted it (a new
-client of its shard: :mod:`shoal.train.dealer`) it connects to the servers, builds its
+client of its shard: :mod:`shoal.train.membership.server.dealer`) it connects to the servers, builds its
 trainer from the center as its first pull has it (the live server's state, not a file),
 reports that state's digest, waits for the part of the others' work given to it, and
 trains it as any detached worker does (reports to server 0, its own ``--record-samples``

@@ -10,7 +10,7 @@ others; the members alive agree on who is left, join a new process group and go 
 
 - the group batch stays what it was (the servers see the same group gradient, the step's
   learning rate is the same), split over the members left, from the step that failed on
-  (:class:`~shoal.train.elastic_async.AsyncElastic` plans its rest anew);
+  (:class:`~shoal.train.membership.tracker.detached.AsyncElastic` plans its rest anew);
 - a member lost deals nothing at server 0: its group walks its schedule on; the leader
   tells server 0 the rows the member trained in the blocks it never reported;
 - the leader lost: the first member alive takes its place at the servers (it pushes for
@@ -30,7 +30,7 @@ from shoal.core.group import bound_waits, own_client
 from shoal.core.membership import Membership
 from shoal.core.waits import ELASTIC
 from shoal.data.sharding import shard_range
-from shoal.train.reports import Rows, encode
+from shoal.train.membership.messages import Rows, encode
 
 
 def gone_key(worker: int) -> str:
