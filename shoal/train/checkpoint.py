@@ -151,7 +151,7 @@ def check_resume(payload: dict[str, Any], cfg: TrainConfig, world: int,
         raise ShoalError(f"--stop-at-step {cfg.stop_at_step} is not after the checkpoint's step "
                          f"{step}; nothing would be trained")
     # On another number of workers (check_workers) the rest of the epoch is dealt over them
-    # (shoal.train.membership.resume_plan); on as many the data order is the checkpoint's.
+    # (shoal.train.membership.resume); on as many the data order is the checkpoint's.
     saved_world = payload.get("world_size", len(payload["ranks"]))
     if payload["global_batch"] != cfg.global_batch(world) and (
             saved_world == world or "coordinator" in payload):

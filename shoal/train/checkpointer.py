@@ -37,7 +37,7 @@ from shoal.train.checkpoint import (
     to_cpu,
 )
 from shoal.train.membership.changes import MembershipChange, records
-from shoal.train.membership.resume_plan import SavedPlan
+from shoal.train.membership.resume import SavedPlan
 from shoal.train.optim import schedule_at
 from shoal.train.recorder import Recorder
 from shoal.train.state import RunState

@@ -11,11 +11,20 @@ state (:mod:`shoal.train.membership.handover`) and trains with the others to the
 command waits for it and, when it dies by a signal, says so in the store, as the
 launcher does for its own workers; a worker whose store goes away (the job ended or
 failed) stops within seconds (its watchdog).
+
+In an asynchronous job the joiner is a new worker of its parameter server
+(:func:`run_async_worker`): it asks to join the same way, and once server 0 admitted it (a
+new client of its shard: :mod:`shoal.train.membership.server.dealer`) it connects to the
+servers, builds its trainer from the center as its first pull has it (the live server's
+state, not a file), reports that state's digest, waits for the part of the others' work
+given to it, and trains it as any detached worker does (reports to server 0, its own
+``--record-samples`` file), to the job's release.
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import os
 import sys
 from collections.abc import Callable
@@ -32,7 +41,6 @@ from shoal.core.processes import loopback_gloo_interface
 from shoal.core.stop import Leaving, leave_on_sigterm
 from shoal.core.waits import ELASTIC, ended_key, key_prefix, members_now, say_finished
 from shoal.errors import JobError, ShoalError
-from shoal.train.join_async import job_servers, joiner_place, run_async_worker
 from shoal.train.membership.jobfile import JOIN_SECRET_VAR, join_secret, read_job, read_job_in_store
 
 #: Seconds a joiner waits for the job's store to take its connection: a live one answers at
@@ -153,7 +161,7 @@ def _worker_main(job: dict[str, Any], me: int) -> dict[str, int] | None:
     Gloo pairs on loopback where the job's store is (a job of shoal's launcher; a torchrun
     job on a host of its own), else where ``GLOO_SOCKET_IFNAME`` says, as for the job's
     ranks; then :func:`run_worker` or, in an asynchronous job,
-    :func:`~shoal.train.join_async.run_async_worker`."""
+    :func:`run_async_worker`."""
     name_process(f"shoal worker {me}")
     interface = loopback_gloo_interface() if _loopback(job["address"]) else None
     if interface is not None:
@@ -207,4 +215,69 @@ def run_worker(job: dict[str, Any], me: int) -> dict[str, int] | None:
         return {"left": left.step}
     say_finished(comm.attempt_store, summary)  # the summary is its when every other was lost
     comm.close()
+    return {"stopped": t.state.step} if t.elastic.stopped_job else None
+
+
+def job_servers(cfg: Any) -> int:
+    """How many parameter servers the job of ``cfg`` runs (0: none, a synchronous job)."""
+    from shoal.train.launch import job_topology
+
+    return job_topology(cfg, 1).servers
+
+
+def joiner_place(job: dict[str, Any], me: int) -> tuple[Any, Any]:
+    """Joiner ``me``'s settings (the job's, started afresh: no ``--resume``, no
+    ``--init-from``) and its place (worker ``me`` of a job that started with
+    ``job["workers"]``, on the job's store); its intra-op threads set."""
+    import torch
+
+    from shoal.core.env import Environment, default_threads
+
+    cfg = dataclasses.replace(job["config"], resume=None, init_from=None)
+    first = job["workers"]
+    torch.set_num_threads(cfg.threads_per_worker or default_threads(first + 1))
+    return cfg, Environment(rank=me, world_size=first, local_rank=me, local_world_size=me + 1,
+                            master_addr=job["address"], master_port=job["port"],
+                            launcher="local", agent_store=True, attempt=job["attempt"])
+
+
+def run_async_worker(job: dict[str, Any], me: int, store: Any) -> dict[str, int] | None:
+    """Worker ``me`` of the job ``job`` (its job file's), on its client ``store`` of the
+    job's store: asks to join, trains what it is given, leaves; on SIGTERM it leaves after
+    sending its work (``{"left": step}``)."""
+    import torch.distributed as dist
+
+    from shoal.core.comm import Comm
+    from shoal.core.env import pick_device
+    from shoal.core.timeline import Timeline
+    from shoal.core.trust import Seal
+    from shoal.train.launch import job_topology
+    from shoal.train.remote import remote_components
+    from shoal.train.server import connect, leave
+    from shoal.train.trainer import Trainer
+    from shoal.train.workload import load_workload
+
+    cfg, place = joiner_place(job, me)
+    first = job["workers"]
+    comm = Comm(place, pick_device(cfg.device, me, me + 1, share=True),
+                Timeline(keep_events=cfg.trace), store, peers=False, timeout=cfg.timeout)
+    work = load_workload(cfg)
+    keys, ticket = dist.PrefixStore(ELASTIC, comm.attempt_store), ticket_of(job["first_id"], me)
+    ask(keys, Seal(bytes.fromhex(job["key"])), ticket)
+    reply = answer(keys, ticket, cfg.timeout)
+    if "refused" in reply:
+        raise ShoalError(f"the job refused it: {reply['refused']}")
+    # A failure from here on leaves the job as a lost worker (its pairs break as this
+    # process ends), whose part server 0 deals to the others: the job goes on.
+    client = connect(cfg, comm, job_topology(cfg, first), work.model)
+    t = Trainer(cfg, comm, work.data, work.model, components=remote_components(client))
+    t.joined = True
+    t.elastic.join(int(reply["epoch"]))
+    leave_on_sigterm()  # a member now: SIGTERM asks it to leave (before: it ends it)
+    try:
+        t.run()
+    except Leaving as left:  # SIGTERM: its work sent, it leaves as a lost worker does (no
+        client.abandon()  # word to the servers), its rest dealt to the others
+        return {"left": left.step}
+    leave(client)
     return {"stopped": t.state.step} if t.elastic.stopped_job else None

@@ -53,6 +53,11 @@ class Slots:
         return (torch.cat(parts) if parts else empty, torch.cat(epochs) if epochs else empty)
 
 
+def slots_of(cfg: Any, n: int, workers: int) -> Slots:
+    """The plan every epoch is dealt from: over the job's first ``workers`` workers."""
+    return Slots(n, cfg.global_batch(workers), workers, cfg.seed)
+
+
 def length(segments: list[Segment]) -> int:
     """The samples of ``segments``."""
     return sum(hi - lo for _, _, lo, hi in segments)

@@ -30,9 +30,8 @@ from shoal.train.membership.changes import MembershipChange, epoch_span, joined_
 from shoal.train.membership.handover import digest
 from shoal.train.membership.messages import Adopt, Give, Idle, ReportKind
 from shoal.train.membership.samples import record_since, samples_file, say_held
-from shoal.train.membership.schedule import Schedule, Segment, cut, deal, length
+from shoal.train.membership.schedule import Schedule, Segment, cut, deal, length, slots_of
 from shoal.train.membership.tracker.deals import DEALS, RELEASE, deal_key
-from shoal.train.membership.tracker.detached import slots_of
 
 
 class Dealer:

@@ -33,15 +33,12 @@ from shoal.strategies.asynchronous import detached
 from shoal.train.membership.messages import Adopt, Give, Lead, Leave, encode
 from shoal.train.membership.resume import Start, rebuild, uncounted
 from shoal.train.membership.samples import cut_upto, record_since, samples_file
-from shoal.train.membership.schedule import Schedule, Slots, cut, length
+from shoal.train.membership.schedule import Schedule, cut, length, slots_of
 from shoal.train.membership.tracker.compute_group import Seat, gone_key, leader_lost
 from shoal.train.membership.tracker.deals import POLL_S, TakesDeals, leave_key
 from shoal.train.optim import schedule_at
 
 _Step = TypeVar("_Step")
-def slots_of(cfg: Any, n: int, workers: int) -> Slots:
-    """The plan every epoch is dealt from: over the job's first ``workers`` workers."""
-    return Slots(n, cfg.global_batch(workers), workers, cfg.seed)
 
 
 class AsyncElastic(TakesDeals):
@@ -249,4 +246,4 @@ class AsyncElastic(TakesDeals):
         self.stopped_job = True
 
 
-__all__ = ["AsyncElastic", "slots_of"]
+__all__ = ["AsyncElastic"]

@@ -28,7 +28,7 @@ from shoal.core.membership import MembershipChanged
 from shoal.core.stop import Leaving, leave_requested, request_stop
 from shoal.data import EpochPlan
 from shoal.train.membership.changes import MembershipChange, membership_change, resumed_change
-from shoal.train.membership.resume_plan import SavedPlan, go_on
+from shoal.train.membership.resume import SavedPlan, go_on
 from shoal.train.membership.samples import cut_after, record_samples, samples_file, say_held
 from shoal.train.membership.tracker.joins import Joins
 from shoal.train.optim import schedule_at
