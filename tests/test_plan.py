@@ -13,6 +13,7 @@ from shoal.cli import main
 from shoal.emulate import can_emulate
 from shoal.errors import ShoalError
 from shoal.plan.search import (
+    NOT_WORTH,
     Omnivore,
     SearchSettings,
     epochs_to_target,
@@ -297,10 +298,13 @@ def test_auto_trains_the_plans_winner(tmp_path):
     assert summary["plan"]["winner"] == plan["trials"][0]["label"] and summary["completed"]
     assert (out / "plan" / "plan.png").is_file() and (out / "plan" / "plan.md").is_file()
     # The 2-worker trials ran one after another in one planning session (one start-up),
-    # the 1-process layout's as a job of its own.
+    # the 1-process layout's as a job of its own. Whether easgd's trial runs is the
+    # planner's call on measured times (on digits sync may reach the target in less time
+    # than another trial costs): if it did not, the plan says it was not worth it.
     sessions = sorted((out / "plan" / "trials" / "sessions").iterdir())
     in_layout = [t for t in plan["trials"] if t["workers"] == 2]
-    assert len(sessions) == 1 and len(in_layout) > 1
+    not_worth = [s for s in plan["skipped"] if s["why"] == NOT_WORTH]
+    assert len(sessions) == 1 and (len(in_layout) > 1 or not_worth), plan["skipped"]
     started = [t for t in plan["trials"] if t["startup_s"] > 0]
     assert len(started) == 1 and started[0]["workers"] == 2
 

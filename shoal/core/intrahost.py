@@ -63,6 +63,7 @@ if TYPE_CHECKING:
     from shoal.core.comm import Comm
 
 log = logging.getLogger("shoal.intrahost")
+SPANS = "the job spans"  # the one reason told at INFO: the fast path is one host's
 
 #: ``--intra-host``: pick the fast path where it serves, Gloo always, or the fast path or fail.
 MODES = ("auto", "gloo", "shm")
@@ -316,8 +317,9 @@ def join_host(comm: Comm, mode: str, *, blocker: str | None = None,
         return reducer
     if mode == "shm":
         raise ShoalError(f"--intra-host shm: {why}")
-    if comm.rank == 0:
-        log.warning(f"shoal: gradients all-reduced through Gloo: {why}")
+    if comm.rank == 0:  # a job across hosts takes Gloo by design: nothing wrong to tell
+        log.log(logging.INFO if why.startswith(SPANS) else logging.WARNING,
+                f"shoal: gradients all-reduced through Gloo: {why}")
     return None
 
 
@@ -331,7 +333,7 @@ def _why_not(comm: Comm) -> str | None:
         if local:
             why = f"rank {local[0][0]}: {local[0][1]}"
         elif len(hosts) > 1:
-            why = f"the job spans {len(hosts)} hosts (one host only, for now)"
+            why = f"{SPANS} {len(hosts)} hosts (one host only, for now)"
     return comm.broadcast_object(why)
 
 

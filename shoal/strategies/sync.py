@@ -11,7 +11,7 @@ gradient became ready: the time from there to the end of backward is the all-red
 compute did not hide (the ``comm`` part of the step). Compression (fp16, bf16, PowerSGD)
 uses the hooks of :mod:`shoal.strategies.sync_hooks`, which count what they send.
 
-``--intra-host shm`` (or ``auto`` on a job whose ranks share one host; the default is ``gloo``) sums
+``--intra-host auto`` (the default; ``shm`` insists) on a job whose ranks share one host sums
 the buckets through the host's shared memory instead of Gloo's loopback TCP
 (:mod:`shoal.core.intrahost`), in a hook that returns once the sum is done: the hook's
 extra pass is far cheaper than the Gloo all-reduce it replaces (docs/performance.md).
@@ -63,10 +63,11 @@ class SyncOptions:
     powersgd_rank: int = field(default=1, metadata={"help": "PowerSGD matrix approximation rank"})
     powersgd_warmup: int = field(default=10, metadata={
         "help": "steps of plain allreduce before PowerSGD compression starts"})
-    intra_host: str = field(default="gloo", metadata={
+    intra_host: str = field(default="auto", metadata={
         "help": "how the processes of one host all-reduce: gloo, shm (shared memory) or "
-                "auto (shm where the whole job is on one host and sends no compressed "
-                "gradients, else gloo, saying why)", "choices": MODES})
+                "auto (shm where the whole job is on one host, is not --elastic and sends "
+                "no compressed gradients; else gloo, saying why if the host is the reason)",
+        "choices": MODES})
     split_wait: bool = field(default=False, metadata={
         "help": "split the exposed all-reduce into waiting for the slowest rank's backward "
                 "and transfer (one 8-byte all-reduce per step)"})
@@ -137,14 +138,14 @@ class Synchronous(Strategy):
     def _join_host(self) -> SharedReducer | None:
         """The host's shared-memory all-reduce (``--intra-host``), or ``None``: Gloo's."""
         opts: SyncOptions = self.options
-        blocker = None
         if self.comm.membership is not None:
-            blocker = "--elastic re-forms the group, which the shared-memory path does not follow"
-        elif opts.compress != "none":  # compression asked for: Gloo's path, no fallback to tell
-            return None
-        if blocker is not None and opts.intra_host == "shm":
-            raise ShoalError(f"--intra-host shm: {blocker}")
-        return join_host(self.comm, opts.intra_host, blocker=blocker)
+            if opts.intra_host == "shm":
+                raise ShoalError("--intra-host shm: --elastic re-forms the group, which the "
+                                 "shared-memory path does not follow")
+            return None  # auto: an elastic job's documented path is Gloo's, nothing to tell
+        if opts.compress != "none" or self.comm.device.type != "cpu":
+            return None  # compression asked for, or GPUs (NCCL): nothing to tell
+        return join_host(self.comm, opts.intra_host)
 
     def _wrap(self) -> None:
         """Wrap the model in DDP over the job's group (none when alone)."""

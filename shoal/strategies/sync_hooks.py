@@ -60,7 +60,7 @@ def shared_memory_hook(comm: Comm, reducer: SharedReducer) -> Hook:
     returned future is done. Each rank's share is ``1 / world_size`` of its gradients (as
     DDP's own path scales them), summed in rank order."""
     scale = 1.0 / comm.world_size
-    what = describe("all_reduce", "bucket")
+    what = describe("all_reduce", "gradients")  # as Gloo's path names it
 
     def hook(state, bucket):  # noqa: ANN001, ANN202
         buffer = bucket.buffer()
