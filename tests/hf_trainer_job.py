@@ -74,7 +74,8 @@ def trainer(ns: dict, out: Path, callbacks: list, cls: type[Trainer] = ShoalTrai
                 "max_grad_norm": 0.0, "report_to": [], "use_cpu": True, "disable_tqdm": True,
                 "save_strategy": "no", **args}
     return cls(model=model, args=TrainingArguments(output_dir=str(out), **settings),
-               train_dataset=ns["train"], optimizers=(optimizer, None), callbacks=callbacks)
+               train_dataset=ns["train"], eval_dataset=ns["train"],
+               optimizers=(optimizer, None), callbacks=callbacks)
 
 
 def checkpoint(ns: dict, out: Path) -> dict:
@@ -103,6 +104,9 @@ def refusals(ns: dict, out: Path) -> dict:
         "eamsgd": ([ShoalCallback("eamsgd")], ShoalTrainer, {}),
         "accumulation": ([ShoalCallback("diloco")], ShoalTrainer,
                          {"gradient_accumulation_steps": 2}),
+        "best model": ([ShoalCallback("diloco")], ShoalTrainer,
+                       {"load_best_model_at_end": True, "eval_strategy": "steps",
+                        "save_strategy": "steps"}),
         "plain Trainer": ([ShoalCallback("diloco")], Trainer, {}),
         "no callback": ([], ShoalTrainer, {}),
         "no saved state": ([ShoalCallback("diloco")], ShoalTrainer,

@@ -92,6 +92,7 @@ def test_a_checkpoint_holds_every_rank_and_resumes_exactly(ranks):
     ("async-sgd", "strategy async-sgd needs shoal to lay out its processes"),
     ("eamsgd", "eamsgd takes its local step itself"),
     ("accumulation", "leave the Trainer's gradient_accumulation_steps at 1"),
+    ("best model", "load_best_model_at_end would load rank 0's replica"),
     ("plain Trainer", "ShoalCallback needs ShoalTrainer in place of Trainer"),
     ("no callback", "ShoalTrainer takes one ShoalCallback in its callbacks"),
     ("no saved state", "has no shoal_coupling.pt (not saved by a ShoalTrainer)"),

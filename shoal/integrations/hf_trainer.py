@@ -13,8 +13,9 @@ strategy's exchange when its schedule says so, and ``on_train_end`` gives every 
 trained model (DiLoCo's global model, EASGD's center). ``"sync"`` leaves the Trainer's DDP
 alone. ``ShoalTrainer`` hands the callback the Trainer, writes every rank's strategy state
 into each checkpoint folder (``shoal_coupling.pt``) and puts it back on
-``train(resume_from_checkpoint=...)``. Evaluation during training sees each rank's own
-replica; the trained model is there once ``train()`` returns.
+``train(resume_from_checkpoint=...)``. The Trainer's own files in a checkpoint
+(``model.safetensors``) hold rank 0's replica, and evaluation during training sees each
+rank's own; the trained model is there once ``train()`` returns (``trainer.save_model()``).
 """
 
 from __future__ import annotations
@@ -23,11 +24,16 @@ import os
 from typing import Any
 
 import torch
-from transformers import Trainer, TrainerCallback, TrainerControl, TrainerState, TrainingArguments
-from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, TrainOutput, get_last_checkpoint
 
 from shoal.errors import ShoalError
 from shoal.integrations.accelerate import Coupling
+
+try:
+    from transformers import Trainer, TrainerCallback, TrainerControl, TrainerState, TrainingArguments
+    from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, TrainOutput, get_last_checkpoint
+except ImportError as exc:  # the extra is not installed
+    raise ShoalError("shoal.integrations.hf_trainer needs transformers: "
+                     "pip install 'shoal[transformers]'") from exc
 
 #: The file, in each checkpoint folder, that holds every rank's strategy state.
 STATE_FILE = "shoal_coupling.pt"
@@ -46,7 +52,8 @@ class ShoalCallback(TrainerCallback):
 
     Raises:
         ShoalError: When training begins: a plain ``Trainer`` (its DDP would all-reduce
-            every step); ``gradient_accumulation_steps`` above 1; whatever
+            every step); ``gradient_accumulation_steps`` above 1;
+            ``load_best_model_at_end`` (but for ``sync``); whatever
             :class:`~shoal.integrations.accelerate.Coupling` refuses (a strategy that needs
             parameter servers, ``eamsgd``, an unknown option, ``tau="auto"``, DeepSpeed or
             FSDP); a resumed checkpoint without shoal's state.
@@ -74,6 +81,9 @@ class ShoalCallback(TrainerCallback):
         if args.gradient_accumulation_steps > 1:
             raise ShoalError("a shoal coupling counts every optimizer step: leave the "
                              "Trainer's gradient_accumulation_steps at 1")
+        if args.load_best_model_at_end and self.strategy != "sync":
+            raise ShoalError("load_best_model_at_end would load rank 0's replica, not the "
+                             "strategy's trained model: leave it off")
         coupling = Coupling(trainer.accelerator, trainer.model_wrapped, trainer.optimizer,
                             self.strategy, **self.options)
         if self._resume is not None:
