@@ -25,13 +25,11 @@ from types import TracebackType
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
 import shoal
 from shoal.errors import ShoalError
-from shoal.strategies import get_strategy, make_options
-from shoal.strategies.easgd import ElasticAveragingMomentum
+from shoal.integrations.coupling import Coupled, check_strategy
 
 try:
     from accelerate import Accelerator, DistributedType
@@ -43,22 +41,7 @@ except ImportError as exc:  # the extra is not installed
 _REPLICATED = (DistributedType.NO, DistributedType.MULTI_CPU, DistributedType.MULTI_GPU)
 
 
-class _StepTaken:
-    """The user's optimizer as the strategy sees it: the loop already called its ``step()``
-    (the Accelerate way), so the strategy's local step does not take it again. All else
-    (its groups, their learning rates, its state) is the optimizer's own."""
-
-    def __init__(self, optimizer: torch.optim.Optimizer) -> None:
-        self._optimizer = optimizer
-
-    def step(self, closure: Any = None) -> None:
-        """Nothing: the loop's ``optimizer.step()`` took this step."""
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._optimizer, name)
-
-
-class Coupling:
+class Coupling(Coupled):
     """A shoal strategy coupling the processes of an Accelerate job.
 
     Args:
@@ -82,13 +65,10 @@ class Coupling:
                  optimizer: torch.optim.Optimizer, strategy: str = "diloco",
                  **options: Any) -> None:
         _check_setup(accelerator, strategy, options)
-        self.accelerator, self.model, self.optimizer = accelerator, model, optimizer
-        self.name, self.steps = strategy, 0
-        self.comm = shoal.init(device=accelerator.device.type, threads=torch.get_num_threads())
-        _check_ranks(accelerator, self.comm.rank, self.comm.world_size)
-        self.inner = accelerator.unwrap_model(model)
-        self.strategy = None if strategy == "sync" else shoal.strategy(
-            strategy, self.inner, _StepTaken(optimizer), self.comm, **options)  # type: ignore[arg-type]
+        comm = shoal.init(device=accelerator.device.type, threads=torch.get_num_threads())
+        _check_ranks(accelerator, comm.rank, comm.world_size)
+        super().__init__(strategy, accelerator.unwrap_model(model), optimizer, comm, options)
+        self.accelerator, self.model = accelerator, model
         self._held: contextlib.AbstractContextManager[Any] | None = None
         accelerator.register_for_checkpointing(self)
 
@@ -108,63 +88,6 @@ class Coupling:
                 self._held.__exit__(kind, value, tb)
                 self._held = None
 
-    def step(self) -> None:
-        """After ``optimizer.step()``: count the step, and exchange when the strategy's
-        schedule says so (EASGD's pull lands here too)."""
-        self.steps += 1
-        if self.strategy is not None:
-            self.strategy.step()
-
-    @torch.no_grad()
-    def finish(self) -> None:
-        """Close the strategy's round in progress (every exchange in flight applied) and give
-        every rank's model the trained one (DiLoCo's global model, EASGD's center). The
-        block's end calls it."""
-        if self.strategy is None:
-            return
-        self.strategy.end_epoch(self.steps)
-        trained = self.strategy.eval_module
-        if trained is not self.inner:
-            for mine, theirs in zip(self.inner.parameters(), trained.parameters(), strict=True):
-                mine.copy_(theirs)
-
-    # -- checkpoints (accelerator.save_state / load_state) --------------------------------
-    def state_dict(self) -> dict[str, Any]:
-        """Every rank's strategy state, gathered for the one file Accelerate writes: where
-        replicas drift (all but ``sync``) each rank's model and optimizer too, which
-        Accelerate saves of rank 0 only. A collective: Accelerate calls it on every rank."""
-        if self.strategy is None:
-            return {"strategy": self.name, "steps": self.steps}
-        own = {"strategy": self.strategy.state_dict(), "model": self.inner.state_dict(),
-               "optimizer": self.optimizer.state_dict()}
-        ranks: list[Any] = [own]
-        if self.comm.world_size > 1:
-            ranks = [None] * self.comm.world_size
-            with self.comm.track("all_gather", "strategy state"):
-                dist.all_gather_object(ranks, own)
-        return {"strategy": self.name, "steps": self.steps, "ranks": ranks}
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Put back this rank's part of what :meth:`state_dict` gathered.
-
-        Raises:
-            ShoalError: The state is another strategy's, or of another number of processes.
-        """
-        if state.get("strategy") != self.name:
-            raise ShoalError(f"the saved coupling state is {state.get('strategy')!r}'s, this "
-                             f"coupling's strategy is {self.name!r}")
-        self.steps = int(state["steps"])
-        if self.strategy is None:
-            return
-        ranks = state["ranks"]
-        if len(ranks) != self.comm.world_size:
-            raise ShoalError(f"the saved coupling state is of {len(ranks)} processes, this job "
-                             f"has {self.comm.world_size}: resume on {len(ranks)}")
-        own = ranks[self.comm.rank]
-        self.inner.load_state_dict(own["model"])
-        self.optimizer.load_state_dict(own["optimizer"])
-        self.strategy.load_state_dict(own["strategy"])
-
 
 def _check_setup(accelerator: Accelerator, strategy: str, options: dict[str, Any]) -> None:
     """Refuse, in one line, what a coupling cannot run faithfully."""
@@ -174,18 +97,7 @@ def _check_setup(accelerator: Accelerator, strategy: str, options: dict[str, Any
     if accelerator.gradient_accumulation_steps > 1:
         raise ShoalError("a shoal coupling counts every optimizer step: leave Accelerate's "
                          "gradient_accumulation_steps at 1")
-    cls = get_strategy(strategy)
-    if cls.topology(cls.Options(), 2).servers:
-        raise ShoalError(f"strategy {strategy} needs shoal to lay out its processes (parameter "
-                         "servers beside the workers): run it with shoal train or shoal run")
-    if issubclass(cls, ElasticAveragingMomentum):
-        raise ShoalError("eamsgd takes its local step itself (Nesterov momentum in x and v), "
-                         "which the loop's optimizer.step() would take twice: use easgd, or "
-                         "shoal's own loop")
-    make_options(cls, options)  # an unknown option or a value out of range: before joining
-    if options.get("tau") is not None and isinstance(options["tau"], str):
-        raise ShoalError(f"tau={options['tau']!r} adapts to every step's loss, which a coupling "
-                         "does not see: give a number of steps")
+    check_strategy(strategy, options)
 
 
 def _check_ranks(accelerator: Accelerator, rank: int, world: int) -> None:
