@@ -29,7 +29,7 @@ import torch.multiprocessing as mp
 
 from shoal.core.comm import Comm
 from shoal.core.env import Environment, default_threads, free_port
-from shoal.core.intrahost import join_host
+from shoal.core.hostpath import join_host
 from shoal.sweep.measure import measure_run
 from shoal.sweep.reference import Workload, run_reference
 

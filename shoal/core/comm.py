@@ -23,6 +23,7 @@ from shoal.core.failures import EXIT_ABORTED, LEFT_EARLY, record_for
 from shoal.core.group import hang_up, join_group
 from shoal.core.handle import Handle
 from shoal.core.inflight import FutureWork
+from shoal.core.intrahost import HostPath
 from shoal.core.membership import Membership
 from shoal.core.objects import ObjectCollectives
 from shoal.core.ops import reduce_op
@@ -37,6 +38,7 @@ from shoal.core.waits import (
     ended_key,
     generation_key,
     key_prefix,
+    named,
     say_closed,
     say_left,
 )
@@ -99,6 +101,7 @@ class Comm(ObjectCollectives):
         self._keys = Keys(0)
         self._watchdog: Watchdog | None = None
         self.membership: Membership | None = None
+        self.host: HostPath | None = None  #: sums through the host's memory (core.hostpath)
         if self._store is not None and (self.world_size > 1 or elastic) and peers:
             self._watch(env, heartbeat_timeout, timeout, elastic)
 
@@ -200,12 +203,16 @@ class Comm(ObjectCollectives):
             return Handle(self, None, tensor, op, name)
         if self.membership is not None:  # voted, so finished here: no overlap
             self.count(tensor.numel() * tensor.element_size())
-            with self.timeline.span(COMM, name), self.log.track(_what("all_reduce", name)):
+            with self.timeline.span(COMM, name), self.log.track(named("all_reduce", name)):
                 self._meet(lambda: dist.all_reduce(tensor, op=red, async_op=True), keep=tensor)
             return Handle(self, None, tensor.div_(self.world_size) if op == "avg" else tensor,
                           op, name)
+        if self.host is not None and self.host.takes(tensor, op):  # done when it returns
+            self.count(tensor.numel() * tensor.element_size())
+            with self.timeline.span(COMM, name), self.log.track(named("all_reduce", name, "allreduce")):
+                return Handle(self, None, self.host.all_reduce(tensor, op), op, name)
         nbytes = self._start(tensor)
-        seq = self.log.start(_what("all_reduce", name, "allreduce"))  # finished by its wait
+        seq = self.log.start(named("all_reduce", name, "allreduce"))  # finished by its wait
         with self.timeline.span(COMM, name):
             work = dist.all_reduce(tensor, op=red, async_op=True)
         return Handle(self, work, tensor, op, name, seq, nbytes)
@@ -220,7 +227,7 @@ class Comm(ObjectCollectives):
             return self._all_gather_met(tensor, name)
         out = torch.empty(self.world_size * tensor.numel(), dtype=tensor.dtype, device=tensor.device)
         nbytes = self._start(tensor)
-        seq = self.log.start(_what("all_gather", name, "allgather"))  # finished by its wait
+        seq = self.log.start(named("all_gather", name, "allgather"))  # finished by its wait
         with self.timeline.span(COMM, name):
             work = dist.all_gather(list(out.view(self.world_size, -1).unbind(0)), tensor,
                                    async_op=True)
@@ -235,7 +242,7 @@ class Comm(ObjectCollectives):
             return dist.all_gather(list(rows[0].unbind(0)), tensor, async_op=True)
 
         self.count(tensor.numel() * tensor.element_size())
-        with self.timeline.span(COMM, name), self.log.track(_what("all_gather", name)):
+        with self.timeline.span(COMM, name), self.log.track(named("all_gather", name)):
             self._meet(run)
         got = rows[0] if rows and self.active else tensor.view(1, -1)  # alone: its own row
         return Handle(self, None, got, "gather", name)
@@ -250,11 +257,9 @@ class Comm(ObjectCollectives):
 
     def all_reduce_future(self, tensor: torch.Tensor) -> torch.futures.Future:
         """Start an in-place sum of ``tensor`` for a DDP communication hook; returns the
-        future DDP waits on (its value: ``[tensor]``). The bytes are counted; no time is
-        booked here: DDP calls its hooks inside backward, on autograd's threads, where the
-        all-reduce runs behind the rest of backward. What backward did not hide is booked
-        afterwards with :meth:`book_exposed`.
-        """
+        future DDP waits on (its value: ``[tensor]``). Its bytes are counted, not its time:
+        it runs behind the rest of backward, and what that did not hide is booked later
+        (:meth:`book_exposed`)."""
         if not self.active:
             done: torch.futures.Future = torch.futures.Future()
             done.set_result([tensor])
@@ -276,7 +281,7 @@ class Comm(ObjectCollectives):
         """Overwrite ``tensor`` on every rank with rank ``src``'s."""
         if self.active:
             self.count(tensor.numel() * tensor.element_size())
-            with self.timeline.span(COMM, name), self.log.track(_what("broadcast", name)):
+            with self.timeline.span(COMM, name), self.log.track(named("broadcast", name)):
                 self._meet(lambda: dist.broadcast(tensor, src=src, async_op=True))
         return tensor
 
@@ -392,8 +397,3 @@ class Comm(ObjectCollectives):
 
 #: Comms made on a job's store by this process so far (see :class:`~shoal.core.waits.Keys`).
 _GENERATIONS = itertools.count()
-
-
-def _what(op: str, name: str, default: str | None = None) -> str:
-    """The collective ``op`` called ``name`` by its caller, as the watchdog's lines name it."""
-    return describe(op, None if name in (op, default) else name)

@@ -36,37 +36,18 @@ job's rank 0 (:mod:`shoal.core.segment`).
 from __future__ import annotations
 
 import ctypes
-import logging
 import mmap
 import os
-import platform
-import socket
-import sys
 import time
-from pathlib import Path
 from typing import TYPE_CHECKING, NamedTuple
 
 import numpy as np
 import torch
 
-from shoal.core.segment import (
-    SHM_DIR,
-    create_segment,
-    open_segment,
-    segment_name,
-    sweep_stale,
-    unlink_segment,
-)
-from shoal.errors import JobError, ShoalError
+from shoal.errors import JobError
 
 if TYPE_CHECKING:
-    from shoal.core.comm import Comm
-
-log = logging.getLogger("shoal.intrahost")
-SPANS = "the job spans"  # the one reason told at INFO: the fast path is one host's
-
-#: ``--intra-host``: pick the fast path where it serves, Gloo always, or the fast path or fail.
-MODES = ("auto", "gloo", "shm")
+    pass
 
 _LINE = 64  # bytes: a cache line, so that no two ranks' counters share one
 #: The default slot: a chunk of at most this many bytes is summed at a time.
@@ -256,114 +237,25 @@ def _share(numel: int, world_size: int, rank: int) -> tuple[int, int]:
     return lo, lo + base + (rank < extra)
 
 
-def host_key() -> str:
-    """What tells this host from another: its name, its boot and its network namespace (an
-    emulated host of :mod:`shoal.emulate` is a namespace of one machine, and its slow link
-    is the point: it must not be bypassed)."""
-    parts = [socket.gethostname()]
-    for path in ("/proc/sys/kernel/random/boot_id", "/proc/self/ns/net", "/proc/self/ns/ipc"):
-        try:
-            parts.append(os.readlink(path) if path.startswith("/proc/self")
-                         else Path(path).read_text().strip())
-        except OSError:
-            parts.append("?")
-    return "|".join(parts)
+#: What the host's memory sums: what adds without surprise (no bool, no complex).
+_SUMMED = (torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int32, torch.int64)
 
 
-def unavailable_here(device_type: str) -> str | None:
-    """Why this process cannot take the fast path (``None``: it can)."""
-    if sys.platform != "linux" or not os.path.isdir(SHM_DIR):
-        return f"no {SHM_DIR} here"
-    if platform.machine() not in ("x86_64", "AMD64"):
-        return (f"{platform.machine()} may reorder stores; its barriers are written for "
-                "x86-64 only")
-    if device_type != "cpu":
-        return f"its tensors are on {device_type}"
-    return None
+class HostPath:
+    """A Comm's sums through the host's shared memory (its ``host``, put there by
+    :func:`shoal.core.hostpath.use_host_memory`)."""
 
+    def __init__(self, reducer: SharedReducer) -> None:
+        self.reducer = reducer
 
-def join_host(comm: Comm, mode: str, *, blocker: str | None = None,
-              slot_bytes: int = SLOT_BYTES, timeout: float = 300.0) -> SharedReducer | None:
-    """The job's shared-memory reducer for ``--intra-host mode``, or ``None``: Gloo.
+    @staticmethod
+    def takes(tensor: torch.Tensor, op: str) -> bool:
+        """Whether the host's memory sums ``tensor`` for ``op`` (else Gloo does)."""
+        return op in ("sum", "avg") and tensor.device.type == "cpu" and \
+            tensor.dtype in _SUMMED and tensor.is_contiguous()
 
-    A collective of every rank of ``comm``'s job (unless ``mode`` is ``gloo``, the job has
-    one rank, or ``blocker`` says why the caller cannot use the fast path: then none). With
-    ``auto``, a job that cannot take the fast path goes on with Gloo and rank 0 says why in
-    one line; with ``shm`` that is an error.
-
-    Args:
-        comm: The job's Comm (its object collectives carry the segment's name).
-        mode: ``auto``, ``gloo`` or ``shm``.
-        blocker: Why the caller cannot take the fast path, if it cannot.
-        slot_bytes: The largest chunk summed at once (a multiple of 64).
-        timeout: Seconds a rank waits for the others inside an all-reduce.
-
-    Returns:
-        The reducer, or ``None`` for Gloo.
-
-    Raises:
-        ShoalError: ``mode`` is ``shm`` and the fast path is not available.
-    """
-    if mode not in MODES:
-        raise ShoalError(f"--intra-host must be one of {', '.join(MODES)}, got {mode!r}")
-    if mode == "gloo" or not comm.active:
-        return None
-    reducer, why = None, blocker
-    if why is None:
-        why = _why_not(comm)
-    if why is None:
-        reducer, why = _attach(comm, slot_bytes, timeout)
-    if why is None:
-        return reducer
-    if mode == "shm":
-        raise ShoalError(f"--intra-host shm: {why}")
-    if comm.rank == 0:  # a job across hosts takes Gloo by design: nothing wrong to tell
-        log.log(logging.INFO if why.startswith(SPANS) else logging.WARNING,
-                f"shoal: gradients all-reduced through Gloo: {why}")
-    return None
-
-
-def _why_not(comm: Comm) -> str | None:
-    """Rank 0's verdict, the same on every rank: why the job cannot take the fast path."""
-    seen = comm.gather_objects((host_key(), unavailable_here(comm.device.type)))
-    why = None
-    if seen is not None:
-        hosts = {key for key, _ in seen}
-        local = [(rank, reason) for rank, (_, reason) in enumerate(seen) if reason]
-        if local:
-            why = f"rank {local[0][0]}: {local[0][1]}"
-        elif len(hosts) > 1:
-            why = f"{SPANS} {len(hosts)} hosts (one host only, for now)"
-    return comm.broadcast_object(why)
-
-
-def _attach(comm: Comm, slot_bytes: int, timeout: float) -> tuple[SharedReducer | None,
-                                                                  str | None]:
-    """Rank 0 creates the segment, every rank maps it, rank 0 unlinks it: the reducer, or
-    why not (the same on every rank)."""
-    size, name, segment, error = segment_bytes(comm.world_size, slot_bytes), None, None, None
-    try:
-        if comm.rank == 0:
-            sweep_stale()
-            try:
-                name = segment_name()
-                segment = create_segment(name, size)
-            except OSError as exc:
-                name, error = None, f"could not create a segment in {SHM_DIR}: {exc}"
-        name = comm.broadcast_object(name)
-        if comm.rank != 0 and name is not None:
-            try:
-                segment = open_segment(name, size)
-            except (OSError, ValueError) as exc:
-                error = f"rank {comm.rank} could not map the segment: {exc}"
-        errors = comm.gather_objects(error)
-    finally:
-        if comm.rank == 0 and name is not None:
-            unlink_segment(name)  # mapped by all (or failed): nothing left behind
-    why = comm.broadcast_object(next((e for e in errors or [] if e), None))
-    if why is not None or segment is None:
-        if segment is not None:
-            segment.close()
-        return None, why or "no segment"
-    return SharedReducer(segment, comm.rank, comm.world_size, slot_bytes=slot_bytes,
-                         timeout=timeout), None
+    def all_reduce(self, tensor: torch.Tensor, op: str) -> torch.Tensor:
+        """Sum ``tensor`` in place, in rank order (``avg`` then divides by the number of
+        ranks, as Gloo's path does): done when it returns."""
+        self.reducer.all_reduce(tensor)
+        return tensor.div_(self.reducer.world_size) if op == "avg" else tensor

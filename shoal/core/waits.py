@@ -187,6 +187,12 @@ def describe(op: str, name: str | None = None) -> str:
     return f"{op} ({name})" if name else op
 
 
+def named(op: str, name: str, default: str | None = None) -> str:
+    """The collective ``op`` its caller called ``name``, as the lines name it (a name that
+    only repeats the op, or is its ``default``, is left out)."""
+    return describe(op, None if name in (op, default) else name)
+
+
 class Pending(NamedTuple):
     seq: int  # its number; at the end of the job, one past the last collective
     what: str

@@ -12,6 +12,7 @@ from torch import nn
 
 from shoal.core.comm import Comm
 from shoal.core.flat import FlatParams
+from shoal.core.hostpath import HELP, MODES, use_host_memory
 from shoal.core.quantize import CHUNK, PRECISIONS, Codec, check_precision, error_feedback
 from shoal.errors import ShoalError
 from shoal.strategies.base import Strategy
@@ -46,9 +47,13 @@ class PeriodicOptions:
                 "contiguous runs of tensors of about equal size; strided, the model's layers "
                 "dealt round robin (fragment p: layers p, p+F, p+2F, ...)",
         "choices": PATTERNS})
+    intra_host: str = dataclasses.field(default="auto", metadata={"help": HELP, "choices": MODES})
 
     def validate(self) -> None:
         first_period(self.tau)
+        if self.intra_host not in MODES:
+            raise ShoalError(f"--intra-host must be one of {', '.join(MODES)}, "
+                             f"got {self.intra_host!r}")
         check_precision(self.outer_precision)
         error_feedback(self.outer_precision, self.error_feedback)
         if self.fragments < 1:
@@ -89,6 +94,7 @@ class PeriodicStrategy(Strategy):
         self.adaptive = AdaptivePeriod(self.period, comm) \
             if isinstance(self.options.tau, str) else None
         self.exchanges: Exchanges | None = None
+        use_host_memory(comm, self.options.intra_host)  # its exchanges' sums: the host's memory
 
     @classmethod
     def outer_pattern(cls, options: PeriodicOptions, workers: int, what: str,

@@ -13,8 +13,8 @@ uses the hooks of :mod:`shoal.strategies.sync_hooks`, which count what they send
 
 ``--intra-host auto`` (the default; ``shm`` insists) on a job whose ranks share one host sums
 the buckets through the host's shared memory instead of Gloo's loopback TCP
-(:mod:`shoal.core.intrahost`), in a hook that returns once the sum is done: the hook's
-extra pass is far cheaper than the Gloo all-reduce it replaces (docs/performance.md).
+(:mod:`shoal.core.hostpath`, :mod:`shoal.core.intrahost`), in a hook that returns once the
+sum is done: the hook's extra pass is far cheaper than the Gloo all-reduce it replaces (docs/performance.md).
 
 With ``--split-wait`` that exposed tail is split into ``wait`` (for the slowest rank to
 finish its backward) and ``comm`` (the transfer itself): every rank shares, in a tiny
@@ -39,7 +39,8 @@ from torch.nn.parallel import DistributedDataParallel
 
 from shoal.core.comm import Handle
 from shoal.core.dynamo import ddp_settings, defer_disable
-from shoal.core.intrahost import MODES, SharedReducer, join_host
+from shoal.core.hostpath import HELP, MODES, use_host_memory
+from shoal.core.intrahost import SharedReducer
 from shoal.core.timeline import Event
 from shoal.errors import ShoalError
 from shoal.strategies.base import Strategy
@@ -64,10 +65,7 @@ class SyncOptions:
     powersgd_warmup: int = field(default=10, metadata={
         "help": "steps of plain allreduce before PowerSGD compression starts"})
     intra_host: str = field(default="auto", metadata={
-        "help": "how the processes of one host all-reduce: gloo, shm (shared memory) or "
-                "auto (shm where the whole job is on one host, is not --elastic and sends "
-                "no compressed gradients; else gloo, saying why if the host is the reason)",
-        "choices": MODES})
+        "help": HELP + "; --compress keeps gloo", "choices": MODES})
     split_wait: bool = field(default=False, metadata={
         "help": "split the exposed all-reduce into waiting for the slowest rank's backward "
                 "and transfer (one 8-byte all-reduce per step)"})
@@ -138,14 +136,9 @@ class Synchronous(Strategy):
     def _join_host(self) -> SharedReducer | None:
         """The host's shared-memory all-reduce (``--intra-host``), or ``None``: Gloo's."""
         opts: SyncOptions = self.options
-        if self.comm.membership is not None:
-            if opts.intra_host == "shm":
-                raise ShoalError("--intra-host shm: --elastic re-forms the group, which the "
-                                 "shared-memory path does not follow")
-            return None  # auto: an elastic job's documented path is Gloo's, nothing to tell
-        if opts.compress != "none" or self.comm.device.type != "cpu":
-            return None  # compression asked for, or GPUs (NCCL): nothing to tell
-        return join_host(self.comm, opts.intra_host)
+        if opts.compress != "none":  # compression asked for: Gloo's hooks, nothing to tell
+            return None
+        return use_host_memory(self.comm, opts.intra_host)
 
     def _wrap(self) -> None:
         """Wrap the model in DDP over the job's group (none when alone)."""
