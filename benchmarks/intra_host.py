@@ -112,10 +112,11 @@ def collectives(world_size: int, rounds: int) -> None:
               f"{t['shm']:,.1f} | {t['gloo'] / t['shm']:.1f}x | {t['shm'] / t['add']:.1f}x |")
 
 
-def run_shoal(w: Workload, world_size: int, threads: int, intra_host: str) -> float:
-    """samples/s of ``shoal train --strategy sync --intra-host intra_host`` on ``w``."""
+def run_shoal(w: Workload, world_size: int, threads: int, intra_host: str,
+              strategy: tuple[str, ...] = ("--strategy", "sync")) -> float:
+    """samples/s of ``shoal train`` (``strategy``'s flags) ``--intra-host intra_host`` on ``w``."""
     with tempfile.TemporaryDirectory() as out:
-        cmd = [sys.executable, "-m", "shoal", "train", "--strategy", "sync", "--model", w.model,
+        cmd = [sys.executable, "-m", "shoal", "train", *strategy, "--model", w.model,
                "--dataset", "synthetic", "--synthetic-shape", "x".join(map(str, w.shape)),
                "--synthetic-classes", str(w.classes),
                "--synthetic-samples", str(w.samples(world_size)), "--epochs", "1",
@@ -148,6 +149,23 @@ def training(world_size: int, rounds: int, batch: int, steps: int) -> None:
     print(f"\nall: {got}")
 
 
+def periodic(world_size: int, rounds: int, batch: int, steps: int, strategy: str,
+             tau: int) -> None:
+    """Print samples/s of a periodic strategy's run on Gloo and on shm, alternated."""
+    w = Workload(model="lenet5", shape=(1, 8, 8), batch=batch, steps=steps, warmup=20)
+    flags = ("--strategy", strategy, "--tau", str(tau))
+    got: dict[str, list[float]] = {"gloo": [], "shm": []}
+    for _ in range(rounds):
+        for mode in ("gloo", "shm"):
+            got[mode].append(run_shoal(w, world_size, default_threads(world_size), mode, flags))
+    med = {k: statistics.median(v) for k, v in got.items()}
+    print(f"\n{strategy} --tau {tau}, LeNet-5, 1x8x8, batch {batch}/worker, {world_size} "
+          f"workers, {steps} steps, median of {rounds} (samples/s)\n")
+    print("| shoal, gloo | shoal, shm | shm / gloo |\n| ---: | ---: | ---: |")
+    print(f"| {med['gloo']:,.0f} | {med['shm']:,.0f} | {med['shm'] / med['gloo']:.2f}x |")
+    print(f"\nall: {got}")
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--workers", type=int, nargs="+", default=[2, 4])
@@ -155,9 +173,14 @@ def main() -> None:
     p.add_argument("--train", action="store_true", help="time training instead")
     p.add_argument("--batch", type=int, default=32, help="per worker (--train)")
     p.add_argument("--steps", type=int, default=300, help="per run (--train)")
+    p.add_argument("--strategy", default="sync", help="--train: sync (against a hand-written "
+                   "DDP loop too), or a periodic strategy (local-sgd, easgd, diloco)")
+    p.add_argument("--tau", type=int, default=1, help="a periodic strategy's period (--train)")
     a = p.parse_args()
     for world_size in a.workers:
-        if a.train:
+        if a.train and a.strategy != "sync":
+            periodic(world_size, a.rounds, a.batch, a.steps, a.strategy, a.tau)
+        elif a.train:
             training(world_size, a.rounds, a.batch, a.steps)
         else:
             collectives(world_size, a.rounds)
