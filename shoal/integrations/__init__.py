@@ -2,4 +2,5 @@
 own-loop API (`shoal.strategy`), never a copy of shoal's trainer.
 
 - :mod:`shoal.integrations.accelerate`: Hugging Face Accelerate (``shoal[accelerate]``).
+- :mod:`shoal.integrations.hf_trainer`: the Hugging Face ``Trainer`` (``shoal[transformers]``).
 """
