@@ -81,13 +81,16 @@ def fabric_loop(name: str, options: dict, epochs: int) -> dict:
     model, optimizer = fresh()
     model, optimizer = fabric.setup(model, optimizer)
     loader = fabric.setup_dataloaders(DataLoader(rows(), batch_size=16, shuffle=True))
+    steps = 0
     for _ in range(epochs):
         for x, y in loader:
             fabric.backward(F.cross_entropy(model(x), y))
             optimizer.step()
             optimizer.zero_grad()
+            steps += 1
     fabric.strategy.finish()
-    return {"params": params(model), "steps": fabric.strategy.coupled.steps}
+    coupled = fabric.strategy.coupled
+    return {"params": params(model), "steps": steps if coupled is None else coupled.steps}
 
 
 def example(name: str, options: dict, epochs: int) -> dict:
@@ -95,7 +98,7 @@ def example(name: str, options: dict, epochs: int) -> dict:
                 "--epochs", str(epochs)]
     ns = runpy.run_path(str(EXAMPLE), run_name="__main__")
     MODULE.append(ns["Digits"])
-    return {"params": params(ns["model"]), "steps": ns["trainer"].strategy.coupled.steps,
+    return {"params": params(ns["model"]), "steps": ns["trainer"].global_step,
             "accuracy": ns["accuracy"]}
 
 

@@ -34,6 +34,7 @@ TRAINER_CASES = {
                                           "outer_precision": "int4"}],
 }
 FABRIC_CASES = {
+    "sync": ["sync", {}],
     "easgd": ["easgd", {"tau": 4}],
     "streaming diloco, int4": ["diloco", {"tau": 8, "fragments": 2, "overlap_steps": 1,
                                           "outer_precision": "int4"}],
@@ -72,7 +73,8 @@ def test_lightning_s_loops_equal_shoal_s_own_loop(ranks, loop, case):
 
 @pytest.mark.parametrize("case", TRAINER_CASES)
 def test_the_example_learns(ranks, case):
-    # 1 epoch of 45 steps (chance: 10 %).
+    # 1 epoch of 45 steps (chance: 10 %): local SGD 43 %, diloco 39 %, streamed in int4 39 %,
+    # sync 36 %, EASGD's center 32 % (2026-12-06).
     accuracy = ranks[0]["trainer"][case]["coupling"]["accuracy"]
     assert accuracy > 0.25, f"{case}: test accuracy {accuracy:.3f}"
 

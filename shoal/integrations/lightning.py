@@ -71,7 +71,8 @@ KEY = "shoal"
 def _couple(name: str, options: dict[str, Any], model: nn.Module,
             optimizers: list[torch.optim.Optimizer], device: torch.device, rank: int,
             world: int, per_node: int) -> Coupled:
-    """The coupling of ``model`` and its one optimizer on Lightning's process group.
+    """The coupling of ``model`` and its one optimizer on Lightning's process group (not
+    ``"sync"``: Lightning's DDP couples its replicas).
 
     Raises:
         ShoalError: Not one optimizer, or ranks that are not Lightning's.
@@ -106,7 +107,8 @@ class ShoalStrategy(DDPStrategy):
         check_strategy(strategy, options)
         super().__init__()
         self.name, self.options = strategy, options
-        #: The coupling of the fit in progress (or last ended); ``None`` before a fit.
+        #: The coupling of the fit in progress (or last ended); ``None`` before a fit and
+        #: for ``"sync"``.
         self.coupled: Coupled | None = None
 
     def configure_ddp(self) -> None:
@@ -117,7 +119,7 @@ class ShoalStrategy(DDPStrategy):
 
     def setup(self, trainer: pl.Trainer) -> None:
         super().setup(trainer)
-        if trainer.state.fn == TrainerFn.FITTING:
+        if trainer.state.fn == TrainerFn.FITTING and self.name != "sync":
             self.coupled = _couple(self.name, self.options, self.lightning_module,
                                    self.optimizers, self.root_device, self.global_rank,
                                    self.world_size, self.num_processes)
@@ -184,7 +186,8 @@ class ShoalFabricStrategy(FabricDDPStrategy):
         check_strategy(strategy, options)
         super().__init__()
         self.name, self.options = strategy, options
-        #: The coupling of the model set up last; ``None`` before ``fabric.setup``.
+        #: The coupling of the model set up last; ``None`` before ``fabric.setup`` and for
+        #: ``"sync"``.
         self.coupled: Coupled | None = None
         if strategy != "sync":
             self._backward_sync_control = _NothingHeld()
@@ -193,10 +196,10 @@ class ShoalFabricStrategy(FabricDDPStrategy):
             self, module: nn.Module, optimizers: list[torch.optim.Optimizer],
             scheduler: Any = None) -> tuple[nn.Module, list[torch.optim.Optimizer], Any]:
         """The model and its one optimizer coupled (``"sync"``: the model in DDP)."""
-        self.coupled = _couple(self.name, self.options, module, optimizers, self.root_device,
-                               self.global_rank, self.world_size, self.num_processes)
         if self.name == "sync":
             return super().setup_module_and_optimizers(module, optimizers, scheduler)
+        self.coupled = _couple(self.name, self.options, module, optimizers, self.root_device,
+                               self.global_rank, self.world_size, self.num_processes)
         return module, optimizers, scheduler
 
     def setup_module(self, module: nn.Module) -> nn.Module:
