@@ -112,3 +112,12 @@ def test_what_lightning_cannot_run_is_one_line(strategy, options, message):
         with pytest.raises(ShoalError, match=re.escape(message)) as raised:
             cls(strategy, **options)
         assert "\n" not in str(raised.value)
+
+
+def test_fabric_sets_a_coupled_optimizer_up_with_its_model():
+    from shoal.integrations.lightning import ShoalFabricStrategy
+
+    model = torch.nn.Linear(2, 2)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    with pytest.raises(ShoalError, match=re.escape("fabric.setup(model, optimizer)")):
+        ShoalFabricStrategy("diloco").setup_optimizer(optimizer)
