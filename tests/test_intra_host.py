@@ -19,8 +19,8 @@ import torch.distributed as dist
 import shoal
 from shoal.core import intrahost
 from shoal.core import segment as shm
-from shoal.core.hostpath import join_host
-from shoal.core.intrahost import SharedReducer
+from shoal.core.hostpath import attach_hosts, join_host
+from shoal.core.intrahost import HostsReducer, SharedReducer
 from shoal.errors import ShoalError, WorkerError
 from shoal.strategies.sync import SyncOptions
 
@@ -78,6 +78,42 @@ def test_sums_equal_gloo_and_rank_order(workers):
     results = shoal.launch(_compare, workers=workers)
     assert results == [[]] * workers
     assert ours() <= before  # unlinked once every rank mapped it
+
+
+def _compare_hosts(hosts: list[list[int]]) -> list[str]:
+    """On every rank, its ranks laid out on ``hosts`` as if on several: the sums host by
+    host, each in rank order, then across hosts (2 hosts: one exact addition)."""
+    comm = shoal.init(device="cpu", timeout=60)
+    reducer, why = attach_hosts(comm, hosts, SLOT, 60)
+    assert why is None and isinstance(reducer, HostsReducer), why
+    wrong = []
+    for dtype in DTYPES:
+        for numel in SIZES:
+            for scale in (None, 1.0 / comm.world_size):
+                gen = torch.Generator().manual_seed(1000 * comm.rank + numel)
+                x = torch.randn(numel, generator=gen, dtype=torch.float64).to(dtype)
+                mine = x.clone() if scale is None else torch.mul(x, scale)
+                got = reducer.all_reduce(x.clone(), scale)
+                rows = [torch.empty_like(mine) for _ in range(comm.world_size)]
+                dist.all_gather(rows, mine)
+                sums = []
+                for host in hosts:
+                    total = rows[host[0]].clone()
+                    for r in host[1:]:
+                        total.add_(rows[r])
+                    sums.append(total)
+                expected = torch.add(sums[0], sums[1])
+                if not torch.equal(got, expected):
+                    wrong.append(f"{dtype} x{numel} scale {scale}: not the hosts' sum")
+    return wrong
+
+
+@pytest.mark.parametrize("hosts", [[[0, 1], [2, 3]], [[0], [1, 2]]], ids=["2x2", "1+2"])
+def test_sums_across_hosts_go_host_by_host(hosts):
+    before = ours()
+    workers = sum(map(len, hosts))
+    assert shoal.launch(_compare_hosts, hosts, workers=workers) == [[]] * workers
+    assert ours() <= before
 
 
 def _die_inside() -> None:
@@ -167,8 +203,8 @@ def test_auto_falls_back_to_gloo_saying_why(caplog):
         no_shm = fake_comm([("a", None), ("a", "no /dev/shm here")])
         assert join_host(no_shm, "auto") is None
     assert [(r.levelno, r.getMessage()) for r in caplog.records] == [
-        (logging.INFO, "shoal: gradients all-reduced through Gloo: the job spans 2 hosts "
-                       "(one host only, for now)"),
+        (logging.INFO, "shoal: gradients all-reduced through Gloo: the job spans 2 hosts, "
+                       "one process each"),
         (logging.WARNING, "shoal: gradients all-reduced through Gloo: rank 1: no /dev/shm here")]
     with pytest.raises(ShoalError, match="--intra-host shm: rank 1: its tensors are on cuda"):
         join_host(fake_comm([("a", None), ("a", "its tensors are on cuda")]), "shm")

@@ -24,7 +24,16 @@ import weakref
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from shoal.core.intrahost import SLOT_BYTES, HostPath, SharedReducer, segment_bytes
+import torch.distributed as dist
+
+from shoal.core.intrahost import (
+    SLOT_BYTES,
+    HostPath,
+    HostsReducer,
+    SharedReducer,
+    Summing,
+    segment_bytes,
+)
 from shoal.core.segment import (
     SHM_DIR,
     create_segment,
@@ -48,7 +57,7 @@ HELP = ("how the processes of one host sum: gloo, shm (shared memory) or auto (s
         "the whole job is on one host, is not --elastic and runs on CPUs; else gloo, saying "
         "why if the host is the reason)")
 
-def use_host_memory(comm: Comm, mode: str) -> SharedReducer | None:
+def use_host_memory(comm: Comm, mode: str) -> Summing | None:
     """Put ``--intra-host mode``'s path on ``comm`` (:attr:`Comm.host`) and return its
     reducer, or ``None`` for Gloo. A collective of every rank the first time it tries the
     fast path; later calls keep what the first found (``gloo`` turns it off).
@@ -86,7 +95,7 @@ def use_host_memory(comm: Comm, mode: str) -> SharedReducer | None:
 
 #: What the first try found, by Comm: a later strategy of the job (a planning session's
 #: next trial) takes it again without a collective.
-_FOUND: weakref.WeakKeyDictionary[Comm, SharedReducer | None] = weakref.WeakKeyDictionary()
+_FOUND: weakref.WeakKeyDictionary[Comm, Summing | None] = weakref.WeakKeyDictionary()
 
 
 def host_key() -> str:
@@ -115,19 +124,22 @@ def unavailable_here(device_type: str) -> str | None:
     return None
 
 
-def join_host(comm: Comm, mode: str, *, blocker: str | None = None,
-              slot_bytes: int = SLOT_BYTES, timeout: float = 300.0) -> SharedReducer | None:
-    """The job's shared-memory reducer for ``--intra-host mode``, or ``None``: Gloo.
+def join_host(comm: Comm, mode: str, *, slot_bytes: int = SLOT_BYTES,
+              timeout: float = 300.0) -> Summing | None:
+    """The job's sums through its hosts' shared memory for ``--intra-host mode``, or
+    ``None``: Gloo.
 
-    A collective of every rank of ``comm``'s job (unless ``mode`` is ``gloo``, the job has
-    one rank, or ``blocker`` says why the caller cannot use the fast path: then none). With
+    On one host, one segment for the job. Across hosts with several processes on some, one
+    segment a host and a Gloo group of one leader a host (:class:`HostsReducer`): the slow
+    link carries one process's bytes a host, not every process's. A collective of every
+    rank of ``comm``'s job (unless ``mode`` is ``gloo`` or the job has one rank). With
     ``auto``, a job that cannot take the fast path goes on with Gloo and rank 0 says why in
-    one line; with ``shm`` that is an error.
+    one line (at INFO where that is by design: one process a host); with ``shm`` that is
+    an error.
 
     Args:
-        comm: The job's Comm (its object collectives carry the segment's name).
+        comm: The job's Comm (its object collectives carry the segments' names).
         mode: ``auto``, ``gloo`` or ``shm``.
-        blocker: Why the caller cannot take the fast path, if it cannot.
         slot_bytes: The largest chunk summed at once (a multiple of 64).
         timeout: Seconds a rank waits for the others inside an all-reduce.
 
@@ -141,62 +153,74 @@ def join_host(comm: Comm, mode: str, *, blocker: str | None = None,
         raise ShoalError(f"--intra-host must be one of {', '.join(MODES)}, got {mode!r}")
     if mode == "gloo" or not comm.active:
         return None
-    reducer, why = None, blocker
+    reducer = None
+    why, hosts = _layout(comm)
     if why is None:
-        why = _why_not(comm)
-    if why is None:
-        reducer, why = _attach(comm, slot_bytes, timeout)
+        reducer, why = attach_hosts(comm, hosts, slot_bytes, timeout)
     if why is None:
         return reducer
     if mode == "shm":
         raise ShoalError(f"--intra-host shm: {why}")
-    if comm.rank == 0:  # a job across hosts takes Gloo by design: nothing wrong to tell
+    if comm.rank == 0:  # one process a host takes Gloo by design: nothing wrong to tell
         log.log(logging.INFO if why.startswith(SPANS) else logging.WARNING,
                 f"shoal: gradients all-reduced through Gloo: {why}")
     return None
 
 
-def _why_not(comm: Comm) -> str | None:
-    """Rank 0's verdict, the same on every rank: why the job cannot take the fast path."""
+def _layout(comm: Comm) -> tuple[str | None, list[list[int]]]:
+    """Rank 0's verdict, the same on every rank: why the job cannot take the fast path, or
+    its ranks by host (in the order of their first rank)."""
     seen = comm.gather_objects((host_key(), unavailable_here(comm.device.type)))
-    why = None
+    verdict: tuple[str | None, list[list[int]]] = (None, [])
     if seen is not None:
-        hosts = {key for key, _ in seen}
+        by_host: dict[str, list[int]] = {}
+        for rank, (key, _) in enumerate(seen):
+            by_host.setdefault(key, []).append(rank)
+        hosts = list(by_host.values())
         local = [(rank, reason) for rank, (_, reason) in enumerate(seen) if reason]
         if local:
-            why = f"rank {local[0][0]}: {local[0][1]}"
-        elif len(hosts) > 1:
-            why = f"{SPANS} {len(hosts)} hosts (one host only, for now)"
-    return comm.broadcast_object(why)
+            verdict = (f"rank {local[0][0]}: {local[0][1]}", [])
+        elif len(hosts) > 1 and all(len(h) == 1 for h in hosts):
+            verdict = (f"{SPANS} {len(hosts)} hosts, one process each", [])
+        else:
+            verdict = (None, hosts)
+    return comm.broadcast_object(verdict)
 
 
-def _attach(comm: Comm, slot_bytes: int, timeout: float) -> tuple[SharedReducer | None,
-                                                                  str | None]:
-    """Rank 0 creates the segment, every rank maps it, rank 0 unlinks it: the reducer, or
-    why not (the same on every rank)."""
-    size, name, segment, error = segment_bytes(comm.world_size, slot_bytes), None, None, None
+def attach_hosts(comm: Comm, hosts: list[list[int]], slot_bytes: int,
+            timeout: float) -> tuple[Summing | None, str | None]:
+    """Each host's first rank creates its segment, every rank maps its host's, the creators
+    unlink them: the reducer, or why not (the same on every rank). Across hosts, every
+    rank joins the leaders' group (a collective of the job)."""
+    mine = next(h for h in hosts if comm.rank in h)
+    lead, size = mine[0], segment_bytes(len(mine), slot_bytes)
+    name, segment, error = None, None, None
     try:
-        if comm.rank == 0:
+        if comm.rank == lead and len(mine) > 1:  # alone on its host: no segment
             sweep_stale()
             try:
                 name = segment_name()
                 segment = create_segment(name, size)
             except OSError as exc:
                 name, error = None, f"could not create a segment in {SHM_DIR}: {exc}"
-        name = comm.broadcast_object(name)
-        if comm.rank != 0 and name is not None:
+        names = comm.broadcast_object(comm.gather_objects(name))
+        if comm.rank != lead and names[lead] is not None:
             try:
-                segment = open_segment(name, size)
+                segment = open_segment(names[lead], size)
             except (OSError, ValueError) as exc:
                 error = f"rank {comm.rank} could not map the segment: {exc}"
         errors = comm.gather_objects(error)
     finally:
-        if comm.rank == 0 and name is not None:
-            unlink_segment(name)  # mapped by all (or failed): nothing left behind
+        if comm.rank == lead and name is not None:
+            unlink_segment(name)  # mapped by its host (or failed): nothing left behind
     why = comm.broadcast_object(next((e for e in errors or [] if e), None))
-    if why is not None or segment is None:
+    if why is not None or (segment is None and len(mine) > 1):
         if segment is not None:
             segment.close()
         return None, why or "no segment"
-    return SharedReducer(segment, comm.rank, comm.world_size, slot_bytes=slot_bytes,
-                         timeout=timeout), None
+    local = None if segment is None else SharedReducer(
+        segment, mine.index(comm.rank), len(mine), slot_bytes=slot_bytes, timeout=timeout)
+    if len(hosts) == 1:
+        return local, None
+    leaders = dist.new_group([h[0] for h in hosts], backend="gloo")  # every rank: a collective
+    return HostsReducer(local, leaders if comm.rank == lead else None, comm.world_size), None

@@ -39,15 +39,13 @@ import ctypes
 import mmap
 import os
 import time
-from typing import TYPE_CHECKING, NamedTuple
+from typing import Any, NamedTuple, Protocol
 
 import numpy as np
 import torch
+import torch.distributed as dist
 
 from shoal.errors import JobError
-
-if TYPE_CHECKING:
-    pass
 
 _LINE = 64  # bytes: a cache line, so that no two ranks' counters share one
 #: The default slot: a chunk of at most this many bytes is summed at a time.
@@ -241,11 +239,57 @@ def _share(numel: int, world_size: int, rank: int) -> tuple[int, int]:
 _SUMMED = (torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int32, torch.int64)
 
 
+class Summing(Protocol):
+    """What sums a tensor among a job's processes in place (:class:`SharedReducer`,
+    :class:`HostsReducer`)."""
+
+    world_size: int
+
+    def all_reduce(self, tensor: torch.Tensor, scale: float | None = None) -> torch.Tensor:
+        """Sum ``tensor`` over the ranks, in place (each rank's values times ``scale``)."""
+        ...
+
+
+class HostsReducer:
+    """Sums among the processes of several hosts: inside each host through its shared
+    memory (``local``), across hosts among one leader a host (``leaders``: this rank's
+    Gloo group if it leads its host, else ``None``), then inside the host again: the
+    leader's total, to which the others add zeros (exact); a host of one process has no
+    ``local``. The slow link carries one process's bytes a host. The sum's order is fixed:
+    host by host, each in rank order.
+    """
+
+    def __init__(self, local: SharedReducer | None, leaders: Any, world_size: int) -> None:
+        self.local, self.leaders, self.world_size = local, leaders, world_size  # local: None alone
+
+    def all_reduce(self, tensor: torch.Tensor, scale: float | None = None) -> torch.Tensor:
+        """Sum ``tensor`` over every rank of every host, in place.
+
+        Args:
+            tensor: A contiguous CPU tensor, of the same size and dtype on every rank.
+            scale: Multiply each rank's values by it first.
+
+        Returns:
+            ``tensor``, holding the sum.
+        """
+        if self.local is None:  # alone on its host: its leader
+            if scale is not None:
+                tensor.mul_(scale)
+            dist.all_reduce(tensor, group=self.leaders)
+            return tensor
+        self.local.all_reduce(tensor, scale)
+        if self.leaders is not None:
+            dist.all_reduce(tensor, group=self.leaders)
+        else:
+            tensor.zero_()
+        return self.local.all_reduce(tensor)
+
+
 class HostPath:
     """A Comm's sums through the host's shared memory (its ``host``, put there by
     :func:`shoal.core.hostpath.use_host_memory`)."""
 
-    def __init__(self, reducer: SharedReducer) -> None:
+    def __init__(self, reducer: Summing) -> None:
         self.reducer = reducer
 
     @staticmethod

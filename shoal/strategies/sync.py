@@ -40,7 +40,7 @@ from torch.nn.parallel import DistributedDataParallel
 from shoal.core.comm import Handle
 from shoal.core.dynamo import ddp_settings, defer_disable
 from shoal.core.hostpath import HELP, MODES, use_host_memory
-from shoal.core.intrahost import SharedReducer
+from shoal.core.intrahost import Summing
 from shoal.core.timeline import Event
 from shoal.errors import ShoalError
 from shoal.strategies.base import Strategy
@@ -133,7 +133,7 @@ class Synchronous(Strategy):
         if not self._stale:
             self._wrap()
 
-    def _join_host(self) -> SharedReducer | None:
+    def _join_host(self) -> Summing | None:
         """The host's shared-memory all-reduce (``--intra-host``), or ``None``: Gloo's."""
         opts: SyncOptions = self.options
         if opts.compress != "none":  # compression asked for: Gloo's hooks, nothing to tell

@@ -28,7 +28,7 @@ from torch import nn
 from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook
 
 from shoal.core.comm import Comm
-from shoal.core.intrahost import SharedReducer
+from shoal.core.intrahost import Summing
 from shoal.core.waits import describe
 from shoal.errors import ShoalError
 
@@ -55,7 +55,7 @@ def compress_hook(comm: Comm, dtype: torch.dtype | None) -> Hook:
     return hook
 
 
-def shared_memory_hook(comm: Comm, reducer: SharedReducer) -> Hook:
+def shared_memory_hook(comm: Comm, reducer: Summing) -> Hook:
     """A hook that averages each bucket through the host's shared memory, at once: the
     returned future is done. Each rank's share is ``1 / world_size`` of its gradients (as
     DDP's own path scales them), summed in rank order."""
