@@ -7,6 +7,7 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
 from shoal import emulate
 from shoal.core.env import NODE_CORES, default_threads
@@ -14,7 +15,7 @@ from shoal.core.hostspec import rate_bits
 from shoal.emulate import Cluster, can_emulate, namespaces
 from shoal.errors import ShoalError
 
-from conftest import REPO, run
+from conftest import REPO, checkpoint_params, run, train_together
 
 WHY_NOT = can_emulate()
 SERVER = """import socket, sys
@@ -73,15 +74,25 @@ def test_failed_setup_leaves_nothing(monkeypatch):
 
 @needs_namespaces
 def test_torchrun_job_across_two_hosts(tmp_path):
-    """`python -m shoal.emulate` runs a two-node torchrun job of `shoal train` and cleans up."""
-    res = run([sys.executable, "-m", "shoal.emulate", "--hosts", "2", "--rate", "1gbit", "--",
-               "-m", "shoal", "train", "--model", "mlp", "--epochs", "1", "--stop-at-step", "5",
-               "--threads-per-worker", "1", "--progress", "none", "--out", str(tmp_path)],
-              timeout=180, cwd=REPO)
+    """`python -m shoal.emulate` runs a torchrun job of `shoal train` on two hosts of two
+    processes each and cleans up. Its sums go host by host (``--intra-host shm``: each
+    host's memory, then one leader a host across the link): the parameters are those of
+    the same 4 workers summing through Gloo on one host, to float32 rounding (another
+    order of the same terms), and the bytes handed to the sums the same."""
+    flags = ["--model", "mlp", "--epochs", "1", "--stop-at-step", "5", "--threads-per-worker",
+             "1", "--seed", "1"]
+    res = run([sys.executable, "-m", "shoal.emulate", "--hosts", "2", "--nproc-per-node", "2",
+               "--rate", "1gbit", "--", "-m", "shoal", "train", *flags, "--intra-host", "shm",
+               "--progress", "none", "--out", str(tmp_path / "hosts")], timeout=180, cwd=REPO)
     assert res.returncode == 0, res.stdout + res.stderr
-    summary = json.loads((tmp_path / "summary.json").read_text())
-    assert summary["workers"] == 2 and summary["steps"] == 5 and summary["bytes_sent"] > 0
+    summary = json.loads((tmp_path / "hosts" / "summary.json").read_text())
+    assert summary["workers"] == 4 and summary["steps"] == 5 and summary["bytes_sent"] > 0
     assert namespaces(_cluster(res.stderr)) == []
+    flat = train_together({tmp_path / "flat": [*flags, "--intra-host", "gloo"]}, workers=4)
+    assert flat[tmp_path / "flat"]["bytes_sent"] == summary["bytes_sent"]
+    a, b = (checkpoint_params(tmp_path / run / "checkpoint.pt") for run in ("hosts", "flat"))
+    for k in a:
+        assert torch.allclose(a[k], b[k], rtol=1e-5, atol=1e-6), k
 
 
 def _cluster(stderr):
