@@ -87,9 +87,45 @@ def reference(out: str) -> None:
         torch.save(trained(strategy), Path(out, str(i), f"rank{comm.rank}.pt"))
 
 
+#: A listening socket's local address, as /proc/net/tcp and tcp6 write the loopback ones.
+LOOPBACK = ("0100007F", "00000000000000000000000001000000", "0000000000000000FFFF00000100007F")
+
+
+def listening(marker: str) -> list[dict[str, Any]]:
+    """The TCP sockets listening in the processes whose environment carries ``marker``
+    (this Ray's and its workers'): each one's process title, address and port."""
+    owners: dict[str, str] = {}
+    for entry in Path("/proc").iterdir():
+        try:
+            if not entry.name.isdigit() or marker.encode() not in (entry / "environ").read_bytes():
+                continue
+            title = (entry / "cmdline").read_bytes().split(b"\0")[0].decode(errors="replace")
+            for fd in (entry / "fd").iterdir():
+                link = os.readlink(fd)
+                if link.startswith("socket:["):
+                    owners[link[8:-1]] = title
+        except OSError:  # a process that ended meanwhile
+            continue
+    found = []
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        for line in Path(table).read_text().splitlines()[1:]:
+            fields = line.split()
+            if fields[3] == "0A" and fields[9] in owners:  # LISTEN
+                address, port = fields[1].split(":")
+                found.append({"process": owners[fields[9]], "address": address,
+                              "port": int(port, 16), "loopback": address in LOOPBACK})
+    return found
+
+
 def cases_then_example(config: dict[str, Any]) -> None:
-    """Ray's ``train_func`` of the first run (2 workers)."""
+    """Ray's ``train_func`` of the first run (2 workers); rank 0 also writes what listens
+    (``OUT/listening.json``), Ray's process group's store (``MASTER_PORT``) among it."""
     from shoal.integrations import ray as shoal_ray
+
+    if int(os.environ["RANK"]) == 0:
+        Path(config["out"], "listening.json").write_text(json.dumps({
+            "sockets": listening(os.environ["SHOAL_TEST_MARKER"]),
+            "master_port": int(os.environ["MASTER_PORT"])}))
 
     for i, (name, options) in enumerate(CASES.values()):
         data, model, optimizer = build()

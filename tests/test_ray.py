@@ -12,13 +12,11 @@ the resumed one equals shoal's own loop resumed from the same checkpoint on one 
 from __future__ import annotations
 
 import json
-import os
 import shutil
-import signal
 import subprocess
 import sys
 import tempfile
-import time
+import uuid
 from pathlib import Path
 
 import pytest
@@ -27,7 +25,7 @@ import torch
 import shoal
 from shoal.errors import ShoalError
 
-from conftest import REPO
+from conftest import REPO, kill_job, shoal_env, wait_gone
 
 pytest.importorskip("ray.train")
 
@@ -36,35 +34,14 @@ import ray_job  # noqa: E402 - after the skip: it names the cases both sides tra
 DRIVER_TIMEOUT = 540  # seconds; a loaded 2-core machine takes about 150
 
 
-def ray_processes(temp: Path) -> list[int]:
-    """The processes whose command line names ``temp``, the Ray's own directory."""
-    found = []
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            try:
-                if str(temp).encode() in (entry / "cmdline").read_bytes():
-                    found.append(int(entry.name))
-            except OSError:
-                continue
-    return found
-
-
-def stop(pids: list[int]) -> None:
-    """SIGKILL each of ``pids`` (processes the driver's Ray started), by id."""
-    for pid in pids:
-        try:
-            os.kill(pid, signal.SIGKILL)
-        except ProcessLookupError:
-            continue
-
-
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory) -> dict:
     out = tmp_path_factory.mktemp("ray")
     temp = Path(tempfile.mkdtemp(prefix="shoalray-", dir="/tmp"))  # short: Ray's socket paths
-    env = {**os.environ, "RAY_USAGE_STATS_ENABLED": "0", "RAY_TRAIN_V2_ENABLED": "1",
+    marker = uuid.uuid4().hex  # in the environment of the driver and of every Ray process
+    env = {**shoal_env(marker), "RAY_USAGE_STATS_ENABLED": "0", "RAY_TRAIN_V2_ENABLED": "1",
            "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0",  # the node's address: the loopback one
-           "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
+           "OMP_NUM_THREADS": "1"}
     with open(out / "driver.log", "w") as log:
         proc = subprocess.Popen([sys.executable, str(REPO / "tests" / "ray_job.py"), str(out),
                                  str(temp)], env=env, cwd=REPO, stdout=log,
@@ -72,19 +49,13 @@ def runs(tmp_path_factory) -> dict:
     try:
         shoal.launch(ray_job.reference, str(out / "reference"), workers=2)  # meanwhile
         proc.wait(timeout=DRIVER_TIMEOUT)
+        left = wait_gone(marker, timeout=15)  # ray.shutdown() ends them; the last may be exiting
     finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
-        left = ray_processes(temp)
-        deadline = time.monotonic() + 10
-        while left and time.monotonic() < deadline:  # the last workers may still be exiting
-            time.sleep(0.5)
-            left = ray_processes(temp)
-        stop(left)
+        kill_job(proc, marker)  # whatever happened: the driver's session and every Ray process
         shutil.rmtree(temp, ignore_errors=True)
     assert proc.returncode == 0, (out / "driver.log").read_text()[-6000:]
-    return {"out": out, "result": json.loads((out / "result.json").read_text()), "left": left}
+    return {"out": out, "result": json.loads((out / "result.json").read_text()), "left": left,
+            "listening": json.loads((out / "listening.json").read_text())}
 
 
 def load(path: Path | str) -> dict:
@@ -148,6 +119,15 @@ def test_a_checkpoint_resumes_on_another_number_of_workers(runs):
 
 def test_ray_is_gone_when_the_driver_ends(runs):
     assert runs["left"] == []
+
+
+def test_ray_listens_on_the_loopback_interface_only(runs):
+    sockets, store = runs["listening"]["sockets"], runs["listening"]["master_port"]
+    assert any(s["process"].startswith("ray::RayTrainWorker") for s in sockets), sockets
+    assert any("gcs_server" in s["process"] for s in sockets), sockets
+    # All but the store of the process group Ray initialised (torch's TCPStore binds every
+    # interface, whatever MASTER_ADDR says: the same under torchrun).
+    assert [s for s in sockets if not s["loopback"] and s["port"] != store] == []
 
 
 @pytest.mark.parametrize("name, options, message", [

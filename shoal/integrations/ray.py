@@ -105,6 +105,9 @@ def strategy(name: str, model: torch.nn.Module, optimizer: torch.optim.Optimizer
     if (comm.rank, comm.world_size) != (rank, world):
         raise ShoalError(f"shoal.init made this process rank {comm.rank} of {comm.world_size}, "
                          f"Ray Train worker {rank} of {world}")
+    if comm.device != device:  # GPUs: shoal takes local rank r's GPU r of those visible
+        raise ShoalError(f"shoal.init put this worker on {comm.device}, Ray Train on {device}: "
+                         "leave Ray's CUDA_VISIBLE_DEVICES shared among a node's workers")
     return shoal.strategy(name, model, optimizer, comm, **options)
 
 
