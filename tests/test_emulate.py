@@ -95,6 +95,24 @@ def test_torchrun_job_across_two_hosts(tmp_path):
         assert torch.allclose(a[k], b[k], rtol=1e-5, atol=1e-6), k
 
 
+def test_one_replica_a_host_couples_the_hosts_as_its_strategy_says(tmp_path):
+    """``--host-sync``: each emulated host's two processes step together (their gradients
+    averaged through the host's memory) and DiLoCo couples the two hosts: the parameters
+    are those of DiLoCo on two workers, one a host, each taking the host's rows (its
+    batch twice as large), to float32 rounding."""
+    flags = ["--strategy", "diloco", "--tau", "4", "--model", "lenet5", "--epochs", "1",
+             "--lr", "0.05", "--momentum", "0.9", "--seed", "3", "--schedule", "constant"]
+    res = run([sys.executable, "-m", "shoal.emulate", "--hosts", "2", "--nproc-per-node", "2",
+               "--rate", "1gbit", "--", "-m", "shoal", "train", *flags, "--host-sync",
+               "--batch-size", "32", "--threads-per-worker", "1", "--progress", "none",
+               "--out", str(tmp_path / "hosts")], timeout=180, cwd=REPO)
+    assert res.returncode == 0, res.stdout + res.stderr
+    assert namespaces(_cluster(res.stderr)) == []
+    train_together({tmp_path / "two": [*flags, "--batch-size", "64"]}, workers=2)
+    a, b = (checkpoint_params(tmp_path / run / "checkpoint.pt") for run in ("hosts", "two"))
+    assert max((a[k] - b[k]).abs().max().item() for k in a) < 1e-6
+
+
 def _cluster(stderr):
     """The namespaces' prefix the emulated cluster said it made (other tests' clusters may
     come and go meanwhile)."""

@@ -22,9 +22,10 @@ from shoal.core import segment as shm
 from shoal.core.hostpath import attach_hosts, join_host
 from shoal.core.intrahost import HostsReducer, SharedReducer
 from shoal.errors import ShoalError, WorkerError
+from shoal.strategies.diloco import DiLoCoOptions
 from shoal.strategies.sync import SyncOptions
 
-from conftest import checkpoint_params, train_together
+from conftest import checkpoint_params, train_here, train_together
 
 DTYPES = (torch.float32, torch.float64, torch.bfloat16)
 SLOT = 4096  # bytes: small, so that 5000 elements go in several chunks
@@ -246,3 +247,23 @@ def test_training_on_shm_equals_gloo(tmp_path):
         assert summaries[shm]["bytes_sent"] == summaries[gloo]["bytes_sent"], name
         assert summaries[shm]["steps"] > 5 and summaries[shm]["bytes_sent"] > 0, name
     assert ours() <= before
+
+
+def test_one_replica_a_host_on_one_host_is_one_worker_with_its_rows(tmp_path):
+    """``--host-sync`` on one host: its processes step as one replica from the mean over
+    their rows (an uneven last batch weighed by rows), so DiLoCo on 2 processes of 32 rows
+    ends where DiLoCo on 1 worker of 64 rows does, to float32 rounding."""
+    flags = ["--strategy", "diloco", "--tau", "4", "--model", "lenet5", "--dataset", "digits",
+             "--epochs", "2", "--lr", "0.05", "--momentum", "0.9", "--seed", "3",
+             "--schedule", "constant"]
+    train_here(tmp_path / "one", *flags, "--workers", "1", "--batch-size", "64")
+    train_here(tmp_path / "host", *flags, "--workers", "2", "--batch-size", "32", "--host-sync")
+    a, b = (checkpoint_params(tmp_path / run / "checkpoint.pt") for run in ("one", "host"))
+    assert max((a[k] - b[k]).abs().max().item() for k in a) < 1e-6
+
+
+def test_host_sync_needs_the_hosts_memory():
+    with pytest.raises(ShoalError, match="--host-sync averages each host's gradients through "
+                                         "its memory: leave out --intra-host gloo"):
+        DiLoCoOptions(host_sync=True, intra_host="gloo").validate()
+

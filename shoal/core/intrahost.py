@@ -130,6 +130,10 @@ class SharedReducer:
         self._cache: dict[tuple[int, torch.dtype, int], _Views] = {}
         self._others = [r for r in range(world_size) if r != rank]
 
+    def within_host(self) -> SharedReducer:
+        """This reducer: its ranks share one host."""
+        return self
+
     def _views(self, dtype: torch.dtype, numel: int) -> _Views:
         """The current half's slots as ``numel`` elements of ``dtype`` (made once per size:
         slicing a tensor costs more than copying LeNet-5's gradients)."""
@@ -249,6 +253,10 @@ class Summing(Protocol):
         """Sum ``tensor`` over the ranks, in place (each rank's values times ``scale``)."""
         ...
 
+    def within_host(self) -> SharedReducer | None:
+        """The reducer of this process's host (``None``: alone on it)."""
+        ...
+
 
 class HostsReducer:
     """Sums among the processes of several hosts: inside each host through its shared
@@ -261,6 +269,10 @@ class HostsReducer:
 
     def __init__(self, local: SharedReducer | None, leaders: Any, world_size: int) -> None:
         self.local, self.leaders, self.world_size = local, leaders, world_size  # local: None alone
+
+    def within_host(self) -> SharedReducer | None:
+        """The reducer of this process's host (``None``: alone on it)."""
+        return self.local
 
     def all_reduce(self, tensor: torch.Tensor, scale: float | None = None) -> torch.Tensor:
         """Sum ``tensor`` over every rank of every host, in place.

@@ -13,7 +13,9 @@ from torch import nn
 from shoal.core.comm import Comm
 from shoal.core.flat import FlatParams
 from shoal.core.hostpath import HELP, MODES, use_host_memory
+from shoal.core.intrahost import SharedReducer
 from shoal.core.quantize import CHUNK, PRECISIONS, Codec, check_precision, error_feedback
+from shoal.core.timeline import COMM
 from shoal.errors import ShoalError
 from shoal.strategies.base import Strategy
 from shoal.strategies.communication import Exchange, Pattern
@@ -48,12 +50,19 @@ class PeriodicOptions:
                 "dealt round robin (fragment p: layers p, p+F, p+2F, ...)",
         "choices": PATTERNS})
     intra_host: str = dataclasses.field(default="auto", metadata={"help": HELP, "choices": MODES})
+    host_sync: bool = dataclasses.field(default=False, metadata={
+        "help": "one replica a host: its processes take every step together (their gradients "
+                "averaged through the host's memory) and the strategy couples the hosts (needs "
+                "--intra-host auto or shm)"})
 
     def validate(self) -> None:
         first_period(self.tau)
         if self.intra_host not in MODES:
             raise ShoalError(f"--intra-host must be one of {', '.join(MODES)}, "
                              f"got {self.intra_host!r}")
+        if self.host_sync and self.intra_host == "gloo":
+            raise ShoalError("--host-sync averages each host's gradients through its memory: "
+                             "leave out --intra-host gloo")
         check_precision(self.outer_precision)
         error_feedback(self.outer_precision, self.error_feedback)
         if self.fragments < 1:
@@ -94,7 +103,14 @@ class PeriodicStrategy(Strategy):
         self.adaptive = AdaptivePeriod(self.period, comm) \
             if isinstance(self.options.tau, str) else None
         self.exchanges: Exchanges | None = None
-        use_host_memory(comm, self.options.intra_host)  # its exchanges' sums: the host's memory
+        summing = use_host_memory(comm, self.options.intra_host)  # its exchanges' sums
+        #: ``--host-sync``: the reducer of this process's host, which averages its gradients
+        self.host: SharedReducer | None = None
+        if self.options.host_sync and comm.active:
+            if summing is None:
+                raise ShoalError("--host-sync needs the host's shared memory, which this job "
+                                 "cannot take (--elastic, GPUs, or the line above says why)")
+            self.host = summing.within_host()
 
     @classmethod
     def outer_pattern(cls, options: PeriodicOptions, workers: int, what: str,
@@ -147,6 +163,8 @@ class PeriodicStrategy(Strategy):
         if self.exchanges is None and self._streams_asked():
             raise ShoalError(f"strategy {self.name} exchanges whole models in fp32 only: it takes "
                              "no --fragments, --overlap-steps or --outer-precision")
+        if self.host is not None:
+            self._average_on_host()
         super().step()
         if self.adaptive is not None:
             self.adaptive.step_done()
@@ -159,6 +177,23 @@ class PeriodicStrategy(Strategy):
             self.last_exchange = self.steps
             if self.adaptive is not None:
                 self.period = self.adaptive.next_period(float(self.optimizer.param_groups[0]["lr"]))
+
+    @torch.no_grad()
+    def _average_on_host(self) -> None:
+        """``--host-sync``: every process of this host steps from the mean gradient over
+        the host's rows (each process's mean weighed by its rows: an uneven last batch
+        too), so that they stay one replica."""
+        assert self.host is not None
+        grads = [p.grad for p in self.model.parameters() if p.grad is not None]
+        rows = float(self.batch_share[0]) if self.batch_share is not None else 1.0
+        flat = torch._utils._flatten_dense_tensors(grads)
+        flat = torch.cat([flat.mul_(rows), flat.new_full((1,), rows)])
+        self.comm.count(flat.numel() * flat.element_size())
+        with self.comm.timeline.span(COMM, "host gradients"):
+            self.host.all_reduce(flat)
+        mean = flat[:-1].div_(flat[-1])
+        for g, m in zip(grads, torch._utils._unflatten_dense_tensors(mean, grads), strict=True):
+            g.copy_(m)
 
     def _streams_asked(self) -> bool:
         o = self.options
