@@ -262,8 +262,16 @@ def test_one_replica_a_host_on_one_host_is_one_worker_with_its_rows(tmp_path):
     assert max((a[k] - b[k]).abs().max().item() for k in a) < 1e-6
 
 
-def test_host_sync_needs_the_hosts_memory():
+def test_host_sync_needs_the_hosts_memory(tmp_path, capsys):
     with pytest.raises(ShoalError, match="--host-sync averages each host's gradients through "
                                          "its memory: leave out --intra-host gloo"):
         DiLoCoOptions(host_sync=True, intra_host="gloo").validate()
+    from shoal.cli import main
+
+    assert main(["train", "--strategy", "diloco", "--workers", "2", "--elastic", "--host-sync",
+                 "--out", str(tmp_path / "run")]) == 2
+    assert capsys.readouterr().err.strip() == (
+        "shoal: error: --host-sync keeps each host's processes one replica through its memory, "
+        "which a re-formed group does not follow: leave out --elastic")
+    assert not (tmp_path / "run").exists()
 

@@ -36,3 +36,6 @@ def check_elastic(cfg: TrainConfig) -> None:
                          "leave it out, or use async-msgd")
     if cfg.strategy in ASYNC_ELASTIC:
         return
+    if cfg.strategy_options.get("host_sync"):
+        raise ShoalError("--host-sync keeps each host's processes one replica through its "
+                         "memory, which a re-formed group does not follow: leave out --elastic")
