@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import re
+import sys
 
 import pytest
 import torch
@@ -47,7 +48,7 @@ def ranks(tmp_path_factory) -> list[dict]:
     env = {**shoal_env(), "OMP_NUM_THREADS": "1", "MASTER_PORT": str(free_port())}
     for name in ("LOCAL_RANK", "NODE_RANK", "LOCAL_WORLD_SIZE"):
         env.pop(name, None)
-    res = run([str(REPO / ".venv" / "bin" / "python"), str(REPO / "tests" / "lightning_job.py"),
+    res = run([sys.executable, str(REPO / "tests" / "lightning_job.py"),
                str(out), json.dumps(TRAINER_CASES), json.dumps(FABRIC_CASES), str(EPOCHS)],
               timeout=300, env=env, cwd=REPO)
     assert res.returncode == 0, (res.stdout + res.stderr)[-4000:]
