@@ -37,6 +37,7 @@ CASES = {
     "sync": ("sync", {}),
     "local-sgd": ("local-sgd", {"tau": 4}),
     "easgd": ("easgd", {"tau": 4}),
+    "eamsgd": ("eamsgd", {"tau": 4}),
     "diloco": ("diloco", {"tau": 8}),
 }
 CASE_EPOCHS = 1

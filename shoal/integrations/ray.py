@@ -23,23 +23,27 @@ state and, where replicas drift, its model and inner optimizer), and once, of ra
 shared part (`shoal.Strategy.checkpoint_shared`: the model evaluated, which is DiLoCo's global
 model and EASGD's center, and the optimizer) and the part a new rank takes (rank 0's, without
 its compression residual: `shoal.Strategy.handover_state`). It is written after an epoch's
-batches, where shoal closes every round: what the ranks share (DiLoCo's global model and
-outer optimizer, EASGD's center, local SGD's average, sync's model and optimizer) is then the
-same in every rank's part, and every rank's work is in it.
+batches, where shoal closes every round (``strategy.batches`` calls ``end_epoch`` after the
+last one; a loop over a loader of its own calls ``strategy.end_epoch(epoch)`` itself): what
+the ranks share (DiLoCo's global model and outer optimizer, EASGD's center, local SGD's
+average, sync's model and optimizer) is then the same in every rank's part, and holds every
+rank's exchanges so far.
 
 - On as many workers every rank takes its own part back: the run goes on as if never stopped.
 - On another number a rank that was there takes its own part; a new rank takes rank 0's (its
   inner state restarts from rank 0's, as a worker joining ``shoal train --elastic`` does); the
-  part of a rank no longer there (its inner optimizer's state, its residual) is left, its
-  work already in the shared state. ``strategy.batches(batch_size=...)`` deals rows a worker,
-  so the global batch follows the number (give ``global_batch`` to keep it).
+  part of a rank no longer there is left: its inner optimizer's state, its residual, and for
+  EASGD its own model (the center keeps what its pulls moved). ``strategy.batches(batch_size=
+  ...)`` deals rows a worker, so the global batch follows the number (give ``global_batch`` to
+  keep it). Ray hands a run another number on a restart with ``ScalingConfig(num_workers=
+  (min, max))``, or a run of the same ``RunConfig(name, storage_path)`` and another count.
 - Refused, in one line: a strategy that needs parameter servers (run it with ``shoal train``),
   a checkpoint inside an epoch's batches, and resuming one made with another strategy, other
   options or another model.
 
 shoal's store is not there (Ray's process group came first): no heartbeat, no ``--elastic``;
 Ray restarts a failed worker group from the last checkpoint (``FailureConfig``), and
-``TorchConfig(timeout_s=...)`` bounds the collectives.
+``TorchConfig(timeout_s=...)`` bounds the collectives (``shoal.init``'s ``timeout`` does not).
 """
 
 from __future__ import annotations
