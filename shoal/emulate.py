@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import logging
 import os
 import re
 import secrets
@@ -48,8 +49,12 @@ from shoal.core.env import NODE_CORES
 from shoal.core.guard import after_death, guarded_command
 from shoal.core.hostspec import burst_bytes, link_rates, rate_bits, slow_hosts
 from shoal.core.limits import check_processes
+from shoal.core.logs import install as install_logging
 from shoal.core.trust import SEAL_KEY_VAR, open_own
 from shoal.errors import ShoalError
+
+log = logging.getLogger("shoal.emulate")
+out_log = logging.getLogger("shoal.out")  # its results
 
 #: Every namespace this module creates starts with this.
 PREFIX = "shoalemu"
@@ -350,6 +355,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("program", nargs=argparse.REMAINDER,
                    help="after --: torchrun's program, e.g. -m shoal train --model lenet5")
     args = p.parse_args(argv)
+    install_logging()  # its lines as a command's: results on stdout, notices on stderr
     try:
         if args.cleanup_tag is not None:  # the reaper of a cluster whose owner died
             if not re.fullmatch(r"[0-9a-f]{6}", args.cleanup_tag):
@@ -358,12 +364,12 @@ def main(argv: Sequence[str] | None = None) -> int:
             return 0
         if args.cleanup:
             removed = cleanup()
-            print(f"removed {len(removed)} namespace(s) and cgroup(s)"
-                  + (": " + ", ".join(removed) if removed else ""))
+            out_log.info(f"removed {len(removed)} namespace(s) and cgroup(s)"
+                         + (": " + ", ".join(removed) if removed else ""))
             return 0
         if args.check:
             why = can_emulate()
-            print("emulation works here" if why is None else f"cannot emulate: {why}")
+            out_log.info("emulation works here" if why is None else f"cannot emulate: {why}")
             return 0 if why is None else 1
         program = args.program[1:] if args.program[:1] == ["--"] else args.program
         if not program:
@@ -372,14 +378,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         slow = slow_hosts(args.emulate_slow) if args.emulate_slow else {}
         links = link_rates(args.link_rate) if args.link_rate else {}
         with terminate_as_exception(), Cluster(args.hosts, args.rate, slow, links) as cluster:
-            print(f"shoal.emulate: {args.hosts} hosts in namespaces {cluster.prefix}-*, torn "
-                  "down at the end", file=sys.stderr, flush=True)
+            log.info(f"shoal.emulate: {args.hosts} hosts in namespaces {cluster.prefix}-*, torn "
+                     "down at the end")
             return cluster.torchrun(program, args.nproc_per_node, args.timeout)
     except ShoalError as exc:
-        print(f"shoal: error: {exc}", file=sys.stderr)
+        log.error(f"shoal: error: {exc}")
         return 2
     except KeyboardInterrupt:
-        print("shoal: interrupted; emulated cluster torn down", file=sys.stderr)
+        log.error("shoal: interrupted; emulated cluster torn down")
         return 130
 
 

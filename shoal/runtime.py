@@ -9,6 +9,7 @@ their results. :func:`strategy` couples a model and optimizer through the joined
 from __future__ import annotations
 
 import atexit
+import logging
 import os
 import runpy
 import sys
@@ -30,6 +31,8 @@ if TYPE_CHECKING:
     from torch import nn
 
     from shoal.strategies import Strategy
+
+log = logging.getLogger("shoal.runtime")
 
 T = TypeVar("T")
 
@@ -158,8 +161,8 @@ def _leave_at_exit() -> None:
     except Exception as exc:
         # The others never came (another rank died, the store is gone). An exception here
         # would be printed and the exit status left at 0, so say it in one line and fail.
-        print(f"shoal: rank {comm.rank}: could not leave the job cleanly: "
-              f"{type(exc).__name__}: {first_line(exc)}", file=sys.stderr)
+        log.error(f"shoal: rank {comm.rank}: could not leave the job cleanly: "
+                  f"{type(exc).__name__}: {first_line(exc)}")
         sys.stdout.flush()
         sys.stderr.flush()
         os._exit(1)

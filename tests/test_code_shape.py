@@ -57,3 +57,12 @@ def test_a_trainers_plan_is_installed_in_one_place():
     assert _calls("ShardLoader") == {"train/trainer.py": 1, "train/coordinator.py": 1}
     assert set(_calls("install_plan")) <= {"train/membership/tracker/process_group.py",
                                            "train/membership/tracker/detached.py"}
+
+
+def test_library_code_logs_instead_of_printing():
+    """Outside the command's own output (``shoal/cli/``), shoal says things through
+    :mod:`logging` (``shoal.<area>`` loggers, ``shoal.out`` for results), whose handlers
+    :mod:`shoal.core.logs` installs in every process the command starts: one ``print`` to
+    the wrong stream had sent a lost worker's line to stdout, its elastic twin's to stderr."""
+    printed = {file: n for file, n in _calls("print").items() if not file.startswith("cli/")}
+    assert printed == {}

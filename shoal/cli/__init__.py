@@ -27,6 +27,7 @@ from shoal.cli.early import (
 from shoal.cli.parsers import build_parser, command_of
 from shoal.cli.settings import config_from_args
 from shoal.core.guard import skip_exit_collection
+from shoal.core.logs import install as install_logging
 from shoal.core.secret import use_secret_file
 from shoal.errors import ShoalError, Terminated, WorkerError
 from shoal.schema import parse_names
@@ -262,9 +263,12 @@ def main(argv: Sequence[str] | None = None) -> int:
 def _main(argv: list[str]) -> int:
     """:func:`main` on ``argv``: the subcommand's hand-off, errors mapped to exit codes."""
     debug = "--debug" in argv  # until parsed: `shoal run x.py --debug` is the script's flag
+    install_logging()  # shoal's notices on stderr, its results on stdout, as print's were
     try:
         args, extra = build_parser(command_of(argv)).parse_known_args(argv)
         debug = bool(getattr(args, "debug", False))
+        if debug:
+            install_logging(debug=True)
         if extra:  # the subcommand's own help knows its flags
             command = f"shoal {args.command}" if args.command else "shoal"
             raise ShoalError(f"unrecognized arguments: {' '.join(extra)} (see {command} --help)")

@@ -30,6 +30,7 @@ would otherwise find the store gone and fail a job that finished.
 from __future__ import annotations
 
 import contextlib
+import logging
 import multiprocessing as mp
 import os
 import signal
@@ -46,6 +47,8 @@ from shoal.core.starting import server_lost
 from shoal.core.stop import request_stop
 from shoal.core.waits import DONE_KEY, ended_key, members_now
 from shoal.errors import JobError, ShoalError
+
+log = logging.getLogger("shoal.keeper")
 
 #: Counts the keepers done with the job's store (rank 0's keeper serves it under mpirun).
 KEPT_KEY = "keepers/done"
@@ -156,8 +159,8 @@ def _keep(rank: int, keys: Any, target: Callable[..., Any], args: tuple[Any, ...
     how = exit_status(code)
     keys.set(ended_key(rank), how)  # for the ranks that go on
     server = server_lost(0.5)  # its death signal: the server that forked it was killed
-    print(f"shoal: rank {rank} {how}{f' ({server})' if server else ''}; the job goes on "
-          "without it (--elastic)", file=sys.stderr, flush=True)
+    log.warning(f"shoal: rank {rank} {how}{f' ({server})' if server else ''}; the job goes on "
+                "without it (--elastic)")
     return _wait_for_end(keys, workers)
 
 

@@ -24,9 +24,9 @@ This is torchft's quorum and commit vote in shoal's terms (a quorum per membersh
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 import signal
-import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -41,6 +41,8 @@ from shoal.core.inflight import InFlight, leave_group
 from shoal.core.stop import stop_requested
 from shoal.core.waits import ELASTIC, ended_key, stood_still
 from shoal.errors import ShoalError
+
+log = logging.getLogger("shoal.membership")
 
 _T = TypeVar("_T")
 POLL = 0.02  # seconds between two looks at the store while a member is awaited
@@ -264,8 +266,8 @@ class Membership:
             agreed = self._store.compare_set(f"{nxt}/members", "", ",".join(map(str, alive)))
             members = [int(m) for m in agreed.decode().split(",")]
             if self.me not in members:  # it did not answer in time: lost, as if killed
-                print(f"shoal: worker {self.me} was left out of the job's group (it did not "
-                      "answer in time); it stops", file=sys.stderr, flush=True)
+                log.error(f"shoal: worker {self.me} was left out of the job's group (it did not "
+                          "answer in time); it stops")
                 os.kill(os.getpid(), signal.SIGKILL)
             if self.enter(nxt, members):
                 break

@@ -24,13 +24,13 @@ Every wait is a blocking ``multiprocessing.connection.wait`` with a timeout: not
 
 from __future__ import annotations
 
+import logging
 import multiprocessing as mp
 import multiprocessing.connection
 import os
 import secrets
 import shutil
 import socket
-import sys
 import tempfile
 import time
 from collections.abc import Callable, Iterable
@@ -41,6 +41,8 @@ from shoal.core.failures import first_line
 from shoal.core.processes import start_process, stop_processes
 from shoal.core.trust import Seal
 from shoal.errors import ShoalError
+
+log = logging.getLogger("shoal.pool")
 
 #: Seconds a new connection has to prove that it comes from a worker of this session.
 HELLO_S = 10.0
@@ -289,8 +291,8 @@ class Listener:
             joined.add(rank, SealedLink(conn, self._seal, nonce, controller=True))
             return
         conn.close()
-        print(f"shoal: warning: refused a connection to {self.address} that did not prove it "
-              "comes from a worker of this session", file=sys.stderr, flush=True)
+        log.warning(f"shoal: warning: refused a connection to {self.address} that did not prove it "
+                    "comes from a worker of this session")
 
     def close(self) -> None:
         """Stop listening; remove the socket's folder."""

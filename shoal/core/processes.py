@@ -9,6 +9,7 @@ caller's main program.
 from __future__ import annotations
 
 import contextlib
+import logging
 import multiprocessing as mp
 import multiprocessing.connection
 import os
@@ -36,6 +37,8 @@ from shoal.core.starting import new_process, server_lost, start_guarded
 from shoal.core.stop import STOP, Flag
 from shoal.core.waits import ended_key, key_prefix, members_now, say_gone
 from shoal.errors import JobError, ShoalError, Terminated, WorkerError
+
+log = logging.getLogger("shoal.processes")
 
 
 def loopback_store(timeout: float, secret: bytes | None = None) -> Any:
@@ -323,8 +326,7 @@ def _results(procs: list[BaseProcess], errdir: str, lost: dict[int, Lost]) -> li
     results = []
     server = server_lost() if any(p.exitcode != 0 for p in procs) else None
     if server is not None:
-        print(f"shoal: warning: {server} as the workers exited; their work was done",
-              file=sys.stderr, flush=True)
+        log.warning(f"shoal: warning: {server} as the workers exited; their work was done")
     for rank, p in enumerate(procs):
         if rank in lost:
             results.append(lost[rank])
@@ -332,8 +334,8 @@ def _results(procs: list[BaseProcess], errdir: str, lost: dict[int, Lost]) -> li
         if p.exitcode != 0 and server is None:
             # Its work is done and its results written; only the interpreter's own
             # teardown failed. Losing the job for that would lose good results.
-            print(f"shoal: warning: rank {rank} finished its work, then its process died "
-                  f"while exiting ({exit_status(p.exitcode)})", file=sys.stderr, flush=True)
+            log.warning(f"shoal: warning: rank {rank} finished its work, then its process died "
+                        f"while exiting ({exit_status(p.exitcode)})")
         results.append(_read_result(errdir, rank) if _finished(errdir, rank) else None)
     return results
 

@@ -40,7 +40,7 @@ from multiprocessing import popen_forkserver
 from multiprocessing.context import BaseContext
 from typing import Any
 
-from shoal.core import guard
+from shoal.core import guard, logs
 from shoal.errors import JobError
 
 #: What the server imports once for every process it forks; the first blocks SIGTERM.
@@ -348,6 +348,7 @@ def run_as_launched(environ: dict[str, str], streams: None, forked: bool,
     guard.name_process(guard.title_of(mp.current_process().name))  # not the server's
     os.environ.clear()
     os.environ.update(environ)
+    logs.install()  # the lines the command shows, as the command shows them
     try:
         return target(*args)
     finally:

@@ -22,13 +22,15 @@ second after its first second, and a few per rank when there is something to say
 from __future__ import annotations
 
 import contextlib
-import sys
+import logging
 import threading
 import time
 from collections.abc import Callable, Iterator
 from typing import Any, NamedTuple
 
 from shoal.core.failures import LEFT_EARLY
+
+log = logging.getLogger("shoal.waits")
 
 #: A heartbeat counter counts beats below this and carries the collective count above it.
 SEQ_UNIT = 1 << 32
@@ -346,8 +348,8 @@ class Waits:
             return rank, (f"{what}: rank {self._rank} waited {int(waited)} s for it (the timeout "
                           f"is {self._timeout:g} s; {self._seen(count)})")
         where = "at the end of the job" if pending.at_end else f"in {pending.what} #{pending.seq}"
-        print(f"shoal: rank {self._rank} has waited {int(self._next)} s {where} for "
-              f"{_ranks([r for r, _ in missing])} ({self._seen(count)})", file=sys.stderr, flush=True)
+        log.warning(f"shoal: rank {self._rank} has waited {int(self._next)} s {where} for "
+                    f"{_ranks([r for r, _ in missing])} ({self._seen(count)})")
         self._next *= 2
         return None
 

@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import contextlib
 import json
+import logging
 import os
-import sys
 import threading
 import time
 from collections.abc import Callable
@@ -25,6 +25,8 @@ from shoal.core.group import own_client
 from shoal.core.guard import name_thread
 from shoal.core.sealed import SealedStore
 from shoal.core.waits import Waits, beat
+
+log = logging.getLogger("shoal.watchdog")
 
 ABORT_KEY = "abort"
 HUNG = "stopped responding"  # how a hung rank's report begins
@@ -188,7 +190,7 @@ class Watchdog:
 
     def _exit(self, reason: str) -> None:
         if self._env.error_dir is None:  # shoal's own launcher reports it
-            print(f"shoal: rank {self._rank} stopping: {reason}", file=sys.stderr, flush=True)
+            log.error(f"shoal: rank {self._rank} stopping: {reason}")
         errfile = os.environ.get("TORCHELASTIC_ERROR_FILE")
         if errfile:
             # torchrun's summary takes the first rank to exit for the root cause: this one

@@ -12,8 +12,8 @@ period) and goes on with the new winner from there.
 from __future__ import annotations
 
 import dataclasses
+import logging
 import math
-import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -34,6 +34,8 @@ from shoal.train.outdir import OutputLock
 from shoal.train.probe import PLAN_SHARE, read_verdict
 from shoal.train.records import write_json
 from shoal.train.trainer import data_options
+
+log = logging.getLogger("shoal.plan")
 
 #: What ``shoal train --strategy auto`` plans into, inside its ``--out``; re-plan ``k`` into
 #: ``plan-<k>``.
@@ -93,8 +95,8 @@ def plan_and_train(cfg: TrainConfig) -> dict[str, Any] | None:
     if found.winner is None:
         raise ShoalError(f"planning found no configuration that trains: see {cfg.out}/"
                          f"{PLAN_DIR}/plan.md")
-    print(f"shoal: planned in {found.planning_s:.0f} s ({len(found.trials)} trials): "
-          f"{found.why}", file=sys.stderr, flush=True)
+    log.info(f"shoal: planned in {found.planning_s:.0f} s ({len(found.trials)} trials): "
+             f"{found.why}")
     winner = dataclasses.replace(found.winner, overwrite=cfg.overwrite, progress=cfg.progress)
     summary = train(winner) if period is None else _train_replanning(cfg, found, period)
     if summary is not None:
@@ -125,7 +127,7 @@ def probe_and_train(cfg: TrainConfig) -> dict[str, Any] | None:
         why = verdict["why"] if verdict is not None else (
             f"the run is shorter than sync's probe ({PROBE_STEPS} steps): planning skipped")
         if verdict is None:
-            print(f"shoal: {why}", file=sys.stderr, flush=True)
+            log.info(f"shoal: {why}")
         summary["plan"] = {"skipped": True, "why": why, "probe": verdict}
         write_json(out / "summary.json", summary)
         return summary
@@ -137,8 +139,7 @@ def probe_and_train(cfg: TrainConfig) -> dict[str, Any] | None:
     found = plan(go_on, out / PLAN_DIR, probe=verdict)
     winner, label, why = found.or_sync(dataclasses.replace(
         sync, plan_probe=None, plan_probe_since=None, init_from=checkpoint, init_progress=True))
-    print(f"shoal: planned in {found.planning_s:.0f} s ({len(found.trials)} trials): {why}",
-          file=sys.stderr, flush=True)
+    log.info(f"shoal: planned in {found.planning_s:.0f} s ({len(found.trials)} trials): {why}")
     summary = train(dataclasses.replace(winner, overwrite=False, progress=cfg.progress))
     if summary is not None:
         summary["plan"] = {"skipped": False, "winner": label, "planning_s": found.planning_s,
@@ -216,8 +217,7 @@ def _replan_at(cfg: TrainConfig, go_on: TrainConfig, found: Plan, best: Any, at:
                      why="the run has reached the target" if reached else
                      f"a trial ({best.cost_s:.0f} s) does not fit the budget", skipped=True)
         return entry, found, best
-    print(f"shoal: re-planning from step {at} (budget {budget:.0f} s)", file=sys.stderr,
-          flush=True)
+    log.info(f"shoal: re-planning from step {at} (budget {budget:.0f} s)")
     started = time.monotonic()
     again = plan(go_on, out / entry["dir"], incumbent=best)
     took = time.monotonic() - started
@@ -226,7 +226,7 @@ def _replan_at(cfg: TrainConfig, go_on: TrainConfig, found: Plan, best: Any, at:
         found, best = again, again.trials[0]
     entry.update(planning_s=took, trials=len(again.trials), winner=best.candidate.label(),
                  changed=best.candidate.label() != previous, why=again.why)
-    print(f"shoal: re-planned in {took:.0f} s: {again.why}", file=sys.stderr, flush=True)
+    log.info(f"shoal: re-planned in {took:.0f} s: {again.why}")
     return entry, found, best
 
 

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import sys
+import logging
 import time
 from pathlib import Path
 from typing import Any
@@ -37,6 +37,8 @@ from shoal.train.probe import read_verdict
 from shoal.train.records import write_json
 from shoal.train.trainer import Trainer
 from shoal.train.workload import preflight
+
+log = logging.getLogger("shoal.plan")
 
 #: Where the plan goes inside ``--out`` (as ``shoal.plan.PLAN_DIR``).
 PLAN_DIR = "plan"
@@ -149,8 +151,8 @@ def _probe_plan_train(cfg: TrainConfig, sync: TrainConfig, comm: Comm, env: Envi
     found = planner.run()
     winner, label, why = found.or_sync(dataclasses.replace(sync, plan_probe=None,
                                                            **_from(go_on)))
-    print(f"shoal: planned on the job's {comm.world_size} ranks in {found.planning_s:.0f} s "
-          f"({len(found.trials)} trials): {why}", file=sys.stderr, flush=True)
+    log.info(f"shoal: planned on the job's {comm.world_size} ranks in {found.planning_s:.0f} s "
+             f"({len(found.trials)} trials): {why}")
     comm.broadcast_object({"final": winner.to_dict(), "tag": "winner"})
     summary = train(_final(winner), comm, env, data, "winner")
     assert summary is not None
@@ -178,7 +180,7 @@ def _skipped(summary: dict[str, Any] | None, verdict: dict[str, Any] | None,
     why = verdict["why"] if verdict is not None else "the run is shorter than sync's probe: " \
         "planning skipped"
     if verdict is None:
-        print(f"shoal: {why}", file=sys.stderr, flush=True)
+        log.info(f"shoal: {why}")
     summary["plan"] = {"skipped": True, "why": why, "probe": verdict, "in_job": True}
     write_json(out / "summary.json", summary)
     return summary

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import logging
 import math
 import sys
 import time
@@ -45,6 +46,8 @@ from shoal.train.launch import job_topology
 from shoal.train.probe import trial_epochs
 from shoal.train.records import write_json
 from shoal.train.trainer import data_options
+
+out_log = logging.getLogger("shoal.out")
 
 #: The strategies ``shoal plan`` considers unless told otherwise.
 CANDIDATES = ("sync", "local-sgd", "easgd", "diloco", "groups")
@@ -309,7 +312,7 @@ class Planner:
         if self._bar is not None:
             self._bar.write(line)
         elif self.show:
-            print(line, flush=True)
+            out_log.info(line)
 
     # -- the search -------------------------------------------------------------------------
     def run(self) -> Plan:

@@ -18,8 +18,8 @@ from __future__ import annotations
 
 import functools
 import json
+import logging
 import re
-import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -29,6 +29,9 @@ from shoal.core.files import check_output_dir, make_output_dir
 from shoal.errors import ShoalError
 from shoal.strategies.communication import Pattern
 from shoal.strategies.cost import APART, Calibration, Machine, Network, pattern_of, step_cost
+
+log = logging.getLogger("shoal.plan")
+out_log = logging.getLogger("shoal.out")  # its results
 
 #: The SC17 paper's weak-scaling efficiency (You, Buluc & Demmel: 91.5% on 4,253 KNL cores).
 SC17_EFFICIENCY = 0.915
@@ -213,8 +216,7 @@ def _calibration(cfg: Any, source: str | None) -> tuple[Calibration, int]:
     from shoal.plan.calibrate import calibrate, model_of, parameters
 
     if not source:
-        print("shoal: calibrating: timing the model and a local all-reduce ...", file=sys.stderr,
-              flush=True)
+        log.info("shoal: calibrating: timing the model and a local all-reduce ...")
         return calibrate(cfg)
     try:
         values = json.loads(Path(source).read_text())
@@ -247,10 +249,10 @@ def run_simulate(cfg: Any, opts: dict[str, Any]) -> int:
     cal, params = _calibration(cfg, opts.get("sim_calibration"))
     rows = [predict(w, p, cfg.batch_size, params, cal, net) for w in loads for p in nodes]
     result = simulation_record(cfg, params, cal, net, rows)
-    print(simulation_table(result))
+    out_log.info(simulation_table(result))
     make_output_dir(out)
     write_json(target, result)
-    print(f"wrote {target}")
+    out_log.info(f"wrote {target}")
     return 0
 
 

@@ -19,14 +19,18 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import logging
 import sys
 from typing import Any
 
 from shoal.config import TrainConfig
 from shoal.core.failures import first_line
+from shoal.core.logs import install as install_logging
 from shoal.core.pool import SealedLink, join_pool
 from shoal.core.trust import Seal
 from shoal.errors import ShoalError
+
+log = logging.getLogger("shoal.plan")
 
 #: A session with no command for this long ends (the planner is stuck).
 IDLE_TIMEOUT_S = 600.0
@@ -114,6 +118,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--workers", type=int, default=None)
     p.add_argument("--idle-timeout", type=float, default=IDLE_TIMEOUT_S)
     args = p.parse_args(argv)
+    install_logging()  # its lines as the command's
     try:
         Seal.from_environment()  # before any worker starts: one line without it
         if detect_environment() is not None or args.workers in (None, 1):
@@ -121,7 +126,7 @@ def main(argv: list[str] | None = None) -> int:
         else:
             spawn(args.workers, serve, (args.address, args.idle_timeout))
     except ShoalError as exc:
-        print(f"shoal: {exc}", file=sys.stderr)
+        log.error(f"shoal: {exc}")
         return 1
     return 0
 

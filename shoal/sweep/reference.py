@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import os
 import sys
 import time
@@ -28,6 +29,9 @@ import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel
 
 from shoal.core.guard import die_with_parent
+from shoal.core.logs import install as install_logging
+
+log = logging.getLogger("shoal.sweep")
 
 
 @dataclass
@@ -154,8 +158,7 @@ def run_reference(w: Workload, world_size: int, threads: int, out: str) -> dict:
         # without an active exception", SIGABRT), as with shoal's own ranks (exit_status).
         if not os.path.exists(out):
             raise
-        print(f"shoal: the DDP reference's {exc} after its timed loop; its result stands",
-              file=sys.stderr, flush=True)
+        log.warning(f"shoal: the DDP reference's {exc} after its timed loop; its result stands")
     with open(out) as f:
         result = json.load(f)
     os.unlink(out)
@@ -165,6 +168,7 @@ def run_reference(w: Workload, world_size: int, threads: int, out: str) -> dict:
 def main(argv: list[str] | None = None) -> int:
     """One rank of the reference loop under torchrun; rank 0 writes ``--out``."""
     w, a = parse_workload(sys.argv[1:] if argv is None else argv)
+    install_logging()  # its lines as the command's
     dist.init_process_group("gloo")
     try:
         _train(dist.get_rank(), dist.get_world_size(), w, a.threads, a.out)

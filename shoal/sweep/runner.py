@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import logging
 import math
 import os
 import subprocess
@@ -35,6 +36,8 @@ from shoal.sweep.measure import (
 )
 from shoal.sweep.reference import Workload, run_reference
 from shoal.sweep.tables import HOSTS_FIELD, markdown_table, write_outputs
+
+out_log = logging.getLogger("shoal.out")
 
 
 def train_command(cfg: BenchConfig, p: Point, out: Path) -> list[str]:
@@ -184,10 +187,10 @@ class Runner(Launcher):
 def _say(quiet: bool, text: str) -> Iterator[None]:
     t0 = time.perf_counter()
     if not quiet:
-        print(text, end="", flush=True)
+        out_log.info(text, extra={"end": ""})
     yield
     if not quiet:
-        print(f" {time.perf_counter() - t0:.1f} s", flush=True)
+        out_log.info(f" {time.perf_counter() - t0:.1f} s")
 
 
 def run_bench(cfg: BenchConfig, command: str = "shoal bench") -> list[dict[str, Any]]:
@@ -220,6 +223,6 @@ def run_bench(cfg: BenchConfig, command: str = "shoal bench") -> list[dict[str, 
             row[HOSTS_FIELD] = cfg.hosts_label(p)
     paths = write_outputs(cfg, rows, command, results)
     if not cfg.quiet:
-        print("\n" + markdown_table(rows, cfg))
-        print(f"wrote {', '.join(str(p) for p in paths.values())}")
+        out_log.info("\n" + markdown_table(rows, cfg))
+        out_log.info(f"wrote {', '.join(str(p) for p in paths.values())}")
     return rows

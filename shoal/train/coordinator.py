@@ -21,6 +21,7 @@ sums at each epoch's end, their state at each checkpoint, their totals at the en
 
 from __future__ import annotations
 
+import logging
 import math
 import queue
 import time
@@ -61,6 +62,8 @@ from shoal.train.records import coordinator_part, pending_reports, queued, recor
 from shoal.train.remote import CLOCK_KEY, COLLAPSED_KEY
 from shoal.train.state import RunState
 from shoal.train.stopping import run_reason
+
+log = logging.getLogger("shoal.train")
 
 
 class WorkerFailed(ShoalError):
@@ -240,9 +243,8 @@ class Coordinator:
                 if self.members is not None:
                     self.members.lost(worker, info)
                 else:
-                    print(f"shoal: lost worker {worker} at step {self.lost[worker]['step']} "
-                          f"({info.get('error', 'connection lost')}); the others go on",
-                          flush=True)
+                    log.warning(f"shoal: lost worker {worker} at step {self.lost[worker]['step']} "
+                                f"({info.get('error', 'connection lost')}); the others go on")
                 self._progress()
 
     def _progress(self) -> None:

@@ -7,8 +7,8 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import json
+import logging
 import os
-import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -58,6 +58,8 @@ from shoal.train.resize import (
     start_joiners,
 )
 from shoal.train.workload import preflight
+
+log = logging.getLogger("shoal.train")
 
 
 def default_workers(cfg: TrainConfig) -> int:
@@ -158,7 +160,7 @@ def _run_with_restarts(cfg: TrainConfig, topology: Topology, data: Dataset | Non
             how = ("Gloo's connections did not form as the job started: starting it once more "
                    "(not counted as a restart)") if mesh else \
                 f"restarting from {where} (restart {counted + 1} of {cfg.max_restarts})"
-            print(f"shoal: {exc}; {how}", file=sys.stderr, flush=True)
+            log.warning(f"shoal: {exc}; {how}")
             attempt = _restarted(cfg, topology, saved) if saved is not None else topology
         finally:  # the job ended (a summary) or failed (None: those left are stopped)
             end_joiners(joiners, summary, before)
@@ -176,8 +178,7 @@ def _restarted(cfg: TrainConfig, topology: Topology, checkpoint: Saved) -> Topol
     saved, why = checkpoint.ranks, only_as_many(cfg, checkpoint)
     if topology.servers or saved == topology.workers or why is None:
         return topology
-    print(f"shoal: the checkpoint holds {saved} workers' state{why}: {saved} start again",
-          file=sys.stderr, flush=True)
+    log.info(f"shoal: the checkpoint holds {saved} workers' state{why}: {saved} start again")
     return job_topology(cfg, saved)
 
 
@@ -191,8 +192,8 @@ def _summary(cfg: TrainConfig, topology: Topology, results: list[Any], since: fl
     if summary is None and cfg.elastic and workers and all(isinstance(r, Lost) for r in workers):
         summary = _joiners_summary(Path(cfg.out) / "summary.json", since)
         if summary is not None:
-            print(f"shoal: every worker started here was lost; the job went on in the workers "
-                  f"that joined it and ended (results in {cfg.out})", file=sys.stderr, flush=True)
+            log.info(f"shoal: every worker started here was lost; the job went on in the workers "
+                     f"that joined it and ended (results in {cfg.out})")
             return summary
         if stop_requested():  # SIGTERM while the job went on in its joiners
             raise Terminated("stopped by SIGTERM once every worker started here was lost "
@@ -282,7 +283,7 @@ def train(cfg: TrainConfig, dataset: Any = None) -> dict[str, Any] | None:
     work = preflight(cfg, topology.workers, given)
     check_machine(cfg, topology, work.data)
     if resized:  # said once the run's checks passed
-        print(resized, file=sys.stderr, flush=True)
+        log.info(resized)
     with OutputLock(Path(cfg.out)):
         if not spawned:  # here, in this process
             return run_rank(cfg, Environment(), topology, work)
@@ -345,9 +346,9 @@ def _keep_rank(cfg: TrainConfig, env: Environment, given: Dataset | None
                 attempt=env.attempt, first_id=first_id)
         publish_in_store(store, rank_cfg, env.master_addr, env.master_port, secret,
                          topology.workers, env.attempt, first_id)
-        print(f"shoal: the job takes joiners: shoal join {cfg.out} (or, from a host that does "
-              f"not see it, shoal join --store {env.master_addr}:{env.master_port}), with "
-              f"{JOIN_SECRET_VAR}", file=sys.stderr, flush=True)
+        log.info(f"shoal: the job takes joiners: shoal join {cfg.out} (or, from a host that does "
+                 f"not see it, shoal join --store {env.master_addr}:{env.master_port}), with "
+                 f"{JOIN_SECRET_VAR}")
     try:
         return keep_rank(env.rank, keys, _train_as_rank, (cfg, child_env, given),
                          range(topology.servers, topology.world_size),

@@ -25,8 +25,8 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import logging
 import os
-import sys
 from collections.abc import Callable
 from datetime import timedelta
 from pathlib import Path
@@ -42,6 +42,8 @@ from shoal.core.stop import Leaving, leave_on_sigterm
 from shoal.core.waits import ELASTIC, ended_key, key_prefix, members_now, say_finished
 from shoal.errors import JobError, ShoalError
 from shoal.train.membership.jobfile import JOIN_SECRET_VAR, join_secret, read_job, read_job_in_store
+
+log = logging.getLogger("shoal.train")
 
 #: Seconds a joiner waits for the job's store to take its connection: a live one answers at
 #: once, and a store gone (the job ended between the job file's read and the connection) would
@@ -72,7 +74,7 @@ def join_job(out: Path | None, at: str | None = None,
         raise ShoalError(f"the job {where} has {len(members)} workers, its most "
                          f"(--max-workers {job['max_workers']}); join once one is lost")
     me = worker_id(job["first_id"], take_ticket(_prefixed(store, job["attempt"], ELASTIC)))
-    print(f"shoal: joining the job {where} as worker {me}", file=sys.stderr, flush=True)
+    log.info(f"shoal: joining the job {where} as worker {me}")
     if on_id is not None:
         on_id(me)
     code, report = run_child(_worker_main, (job, me), f"shoal-join-{me}")
@@ -82,16 +84,14 @@ def join_job(out: Path | None, at: str | None = None,
     if code == 0 and left is not None:
         with contextlib.suppress(Exception):  # for the members (the store gone: so is the job)
             keys.set(ended_key(servers + me), f"left at step {left} (SIGTERM to shoal join)")
-        print(f"shoal: worker {me} left the job after step {left} (SIGTERM); the job goes on",
-              file=sys.stderr, flush=True)
+        log.info(f"shoal: worker {me} left the job after step {left} (SIGTERM); the job goes on")
         return 0
     if code == 0 and not failed:
         with contextlib.suppress(Exception):  # for a launcher whose own workers were lost
             keys.set(finished_key(me), "1")
-        print(f"shoal: worker {me} finished with the job" if stopped is None else
-              f"shoal: worker {me} was the job's last worker: SIGTERM stopped the job after "
-              f"step {stopped}, with a checkpoint (go on with the job's command and --resume)",
-              file=sys.stderr, flush=True)
+        log.info(f"shoal: worker {me} finished with the job" if stopped is None else
+                 f"shoal: worker {me} was the job's last worker: SIGTERM stopped the job after "
+                 f"step {stopped}, with a checkpoint (go on with the job's command and --resume)")
         return 0
     if failed or (code is not None and code < 0):
         how = "failed" if failed else exit_status(code or 1)

@@ -17,7 +17,7 @@ rank 0.
 
 from __future__ import annotations
 
-import sys
+import logging
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -29,6 +29,8 @@ from shoal.core.env import detect_environment
 from shoal.core.timeline import Timeline, comm_fraction
 from shoal.strategies.cost import fitted_link, pattern_of, step_cost
 from shoal.train.records import write_json
+
+log = logging.getLogger("shoal.train")
 
 #: The share of sync's predicted time that planning may take (Omnivore's overhead).
 PLAN_SHARE = 0.10
@@ -125,7 +127,7 @@ class Probe:
         verdict = Verdict(step, step_s, share, self.startup_s, predicted, budget, needed, plans,
                           why)
         write_json(self.out / PROBE_FILE, asdict(verdict))
-        print(f"shoal: {why}", file=sys.stderr, flush=True)
+        log.info(f"shoal: {why}")
         return verdict
 
 

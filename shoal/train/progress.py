@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import logging
 import sys
 from typing import Any
+
+out_log = logging.getLogger("shoal.out")
 
 
 class Progress:
@@ -39,4 +42,4 @@ class Progress:
         if self._bar is not None:
             self._bar.write(text)
         else:
-            print(text, flush=True)
+            out_log.info(text)

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import logging
 import multiprocessing
 import sys
 import time
@@ -27,6 +28,8 @@ from shoal.errors import ShoalError
 from shoal.strategies import get_strategy
 from shoal.train.checkpoint import Saved, load_checkpoint, saved_checkpoint
 from shoal.train.launch import job_topology
+
+log = logging.getLogger("shoal.train")
 
 #: Seconds the launcher waits for its joiners once the job has ended (each finishes with the
 #: job's store, its watchdog within seconds) before it stops them.
@@ -167,8 +170,7 @@ def end_joiners(joiners: list[Joiner], summary: dict[str, Any] | None, before: i
     for joiner in joiners:
         why = joiner.end(deadline, joined)
         if why and summary is not None:
-            print(f"shoal: a worker started to join at --resume did not: {why}",
-                  file=sys.stderr, flush=True)
+            log.warning(f"shoal: a worker started to join at --resume did not: {why}")
 
 
 def _join(out: Path, told: Connection) -> None:

@@ -8,10 +8,12 @@ and the checkpoints hold."""
 
 from __future__ import annotations
 
-import sys
+import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
+
+log = logging.getLogger("shoal.membership")
 
 #: A change's facts added once known, in the order its record lists them.
 LATER = ("group_led_by", "state", "state_sha256", "joiner_state_sha256", "stall_s")
@@ -80,8 +82,8 @@ def membership_change(step: int, epoch: int, why: dict[int, str], workers: int, 
     if say:
         span = epoch_span(epoch, epoch if last is None else last)
         rest = f" with the {dealt} samples left of {span}" if dealt else note
-        print(f"shoal: {worker_names(lost)} left at step {step} ({'; '.join(why.values())}); "
-              f"{workers} go on{rest}", file=sys.stderr, flush=True)
+        log.warning(f"shoal: {worker_names(lost)} left at step {step} ({'; '.join(why.values())}); "
+                    f"{workers} go on{rest}")
     return MembershipChange(step, epoch + 1, tuple(lost), dict(why), workers, dealt)
 
 
@@ -114,9 +116,8 @@ def resumed_change(saved_world: int, world: int, step: int, epoch: int, dealt: i
     ids = list(range(min(world, saved_world), max(world, saved_world)))
     why = "started at --resume" if more else "not started at --resume"
     if say:
-        print(f"shoal: resumed on {world} workers (the checkpoint's run had {saved_world}); "
-              f"{world} go on with the {dealt} samples left of epoch {epoch + 1}",
-              file=sys.stderr, flush=True)
+        log.info(f"shoal: resumed on {world} workers (the checkpoint's run had {saved_world}); "
+                 f"{world} go on with the {dealt} samples left of epoch {epoch + 1}")
     if more:
         return joined_change(step, epoch, ids, world, dealt, why)
     return membership_change(step, epoch, dict.fromkeys(ids, why), world, dealt, say=False)

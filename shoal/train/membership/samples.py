@@ -23,8 +23,8 @@ from __future__ import annotations
 import contextlib
 import fcntl
 import json
+import logging
 import os
-import sys
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -34,6 +34,8 @@ import torch
 
 from shoal.config import TrainConfig
 from shoal.core.trust import open_own, private_dir
+
+log = logging.getLogger("shoal.membership")
 
 _POLL = 0.01  # seconds between two tries of a lock held by another worker
 
@@ -190,6 +192,5 @@ def _record(line: bytes) -> dict[str, Any]:
 
 def say_held(worker: int, which: str) -> None:
     """Say that a lost ``worker``'s file was not written for it (its lock held too long)."""
-    print(f"shoal: worker {worker} holds its --record-samples file (stopped while writing "
-          f"it?): its samples of {which} are recorded only if it goes on",
-          file=sys.stderr, flush=True)
+    log.warning(f"shoal: worker {worker} holds its --record-samples file (stopped while writing "
+                f"it?): its samples of {which} are recorded only if it goes on")

@@ -18,7 +18,7 @@ epochs before it are recorded without it.
 from __future__ import annotations
 
 import json
-import sys
+import logging
 from collections.abc import Callable, Sequence
 from dataclasses import replace
 from typing import Any
@@ -32,6 +32,8 @@ from shoal.train.membership.messages import Adopt, Give, Idle, ReportKind
 from shoal.train.membership.samples import record_since, samples_file, say_held
 from shoal.train.membership.schedule import Schedule, Segment, cut, deal, length, slots_of
 from shoal.train.membership.tracker.deals import DEALS, RELEASE, deal_key
+
+log = logging.getLogger("shoal.membership")
 
 
 class Dealer:
@@ -221,10 +223,9 @@ class Dealer:
                 self._publish({joiner: pieces}, live, joined=joiner)
                 epochs = [e for e, _, _, _ in pieces]
                 of = epoch_span(min(epochs), max(epochs)) if epochs else "no epoch"
-                print(f"shoal: worker {joiner} joined at step {change.step}; "
-                      f"{len(live)} go on, worker {joiner} with the "
-                      f"{change.samples_dealt_again} samples given it of {of}",
-                      file=sys.stderr, flush=True)
+                log.info(f"shoal: worker {joiner} joined at step {change.step}; "
+                         f"{len(live)} go on, worker {joiner} with the "
+                         f"{change.samples_dealt_again} samples given it of {of}")
             elif pieces and self.units(live) and not self.released:
                 self._publish(deal(pieces, self.units(live)), live, lost=joiner)
 

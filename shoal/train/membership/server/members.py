@@ -6,7 +6,7 @@ at, the samples each worker's reports account for) and :class:`JoinDesk` (the an
 from __future__ import annotations
 
 import json
-import sys
+import logging
 from collections.abc import Callable
 from typing import Any
 
@@ -34,6 +34,8 @@ from shoal.train.membership.schedule import length
 from shoal.train.membership.server.dealer import Dealer
 from shoal.train.membership.tracker.compute_group import gone_key
 from shoal.train.membership.tracker.deals import leave_key
+
+log = logging.getLogger("shoal.membership")
 
 
 class JoinDesk:
@@ -251,9 +253,9 @@ class AsyncMembers:
             changes.append(joined_change(int(payload["progress"]["step"]),
                                          min(starts[w].epoch for w in back), back, c.workers,
                                          given, "back at --resume"))
-            print(f"shoal: {'worker' if len(back) == 1 else 'workers'} "
-                  f"{', '.join(map(str, back))} {'is' if len(back) == 1 else 'are'} back at "
-                  f"--resume with the {given} samples given", file=sys.stderr, flush=True)
+            log.info(f"shoal: {'worker' if len(back) == 1 else 'workers'} "
+                     f"{', '.join(map(str, back))} {'is' if len(back) == 1 else 'are'} back at "
+                     f"--resume with the {given} samples given")
         self.dealer.resume(starts, changes)
         c.recorder.changes = self.dealer.changes
         self.accounted = {int(w): int(n) for w, n in part.get("accounted", {}).items()}

@@ -18,7 +18,7 @@ later may still leave it work. Nobody waits for anybody otherwise.
 from __future__ import annotations
 
 import json
-import sys
+import logging
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -37,6 +37,8 @@ from shoal.train.membership.schedule import Schedule, cut, length, slots_of
 from shoal.train.membership.tracker.compute_group import Seat, gone_key, leader_lost
 from shoal.train.membership.tracker.deals import POLL_S, TakesDeals, leave_key
 from shoal.train.optim import schedule_at
+
+log = logging.getLogger("shoal.membership")
 
 _Step = TypeVar("_Step")
 
@@ -142,15 +144,14 @@ class AsyncElastic(TakesDeals):
         if said.get("counted") != t.strategy.counted:
             self._count()
             why = f"{leader_lost(old, seat.end)} in its exchange"
-            print(f"shoal: worker {self.me} {why}", file=sys.stderr, flush=True)
+            log.warning(f"shoal: worker {self.me} {why}")
             raise Leaving(t.state.step, why)
         self.former = (*self.former, old)
         self.unit = seat.first = t.strategy.first = seat.members[0]
         if self.me == self.unit:  # told before its first exchange, with the group's deals
             self.record = samples_file(t.cfg, self.me)
             t.comm.ps.report(encode(Lead(old, tuple(self.acts))))
-            print(f"shoal: worker {self.me} leads its compute group in worker {old}'s place",
-                  file=sys.stderr, flush=True)
+            log.info(f"shoal: worker {self.me} leads its compute group in worker {old}'s place")
 
     def start_epoch(self) -> None:
         self._plan(self.resume_at)

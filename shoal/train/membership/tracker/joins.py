@@ -6,7 +6,7 @@ is dealt over the grown group, and worker 0 hands it its live state
 
 from __future__ import annotations
 
-import sys
+import logging
 import time
 from dataclasses import replace
 from typing import Any
@@ -14,6 +14,8 @@ from typing import Any
 from shoal.core.joining import admit
 from shoal.train.membership import handover
 from shoal.train.membership.changes import MembershipChange, joined_change, worker_names
+
+log = logging.getLogger("shoal.membership")
 
 
 class Joins:
@@ -51,9 +53,8 @@ class Joins:
         # A joiner lost in the handover has its loss recorded after its join: its place kept.
         workers, at = t.comm.world_size, len(self.changes)
         if t.comm.rank == 0:
-            print(f"shoal: {worker_names(joined)} joined at step {st.step}; {workers} go on with "
-                  f"the {t.plan.n} samples left of epoch {st.epoch + 1}", file=sys.stderr,
-                  flush=True)
+            log.info(f"shoal: {worker_names(joined)} joined at step {st.step}; {workers} go on with "
+                     f"the {t.plan.n} samples left of epoch {st.epoch + 1}")
         change = joined_change(st.step, st.epoch, joined, workers, t.plan.n)
         self._joining = (at, change)  # the joiners keep it too (they may write the records)
         mine, theirs = handover.send(t, joined)
