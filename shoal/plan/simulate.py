@@ -16,6 +16,7 @@ its hosts are this machine's processes behind a rate-limited link); without
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import json
 import logging
@@ -115,20 +116,26 @@ class Workload:
         return make_options(get_strategy(self.strategy), dict(self.options))
 
     @property
+    def values(self) -> dict[str, Any]:
+        """The strategy's options by name, defaults included (its options' fields)."""
+        o = self.settings
+        return {f.name: getattr(o, f.name) for f in dataclasses.fields(o)}
+
+    @property
     def label(self) -> str:
         """The strategy and the knobs it has: ``local-sgd tau=16``, ``groups g=8 k=2``."""
-        o, text = self.settings, self.strategy
-        if hasattr(o, "tau"):
+        v, text = self.values, self.strategy
+        if "tau" in v:
             text += f" tau={self.pattern(1).every}"
-        if hasattr(o, "groups"):
-            text += f" g={o.groups}"
-        if hasattr(o, "servers"):
-            text += f" k={o.servers}"
-        if getattr(o, "compress", "none") != "none":
-            text += f" {o.compress}"
-        if getattr(o, "fragments", 1) > 1 or getattr(o, "overlap_steps", 0):
-            text += f" F={o.fragments} H={o.overlap_steps}"
-        return text + (" no-overlap" if getattr(o, "overlap", True) is False else "")
+        if "groups" in v:
+            text += f" g={v['groups']}"
+        if "servers" in v:
+            text += f" k={v['servers']}"
+        if v.get("compress", "none") != "none":
+            text += f" {v['compress']}"
+        if v.get("fragments", 1) > 1 or v.get("overlap_steps", 0):
+            text += f" F={v['fragments']} H={v['overlap_steps']}"
+        return text + (" no-overlap" if v.get("overlap", True) is False else "")
 
 
 def workloads(spec: str, given: dict[str, Any]) -> list[Workload]:
@@ -176,7 +183,7 @@ class Prediction:
     def to_dict(self) -> dict[str, Any]:
         w, pattern = self.workload, self.workload.pattern(self.nodes)
         return {"label": w.label, "strategy": w.strategy, "tau": pattern.every,
-                "groups": getattr(w.settings, "groups", 1), "servers": pattern.servers,
+                "groups": w.values.get("groups", 1), "servers": pattern.servers,
                 "nodes": self.nodes, "batch_per_worker": self.batch, "step_s": self.step_s,
                 "compute_s": self.compute_s, "comm_s": self.comm_s,
                 "comm_fraction": self.comm_s / self.step_s, "samples_per_s": self.samples_per_s,

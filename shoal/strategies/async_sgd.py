@@ -62,7 +62,7 @@ class SGDRule:
     def __init__(self, center: torch.Tensor, options: Any = None) -> None:
         self.center = center  # x: this server's shard, updated in place
         self._d = torch.empty_like(center)
-        lambda0 = getattr(options, "delay_compensation", 0.0)
+        lambda0 = options.delay_compensation if isinstance(options, GradientOptions) else 0.0
         #: DC-ASGD's state where --delay-compensation is on (None: pushed gradients as sent)
         self.delay = DelayCompensation(center, lambda0) if lambda0 else None
 

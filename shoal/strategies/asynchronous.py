@@ -44,6 +44,7 @@ from shoal.errors import ShoalError
 from shoal.ps.admission import ORDERS, Admission, check_settings
 from shoal.schema import flag_name
 from shoal.strategies.base import Strategy
+from shoal.strategies.capabilities import AdmittingOptions, NamedFields, ServedOptions
 from shoal.strategies.communication import Exchange, Pattern
 from shoal.strategies.easgd import parameter_order
 from shoal.strategies.topology import Topology
@@ -168,7 +169,7 @@ class AsyncStrategy(Strategy):
                  options: Any = None) -> None:
         super().__init__(model, optimizer, comm, options)
         self.flat = FlatParams(parameter_order(model, optimizer))
-        servers = getattr(self.options, "servers", 1)
+        servers = self.servers(self.options)
         if servers > self.flat.numel:
             raise ShoalError(f"{flag_name('servers')} {servers}: the model has {self.flat.numel} "
                              "parameters, and each server holds one at least")
@@ -186,12 +187,12 @@ class AsyncStrategy(Strategy):
     @property
     def client(self) -> Client | None:
         """``comm.ps``: this worker's end of the parameter servers, or ``None``."""
-        return getattr(self.comm, "ps", None)
+        return self.comm.ps
 
     @classmethod
     def servers(cls, options: Any) -> int:
         """``--servers`` (1 for a strategy without the option)."""
-        return int(getattr(options, "servers", 1))
+        return int(options.servers) if isinstance(options, ServedOptions) else 1
 
     @classmethod
     def topology(cls, options: Any, workers: int) -> Topology:
@@ -204,8 +205,9 @@ class AsyncStrategy(Strategy):
     def admission(cls, options: Any, workers: int) -> Admission:
         """When the servers apply the exchanges of ``workers`` workers: the options' (the
         order, the staleness bound, the pushers), or every worker in arrival order."""
-        make = getattr(options, "admission", None)
-        return make(workers) if make is not None else Admission(tuple(range(workers)))
+        if isinstance(options, AdmittingOptions):
+            return options.admission(workers)
+        return Admission(tuple(range(workers)))
 
     @classmethod
     def through_servers(cls, options: Any, workers: int, what: str, every: int = 1) -> Pattern:
@@ -235,7 +237,7 @@ class AsyncStrategy(Strategy):
         group at this step (so schedules apply on the server), else this strategy's
         attribute of that name."""
         group, values = self.optimizer.param_groups[0], {}
-        for name in getattr(self.Rule, "fields", ()):
+        for name in self.Rule.fields if isinstance(self.Rule, NamedFields) else ():
             value = group[name] if name in group else getattr(self, name, None)
             if value is None:
                 raise ShoalError(f"strategy {self.name}'s server rule reads {name!r}, which is "
@@ -319,7 +321,7 @@ class AsyncStrategy(Strategy):
     # -- checkpoints --------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
         """Steps, exchanges, samples and the server versions last seen (per server)."""
-        versions = getattr(self.client, "versions", None)
+        versions = self.client.versions if self.client is not None else None
         return {**super().state_dict(), "clock": self.clock, "samples": self.samples,
                 "versions": list(versions) if versions is not None else None}
 
@@ -329,7 +331,8 @@ class AsyncStrategy(Strategy):
         self.samples = int(state.get("samples", 0))
         # The versions this worker's information dates from, for the staleness of its next
         # exchange; never past what the (restored) servers told it when it was made.
-        versions, mine = state.get("versions"), getattr(self.client, "versions", None)
+        client = self.client
+        versions, mine = state.get("versions"), client.versions if client is not None else None
         if versions is not None and mine is not None and len(mine) == len(versions):
             mine[:] = [min(int(v), int(m)) for v, m in zip(versions, mine, strict=True)]
 

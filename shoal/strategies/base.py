@@ -33,6 +33,7 @@ from shoal.data.base import num_rows, take_rows
 from shoal.data.sharding import EpochPlan
 from shoal.errors import ShoalError
 from shoal.schema import check_bounds, check_value, field_kind, flag_name
+from shoal.strategies.capabilities import SettingsOptions, ValidatedOptions, WorkerCheckedOptions
 from shoal.strategies.communication import Pattern
 from shoal.strategies.topology import Topology
 
@@ -45,18 +46,16 @@ class NoOptions:
 def check_options(options: Any, workers: int | None) -> None:
     """Check every number option is in range, for every strategy, new ones too (floats
     finite, as ``nan`` slips through checks such as ``x <= 0``, and within float32; ints
-    within int64), then run the options' own checks: ``validate()``, and
-    ``check_workers(n)`` once the number of workers is known (e.g. a rate that must shrink
-    as workers are added)."""
+    within int64), then run the options' own checks: ``validate()``
+    (:class:`ValidatedOptions`), and ``check_workers(n)`` once the number of workers is
+    known (:class:`WorkerCheckedOptions`)."""
     if dataclasses.is_dataclass(options):
         for f in dataclasses.fields(options):
             check_bounds(getattr(options, f.name, None), flag_name(f.name))
-    validate = getattr(options, "validate", None)
-    if validate is not None:
-        validate()
-    check_workers = getattr(options, "check_workers", None)
-    if check_workers is not None and workers is not None:
-        check_workers(workers)
+    if isinstance(options, ValidatedOptions):
+        options.validate()
+    if isinstance(options, WorkerCheckedOptions) and workers is not None:
+        options.check_workers(workers)
 
 
 class Strategy:
@@ -350,6 +349,7 @@ def make_options(cls: type[Strategy], values: dict[str, Any], workers: int | Non
 def settings_of(cls: type[Strategy], values: dict[str, Any], workers: int) -> dict[str, Any]:
     """What the run's first line shows and ``config.json`` keeps of ``cls``'s options as a
     run of ``workers`` takes them, given or by default (``options.settings(workers)``: an
-    elastic strategy's period and moving rate); ``{}`` for a strategy without such."""
-    settings = getattr(make_options(cls, values), "settings", None)
-    return settings(workers) if settings is not None else {}
+    elastic strategy's period and moving rate: :class:`SettingsOptions`); ``{}`` for a
+    strategy without such."""
+    options = make_options(cls, values)
+    return options.settings(workers) if isinstance(options, SettingsOptions) else {}

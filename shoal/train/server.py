@@ -49,6 +49,7 @@ from shoal.core.ops import split_ranges
 from shoal.errors import ShoalError
 from shoal.ps import ServerClient, connect_worker, keepalive, serve_shard
 from shoal.strategies import get_strategy, make_options
+from shoal.strategies.asynchronous import AsyncStrategy
 from shoal.strategies.easgd import parameter_order
 from shoal.strategies.hogwild import (
     COUNT_SLOTS,
@@ -124,7 +125,7 @@ def run_server(cfg: TrainConfig, env: Environment, comm: Comm, topology: Topolog
     optimizer = build_optimizer(cfg, model.parameters(), cfg.base_lr(workers))
     flat = FlatParams(parameter_order(model, optimizer))  # the order the strategies pack
     ranges = shard_ranges(flat.numel, topology.servers)
-    rule_cls = getattr(strategy_cls, "Rule", None)
+    rule_cls = strategy_cls.Rule if issubclass(strategy_cls, AsyncStrategy) else None
     coordinator: Coordinator | None = None
     paths: list[str] = []  # shared files this server made: removed however it ends
     try:
