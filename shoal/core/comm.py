@@ -207,11 +207,11 @@ class Comm(ObjectCollectives):
                 self._meet(lambda: dist.all_reduce(tensor, op=red, async_op=True), keep=tensor)
             return Handle(self, None, tensor.div_(self.world_size) if op == "avg" else tensor,
                           op, name)
+        nbytes = self._start(tensor)  # counted, and in flight (its peak too) until the wait
         if self.host is not None and self.host.takes(tensor, op):  # done when it returns
-            self.count(tensor.numel() * tensor.element_size())
+            self.in_flight -= nbytes
             with self.timeline.span(COMM, name), self.log.track(named("all_reduce", name, "allreduce")):
                 return Handle(self, None, self.host.all_reduce(tensor, op), op, name)
-        nbytes = self._start(tensor)
         seq = self.log.start(named("all_reduce", name, "allreduce"))  # finished by its wait
         with self.timeline.span(COMM, name):
             work = dist.all_reduce(tensor, op=red, async_op=True)
