@@ -56,6 +56,7 @@ from shoal.train.membership.messages import (
     decode_report,
 )
 from shoal.train.membership.schedule import loss_record
+from shoal.train.membership.server.followers import Leader
 from shoal.train.membership.server.members import AsyncMembers
 from shoal.train.recorder import Recorder
 from shoal.train.records import coordinator_part, pending_reports, queued, records_position
@@ -118,8 +119,8 @@ class Coordinator:
         self.members = AsyncMembers(self, seal, groups) if cfg.elastic else None
         #: ``(worker, info) -> [counted, step]``, a lost worker's count where server 0's
         #: own is not it (hogwild's shared file; with several servers, the least of theirs)
-        self.counted_of: Any = None
-        self.followers: Any = None  #: --elastic with several servers: their Leader
+        self.counted_of: Callable[[int, dict[str, Any]], list[int]] | None = None
+        self.followers: Leader | None = None  #: --elastic with several servers: their Leader
         self.progress: dict[str, Any] | None = None
         self.started: set[int] | None = set()  # workers that can train; None: clock started
         self.trained: dict[int, int] = {}  # each worker's samples, as it last said

@@ -201,10 +201,11 @@ def run_worker(job: dict[str, Any], me: int) -> dict[str, int] | None:
     # it is killed as a member would be, and its launcher says so).
     joined = m.grow(reply["epoch"], reply["members"], reply["joined"])
     comm.rank, comm.world_size = m.rank, m.world_size
-    t.elastic, t.joined = Elastic(t), True
+    side = Elastic(t)  # its side of the job's membership, which the hand-over fills
+    t.elastic, t.joined = side, True
     t.stop_vote = StopVote(t.strategy.stop_peers, t.strategy.meets_after)
     t.regroup()
-    handover.receive(t, joined)
+    handover.receive(t, side, joined)
     leave_on_sigterm()  # a member now: SIGTERM asks it to leave (before: it ends it)
     try:
         summary = t.run()

@@ -18,17 +18,19 @@ from typing import Any
 
 import torch
 
+from shoal.train.membership.context import JoinSide, LiveContext
+
 #: The run's position that the digest covers (its times are each worker's own).
 POSITION = ("epoch", "epoch_step", "step", "samples", "lr")
 
 
-def live_state(t: Any) -> dict[str, Any]:
-    """Trainer ``t``'s state as a joiner takes it (on CPU)."""
+def live_state(t: LiveContext, side: JoinSide) -> dict[str, Any]:
+    """Trainer ``t``'s state as a joiner takes it (on CPU), with its membership ``side``'s."""
     progress = t.state.state_dict()["progress"]
     return {"model": t.model.state_dict(), "optimizer": t.optimizer.state_dict(),
             "strategy": t.strategy.handover_state(), "scheduler": t.scheduler.state_dict(),
             "precision": t.amp.state_dict(), "progress": progress,
-            "order": t.plan.order, "elastic": t.elastic.handover_state()}
+            "order": t.plan.order, "elastic": side.handover_state()}
 
 
 def digest(state: dict[str, Any]) -> str:
@@ -63,26 +65,26 @@ def _feed(h: Any, value: Any) -> None:
         h.update(type(value).__qualname__.encode())
 
 
-def send(t: Any, joined: list[int]) -> tuple[str, dict[str, str]]:
+def send(t: LiveContext, side: JoinSide, joined: list[int]) -> tuple[str, dict[str, str]]:
     """Every member: worker 0's live state to the joiners (a broadcast over the grown
     group), then each joiner's digest of what it took. Returns worker 0's digest and the
     joiners' (by id)."""
     comm = t.comm
-    state = live_state(t) if comm.rank == 0 else None
+    state = live_state(t, side) if comm.rank == 0 else None
     mine = digest(state) if state is not None else ""
     _, mine = comm.broadcast_object((None, mine) if state is None else (state, mine))
     return mine, _digests(t, joined)
 
 
-def receive(t: Any, joined: list[int]) -> None:
-    """A joiner: take worker 0's live state into trainer ``t``, then send the digest of
-    its own (with the others', :func:`send`)."""
+def receive(t: LiveContext, side: JoinSide, joined: list[int]) -> None:
+    """A joiner: take worker 0's live state into trainer ``t`` and its membership ``side``,
+    then send the digest of its own (with the others', :func:`send`)."""
     state, theirs = t.comm.broadcast_object(None)
-    install(t, state)
-    t.elastic.joined(theirs, _digests(t, joined, digest(live_state(t))))
+    install(t, side, state)
+    side.joined(theirs, _digests(t, joined, digest(live_state(t, side))))
 
 
-def _digests(t: Any, joined: list[int], mine: str = "") -> dict[str, str]:
+def _digests(t: LiveContext, joined: list[int], mine: str = "") -> dict[str, str]:
     """Each joiner's digest, by its id: gathered at worker 0 and sent to all, so that a
     joiner lost meanwhile (the meetings held again without it) sends none."""
     me = t.comm.membership.me
@@ -90,12 +92,13 @@ def _digests(t: Any, joined: list[int], mine: str = "") -> dict[str, str]:
     return t.comm.broadcast_object({str(w): d for w, d in filter(None, got or [])})
 
 
-def install(t: Any, state: dict[str, Any]) -> None:
-    """Put a :func:`live_state` in place in trainer ``t`` (a joiner's)."""
+def install(t: LiveContext, side: JoinSide, state: dict[str, Any]) -> None:
+    """Put a :func:`live_state` in place in trainer ``t`` and its membership ``side`` (a
+    joiner's)."""
     t.model.load_state_dict(state["model"])
     t.optimizer.load_state_dict(state["optimizer"])
     t.strategy.load_state_dict(state["strategy"])
     t.scheduler.load_state_dict(state["scheduler"])
     t.amp.load_state_dict(state["precision"])
     t.state.load_state_dict({"progress": state["progress"], "rank": None})
-    t.elastic.take_over(state["order"], state["elastic"])
+    side.take_over(state["order"], state["elastic"])

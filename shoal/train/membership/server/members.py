@@ -31,6 +31,7 @@ from shoal.train.membership.messages import (
 from shoal.train.membership.resume import dealer_state, rebuild, schedule_of
 from shoal.train.membership.samples import cut_upto, samples_file
 from shoal.train.membership.schedule import length
+from shoal.train.membership.server.context import ServerContext
 from shoal.train.membership.server.dealer import Dealer
 from shoal.train.membership.tracker.compute_group import gone_key
 from shoal.train.membership.tracker.deals import leave_key
@@ -81,7 +82,7 @@ class AsyncMembers:
     :class:`JoinDesk` (where the job's join secret ``seal`` is known) and the epoch each
     joiner starts at."""
 
-    def __init__(self, c: Any, seal: Any, groups: tuple[tuple[int, int], ...] = ()) -> None:
+    def __init__(self, c: ServerContext, seal: Any, groups: tuple[tuple[int, int], ...] = ()) -> None:
         self.c, store = c, c.comm.attempt_store
         self.dealer = Dealer(c.cfg, store, len(c.data.train), c.workers, c.servers, groups)
         self.desk = JoinDesk(store, seal, c.workers, c.cfg.max_workers or c.workers) \

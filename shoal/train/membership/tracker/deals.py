@@ -8,13 +8,14 @@ from __future__ import annotations
 
 import json
 import time
-from typing import Any
 
 import torch
+import torch.distributed as dist
 
 from shoal.core.stop import request_stop, stop_requested
 from shoal.core.waits import ELASTIC
 from shoal.errors import ShoalError
+from shoal.train.membership.context import LoopContext
 from shoal.train.membership.handover import digest
 from shoal.train.membership.messages import Adopt, Give, Idle, Joined, encode
 from shoal.train.membership.schedule import Segment
@@ -42,8 +43,8 @@ class TakesDeals:
     """The deals part of :class:`~shoal.train.membership.tracker.detached.AsyncElastic` (its attributes:
     ``t``, ``store``, ``me``, ``unit``, ``schedule``, ``seen``, ``dealt``, ``seat``...)."""
 
-    t: Any
-    store: Any
+    t: LoopContext
+    store: dist.Store
     former: tuple[int, ...]  # a compute group's earlier leaders: deals to them are its
     acts: list[Adopt | Give]  # a compute group's shares taken and parts given
 

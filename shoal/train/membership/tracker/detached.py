@@ -30,6 +30,7 @@ from shoal.core.membership import MembershipChanged
 from shoal.core.stop import Leaving, leave_requested, request_stop
 from shoal.data import EpochPlan
 from shoal.strategies.asynchronous import detached
+from shoal.train.membership.context import LoopContext
 from shoal.train.membership.messages import Adopt, Give, Lead, Leave, encode
 from shoal.train.membership.resume import Start, rebuild, uncounted
 from shoal.train.membership.samples import cut_upto, record_since, samples_file
@@ -50,7 +51,7 @@ class AsyncElastic(TakesDeals):
     for server 0's release. Same interface as
     :class:`~shoal.train.membership.tracker.process_group.Elastic`."""
 
-    def __init__(self, trainer: Any) -> None:
+    def __init__(self, trainer: LoopContext) -> None:
         t = self.t = trainer
         self.store, self.me = t.comm.attempt_store, t.comm.rank
         workers = t.comm.world_size

@@ -11,9 +11,14 @@ import time
 from dataclasses import replace
 from typing import Any
 
+import torch
+
 from shoal.core.joining import admit
+from shoal.core.membership import Membership
+from shoal.data import EpochPlan
 from shoal.train.membership import handover
 from shoal.train.membership.changes import MembershipChange, joined_change, worker_names
+from shoal.train.membership.context import LoopContext
 
 log = logging.getLogger("shoal.membership")
 
@@ -22,13 +27,13 @@ class Joins:
     """:class:`~shoal.train.membership.tracker.process_group.Elastic`'s joins (its trainer ``t``,
     ``membership``, readings and changes; its ``settle`` and ``counted``)."""
 
-    t: Any
-    membership: Any
+    t: LoopContext
+    membership: Membership | None
     changes: list[MembershipChange]
     _joining: tuple[int, MembershipChange] | None
-    _uncounted: list[Any]
-    _trained: list[Any]
-    _next: Any
+    _uncounted: list[Any]  # process_group's Readings (it imports this module)
+    _trained: list[torch.Tensor]
+    _next: EpochPlan | None
     _steps: int
     _resized: bool
 
@@ -57,7 +62,7 @@ class Joins:
                      f"the {t.plan.n} samples left of epoch {st.epoch + 1}")
         change = joined_change(st.step, st.epoch, joined, workers, t.plan.n)
         self._joining = (at, change)  # the joiners keep it too (they may write the records)
-        mine, theirs = handover.send(t, joined)
+        mine, theirs = handover.send(t, self, joined)
         self.joined(mine, theirs, round(time.perf_counter() - started, 4))
 
     def joined(self, mine: str, theirs: dict[str, str], stall_s: float | None = None) -> None:
@@ -70,6 +75,11 @@ class Joins:
                                             stall_s=stall_s))
             self._joining = None
         self.t.recorder.changes = self.changes
+
+    def take_over(self, order: torch.Tensor, state: dict[str, Any]) -> None:
+        """A joiner: the rest of the epoch (``order``) dealt over its new group, and
+        :meth:`handover_state`'s ``state`` (the tracker's own)."""
+        raise NotImplementedError
 
     def handover_state(self) -> dict[str, Any]:
         """What a joiner takes of this worker's side (:mod:`shoal.train.membership.handover`)."""

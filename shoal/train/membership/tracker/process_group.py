@@ -28,6 +28,7 @@ from shoal.core.membership import MembershipChanged
 from shoal.core.stop import Leaving, leave_requested, request_stop
 from shoal.data import EpochPlan
 from shoal.train.membership.changes import MembershipChange, membership_change, resumed_change
+from shoal.train.membership.context import LoopContext
 from shoal.train.membership.resume import SavedPlan, go_on
 from shoal.train.membership.samples import cut_after, record_samples, samples_file, say_held
 from shoal.train.membership.tracker.joins import Joins
@@ -61,7 +62,7 @@ class Count:
 class Elastic(Joins):
     """The trainer's side of elastic membership; a no-op without ``--elastic``."""
 
-    def __init__(self, trainer: Any) -> None:
+    def __init__(self, trainer: LoopContext) -> None:
         self.t = trainer
         self.membership = trainer.comm.membership
         self.changes: list[MembershipChange] = []  # summary.json's "membership_changes"
@@ -114,8 +115,8 @@ class Elastic(Joins):
         went = go_on(saved, len(t.data.train), t.cfg.global_batch(world), world, t.cfg.seed,
                      st.epoch, st.epoch_step)
         if went is not None:
-            t.plan, st.epoch_step = went
-            self._new_loader()
+            plan, st.epoch_step = went
+            t.install_plan(plan, t.comm.rank)
             self._resumed = True
         own = t.checkpointer.own_part or {}
         if saved.world == world and own.get("elastic"):  # steps not counted yet: they count
@@ -138,9 +139,8 @@ class Elastic(Joins):
         resumed, self._resumed = self._resumed, False
         if (t.plan.order is not None or t.plan.world != t.comm.world_size) \
                 and not self._early and not resumed:
-            t.plan = EpochPlan(len(t.data.train), t.cfg.global_batch(t.comm.world_size),
-                               t.comm.world_size, t.cfg.seed)
-            self._new_loader()
+            t.install_plan(EpochPlan(len(t.data.train), t.cfg.global_batch(t.comm.world_size),
+                                     t.comm.world_size, t.cfg.seed), t.comm.rank)
         if self.membership is None:
             return
         st = t.state
@@ -281,14 +281,10 @@ class Elastic(Joins):
         if plan is None:
             return False
         t = self.t
-        t.plan = plan
-        self._new_loader()
+        t.install_plan(plan, t.comm.rank)
         t.state.epoch_step = 0
         self._uncounted.append(Reading(plan, plan.permutation(0), list(self.membership.members), 0))
         return plan.steps_per_epoch > 0
-
-    def _new_loader(self) -> None:
-        self.t.install_plan(self.t.plan, self.t.comm.rank)
 
     # -- a change -----------------------------------------------------------------------------
     def _changed(self, lost: list[int], ranks: list[int]) -> None:
@@ -357,7 +353,7 @@ class Elastic(Joins):
         t, world = self.t, self.t.comm.world_size
         self._steps, self._resized, self._joined = state["steps"], state["resized"], True
         self.changes, self._joining = list(state["changes"]), state["joining"]
-        t.plan = EpochPlan(len(order), t.cfg.global_batch(world), world, t.cfg.seed, order)
-        self._new_loader()
+        t.install_plan(EpochPlan(len(order), t.cfg.global_batch(world), world, t.cfg.seed, order),
+                       t.comm.rank)
         self._uncounted = [Reading(t.plan, order, list(self.membership.members), 0)]
 
