@@ -66,3 +66,86 @@ def test_library_code_logs_instead_of_printing():
     the wrong stream had sent a lost worker's line to stdout, its elastic twin's to stderr."""
     printed = {file: n for file, n in _calls("print").items() if not file.startswith("cli/")}
     assert printed == {}
+
+
+#: What a component may not hold as an untyped back-reference: its caller (the trainer,
+#: server 0's coordinator) reaches it through a small typed context instead
+#: (:mod:`shoal.train.membership.context`).
+BACK_REFERENCES = ("t", "c", "trainer", "owner", "coordinator", "parent")
+
+
+def _annotated(tree: ast.AST) -> list[tuple[str, int, ast.expr]]:
+    """Each parameter and field (``x: T``, ``self.x: T``) of ``tree``: name, line, annotation."""
+    found: list[tuple[str, int, ast.expr]] = []
+    for node in ast.walk(tree):
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            a = node.args
+            found += [(p.arg, p.lineno, p.annotation) for p in
+                      (*a.posonlyargs, *a.args, *a.kwonlyargs) if p.annotation is not None]
+        elif isinstance(node, ast.AnnAssign):
+            target = node.target
+            name = target.id if isinstance(target, ast.Name) else \
+                target.attr if isinstance(target, ast.Attribute) else ""
+            found.append((name, node.lineno, node.annotation))
+    return found
+
+
+def test_no_component_holds_an_untyped_back_reference():
+    """No parameter or field of ``shoal/train/`` named as a back-reference (``t``,
+    ``trainer``, ``coordinator``, ...) is typed ``Any``: a component names what it reads of
+    its caller (a :class:`~typing.Protocol`), so that the trainer's fields are not a bag
+    every module reaches into."""
+    untyped = []
+    for path in sorted((ROOT / "train").rglob("*.py")):
+        for name, line, hint in _annotated(ast.parse(path.read_text())):
+            if name in BACK_REFERENCES and "Any" in ast.unparse(hint):
+                untyped.append(f"{path.relative_to(ROOT)}:{line} {name}")
+    assert untyped == []
+
+
+#: ``getattr(x, "name")`` allowed where ``x`` is no strategy, options or rule: (file, name).
+#: train/optim.py reads torch's own wrapper of an optimizer's step (``functools.wraps``'s
+#: ``__wrapped__``, a function's ``__code__``) to replace it where it is torch's.
+GETATTR_ALLOWED = {("train/optim.py", "__wrapped__"), ("train/optim.py", "__code__")}
+
+
+def test_strategies_capabilities_are_declared_not_probed():
+    """No ``hasattr``/``setattr`` in ``shoal/strategies/``, ``shoal/train/``,
+    ``shoal/plan/``, and no ``getattr`` of a named attribute there but
+    :data:`GETATTR_ALLOWED`: what a strategy, its options or its server rule can do is a
+    declared :class:`~typing.Protocol` (:mod:`shoal.strategies.capabilities`) or a field
+    with a default, asked with ``isinstance``."""
+    probes = []
+    for area in ("strategies", "train", "plan"):
+        for path in sorted((ROOT / area).rglob("*.py")):
+            where = str(path.relative_to(ROOT))
+            for node in ast.walk(ast.parse(path.read_text())):
+                if not isinstance(node, ast.Call) or not isinstance(node.func, ast.Name):
+                    continue
+                name, args = node.func.id, node.args
+                literal = len(args) > 1 and isinstance(args[1], ast.Constant) \
+                    and isinstance(args[1].value, str)
+                if name in ("hasattr", "setattr") or (
+                        name == "getattr" and literal
+                        and (where, args[1].value) not in GETATTR_ALLOWED):
+                    probes.append(f"{where}:{node.lineno} {ast.unparse(node)}")
+    assert probes == []
+
+
+def test_no_module_sets_a_trainers_plan_or_loader():
+    """Outside the trainer, no module sets another object's ``plan`` or ``loader``: a new
+    plan reaches the loader, evaluation, records and checkpoints through
+    ``Trainer.install_plan`` alone (a tracker's context has its plan read-only)."""
+    set_from_outside = []
+    for path in sorted((ROOT / "train").rglob("*.py")):
+        if path.name == "trainer.py":
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            targets = node.targets if isinstance(node, ast.Assign) else \
+                [node.target] if isinstance(node, (ast.AnnAssign, ast.AugAssign)) else []
+            for target in targets:
+                for t in ast.walk(target):
+                    if isinstance(t, ast.Attribute) and t.attr in ("plan", "loader") \
+                            and not (isinstance(t.value, ast.Name) and t.value.id == "self"):
+                        set_from_outside.append(f"{path.relative_to(ROOT)}:{node.lineno}")
+    assert set_from_outside == []
