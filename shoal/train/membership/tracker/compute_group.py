@@ -30,6 +30,8 @@ from shoal.core.group import bound_waits, own_client
 from shoal.core.membership import Membership
 from shoal.core.waits import ELASTIC
 from shoal.data.sharding import shard_range
+from shoal.strategies.asynchronous import AsyncStrategy
+from shoal.strategies.groups import ComputeGroups
 from shoal.train.membership.messages import Rows, encode
 
 
@@ -41,6 +43,17 @@ def gone_key(worker: int) -> str:
 def leader_lost(first: int, end: int) -> str:
     """Why a member of the compute group ``[first, end)`` left when it lost its leader."""
     return f"left: its compute group (workers {first}-{end - 1}) lost its leader (worker {first})"
+
+
+def grouped(strategy: AsyncStrategy) -> ComputeGroups:
+    """``strategy``, a compute group's of several workers, typed so.
+
+    Raises:
+        TypeError: it is not ``groups`` (only its workers train as a group).
+    """
+    if not isinstance(strategy, ComputeGroups):
+        raise TypeError(f"{type(strategy).__name__} trains no compute group")
+    return strategy
 
 
 def group_membership(comm: Any, group: Any, bounds: tuple[int, int], me: int, cfg: Any,
@@ -67,7 +80,7 @@ class Seat:
     count of samples. A member that takes a lost leader's place is the group's
     :attr:`first` from then on."""
 
-    def __init__(self, strategy: Any, me: int, first: int, end: int) -> None:
+    def __init__(self, strategy: AsyncStrategy, me: int, first: int, end: int) -> None:
         self.strategy, self.me, self.first, self.end = strategy, me, first, end
         self.members = self.split = list(range(first, end))
         self.moved = False  #: re-formed since the rest was planned: plan it anew
@@ -76,7 +89,7 @@ class Seat:
         #: the leader lost at the last re-forming, whose place is not taken yet
         self.orphaned: int | None = None
         if self.size > 1:
-            strategy.group.membership.listeners.append(self._regrouped)
+            self._membership().listeners.append(self._regrouped)
 
     @property
     def size(self) -> int:
@@ -88,11 +101,18 @@ class Seat:
 
     def _regrouped(self, lost: list[int], ranks: list[int]) -> None:
         """The group was re-formed without ``lost`` (its leader too, maybe)."""
-        self.members, self.moved = list(self.strategy.group.membership.members), True
+        self.members, self.moved = list(self._membership().members), True
         self.lost += lost
         if self.first in lost:
             self.orphaned = self.first
         self.strategy.regroup()
+
+    def _membership(self) -> Membership:
+        """The compute group's membership (:func:`group_membership`'s)."""
+        membership = grouped(self.strategy).group.membership
+        if membership is None:
+            raise TypeError("this compute group is not elastic")
+        return membership
 
     def planned(self) -> None:
         """The rest was planned over the group as it is now."""
@@ -116,4 +136,4 @@ class Seat:
         self.lost = []
 
 
-__all__ = ["Seat", "gone_key", "group_membership", "leader_lost"]
+__all__ = ["Seat", "gone_key", "group_membership", "grouped", "leader_lost"]

@@ -15,10 +15,12 @@ import torch.distributed as dist
 from shoal.core.stop import request_stop, stop_requested
 from shoal.core.waits import ELASTIC
 from shoal.errors import ShoalError
+from shoal.strategies.asynchronous import AsyncStrategy
 from shoal.train.membership.context import LoopContext
 from shoal.train.membership.handover import digest
 from shoal.train.membership.messages import Adopt, Give, Idle, Joined, encode
 from shoal.train.membership.schedule import Segment
+from shoal.train.membership.tracker.compute_group import grouped
 from shoal.train.optim import schedule_at
 
 DEALS = f"{ELASTIC}/async/deals"  #: how many deals server 0 published
@@ -44,6 +46,7 @@ class TakesDeals:
     ``t``, ``store``, ``me``, ``unit``, ``schedule``, ``seen``, ``dealt``, ``seat``...)."""
 
     t: LoopContext
+    strategy: AsyncStrategy  # the trainer's, a detached worker's
     store: dist.Store
     former: tuple[int, ...]  # a compute group's earlier leaders: deals to them are its
     acts: list[Adopt | Give]  # a compute group's shares taken and parts given
@@ -96,8 +99,8 @@ class TakesDeals:
         schedule_at(t.scheduler, epoch * self.steps)
         self.dealt = True  # its schedule follows the share of each block it reads
         # hogwild's parameters are the shared ones, stepped meanwhile: no copy to digest
-        mine = None if t.strategy.shared_memory else digest({"center": t.strategy.flat.pack(),
-                                                            "progress": {}})
+        mine = None if self.strategy.shared_memory else digest(
+            {"center": self.strategy.flat.pack(), "progress": {}})
         t.comm.ps.report(encode(Joined(mine)))
         deadline = time.monotonic() + t.cfg.timeout
         while not self._poll()[1] and not self.store.check([RELEASE]) and not stop_requested():
@@ -126,7 +129,7 @@ class TakesDeals:
         """At the end: send the last work, say so, and wait for a share (``True``) or the
         release (``False``); SIGTERM ends the wait (the run stops)."""
         t = self.t
-        t.strategy.flush()
+        self.strategy.flush()
         self._count()
         said = 0.0
         while True:
@@ -136,7 +139,7 @@ class TakesDeals:
                 break
             new, mine = self._poll(published)
             if mine:
-                t.strategy.rejoin()
+                self.strategy.rejoin()
                 return True
             if new or time.monotonic() - said > IDLE_REPORT_S:
                 t.comm.ps.report(encode(Idle(self.seen)))
@@ -152,7 +155,7 @@ class TakesDeals:
         if self.seat.size == 1:
             return None, ended
         look = torch.tensor([self.store.add(DEALS, 0), -int(ended)], dtype=torch.int64)
-        self.t.strategy.group.all_reduce(look, op="min", name="group deals")
+        grouped(self.strategy).group.all_reduce(look, op="min", name="group deals")
         return int(look[0]), bool(look[1])
 
 

@@ -35,7 +35,7 @@ from shoal.train.membership.messages import Adopt, Give, Lead, Leave, encode
 from shoal.train.membership.resume import Start, rebuild, uncounted
 from shoal.train.membership.samples import cut_upto, record_since, samples_file
 from shoal.train.membership.schedule import Schedule, cut, length, slots_of
-from shoal.train.membership.tracker.compute_group import Seat, gone_key, leader_lost
+from shoal.train.membership.tracker.compute_group import Seat, gone_key, grouped, leader_lost
 from shoal.train.membership.tracker.deals import POLL_S, TakesDeals, leave_key
 from shoal.train.optim import schedule_at
 
@@ -57,7 +57,7 @@ class AsyncElastic(TakesDeals):
         workers = t.comm.world_size
         # A compute group (``groups``) walks its first worker's schedule, every member its
         # part of each batch, in lockstep: only the first reports, records and is dealt to.
-        strategy = detached(t.strategy)
+        strategy = self.strategy = detached(t.strategy)
         self.unit, end = strategy.seat()
         self.seat = Seat(strategy, self.me, self.unit, end)
         size = self.seat.size
@@ -67,7 +67,7 @@ class AsyncElastic(TakesDeals):
         self.batch = max(1, t.cfg.global_batch(workers) // workers) * size
         strategy.group_batches = strategy.grouped  # its batches are its group's (a joiner's own)
         if size > 1:  # its members take the deals its leader read, in lockstep
-            t.strategy.deal_count = self._published
+            grouped(strategy).deal_count = self._published
         self.seen = 0  # deals read
         self.former: tuple[int, ...] = ()  # a compute group's leaders lost: their deals are its
         self.acts: list[Adopt | Give] = []  # a compute group's shares taken, parts given
@@ -105,7 +105,7 @@ class AsyncElastic(TakesDeals):
         if start.back:  # lost before the checkpoint: from the center, at its count
             t.state.epoch, t.state.step = start.epoch, start.epoch * self.steps
             schedule_at(t.scheduler, t.state.step)
-            detached(t.strategy).go_on_from(start.position)
+            self.strategy.go_on_from(start.position)
         elif t.state.epoch > start.epoch and self.schedule.rest(start.position):
             t.state.epoch = start.epoch  # it had ended, and is given work: its last block
 
@@ -142,13 +142,13 @@ class AsyncElastic(TakesDeals):
         old, seat.orphaned = seat.orphaned, None
         key = gone_key(old)
         said = json.loads(self.store.get(key)) if self.store.check([key]) else {}
-        if said.get("counted") != t.strategy.counted:
+        if said.get("counted") != self.strategy.counted:
             self._count()
             why = f"{leader_lost(old, seat.end)} in its exchange"
             log.warning(f"shoal: worker {self.me} {why}")
             raise Leaving(t.state.step, why)
         self.former = (*self.former, old)
-        self.unit = seat.first = t.strategy.first = seat.members[0]
+        self.unit = seat.first = grouped(self.strategy).first = seat.members[0]
         if self.me == self.unit:  # told before its first exchange, with the group's deals
             self.record = samples_file(t.cfg, self.me)
             t.comm.ps.report(encode(Lead(old, tuple(self.acts))))
@@ -198,7 +198,7 @@ class AsyncElastic(TakesDeals):
         if leave_requested():
             self._leave()
         if self.seat.size > 1:  # the deals the leader read before this step's exchange
-            self._poll(self.t.strategy.agreed_deals)
+            self._poll(grouped(self.strategy).agreed_deals)
         elif time.monotonic() - self.polled >= POLL_S:
             self._poll()
         if self.dealt:  # the share of this epoch's block read, not the count of steps
@@ -215,7 +215,7 @@ class AsyncElastic(TakesDeals):
 
     def _count(self) -> None:
         """Record the samples whose work reached the servers (the strategy's count)."""
-        counted, done = self.t.strategy.counted, {}
+        counted, done = self.strategy.counted, {}
         while self.trained and self.at < counted:
             epochs, samples = self.trained[0]
             take = min(len(samples), counted - self.at)
@@ -236,7 +236,7 @@ class AsyncElastic(TakesDeals):
         others. Server 0 is asked first (its answer in the store): the last live worker
         stops the job instead, as a SIGTERM to the launcher would, with a checkpoint."""
         t = self.t
-        t.strategy.flush()
+        self.strategy.flush()
         self._count()
         t.comm.ps.report(encode(Leave()))
         key, deadline = leave_key(self.me), time.monotonic() + t.cfg.heartbeat_timeout
