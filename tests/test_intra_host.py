@@ -197,14 +197,14 @@ def fake_comm(seen: list) -> _Comm:
 
 def test_auto_falls_back_to_gloo_saying_why(caplog):
     two_hosts = fake_comm([("a", None), ("b", None)])
-    with caplog.at_level(logging.INFO, "shoal.intrahost"):
+    with caplog.at_level(logging.DEBUG, "shoal.intrahost"):
         assert join_host(two_hosts, "auto") is None
         # a host that cannot take it: the line a user sees (WARNING); across hosts, by
-        # design, only at INFO
+        # design, only at DEBUG (--debug)
         no_shm = fake_comm([("a", None), ("a", "no /dev/shm here")])
         assert join_host(no_shm, "auto") is None
     assert [(r.levelno, r.getMessage()) for r in caplog.records] == [
-        (logging.INFO, "shoal: gradients all-reduced through Gloo: the job spans 2 hosts, "
+        (logging.DEBUG, "shoal: gradients all-reduced through Gloo: the job spans 2 hosts, "
                        "one process each"),
         (logging.WARNING, "shoal: gradients all-reduced through Gloo: rank 1: no /dev/shm here")]
     with pytest.raises(ShoalError, match="--intra-host shm: rank 1: its tensors are on cuda"):

@@ -48,7 +48,7 @@ if TYPE_CHECKING:
     from shoal.core.comm import Comm
 
 log = logging.getLogger("shoal.intrahost")
-SPANS = "the job spans"  # the one reason told at INFO: the fast path is one host's
+SPANS = "the job spans"  # the one reason told at DEBUG only: one process a host
 
 #: ``--intra-host``: pick the fast path where it serves, Gloo always, or the fast path or fail.
 MODES = ("auto", "gloo", "shm")
@@ -134,7 +134,7 @@ def join_host(comm: Comm, mode: str, *, slot_bytes: int = SLOT_BYTES,
     link carries one process's bytes a host, not every process's. A collective of every
     rank of ``comm``'s job (unless ``mode`` is ``gloo`` or the job has one rank). With
     ``auto``, a job that cannot take the fast path goes on with Gloo and rank 0 says why in
-    one line (at INFO where that is by design: one process a host); with ``shm`` that is
+    one line (at DEBUG where that is by design: one process a host); with ``shm`` that is
     an error.
 
     Args:
@@ -162,7 +162,7 @@ def join_host(comm: Comm, mode: str, *, slot_bytes: int = SLOT_BYTES,
     if mode == "shm":
         raise ShoalError(f"--intra-host shm: {why}")
     if comm.rank == 0:  # one process a host takes Gloo by design: nothing wrong to tell
-        log.log(logging.INFO if why.startswith(SPANS) else logging.WARNING,
+        log.log(logging.DEBUG if why.startswith(SPANS) else logging.WARNING,
                 f"shoal: gradients all-reduced through Gloo: {why}")
     return None
 

@@ -29,11 +29,6 @@ from typing import TextIO
 #: The logger of what the command prints as its results, on standard output.
 OUT = "shoal.out"
 
-#: Loggers whose INFO is a detail (shown with ``--debug``), not a notice: the intra-host
-#: path taking Gloo across hosts, as designed.
-DETAIL = frozenset({"shoal.intrahost"})
-
-
 class StdStream(logging.StreamHandler):
     """A handler that writes to ``sys.stdout`` (``out``) or ``sys.stderr`` as it is when
     each record comes; a record's ``end`` (``extra={"end": ""}``) ends its line instead of
@@ -57,22 +52,10 @@ class StdStream(logging.StreamHandler):
             self.handleError(record)
 
 
-class _Shown(logging.Filter):
-    """Keeps the records a person is shown: all but the INFO of :data:`DETAIL`'s loggers,
-    unless ``debug``."""
-
-    def __init__(self, debug: bool) -> None:
-        super().__init__()
-        self.debug = debug
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        return self.debug or record.levelno > logging.INFO or record.name not in DETAIL
-
-
 def install(debug: bool = False) -> None:
     """Put shoal's two handlers in place in this process, once (see the module's text);
-    ``debug`` (``--debug``) shows DEBUG records and :data:`DETAIL`'s INFO too. Called again,
-    it only sets the level that ``debug`` asks for."""
+    ``debug`` (``--debug``) shows DEBUG records too. Called again, it only sets the level
+    that ``debug`` asks for."""
     level = logging.DEBUG if debug else logging.INFO
     for name in ("shoal", OUT):
         logger = logging.getLogger(name)
@@ -82,6 +65,4 @@ def install(debug: bool = False) -> None:
             mine = [StdStream(out=name == OUT)]
             mine[0].setFormatter(logging.Formatter("%(message)s"))
             logger.addHandler(mine[0])
-        for handler in mine:
-            handler.filters = [_Shown(debug)]
     logging.getLogger(OUT).propagate = False  # not again on standard error
