@@ -111,12 +111,12 @@ GETATTR_ALLOWED = {("train/optim.py", "__wrapped__"), ("train/optim.py", "__code
 
 def test_strategies_capabilities_are_declared_not_probed():
     """No ``hasattr``/``setattr`` in ``shoal/strategies/``, ``shoal/train/``,
-    ``shoal/plan/``, and no ``getattr`` of a named attribute there but
+    ``shoal/plan/``, ``shoal/ps/``, and no ``getattr`` of a named attribute there but
     :data:`GETATTR_ALLOWED`: what a strategy, its options or its server rule can do is a
-    declared :class:`~typing.Protocol` (:mod:`shoal.strategies.capabilities`) or a field
-    with a default, asked with ``isinstance``."""
+    declared :class:`~typing.Protocol` (:mod:`shoal.strategies.capabilities`,
+    :mod:`shoal.ps.rule`) or a field with a default, asked with ``isinstance``."""
     probes = []
-    for area in ("strategies", "train", "plan"):
+    for area in ("strategies", "train", "plan", "ps"):
         for path in sorted((ROOT / area).rglob("*.py")):
             where = str(path.relative_to(ROOT))
             for node in ast.walk(ast.parse(path.read_text())):

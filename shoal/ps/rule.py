@@ -19,10 +19,11 @@ class ServerRule(Protocol):
     applies one exchange at a time under the shard's lock; ``False`` lets exchanges of
     different clients run concurrently (in place, lock free).
 
-    Two hooks are optional, called under the shard's lock where a rule has them (see
-    :func:`tell`): ``sent(client)`` after a pusher's PULL was answered with the center (a
-    rule that remembers what each pusher holds: DC-ASGD's ``w_bak``; the coordinator's and
-    other readers' pulls are not told), ``forget(client)`` when a client left or was lost.
+    Two hooks are optional, called under the shard's lock where a rule has them
+    (:class:`HearsSent`, :class:`HearsForget`; see :func:`tell`): ``sent(client)`` after a
+    pusher's PULL was answered with the center (a rule that remembers what each pusher
+    holds: DC-ASGD's ``w_bak``; the coordinator's and other readers' pulls are not told),
+    ``forget(client)`` when a client left or was lost.
     """
 
     fields: ClassVar[tuple[str, ...]]
@@ -40,8 +41,50 @@ class ServerRule(Protocol):
         """Restore what :meth:`state_dict` returned."""
 
 
+@runtime_checkable
+class NamedFields(Protocol):
+    """A rule (or its class) that names the header values it reads: :attr:`ServerRule.fields`
+    (a rule without it reads none)."""
+
+    fields: tuple[str, ...]
+
+
+@runtime_checkable
+class Locking(Protocol):
+    """A rule that says whether it applies one exchange at a time: :attr:`ServerRule.locked`
+    (a rule without it is locked)."""
+
+    locked: bool
+
+
+@runtime_checkable
+class HearsSent(Protocol):
+    """A rule told when a pusher's PULL was answered with the center (DC-ASGD's ``w_bak``)."""
+
+    def sent(self, client: int) -> None:
+        """``client`` now holds the center as it is."""
+
+
+@runtime_checkable
+class HearsForget(Protocol):
+    """A rule told when a client left or was lost."""
+
+    def forget(self, client: int) -> None:
+        """Drop what the rule keeps of ``client``."""
+
+
 def tell(rule: object, hook: str, client: int) -> None:
-    """Call ``rule``'s optional ``hook(client)`` (``"sent"`` or ``"forget"``) if it has one."""
-    fn = getattr(rule, hook, None)
-    if fn is not None:
-        fn(client)
+    """Call ``rule``'s optional ``hook(client)`` (``"sent"``: :class:`HearsSent`,
+    ``"forget"``: :class:`HearsForget`) if it has one.
+
+    Raises:
+        ValueError: ``hook`` is neither.
+    """
+    if hook == "sent":
+        if isinstance(rule, HearsSent):
+            rule.sent(client)
+    elif hook == "forget":
+        if isinstance(rule, HearsForget):
+            rule.forget(client)
+    else:
+        raise ValueError(f"no rule hook {hook!r} (sent, forget)")

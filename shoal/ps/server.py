@@ -36,7 +36,7 @@ from shoal.core.pairs import (
 )
 from shoal.errors import ShoalError
 from shoal.ps.admission import HOLD, Admission, Ledger
-from shoal.ps.rule import ServerRule, tell
+from shoal.ps.rule import Locking, NamedFields, ServerRule, tell
 from shoal.ps.session import Session
 
 
@@ -82,8 +82,8 @@ class ShardServer:
         self.timeout = float(timeout)
         self.connect_timeout = self.timeout if connect_timeout is None else float(connect_timeout)
         self.on_report = on_report
-        self.locked = True if rule is None else bool(getattr(rule, "locked", True))
-        self.fields: tuple[str, ...] = tuple(getattr(rule, "fields", ()))
+        self.locked = bool(rule.locked) if isinstance(rule, Locking) else True
+        self.fields: tuple[str, ...] = tuple(rule.fields) if isinstance(rule, NamedFields) else ()
         self.ledger = Ledger(clients)  #: versions, staleness (restored by :meth:`load_state`)
         #: client -> {"time", "error", "step", "samples", "clock", "counted"} of clients lost
         self.lost: dict[int, dict] = {}

@@ -8,7 +8,8 @@
 - :class:`SettingsOptions`: ``settings(n)``, how a run of ``n`` workers takes them;
 - :class:`ServedOptions`: ``servers``, the parameter servers of an asynchronous strategy;
 - :class:`AdmittingOptions`: ``admission(n)``, when those servers apply exchanges;
-- :class:`NamedFields`: a server rule's ``fields``, the header values it reads.
+- :class:`~shoal.ps.rule.NamedFields`: a server rule's ``fields``, the header values it
+  reads (the parameter server's own protocol, here too).
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from __future__ import annotations
 from typing import Any, Protocol, runtime_checkable
 
 from shoal.ps.admission import Admission
+from shoal.ps.rule import NamedFields
 
 
 @runtime_checkable
@@ -58,13 +60,6 @@ class AdmittingOptions(Protocol):
 
     def admission(self, workers: int) -> Admission:
         """The admission of ``workers`` workers' exchanges."""
-
-
-@runtime_checkable
-class NamedFields(Protocol):
-    """A server rule that names the header values it reads (:attr:`~shoal.ps.rule.ServerRule.fields`)."""
-
-    fields: tuple[str, ...]
 
 
 __all__ = ["AdmittingOptions", "NamedFields", "ServedOptions", "SettingsOptions",
