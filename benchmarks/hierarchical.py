@@ -13,14 +13,19 @@ torchrun, two processes a host, once per variant and repeat, the variants altern
 - ``diloco-flat``: ``--strategy diloco --intra-host gloo``: DiLoCo over four workers.
 
 Every variant trains the same epochs at the same global batch (``--batch-size`` a process)
-and tests every epoch. Measured: the bytes each host's link sent and received during the
-whole run (its veth's counters, read in its namespace before and after: rendezvous, store
-and heartbeats included), samples/s (``summary.json``), the first epoch whose test accuracy
-reaches ``--target`` and the wall time then (``metrics.jsonl``'s ``elapsed_s``: evaluation
-included), the final test accuracy. The table gives medians and ratios to ``sync-flat``;
-every run and the medians go, one JSON object a line, to ``--out``. Run::
+and tests every epoch. Measured: the bytes each host's link sent and received (its veth's
+counters, read in its namespace) over the whole run (rendezvous, store and heartbeats
+included) and while shoal trained (the counters sampled every half second, the window the
+``wall_time_s`` before ``summary.json`` was written: checkpoints included, which gather
+every rank's part to rank 0 at each epoch's end unless ``--checkpoint-every`` says
+otherwise); samples/s (``summary.json``) and the median of the epochs after the first (a
+one-time cost, such as DiLoCo's first outer step importing ``torch._dynamo``, falls in the
+first); the first epoch whose test accuracy reaches ``--target`` and the wall time then
+(``metrics.jsonl``'s ``elapsed_s``: evaluation included); the final test accuracy. The
+tables give medians and ratios to ``sync-flat``; every run and the medians go, one JSON
+object a line, to ``--out``. Run::
 
-    sudo .venv/bin/python benchmarks/hierarchical.py --rates 100mbit 10mbit --reps 3
+    sudo .venv/bin/python benchmarks/hierarchical.py --rates 100mbit 10mbit --reps 5
 """
 
 from __future__ import annotations
@@ -115,6 +120,8 @@ def run(cluster: Cluster, name: str, a: argparse.Namespace) -> dict:
                    "--epochs", str(a.epochs), "--batch-size", str(a.batch_size),
                    "--tau", str(a.tau), "--threads-per-worker", "1", "--seed", str(a.seed),
                    "--progress", "none", "--out", str(out), *VARIANTS[name]]
+        if a.checkpoint_every:  # else a checkpoint at each epoch's end, gathered to rank 0
+            program += ["--checkpoint-every", str(a.checkpoint_every)]
         if name.startswith("sync"):
             program.remove("--tau")
             program.remove(str(a.tau))
@@ -132,6 +139,7 @@ def run(cluster: Cluster, name: str, a: argparse.Namespace) -> dict:
         after = [counters(cluster, h) for h in range(cluster.hosts)]
         summary = out / "summary.json"
         base = {"variant": name, "rate": cluster.rate, "run_s": seconds,
+                "checkpoint_every": a.checkpoint_every,
                 "load": os.getloadavg()[0]}
         if code or not summary.exists():
             tail = log.read_text()[-3000:] if log.exists() else ""
@@ -213,6 +221,9 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--batch-size", type=int, default=16, help="per process (4 processes)")
     p.add_argument("--tau", type=int, default=16, help="DiLoCo's local steps")
     p.add_argument("--seed", type=int, default=0, help="shoal train's --seed")
+    p.add_argument("--checkpoint-every", type=int, default=0, metavar="STEPS",
+                   help="shoal train's --checkpoint-every (default: none, so a checkpoint at "
+                        "each epoch's end; more steps than the run: only the last one)")
     p.add_argument("--target", type=float, default=0.95, help="the test accuracy to reach")
     p.add_argument("--timeout", type=float, default=240, help="seconds a run may take")
     p.add_argument("--out", type=Path, default=REPO / "runs" / "hierarchical.jsonl",
