@@ -163,7 +163,11 @@ def test_a_throttled_process_really_runs_slower():
         limit.remove()
     assert not limit.path.exists()
     assert slow["share"] < 0.15, slow  # the quota, and a period's rounding
-    assert slow["loops"] < 0.5 * fast["loops"], (slow, fast)
+    # How many fewer loops depends on what the machine gave the other one: a machine busy
+    # with other work may give it little more than the quota (0.16 of a core, seen under a
+    # loaded suite). The throttle promises the share; where the other had 3x it, the loops
+    # show it.
+    assert slow["loops"] < 0.5 * fast["loops"] or fast["share"] < 0.3, (slow, fast)
 
 
 @needs_throttle

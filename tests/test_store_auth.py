@@ -213,6 +213,10 @@ def test_the_secret_given_in_a_file_or_the_environment_or_derived(tmp_path, monk
     secret.chmod(0o640)
     with pytest.raises(ShoalError, match="--secret-file .* chmod 600"):
         use_secret_file(secret)
+    with pytest.raises(ShoalError, match="^--secret-file needs a file name$"):
+        use_secret_file("")
+    with pytest.raises(ShoalError, match=f"--secret-file {tmp_path} is not a file of yours"):
+        use_secret_file(tmp_path)  # a folder: refused before it is opened as a file
     secret.chmod(0o600)
     use_secret_file(secret)
     assert os.environ[SECRET_VAR] == "ab" * 32 and job_secret(env) == bytes.fromhex("ab" * 32)

@@ -79,4 +79,43 @@ def ddp_settings() -> Iterator[None]:
             del torch._dynamo  # type: ignore[attr-defined]
 
 
-__all__ = ["ddp_settings", "defer_disable"]
+
+_EAGER: dict[type, type] = {}
+
+
+def eager(cls: type[torch.optim.Optimizer]) -> type[torch.optim.Optimizer]:
+    """``cls`` (a subclass of the same name) whose ``step`` spares a process the import of
+    ``torch._dynamo`` (about 1 s of CPU, at every worker's first step) while nothing compiles.
+
+    torch wraps the step of its optimizers (``_use_grad_for_differentiable``) in a function
+    that imports ``torch._dynamo`` to call ``graph_break()`` around it, which does nothing
+    outside compilation; the wrapper otherwise sets grad mode to the ``differentiable``
+    default. The subclass's step does that and calls the step inside; once ``torch._dynamo``
+    is imported (``--compile``, a user's ``torch.compile``) it calls torch's own wrapper. An
+    optimizer whose step torch wraps otherwise is left as it is."""
+    from torch.optim.optimizer import _use_grad_for_differentiable
+
+    if cls in _EAGER:
+        return _EAGER[cls]
+    wrapped, inner = cls.step, getattr(cls.step, "__wrapped__", None)
+    if inner is None or getattr(wrapped, "__code__", None) \
+            is not _use_grad_for_differentiable(len).__code__:
+        return cls
+
+    def step(self: Any, closure: Any = None) -> Any:
+        if "torch._dynamo" in sys.modules:
+            return wrapped(self, closure)
+        before = torch.is_grad_enabled()
+        try:
+            torch.set_grad_enabled(self.defaults["differentiable"])
+            return inner(self, closure)
+        finally:
+            torch.set_grad_enabled(before)
+
+    step.__doc__ = inner.__doc__
+    _EAGER[cls] = type(cls.__name__, (cls,), {"step": step, "__doc__": cls.__doc__,
+                                              "__module__": __name__})
+    return _EAGER[cls]
+
+
+__all__ = ["ddp_settings", "defer_disable", "eager"]

@@ -74,11 +74,12 @@ def _read_own(path: Path, what: str) -> bytes:
         fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
     except OSError as exc:
         raise ShoalError(f"cannot read {what} {path}: {exc.strerror}") from None
+    st = os.fstat(fd)  # before a file object: a folder's would not open
+    if not stat.S_ISREG(st.st_mode) or st.st_uid != os.geteuid() or st.st_mode & 0o077:
+        os.close(fd)
+        raise ShoalError(f"{what} {path} is not a file of yours that only you can read "
+                         f"({describe_stat(st)}): chmod 600 it")
     with os.fdopen(fd, "rb") as f:
-        st = os.fstat(f.fileno())
-        if not stat.S_ISREG(st.st_mode) or st.st_uid != os.geteuid() or st.st_mode & 0o077:
-            raise ShoalError(f"{what} {path} is not a file of yours that only you can read "
-                             f"({describe_stat(st)}): chmod 600 it")
         return f.read(4096)
 
 
@@ -89,6 +90,8 @@ def use_secret_file(path: str | Path) -> None:
     Raises:
         ShoalError: the file is not owner-only, or holds no secret.
     """
+    if not str(path):
+        raise ShoalError("--secret-file needs a file name")
     raw = _read_own(Path(path), "--secret-file")
     key = parse_secret(raw.decode(errors="replace"), f"--secret-file {path}")
     os.environ[SECRET_VAR] = key.hex()

@@ -31,6 +31,7 @@ import torch
 from torch import nn
 
 from shoal.core import FlatParams
+from shoal.core.dynamo import defer_disable, eager
 from shoal.errors import ShoalError
 from shoal.strategies.averaging import ModelCopy, average_buffers
 from shoal.strategies.communication import Pattern
@@ -86,12 +87,13 @@ class DiLoCo(PeriodicStrategy):
         # One outer optimizer a fragment: it steps theta's slice in place; its gradient is
         # the fragment's averaged pseudo-gradient.
         self.outer = []
+        defer_disable(torch.optim.Optimizer)  # and its methods none: they would import it
         for fragment in self.stream(self.flat).fragments:
             param = nn.Parameter(self.theta.vector[fragment.lo:fragment.hi], requires_grad=False)
             param.grad = self.delta[fragment.lo:fragment.hi]
-            self.outer.append(torch.optim.SGD([param], lr=opts.outer_lr,
-                                              momentum=opts.outer_momentum,
-                                              nesterov=opts.outer_momentum > 0))
+            self.outer.append(eager(torch.optim.SGD)(  # its first step imports no compiler
+                [param], lr=opts.outer_lr, momentum=opts.outer_momentum,
+                nesterov=opts.outer_momentum > 0))
 
     @property
     def eval_module(self) -> nn.Module:
