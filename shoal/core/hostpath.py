@@ -53,9 +53,10 @@ SPANS = "the job spans"  # the one reason told at DEBUG only: one process a host
 #: ``--intra-host``: pick the fast path where it serves, Gloo always, or the fast path or fail.
 MODES = ("auto", "gloo", "shm")
 #: ``--intra-host``'s help, the same for every strategy that takes it.
-HELP = ("how the processes of one host sum: gloo, shm (shared memory) or auto (shm where "
-        "the whole job is on one host, is not --elastic and runs on CPUs; else gloo, saying "
-        "why if the host is the reason)")
+HELP = ("how the processes of one host sum: gloo, shm (shared memory; across hosts, host by "
+        "host with one leader a host on the link) or auto (shm where the job runs on CPUs, "
+        "is not --elastic and has several processes on a host; else gloo, saying why if the "
+        "host is the reason)")
 
 def use_host_memory(comm: Comm, mode: str) -> Summing | None:
     """Put ``--intra-host mode``'s path on ``comm`` (:attr:`Comm.host`) and return its
