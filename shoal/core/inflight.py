@@ -23,6 +23,7 @@ under it: destroying it joins Gloo's thread, which sits in that collective.
 from __future__ import annotations
 
 import contextlib
+import logging
 import pickle
 import queue
 import threading
@@ -37,6 +38,7 @@ import torch.distributed as dist
 from shoal.core.group import DEFAULT_SOCKETS
 from shoal.core.sockets import cut
 
+log = logging.getLogger("shoal.membership")
 POLL = 0.02  # seconds between two looks at the decisions of the meetings waited on
 SLICE = timedelta(milliseconds=100)  # a waiter's longest wait before it looks up again
 ABANDONED = "the meeting was voted failed by another worker"
@@ -193,6 +195,15 @@ class InFlight:
             waiter.join(timeout)
 
     def _poll(self) -> None:
+        """:meth:`_watch` until stopped or the job's store is gone: then the process that
+        held it is, and the watchdog ends this one (a traceback here would only garble
+        the line that says so)."""
+        try:
+            self._watch()
+        except (RuntimeError, OSError) as exc:  # torch's store errors are RuntimeErrors
+            log.debug("shoal: the in-flight watch stopped: the job's store is gone (%s)", exc)
+
+    def _watch(self) -> None:
         """Fail the futures of every meeting decided ``abort`` while waited on; decide a
         vote waited on ``abort`` once a member's process ended."""
         while not self._stop.is_set():
