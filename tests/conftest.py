@@ -263,6 +263,12 @@ def checkpoint_params(path: Path) -> dict[str, torch.Tensor]:
     return torch.load(path, map_location="cpu", weights_only=True)["model"]
 
 
+def assert_same(a: list, b: list, what: str) -> None:
+    """Two lists of parameters (as a job's JSON holds them) equal bit for bit."""
+    for x, y in zip(a, b, strict=True):
+        torch.testing.assert_close(torch.tensor(x), torch.tensor(y), atol=0, rtol=0, msg=what)
+
+
 def max_param_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
     assert a.keys() == b.keys()
     return max((a[k].double() - b[k].double()).abs().max().item() for k in a)

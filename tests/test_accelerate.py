@@ -9,10 +9,7 @@ a coupling's checkpoint restores every rank's state exactly.
 from __future__ import annotations
 
 import json
-import os
 import re
-import signal
-import subprocess
 import sys
 from pathlib import Path
 
@@ -22,7 +19,7 @@ import torch
 from shoal.core.env import free_port
 from shoal.errors import ShoalError
 
-from conftest import REPO, shoal_env
+from conftest import REPO, assert_same, run, shoal_env
 
 pytest.importorskip("accelerate")
 
@@ -42,26 +39,12 @@ def ranks(tmp_path_factory) -> list[dict]:
     out = tmp_path_factory.mktemp("accelerate")
     launcher = Path(sys.executable).parent / "accelerate"
     env = {**shoal_env(), "OMP_NUM_THREADS": "1"}
-    proc = subprocess.Popen(
-        [str(launcher), "launch", "--multi_gpu", "--num_processes", "2", "--num_machines", "1",
-         "--mixed_precision", "no", "--dynamo_backend", "no", "--main_process_port",
-         str(free_port()), str(REPO / "tests" / "accelerate_job.py"), str(out),
-         json.dumps(CASES), str(EPOCHS)],
-        env=env, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-        start_new_session=True)
-    try:
-        output, _ = proc.communicate(timeout=240)
-    finally:
-        if proc.poll() is None or proc.returncode != 0:
-            os.killpg(proc.pid, signal.SIGKILL)  # the launcher and both ranks, on any failure
-            proc.communicate()
-    assert proc.returncode == 0, output[-4000:]
+    res = run([str(launcher), "launch", "--multi_gpu", "--num_processes", "2", "--num_machines",
+               "1", "--mixed_precision", "no", "--dynamo_backend", "no", "--main_process_port",
+               str(free_port()), str(REPO / "tests" / "accelerate_job.py"), str(out),
+               json.dumps(CASES), str(EPOCHS)], timeout=240, env=env, cwd=REPO)
+    assert res.returncode == 0, (res.stdout + res.stderr)[-4000:]
     return [json.loads((out / f"rank{r}.json").read_text()) for r in range(2)]
-
-
-def assert_same(a: list, b: list, what: str) -> None:
-    for x, y in zip(a, b, strict=True):
-        torch.testing.assert_close(torch.tensor(x), torch.tensor(y), atol=0, rtol=0, msg=what)
 
 
 @pytest.mark.parametrize("case", CASES)

@@ -10,18 +10,14 @@ exactly; what a ShoalTrainer cannot run is refused in one line.
 from __future__ import annotations
 
 import json
-import os
-import signal
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
-import torch
 
 from shoal.core.env import free_port
 
-from conftest import REPO, shoal_env
+from conftest import REPO, assert_same, run, shoal_env
 
 pytest.importorskip("transformers")
 
@@ -41,24 +37,11 @@ def ranks(tmp_path_factory) -> list[dict]:
     out = tmp_path_factory.mktemp("hf_trainer")
     launcher = Path(sys.executable).parent / "torchrun"
     env = {**shoal_env(), "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
-    proc = subprocess.Popen(
-        [str(launcher), "--nproc-per-node", "2", "--master-port", str(free_port()),
-         str(REPO / "tests" / "hf_trainer_job.py"), str(out), json.dumps(CASES), str(EPOCHS)],
-        env=env, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-        start_new_session=True)
-    try:
-        output, _ = proc.communicate(timeout=300)
-    finally:
-        if proc.poll() is None or proc.returncode != 0:
-            os.killpg(proc.pid, signal.SIGKILL)  # the launcher and both ranks, on any failure
-            proc.communicate()
-    assert proc.returncode == 0, output[-4000:]
+    res = run([str(launcher), "--nproc-per-node", "2", "--master-port", str(free_port()),
+               str(REPO / "tests" / "hf_trainer_job.py"), str(out), json.dumps(CASES),
+               str(EPOCHS)], timeout=300, env=env, cwd=REPO)
+    assert res.returncode == 0, (res.stdout + res.stderr)[-4000:]
     return [json.loads((out / f"rank{r}.json").read_text()) for r in range(2)]
-
-
-def assert_same(a: list, b: list, what: str) -> None:
-    for x, y in zip(a, b, strict=True):
-        torch.testing.assert_close(torch.tensor(x), torch.tensor(y), atol=0, rtol=0, msg=what)
 
 
 @pytest.mark.parametrize("case", CASES)

@@ -21,7 +21,7 @@ import torch
 from shoal.core.env import free_port
 from shoal.errors import ShoalError
 
-from conftest import REPO, run, shoal_env
+from conftest import REPO, assert_same, run, shoal_env
 
 pytest.importorskip("lightning")
 
@@ -53,11 +53,6 @@ def ranks(tmp_path_factory) -> list[dict]:
               timeout=300, env=env, cwd=REPO)
     assert res.returncode == 0, (res.stdout + res.stderr)[-4000:]
     return [json.loads((out / f"rank{r}.json").read_text()) for r in range(2)]
-
-
-def assert_same(a: list, b: list, what: str) -> None:
-    for x, y in zip(a, b, strict=True):
-        torch.testing.assert_close(torch.tensor(x), torch.tensor(y), atol=0, rtol=0, msg=what)
 
 
 @pytest.mark.parametrize("loop, case", [("trainer", c) for c in TRAINER_CASES]
