@@ -49,7 +49,7 @@ def _calls(name: str) -> dict[str, int]:
 
 
 def test_a_trainers_plan_is_installed_in_one_place():
-    """A trainer's loader is made in one place (``Trainer._loader``), and a new plan reaches
+    """A trainer's loader is made in one place (``Trainer._make_loader``), and a new plan reaches
     the loader, evaluation, records and checkpoints through ``Trainer.install_plan`` alone:
     two hand-made copies of it had drifted (only the synchronous one moved the evaluation
     and the checkpoints to the new plan). The coordinator's own loader reads the test set
@@ -149,3 +149,82 @@ def test_no_module_sets_a_trainers_plan_or_loader():
                             and not (isinstance(t.value, ast.Name) and t.value.id == "self"):
                         set_from_outside.append(f"{path.relative_to(ROOT)}:{node.lineno}")
     assert set_from_outside == []
+
+
+
+#: The annotations that make a name a trainer: shoal's :class:`Trainer` (where the module
+#: imports it from ``shoal.train.trainer``) and the typed contexts it meets.
+TRAINER_CONTEXTS = {"LoopContext", "LiveContext"}
+
+FUNCTIONS = (ast.FunctionDef, ast.AsyncFunctionDef)
+
+
+def _is_trainer(hint: ast.expr | None, imported: bool) -> bool:
+    names = {n.id for n in ast.walk(hint) if isinstance(n, ast.Name)} if hint else set()
+    return bool(names & TRAINER_CONTEXTS) or (imported and "Trainer" in names)
+
+
+def _trainer_names(tree: ast.Module, imported: bool) -> list[tuple[ast.AST, set[str]]]:
+    """Each function of ``tree`` with the names it has for a trainer: its typed parameters,
+    ``Trainer(...)``'s, aliases of either, and the module's trainer fields (``self.t``)."""
+    fields = {f"self.{n.target.id}" for n in ast.walk(tree) if isinstance(n, ast.AnnAssign)
+              and isinstance(n.target, ast.Name) and _is_trainer(n.annotation, imported)}
+    scopes = []
+    for fn in (n for n in ast.walk(tree) if isinstance(n, FUNCTIONS)):
+        a = fn.args
+        names = {p.arg for p in (*a.posonlyargs, *a.args, *a.kwonlyargs)
+                 if _is_trainer(p.annotation, imported)}
+        pairs = [(t, n.value) for n in ast.walk(fn) if isinstance(n, ast.Assign) for t in n.targets]
+        pairs += [pair for ts, vs in pairs if isinstance(ts, ast.Tuple) and isinstance(vs, ast.Tuple)
+                  for pair in zip(ts.elts, vs.elts, strict=False)]  # ``t, st = self.t, ...``
+        for _ in range(3):  # aliases of aliases (``t = self.t = trainer``)
+            for target, value in pairs:
+                made = imported and isinstance(value, ast.Call) and ast.unparse(value.func) == "Trainer"
+                if made or ast.unparse(value) in names | fields:
+                    names.add(ast.unparse(target))
+        fields |= {n for n in names if n.startswith("self.")}
+        scopes.append((fn, names))
+    return [(fn, names | fields) for fn, names in scopes]
+
+
+def _assigned(node: ast.AST) -> list[ast.Attribute]:
+    """The attributes that the assignment ``node`` sets (a tuple's each); none where it is
+    no assignment."""
+    targets = node.targets if isinstance(node, ast.Assign) else \
+        [node.target] if isinstance(node, (ast.AnnAssign, ast.AugAssign)) else []
+    found: list[ast.Attribute] = []
+    while targets:
+        target = targets.pop()
+        if isinstance(target, (ast.Tuple, ast.List)):
+            targets += target.elts
+        elif isinstance(target, ast.Starred):
+            targets.append(target.value)
+        elif isinstance(target, ast.Attribute):
+            found.append(target)
+    return found
+
+
+def test_nobody_sets_a_trainers_fields():
+    """No module of ``shoal/`` but the trainer's own sets a field of a trainer (``t.x =
+    ...``, where ``t`` is a :class:`Trainer` or one of its typed contexts), and the trainer
+    keeps every field private (``self._x``): its components read it through read-only
+    properties and change it through its commands (``install_plan``, ``join_group``...),
+    so that what of the loop each component touches is named in one place."""
+    trainer_py = ROOT / "train" / "trainer.py"
+    set_from_outside = set()
+    for path in sources():
+        text = path.read_text()
+        if path == trainer_py:
+            continue
+        imported = "from shoal.train.trainer import" in text
+        for fn, names in _trainer_names(ast.parse(text), imported):
+            set_from_outside |= {f"{path.relative_to(ROOT)}:{node.lineno} {ast.unparse(a)}"
+                                 for node in ast.walk(fn) for a in _assigned(node)
+                                 if ast.unparse(a.value) in names}
+    assert sorted(set_from_outside) == []
+    trainer = next(n for n in ast.parse(trainer_py.read_text()).body
+                   if isinstance(n, ast.ClassDef) and n.name == "Trainer")
+    public = [f"train/trainer.py:{node.lineno} {ast.unparse(a)}"
+              for node in ast.walk(trainer) for a in _assigned(node)
+              if ast.unparse(a.value) == "self" and not a.attr.startswith("_")]
+    assert public == []

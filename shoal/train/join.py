@@ -180,7 +180,6 @@ def run_worker(job: dict[str, Any], me: int) -> dict[str, int] | None:
     from shoal.core.trust import Seal
     from shoal.train.membership import handover
     from shoal.train.membership.tracker.process_group import Elastic
-    from shoal.train.stopping import StopVote
     from shoal.train.trainer import Trainer
     from shoal.train.workload import load_workload
 
@@ -202,15 +201,13 @@ def run_worker(job: dict[str, Any], me: int) -> dict[str, int] | None:
     joined = m.grow(reply["epoch"], reply["members"], reply["joined"])
     comm.rank, comm.world_size = m.rank, m.world_size
     side = Elastic(t)  # its side of the job's membership, which the hand-over fills
-    t.elastic, t.joined = side, True
-    t.stop_vote = StopVote(t.strategy.stop_peers, t.strategy.meets_after)
-    t.regroup()
+    t.join_group(side)
     handover.receive(t, side, joined)
     leave_on_sigterm()  # a member now: SIGTERM asks it to leave (before: it ends it)
     try:
         summary = t.run()
     except Leaving as left:  # SIGTERM: this worker left, the job goes on without it
-        t.loader.close()
+        t.close_loader()
         comm.aborted = True  # nobody waits for it at the end
         comm.close("left")
         return {"left": left.step}
@@ -272,8 +269,7 @@ def run_async_worker(job: dict[str, Any], me: int, store: Any) -> dict[str, int]
     # process ends), whose part server 0 deals to the others: the job goes on.
     client = connect(cfg, comm, job_topology(cfg, first), work.model)
     t = Trainer(cfg, comm, work.data, work.model, components=remote_components(client))
-    t.joined = True
-    t.elastic.join(int(reply["epoch"]))
+    t.join_detached(int(reply["epoch"]))
     leave_on_sigterm()  # a member now: SIGTERM asks it to leave (before: it ends it)
     try:
         t.run()
