@@ -6,6 +6,7 @@ import collections
 import contextlib
 import functools
 import json
+import multiprocessing.forkserver
 import multiprocessing.resource_tracker
 import os
 import signal
@@ -48,20 +49,35 @@ def pytest_configure(config: pytest.Config) -> None:
 
 
 @functools.cache
-def _shares_a_fixture(path: str) -> bool:
-    """Whether the test file ``path`` has a module-scoped fixture (a trained run that several
-    of its tests read)."""
+def _shared_scopes(path: str) -> tuple[bool, bool]:
+    """Whether the test file ``path`` has a module-scoped fixture, and a class-scoped one (a
+    trained run that several of its tests read)."""
     try:
-        return 'scope="module"' in (REPO / path).read_text()
+        text = (REPO / path).read_text()
     except OSError:
-        return False
+        return False, False
+    return 'scope="module"' in text, 'scope="class"' in text
+
+
+def _unit_of(nodeid: str) -> str:
+    """What goes to one test process together: a file whose tests share a module-scoped
+    fixture, the tests of one class of a file with class-scoped fixtures, else the test."""
+    parts = nodeid.split("::")
+    module, klass = _shared_scopes(parts[0])
+    if module:
+        return parts[0]
+    if klass and len(parts) > 2:
+        return "::".join(parts[:2])
+    return nodeid
 
 
 def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
     """``make test`` (``-n 2``, xdist's ``load``): every test is handed out by itself, so the
     two test processes end together, but a file's tests that share a module-scoped fixture
-    go to one process together, which computes it once. (xdist's ``loadgroup`` would do it
-    with marks, but it renames node ids in a way pytest 9.2 no longer reads.)"""
+    go to one process together, which computes it once (the tests of one class, where the
+    fixture is class-scoped: a long file's other tests still spread). (xdist's
+    ``loadgroup`` would do it with marks, but it renames node ids in a way pytest 9.2 no
+    longer reads.)"""
     if config.getvalue("dist") != "load":
         return None
     from xdist.scheduler import LoadScopeScheduling
@@ -75,8 +91,7 @@ def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
             self.costs: dict[str, float] = {}
 
         def _split_scope(self, nodeid: str) -> str:
-            path = nodeid.split("::", 1)[0]
-            return path if _shares_a_fixture(path) else nodeid
+            return _unit_of(nodeid)
 
         def _assign_work_unit(self, node: Any) -> None:
             known = _known_seconds()
@@ -633,3 +648,33 @@ def launcher_variables(launcher: str, rank: int, tasks: int, port: int) -> dict[
                 "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
     return {"PMI_RANK": str(rank), "PMI_SIZE": n, "MPI_LOCALRANKID": str(rank),
             "MPI_LOCALNRANKS": n, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None):
+    """With ``SHOAL_TEST_CPU=FILE``: one JSON line per test appended to FILE (its id, wall
+    seconds, and CPU seconds of this process and of the processes it waited for), to find
+    where the suite's time goes."""
+    path = os.environ.get("SHOAL_TEST_CPU")
+    if not path:
+        yield
+        return
+    import resource
+
+    def cpu() -> float:
+        own, kids = (resource.getrusage(who) for who in
+                     (resource.RUSAGE_SELF, resource.RUSAGE_CHILDREN))
+        server = 0.0  # the session's fork server reaps what it forked for in-process runs
+        pid = getattr(multiprocessing.forkserver._forkserver, "_forkserver_pid", None)
+        with contextlib.suppress(OSError, ValueError, TypeError):
+            stat = Path(f"/proc/{pid}/stat").read_text()
+            server = sum(map(int, stat[stat.rindex(")") + 2:].split()[11:15]))
+        return (own.ru_utime + own.ru_stime + kids.ru_utime + kids.ru_stime
+                + server / os.sysconf("SC_CLK_TCK"))
+
+    start, used = time.monotonic(), cpu()
+    yield
+    line = {"test": item.nodeid, "wall": round(time.monotonic() - start, 2),
+            "cpu": round(cpu() - used, 2)}
+    with open(path, "a") as f:
+        f.write(json.dumps(line) + "\n")
