@@ -6,6 +6,8 @@ torch's own "not traced" versions wherever something compiles."""
 import subprocess
 import sys
 
+import pytest
+
 from conftest import shoal_env
 
 PROGRAM = r"""
@@ -62,20 +64,9 @@ print("compiled step:", all(p.grad is None for p in model.parameters()))
 """
 
 
-def test_an_optimizer_is_built_and_stepped_without_dynamo_and_keeps_torchs_versions_once_it_is():
-    res = subprocess.run([sys.executable, "-c", PROGRAM], capture_output=True, text=True,
-                         env=shoal_env(), timeout=240)
-    assert res.returncode == 0, res.stderr
-    assert res.stdout.splitlines() == [
-        "dynamo after build: False", "dynamo after step: False True",
-        "dynamo after sgd's steps: False", "sgd as torch's: True SGD True",
-        "dynamo after adamw's steps: True", "adamw as torch's: True AdamW True",
-        "torch's version: True", "stepped: True",
-        "compiled step: True"], res.stdout + res.stderr
-
-
 DDP_PROGRAM = r"""
 import importlib
+import runpy
 import sys
 import torch
 import shoal
@@ -100,6 +91,7 @@ def steps(compiled):
 
 
 if __name__ == "__main__":
+    runpy.run_path(sys.argv[1])  # PROGRAM, in this process before anything else of it
     plain, compiled = shoal.launch(steps, False, workers=2), shoal.launch(steps, True, workers=2)
     print("dynamo in plain workers:", [d for d, _ in plain])
     print("dynamo in compiling workers:", [d for d, _ in compiled])
@@ -107,14 +99,39 @@ if __name__ == "__main__":
 """
 
 
-def test_ddp_trains_without_dynamo_and_with_it_once_something_compiles(tmp_path):
-    """A ``sync`` worker's DDP (with shoal's optimizer) never imports ``torch._dynamo`` (1.8 s
-    of CPU at each start) while nothing compiles; a worker that compiles its DDP module
-    steps the same."""
+@pytest.fixture(scope="class")
+def printed(tmp_path_factory) -> tuple[list[str], str]:
+    """What PROGRAM, then DDP_PROGRAM print (its lines, and with stderr for a message), run
+    by one interpreter (one import of torch): PROGRAM first, before anything else of it has
+    run, as it would alone; DDP_PROGRAM's workers come from a server of their own (a fresh
+    interpreter, whatever PROGRAM imported)."""
+    tmp_path = tmp_path_factory.mktemp("dynamo")
+    (tmp_path / "optimizer.py").write_text(PROGRAM)
     (tmp_path / "ddp.py").write_text(DDP_PROGRAM)
-    res = subprocess.run([sys.executable, "ddp.py"], capture_output=True, text=True,
-                         env=shoal_env(), timeout=240, cwd=tmp_path)
+    res = subprocess.run([sys.executable, "ddp.py", "optimizer.py"], capture_output=True,
+                         text=True, env=shoal_env(), timeout=480, cwd=tmp_path)
     assert res.returncode == 0, res.stderr
-    assert res.stdout.splitlines() == [
-        "dynamo in plain workers: [False, False]", "dynamo in compiling workers: [True, True]",
-        "same steps: True"], res.stdout + res.stderr
+    return res.stdout.splitlines(), res.stdout + res.stderr
+
+
+class TestDynamo:
+    """PROGRAM's checks (the optimizer in one process) and DDP_PROGRAM's (in workers)."""
+
+    def test_an_optimizer_is_built_and_stepped_without_dynamo_and_keeps_torchs_versions_once_it_is(
+            self, printed):
+        lines, output = printed
+        assert lines[:9] == [
+            "dynamo after build: False", "dynamo after step: False True",
+            "dynamo after sgd's steps: False", "sgd as torch's: True SGD True",
+            "dynamo after adamw's steps: True", "adamw as torch's: True AdamW True",
+            "torch's version: True", "stepped: True",
+            "compiled step: True"], output
+
+    def test_ddp_trains_without_dynamo_and_with_it_once_something_compiles(self, printed):
+        """A ``sync`` worker's DDP (with shoal's optimizer) never imports ``torch._dynamo``
+        (1.8 s of CPU at each start) while nothing compiles; a worker that compiles its DDP
+        module steps the same."""
+        lines, output = printed
+        assert lines[9:] == [
+            "dynamo in plain workers: [False, False]", "dynamo in compiling workers: [True, True]",
+            "same steps: True"], output
