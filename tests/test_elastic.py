@@ -19,6 +19,7 @@ from conftest import (
     assert_each_sample_once,
     one_error_line,
     step_workers,
+    train_here,
     train_losing,
 )
 
@@ -112,8 +113,10 @@ def test_a_worker_lost_in_the_last_test_leaves_the_test_accuracy_whole(tmp_path)
     accuracy and loss, its model being the same (before: a third of the test set missing,
     63% instead of 95%)."""
     killed = 0  # any worker's shard went with it (worker 2's too, before)
-    whole = train_losing(tmp_path / "whole", -1, "eval:1", "--strategy", "sync")
-    assert whole.returncode == 0, whole.stderr
+    # the uninterrupted run: its flags, nobody killed, in this process (only its summary is read)
+    train_here(tmp_path / "whole", "--model", "tests.fixtures_models:killed_at", "--dataset",
+               "digits", "--workers", "3", "--epochs", str(EPOCHS), "--strategy", "sync",
+               "--elastic", "--record-samples")
     res = train_losing(tmp_path / "run", killed, f"eval:{EPOCHS + 1}", "--strategy", "sync")
     assert res.returncode == 0, res.stderr
     assert f"worker {killed} left at step" in res.stderr and "2 go on (no samples left)" in res.stderr
@@ -303,35 +306,16 @@ def test_a_rank_that_starts_late_is_waited_for_not_lost():
     assert spawn(2, _arrives_late_then_sums, (4.0,)) == [2.0, 2.0]
 
 
-def _loses_rank_2_then_gathers() -> tuple[float, list | None]:
+def _loses_rank_2_then_gathers_and_counts() -> tuple[float, list | None, float, int, int]:
     """4 elastic ranks (60 s collectives' timeout); rank 2 dies, then the others gather an
-    object each (as a checkpoint's and the handover's bookkeeping do): how long it took."""
-    import os
-    import signal
-    import time
-
-    from shoal.core.env import detect_environment
-    from shoal.core.join import init_comm
-
-    env = detect_environment()
-    comm = init_comm(env, "cpu", timeout=60.0, heartbeat_timeout=60.0, elastic=True)
-    comm.all_reduce(torch.ones(1))
-    if env.rank == 2:
-        os.kill(os.getpid(), signal.SIGKILL)
-    started = time.monotonic()
-    got = comm.gather_objects({"worker": env.rank, "pad": "x" * 100_000})
-    took = time.monotonic() - started
-    comm.close("returned")
-    return took, got and [o["worker"] for o in got]
-
-
-def _loses_rank_2_then_counts_connections() -> tuple[list[int] | None, float, int, int]:
-    """4 elastic ranks; rank 2 dies, the others gather their ids (rank 0 gets them), which
-    re-forms their group, and sum again: the ids, the sum, how many TCP connections this
-    process has open then other than its store's, and how many Gloo loop threads."""
+    object each (as a checkpoint's and the handover's bookkeeping do; rank 0 gets them),
+    which re-forms their group without it, and sum again: how long the gather took, the
+    workers gathered, the sum, how many TCP connections this process has open then other
+    than its store's, and how many Gloo loop threads."""
     import gc
     import os
     import signal
+    import time
 
     from shoal.core.env import detect_environment
     from shoal.core.join import init_comm
@@ -342,7 +326,9 @@ def _loses_rank_2_then_counts_connections() -> tuple[list[int] | None, float, in
     comm.all_reduce(torch.ones(1))
     if env.rank == 2:
         os.kill(os.getpid(), signal.SIGKILL)
-    got = comm.gather_objects(env.rank)  # the loss seen, the group re-formed without it
+    started = time.monotonic()
+    got = comm.gather_objects({"worker": env.rank, "pad": "x" * 100_000})
+    took = time.monotonic() - started
     total = torch.ones(1)
     comm.all_reduce(total)
     mine, ports = socket_inodes(), connections()
@@ -352,37 +338,43 @@ def _loses_rank_2_then_counts_connections() -> tuple[list[int] | None, float, in
     loops = sum(1 for t in os.listdir(task)
                 if (Path(task) / t / "comm").read_text().strip() == "gloo_tcp_loop")
     comm.close("returned")
-    return got, float(total), opened, loops
+    return took, got and [o["worker"] for o in got], float(total), opened, loops
 
 
-def test_a_group_left_is_cut_off_not_kept_open():
-    """A group left at a change is destroyed; where that could not happen at once (worker
-    0, not dead worker 2's ring neighbour, left its all-reduce; a collective's error held
-    the group) it was kept with its connections open, and data a peer had sent on one sat
-    unread while Gloo's loop thread woke on it again and again (a soak's worker spent most
-    of a core in it); and a failed collective's error, kept by torch's future in a cycle
-    the collector cannot see, kept every old group's Gloo thread for good. Each survivor now
-    has only its current group's connections (one to each of the 2 other members) and its
-    one loop thread."""
+@pytest.fixture(scope="class")
+def survivors() -> list[tuple[float, list | None, float, int, int]]:
+    """What ranks 0, 1 and 3 of one job of :func:`_loses_rank_2_then_gathers_and_counts`
+    return (its class's tests read it)."""
     from shoal.core.processes import spawn
 
-    results = spawn(4, _loses_rank_2_then_counts_connections, tolerate=lambda rank: rank == 2)
-    survivors = [r for rank, r in enumerate(results) if rank != 2]
-    assert [r[0] for r in survivors] == [[0, 1, 3], None, None]
-    assert [r[1] for r in survivors] == [3.0] * 3
-    assert [r[2] for r in survivors] == [2, 2, 2], "an old group's connections"
-    assert [r[3] for r in survivors] == [1, 1, 1], "an old group's Gloo thread"
+    results = spawn(4, _loses_rank_2_then_gathers_and_counts, tolerate=lambda rank: rank == 2)
+    return [r for rank, r in enumerate(results) if rank != 2]
 
 
-def test_an_object_gather_is_left_at_once_when_a_worker_is_lost():
-    """Worker 0 is not dead worker 2's ring neighbour: torch's object collectives kept it in
-    Gloo until the collectives' timeout (60 s); elastic ones are left when the vote fails."""
-    from shoal.core.processes import spawn
+class TestRank2LostOf4:
+    """One job of 4 elastic ranks that loses rank 2, read by both tests."""
 
-    results = spawn(4, _loses_rank_2_then_gathers, tolerate=lambda rank: rank == 2)
-    (took, workers), *_ = results
-    assert workers == [0, 1, 3]
-    assert took < 30, f"worker 0 waited {took:.1f} s: the collectives' timeout"
+    def test_a_group_left_is_cut_off_not_kept_open(self, survivors):
+        """A group left at a change is destroyed; where that could not happen at once (worker
+        0, not dead worker 2's ring neighbour, left its all-reduce; a collective's error held
+        the group) it was kept with its connections open, and data a peer had sent on one
+        sat unread while Gloo's loop thread woke on it again and again (a soak's worker spent
+        most of a core in it); and a failed collective's error, kept by torch's future in a
+        cycle the collector cannot see, kept every old group's Gloo thread for good. Each
+        survivor now has only its current group's connections (one to each of the 2 other
+        members) and its one loop thread."""
+        assert [r[1] for r in survivors] == [[0, 1, 3], None, None]
+        assert [r[2] for r in survivors] == [3.0] * 3
+        assert [r[3] for r in survivors] == [2, 2, 2], "an old group's connections"
+        assert [r[4] for r in survivors] == [1, 1, 1], "an old group's Gloo thread"
+
+    def test_an_object_gather_is_left_at_once_when_a_worker_is_lost(self, survivors):
+        """Worker 0 is not dead worker 2's ring neighbour: torch's object collectives kept it
+        in Gloo until the collectives' timeout (60 s); elastic ones are left when the vote
+        fails."""
+        (took, workers, *_), *_ = survivors
+        assert workers == [0, 1, 3]
+        assert took < 30, f"worker 0 waited {took:.1f} s: the collectives' timeout"
 
 
 @pytest.mark.parametrize("strategy", ["sync", "diloco"])

@@ -24,6 +24,7 @@ from conftest import (
     TRAIN_ROWS,
     assert_each_sample_once,
     one_error_line,
+    train_here,
     train_losing,
 )
 
@@ -173,23 +174,26 @@ def test_a_member_in_a_lost_leaders_place_takes_its_groups_schedule_and_deals():
     assert length(dealer.schedules[1].rest(20)) == 2 * size[0] - 20 + 5 + 2 * size[1] - 8
 
 
-def test_an_elastic_groups_run_resumes_unless_its_groups_changed(tmp_path):
+def test_an_elastic_groups_run_resumes_unless_its_groups_changed(tmp_path, monkeypatch):
     """Stopped at step 30 (a checkpoint) and resumed with one epoch more: each group goes on
     from its leader's position (a member from its group's, its own schedule empty) and
     walks its members' shards of the new epoch: every sample of every epoch once. A run
-    whose groups lost a worker before its checkpoint is refused at --resume, in one line."""
+    whose groups lost a worker before its checkpoint is refused at --resume, in one line.
+    The runs that must only succeed run in this process (``train_losing``'s flags); the
+    refusal's line is the command's."""
     out = tmp_path / "run"
     flags = ["--strategy", "groups", "--groups", "2", "--schedule", "constant"]
-    res = train_losing(out, 99, "train:1", *flags, "--stop-at-step", "30", workers=4)
-    assert res.returncode == 0, res.stderr
-    res = train_losing(out, 99, "train:1", *flags, "--resume", "--epochs", str(EPOCHS + 1),
-                       workers=4)
-    assert res.returncode == 0, res.stderr
+    here = ["--model", "tests.fixtures_models:killed_at", "--dataset", "digits", "--workers",
+            "4", "--epochs", str(EPOCHS), *flags, "--elastic", "--record-samples"]
+    train_here(out, *here, "--stop-at-step", "30")
+    train_here(out, *here, "--resume", "--epochs", str(EPOCHS + 1))
     assert json.loads((out / "summary.json").read_text())["epochs"] == EPOCHS + 1
     assert_each_sample_once(out, EPOCHS + 1, TRAIN_ROWS)
     changed = tmp_path / "changed"
-    res = train_losing(changed, 2, "train:20", *flags, "--stop-at-step", "30", workers=4)
-    assert res.returncode == 0, res.stderr
+    with monkeypatch.context() as patch:  # rank 2 (worker 1) kills itself at its 20th forward
+        patch.setenv("SHOAL_TEST_KILL_RANK", "2")
+        patch.setenv("SHOAL_TEST_KILL_AT", "train:20")
+        train_here(changed, *here, "--stop-at-step", "30")
     res = train_losing(changed, 2, "train:20", *flags, "--resume", workers=4)
     assert res.returncode == 2
     assert one_error_line(res.stderr) == (
