@@ -29,6 +29,7 @@ from conftest import (
     shoal,
     shoal_env,
     step_workers,
+    train_here,
     wait_gone,
 )
 
@@ -152,7 +153,10 @@ EXTRA = {"powersgd": ["--compress", "powersgd", "--powersgd-warmup", "2"],
 def test_a_worker_joins_in_place_of_a_killed_one(held, strategy, killed):
     strategy, _, extra = strategy.partition("+")
     flags = EXTRA[extra] if extra else [] if strategy == "sync" else ["--tau", "4"]
-    job = held("--strategy", strategy, *flags, "--elastic", "--record-samples", killed=killed)
+    # held at 1 s a step from the kill on: some 75 s for the joiner to start and be admitted
+    # however loaded the machine (0.2 s left 15 s, and a loaded machine ran out)
+    job = held("--strategy", strategy, *flags, "--elastic", "--record-samples", killed=killed,
+               pace=1.0)
     job.wait_line(f"worker {killed} left at step {42 if extra == 'streaming' else 39}")
     # its own marker: no process of the joiner's outlives it
     joined = shoal("join", str(job.out), env={**job.env, "SHOAL_TEST_MARKER": uuid.uuid4().hex},
@@ -192,8 +196,6 @@ def test_a_worker_joins_a_torchrun_job_with_the_secret_its_ranks_have(held, monk
     job = held("--elastic", "--record-samples", torchrun=True, pace=1.0,
                env={"SHOAL_JOIN_SECRET": secret})
     job.wait_line("worker 2 left at step 39")
-    env = {**job.env, "SHOAL_TEST_MARKER": uuid.uuid4().hex}
-    del env["SHOAL_JOIN_SECRET"]
     monkeypatch.delenv("SHOAL_JOIN_SECRET", raising=False)  # the refusals: in this process
     code, err = join_here(job.out)
     assert code == 2 and one_error_line(err) == (
@@ -208,9 +210,10 @@ def test_a_worker_joins_a_torchrun_job_with_the_secret_its_ranks_have(held, monk
         "secret in SHOAL_SECRET (another job's secret? its ranks need the same; rank 0 says "
         "where it takes joiners)")
     (job.out / ".shoal-join" / "job.json").unlink()  # as on a host that does not see OUT
-    joined = shoal("join", "--store", at, env={**env, "SHOAL_JOIN_SECRET": secret}, timeout=240)
+    monkeypatch.setenv("SHOAL_JOIN_SECRET", secret)
+    code, err = join_here("--store", at)  # (the command's own process: the tests above)
     assert job.finish() == 0, job.stderr
-    assert joined.returncode == 0, joined.stderr
+    assert code == 0, err
     summary = json.loads((job.out / "summary.json").read_text())
     assert summary["completed"] and summary["workers"] == 3
     left, join = summary["membership_changes"]
@@ -289,7 +292,8 @@ def test_a_worker_joins_a_compute_groups_job_as_a_group_of_its_own(held):
 
 
 @pytest.mark.parametrize("strategy", ["async-easgd", "easgd"])
-def test_resumed_on_more_workers_than_its_checkpoint_holds_the_others_join(held, strategy):
+def test_resumed_on_more_workers_than_its_checkpoint_holds_the_others_join(held, tmp_path,
+                                                                          strategy):
     """``--resume --workers 3`` of a checkpoint of 2 workers that only 2 can go on from (an
     asynchronous job's; easgd's inside a round): the 2 start again and the launcher starts
     the third as ``shoal join`` would, which joins; the job ends with 3 workers, every
@@ -298,8 +302,11 @@ def test_resumed_on_more_workers_than_its_checkpoint_holds_the_others_join(held,
     is worker 3, as server 0 numbers it (before, the joiner took id 2 again from the job
     file, its pair was never served and it failed)."""
     flags = ["--strategy", strategy, "--tau", "4", "--elastic", "--record-samples"]
-    first = held(*flags, "--stop-at-step", "30", kill=False, workers=2, held_after=10_000)
-    assert first.finish() == 0, first.stderr
+    # the checkpoint of 2 workers: trained in this process (its workers from the session's
+    # warm fork server), as the job below would have (no kill, no hold)
+    train_here(tmp_path / "run", "--model", "tests.fixtures_models:killed_then_held",
+               "--dataset", "digits", "--epochs", str(EPOCHS), "--schedule", "constant",
+               "--log-every", "1", *flags, "--stop-at-step", "30", "--workers", "2")
     joiners = [2, 3] if strategy == "async-easgd" else [2]
     for me in joiners:
         last = me == joiners[-1]
@@ -342,8 +349,7 @@ def test_sigterm_stops_an_asynchronous_job_and_its_joiner_and_it_resumes(held):
     assert joiner.returncode == 0, err
     assert "stopped by SIGTERM" in job.stderr and (job.out / "checkpoint.pt").exists()
     job.release()
-    resumed = shoal(*job.proc.args[3:], "--resume", "auto", env=job.env, timeout=240)
-    assert resumed.returncode == 0, resumed.stderr
+    resume_here(job)
     summary = json.loads((job.out / "summary.json").read_text())
     assert summary["completed"] and summary["membership_changes"][0]["joined"] == [2]
     assert_each_sample_once(job.out, EPOCHS, TRAIN_ROWS)
@@ -384,9 +390,8 @@ def test_a_job_of_one_worker_takes_a_joiner(held):
     job = held("--strategy", "diloco", "--tau", "4", "--elastic", "--record-samples",
                "--max-workers", "2", kill=False, workers=1, held_after=0, pace=0.1)
     job.wait_for_job_file()
-    joiner = job.join_in_background()
-    _, err = joiner.communicate(timeout=200)
-    assert joiner.returncode == 0, err
+    code, err = join_here(job.out)  # (the command's own process: the tests above)
+    assert code == 0, err
     assert job.finish() == 0, job.stderr
     summary = json.loads((job.out / "summary.json").read_text())
     assert summary["workers"] == 2 and summary["membership_changes"][0]["joined"] == [1]
@@ -404,17 +409,19 @@ def test_sigterm_stops_a_job_down_to_its_last_worker(held):
     assert "stopped by SIGTERM" in job.stderr and (job.out / "checkpoint.pt").exists()
 
 
-def _left_to_a_joiner(held, tmp_path, strategy: str, ranks: str, **kwargs):
-    """A job of 2 workers of ``strategy`` (``--tau 4``) that a third joins, after which the
-    processes of ``ranks`` (the first two workers') are killed (kill -9): the job, the
-    joiner's process, and the file whose existence kills them."""
+def _left_to_a_joiner(held, tmp_path, strategy: str, ranks: str, joiner_pace: str = "",
+                      **kwargs):
+    """A job of 2 workers of ``strategy`` (``--tau 4``) that a third joins (held at
+    ``joiner_pace`` s a step, if given), after which the processes of ``ranks`` (the first
+    two workers') are killed (kill -9): the job, the joiner's process, and the file whose
+    existence kills them."""
     kill = tmp_path / "kill"
     job = held("--strategy", strategy, "--tau", "4", "--elastic", "--record-samples",
                "--max-workers", "3", kill=False, workers=2, held_after=0,
                model="killed_when_told", release_on_join=False,
                env={"SHOAL_TEST_KILL_RANK": ranks, "SHOAL_TEST_KILL_FILE": str(kill)}, **kwargs)
     job.wait_for_job_file()
-    joiner = job.join_in_background()
+    joiner = job.join_in_background(**({"SHOAL_TEST_PACE": joiner_pace} if joiner_pace else {}))
     job.wait_line("worker 2 joined at step")
     kill.touch()
     return job, joiner, kill
@@ -438,8 +445,7 @@ def test_an_asynchronous_job_left_to_a_joiner_checkpoints_and_stops_when_it_leav
     assert "stopped by SIGTERM" in job.stderr and (job.out / "checkpoint.pt").exists()
     kill.unlink()
     job.release()
-    resumed = shoal(*job.proc.args[3:], "--resume", "auto", env=job.env, timeout=240)
-    assert resumed.returncode == 0, resumed.stderr
+    resume_here(job)
     summary = json.loads((job.out / "summary.json").read_text())
     changes = summary["membership_changes"]
     assert changes[0]["joined"] == [2] and changes[-1]["joined"] == [0, 1], changes
@@ -453,7 +459,10 @@ def test_the_job_goes_on_in_a_joiner_once_every_worker_started_with_it_is_lost(h
     and the launcher holds the job's store until the joiners finished: every command exits
     0 (before: the launcher ended with its own workers, silently, and took the store with
     it)."""
-    job, joiner, _ = _left_to_a_joiner(held, tmp_path, "diloco", "0,1")
+    # the joiner, alone once the others are lost, trains at 1 s a step while held: its some
+    # 240 steps outlast the waits below however loaded the machine (at 0.2 s a step, a loaded
+    # machine's second joiner came after the job had ended)
+    job, joiner, _ = _left_to_a_joiner(held, tmp_path, "diloco", "0,1", joiner_pace="1.0")
     lines: list[str] = []
     reader = threading.Thread(target=lambda: lines.extend(joiner.stderr), daemon=True)
     reader.start()
@@ -572,9 +581,11 @@ def test_a_member_lost_as_a_worker_joins(held):
     left and the joiner agree on a group again, without the dead one; the joiner takes
     worker 0's state and trains to the end (before, it ended in an error and the job went
     on without it), every sample trained once."""
+    # 0.5 s a step while held: its 90 steps leave the joiner some 45 s to start, not 18 s
     job = held("--strategy", "diloco", "--tau", "4", "--elastic", "--record-samples",
                "--max-workers", "4", "--heartbeat-timeout", "4", kill=False, workers=3,
-               held_after=0, model="dies_in_grow", env={"SHOAL_TEST_KILL_RANK": "1"})
+               held_after=0, model="dies_in_grow", env={"SHOAL_TEST_KILL_RANK": "1"},
+               pace=0.5)
     job.wait_for_job_file()
     joined = shoal("join", str(job.out), env={**job.env, "SHOAL_TEST_MARKER": uuid.uuid4().hex},
                    timeout=240)
@@ -591,6 +602,15 @@ def test_a_member_lost_as_a_worker_joins(held):
     assert (job.out / "samples" / "worker3.jsonl").stat().st_size > 0
 
 
+def resume_here(job: HeldJob) -> None:
+    """``shoal train`` of ``job`` again with ``--resume auto``, through the command's main()
+    in this process (its workers from the session's warm fork server), which must succeed:
+    the job's test hooks are spent by then (hold and kill files gone)."""
+    from shoal.cli import main
+
+    assert main([*job.proc.args[3:], "--resume", "auto"]) == 0, "the resumed job failed"
+
+
 def join_here(*args) -> tuple[int, str]:
     """``shoal join ARGS`` through the command's main() in this process (its whole code path
     but an interpreter's start, 2-3 s): its status and stderr."""
@@ -602,7 +622,9 @@ def join_here(*args) -> tuple[int, str]:
 
 
 def test_join_refuses_a_job_at_its_size_then_a_finished_one(held):
-    job = held("--elastic", kill=False, workers=2)
+    # one epoch is enough: held from its first step till the refusal, at 0.5 s a step (its 45
+    # steps leave some 22 s for it)
+    job = held("--elastic", "--epochs", "1", kill=False, workers=2, held_after=0, pace=0.5)
     job.wait_for_job_file()
     code, err = join_here(job.out)
     assert code == 2
@@ -619,9 +641,9 @@ def test_join_refuses_a_job_without_elastic(tmp_path):
     out = tmp_path / "job"
     out.mkdir()
     (out / "config.json").write_text(json.dumps({"elastic": False, "strategy": "sync"}))
-    res = shoal("join", str(out), timeout=120)
-    assert res.returncode == 2
-    assert "started without --elastic" in one_error_line(res.stderr)
+    code, err = join_here(out)  # (the command's own process: the "is not a folder" case)
+    assert code == 2
+    assert "started without --elastic" in one_error_line(err)
 
 
 def _job_file(out, folder_mode=0o700, file_mode=0o600, owner=None, link=False):
@@ -663,9 +685,9 @@ def test_join_refuses_a_folder_of_another_user(tmp_path):
     out = tmp_path / "run"
     out.mkdir()
     _job_file(out, owner=12345)
-    res = shoal("join", str(out), timeout=60)
-    assert res.returncode == 2
-    assert "is not a private folder of yours" in one_error_line(res.stderr)
+    code, err = join_here(out)
+    assert code == 2
+    assert "is not a private folder of yours" in one_error_line(err)
 
 
 def test_a_request_at_the_cap_waits_for_a_lost_members_place_instead_of_refused():
