@@ -14,13 +14,15 @@ ends with one line naming it, exit 1 and its files cleaned, ``--elastic`` too; a
 when the work is done, it is a warning. multiprocessing's resource tracker holds nothing:
 the job goes on, exit 0. Under torchrun ``--elastic`` the keeper's server holds one rank's
 worker (the job goes on without it), the keeper is the rank torchrun watches (torchrun ends
-the job, naming the rank). And a user script's children (``Popen``, a double fork with
-``setsid``) end with ``shoal run``.
+the job, naming the rank); each keeper and its rank's worker shows its role in ``ps``.
+And a user script's children (``Popen``, a double fork with ``setsid``) end with ``shoal
+run``.
 """
 
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import signal
 import subprocess
@@ -51,6 +53,15 @@ def _cmdline(pid: int) -> bytes:
         return b""
 
 
+def _ended(pid: int) -> bool:
+    """Whether ``pid`` has ended: gone, or a zombie its parent has not reaped yet."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return True
+    return stat[stat.rindex(")") + 2] in "ZX"
+
+
 def _rank_of(pid: int) -> str | None:
     try:
         env = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
@@ -71,6 +82,7 @@ class Job:
                "SHOAL_TEST_HOLD_FILE": str(tmp_path / "exiting"),
                "SHOAL_TEST_RELEASE_FILE": str(self.release)}
         self.log = tmp_path / "log"
+        self.watch: Callable[[], None] = lambda: None  # called as each wait polls
         with open(self.log, "wb") as log:
             self.proc = subprocess.Popen([sys.executable, "-m", *args], env=env, cwd=tmp_path,
                                          stdout=log, stderr=subprocess.STDOUT,
@@ -86,6 +98,7 @@ class Job:
     def wait_until(self, what: str, ready: Callable[[], object], timeout: float = 120.0):
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
+            self.watch()
             value = ready()
             if value:
                 return value
@@ -103,10 +116,16 @@ class Job:
         else:
             self.wait_until("rank 1 in its exit", (self.dir / "exiting").exists)
 
-    def kill(self, pid: int) -> None:
-        """kill -9 ``pid``, release rank 1's hold, wait for the job to end."""
-        os.kill(pid, signal.SIGKILL)
-        time.sleep(0.5)  # a held rank 1 is still holding when the kill lands
+    def kill(self, *pids: int) -> None:
+        """kill -9 ``pids``, release rank 1's hold once they have ended (a held rank 1 is
+        still holding when the kill lands: a process the server forked has its SIGKILL by
+        the time the server is a zombie), wait for the job to end."""
+        for pid in pids:
+            os.kill(pid, signal.SIGKILL)
+        deadline = time.monotonic() + 30
+        while not all(_ended(pid) for pid in pids):
+            assert time.monotonic() < deadline, f"{pids} did not end after kill -9"
+            time.sleep(0.005)
         self.release.touch()
         try:
             self.code = self.proc.wait(timeout=120)
@@ -200,42 +219,108 @@ def test_a_lost_resource_tracker_is_survived(tmp_path, phase, elastic):
     _left_no_join_file(job)
 
 
-def _keeper(job: Job) -> int | None:
-    """Rank 1's keeper: torchrun's process of rank 1."""
-    return next((pid for pid in children_of(job.proc.pid) if _rank_of(pid) == "1"), None)
+def _keeper(job: Job, rank: str = "1") -> int | None:
+    """Rank ``rank``'s keeper: torchrun's process of that rank."""
+    return next((pid for pid in children_of(job.proc.pid) if _rank_of(pid) == rank), None)
 
 
-@pytest.mark.parametrize(("lost", "phase", "elastic"), [
-    ("server", "training", True), ("tracker", "training", True), ("keeper", "start-up", True),
-    ("keeper", "training", True), ("keeper", "training", False)])
-def test_under_torchrun_a_keepers_processes(tmp_path, lost, phase, elastic):
-    """Rank 1's keeper's fork server (its worker dies with it: an ``--elastic`` job goes on
-    without it), resource tracker (nothing lost), or the keeper itself (the process torchrun
-    watches: torchrun ends the job and names the rank, at start-up or mid-training; plain,
-    the rank itself trains in it); nothing of the job outlives torchrun."""
-    epochs = "200" if lost == "keeper" else "3"
-    with Job(tmp_path, ["torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-                        "-m", "shoal", *TRAIN, "--epochs", epochs,
-                        *(["--elastic"] if elastic else [])]) as job:
+def _keepers(job: Job) -> list[int] | None:
+    """Ranks 0's and 1's keepers, once both are there."""
+    keepers = [_keeper(job, rank) for rank in "01"]
+    return [pid for pid in keepers if pid is not None] if all(keepers) else None
+
+
+def _torchrun(tmp_path: Path, epochs: str, elastic: bool) -> Job:
+    return Job(tmp_path, ["torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+                          "-m", "shoal", *TRAIN, "--epochs", epochs,
+                          *(["--elastic"] if elastic else [])])
+
+
+@pytest.mark.parametrize(("phase", "elastic"), [("start-up", True), ("training", True),
+                                                ("training", False)])
+def test_under_torchrun_a_lost_keeper_ends_the_job(tmp_path, phase, elastic):
+    """Rank 1's keeper killed (the process torchrun watches: torchrun ends the job and names
+    the rank, at start-up or mid-training; plain, the rank itself trains in it); nothing of
+    the job outlives torchrun."""
+    with _torchrun(tmp_path, "200", elastic) as job:
         keeper = job.wait_until("rank 1's keeper", lambda: _keeper(job))
         # plain, a rank trains in torchrun's process itself: no server, no work forked
         job.reach(phase, lambda: bool(_forked(keeper)) or not elastic)
-        server = job.wait_until("rank 1's fork server", lambda: _server(keeper)) \
-            if lost == "server" else None
-        pid = {"server": server, "tracker": _tracker(keeper), "keeper": keeper}[lost]
-        assert pid is not None
-        job.kill(pid)
-    if lost == "keeper":  # torchrun's own report names the rank and the signal
-        assert job.code != 0
-        assert "rank      : 1 (local_rank: 1)\n  exitcode  : -9" in job.output, job.output
-        assert "BrokenPipeError" not in job.output
-        return
-    assert job.code == 0, job.output
-    assert (tmp_path / "out" / "summary.json").exists()
-    if lost == "server":
+        job.kill(keeper)
+    # torchrun's own report names the rank and the signal
+    assert job.code != 0
+    assert "rank      : 1 (local_rank: 1)\n  exitcode  : -9" in job.output, job.output
+    assert "BrokenPipeError" not in job.output
+
+
+class Names:
+    """Each process of a job (its launcher's descendants) as ``ps`` and ``top`` show it:
+    ``(command line, name)``, looked at while the job runs (:meth:`look`, polled)."""
+
+    def __init__(self, pid: int) -> None:
+        self.pid, self.last = pid, 0.0
+        self.seen: set[tuple[str, str]] = set()
+
+    def look(self, every: float = 0.05) -> None:
+        if time.monotonic() - self.last < every:
+            return
+        self.last = time.monotonic()
+        todo = children_of(self.pid)
+        while todo:
+            pid = todo.pop()
+            todo += children_of(pid)
+            with contextlib.suppress(OSError):
+                name = Path(f"/proc/{pid}/comm").read_text().strip()
+                line = Path(f"/proc/{pid}/cmdline").read_bytes().rstrip(b"\0")
+                self.seen.add((line.replace(b"\0", b" ").decode(errors="replace"), name))
+
+
+@pytest.fixture(scope="class")
+def lost(tmp_path_factory):
+    """:class:`TestUnderTorchrunAKeepersServerAndTracker`'s job, ended: its folder, the job,
+    the pid of the server killed, the names its processes showed."""
+    tmp_path = tmp_path_factory.mktemp("torchrun")
+    with _torchrun(tmp_path, "3", elastic=True) as job:
+        names = Names(job.proc.pid)
+        job.watch = names.look
+        keepers = job.wait_until("both keepers", lambda: _keepers(job))
+        job.reach("training", lambda: False)
+        server = job.wait_until("rank 1's fork server", lambda: _server(keepers[1]))
+        tracker = _tracker(keepers[0])
+        names.look(every=0)
+        assert tracker is not None
+        job.kill(server, tracker)
+    return tmp_path, job, server, names.seen
+
+
+class TestUnderTorchrunAKeepersServerAndTracker:
+    """One torchrun ``--elastic`` job: while it trains, rank 1's keeper's fork server is
+    killed (its worker dies with it: the job goes on without it) and rank 0's keeper's
+    resource tracker (nothing lost); nothing of the job outlives torchrun. Each rank's
+    process keeps its work in a child, each named by its role meanwhile."""
+
+    def test_a_lost_server_loses_its_rank_and_the_job_goes_on(self, lost):
+        tmp_path, job, server, _ = lost
+        assert job.code == 0, job.output
+        assert (tmp_path / "out" / "summary.json").exists()
         assert (f"shoal: rank 1 killed by signal 9 ({SERVER_LOST.format(pid=server)}: killed "
                 "by SIGKILL); the job goes on without it (--elastic)") in job.output
-    _left_no_join_file(job)
+        _left_no_join_file(job)
+
+    def test_a_lost_tracker_is_survived(self, lost):
+        tmp_path, job, _, _ = lost
+        assert job.code == 0, job.output
+        summary = json.loads((tmp_path / "out" / "summary.json").read_text())
+        # rank 0 lost nothing: the one change is rank 1's (its server's) loss
+        assert summary["completed"] and summary["workers"] == 1, summary
+        assert [change["left"] for change in summary["membership_changes"]] == [[1]], summary
+        _left_no_join_file(job)
+
+    def test_a_keeper_and_its_rank_are_named(self, lost):
+        _, job, _, seen = lost
+        assert job.code == 0, job.output
+        for title in ("shoal keeper 0", "shoal keeper 1", "shoal worker 0", "shoal worker 1"):
+            assert (title, title) in seen, seen
 
 
 USER_SCRIPT = textwrap.dedent("""

@@ -64,11 +64,20 @@ def test_a_rank_that_ends_while_another_is_in_a_plain_collective(tmp_path, join,
     assert "has waited" not in res.stderr, res.stderr
 
 
-# -- processes named by role (issue 55, part 5) -------------------------------------------------
-def names_while_running(args: list[str], cwd, timeout: float = 180) -> tuple[int, set[tuple[str, str]]]:
+# -- processes named by role (issue 55, part 5; under torchrun: test_job_processes.py) ----------
+#: Rank 1 of ENDS_EARLY ends once the test has seen the workers' names (the file ``seen``).
+UNTIL_SEEN = """deadline = time.monotonic() + 120
+    while not os.path.exists("seen") and time.monotonic() < deadline:
+        time.sleep(0.01)"""
+
+
+def names_while_running(args: list[str], cwd, timeout: float = 180,
+                        tell: tuple[set[tuple[str, str]], Path] | None = None
+                        ) -> tuple[int, set[tuple[str, str]]]:
     """Run ``args`` (a ``shoal`` command) to its end, looking at its processes (those with
     its marker) meanwhile: its exit status and each process's ``(command line, name)``, as
-    ``ps`` and ``top`` show them."""
+    ``ps`` and ``top`` show them. ``tell``: (names, file): the file is made once those
+    names were all seen (the job may end then)."""
     marker = uuid.uuid4().hex
     proc = subprocess.Popen(args, env=shoal_env(marker), cwd=cwd, stdout=subprocess.DEVNULL,
                             stderr=subprocess.PIPE, text=True, start_new_session=True)
@@ -81,6 +90,8 @@ def names_while_running(args: list[str], cwd, timeout: float = 180) -> tuple[int
                     line = Path(f"/proc/{pid}/cmdline").read_bytes().rstrip(b"\0")
                     name = Path(f"/proc/{pid}/comm").read_text().strip()
                     seen.add((line.replace(b"\0", b" ").decode(errors="replace"), name))
+            if tell is not None and tell[0] <= seen:
+                tell[1].touch()
             time.sleep(0.1)
         assert proc.poll() is not None, f"{args} did not end in {timeout} s"
         return proc.wait(), seen
@@ -102,22 +113,12 @@ def test_processes_are_named_by_role_in_ps_and_top(tmp_path):
                   "shoal loader 0", "shoal loader 1"):
         assert (title, title) in seen, seen
     assert ("shoal forkserver", "forkserver") in seen, seen  # 15 bytes at most: top's name
-    (tmp_path / "job.py").write_text(ENDS_EARLY.format(join=SHOAL_INIT, end="time.sleep(1)"))
+    (tmp_path / "job.py").write_text(ENDS_EARLY.format(join=SHOAL_INIT, end=UNTIL_SEEN))
+    workers = {("shoal worker 0", "shoal worker 0"), ("shoal worker 1", "shoal worker 1")}
     code, seen = names_while_running([sys.executable, "-m", "shoal", "run", "--workers", "2",
-                                      "job.py"], tmp_path)
+                                      "job.py"], tmp_path, tell=(workers, tmp_path / "seen"))
     assert code == 1  # rank 1 ends while rank 0 waits
-    assert {("shoal worker 0", "shoal worker 0"), ("shoal worker 1", "shoal worker 1")} <= seen
-
-
-def test_a_keeper_and_its_rank_are_named_under_torchrun(tmp_path):
-    """``--elastic`` under torchrun: each rank's process keeps its work in a child."""
-    code, seen = names_while_running(
-        [str(Path(sys.executable).parent / "torchrun"), "--standalone", "--nproc-per-node", "2",
-         "-m", "shoal", "train", "--dataset", "digits", "--model", "mlp", "--epochs", "1",
-         "--elastic", "--progress", "none", "--out", str(tmp_path / "run")], tmp_path)
-    assert code == 0
-    for title in ("shoal keeper 0", "shoal keeper 1", "shoal worker 0", "shoal worker 1"):
-        assert (title, title) in seen, seen
+    assert workers <= seen
 
 
 # -- SIGTERM after a worker's loss: one stop line ------------------------------------------------
@@ -141,7 +142,7 @@ def test_sigterm_after_a_workers_loss_prints_one_stop_line(tmp_path):
     try:
         deadline = time.monotonic() + 120
         while not (out / "metrics.jsonl").exists() and time.monotonic() < deadline:
-            time.sleep(0.2)
+            time.sleep(0.05)
         worker = pid_titled(marker, "shoal worker 1")
         assert worker is not None and (out / "metrics.jsonl").exists(), "training never began"
         lines: list[str] = []
@@ -150,7 +151,7 @@ def test_sigterm_after_a_workers_loss_prints_one_stop_line(tmp_path):
         os.kill(worker, signal.SIGKILL)
         while not any("worker 1 left" in line for line in lines) and \
                 time.monotonic() < deadline and proc.poll() is None:
-            time.sleep(0.2)
+            time.sleep(0.05)
         assert proc.poll() is None, "".join(lines)
         proc.send_signal(signal.SIGTERM)
         proc.wait(timeout=120)
