@@ -234,6 +234,11 @@ def test_a_chain_of_collectives_is_left_as_soon_as_its_meeting_is_voted_failed()
         dist.PrefixStore(ELASTIC, store).set(m.decision, "abort")
         with pytest.raises(RuntimeError, match="voted failed"):
             watched.wait()
+        # Left behind: the group's clean-up (leave_group, prune) asks each collective left
+        # whether it is over, a chain as a single collective (it raised AttributeError).
+        assert [w.is_completed() for w in m.inflight.left] == [False]
+        hung.set_result([torch.ones(2)])
+        assert [w.is_completed() for w in m.inflight.left] == [True]
     finally:
         m.inflight.stop(timeout=5)
 

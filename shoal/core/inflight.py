@@ -73,6 +73,11 @@ class FutureWork:
         self._future.wait()
         return True
 
+    def is_completed(self) -> bool:
+        """Whether the chain has ended (as ``Work.is_completed``: a member lost while it ran
+        leaves it behind, and the group's clean-up asks this of every collective left)."""
+        return self._done.is_set()
+
     def get_future(self) -> torch.futures.Future:
         return self._future
 
