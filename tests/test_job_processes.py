@@ -12,8 +12,8 @@ writes), one of their helper processes killed with ``kill -9``:
 The fork server that forks a job's processes holds every worker (they die with it): a job
 ends with one line naming it, exit 1 and its files cleaned, ``--elastic`` too; at shutdown,
 when the work is done, it is a warning. multiprocessing's resource tracker holds nothing:
-the job goes on, exit 0. Under torchrun ``--elastic`` the keeper's server holds one rank's
-worker (the job goes on without it), the keeper is the rank torchrun watches (torchrun ends
+the job goes on, exit 0. Under torchrun ``--elastic`` the keeper forks one rank's worker
+itself (the job goes on without it), the keeper is the rank torchrun watches (torchrun ends
 the job, naming the rank); each keeper and its rank's worker shows its role in ``ps``.
 And a user script's children (``Popen``, a double fork with ``setsid``) end with ``shoal
 run``.
@@ -244,8 +244,8 @@ def test_under_torchrun_a_lost_keeper_ends_the_job(tmp_path, phase, elastic):
     the job outlives torchrun."""
     with _torchrun(tmp_path, "200", elastic) as job:
         keeper = job.wait_until("rank 1's keeper", lambda: _keeper(job))
-        # plain, a rank trains in torchrun's process itself: no server, no work forked
-        job.reach(phase, lambda: bool(_forked(keeper)) or not elastic)
+        # plain, a rank trains in torchrun's process itself: no work forked
+        job.reach(phase, lambda: bool(children_of(keeper)) or not elastic)
         job.kill(keeper)
     # torchrun's own report names the rank and the signal
     assert job.code != 0
@@ -277,44 +277,42 @@ class Names:
 
 @pytest.fixture(scope="class")
 def lost(tmp_path_factory):
-    """:class:`TestUnderTorchrunAKeepersServerAndTracker`'s job, ended: its folder, the job,
-    the pid of the server killed, the names its processes showed."""
+    """:class:`TestUnderTorchrunAKeepersWorker`'s job, ended: its folder, the job, each
+    keeper's children while it trained, the names its processes showed."""
     tmp_path = tmp_path_factory.mktemp("torchrun")
     with _torchrun(tmp_path, "3", elastic=True) as job:
         names = Names(job.proc.pid)
         job.watch = names.look
         keepers = job.wait_until("both keepers", lambda: _keepers(job))
         job.reach("training", lambda: False)
-        server = job.wait_until("rank 1's fork server", lambda: _server(keepers[1]))
-        tracker = _tracker(keepers[0])
+        children = [children_of(keeper) for keeper in keepers]
         names.look(every=0)
-        assert tracker is not None
-        job.kill(server, tracker)
-    return tmp_path, job, server, names.seen
+        assert len(children[1]) == 1, children
+        job.kill(children[1][0])
+    return tmp_path, job, children, names.seen
 
 
-class TestUnderTorchrunAKeepersServerAndTracker:
-    """One torchrun ``--elastic`` job: while it trains, rank 1's keeper's fork server is
-    killed (its worker dies with it: the job goes on without it) and rank 0's keeper's
-    resource tracker (nothing lost); nothing of the job outlives torchrun. Each rank's
-    process keeps its work in a child, each named by its role meanwhile."""
+class TestUnderTorchrunAKeepersWorker:
+    """One torchrun ``--elastic`` job: each rank's process (its keeper) forks its worker
+    itself (no fork server, no resource tracker of its own); while it trains, rank 1's
+    worker is killed: the job goes on without it, nothing of it outlives torchrun. Each
+    process is named by its role meanwhile."""
 
-    def test_a_lost_server_loses_its_rank_and_the_job_goes_on(self, lost):
-        tmp_path, job, server, _ = lost
-        assert job.code == 0, job.output
-        assert (tmp_path / "out" / "summary.json").exists()
-        assert (f"shoal: rank 1 killed by signal 9 ({SERVER_LOST.format(pid=server)}: killed "
-                "by SIGKILL); the job goes on without it (--elastic)") in job.output
-        _left_no_join_file(job)
-
-    def test_a_lost_tracker_is_survived(self, lost):
+    def test_a_lost_worker_loses_its_rank_and_the_job_goes_on(self, lost):
         tmp_path, job, _, _ = lost
         assert job.code == 0, job.output
         summary = json.loads((tmp_path / "out" / "summary.json").read_text())
-        # rank 0 lost nothing: the one change is rank 1's (its server's) loss
+        # rank 0 lost nothing: the one change is rank 1's loss
         assert summary["completed"] and summary["workers"] == 1, summary
         assert [change["left"] for change in summary["membership_changes"]] == [[1]], summary
+        assert ("shoal: rank 1 killed by signal 9; the job goes on without it (--elastic)"
+                in job.output), job.output
         _left_no_join_file(job)
+
+    def test_a_keeper_forks_its_worker_itself(self, lost):
+        children = lost[2]
+        assert [len(c) for c in children] == [1, 1], children  # no server, no tracker
+        assert not any(SERVER.encode() in _cmdline(pid) for c in children for pid in c)
 
     def test_a_keeper_and_its_rank_are_named(self, lost):
         _, job, _, seen = lost

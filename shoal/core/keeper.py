@@ -5,7 +5,9 @@ torchrun's agent (mpirun and srun alike) takes any worker process that dies for 
 job: it ends every worker and restarts them all (``--max-restarts``) or fails. A worker
 lost to an elastic job (killed, the OOM killer) must not look like that. So the process
 the launcher started (the *keeper*) starts the rank's work in a child that dies with it
-(:func:`run_child`), and judges how the child ended (:func:`keep_rank`):
+(:func:`start_child`: forked from the keeper itself, which imported torch already, before
+it runs a thread or connects to the job's store), and judges how the child ended
+(:func:`keep_rank`):
 
 - it returned: its result is the keeper's (the summary, for the rank that wrote it);
 - it failed with an error: the keeper raises that line, as the rank would have (the
@@ -30,20 +32,24 @@ would otherwise find the store gone and fail a job that finished.
 from __future__ import annotations
 
 import contextlib
+import faulthandler
 import logging
 import multiprocessing as mp
 import os
 import signal
 import sys
+import threading
 import time
 from collections.abc import Callable
+from multiprocessing.connection import Connection
+from multiprocessing.process import BaseProcess
 from typing import Any
 
 from shoal.core.failures import exit_status
-from shoal.core.guard import name_process
+from shoal.core.guard import die_with_parent, guarded_name, name_process, title_of
 from shoal.core.outlive import STALE, live_joiners
 from shoal.core.processes import start_process
-from shoal.core.starting import server_lost
+from shoal.core.starting import server_lost, start_method
 from shoal.core.stop import request_stop
 from shoal.core.waits import DONE_KEY, ended_key, members_now
 from shoal.errors import JobError, ShoalError
@@ -78,49 +84,125 @@ def _child_main(target: Callable[..., Any], args: tuple[Any, ...], report: Any) 
     os._exit(code)
 
 
+class Child:
+    """A rank's work running in a child of this process (:func:`start_child`); SIGTERM here
+    is passed on to it until :meth:`release`."""
+
+    def __init__(self, process: BaseProcess, report: Connection) -> None:
+        self.process, self.report = process, report
+
+        def forward(*_: Any) -> None:
+            request_stop()
+            with contextlib.suppress(ProcessLookupError, TypeError):
+                os.kill(process.pid, signal.SIGTERM)  # type: ignore[arg-type]
+
+        self._previous = signal.signal(signal.SIGTERM, forward)
+        self._held = True
+
+    def release(self) -> None:
+        """Give SIGTERM back to the handler it had before the child started (once)."""
+        if self._held:
+            self._held = False
+            signal.signal(signal.SIGTERM, self._previous)
+
+    def end(self) -> None:
+        """End the child now (SIGKILL) if it runs, and wait for it: this keeper failed
+        before it could keep it."""
+        with contextlib.suppress(ProcessLookupError, TypeError):
+            if self.process.exitcode is None:
+                os.kill(self.process.pid, signal.SIGKILL)  # type: ignore[arg-type]
+        self.process.join()
+        self.release()
+
+
+def _forkable() -> bool:
+    """Whether this process may fork its child: Linux, one thread only (a fork copies no
+    lock another thread holds, no pool whose threads the child would lack) and no CUDA set
+    up (the child could not use it)."""
+    import torch
+
+    if start_method() != "forkserver" or torch.cuda.is_initialized():
+        return False
+    try:
+        return len(os.listdir("/proc/self/task")) == 1 and threading.active_count() == 1
+    except OSError:
+        return False
+
+
+def start_child(target: Callable[..., Any], args: tuple[Any, ...], name: str,
+                fork: bool = False) -> Child:
+    """Start ``target(*args)`` in a child process that dies with this one. ``fork``: forked
+    from this very process (it imported torch already: no server, no interpreter to start)
+    where that is safe (:func:`_forkable`), before it made any connection (the child would
+    share it); else :func:`~shoal.core.processes.start_process`."""
+    theirs, mine = mp.get_context("spawn").Pipe(duplex=False)
+    if fork and _forkable():
+        process: BaseProcess = mp.get_context("fork").Process(
+            target=_forked_main, args=(os.getpid(), title_of(name), target, args, mine, theirs),
+            name=guarded_name(name, os.getpid()), daemon=False)
+        process.start()
+    else:
+        process = start_process(_child_main, (target, args, mine), name=name)
+    mine.close()
+    return Child(process, theirs)
+
+
+def _forked_main(keeper: int, title: str, target: Callable[..., Any], args: tuple[Any, ...],
+                 report: Connection, theirs: Connection) -> None:
+    """A child forked by :func:`start_child`: tied to the keeper first (it dies with it, at
+    once if it is gone: :func:`~shoal.core.guard.die_with_parent`), then as a child of
+    :func:`~shoal.core.processes.start_process` is: named, SIGTERM and SIGINT as a fresh
+    process has them, ``kill -USR1`` showing its threads; then :func:`_child_main`."""
+    die_with_parent(keeper)
+    theirs.close()
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)  # not the keeper's, whatever it had
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    if signal.getsignal(signal.SIGUSR1) == signal.SIG_DFL:
+        faulthandler.register(signal.SIGUSR1, all_threads=True)
+    name_process(title)
+    _child_main(target, args, report)
+
+
 def run_child(target: Callable[..., Any], args: tuple[Any, ...], name: str,
               poll: Callable[[Any], None] | None = None) -> tuple[int | None, tuple | None]:
     """Run ``target(*args)`` in a child process that dies with this one and wait for it,
     calling ``poll(process)`` every :data:`POLL_S` s meanwhile; SIGTERM here is passed on.
     Returns its exit code and its report: ``("returned", value)``, ``("failed", line,
     user_error)``, or ``None`` when it ended without one (killed)."""
-    theirs, mine = mp.get_context("spawn").Pipe(duplex=False)
-    child = start_process(_child_main, (target, args, mine), name=name)
-    mine.close()
+    return wait_child(start_child(target, args, name), poll)
 
-    def forward(*_: Any) -> None:
-        request_stop()
-        with contextlib.suppress(ProcessLookupError, TypeError):
-            os.kill(child.pid, signal.SIGTERM)  # type: ignore[arg-type]
 
-    previous = signal.signal(signal.SIGTERM, forward)
+def wait_child(child: Child, poll: Callable[[Any], None] | None = None
+               ) -> tuple[int | None, tuple | None]:
+    """Wait for ``child`` to end, as :func:`run_child` says."""
+    process, theirs = child.process, child.report
     report = None
     try:
-        while child.is_alive():
+        while process.is_alive():
             if theirs.poll(POLL_S):
                 with contextlib.suppress(EOFError):
                     report = theirs.recv()
-                child.join()
+                process.join()
             elif poll is not None:
-                poll(child)
-        child.join()
+                poll(process)
+        process.join()
         if report is None and theirs.poll():
             with contextlib.suppress(EOFError):
                 report = theirs.recv()
     finally:
-        signal.signal(signal.SIGTERM, previous)
-    return child.exitcode, report
+        child.release()
+    return process.exitcode, report
 
 
-def keep_rank(rank: int, keys: Any, target: Callable[..., Any], args: tuple[Any, ...],
-              workers: range, tolerated: bool, serving: bool = False) -> Any:
+def keep_rank(rank: int, keys: Any, child: Child, workers: range, tolerated: bool,
+              serving: bool = False) -> Any:
     """Keep ``rank`` of a job whose store (under this attempt's prefix) is ``keys``: its
-    work ``target(*args)`` in a child; ``tolerated``: the job goes on when a signal kills
+    work in ``child`` (:func:`start_child`); ``tolerated``: the job goes on when a signal kills
     it (``workers``: the ranks the job may lose, all of them lost is the job lost, and
     ``workers.stop`` the job's ranks); ``serving``: this keeper serves the store."""
     name_process(f"shoal keeper {rank}")
     try:
-        return _keep(rank, keys, target, args, workers, tolerated)
+        return _keep(rank, keys, child, workers, tolerated)
     finally:
         with contextlib.suppress(Exception):  # a store gone: nobody waits for this keeper
             keys.add(KEPT_KEY, 1)
@@ -137,17 +219,16 @@ def _linger(keys: Any, ranks: int) -> None:
             time.sleep(POLL_S)
 
 
-def _keep(rank: int, keys: Any, target: Callable[..., Any], args: tuple[Any, ...],
-          workers: range, tolerated: bool) -> Any:
+def _keep(rank: int, keys: Any, child: Child, workers: range, tolerated: bool) -> Any:
     ended: list[bool] = []
 
-    def left_out(child: Any) -> None:  # once the job finished, a child it left out ends
+    def left_out(process: Any) -> None:  # once the job finished, a child it left out ends
         if not ended and keys.check([DONE_KEY]) and rank not in (members_now(keys) or [rank]):
             ended.append(True)
             with contextlib.suppress(ProcessLookupError, TypeError):
-                os.kill(child.pid, signal.SIGKILL)
+                os.kill(process.pid, signal.SIGKILL)
 
-    code, report = run_child(target, args, f"shoal-rank-{rank}", left_out)
+    code, report = wait_child(child, left_out)
     if report is not None and report[0] == "failed":
         raise (ShoalError if report[2] else JobError)(report[1])
     if code == 0:
@@ -184,4 +265,4 @@ def _wait_for_end(keys: Any, workers: range) -> None:
         time.sleep(POLL_S)
 
 
-__all__ = ["keep_rank", "run_child"]
+__all__ = ["Child", "keep_rank", "run_child", "start_child", "wait_child"]

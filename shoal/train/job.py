@@ -26,7 +26,7 @@ from shoal.core.env import (
 from shoal.core.failures import exit_status
 from shoal.core.group import job_store, mesh_not_formed
 from shoal.core.guard import skip_exit_collection
-from shoal.core.keeper import keep_rank
+from shoal.core.keeper import Child, keep_rank, start_child
 from shoal.core.limits import check_processes
 from shoal.core.processes import Lost, spawn
 from shoal.core.starting import ensure_server, server_modules
@@ -328,15 +328,29 @@ def _keep_rank(cfg: TrainConfig, env: Environment, given: Dataset | None
                ) -> dict[str, Any] | None:
     """``--elastic`` under torchrun, mpirun or Slurm: this process keeps its rank's work in a
     child of its own, so that a worker lost is not a failure the launcher sees
-    (:mod:`shoal.core.keeper`). With a join secret (:data:`~shoal.train.membership.jobfile.JOIN_SECRET_VAR`)
+    (:mod:`shoal.core.keeper`). The child is forked first, before this process reaches the
+    job's store (or serves it) or runs a thread: it starts with torch imported and none of
+    this process's connections. With a join secret (:data:`~shoal.train.membership.jobfile.JOIN_SECRET_VAR`)
     rank 0's keeper publishes the job file ``shoal join`` reads, until the job ends. Where no
     launcher serves the job's store (mpirun, Slurm), rank 0's keeper serves it and its child is a
     client like the others."""
+    topology = outside_topology(cfg, env)
+    child_env = dataclasses.replace(env, agent_store=True)
+    child = start_child(_train_as_rank, (cfg, child_env, given), f"shoal-rank-{env.rank}",
+                        fork=True)
+    try:
+        return _keep_with_store(cfg, env, topology, child)
+    finally:
+        child.end()  # ended by now but where this keeper failed before it kept it
+
+
+def _keep_with_store(cfg: TrainConfig, env: Environment, topology: Topology, child: Child
+                     ) -> dict[str, Any] | None:
+    """:func:`_keep_rank` once its ``child`` started: the job's store, the job file, and
+    the keeping."""
     import torch.distributed as dist
 
-    topology = outside_topology(cfg, env)
     store = job_store(env, cfg.timeout)
-    child_env = dataclasses.replace(env, agent_store=True)
     keys = dist.PrefixStore(key_prefix(env.attempt), store)
     secret = join_secret() if env.rank == 0 else None
     if secret is not None:
@@ -350,8 +364,7 @@ def _keep_rank(cfg: TrainConfig, env: Environment, given: Dataset | None
                  f"not see it, shoal join --store {env.master_addr}:{env.master_port}), with "
                  f"{JOIN_SECRET_VAR}")
     try:
-        return keep_rank(env.rank, keys, _train_as_rank, (cfg, child_env, given),
-                         range(topology.servers, topology.world_size),
+        return keep_rank(env.rank, keys, child, range(topology.servers, topology.world_size),
                          _tolerated(cfg, topology, env.rank),
                          serving=env.rank == 0 and not env.agent_store)
     finally:
