@@ -18,9 +18,9 @@ from types import TracebackType
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from shoal.core.comm import Comm
+from shoal.core.connect import init_comm
 from shoal.core.env import Environment, default_threads, detect_environment, rank_environment
 from shoal.core.failures import first_line, is_comm_failure
-from shoal.core.join import init_comm
 from shoal.core.processes import spawn
 from shoal.core.secret import use_secret_file
 from shoal.errors import ShoalError

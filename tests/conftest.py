@@ -246,8 +246,8 @@ def _train_runs(runs: list[list[str]]) -> None:
     times in its summary are its own."""
     import shoal
     from shoal.cli import build_parser, config_from_args
+    from shoal.core.connect import init_comm
     from shoal.core.env import detect_environment
-    from shoal.core.join import init_comm
     from shoal.core.timeline import Timeline
     from shoal.train.trainer import Trainer, preflight
 

@@ -290,8 +290,8 @@ def _arrives_late_then_sums(delay: float) -> float:
     both join the elastic group (1 s heartbeat timeout) and all-reduce once."""
     import time
 
+    from shoal.core.connect import init_comm
     from shoal.core.env import detect_environment
-    from shoal.core.join import init_comm
 
     env = detect_environment()
     if env.rank == 1:
@@ -322,8 +322,8 @@ def _loses_rank_2_then_gathers_and_counts() -> tuple[float, list | None, float, 
     import signal
     import time
 
+    from shoal.core.connect import init_comm
     from shoal.core.env import detect_environment
-    from shoal.core.join import init_comm
     from shoal.core.sockets import connections, socket_inodes
 
     env = detect_environment()

@@ -141,7 +141,7 @@ def test_server_0_answers_each_join_request_in_turn():
     admitting raises); each ticket is answered once, in order."""
     import torch.distributed as dist
 
-    from shoal.core.joining import ask
+    from shoal.core.admission import ask
     from shoal.core.trust import Seal
     from shoal.core.waits import ELASTIC
     from shoal.errors import ShoalError

@@ -698,7 +698,7 @@ def test_a_request_at_the_cap_waits_for_a_lost_members_place_instead_of_refused(
     store."""
     import torch.distributed as dist
 
-    from shoal.core.joining import admit, answer, ask, take_ticket
+    from shoal.core.admission import admit, answer, ask, take_ticket
     from shoal.core.membership import Membership
     from shoal.core.trust import Seal
     from shoal.core.waits import ended_key

@@ -17,7 +17,7 @@ stands on, and the only place each of these exists.
 - :mod:`~shoal.core.watchdog`: a failing or hung rank ends the job within seconds;
 - :mod:`~shoal.core.waits`: whom a waiting rank waits for; a rank that left or never comes;
 - :mod:`~shoal.core.comm`: timed, byte-counted collectives (:class:`Comm`);
-- :mod:`~shoal.core.join`: joining a job (:func:`init_comm`);
+- :mod:`~shoal.core.connect`: a process connects to its job (:func:`init_comm`);
 - :mod:`~shoal.core.ops`: the reduce-op table and even splits;
 - :mod:`~shoal.core.flat`: flat packing of many tensors into one message;
 - :mod:`~shoal.core.timeline`: the time categories and the spans booked into them;

@@ -1,5 +1,5 @@
 """Timed, byte-counted collectives: the :class:`Comm` every strategy talks through
-(:func:`~shoal.core.join.init_comm` joins a job and returns it).
+(:func:`~shoal.core.connect.init_comm` joins a job and returns it).
 
 Every rank of a job of several processes also runs a :class:`~shoal.core.watchdog.Watchdog`
 on the job's store: a failing or hung rank ends the job within seconds.
@@ -118,7 +118,7 @@ class Comm(ObjectCollectives):
 
     def watch_as_joiner(self, env: Environment, store: dist.Store,
                         heartbeat_timeout: float | None, timeout: float | None) -> Membership:
-        """A joiner of a running elastic job (:mod:`shoal.core.joining`), built alone: beat in
+        """A joiner of a running elastic job (:mod:`shoal.core.admission`), built alone: beat in
         the job's ``store`` as worker ``env.rank`` of a job first of ``env.world_size``, in
         no group yet (until :meth:`Membership.enter`)."""
         self.store = store

@@ -1,6 +1,6 @@
 """Joining a job's process group: its rendezvous store and ``init_process_group``, both
 bounded by a timeout, with one-line errors. Every front end joins through here: training
-ranks (:func:`shoal.core.join.init_comm`), the ranks of a parallel session, and the
+ranks (:func:`shoal.core.connect.init_comm`), the ranks of a parallel session, and the
 controller that starts them."""
 
 from __future__ import annotations

@@ -101,11 +101,11 @@ class Membership:
         #: every member's stop vote, with no collective of its own.
         self.stop_voted = False
         self.listeners: list[Listener] = []
-        #: Joining (:mod:`shoal.core.joining`): the job's first size (ids from it on are
+        #: Joining (:mod:`shoal.core.admission`): the job's first size (ids from it on are
         #: joiners'), whether a meeting's decision said a worker asks to join, the requests
         #: answered so far (the same on every member), the ids that joined at the last change.
         self.first_world, self.join_asked, self.joins_handled = world, False, 0
-        self.join_rounds = 0  # admission rounds held (:func:`~shoal.core.joining.admit`)
+        self.join_rounds = 0  # admission rounds held (:func:`~shoal.core.admission.admit`)
         self.joined: list[int] = []
         self.seal: Any = None  # the job's join secret (shoal.core.trust.Seal), on worker 0
 
@@ -285,7 +285,7 @@ class Membership:
         return self._join()
 
     def grow(self, epoch: int, members: list[int], joined: list[int]) -> list[int]:
-        """The members and the workers ``joined`` (admitted by :mod:`shoal.core.joining`)
+        """The members and the workers ``joined`` (admitted by :mod:`shoal.core.admission`)
         form the group of ``epoch``; listeners hear of it as of a change that lost no one.
         Where one does not come (a member lost meanwhile, a joiner lost), the group is
         agreed again among those alive, the joiners there with the rest (listeners hear of

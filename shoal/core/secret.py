@@ -1,5 +1,5 @@
 """The job's secret: the key that seals its store (:mod:`shoal.core.sealed`), proves a
-joiner (:mod:`shoal.core.joining`) and signs a planning session's messages
+joiner (:mod:`shoal.core.admission`) and signs a planning session's messages
 (:class:`~shoal.core.trust.Seal`). One secret per job, from the first of:
 
 1. shoal's own launcher: a fresh random one per job, handed to its processes in memory

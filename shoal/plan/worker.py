@@ -55,8 +55,8 @@ def serve(address: str, idle_timeout: float = IDLE_TIMEOUT_S) -> None:
 def _serve(link: SealedLink, env: Any, idle_timeout: float) -> None:
     """Join the job, then answer the planner's commands on ``link``: each after its work,
     a failure with its line before this rank leaves the job."""
+    from shoal.core.connect import init_comm
     from shoal.core.env import default_threads
-    from shoal.core.join import init_comm
     from shoal.core.timeline import Timeline
     from shoal.data import load_dataset
     from shoal.train.optim import resolve_momentum

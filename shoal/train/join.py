@@ -3,7 +3,7 @@
 The command reads the job file its launcher published (:mod:`shoal.train.membership.jobfile`: checked
 to be its user's own; ``--store HOST:PORT``: a torchrun job's document in its store, checked
 against the join secret), takes a ticket in the job's store (its worker id:
-:func:`~shoal.core.joining.worker_id`), and starts the worker in a child process that dies
+:func:`~shoal.core.admission.worker_id`), and starts the worker in a child process that dies
 with it (:func:`~shoal.core.processes.start_process`). The worker loads the data and builds
 the trainer alone, then starts beating in the store, asks to join with the job's secret,
 and, admitted at the job's next meeting point, joins the new group, takes worker 0's live
@@ -32,9 +32,9 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
+from shoal.core.admission import answer, ask, take_ticket, ticket_of, worker_id
 from shoal.core.failures import exit_status
 from shoal.core.guard import name_process
-from shoal.core.joining import answer, ask, take_ticket, ticket_of, worker_id
 from shoal.core.keeper import run_child
 from shoal.core.outlive import finished_key
 from shoal.core.processes import loopback_gloo_interface

@@ -22,11 +22,11 @@ import torch.distributed as dist
 
 from shoal.config import TrainConfig
 from shoal.core.comm import Comm
+from shoal.core.connect import init_comm
 from shoal.core.env import Environment, default_threads
 from shoal.core.failures import record_failure
 from shoal.core.group import join_group
 from shoal.core.guard import name_process
-from shoal.core.join import init_comm
 from shoal.core.stop import Leaving, stop_on_sigterm
 from shoal.core.timeline import Timeline
 from shoal.core.trust import Seal
@@ -74,7 +74,7 @@ def run_rank(cfg: TrainConfig, env: Environment, topology: Topology, work: Workl
     ``work``: this process's workload, when it is loaded already (else loaded here, from
     ``data`` when given: a dataset handed over in Python); ``extra``: what the summary adds
     (the launcher's restarts); ``seal``: an elastic job's join secret (joiners prove they
-    know it, :mod:`shoal.core.joining`). A failure is told to the others (the job's abort key; a
+    know it, :mod:`shoal.core.admission`). A failure is told to the others (the job's abort key; a
     detached worker's coordinator) before it is raised; under shoal's launcher the rank then
     reports it and exits at once (tearing down the Gloo pairs of a failed rank can block on
     a peer that is failing too, which would hold the job's end for seconds).

@@ -1,7 +1,7 @@
 """A joiner's state, taken from a live peer: what a worker that joins a running elastic job
 (``shoal join``) needs to go on as the others do, sent over the job's process group.
 
-Right after the group is re-formed with the joiner (:mod:`shoal.core.joining`), worker 0
+Right after the group is re-formed with the joiner (:mod:`shoal.core.admission`), worker 0
 broadcasts its *live state* (:func:`live_state`): the model's parameters and buffers, the
 optimizer's state, the strategy's (EASGD's center and pending pull, DiLoCo's global model
 and outer optimizer, a round's progress), the schedule, the gradient scaler, where the run

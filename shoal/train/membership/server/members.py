@@ -10,7 +10,7 @@ import logging
 from collections.abc import Callable
 from typing import Any
 
-from shoal.core.joining import BAD_PROOF, proved, worker_id
+from shoal.core.admission import BAD_PROOF, proved, worker_id
 from shoal.core.stop import request_stop, stop_requested
 from shoal.core.waits import ELASTIC
 from shoal.errors import ShoalError
@@ -41,7 +41,7 @@ log = logging.getLogger("shoal.membership")
 
 class JoinDesk:
     """Server 0's answers to ``shoal join`` in an asynchronous ``--elastic`` job: each
-    request (:mod:`shoal.core.joining`'s ticket and proof) checked and answered between
+    request (:mod:`shoal.core.admission`'s ticket and proof) checked and answered between
     the coordinator's reports, and a worker admitted through ``admit(joiner)``."""
 
     def __init__(self, store: Any, seal: Any, first: int, cap: int) -> None:

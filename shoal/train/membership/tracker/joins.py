@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-from shoal.core.joining import admit
+from shoal.core.admission import admit
 from shoal.core.membership import Membership
 from shoal.data import EpochPlan
 from shoal.train.membership import handover
@@ -45,7 +45,7 @@ class Joins:
 
     def _admit(self) -> None:
         """Workers asked to join (every member saw it in a meeting's decision) and all work
-        so far counts: admit them (:mod:`shoal.core.joining`), deal the rest of the epoch
+        so far counts: admit them (:mod:`shoal.core.admission`), deal the rest of the epoch
         over the grown group, and hand them worker 0's live state."""
         t, st = self.t, self.t.state
         started = time.perf_counter()

@@ -1,6 +1,6 @@
-"""Joining a job: :func:`init_comm` finds this process's device, joins the job's store and
-(unless the job has none) its process group, and returns the process's
-:class:`~shoal.core.comm.Comm`."""
+"""Connecting a process to its job: :func:`init_comm` finds this process's device,
+joins the job's store and (unless the job has none) its process group, and returns the
+process's :class:`~shoal.core.comm.Comm`."""
 
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
-"""A worker joins a running elastic job (``shoal join``): the request, its proof and its answer,
-in the job's store (under the elastic prefix, :mod:`shoal.core.membership`).
+"""A joiner's admission to a running elastic job (``shoal join``): the request, its proof and
+its answer, in the job's store (under the elastic prefix, :mod:`shoal.core.membership`).
 
 A joiner takes a *ticket* (``join/tickets``, counted by the store), which fixes its worker
 id: the job's first size plus the tickets before it (fresh, never a lost worker's), and
