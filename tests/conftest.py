@@ -341,13 +341,20 @@ def _cmdline(pid: int) -> bytes:
         return b""
 
 
-def _start_time(pid: int) -> int:
-    """When ``pid`` started (clock ticks since boot); 0 once it is gone."""
+def _stat_fields(pid: object) -> list[str]:
+    """``/proc/PID/stat``'s fields after the command name (the process's state first); empty
+    once it is gone."""
     try:
         stat = Path(f"/proc/{pid}/stat").read_text()
-        return int(stat[stat.rindex(")") + 2:].split()[19])
-    except (OSError, ValueError, IndexError):
-        return 0
+    except OSError:
+        return []
+    return stat[stat.rindex(")") + 2:].split()
+
+
+def _start_time(pid: int) -> int:
+    """When ``pid`` started (clock ticks since boot); 0 once it is gone."""
+    fields = _stat_fields(pid)
+    return int(fields[19]) if len(fields) > 19 else 0
 
 
 def loads_torch(pid: int) -> bool:
@@ -664,11 +671,10 @@ def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None):
     def cpu() -> float:
         own, kids = (resource.getrusage(who) for who in
                      (resource.RUSAGE_SELF, resource.RUSAGE_CHILDREN))
-        server = 0.0  # the session's fork server reaps what it forked for in-process runs
+        # The session's fork server reaps what it forked for in-process runs: its own and
+        # its reaped children's user and system ticks.
         pid = getattr(multiprocessing.forkserver._forkserver, "_forkserver_pid", None)
-        with contextlib.suppress(OSError, ValueError, TypeError):
-            stat = Path(f"/proc/{pid}/stat").read_text()
-            server = sum(map(int, stat[stat.rindex(")") + 2:].split()[11:15]))
+        server = sum(map(int, _stat_fields(pid)[11:15])) if pid is not None else 0
         return (own.ru_utime + own.ru_stime + kids.ru_utime + kids.ru_stime
                 + server / os.sysconf("SC_CLK_TCK"))
 
