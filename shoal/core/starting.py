@@ -121,8 +121,10 @@ def _status_without_server(pid: int, flag: int) -> int | None:
         try:
             done, status = os.waitpid(pid, flag)
         except ChildProcessError:
-            # The server's pipe ends before its children are handed on: wait for that.
-            if guard.parent_of(pid) == _SERVER.get("pid") and time.monotonic() < deadline:
+            # The server's pipe ends before its children are handed on: wait for that. A
+            # child handed on since the wait above is this process's now: wait again.
+            handing = guard.parent_of(pid) in (_SERVER.get("pid"), os.getpid())
+            if handing and time.monotonic() < deadline:
                 time.sleep(0.01)
                 continue
             return 255
