@@ -6,15 +6,18 @@ times ``a += b`` on the vector alone (the memory's limit). The table gives the m
 the rounds (µs per all-reduce) and the ratios. Training (``--train``): ``shoal train
 --strategy sync`` with each ``--intra-host`` against the hand-written DDP/Gloo loop of
 ``shoal.sweep.reference``, LeNet-5 on digit-sized inputs (1x8x8, 10 classes), in
-alternation. Run:
+alternation. ``--vote``: ``shoal train --strategy sync`` with the stop vote at every step
+(``SHOAL_STOP_VOTE_S=0``) against its default spacing, on each path. Run:
 
     .venv/bin/python benchmarks/intra_host.py --workers 2 4
     .venv/bin/python benchmarks/intra_host.py --train --workers 2
+    .venv/bin/python benchmarks/intra_host.py --vote --workers 2 --rounds 7
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import queue
 import statistics
 import subprocess
@@ -166,6 +169,33 @@ def periodic(world_size: int, rounds: int, batch: int, steps: int, strategy: str
     print(f"\nall: {got}")
 
 
+def voting(world_size: int, rounds: int, batch: int, steps: int) -> None:
+    """Print samples/s of ``shoal train --strategy sync`` with the stop vote at every step
+    against the default spacing, on Gloo and on shm, alternated; and their ratio per round."""
+    w = Workload(model="lenet5", shape=(1, 8, 8), batch=batch, steps=steps, warmup=20)
+    got: dict[tuple[str, str], list[float]] = {}
+    for _ in range(rounds):
+        for mode in ("gloo", "shm"):
+            for spacing in ("0", None):
+                if spacing is None:
+                    os.environ.pop("SHOAL_STOP_VOTE_S", None)
+                else:
+                    os.environ["SHOAL_STOP_VOTE_S"] = spacing
+                got.setdefault((mode, str(spacing)), []).append(
+                    run_shoal(w, world_size, default_threads(world_size), mode))
+    os.environ.pop("SHOAL_STOP_VOTE_S", None)
+    print(f"\nsync, LeNet-5, 1x8x8, batch {batch}/worker, {world_size} workers, {steps} steps, "
+          f"median of {rounds} (samples/s)\n")
+    print("| path | a vote every step | spaced (default) | spaced / every step, per round |")
+    print("| --- | ---: | ---: | ---: |")
+    for mode in ("gloo", "shm"):
+        every, spaced = got[(mode, "0")], got[(mode, "None")]
+        ratio = statistics.median(b / a for a, b in zip(every, spaced, strict=True))
+        print(f"| {mode} | {statistics.median(every):,.0f} | {statistics.median(spaced):,.0f} | "
+              f"{ratio:.2f}x |")
+    print(f"\nall: {got}")
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--workers", type=int, nargs="+", default=[2, 4])
@@ -176,9 +206,13 @@ def main() -> None:
     p.add_argument("--strategy", default="sync", help="--train: sync (against a hand-written "
                    "DDP loop too), or a periodic strategy (local-sgd, easgd, diloco)")
     p.add_argument("--tau", type=int, default=1, help="a periodic strategy's period (--train)")
+    p.add_argument("--vote", action="store_true", help="time sync's stop vote at every step "
+                   "against its spacing")
     a = p.parse_args()
     for world_size in a.workers:
-        if a.train and a.strategy != "sync":
+        if a.vote:
+            voting(world_size, a.rounds, a.batch, a.steps)
+        elif a.train and a.strategy != "sync":
             periodic(world_size, a.rounds, a.batch, a.steps, a.strategy, a.tau)
         elif a.train:
             training(world_size, a.rounds, a.batch, a.steps)

@@ -43,7 +43,10 @@ def _signalled(rank, step):
     """The environment of a run whose rank ``rank`` signals SIGTERM at its step ``step``
     (tests.fixtures_models:sigterm_at)."""
     env = shoal_env()
-    env.update(SHOAL_TEST_TERM_RANK=str(rank), SHOAL_TEST_TERM_AT=str(step))
+    # A compute group's members vote at every meeting (not one per spacing of time): they
+    # stop one meeting after the signal's, whatever the machine's pace.
+    env.update(SHOAL_TEST_TERM_RANK=str(rank), SHOAL_TEST_TERM_AT=str(step),
+               SHOAL_STOP_VOTE_S="0")
     return env
 
 

@@ -37,6 +37,9 @@ def _all_cases(root: str) -> dict[str, dict[str, Any]]:
     from shoal.core.stop import stop_on_sigterm
 
     stop_on_sigterm()  # as shoal train's workers take SIGTERM: stop after an agreed step
+    # A vote at every meeting (not one per spacing of time): SIGTERM during step 11 stops
+    # every rank after step 12, an epoch's last, whatever the machine's pace.
+    os.environ["SHOAL_STOP_VOTE_S"] = "0"
     return {s: _cases(s, f"{root}/{s}") for s in STRATEGIES}
 
 
