@@ -75,6 +75,15 @@ def name_process(title: str) -> None:
     name_thread(title if len(title) <= 15 else title.removeprefix("shoal "))
 
 
+def show_threads_on_usr1() -> None:
+    """``kill -USR1`` prints where each of this process's threads is (Python's
+    ``faulthandler``), unless something here takes SIGUSR1 already."""
+    if signal.getsignal(signal.SIGUSR1) == signal.SIG_DFL:
+        import faulthandler  # not at the top: a guarded child's first code is small
+
+        faulthandler.register(signal.SIGUSR1, all_threads=True)
+
+
 def die_with_parent(parent: int) -> None:
     """End this process now unless its parent is ``parent`` (the pid that started it), and
     have Linux end it when that parent dies from now on."""

@@ -32,7 +32,6 @@ would otherwise find the store gone and fail a job that finished.
 from __future__ import annotations
 
 import contextlib
-import faulthandler
 import logging
 import multiprocessing as mp
 import os
@@ -46,7 +45,13 @@ from multiprocessing.process import BaseProcess
 from typing import Any
 
 from shoal.core.failures import exit_status
-from shoal.core.guard import die_with_parent, guarded_name, name_process, title_of
+from shoal.core.guard import (
+    die_with_parent,
+    guarded_name,
+    name_process,
+    show_threads_on_usr1,
+    title_of,
+)
 from shoal.core.outlive import STALE, live_joiners
 from shoal.core.processes import start_process
 from shoal.core.starting import server_lost, start_method
@@ -157,8 +162,7 @@ def _forked_main(keeper: int, title: str, target: Callable[..., Any], args: tupl
     theirs.close()
     signal.signal(signal.SIGTERM, signal.SIG_DFL)  # not the keeper's, whatever it had
     signal.signal(signal.SIGINT, signal.default_int_handler)
-    if signal.getsignal(signal.SIGUSR1) == signal.SIG_DFL:
-        faulthandler.register(signal.SIGUSR1, all_threads=True)
+    show_threads_on_usr1()
     name_process(title)
     _child_main(target, args, report)
 

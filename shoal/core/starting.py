@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import atexit
 import contextlib
-import faulthandler
 import multiprocessing as mp
 import multiprocessing.connection
 import multiprocessing.forkserver
@@ -343,8 +342,7 @@ def run_as_launched(environ: dict[str, str], streams: None, forked: bool,
     a spawned shoal process skips too: :func:`shoal.core.guard.skip_exit_collection`.)
     """
     signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGTERM})
-    if signal.getsignal(signal.SIGUSR1) == signal.SIG_DFL:  # kill -USR1: where is it stuck?
-        faulthandler.register(signal.SIGUSR1, all_threads=True)
+    guard.show_threads_on_usr1()  # kill -USR1: where is it stuck?
     if forked:
         _leave_server()
     guard.name_process(guard.title_of(mp.current_process().name))  # not the server's
