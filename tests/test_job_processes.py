@@ -206,6 +206,9 @@ def test_a_killed_work_process_is_named_and_its_join_file_taken_away(tmp_path):
     assert job.code == 137, job.output
     assert (f"shoal: error: the command's process (pid {work}) was killed by SIGKILL"
             in job.shoal_lines()), job.output
+    # The workers' store connections reset as they end: torch's C++ warnings (native stack
+    # frames) are not shown without --debug.
+    assert "frame #" not in job.output and "TCPStore" not in job.output, job.output
     assert not (tmp_path / "out" / ".shoal-join").exists()
 
 

@@ -19,6 +19,7 @@ from typing import Any
 from shoal.cli.early import (
     adopt_job_processes,
     end_job_processes,
+    quiet_native_warnings,
     run_forked,
     runs_a_job,
     start_server_early,
@@ -249,6 +250,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     job = own and runs_a_job(argv)
     if job:
         adopt_job_processes()
+        quiet_native_warnings(argv)
     early = own and start_server_early(argv)
     try:
         code = run_forked(argv) if early else None

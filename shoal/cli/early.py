@@ -124,6 +124,15 @@ def adopt_job_processes() -> None:
     adopt_orphans()
 
 
+def quiet_native_warnings(argv: Sequence[str]) -> None:
+    """Before torch is imported anywhere in the job: its C++ warnings (c10d's, each with a
+    stack of native frames: a store connection reset as a job that failed ends) are left
+    out of what the job prints, unless ``--debug`` or the user's own
+    ``TORCH_CPP_LOG_LEVEL`` asks for them. shoal names what failed in its own lines."""
+    if "--debug" not in argv:
+        os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")
+
+
 def end_job_processes() -> None:
     """At the command's end, whatever ends it but SIGKILL: end every process still below
     this one (a user's script's children, the orphans it adopted), then multiprocessing's
@@ -202,5 +211,6 @@ def _withdraw_job_file(argv: Sequence[str]) -> None:
         withdraw(Path(out))
 
 
-__all__ = ["COMMANDS", "LAUNCHER", "adopt_job_processes", "end_job_processes", "run_forked",
-           "runs_a_job", "start_server_early", "stop_server", "wants_workers"]
+__all__ = ["COMMANDS", "LAUNCHER", "adopt_job_processes", "end_job_processes",
+           "quiet_native_warnings", "run_forked", "runs_a_job", "start_server_early",
+           "stop_server", "wants_workers"]

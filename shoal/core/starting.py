@@ -44,6 +44,8 @@ from shoal.errors import JobError
 
 #: What the server imports once for every process it forks; the first blocks SIGTERM.
 PRELOAD = ["shoal.core.zygote", "torch", "torch.distributed"]
+#: A training worker's modules (``shoal.train`` imports them only on first use).
+TRAINING = ("shoal.train.job", "shoal.train.trainer", "shoal.train.workload")
 
 
 def start_method() -> str:
@@ -59,10 +61,10 @@ def start_method() -> str:
 
 
 def server_modules(compile: bool, trains: bool) -> list[str]:
-    """What the server imports besides :data:`PRELOAD`: ``shoal.train`` for a job whose
+    """What the server imports besides :data:`PRELOAD`: :data:`TRAINING` for a job whose
     workers train (each would import it, about 0.6 s of CPU apiece), ``torch._dynamo`` for
     one that compiles."""
-    return ["shoal.train"] * trains + ["torch._dynamo"] * compile
+    return [*TRAINING] * trains + ["torch._dynamo"] * compile
 
 
 def context(more: Sequence[str] = ()) -> BaseContext:
@@ -103,6 +105,7 @@ class _ReapedOnce(popen_forkserver.Popen):
                     try:
                         self.returncode = mp.forkserver.read_signed(self.sentinel)
                     except (OSError, EOFError):  # the server itself is gone
+                        _SERVER["cut"] = 1
                         self.returncode = _status_without_server(self.pid, flag)
             finally:
                 self._read_lock.release()
@@ -146,9 +149,10 @@ def server_lost(wait: float = 1.0) -> str | None:
     """How the server this process forks its processes from was lost (killed while the job
     ran: every process it forked ends with it), as a phrase; ``None`` while it runs or
     where there is none. Asked after a failure: the server's connections end before it
-    does, so its end is waited for up to ``wait`` seconds."""
+    does, so where one ended here its end is waited for up to ``wait`` seconds (where none
+    did, the statuses came from a live server: a failed worker is reported at once)."""
     fd = _SERVER.get("fd")
-    if fd is None or not select.select([fd], [], [], wait)[0]:
+    if fd is None or not select.select([fd], [], [], wait if "cut" in _SERVER else 0)[0]:
         return None
     pid, how = _SERVER["pid"], ""
     with contextlib.suppress(OSError):  # its status: only its parent (the command) reads it
@@ -195,6 +199,7 @@ def start_guarded(process: Any) -> None:
         process.start()
         _note_server()
     except (OSError, EOFError):
+        _SERVER["cut"] = 1
         lost = server_lost() if _ADOPTED else None
         if lost is not None:  # the command's server: none of its own to start instead
             raise JobError(f"{lost}; no process of the job can start") from None
