@@ -12,7 +12,7 @@ one more try: the test fails when a strategy misses twice.
 
 async-sgd does not meet issue 24's 1.5 points reliably on digits: on seeds 1-4 its mean
 was 0.90 below sync's at sync's whole step per sample (lr 0.25), 1.50 below at async-msgd's
-rate (lr 0.125, its default since that step collapsed on noisier data; docs/asynchronous.md
+rate (lr 0.125, its default since that step collapsed on noisier data; docs/asynchronous-defaults.md
 "A stale step without momentum"), single runs up to 2.8 below, so it is held to 3 points,
 what it kept on every run measured; a relapse to the old default's 90.8% still fails.
 
@@ -20,7 +20,7 @@ async-msgd is held to 3 points as well: at this test's command (its default seed
 on 2026-11-29, 6 alone and 12 three at a time (as loaded as the suite's -n 2 or more),
 ended 95.09-97.69%, mean 96.48% against sync's 97.22%, and 4 of the 18 more than 1.5
 points below (the two tries of one CI run 95.56 and 94.99%); the 12-seed study of
-docs/asynchronous.md found about a third of its runs more than 1.5 below too. Its worst
+docs/asynchronous-defaults.md found about a third of its runs more than 1.5 below too. Its worst
 here, 2.13 below, is within 3; a collapse (87.2% before the auto rule) is not.
 
 hogwild is held to 3 points too: under the whole suite's load (its shared-memory updates
@@ -95,7 +95,7 @@ def test_async_sgd_takes_async_msgds_rate_and_says_it_applies_no_momentum():
 def test_groups_of_several_workers_take_five_sixths_of_the_step_too():
     """Two groups of two workers each: a delay of one update, as async-msgd's on 2 workers,
     so the same share of sync's step per sample (the whole step, lr 0.15, was the least
-    stable of the defaults: docs/asynchronous.md "Groups of several workers")."""
+    stable of the defaults: docs/asynchronous-defaults.md "Groups of several workers")."""
     cfg = TrainConfig(strategy="groups", strategy_options={"groups": 2}).validate()
     groups = resolve_momentum(cfg, 4)
     assert (groups.momentum, groups.lr) == (0.4, 0.125)
@@ -166,7 +166,7 @@ class TestDefaultsReachSync:
 @pytest.mark.parametrize("strategy", ELASTIC)
 def test_the_elastic_strategies_exchange_every_step_unless_told(strategy):
     """At --tau 4 the elastic pair ended about 2 points below sync on digits, 4 workers, 10
-    epochs (seeds 1-8), at every step 0.8 and 0.9 below (docs/asynchronous.md "An exchange
+    epochs (seeds 1-8), at every step 0.8 and 0.9 below (docs/asynchronous-defaults.md "An exchange
     every step"). A user's --tau and --alpha are taken as given; the run says which it
     took."""
     cls = get_strategy(strategy)

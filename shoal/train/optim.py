@@ -16,9 +16,9 @@ from shoal.strategies import get_strategy, make_options
 #: The share of sync's step per sample that each stale update takes under ``--momentum
 #: auto`` where a velocity is applied to it (async-msgd's server, groups, hogwild's workers on
 #: the shared parameters): the whole step diverged or collapsed in some runs, five sixths in
-#: none and trains faster than two thirds (docs/asynchronous.md "Defaults that train");
+#: none and trains faster than two thirds (docs/asynchronous-defaults.md "Defaults that train");
 #: groups of several workers too, whose whole step was the least stable of the defaults
-#: (docs/asynchronous.md "Groups of several workers"). async-sgd takes async-msgd's rate
+#: (docs/asynchronous-defaults.md "Groups of several workers"). async-sgd takes async-msgd's rate
 #: without its velocity.
 ASYNC_STEP_SHARE = 5 / 6
 
@@ -58,7 +58,7 @@ def resolve_momentum(cfg: TrainConfig, workers: int) -> TrainConfig:
     sample ``1 - explicit`` of async-msgd's: a stale plain-SGD update at sync's whole step (5 x lr)
     is past the edge of stability (a delay halves the largest stable rate, Giladi et al.
     2020) and collapsed on noisier data. The momentum alone, at sync's lr, trains 2 to 9
-    points below sync in 10 epochs; see docs/asynchronous.md. Only with SGD (Adam's step
+    points below sync in 10 epochs; see docs/asynchronous-defaults.md. Only with SGD (Adam's step
     does not grow with momentum) and an lr not given.
     """
     given = cfg.lr if cfg.lr is not None else DEFAULT_LR
