@@ -254,6 +254,8 @@ def test_under_torchrun_a_lost_keeper_ends_the_job(tmp_path, phase, elastic):
     assert job.code != 0
     assert "rank      : 1 (local_rank: 1)\n  exitcode  : -9" in job.output, job.output
     assert "BrokenPipeError" not in job.output
+    # rank 0 ends on torchrun's SIGTERM: torchrun never has to kill it after its grace
+    assert "Unable to shutdown process" not in job.output, job.output
 
 
 class Names:

@@ -5,6 +5,7 @@ earlier is normal. Real processes, Gloo on CPU; nothing is left running."""
 from __future__ import annotations
 
 import sys
+import threading
 import time
 import uuid
 
@@ -201,3 +202,30 @@ def test_the_heartbeat_carries_the_collective_count_without_overflowing():
             assert count_of(counter, near) == count
         assert 0 <= counter < SEQ_MOD * SEQ_UNIT < 2**63
     assert counter % SEQ_UNIT == len(counts)  # every call was a beat
+
+
+@pytest.mark.parametrize("elastic", [False, True])
+def test_sigterm_ends_the_wait_for_a_rank_that_never_comes(elastic):
+    """Rank 1 of 2 never joins and nobody says it ended (its keeper killed under torchrun):
+    rank 0's wait for it ends at SIGTERM with that line, not at the timeout (torchrun gives
+    a rank 30 s after its SIGTERM, then kills it)."""
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    from shoal.core.env import Environment
+    from shoal.core.group import all_joined
+    from shoal.core.stop import STOP, request_stop
+    from shoal.errors import Terminated
+
+    store = dist.TCPStore("127.0.0.1", 0, 1, True, timeout=timedelta(seconds=30))
+    env = Environment(rank=0, world_size=2, master_port=store.port)
+    timer = threading.Timer(0.5, request_stop)
+    timer.start()
+    try:
+        with pytest.raises(Terminated, match=r"stopped by SIGTERM before every rank of the job "
+                           rf"at 127\.0\.0\.1:{store.port} joined \(rank 0 of 2\)"):
+            all_joined(store, env, 20.0, elastic=elastic)
+    finally:
+        timer.cancel()
+        STOP.clear()

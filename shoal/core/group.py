@@ -19,8 +19,9 @@ from shoal.core.processes import loopback_gloo_interface
 from shoal.core.sealed import SealedStore, kept
 from shoal.core.secret import job_secret
 from shoal.core.sockets import cut, opened
+from shoal.core.stop import stop_requested
 from shoal.core.waits import ended_key, key_prefix
-from shoal.errors import JobError, ShoalError
+from shoal.errors import JobError, ShoalError, Terminated
 
 #: The TCP sockets of the default process group, as :func:`join_group` last opened it (so
 #: that :func:`shoal.core.inflight.leave_group` can cut a group left with a collective).
@@ -57,23 +58,27 @@ def all_joined(store: dist.Store, env: Environment, timeout: float, *,
     (at most ``timeout`` seconds): the rendezvous of a job without a process group of all
     its ranks, after which each rank knows the others have passed their checks; and of an
     ``elastic`` job's first group, which stops waiting once shoal's launcher says a rank
-    ended (it would never come)."""
+    ended (it would never come). SIGTERM (:func:`~shoal.core.stop.stop_requested`) ends the
+    wait at once: a rank that never comes (its keeper killed under torchrun) would hold this
+    one past the launcher's grace."""
     keys = dist.PrefixStore(key_prefix(env.attempt), store)
     if keys.add("joined", 1) >= env.world_size:
         keys.set("joined/all", "1")
     deadline = time.monotonic() + timeout
     try:
-        if not elastic:
-            keys.wait(["joined/all"], timedelta(seconds=timeout))
-        while elastic and not keys.check(["joined/all"]):
-            for rank in range(env.world_size):
+        while not keys.check(["joined/all"]):
+            if stop_requested():  # SIGTERM: a rank that never comes is not waited for
+                raise Terminated(f"stopped by SIGTERM before every rank of the job at "
+                                 f"{env.master_addr}:{env.master_port} joined (rank "
+                                 f"{env.rank} of {env.world_size})")
+            for rank in range(env.world_size) if elastic else ():
                 if keys.check([ended_key(rank)]):
                     raise ShoalError(f"rank {rank} of the job at {env.master_addr}:"
                                      f"{env.master_port} {keys.get(ended_key(rank)).decode()} "
                                      "before every rank joined")
             if time.monotonic() >= deadline:
                 raise RuntimeError("timeout")
-            time.sleep(0.2)
+            time.sleep(0.2 if elastic else 0.1)
     except RuntimeError as exc:
         raise ShoalError(f"not every rank of the job at {env.master_addr}:{env.master_port} "
                          f"joined within {timeout:g} s (rank {env.rank} of {env.world_size})"
