@@ -5,8 +5,9 @@ Collectives: the same processes all-reduce the same float32 vector through Gloo 
 times ``a += b`` on the vector alone (the memory's limit). The table gives the medians of
 the rounds (µs per all-reduce) and the ratios. Training (``--train``): ``shoal train
 --strategy sync`` with each ``--intra-host`` against the hand-written DDP/Gloo loop of
-``shoal.sweep.reference``, LeNet-5 on digit-sized inputs (1x8x8, 10 classes), in
-alternation. ``--vote``: ``shoal train --strategy sync`` with the stop vote at every step
+``shoal.sweep.reference``, LeNet-5 on digit-sized inputs (1x8x8, 10 classes), and the
+machine's ceiling (as many one-worker runs at once, no communication: their samples/s
+added), in alternation. ``--vote``: ``shoal train --strategy sync`` with the stop vote at every step
 (``SHOAL_STOP_VOTE_S=0``) against its default spacing, on each path. Run:
 
     .venv/bin/python benchmarks/intra_host.py --workers 2 4
@@ -115,40 +116,60 @@ def collectives(world_size: int, rounds: int) -> None:
               f"{t['shm']:,.1f} | {t['gloo'] / t['shm']:.1f}x | {t['shm'] / t['add']:.1f}x |")
 
 
+def _shoal_cmd(w: Workload, world_size: int, threads: int, intra_host: str,
+               strategy: tuple[str, ...], out: str) -> list[str]:
+    return [sys.executable, "-m", "shoal", "train", *strategy, "--model", w.model,
+            "--dataset", "synthetic", "--synthetic-shape", "x".join(map(str, w.shape)),
+            "--synthetic-classes", str(w.classes),
+            "--synthetic-samples", str(w.samples(world_size)), "--epochs", "1",
+            "--batch-size", str(w.batch), "--workers", str(world_size),
+            "--threads-per-worker", str(threads), "--lr", str(w.lr),
+            "--momentum", str(w.momentum), "--schedule", "constant", "--log-every", "5",
+            "--progress", "none", "--intra-host", intra_host, "--out", out]
+
+
 def run_shoal(w: Workload, world_size: int, threads: int, intra_host: str,
               strategy: tuple[str, ...] = ("--strategy", "sync")) -> float:
     """samples/s of ``shoal train`` (``strategy``'s flags) ``--intra-host intra_host`` on ``w``."""
     with tempfile.TemporaryDirectory() as out:
-        cmd = [sys.executable, "-m", "shoal", "train", *strategy, "--model", w.model,
-               "--dataset", "synthetic", "--synthetic-shape", "x".join(map(str, w.shape)),
-               "--synthetic-classes", str(w.classes),
-               "--synthetic-samples", str(w.samples(world_size)), "--epochs", "1",
-               "--batch-size", str(w.batch), "--workers", str(world_size),
-               "--threads-per-worker", str(threads), "--lr", str(w.lr),
-               "--momentum", str(w.momentum), "--schedule", "constant", "--log-every", "5",
-               "--progress", "none", "--intra-host", intra_host, "--out", out]
-        subprocess.run(cmd, check=True, cwd=REPO)
+        subprocess.run(_shoal_cmd(w, world_size, threads, intra_host, strategy, out),
+                       check=True, cwd=REPO)
         return measure_run(Path(out), w.warmup)["samples_per_s"]
+
+
+def ceiling(w: Workload, world_size: int, threads: int) -> float:
+    """The machine's ceiling for ``world_size`` workers of ``w``: as many one-worker runs
+    (no communication at all) at the same time, their samples/s added up."""
+    with tempfile.TemporaryDirectory() as root:
+        outs = [str(Path(root) / str(i)) for i in range(world_size)]
+        procs = [subprocess.Popen(_shoal_cmd(w, 1, threads, "gloo", ("--strategy", "sync"), out),
+                                  cwd=REPO) for out in outs]
+        if any(p.wait() != 0 for p in procs):
+            raise RuntimeError("a one-worker run failed")
+        return sum(measure_run(Path(out), w.warmup)["samples_per_s"] for out in outs)
 
 
 def training(world_size: int, rounds: int, batch: int, steps: int) -> None:
     """Print samples/s of shoal (Gloo, shm) and the hand-written DDP loop, alternated."""
     w = Workload(model="lenet5", shape=(1, 8, 8), batch=batch, steps=steps, warmup=20)
     threads = default_threads(world_size)
-    got: dict[str, list[float]] = {"gloo": [], "shm": [], "ddp": []}
+    got: dict[str, list[float]] = {"gloo": [], "shm": [], "ddp": [], "ceiling": []}
     for _ in range(rounds):
         for mode in ("gloo", "shm"):
             got[mode].append(run_shoal(w, world_size, threads, mode))
         with tempfile.NamedTemporaryFile(suffix=".json", delete=False) as f:
             got["ddp"].append(run_reference(w, world_size, threads, f.name)["samples_per_s"])
+        got["ceiling"].append(ceiling(w, world_size, threads))
     med = {k: statistics.median(v) for k, v in got.items()}
     print(f"\nLeNet-5, 1x8x8, batch {batch}/worker, {world_size} workers, {steps} steps, "
-          f"median of {rounds} (samples/s)\n")
-    print("| hand-written DDP/Gloo | shoal sync, gloo | shoal sync, shm | shm / DDP | "
-          "shm / gloo |")
-    print("| ---: | ---: | ---: | ---: | ---: |")
+          f"median of {rounds} (samples/s; ceiling: {world_size} one-worker runs at once)\n")
+    print("| hand-written DDP/Gloo | shoal sync, gloo | shoal sync, shm | ceiling | shm / DDP | "
+          "shm / gloo | shm / ceiling | DDP / ceiling |")
+    print("| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
     print(f"| {med['ddp']:,.0f} | {med['gloo']:,.0f} | {med['shm']:,.0f} | "
-          f"{med['shm'] / med['ddp']:.2f}x | {med['shm'] / med['gloo']:.2f}x |")
+          f"{med['ceiling']:,.0f} | {med['shm'] / med['ddp']:.2f}x | "
+          f"{med['shm'] / med['gloo']:.2f}x | {med['shm'] / med['ceiling']:.2f} | "
+          f"{med['ddp'] / med['ceiling']:.2f} |")
     print(f"\nall: {got}")
 
 
