@@ -55,7 +55,7 @@ from shoal.core.guard import (
 from shoal.core.outlive import STALE, live_joiners
 from shoal.core.processes import start_process
 from shoal.core.starting import server_lost, start_method
-from shoal.core.stop import request_stop
+from shoal.core.stop import request_stop, stop_requested
 from shoal.core.waits import DONE_KEY, ended_key, members_now
 from shoal.errors import JobError, ShoalError
 
@@ -238,6 +238,8 @@ def _keep(rank: int, keys: Any, child: Child, workers: range, tolerated: bool) -
     if code == 0:
         return report[1] if report is not None else None
     if ended:  # left out, and ended here once the job finished
+        return None
+    if stop_requested():  # SIGTERM here, passed on: the job stops, nothing goes on to wait for
         return None
     if code is None or code >= 0 or not tolerated:
         raise JobError(f"rank {rank}: process {exit_status(code or 1)}")
