@@ -36,6 +36,7 @@ from shoal.core.env import Environment, default_threads, free_port
 from shoal.core.hostpath import join_host
 from shoal.sweep.measure import measure_run
 from shoal.sweep.reference import Workload, run_reference
+from shoal.train.stopping import VOTE_SPACING_S
 
 REPO = Path(__file__).resolve().parent.parent
 #: LeNet-5's gradients on digits, a ResNet-20-sized vector, and two larger ones (bytes).
@@ -129,11 +130,13 @@ def _shoal_cmd(w: Workload, world_size: int, threads: int, intra_host: str,
 
 
 def run_shoal(w: Workload, world_size: int, threads: int, intra_host: str,
-              strategy: tuple[str, ...] = ("--strategy", "sync")) -> float:
-    """samples/s of ``shoal train`` (``strategy``'s flags) ``--intra-host intra_host`` on ``w``."""
+              strategy: tuple[str, ...] = ("--strategy", "sync"),
+              env: dict[str, str] | None = None) -> float:
+    """samples/s of ``shoal train`` (``strategy``'s flags) ``--intra-host intra_host`` on ``w``
+    (``env``: variables added to this process's for the run)."""
     with tempfile.TemporaryDirectory() as out:
         subprocess.run(_shoal_cmd(w, world_size, threads, intra_host, strategy, out),
-                       check=True, cwd=REPO)
+                       check=True, cwd=REPO, env={**os.environ, **(env or {})})
         return measure_run(Path(out), w.warmup)["samples_per_s"]
 
 
@@ -194,25 +197,24 @@ def voting(world_size: int, rounds: int, batch: int, steps: int) -> None:
     """Print samples/s of ``shoal train --strategy sync`` with the stop vote at every step
     against the default spacing, on Gloo and on shm, alternated; and their ratio per round."""
     w = Workload(model="lenet5", shape=(1, 8, 8), batch=batch, steps=steps, warmup=20)
-    got: dict[tuple[str, str], list[float]] = {}
+    # a vote at every step, as before the spacing; and the default spacing, whatever the
+    # environment this runs in says
+    spacings = {False: "0", True: str(VOTE_SPACING_S)}
+    got: dict[tuple[str, bool], list[float]] = {}
     for _ in range(rounds):
         for mode in ("gloo", "shm"):
-            for spacing in ("0", None):
-                if spacing is None:
-                    os.environ.pop("SHOAL_STOP_VOTE_S", None)
-                else:
-                    os.environ["SHOAL_STOP_VOTE_S"] = spacing
-                got.setdefault((mode, str(spacing)), []).append(
-                    run_shoal(w, world_size, default_threads(world_size), mode))
-    os.environ.pop("SHOAL_STOP_VOTE_S", None)
+            for spaced in (False, True):
+                got.setdefault((mode, spaced), []).append(run_shoal(
+                    w, world_size, default_threads(world_size), mode,
+                    env={"SHOAL_STOP_VOTE_S": spacings[spaced]}))
     print(f"\nsync, LeNet-5, 1x8x8, batch {batch}/worker, {world_size} workers, {steps} steps, "
           f"median of {rounds} (samples/s)\n")
     print("| path | a vote every step | spaced (default) | spaced / every step, per round |")
     print("| --- | ---: | ---: | ---: |")
     for mode in ("gloo", "shm"):
-        every, spaced = got[(mode, "0")], got[(mode, "None")]
-        ratio = statistics.median(b / a for a, b in zip(every, spaced, strict=True))
-        print(f"| {mode} | {statistics.median(every):,.0f} | {statistics.median(spaced):,.0f} | "
+        before, after = got[(mode, False)], got[(mode, True)]
+        ratio = statistics.median(b / a for a, b in zip(before, after, strict=True))
+        print(f"| {mode} | {statistics.median(before):,.0f} | {statistics.median(after):,.0f} | "
               f"{ratio:.2f}x |")
     print(f"\nall: {got}")
 
