@@ -85,10 +85,11 @@ def server_main(port: int, server: int, clients: int, sizes: list[float], ready)
     for i, mb in enumerate(sizes):
         size = split_ranges(floats(mb), ready["servers"])[server]
         center = torch.zeros(size[1] - size[0])
-        ps = ShardServer(dist.PrefixStore(f"size{i}", store), server, clients, EchoRule(),
-                         center, timeout=TIMEOUT)
-        ps.start()
-        servers.append(ps)
+        for path in PATHS:  # the same shard served over Gloo and over shared memory
+            ps = ShardServer(dist.PrefixStore(f"size{i}/{path}", store), server, clients,
+                             EchoRule(), center.clone(), timeout=TIMEOUT, intra_host=path)
+            ps.start()
+            servers.append(ps)
     for ps in servers:
         ps.wait(TIMEOUT * 4)
     for ps in servers:
@@ -97,6 +98,8 @@ def server_main(port: int, server: int, clients: int, sizes: list[float], ready)
 
 #: The bare round trips, each timed in every block; the limit is the fastest.
 BARE = ("posted", "after", "framed")
+#: The pairs' paths timed through the servers (``--intra-host``): Gloo's, shared memory's.
+PATHS = ("gloo", "shm")
 
 
 def echo_main(port: int, client: int, sizes: list[float], blocks: int, reps: int, ready) -> None:
@@ -136,7 +139,7 @@ def _timed(trip, reps: int) -> list[float]:
 HEADER = Header(0, 0, fields={"lr": 0.1, "momentum": 0.9, "weight_decay": 1e-4})
 
 
-def _time_size(pg, ps: ServerClient, n: int, client: int, blocks: int, reps: int,
+def _time_size(pg, ps: dict[str, ServerClient], n: int, client: int, blocks: int, reps: int,
                barrier) -> dict:
     payload, reply = torch.randn(n), torch.zeros(n)
     head = HEADER.pack(EchoRule.fields)
@@ -157,10 +160,13 @@ def _time_size(pg, ps: ServerClient, n: int, client: int, blocks: int, reps: int
         for w in works:
             w.wait()
 
-    def through(k: int) -> None:
-        ps.exchange(payload, reply, dataclasses.replace(HEADER, client=client, clock=k))
+    def through(path: str):
+        def trip(k: int) -> None:
+            ps[path].exchange(payload, reply, dataclasses.replace(HEADER, client=client, clock=k))
+        return trip
 
-    trips = {"posted": posted, "after": after, "framed": framed, "ps": through}
+    trips = {"posted": posted, "after": after, "framed": framed, "ps": through("gloo"),
+             "shm": through("shm")}
     times: dict[str, list[float]] = {name: [] for name in trips}
     for _ in range(blocks):
         for name, trip in trips.items():
@@ -184,11 +190,14 @@ def client_main(port: int, client: int, sizes: list[float], blocks: int, reps: i
         pg = dist.ProcessGroupGloo(dist.PrefixStore(f"bare/{i}/{client}", store), 1, 2,
                                    timedelta(seconds=TIMEOUT))
         comm = Comm(Environment(client, ready["clients"]), torch.device("cpu"), peers=False)
-        ps = ServerClient(dist.PrefixStore(f"size{i}", store), client,
-                          split_ranges(n, ready["servers"]), timeout=TIMEOUT, comm=comm)
+        ps = {path: ServerClient(dist.PrefixStore(f"size{i}/{path}", store), client,
+                                 split_ranges(n, ready["servers"]), timeout=TIMEOUT, comm=comm,
+                                 intra_host=path) for path in PATHS}
+        assert all(ps["shm"].shared), "the shm pairs took Gloo"
         results.append({"mb": mb, **_time_size(pg, ps, n, client, blocks, reps,
                                                ready["barrier"])})
-        ps.close()
+        for one in ps.values():
+            one.close()
         del pg
     ready["results"].put((client, results))
 
@@ -227,10 +236,12 @@ def run(sizes: list[float], servers: int, clients: int, blocks: int, reps: int,
         mine = [per_client[c][i] for c in range(clients)]
         bare = sum(1.0 / r["bare_s"] for r in mine)
         through = sum(1.0 / r["ps_s"] for r in mine)
+        shared = sum(1.0 / r["shm_s"] for r in mine)
         rows.append({"mb": mb, "servers": servers, "clients": clients, "bare_per_s": bare,
-                     "ps_per_s": through, "ratio": through / bare,
+                     "ps_per_s": through, "ratio": through / bare, "shm_per_s": shared,
+                     "shm_ratio": shared / through,
                      **{f"{key[:-2]}_ms": [1e3 * r[key] for r in mine]
-                        for key in ("ps_s", *(f"{name}_s" for name in BARE))}})
+                        for key in ("ps_s", "shm_s", *(f"{name}_s" for name in BARE))}})
     return rows
 
 
@@ -252,16 +263,19 @@ def main() -> None:
     rows = run(a.sizes_mb, a.servers, a.clients, a.blocks, a.reps, pin=not a.no_pin)
     print(f"### Push+pull round trips per second, {a.servers} server(s), {a.clients} "
           f"client(s) (median of {a.blocks}x{a.reps} per client)\n")
-    print("| vector | bare Gloo send+recv (/s) | through the server (/s) | ratio "
-          "| server ms | bare ms: recv posted first | recv after send | with headers |")
-    print("| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
+    print("| vector | bare Gloo send+recv (/s) | through the server, Gloo (/s) | ratio "
+          "| through the server, shared memory (/s) | shm / Gloo "
+          "| server ms (Gloo / shm) | bare ms: recv posted first | recv after send "
+          "| with headers |")
+    print("| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
 
     def ms(values: list[float]) -> str:
         return " / ".join(f"{v:.2f}" for v in values)
 
     for r in rows:
         print(f"| {r['mb']:g} MB | {r['bare_per_s']:.1f} | {r['ps_per_s']:.1f} | "
-              f"{r['ratio']:.2f} | {ms(r['ps_ms'])} | {ms(r['posted_ms'])} | "
+              f"{r['ratio']:.2f} | {r['shm_per_s']:.1f} | **{r['shm_ratio']:.2f}x** | "
+              f"{ms(r['ps_ms'])} / {ms(r['shm_ms'])} | {ms(r['posted_ms'])} | "
               f"{ms(r['after_ms'])} | {ms(r['framed_ms'])} |")
     print(f"\nload average after: {os.getloadavg()[0]:.2f}")
     if a.out:

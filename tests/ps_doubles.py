@@ -158,10 +158,11 @@ def store_client(port: int) -> SealedStore:
     return kept(SealedStore(inner, given_secret()))
 
 
-def connect(port: int, client: int, ranges, timeout: float, keepalive=None) -> ServerClient:
+def connect(port: int, client: int, ranges, timeout: float, keepalive=None,
+            intra_host: str = "auto") -> ServerClient:
     torch.set_num_threads(1)
     return ServerClient(store_client(port), client, ranges, timeout=timeout, keepalive=keepalive,
-                        connect_timeout=30.0)
+                        connect_timeout=30.0, intra_host=intra_host)
 
 
 def send_to_parent(conn, obj: Any) -> None:
@@ -171,10 +172,12 @@ def send_to_parent(conn, obj: Any) -> None:
 
 
 def pushing_client(port: int, client: int, ranges, pushes: int, pause: float, timeout: float,
-                   die_after: int, how: str, conn) -> None:
+                   die_after: int, how: str, intra_host: str, conn) -> None:
     """``pushes`` exchanges of small random integers, ``pause`` s apart; sends their sum.
-    With ``die_after``: after that many, report the time and kill (or stop) itself."""
-    ps = connect(port, client, ranges, timeout)
+    With ``die_after``: after that many, report the time and kill (or stop) itself.
+    ``intra_host``: the pairs' path (``gloo``, or shared memory under ``auto``)."""
+    ps = connect(port, client, ranges, timeout, intra_host=intra_host)
+    assert ps.shared == [intra_host != "gloo"] * len(ranges), ps.shared
     n = ranges[-1][1]
     g = torch.Generator().manual_seed(100 + client)
     total = torch.zeros(n)

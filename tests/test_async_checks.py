@@ -143,15 +143,17 @@ def test_hogwild_refuses_several_hosts_in_one_line():
      "--order round-robin is async-easgd's alone (the original EASGD's round-robin master); "
      "this strategy's server takes exchanges in arrival order"),
     ("async-sgd", {"tau": 2}, 2,
-     "strategy async-sgd does not take --tau (it takes --delay-compensation, --max-staleness, "
-     "--servers)"),
+     "strategy async-sgd does not take --tau (it takes --delay-compensation, --intra-host, "
+     "--max-staleness, --servers)"),
+    ("async-sgd", {"intra_host": "mpi"}, 2,
+     "--intra-host must be one of auto, gloo, shm, got 'mpi'"),
     ("async-msgd", {"delay_compensation": -1.0}, 2,
      "--delay-compensation must be a finite number at least 0, got -1.0"),
     ("groups", {"delay_compensation": float("nan")}, 2,
      "--delay-compensation must be a finite number, got nan"),
     ("async-easgd", {"delay_compensation": 2.0}, 2,
      "strategy async-easgd does not take --delay-compensation (it takes --alpha, "
-     "--max-staleness, --order, --servers, --tau)"),
+     "--intra-host, --max-staleness, --order, --servers, --tau)"),
     ("hogwild", {"servers": 2}, 2, "strategy hogwild does not take --servers (it takes no options)"),
 ])
 def test_bad_options_are_one_line(name, options, workers, expected):

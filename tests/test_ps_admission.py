@@ -119,7 +119,8 @@ def test_locked_rule_loses_no_update(store):
     try:
         with Children() as kids:
             for c in range(clients):
-                kids.start(pushing_client, store.port, c, split_ranges(n, 2), pushes, 0.0, 20.0, 0, "")
+                kids.start(pushing_client, store.port, c, split_ranges(n, 2), pushes, 0.0, 20.0, 0,
+                           "", "auto")
             totals = [kids.recv(c) for c in range(clients)]
         assert all(kind == "done" for kind, _ in totals)
         expected = sum(total for _, total in totals)
@@ -142,7 +143,8 @@ def test_staleness_bound(store):
     try:
         with Children() as kids:
             for c, (pushes, pause) in enumerate([(40, 0.0), (15, 0.02), (6, 0.1)]):
-                kids.start(pushing_client, store.port, c, split_ranges(n, 1), pushes, pause, 20.0, 0, "")
+                kids.start(pushing_client, store.port, c, split_ranges(n, 1), pushes, pause, 20.0,
+                           0, "", "auto")
             assert all(kids.recv(c)[0] == "done" for c in range(3))
         assert servers[0].wait(10)
         staleness = servers[0].staleness
@@ -158,7 +160,8 @@ def test_round_robin_order(store):
     try:
         with Children() as kids:
             for c, pause in enumerate([0.03, 0.0, 0.01]):
-                kids.start(pushing_client, store.port, c, split_ranges(n, 1), rounds, pause, 20.0, 0, "")
+                kids.start(pushing_client, store.port, c, split_ranges(n, 1), rounds, pause, 20.0,
+                           0, "", "auto")
             assert all(kids.recv(c)[0] == "done" for c in range(3))
         assert servers[0].wait(10)
         assert rules[0].clients == [0, 1, 2] * rounds

@@ -125,22 +125,24 @@ def idle_client(store, ranges, timeout: float, out: list) -> None:
     out.append("done")
 
 
-def test_lost_clients_do_not_stop_the_others(store):
+@pytest.mark.parametrize("path", ["auto", "gloo"])
+def test_lost_clients_do_not_stop_the_others(store, path):
     """Client 1 is killed (kill -9) and client 2 stopped (hung) after 5 exchanges; client 0
     goes on under a staleness bound that the two held up until they were lost; client 3
     (not a worker, as the coordinator; a thread here) stays silent longer than the timeout,
-    kept alive by pings."""
+    kept alive by pings. Over this host's shared memory (``auto``) and over Gloo."""
     n, timeout = 16, 3.0
     servers, rules = serve(store, 4, n, timeout=timeout, connect_timeout=30.0,
-                           admission=Admission((0, 1, 2), max_staleness=2))
+                           admission=Admission((0, 1, 2), max_staleness=2), intra_host=path)
     server = servers[0]
     idled: list[str] = []
     try:
         with Children() as kids:
             ranges = split_ranges(n, 1)
-            kids.start(pushing_client, store.port, 0, ranges, 25, 0.05, timeout, 0, "")
-            kids.start(pushing_client, store.port, 1, ranges, 40, 0.05, timeout, 5, "kill")
-            kids.start(pushing_client, store.port, 2, ranges, 40, 0.05, timeout, 5, "stop")
+            for c, (pushes, dies, how) in enumerate([(25, 0, ""), (40, 5, "kill"),
+                                                     (40, 5, "stop")]):
+                kids.start(pushing_client, store.port, c, ranges, pushes, 0.05, timeout, dies,
+                           how, path)
             idle = threading.Thread(target=idle_client, args=(store, ranges, timeout, idled),
                                     daemon=True)
             idle.start()

@@ -16,12 +16,7 @@ go through the host's memory, each one done when it returns, and DDP's buckets t
 from __future__ import annotations
 
 import logging
-import os
-import platform
-import socket
-import sys
 import weakref
-from pathlib import Path
 from typing import TYPE_CHECKING
 
 import torch.distributed as dist
@@ -37,9 +32,11 @@ from shoal.core.intrahost import (
 from shoal.core.segment import (
     SHM_DIR,
     create_segment,
+    host_key,
     open_segment,
     segment_name,
     sweep_stale,
+    unavailable_here,
     unlink_segment,
 )
 from shoal.errors import ShoalError
@@ -53,10 +50,11 @@ SPANS = "the job spans"  # the one reason told at DEBUG only: one process a host
 #: ``--intra-host``: pick the fast path where it serves, Gloo always, or the fast path or fail.
 MODES = ("auto", "gloo", "shm")
 #: ``--intra-host``'s help, the same for every strategy that takes it.
-HELP = ("how the processes of one host sum: gloo, shm (shared memory; across hosts, host by "
-        "host with one leader a host on the link) or auto (shm where the job runs on CPUs, "
-        "is not --elastic and has several processes on a host; else gloo, saying why if the "
-        "host is the reason)")
+HELP = ("how the processes of one host talk: gloo, shm (shared memory; sums across hosts go "
+        "host by host with one leader a host on the link) or auto (sums: shm where the job "
+        "runs on CPUs, is not --elastic and has several processes on a host, else gloo, "
+        "saying why if the host is the reason; a parameter server and a worker: shm where "
+        "they share a host)")
 
 def use_host_memory(comm: Comm, mode: str) -> Summing | None:
     """Put ``--intra-host mode``'s path on ``comm`` (:attr:`Comm.host`) and return its
@@ -97,32 +95,6 @@ def use_host_memory(comm: Comm, mode: str) -> Summing | None:
 #: What the first try found, by Comm: a later strategy of the job (a planning session's
 #: next trial) takes it again without a collective.
 _FOUND: weakref.WeakKeyDictionary[Comm, Summing | None] = weakref.WeakKeyDictionary()
-
-
-def host_key() -> str:
-    """What tells this host from another: its name, its boot and its network namespace (an
-    emulated host of :mod:`shoal.emulate` is a namespace of one machine, and its slow link
-    is the point: it must not be bypassed)."""
-    parts = [socket.gethostname()]
-    for path in ("/proc/sys/kernel/random/boot_id", "/proc/self/ns/net", "/proc/self/ns/ipc"):
-        try:
-            parts.append(os.readlink(path) if path.startswith("/proc/self")
-                         else Path(path).read_text().strip())
-        except OSError:
-            parts.append("?")
-    return "|".join(parts)
-
-
-def unavailable_here(device_type: str) -> str | None:
-    """Why this process cannot take the fast path (``None``: it can)."""
-    if sys.platform != "linux" or not os.path.isdir(SHM_DIR):
-        return f"no {SHM_DIR} here"
-    if platform.machine() not in ("x86_64", "AMD64"):
-        return (f"{platform.machine()} may reorder stores; its barriers are written for "
-                "x86-64 only")
-    if device_type != "cpu":
-        return f"its tensors are on {device_type}"
-    return None
 
 
 def join_host(comm: Comm, mode: str, *, slot_bytes: int = SLOT_BYTES,

@@ -35,9 +35,7 @@ job's rank 0 (:mod:`shoal.core.segment`).
 
 from __future__ import annotations
 
-import ctypes
 import mmap
-import os
 import time
 from typing import Any, NamedTuple, Protocol
 
@@ -45,40 +43,16 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from shoal.core import futex
 from shoal.errors import JobError
 
 _LINE = 64  # bytes: a cache line, so that no two ranks' counters share one
 #: The default slot: a chunk of at most this many bytes is summed at a time.
 SLOT_BYTES = 4 << 20
-#: How long a wait spins before it sleeps (seconds): a peer on a core of its own comes
-#: within microseconds, and one still computing must not lose its core to the spin.
-_SPIN_S = 10e-6
-#: Then how long it yields its core (to any process runnable there, else at once back)
-#: before it sleeps: a futex's wake-up costs tens of microseconds.
-_YIELD_S = 200e-6
 _MASK = 0xFFFFFFFF
 #: Chunks up to this many bytes are summed by every rank whole (one barrier); larger ones
 #: among 3 ranks or more, each rank its slice (less memory traffic, one barrier more).
 _DIRECT_BYTES = 1 << 20
-
-# A futex (Linux, x86-64) on a counter's 32-bit word: shared between processes (no
-# FUTEX_PRIVATE_FLAG), the GIL released while it sleeps (ctypes).
-_LIBC = ctypes.CDLL(None, use_errno=True)
-_SYS_FUTEX, _FUTEX_WAIT, _FUTEX_WAKE, _WAKE_ALL = 202, 0, 1, 0x7FFFFFFF
-
-
-class _Timespec(ctypes.Structure):
-    _fields_ = [("tv_sec", ctypes.c_long), ("tv_nsec", ctypes.c_long)]
-
-
-#: A sleep is cut short after this long, to look at the clock (the wait's timeout).
-_SLEEP = ctypes.byref(_Timespec(0, 100_000_000))
-
-
-def _futex(address: int, op: int, value: int, timeout: object = None) -> None:
-    """``futex(address, op, value, timeout)``; its result (woken, timed out, the word
-    already changed) is read from the word itself by the caller."""
-    _LIBC.syscall(_SYS_FUTEX, ctypes.c_void_p(address), op, value, timeout, None, 0)
 
 
 def segment_bytes(world_size: int, slot_bytes: int = SLOT_BYTES) -> int:
@@ -206,30 +180,25 @@ class SharedReducer:
         self._epoch = (self._epoch + 1) & _MASK
         counters, before = self._counters, (self._epoch - 1) & _MASK
         counters[self.rank] = self._epoch
-        _futex(self._addresses[self.rank], _FUTEX_WAKE, _WAKE_ALL)
+        futex.wake(self._addresses[self.rank])
         for other in self._others:
             if counters[other] == before:
                 self._wait(other, before)
 
     def _wait(self, other: int, before: int) -> None:
-        """Spin a few microseconds, yield the core a while, then sleep in the kernel (a
-        futex on the counter's word, woken by its writer) until rank ``other``'s counter
-        leaves ``before``."""
+        """Wait (:func:`shoal.core.futex.wait_while`: spin, yield, then sleep on the counter's
+        word, woken by its writer) until rank ``other``'s counter leaves ``before``."""
         counters = self._counters
-        start = time.perf_counter()
-        deadline = start + self.timeout
-        while counters[other] == before:
-            now = time.perf_counter()
-            if now - start < _SPIN_S:
-                continue
-            if now - start < _YIELD_S:
-                os.sched_yield()  # a runnable peer on this core gets it; else spin on
-                continue
+
+        def check(now: float) -> None:
             if now >= deadline:
                 raise JobError(f"rank {other} did not reach the shared-memory all-reduce "
                                f"within {self.timeout:g} s (rank {self.rank} of "
                                f"{self.world_size})")
-            _futex(self._addresses[other], _FUTEX_WAIT, before, _SLEEP)
+
+        deadline = time.perf_counter() + self.timeout
+        futex.wait_while(lambda: counters[other] == before, self._addresses[other], before,
+                         deadline, check)
 
 
 def _share(numel: int, world_size: int, rank: int) -> tuple[int, int]:

@@ -2,27 +2,35 @@
 nothing is left behind: created owner-only under a random name, mapped by every rank, and
 unlinked by its creator once all have mapped it (the memory goes with the last mapping).
 Segments whose creator was killed before it unlinked are swept by the next creator (the
-creator's process id is in the name). Used by :mod:`shoal.core.intrahost`."""
+creator's process id is in the name). Used by :mod:`shoal.core.intrahost` and
+:mod:`shoal.core.mailbox`."""
 
 from __future__ import annotations
 
 import contextlib
 import mmap
 import os
+import platform
 import re
 import secrets
+import socket
+import sys
+from pathlib import Path
 
 from shoal.core.descendants import pid_alive
 
 #: Where POSIX shared memory lives on Linux.
 SHM_DIR = "/dev/shm"
-#: The segments' names: ``shoal-ih-<creator pid>-<random>``.
-_NAME = re.compile(r"^shoal-ih-(\d+)-[0-9a-f]{32}$")
+#: The segments' names: ``shoal-<use>-<creator pid>-<random>``, the use ``ih`` (a host's
+#: sums, :mod:`shoal.core.intrahost`) or ``ps`` (a parameter server's pair,
+#: :mod:`shoal.core.mailbox`).
+_NAME = re.compile(r"^shoal-(?:ih|ps)-(\d+)-[0-9a-f]{32}$")
 
 
-def segment_name() -> str:
-    """A fresh segment name: this process's id and 128 random bits."""
-    return f"shoal-ih-{os.getpid()}-{secrets.token_hex(16)}"
+def segment_name(use: str = "ih") -> str:
+    """A fresh segment name for ``use`` (``ih`` or ``ps``): this process's id and 128 random
+    bits."""
+    return f"shoal-{use}-{os.getpid()}-{secrets.token_hex(16)}"
 
 
 def sweep_stale(directory: str = SHM_DIR) -> list[str]:
@@ -69,3 +77,29 @@ def unlink_segment(name: str, directory: str = SHM_DIR) -> None:
     """Remove the segment's name (its mappings stay valid)."""
     with contextlib.suppress(FileNotFoundError):
         os.unlink(os.path.join(directory, name))
+
+
+def host_key() -> str:
+    """What tells this host from another: its name, its boot and its network namespace (an
+    emulated host of :mod:`shoal.emulate` is a namespace of one machine, and its slow link
+    is the point: it must not be bypassed)."""
+    parts = [socket.gethostname()]
+    for path in ("/proc/sys/kernel/random/boot_id", "/proc/self/ns/net", "/proc/self/ns/ipc"):
+        try:
+            parts.append(os.readlink(path) if path.startswith("/proc/self")
+                         else Path(path).read_text().strip())
+        except OSError:
+            parts.append("?")
+    return "|".join(parts)
+
+
+def unavailable_here(device_type: str) -> str | None:
+    """Why this process cannot take the fast path (``None``: it can)."""
+    if sys.platform != "linux" or not os.path.isdir(SHM_DIR):
+        return f"no {SHM_DIR} here"
+    if platform.machine() not in ("x86_64", "AMD64"):
+        return (f"{platform.machine()} may reorder stores; its barriers are written for "
+                "x86-64 only")
+    if device_type != "cpu":
+        return f"its tensors are on {device_type}"
+    return None

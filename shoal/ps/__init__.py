@@ -37,13 +37,15 @@ T = TypeVar("T")
 
 
 def connect_worker(store: dist.Store, worker: int, ranges: list[tuple[int, int]],
-                   timeout: float, comm: Comm, silence: float | None = None) -> ServerClient:
+                   timeout: float, comm: Comm, silence: float | None = None,
+                   intra_host: str = "auto") -> ServerClient:
     """Worker ``worker``'s client of the servers holding ``ranges`` (one each, in order):
     connected to all of them, pinging them while idle (often enough for servers that take
     ``silence`` seconds, default ``timeout``, without a word for a loss), its exchanges
-    booked on ``comm``, whose :attr:`~shoal.core.comm.Comm.ps` it becomes."""
+    booked on ``comm``, whose :attr:`~shoal.core.comm.Comm.ps` it becomes; ``intra_host``:
+    ``--intra-host`` (a server of this host through shared memory unless ``gloo``)."""
     client = ServerClient(store, worker, ranges, timeout=timeout, comm=comm,
-                          keepalive=keepalive(silence or timeout))
+                          keepalive=keepalive(silence or timeout), intra_host=intra_host)
     comm.ps = client
     return client
 
@@ -52,7 +54,8 @@ def serve_shard(store: dist.Store, server: int, clients: int, rule: ServerRule |
                 center: torch.Tensor, admission: Admission, *, timeout: float,
                 state: dict | None = None, on_report: Callable[[int, Any], None] | None = None,
                 during: Callable[[ShardServer], T] | None = None,
-                connect_timeout: float | None = None, readers: tuple[int, ...] = ()) -> T | None:
+                connect_timeout: float | None = None, readers: tuple[int, ...] = (),
+                intra_host: str = "auto") -> T | None:
     """Serve ``center`` (updated in place by ``rule``) as server ``server`` to ``clients``
     clients, from a checkpoint's ``state`` if given, until every client has left or was
     lost (silent for ``timeout`` seconds; ``connect_timeout``, default ``timeout``, to
@@ -61,7 +64,7 @@ def serve_shard(store: dist.Store, server: int, clients: int, rule: ServerRule |
     whatever happens."""
     shard = ShardServer(store, server, clients, rule, center, timeout=timeout,
                         admission=admission, on_report=on_report,
-                        connect_timeout=connect_timeout, readers=readers)
+                        connect_timeout=connect_timeout, readers=readers, intra_host=intra_host)
     if state is not None:
         shard.load_state(state)
     try:

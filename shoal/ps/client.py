@@ -53,7 +53,8 @@ class ServerClient:
 
     def __init__(self, store: dist.Store, client: int, ranges: list[tuple[int, int]], *,
                  timeout: float, servers: list[int] | None = None, comm: Comm | None = None,
-                 keepalive: float | None = None, connect_timeout: float | None = None) -> None:
+                 keepalive: float | None = None, connect_timeout: float | None = None,
+                 intra_host: str = "auto") -> None:
         servers = list(range(len(ranges))) if servers is None else list(servers)
         if len(servers) != len(ranges):
             raise ShoalError(f"client {client}: {len(ranges)} shard ranges for "
@@ -62,7 +63,7 @@ class ServerClient:
             raise ShoalError(f"keepalive must be between 0 and the timeout ({timeout:g} s), "
                              f"got {keepalive}")
         self.client, self.ranges, self.servers = client, [tuple(r) for r in ranges], servers
-        self.timeout, self.comm = float(timeout), comm
+        self.timeout, self.comm, self.intra_host = float(timeout), comm, intra_host
         self.connect_timeout = self.timeout if connect_timeout is None else float(connect_timeout)
         self.versions = [0] * len(servers)  #: last version seen per server
         self._channels = self._connect(store)
@@ -81,7 +82,7 @@ class ServerClient:
         def connect(i: int, s: int) -> None:
             try:
                 results[i] = PairChannel(store, s, self.client, self.timeout,
-                                         self.connect_timeout)
+                                         self.connect_timeout, intra_host=self.intra_host)
             except ChannelError as exc:
                 results[i] = exc
 
@@ -99,6 +100,11 @@ class ServerClient:
             raise failed if isinstance(failed, ChannelError) else \
                 ChannelError(f"client {self.client}: could not connect to the servers")
         return [r for r in results if isinstance(r, PairChannel)]
+
+    @property
+    def shared(self) -> list[bool]:
+        """Whether each server's pair goes through this host's shared memory (not Gloo)."""
+        return [ch.shared for ch in self._channels]
 
     # -- requests ---------------------------------------------------------------------------
     @contextlib.contextmanager

@@ -64,7 +64,8 @@ class ShardServer:
     def __init__(self, store: dist.Store, server: int, clients: int, rule: ServerRule | None,
                  center: torch.Tensor, *, timeout: float, admission: Admission | None = None,
                  on_report: Callable[[int, Any], None] | None = None,
-                 connect_timeout: float | None = None, readers: tuple[int, ...] = ()) -> None:
+                 connect_timeout: float | None = None, readers: tuple[int, ...] = (),
+                 intra_host: str = "auto") -> None:
         admission = admission or Admission(tuple(range(clients)))
         if any(not 0 <= p < clients for p in admission.pushers):
             raise ShoalError(f"server {server}: pushers {list(admission.pushers)} must be "
@@ -81,7 +82,7 @@ class ShardServer:
         self.rule, self.center, self.admission = rule, center, admission
         self.timeout = float(timeout)
         self.connect_timeout = self.timeout if connect_timeout is None else float(connect_timeout)
-        self.on_report = on_report
+        self.on_report, self.intra_host = on_report, intra_host
         self.locked = bool(rule.locked) if isinstance(rule, Locking) else True
         self.fields: tuple[str, ...] = tuple(rule.fields) if isinstance(rule, NamedFields) else ()
         self.ledger = Ledger(clients)  #: versions, staleness (restored by :meth:`load_state`)
@@ -292,7 +293,8 @@ class ShardServer:
     def _serve(self, c: int) -> None:
         try:
             ch = PairChannel(self.store, self.server, c, self.timeout,
-                             self.connect_timeouts.get(c, self.connect_timeout), fields=self.fields)
+                             self.connect_timeouts.get(c, self.connect_timeout), fields=self.fields,
+                             intra_host=self.intra_host)
         except ChannelError as exc:
             self._lose(c, str(exc))
             return

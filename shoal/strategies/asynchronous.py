@@ -39,6 +39,7 @@ import torch
 from torch import nn
 
 from shoal.core import FlatParams
+from shoal.core.hostpath import HELP, MODES
 from shoal.core.pairs import Client, Header, Kind
 from shoal.errors import ShoalError
 from shoal.ps.admission import ORDERS, Admission, check_settings
@@ -63,6 +64,7 @@ class AsyncOptions:
     max_staleness: int | None = dataclasses.field(default=None, metadata={
         "help": "hold a worker's exchange while it would leave another worker more than this "
                 "many server versions behind (at least workers - 1; default: no bound)"})
+    intra_host: str = dataclasses.field(default="auto", metadata={"help": HELP, "choices": MODES})
 
     #: What one of the clients that push exchanges is called (in messages).
     pusher: ClassVar[str] = "worker"
@@ -75,6 +77,9 @@ class AsyncOptions:
     def validate(self) -> None:
         if self.servers < 1:
             raise ShoalError(f"{flag_name('servers')} must be at least 1, got {self.servers}")
+        if self.intra_host not in MODES:
+            raise ShoalError(f"--intra-host must be one of {', '.join(MODES)}, "
+                             f"got {self.intra_host!r}")
         check_settings(self.order, self.max_staleness)
 
     def pushers(self, workers: int) -> list[int]:

@@ -79,6 +79,12 @@ def silence(cfg: TrainConfig) -> float:
     return min(cfg.timeout, cfg.heartbeat_timeout) if cfg.elastic else cfg.timeout
 
 
+def intra_host(cfg: TrainConfig) -> str:
+    """``--intra-host``: how a server and a worker of one host talk (shared memory unless
+    ``gloo``)."""
+    return str(cfg.strategy_options.get("intra_host", "auto"))
+
+
 def shard_ranges(n: int, servers: int) -> list[tuple[int, int]]:
     """The contiguous ``[lo, hi)`` range of the flat vector each server holds."""
     return split_ranges(n, servers)
@@ -91,7 +97,7 @@ def connect(cfg: TrainConfig, comm: Comm, topology: Topology, model: torch.nn.Mo
     built: the strategy starts from the servers' vector)."""
     numel = sum(p.numel() for p in model.parameters())
     return connect_worker(comm.store, comm.rank, shard_ranges(numel, topology.servers),
-                          cfg.timeout, comm, silence(cfg))
+                          cfg.timeout, comm, silence(cfg), intra_host(cfg))
 
 
 def leave(client: ServerClient, failure: BaseException | None = None) -> None:
@@ -143,7 +149,7 @@ def run_server(cfg: TrainConfig, env: Environment, comm: Comm, topology: Topolog
             comm.store, server, workers,
             rule_cls(center, options) if rule_cls is not None else None, center,
             strategy_cls.admission(options, workers), timeout=silence(cfg),
-            connect_timeout=cfg.timeout,
+            connect_timeout=cfg.timeout, intra_host=intra_host(cfg),
             state=payload["servers"][server] if payload is not None
             and not topology.shared_memory else None,
             on_report=side.on_report if side is not None else None,
@@ -165,7 +171,8 @@ def _coordinator(cfg: TrainConfig, env: Environment, comm: Comm, topology: Topol
     """Server 0's coordinator, with its client of the other servers (``None`` with one)."""
     client = ServerClient(comm.store, COORDINATOR, ranges[1:], timeout=cfg.timeout,
                           servers=list(range(1, topology.servers)),
-                          keepalive=keepalive(cfg.timeout)) if topology.servers > 1 else None
+                          keepalive=keepalive(cfg.timeout), intra_host=intra_host(cfg)
+                          ) if topology.servers > 1 else None
     wait = ENDED_TIMEOUT if env.error_dir is not None else 0.0  # shoal's launcher says it
     asked: dict[int, float] = {}
 

@@ -1,0 +1,279 @@
+"""Messages between two processes of one host through a shared-memory segment: the
+parameter server's pairs where server and client share a host (:mod:`shoal.core.pairs`).
+
+Gloo sends between two processes of one host through TCP over loopback (issue 57: a
+round trip 3-8x slower than MPI's shared memory). A pair's segment holds two byte rings,
+one each way. A ring has a write count and a read count, each on a cache line of its own
+and written by one side only: no atomics are needed on x86-64, whose stores become
+visible in program order (the fast path is offered there only). A side that finds its
+ring empty (or full) waits as :mod:`shoal.core.futex` does, woken by the other side.
+
+A message is a frame (its tag and its length, 16 bytes) and its bytes; one larger than the
+ring streams through it. Each tag's messages are taken in the order they were sent: a
+message of a tag nobody waits for yet is kept aside until a receive of that tag comes (the
+server posts the receive of a worker's next vector before its header arrives). A send is
+done once its bytes are in the ring, not once the peer took them.
+
+**A peer gone.** Each side marks its end closed when it leaves, and watches the other's
+process (a pidfd): a wait for a peer that closed its end, or whose process ended (however:
+``kill -9`` too), fails within milliseconds; one for a peer that is alive but silent, at
+the wait's deadline. Bytes a peer sent before it went are still taken.
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import json
+import mmap
+import os
+import select
+import time
+import weakref
+from collections.abc import Sequence
+from datetime import timedelta
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from shoal.core import futex
+from shoal.core.segment import (
+    create_segment,
+    host_key,
+    open_segment,
+    segment_name,
+    sweep_stale,
+    unavailable_here,
+    unlink_segment,
+)
+
+_LINE = 64
+#: A ring's bytes, each way: a message larger than this streams through it.
+RING_BYTES = 4 << 20
+#: Counters, each on a cache line: ring 0's write and read counts, ring 1's, then the
+#: server's and the client's "closed" flags.
+_HEAD = 6 * _LINE
+#: Sends larger than this are followed by a full memory barrier before their count is
+#: stored: large copies may use non-temporal stores, which x86-64 does not keep in order.
+_FENCE_BYTES = 256 << 10
+
+
+def segment_bytes(ring: int = RING_BYTES) -> int:
+    """The size of a pair's segment with rings of ``ring`` bytes."""
+    return _HEAD + 2 * ring
+
+
+class PeerGone(Exception):
+    """The peer closed its end or its process ended, or it sent nothing before the
+    deadline; the message is the reason, as :mod:`shoal.core.pairs` words it."""
+
+
+def as_bytes(tensor: torch.Tensor) -> np.ndarray:
+    """A contiguous CPU tensor's memory as a flat uint8 array (a view, no copy: numpy's
+    slices and copies cost a tenth of torch's at a header's size)."""
+    if not tensor.is_contiguous():
+        raise ValueError("a message's tensor must be contiguous")
+    t = tensor.detach() if tensor.requires_grad else tensor
+    try:
+        array = t.numpy()
+    except TypeError:  # a dtype numpy lacks (bfloat16): its bytes through torch first
+        array = t.reshape(-1).view(torch.uint8).numpy()
+    return array.reshape(-1).view(np.uint8)
+
+
+class SharedLink:
+    """One end of a pair's two rings in ``segment`` (:func:`segment_bytes` of ``ring``
+    bytes): the server's end (``is_server``) writes ring 0 and reads ring 1, the client's
+    the other way. ``peer_pid``: the other end's process; ``peer``: how messages name it.
+    One thread at a time sends, and one receives."""
+
+    def __init__(self, segment: mmap.mmap, is_server: bool, peer_pid: int, peer: str,
+                 ring: int = RING_BYTES) -> None:
+        if len(segment) != segment_bytes(ring):
+            raise ValueError(f"segment of {len(segment)} bytes, not {segment_bytes(ring)}")
+        raw = np.frombuffer(segment, dtype=np.uint8)
+        self._counts = np.ndarray((6,), dtype=np.uint64, buffer=segment, strides=(_LINE,))
+        self._addr = [raw.ctypes.data + _LINE * i for i in range(6)]
+        data = raw[_HEAD:]
+        out, into = (0, 1) if is_server else (1, 0)
+        self._out, self._in = data[out * ring:(out + 1) * ring], data[into * ring:(into + 1) * ring]
+        self._w, self._r = 2 * out, 2 * into  # counters: my ring's write, the peer's ring's
+        self._mine, self._theirs = (4, 5) if is_server else (5, 4)
+        self.ring, self.peer = ring, peer
+        self._sent, self._taken = int(self._counts[self._w]), int(self._counts[self._r + 1])
+        self._kept: dict[int, collections.deque[np.ndarray]] = collections.defaultdict(
+            collections.deque)
+        self._frame = np.zeros(2, dtype=np.int64)  # a message's tag and length
+        self._frame_bytes = self._frame.view(np.uint8)
+        self._pidfd = os.pidfd_open(peer_pid)
+        weakref.finalize(self, os.close, self._pidfd)
+        self._segment = segment
+
+    # -- sending ----------------------------------------------------------------------------
+    def send(self, tensors: Sequence[torch.Tensor], tags: Sequence[int], deadline: float,
+             timeout: float) -> None:
+        """Put each of ``tensors`` in the ring as one message of its tag; waits for room
+        (until ``deadline``, a ``time.perf_counter()`` time) where the ring is full."""
+        if self._counts[self._theirs]:  # closed (a process gone is seen by the next wait)
+            self._check_peer(time.perf_counter(), deadline, timeout)
+        nbytes = 0
+        for tensor, tag in zip(tensors, tags, strict=True):
+            body = as_bytes(tensor)
+            self._frame[0], self._frame[1] = tag, body.size
+            self._write(self._frame_bytes, deadline, timeout)
+            self._write(body, deadline, timeout)
+            nbytes += body.size
+        if nbytes > _FENCE_BYTES:
+            futex.wake(self._addr[self._mine])  # a barrier: the bytes before their count
+        self._counts[self._w] = self._sent
+        futex.wake(self._addr[self._w])
+
+    def _write(self, src: np.ndarray, deadline: float, timeout: float) -> None:
+        done, n, ring = 0, src.size, self.ring
+        while done < n:
+            taken = int(self._counts[self._w + 1])
+            room = ring - (self._sent - taken)
+            if room == 0:
+                self._counts[self._w] = self._sent  # what is written so far, then wait
+                futex.wake(self._addr[self._w])
+                self._wait(self._w + 1, taken, deadline, timeout)
+                continue
+            k, at = min(room, n - done), self._sent % ring
+            first = min(k, ring - at)
+            self._out[at:at + first] = src[done:done + first]
+            if k > first:
+                self._out[:k - first] = src[done + first:done + k]
+            done, self._sent = done + k, self._sent + k
+
+    # -- receiving --------------------------------------------------------------------------
+    def recv(self, tensors: Sequence[torch.Tensor], tags: Sequence[int], deadline: float,
+             timeout: float) -> None:
+        """Fill each of ``tensors`` with the next message of its tag (a message of another
+        tag met meanwhile is kept for its receive); waits until ``deadline``."""
+        for tensor, tag in zip(tensors, tags, strict=True):
+            body = as_bytes(tensor)
+            kept = self._kept.get(tag)
+            if kept:
+                self._fits(kept[0].size, body.size, tag)
+                body[:] = kept.popleft()
+                continue
+            while True:
+                self._read(self._frame_bytes, deadline, timeout)
+                got, n = int(self._frame[0]), int(self._frame[1])
+                if got == tag:
+                    self._fits(n, body.size, tag)
+                    self._read(body, deadline, timeout)
+                    break
+                aside = np.empty(n, dtype=np.uint8)
+                self._read(aside, deadline, timeout)
+                self._kept[got].append(aside)
+        futex.wake(self._addr[self._r + 1])  # a writer waiting for room
+
+    def _fits(self, got: int, want: int, tag: int) -> None:
+        if got != want:
+            raise PeerGone(f"{self.peer} sent a message of {got} bytes on tag {tag} where "
+                           f"{want} were expected")
+
+    def _read(self, dst: np.ndarray, deadline: float, timeout: float) -> None:
+        done, n, ring = 0, dst.size, self.ring
+        while done < n:
+            sent = int(self._counts[self._r])
+            ready = sent - self._taken
+            if ready == 0:
+                futex.wake(self._addr[self._r + 1])  # room made so far, then wait
+                self._wait(self._r, sent, deadline, timeout)
+                continue
+            k, at = min(ready, n - done), self._taken % ring
+            first = min(k, ring - at)
+            dst[done:done + first] = self._in[at:at + first]
+            if k > first:
+                dst[done + first:done + k] = self._in[:k - first]
+            done, self._taken = done + k, self._taken + k
+            self._counts[self._r + 1] = self._taken
+
+    # -- waiting and failures ---------------------------------------------------------------
+    def _wait(self, counter: int, before: int, deadline: float, timeout: float) -> None:
+        """Until ``counter`` leaves ``before`` (the value that made this side wait)."""
+        counts = self._counts
+        futex.wait_while(lambda: int(counts[counter]) == before, self._addr[counter], before,
+                         deadline, lambda now: self._check_peer(now, deadline, timeout),
+                         nap=0.005)
+
+    def _check_peer(self, now: float, deadline: float, timeout: float) -> None:
+        if self._counts[self._theirs] or select.select([self._pidfd], [], [], 0)[0]:
+            raise PeerGone(f"{self.peer} closed the connection (killed, crashed or exited)")
+        if now >= deadline:
+            raise PeerGone(f"{self.peer} sent nothing for {timeout:g} s (hung, stopped or "
+                           "too slow)")
+
+    def close(self) -> None:
+        """Mark this end closed: the peer's waits fail at once. (The peer's pidfd is closed
+        with this object, the segment's memory with the last mapping.)"""
+        self._counts[self._mine] = 1
+        futex.wake(self._addr[self._w])
+        futex.wake(self._addr[self._r + 1])
+
+
+# -- connecting through the pair's store (its keys sealed with the job's secret) ------------
+_OFFER = "shm"
+
+
+def _here() -> dict[str, str]:
+    """What both ends must share to share memory: the host (its boot, network and IPC
+    namespaces: :func:`~shoal.core.segment.host_key`), the process ids' namespace, the user."""
+    try:
+        pids = os.readlink("/proc/self/ns/pid")
+    except OSError:
+        pids = "?"
+    return {"host": host_key(), "pids": pids, "uid": str(os.getuid())}
+
+
+def offer_link(store: dist.Store, mode: str, peer: str, timeout: float) -> SharedLink | None:
+    """The server's end: a fresh owner-only segment offered in ``store`` (unless ``mode``
+    is ``gloo`` or this host has no fast path), taken or declined by the client within
+    ``timeout`` seconds, then unlinked. ``None``: the pair goes through Gloo.
+
+    Raises:
+        RuntimeError: The client said nothing within ``timeout`` (the store's wait).
+    """
+    if mode == "gloo" or unavailable_here("cpu") is not None:
+        store.set(_OFFER, "")
+        return None
+    sweep_stale()  # what a server killed inside this window left
+    name = segment_name("ps")
+    segment = create_segment(name, segment_bytes())
+    try:
+        store.set(_OFFER, json.dumps({"name": name, "pid": os.getpid(), **_here()}))
+        store.wait([f"{_OFFER}/{name}"], timedelta(seconds=timeout))
+        answer = store.get(f"{_OFFER}/{name}").decode()
+    finally:
+        unlink_segment(name)  # mapped by both ends by now, or by none
+    if not answer:
+        return None
+    return SharedLink(segment, True, int(json.loads(answer)["pid"]), peer)
+
+
+def take_link(store: dist.Store, mode: str, peer: str, timeout: float) -> SharedLink | None:
+    """The client's end: the server's offer (waited for up to ``timeout`` seconds), taken
+    where both ends share this host, its process ids and its user (and ``mode`` is not
+    ``gloo``), declined otherwise; the answer goes back through ``store``. ``None``: the
+    pair goes through Gloo.
+
+    Raises:
+        RuntimeError: The server made no offer within ``timeout``.
+    """
+    store.wait([_OFFER], timedelta(seconds=timeout))
+    text = store.get(_OFFER).decode()
+    if not text:
+        return None
+    offer = json.loads(text)
+    link = None
+    if mode != "gloo" and unavailable_here("cpu") is None and \
+            all(offer.get(k) == v for k, v in _here().items()):
+        with contextlib.suppress(OSError, ValueError):
+            link = SharedLink(open_segment(offer["name"], segment_bytes()), False,
+                              int(offer["pid"]), peer)
+    answer = json.dumps({"pid": os.getpid()}) if link is not None else ""
+    store.set(f"{_OFFER}/{offer['name']}", answer)
+    return link
