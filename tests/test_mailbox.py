@@ -2,8 +2,8 @@
 between real processes: every dtype shoal sends arrives bit for bit, messages larger than
 the ring stream through it, each tag's messages keep their order while another tag's wait,
 a peer killed or closed is seen within a second, a silent one at the deadline; a pair whose
-ends are not on one host (or ``--intra-host gloo``) goes through Gloo, and no segment is
-left in ``/dev/shm``. The same pairs under the server's rules: test_ps_transport.py."""
+ends are not on one host (or ``--intra-host gloo``, or no room in ``/dev/shm``) goes through
+Gloo, and no segment is left in ``/dev/shm``. The same pairs under the server's rules: test_ps_transport.py."""
 
 from __future__ import annotations
 
@@ -120,11 +120,21 @@ def pair_client(port: int, mode: str, elsewhere: bool, conn) -> None:
     time.sleep(1)  # the server's receive before this end closes
 
 
-@pytest.mark.parametrize("mode, elsewhere, shared", [
-    ("auto", False, True), ("gloo", False, False), ("auto", True, False)])
-def test_a_pair_shares_memory_only_on_one_host_unless_told_gloo(monkeypatch, mode, elsewhere,
+def no_room(name: str, size: int) -> None:
+    raise OSError(28, "No space left on device")
+
+
+@pytest.mark.parametrize("mode, where, shared", [
+    ("auto", "here", True), ("gloo", "here", False), ("auto", "elsewhere", False),
+    ("auto", "full", False)])
+def test_a_pair_shares_memory_only_on_one_host_unless_told_gloo(monkeypatch, mode, where,
                                                                 shared):
+    """Shared memory between two processes of this host; Gloo under ``--intra-host gloo``,
+    between hosts, and where ``/dev/shm`` has no room for the segment."""
     store = served_store(monkeypatch)
+    if where == "full":
+        monkeypatch.setattr(mailbox, "create_segment", no_room)
+    elsewhere = where == "elsewhere"
     before = {n for n in os.listdir(SHM_DIR) if n.startswith("shoal-ps-")}
     with Children() as kids:
         kids.start(pair_client, store.port, mode, elsewhere)

@@ -49,8 +49,10 @@ from shoal.core.segment import (
 )
 
 _LINE = 64
-#: A ring's bytes, each way: a message larger than this streams through it.
+#: A ring's bytes, each way, at most: a message larger than this streams through it.
 RING_BYTES = 4 << 20
+#: The least ring: a header and a small vector pass whole.
+MIN_RING_BYTES = 64 << 10
 #: Counters, each on a cache line: ring 0's write and read counts, ring 1's, then the
 #: server's and the client's "closed" flags.
 _HEAD = 6 * _LINE
@@ -229,29 +231,45 @@ def _here() -> dict[str, str]:
     return {"host": host_key(), "pids": pids, "uid": str(os.getuid())}
 
 
-def offer_link(store: dist.Store, mode: str, peer: str, timeout: float) -> SharedLink | None:
-    """The server's end: a fresh owner-only segment offered in ``store`` (unless ``mode``
-    is ``gloo`` or this host has no fast path), taken or declined by the client within
-    ``timeout`` seconds, then unlinked. ``None``: the pair goes through Gloo.
+def ring_for(message: int) -> int:
+    """The ring that passes a message of ``message`` bytes whole, twice over (a request
+    written while the last reply is read), within :data:`MIN_RING_BYTES` and
+    :data:`RING_BYTES`: a pair of a small model takes little of ``/dev/shm``."""
+    ring = MIN_RING_BYTES
+    while ring < 2 * message + 4096 and ring < RING_BYTES:
+        ring *= 2
+    return ring
+
+
+def offer_link(store: dist.Store, mode: str, peer: str, timeout: float,
+               message: int = RING_BYTES) -> SharedLink | None:
+    """The server's end: a fresh owner-only segment (rings of :func:`ring_for` ``message``
+    bytes, the pair's largest message) offered in ``store`` (unless ``mode`` is ``gloo``,
+    this host has no fast path or no room in ``/dev/shm``), taken or declined by the client
+    within ``timeout`` seconds, then unlinked. ``None``: the pair goes through Gloo.
 
     Raises:
         RuntimeError: The client said nothing within ``timeout`` (the store's wait).
     """
-    if mode == "gloo" or unavailable_here("cpu") is not None:
+    segment = None
+    if mode != "gloo" and unavailable_here("cpu") is None:
+        sweep_stale()  # what a server killed inside this window left
+        name, ring = segment_name("ps"), ring_for(message)
+        with contextlib.suppress(OSError):  # no room: Gloo
+            segment = create_segment(name, segment_bytes(ring))
+    if segment is None:
         store.set(_OFFER, "")
         return None
-    sweep_stale()  # what a server killed inside this window left
-    name = segment_name("ps")
-    segment = create_segment(name, segment_bytes())
     try:
-        store.set(_OFFER, json.dumps({"name": name, "pid": os.getpid(), **_here()}))
+        store.set(_OFFER, json.dumps({"name": name, "ring": ring, "pid": os.getpid(),
+                                      **_here()}))
         store.wait([f"{_OFFER}/{name}"], timedelta(seconds=timeout))
         answer = store.get(f"{_OFFER}/{name}").decode()
     finally:
         unlink_segment(name)  # mapped by both ends by now, or by none
     if not answer:
         return None
-    return SharedLink(segment, True, int(json.loads(answer)["pid"]), peer)
+    return SharedLink(segment, True, int(json.loads(answer)["pid"]), peer, ring)
 
 
 def take_link(store: dist.Store, mode: str, peer: str, timeout: float) -> SharedLink | None:
@@ -271,9 +289,11 @@ def take_link(store: dist.Store, mode: str, peer: str, timeout: float) -> Shared
     link = None
     if mode != "gloo" and unavailable_here("cpu") is None and \
             all(offer.get(k) == v for k, v in _here().items()):
+        ring = int(offer["ring"])
         with contextlib.suppress(OSError, ValueError):
-            link = SharedLink(open_segment(offer["name"], segment_bytes()), False,
-                              int(offer["pid"]), peer)
+            if MIN_RING_BYTES <= ring <= RING_BYTES and ring % _LINE == 0:
+                link = SharedLink(open_segment(offer["name"], segment_bytes(ring)), False,
+                                  int(offer["pid"]), peer, ring)
     answer = json.dumps({"pid": os.getpid()}) if link is not None else ""
     store.set(f"{_OFFER}/{offer['name']}", answer)
     return link

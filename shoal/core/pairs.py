@@ -1,9 +1,12 @@
-"""The parameter server's transport: two-rank Gloo pairs, their messages and their failures.
+"""The parameter server's transport: pairs of a server and a client, their messages and
+their failures.
 
-An asynchronous job's servers and clients talk over one pair each (:class:`PairChannel`:
-``ProcessGroupGloo`` on ``PrefixStore(f"ps/{server}/{client}", store)``, server = pair rank
-0, client = pair rank 1), so a dead client breaks only its own pair. Built on Gloo's
-point-to-point ``send``/``recv``, not on ``torch.distributed.rpc``. What a server does with
+An asynchronous job's servers and clients talk over one pair each (:class:`PairChannel`, in
+the store prefix ``ps/{server}/{client}``: server = pair rank 0, client = pair rank 1), so a
+dead client breaks only its own pair. Where both ends share a host, a pair's messages go
+through a shared-memory segment of its own (:mod:`shoal.core.mailbox`, with the same tags,
+order and failures as below); else through a two-rank ``ProcessGroupGloo``'s point-to-point
+``send``/``recv``. Not through ``torch.distributed.rpc``. What a server does with
 the messages is :mod:`shoal.ps`'s; this module knows no server rule and no strategy.
 
 **Messages.** Every request and reply is a :class:`Header` (one small float64 tensor)
@@ -42,7 +45,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from shoal.core.mailbox import PeerGone, SharedLink, offer_link, take_link
+from shoal.core.mailbox import RING_BYTES, PeerGone, SharedLink, offer_link, take_link
 from shoal.core.stop import stop_requested
 from shoal.errors import ShoalError
 
@@ -172,6 +175,9 @@ class PairChannel:
 
     ``fields``: on the server's end, the names of its rule's header fields (set in the
     pair's prefix before connecting); on the client's end ``None``: read once connected.
+    ``intra_host``: ``gloo``, or (``auto``, ``shm``) the host's shared memory where both ends
+    share a host (:mod:`shoal.core.mailbox`), its rings sized by the server's ``message``
+    (the pair's largest message, in bytes).
     Connecting waits up to ``connect_timeout`` seconds (default: ``timeout``) for the peer.
     Every send and receive is bounded by a timeout; a failure raises :class:`ChannelError`
     and breaks the channel for good. Tensors travel whole, one message each, and must be
@@ -181,7 +187,8 @@ class PairChannel:
 
     def __init__(self, store: dist.Store, server: int, client: int, timeout: float,
                  connect_timeout: float | None = None,
-                 fields: Sequence[str] | None = None, intra_host: str = "auto") -> None:
+                 fields: Sequence[str] | None = None, intra_host: str = "auto",
+                 message: int = RING_BYTES) -> None:
         self.server, self.client, self.is_server = server, client, fields is not None
         self.timeout = float(timeout)
         self.peer = f"client {client}" if self.is_server else f"server {server}"
@@ -198,7 +205,7 @@ class PairChannel:
         if fields is not None:
             prefix.set(_FIELDS_KEY, ",".join(check_field_names(fields, self.name)))
         connect = self.timeout if connect_timeout is None else float(connect_timeout)
-        self._link = self._share(prefix, intra_host, connect)
+        self._link = self._share(prefix, intra_host, connect, message)
         self._pg: Any = None if self._link is not None else self._connect(prefix, connect)
         if fields is None:
             text = prefix.get(_FIELDS_KEY).decode()
@@ -206,11 +213,13 @@ class PairChannel:
         self.fields: tuple[str, ...] = tuple(fields)  #: the rule's fields in every header
         self.header_size = HEADER_SIZE + len(self.fields)
 
-    def _share(self, prefix: dist.Store, mode: str, connect: float) -> SharedLink | None:
+    def _share(self, prefix: dist.Store, mode: str, connect: float,
+               message: int) -> SharedLink | None:
         """The pair's shared-memory link where both ends share a host, or ``None``."""
         try:
-            return (offer_link if self.is_server else take_link)(prefix, mode, self.peer,
-                                                                 connect)
+            if self.is_server:
+                return offer_link(prefix, mode, self.peer, connect, message)
+            return take_link(prefix, mode, self.peer, connect)
         except (RuntimeError, ValueError) as exc:
             raise self._not_connected(exc, connect) from None
 

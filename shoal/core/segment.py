@@ -51,11 +51,18 @@ def sweep_stale(directory: str = SHM_DIR) -> list[str]:
 
 
 def create_segment(name: str, size: int, directory: str = SHM_DIR) -> mmap.mmap:
-    """Create the segment ``name`` of ``size`` bytes, readable by this user only, and map it."""
-    fd = os.open(os.path.join(directory, name), os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+    """Create the segment ``name`` of ``size`` bytes, readable by this user only, and map it.
+    Its memory is taken now: a full ``/dev/shm`` (64 MB in a container by default) fails
+    here with ``OSError``, not later with a SIGBUS in whichever process first writes a page.
+    """
+    path = os.path.join(directory, name)
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
     try:
-        os.ftruncate(fd, size)
+        os.posix_fallocate(fd, 0, size)
         return mmap.mmap(fd, size)
+    except OSError:
+        unlink_segment(name, directory)
+        raise
     finally:
         os.close(fd)
 

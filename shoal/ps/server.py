@@ -294,7 +294,8 @@ class ShardServer:
         try:
             ch = PairChannel(self.store, self.server, c, self.timeout,
                              self.connect_timeouts.get(c, self.connect_timeout), fields=self.fields,
-                             intra_host=self.intra_host)
+                             intra_host=self.intra_host,
+                             message=self.center.numel() * self.center.element_size())
         except ChannelError as exc:
             self._lose(c, str(exc))
             return
