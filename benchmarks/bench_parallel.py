@@ -2,12 +2,17 @@
 function. Prints markdown tables. Run:
 
     .venv/bin/python benchmarks/bench_parallel.py --workers 2
+    .venv/bin/python benchmarks/bench_parallel.py --workers 2 --only collectives
 
 *Overhead*: a parallel function that returns an ``avg``-reduced tensor of S floats (its input
 is a ``shoal.shared`` array, so no argument moves) against ``dist.all_reduce`` of S floats in
 the same process group, timed in the same processes. The difference is what a call costs
 beyond the one collective it needs: the command, running the function, the status round and
 the bookkeeping. A second row per size uses ``reduce=None`` (no tensor moves at all).
+
+*Collectives* (``--only collectives``): ``shoal.all_reduce`` inside a function through the
+session's path in host memory (the default on one host) and through Gloo (the path put
+aside), beside a bare ``dist.all_reduce``, alternating.
 
 *Speedup*: a CPU-bound function (a stack of matrix products over the rows it gets) called
 directly in one process and as a parallel function on ``--workers`` processes, one torch
@@ -46,6 +51,43 @@ def bare_all_reduce(w, reps):
         dist.all_reduce(buf)
         times.append(time.perf_counter() - start)
     return statistics.median(times)
+
+
+def shoal_all_reduce(w, reps, path):
+    """Time ``reps`` ``shoal.all_reduce`` calls of ``w`` on every rank (the shape check and
+    the sum), through the session's path in host memory (``shm``) or, with it put aside on
+    every rank, through Gloo; rank 0's median per call."""
+    from shoal.parallel import hostsums
+
+    saved = list(hostsums._PATH)
+    if path == "gloo":
+        hostsums._PATH.clear()
+    try:
+        buf = w.clone()
+        return timed(lambda: shoal.all_reduce(buf), reps)
+    finally:
+        hostsums._PATH[:] = saved
+
+
+def collectives(workers: int, sizes: list[int], reps: int, rounds: int = 5) -> list[dict]:
+    """``shoal.all_reduce`` inside a function through host memory and through Gloo, and a
+    bare ``dist.all_reduce``, alternating ``rounds`` times; medians of the rounds."""
+    f = shoal.function(shoal_all_reduce, broadcast=["w"], reduce=None)
+    f_bare = shoal.function(bare_all_reduce, broadcast=["w"], reduce=None)
+    rows = []
+    with shoal.fork(workers, threads=1):
+        for size in sizes:
+            w = shoal.shared(torch.ones(size))
+            f(w, 5, "shm"), f_bare(w, 5)  # warm up
+            times: dict[str, list[float]] = {"shm": [], "gloo": [], "bare": []}
+            for _ in range(rounds):
+                times["shm"].append(f(w, reps, "shm"))
+                times["gloo"].append(f(w, reps, "gloo"))
+                times["bare"].append(f_bare(w, reps))
+            ms = {k: statistics.median(v) * 1e3 for k, v in times.items()}
+            rows.append({"floats": size, **{f"{k}_ms": v for k, v in ms.items()},
+                         "ratio": ms["gloo"] / ms["shm"]})
+    return rows
 
 
 def crunch(x, w, depth):
@@ -144,9 +186,20 @@ def main() -> None:
     p.add_argument("--dim", type=int, default=256)
     p.add_argument("--depth", type=int, default=16)
     p.add_argument("--speed-reps", type=int, default=7)
-    p.add_argument("--only", choices=["overhead", "speedup"], help="run one of the two parts")
+    p.add_argument("--only", choices=["overhead", "speedup", "collectives"],
+                   help="run one of the parts")
     a = p.parse_args()
     print(f"load average before: {os.getloadavg()[0]:.2f} on {len(os.sched_getaffinity(0))} cores\n")
+    if a.only == "collectives":
+        print(f"### shoal.all_reduce inside a function, {a.workers} processes (ms per call, "
+              f"median of 5 rounds of {a.reps})\n")
+        print("| floats | through host memory | through Gloo | Gloo / host memory "
+              "| bare dist.all_reduce (Gloo) |")
+        print("| ---: | ---: | ---: | ---: | ---: |")
+        for r in collectives(a.workers, a.sizes, a.reps):
+            print(f"| {r['floats']:,} | {r['shm_ms']:.3f} | {r['gloo_ms']:.3f} | "
+                  f"**{r['ratio']:.1f}x** | {r['bare_ms']:.3f} |")
+        return
     if a.only != "speedup":
         print(f"### Per-call overhead, {a.workers} processes (median of {a.reps} calls)\n")
         print("| floats reduced | bare all_reduce (ms) | shoal call, avg (ms) | overhead (ms) "

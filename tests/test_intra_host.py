@@ -10,6 +10,7 @@ import signal
 import subprocess
 import sys
 import threading
+import time
 from types import SimpleNamespace
 
 import pytest
@@ -21,7 +22,7 @@ from shoal.core import intrahost
 from shoal.core import segment as shm
 from shoal.core.hostpath import attach_hosts, join_host
 from shoal.core.intrahost import HostsReducer, SharedReducer
-from shoal.errors import ShoalError, WorkerError
+from shoal.errors import JobError, ShoalError, WorkerError
 from shoal.strategies.diloco import DiLoCoOptions
 from shoal.strategies.sync import SyncOptions
 
@@ -275,3 +276,35 @@ def test_host_sync_needs_the_hosts_memory(tmp_path, capsys):
         "which a re-formed group does not follow: leave out --elastic")
     assert not (tmp_path / "run").exists()
 
+
+
+def _mapped_then_idle(name: str, size: int, parent: int, conn) -> None:
+    """Rank 1 of a reducer whose segment is ``name``: maps it, says so, never sums."""
+    from ps_doubles import send_to_parent
+
+    SharedReducer(shm.open_segment(name, size), 1, 2, slot_bytes=SLOT, timeout=60,
+                  pids=[parent, os.getpid()])
+    send_to_parent(conn, "mapped")
+    threading.Event().wait(60)
+
+
+def test_a_rank_killed_before_a_sum_is_named_at_once_not_at_the_timeout():
+    """Rank 1's process ends (kill -9) while rank 0 waits for it inside a sum: rank 0 names
+    it within a second (it watches each rank's process), not after the 60 s timeout."""
+    from ps_doubles import Children
+
+    name, size = shm.segment_name(), intrahost.segment_bytes(2, SLOT)
+    segment = shm.create_segment(name, size)
+    with Children() as kids:
+        try:
+            kids.start(_mapped_then_idle, name, size, os.getpid())
+            assert kids.recv(0) == "mapped"
+        finally:
+            shm.unlink_segment(name)
+        reducer = SharedReducer(segment, 0, 2, slot_bytes=SLOT, timeout=60,
+                                pids=[os.getpid(), kids.procs[0].pid])
+        os.kill(kids.procs[0].pid, signal.SIGKILL)
+        start = time.monotonic()
+        with pytest.raises(JobError, match="rank 1's process ended inside the shared-memory"):
+            reducer.all_reduce(torch.ones(10))
+        assert time.monotonic() - start < 1.0

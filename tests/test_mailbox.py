@@ -3,7 +3,8 @@ between real processes: every dtype shoal sends arrives bit for bit, messages la
 the ring stream through it, each tag's messages keep their order while another tag's wait,
 a peer killed or closed is seen within a second, a silent one at the deadline; a pair whose
 ends are not on one host (or ``--intra-host gloo``, or no room in ``/dev/shm``) goes through
-Gloo, and no segment is left in ``/dev/shm``. The same pairs under the server's rules: test_ps_transport.py."""
+Gloo, and no segment is left in ``/dev/shm``. The same pairs under the server's rules:
+test_ps_transport.py."""
 
 from __future__ import annotations
 

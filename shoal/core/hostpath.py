@@ -16,8 +16,9 @@ go through the host's memory, each one done when it returns, and DDP's buckets t
 from __future__ import annotations
 
 import logging
+import os
 import weakref
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch.distributed as dist
 
@@ -34,6 +35,7 @@ from shoal.core.segment import (
     create_segment,
     host_key,
     open_segment,
+    pid_space,
     segment_name,
     sweep_stale,
     unavailable_here,
@@ -42,10 +44,31 @@ from shoal.core.segment import (
 from shoal.errors import ShoalError
 
 if TYPE_CHECKING:
+    import torch
+
     from shoal.core.comm import Comm
 
 log = logging.getLogger("shoal.intrahost")
 SPANS = "the job spans"  # the one reason told at DEBUG only: one process a host
+
+class Ranks(Protocol):
+    """What :func:`join_host` needs of a group of ranks: a job's
+    :class:`~shoal.core.comm.Comm`, or a parallel session's group."""
+
+    rank: int
+    world_size: int
+    device: torch.device
+
+    @property
+    def active(self) -> bool:
+        """Whether there are other ranks to talk to."""
+
+    def gather_objects(self, obj: Any, dst: int = 0) -> list[Any] | None:
+        """``obj`` of every rank, at ``dst`` (``None`` elsewhere)."""
+
+    def broadcast_object(self, obj: Any, src: int = 0) -> Any:
+        """``src``'s ``obj`` on every rank."""
+
 
 #: ``--intra-host``: pick the fast path where it serves, Gloo always, or the fast path or fail.
 MODES = ("auto", "gloo", "shm")
@@ -97,7 +120,7 @@ def use_host_memory(comm: Comm, mode: str) -> Summing | None:
 _FOUND: weakref.WeakKeyDictionary[Comm, Summing | None] = weakref.WeakKeyDictionary()
 
 
-def join_host(comm: Comm, mode: str, *, slot_bytes: int = SLOT_BYTES,
+def join_host(comm: Ranks, mode: str, *, slot_bytes: int = SLOT_BYTES,
               timeout: float = 300.0) -> Summing | None:
     """The job's sums through its hosts' shared memory for ``--intra-host mode``, or
     ``None``: Gloo.
@@ -111,7 +134,8 @@ def join_host(comm: Comm, mode: str, *, slot_bytes: int = SLOT_BYTES,
     an error.
 
     Args:
-        comm: The job's Comm (its object collectives carry the segments' names).
+        comm: The job's Comm, or a parallel session's ranks (:class:`Ranks`: its object
+            collectives carry the segments' names).
         mode: ``auto``, ``gloo`` or ``shm``.
         slot_bytes: The largest chunk summed at once (a multiple of 64).
         timeout: Seconds a rank waits for the others inside an all-reduce.
@@ -140,7 +164,7 @@ def join_host(comm: Comm, mode: str, *, slot_bytes: int = SLOT_BYTES,
     return None
 
 
-def _layout(comm: Comm) -> tuple[str | None, list[list[int]]]:
+def _layout(comm: Ranks) -> tuple[str | None, list[list[int]]]:
     """Rank 0's verdict, the same on every rank: why the job cannot take the fast path, or
     its ranks by host (in the order of their first rank)."""
     seen = comm.gather_objects((host_key(), unavailable_here(comm.device.type)))
@@ -160,7 +184,7 @@ def _layout(comm: Comm) -> tuple[str | None, list[list[int]]]:
     return comm.broadcast_object(verdict)
 
 
-def attach_hosts(comm: Comm, hosts: list[list[int]], slot_bytes: int,
+def attach_hosts(comm: Ranks, hosts: list[list[int]], slot_bytes: int,
             timeout: float) -> tuple[Summing | None, str | None]:
     """Each host's first rank creates its segment, every rank maps its host's, the creators
     unlink them: the reducer, or why not (the same on every rank). Across hosts, every
@@ -176,7 +200,11 @@ def attach_hosts(comm: Comm, hosts: list[list[int]], slot_bytes: int,
                 segment = create_segment(name, size)
             except OSError as exc:
                 name, error = None, f"could not create a segment in {SHM_DIR}: {exc}"
-        names = comm.broadcast_object(comm.gather_objects(name))
+        seen = comm.broadcast_object(comm.gather_objects((name, os.getpid(), pid_space())))
+        names = [n for n, _, _ in seen]
+        # Each rank's process, watched by the others of its host (a rank that died inside a
+        # sum is named at once), where all of them number processes alike.
+        pids = [p for _, p, _ in seen] if len({seen[r][2] for r in mine}) == 1 else None
         if comm.rank != lead and names[lead] is not None:
             try:
                 segment = open_segment(names[lead], size)
@@ -192,7 +220,8 @@ def attach_hosts(comm: Comm, hosts: list[list[int]], slot_bytes: int,
             segment.close()
         return None, why or "no segment"
     local = None if segment is None else SharedReducer(
-        segment, mine.index(comm.rank), len(mine), slot_bytes=slot_bytes, timeout=timeout)
+        segment, mine.index(comm.rank), len(mine), slot_bytes=slot_bytes, timeout=timeout,
+        pids=None if pids is None else [pids[r] for r in mine])
     if len(hosts) == 1:
         return local, None
     leaders = dist.new_group([h[0] for h in hosts], backend="gloo")  # every rank: a collective

@@ -35,8 +35,12 @@ job's rank 0 (:mod:`shoal.core.segment`).
 
 from __future__ import annotations
 
+import contextlib
 import mmap
+import os
+import select
 import time
+import weakref
 from typing import Any, NamedTuple, Protocol
 
 import numpy as np
@@ -78,12 +82,13 @@ class SharedReducer:
     goes with the last rank's mapping (the process's end).
 
     Every rank must call :meth:`all_reduce` with tensors of the same size and dtype, in the
-    same order. A wait longer than ``timeout`` seconds (a rank gone) raises
-    :class:`~shoal.errors.JobError`.
+    same order. A wait for a rank whose process ended (``pids``: each rank's process, where
+    known) or longer than ``timeout`` seconds raises :class:`~shoal.errors.JobError`.
     """
 
     def __init__(self, segment: mmap.mmap, rank: int, world_size: int, *,
-                 slot_bytes: int = SLOT_BYTES, timeout: float = 300.0) -> None:
+                 slot_bytes: int = SLOT_BYTES, timeout: float = 300.0,
+                 pids: list[int] | None = None) -> None:
         if slot_bytes <= 0 or slot_bytes % _LINE:
             raise ValueError(f"a slot is a positive multiple of {_LINE} bytes, not {slot_bytes}")
         if len(segment) != segment_bytes(world_size, slot_bytes):
@@ -103,6 +108,11 @@ class SharedReducer:
         self._half = 0
         self._cache: dict[tuple[int, torch.dtype, int], _Views] = {}
         self._others = [r for r in range(world_size) if r != rank]
+        self._gone: dict[int, int] = {}  # rank -> a pidfd of its process (readable once ended)
+        for other in self._others if pids is not None else ():
+            with contextlib.suppress(OSError):  # already ended: its first wait says so
+                self._gone[other] = os.pidfd_open(pids[other])
+                weakref.finalize(self, os.close, self._gone[other])
 
     def within_host(self) -> SharedReducer:
         """This reducer: its ranks share one host."""
@@ -191,6 +201,10 @@ class SharedReducer:
         counters = self._counters
 
         def check(now: float) -> None:
+            fd = self._gone.get(other)
+            if fd is not None and select.select([fd], [], [], 0)[0]:
+                raise JobError(f"rank {other}'s process ended inside the shared-memory "
+                               f"all-reduce (rank {self.rank} of {self.world_size})")
             if now >= deadline:
                 raise JobError(f"rank {other} did not reach the shared-memory all-reduce "
                                f"within {self.timeout:g} s (rank {self.rank} of "

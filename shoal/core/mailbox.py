@@ -42,6 +42,7 @@ from shoal.core.segment import (
     create_segment,
     host_key,
     open_segment,
+    pid_space,
     segment_name,
     sweep_stale,
     unavailable_here,
@@ -224,11 +225,7 @@ _OFFER = "shm"
 def _here() -> dict[str, str]:
     """What both ends must share to share memory: the host (its boot, network and IPC
     namespaces: :func:`~shoal.core.segment.host_key`), the process ids' namespace, the user."""
-    try:
-        pids = os.readlink("/proc/self/ns/pid")
-    except OSError:
-        pids = "?"
-    return {"host": host_key(), "pids": pids, "uid": str(os.getuid())}
+    return {"host": host_key(), "pids": pid_space(), "uid": str(os.getuid())}
 
 
 def ring_for(message: int) -> int:

@@ -110,3 +110,12 @@ def unavailable_here(device_type: str) -> str | None:
     if device_type != "cpu":
         return f"its tensors are on {device_type}"
     return None
+
+
+def pid_space() -> str:
+    """This process's pid namespace: processes in different ones cannot watch each other by
+    process id."""
+    try:
+        return os.readlink("/proc/self/ns/pid")
+    except OSError:
+        return "?"

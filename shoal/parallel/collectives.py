@@ -8,7 +8,9 @@ op="avg")`` averages the replicas, ``shoal.broadcast(model)`` copies rank 0's va
 all of them. Before moving data every rank checks that all ranks hold the same number of
 tensors with the same dtypes and shapes (dimension 0 may differ for ``gather`` and
 ``all_gather``); if not, every rank raises :class:`~shoal.ShoalError` naming the ranks and
-shapes, and no rank is left waiting.
+shapes, and no rank is left waiting (:mod:`shoal.parallel.agreement`). Sums of CPU tensors
+go through the host's shared memory where the session has that path
+(:mod:`shoal.parallel.hostsums`), the rest through Gloo.
 
 A module stands for its parameters and floating-point buffers. ``avg`` is the plain mean
 over ranks. ``gather``, ``all_gather`` and ``scatter`` concatenate or split along dimension
@@ -18,7 +20,6 @@ over ranks. ``gather``, ``all_gather`` and ``scatter`` concatenate or split alon
 from __future__ import annotations
 
 import math
-import zlib
 from collections.abc import Iterable
 from typing import Any
 
@@ -30,9 +31,11 @@ from shoal.core.flat import by_dtype, flatten, unflatten_into
 from shoal.core.ops import reduce_op, split_sizes
 from shoal.core.timeline import COMM
 from shoal.errors import ShoalError
+from shoal.parallel.agreement import agree, agree_in_host
 from shoal.parallel.arrays import SharedArray
 from shoal.parallel.context import booked, in_function
 from shoal.parallel.functions import Function
+from shoal.parallel.hostsums import host_path
 from shoal.parallel.session import active
 
 Target = torch.Tensor | nn.Module | Iterable[Any]
@@ -67,34 +70,14 @@ def _rank_and_size() -> tuple[int, int]:
     return 0, 1
 
 
-def _fmt(desc: tuple[Any, ...], cat: bool) -> str:
-    parts = [f"{d.replace('torch.', '')}[{'*, ' if cat else ''}{', '.join(map(str, s))}]".replace(", ]", "]")
-             for d, s in desc]
-    return f"{len(parts)} tensor{'s' * (len(parts) != 1)} " + ", ".join(parts[:6]) + \
-        (", ..." if len(parts) > 6 else "")
-
-
-def _agree(name: str, tensors: list[torch.Tensor], world_size: int, cat: bool,
-           extra: Any = None) -> list[list[int]] | None:
-    """Check that every rank holds matching tensors; for ``cat``, return each rank's dim 0s."""
-    desc = tuple((str(t.dtype), tuple(t.shape[1:]) if cat else tuple(t.shape)) for t in tensors)
-    crc = zlib.crc32(repr((name, extra, desc)).encode())
-    vec = torch.tensor([len(tensors), crc], dtype=torch.int64)
-    got = [torch.empty_like(vec) for _ in range(world_size)]
-    dist.all_gather(got, vec)
-    if any(not torch.equal(g, vec) for g in got):
-        descs: list[Any] = [None] * world_size
-        dist.all_gather_object(descs, (name, extra, desc))
-        ranks = "; ".join(f"rank {r}: {d[0]}({d[1] or ''}) on {_fmt(d[2], cat)}"
-                          for r, d in enumerate(descs))
-        raise ShoalError(f"shoal.{name}: ranks disagree on the call or on the tensors' dtypes and "
-                         f"shapes (nothing was sent): {ranks}")
-    if not cat or not tensors:
-        return None
-    dims = torch.tensor([t.shape[0] if t.dim() else 1 for t in tensors], dtype=torch.int64)
-    all_dims = [torch.empty_like(dims) for _ in range(world_size)]
-    dist.all_gather(all_dims, dims)
-    return [d.tolist() for d in all_dims]
+def _agree(name: str, tensors: list[torch.Tensor], world_size: int, extra: Any) -> None:
+    """Every rank makes the same call on alike tensors (else one line on every rank): through
+    the host's memory where the session has that path, else Gloo."""
+    host = host_path()
+    if host is not None:
+        agree_in_host(host, name, tensors, world_size, extra)
+    else:
+        agree(name, tensors, world_size, False, extra)
 
 
 def _nbytes(tensors: Iterable[torch.Tensor]) -> int:
@@ -164,7 +147,7 @@ def _broadcast(target: Target, src: int = 0) -> Any:
     rank, world_size = _rank_and_size()
     if world_size > 1:
         with booked(COMM, "broadcast", _nbytes(tensors) if rank == src else 0):
-            _agree("broadcast", tensors, world_size, False, src)
+            _agree("broadcast", tensors, world_size, src)
             _in_place(tensors, lambda flat: dist.broadcast(flat, src=src))
     return tensors[0] if single else target
 
@@ -174,12 +157,17 @@ def _all_reduce(target: Target, op: str = "sum") -> Any:
     red = _op(op, "all_reduce", tensors)
     rank, world_size = _rank_and_size()
     if world_size > 1:
+        host = host_path()
+
         def run(flat: torch.Tensor) -> None:
+            if host is not None and host.takes(flat, op):  # through the host's memory
+                host.all_reduce(flat, op)
+                return
             dist.all_reduce(flat, op=red)
             if op == "avg":
                 flat.div_(world_size)
         with booked(COMM, "all_reduce", _nbytes(tensors)):
-            _agree("all_reduce", tensors, world_size, False, op)
+            _agree("all_reduce", tensors, world_size, op)
             _in_place(tensors, run)
     return tensors[0] if single else target
 
@@ -190,7 +178,7 @@ def _reduce(target: Target, op: str = "sum", dst: int = 0) -> Any:
     rank, world_size = _rank_and_size()
     if world_size > 1:
         with booked(COMM, "reduce", _nbytes(tensors) if rank != dst else 0):
-            _agree("reduce", tensors, world_size, False, (op, dst))
+            _agree("reduce", tensors, world_size, (op, dst))
             for group in by_dtype(tensors):
                 flat = flatten(group)  # a copy: the other ranks keep their tensors
                 dist.reduce(flat, dst=dst, op=red)
@@ -221,7 +209,7 @@ def _gather(target: Target, dst: int = 0) -> Any:
         return _alone(tensors, single)
     out = []
     with booked(COMM, "gather", _nbytes(tensors) if rank != dst else 0):
-        dims = _agree("gather", tensors, world_size, True, dst)
+        dims = agree("gather", tensors, world_size, True, dst)
         assert dims is not None or not tensors
         for i, t in enumerate(tensors):
             rows = max(d[i] for d in dims)  # type: ignore[union-attr]
@@ -242,7 +230,7 @@ def _all_gather(target: Target) -> Any:
         return _alone(tensors, single)
     out = []
     with booked(COMM, "all_gather", _nbytes(tensors)):
-        dims = _agree("all_gather", tensors, world_size, True)
+        dims = agree("all_gather", tensors, world_size, True)
         for i, t in enumerate(tensors):
             rows = max(d[i] for d in dims)  # type: ignore[union-attr]
             mine = _padded(t, rows)
@@ -265,7 +253,7 @@ def _scatter(target: Target, src: int = 0) -> Any:
     sent = sum((world_size - 1) * max(split_sizes(t.shape[0], world_size)) * math.prod(t.shape[1:])
                * t.element_size() for t in tensors) if rank == src else 0
     with booked(COMM, "scatter", sent):
-        _agree("scatter", tensors, world_size, False, src)
+        _agree("scatter", tensors, world_size, src)
         for t in tensors:
             counts = split_sizes(t.shape[0], world_size)
             rows = max(counts)

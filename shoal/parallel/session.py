@@ -38,6 +38,7 @@ from shoal.core.pool import Pool, WorkerLost
 from shoal.core.processes import loopback_store
 from shoal.core.timeline import Timeline, chrome_trace
 from shoal.errors import ShoalError, WorkerError
+from shoal.parallel import hostsums
 from shoal.parallel.context import Meter
 from shoal.parallel.protocol import OP_CLOSE
 from shoal.parallel.registry import Registry
@@ -127,6 +128,7 @@ class ParallelSession:
         with loopback_gloo():
             join_group(self._store, 0, self.world_size, device, self.timeout,
                        where="the parallel session")
+            hostsums.join(device, self.timeout)  # with every worker: a collective
         self.recv_all(max(self.timeout, 60.0), what="join the process group")
         self.watcher.start()
 
@@ -197,6 +199,7 @@ class ParallelSession:
     def _teardown(self) -> None:
         self.watcher.stop()
         self.pool.close()
+        hostsums.leave()
         if dist.is_initialized():
             with contextlib.suppress(Exception):
                 dist.destroy_process_group()

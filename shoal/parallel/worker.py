@@ -15,6 +15,7 @@ from torch import nn
 from shoal.core.env import Environment
 from shoal.core.group import job_store, join_group, loopback_gloo
 from shoal.core.timeline import DATA
+from shoal.parallel import hostsums
 from shoal.parallel.arrays import SharedArray
 from shoal.parallel.call import Call, worker_call
 from shoal.parallel.context import Meter, enter_function
@@ -128,9 +129,11 @@ def worker_main(conn: Any, rank: int, world_size: int, port: int, device: str, t
     # This process is ours: Gloo listens on loopback only, whatever the controller's user set.
     with loopback_gloo():
         join_group(store, rank, world_size, device, timeout, where="the parallel session")
+        hostsums.join(device, timeout)  # with the controller and every worker: a collective
         conn.send_bytes(b"joined")
         try:
             Worker(rank, world_size, dev, conn, meter).serve()
         finally:
+            hostsums.leave()
             dist.destroy_process_group()
             sys.stdout.flush()
