@@ -13,6 +13,7 @@ added), in alternation. ``--vote``: ``shoal train --strategy sync`` with the sto
     .venv/bin/python benchmarks/intra_host.py --workers 2 4
     .venv/bin/python benchmarks/intra_host.py --train --workers 2
     .venv/bin/python benchmarks/intra_host.py --vote --workers 2 --rounds 7
+    .venv/bin/python benchmarks/intra_host.py --train --workers 2 --model resnet20 --steps 60
 """
 
 from __future__ import annotations
@@ -152,9 +153,15 @@ def ceiling(w: Workload, world_size: int, threads: int) -> float:
         return sum(measure_run(Path(out), w.warmup)["samples_per_s"] for out in outs)
 
 
-def training(world_size: int, rounds: int, batch: int, steps: int) -> None:
+#: ``--model``'s input shapes: LeNet-5 on digit-sized inputs, ResNet-20 on CIFAR-sized ones.
+SHAPES = {"lenet5": (1, 8, 8), "resnet20": (3, 32, 32)}
+
+
+def training(world_size: int, rounds: int, batch: int, steps: int,
+             model: str = "lenet5") -> None:
     """Print samples/s of shoal (Gloo, shm) and the hand-written DDP loop, alternated."""
-    w = Workload(model="lenet5", shape=(1, 8, 8), batch=batch, steps=steps, warmup=20)
+    w = Workload(model=model, shape=SHAPES[model], batch=batch, steps=steps,
+                 warmup=min(20, steps // 3))
     threads = default_threads(world_size)
     got: dict[str, list[float]] = {"gloo": [], "shm": [], "ddp": [], "ceiling": []}
     for _ in range(rounds):
@@ -164,7 +171,8 @@ def training(world_size: int, rounds: int, batch: int, steps: int) -> None:
             got["ddp"].append(run_reference(w, world_size, threads, f.name)["samples_per_s"])
         got["ceiling"].append(ceiling(w, world_size, threads))
     med = {k: statistics.median(v) for k, v in got.items()}
-    print(f"\nLeNet-5, 1x8x8, batch {batch}/worker, {world_size} workers, {steps} steps, "
+    print(f"\n{model}, {'x'.join(map(str, SHAPES[model]))}, batch {batch}/worker, "
+          f"{world_size} workers, {steps} steps, "
           f"median of {rounds} (samples/s; ceiling: {world_size} one-worker runs at once)\n")
     print("| hand-written DDP/Gloo | shoal sync, gloo | shoal sync, shm | ceiling | shm / DDP | "
           "shm / gloo | shm / ceiling | DDP / ceiling |")
@@ -231,6 +239,8 @@ def main() -> None:
     p.add_argument("--tau", type=int, default=1, help="a periodic strategy's period (--train)")
     p.add_argument("--vote", action="store_true", help="time sync's stop vote at every step "
                    "against its spacing")
+    p.add_argument("--model", choices=sorted(SHAPES), default="lenet5",
+                   help="--train with sync: the model (resnet20: compute-bound)")
     a = p.parse_args()
     for world_size in a.workers:
         if a.vote:
@@ -238,7 +248,7 @@ def main() -> None:
         elif a.train and a.strategy != "sync":
             periodic(world_size, a.rounds, a.batch, a.steps, a.strategy, a.tau)
         elif a.train:
-            training(world_size, a.rounds, a.batch, a.steps)
+            training(world_size, a.rounds, a.batch, a.steps, a.model)
         else:
             collectives(world_size, a.rounds)
 
