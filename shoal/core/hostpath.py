@@ -79,6 +79,16 @@ HELP = ("how the processes of one host talk: gloo, shm (shared memory; sums acro
         "saying why if the host is the reason; a parameter server and a worker: shm where "
         "they share a host)")
 
+def check_mode(mode: str) -> None:
+    """``--intra-host``'s value: one of :data:`MODES`.
+
+    Raises:
+        ShoalError: Any other, in one line.
+    """
+    if mode not in MODES:
+        raise ShoalError(f"--intra-host must be one of {', '.join(MODES)}, got {mode!r}")
+
+
 def use_host_memory(comm: Comm, mode: str) -> Summing | None:
     """Put ``--intra-host mode``'s path on ``comm`` (:attr:`Comm.host`) and return its
     reducer, or ``None`` for Gloo. A collective of every rank the first time it tries the
@@ -94,8 +104,7 @@ def use_host_memory(comm: Comm, mode: str) -> Summing | None:
     Raises:
         ShoalError: ``mode`` is ``shm`` and the fast path is not available.
     """
-    if mode not in MODES:
-        raise ShoalError(f"--intra-host must be one of {', '.join(MODES)}, got {mode!r}")
+    check_mode(mode)
     if mode == "gloo" or not comm.active:
         comm.host = None
         return None
@@ -146,8 +155,7 @@ def join_host(comm: Ranks, mode: str, *, slot_bytes: int = SLOT_BYTES,
     Raises:
         ShoalError: ``mode`` is ``shm`` and the fast path is not available.
     """
-    if mode not in MODES:
-        raise ShoalError(f"--intra-host must be one of {', '.join(MODES)}, got {mode!r}")
+    check_mode(mode)
     if mode == "gloo" or not comm.active:
         return None
     reducer = None

@@ -59,6 +59,13 @@ _MASK = 0xFFFFFFFF
 _DIRECT_BYTES = 1 << 20
 
 
+class PeerEnded(JobError):
+    """A rank of the host ended while this one waited for it inside a sum: the echo of that
+    rank's failure, which a launcher reports as the cause."""
+
+    echo = True
+
+
 def segment_bytes(world_size: int, slot_bytes: int = SLOT_BYTES) -> int:
     """The size of the segment of ``world_size`` ranks: counters, then two halves of
     ``world_size`` slots and a result slot each."""
@@ -203,8 +210,8 @@ class SharedReducer:
         def check(now: float) -> None:
             fd = self._gone.get(other)
             if fd is not None and select.select([fd], [], [], 0)[0]:
-                raise JobError(f"rank {other}'s process ended inside the shared-memory "
-                               f"all-reduce (rank {self.rank} of {self.world_size})")
+                raise PeerEnded(f"rank {other}'s process ended inside the shared-memory "
+                                f"all-reduce (rank {self.rank} of {self.world_size})")
             if now >= deadline:
                 raise JobError(f"rank {other} did not reach the shared-memory all-reduce "
                                f"within {self.timeout:g} s (rank {self.rank} of "

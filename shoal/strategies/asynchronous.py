@@ -39,7 +39,7 @@ import torch
 from torch import nn
 
 from shoal.core import FlatParams
-from shoal.core.hostpath import HELP, MODES
+from shoal.core.hostpath import HELP, MODES, check_mode
 from shoal.core.pairs import Client, Header, Kind
 from shoal.errors import ShoalError
 from shoal.ps.admission import ORDERS, Admission, check_settings
@@ -77,9 +77,7 @@ class AsyncOptions:
     def validate(self) -> None:
         if self.servers < 1:
             raise ShoalError(f"{flag_name('servers')} must be at least 1, got {self.servers}")
-        if self.intra_host not in MODES:
-            raise ShoalError(f"--intra-host must be one of {', '.join(MODES)}, "
-                             f"got {self.intra_host!r}")
+        check_mode(self.intra_host)
         check_settings(self.order, self.max_staleness)
 
     def pushers(self, workers: int) -> list[int]:

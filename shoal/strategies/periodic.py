@@ -12,7 +12,7 @@ from torch import nn
 
 from shoal.core.comm import Comm
 from shoal.core.flat import FlatParams
-from shoal.core.hostpath import HELP, MODES, use_host_memory
+from shoal.core.hostpath import HELP, MODES, check_mode, use_host_memory
 from shoal.core.intrahost import SharedReducer
 from shoal.core.quantize import CHUNK, PRECISIONS, Codec, check_precision, error_feedback
 from shoal.core.timeline import COMM
@@ -57,9 +57,7 @@ class PeriodicOptions:
 
     def validate(self) -> None:
         first_period(self.tau)
-        if self.intra_host not in MODES:
-            raise ShoalError(f"--intra-host must be one of {', '.join(MODES)}, "
-                             f"got {self.intra_host!r}")
+        check_mode(self.intra_host)
         if self.host_sync and self.intra_host == "gloo":
             raise ShoalError("--host-sync averages each host's gradients through its memory: "
                              "leave out --intra-host gloo")

@@ -39,7 +39,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from shoal.core.comm import Handle
 from shoal.core.dynamo import ddp_settings, defer_disable
-from shoal.core.hostpath import HELP, MODES, use_host_memory
+from shoal.core.hostpath import HELP, MODES, check_mode, use_host_memory
 from shoal.core.intrahost import Summing
 from shoal.core.timeline import Event
 from shoal.errors import ShoalError
@@ -76,9 +76,7 @@ class SyncOptions:
         if self.compress not in COMPRESSIONS:
             raise ShoalError(f"--compress must be one of {', '.join(COMPRESSIONS)}, "
                              f"got {self.compress!r}")
-        if self.intra_host not in MODES:
-            raise ShoalError(f"--intra-host must be one of {', '.join(MODES)}, "
-                             f"got {self.intra_host!r}")
+        check_mode(self.intra_host)
         if self.intra_host == "shm" and self.compress != "none":
             raise ShoalError("--intra-host shm sums uncompressed gradients; "
                              f"leave out --compress {self.compress} or use --intra-host gloo")
