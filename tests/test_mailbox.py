@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 import signal
+import threading
 import time
 
 import pytest
@@ -148,3 +149,17 @@ def test_a_pair_shares_memory_only_on_one_host_unless_told_gloo(monkeypatch, mod
     assert torch.equal(back, torch.arange(5.0) * 2)
     mine = {n for n in os.listdir(SHM_DIR) if n.startswith(f"shoal-ps-{os.getpid()}-")}
     assert not mine - before  # unlinked once both ends mapped it
+
+
+def test_closing_this_end_ends_its_own_waits():
+    """Another thread closes this end (a server shutting down) while one waits for the
+    peer: the wait ends at once, not at its deadline."""
+    with Children() as kids:
+        link = linked(kids, "silent")
+        closer = threading.Timer(0.3, link.close)
+        closer.start()
+        start = time.monotonic()
+        with pytest.raises(PeerGone, match="closed"):
+            link.recv([torch.empty(4)], [TAG_HEAD], time.perf_counter() + 20, 20)
+        closer.join()
+        assert time.monotonic() - start < 1.5

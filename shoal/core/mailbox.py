@@ -204,6 +204,8 @@ class SharedLink:
                          nap=0.005)
 
     def _check_peer(self, now: float, deadline: float, timeout: float) -> None:
+        if self._counts[self._mine]:  # closed here, by another thread: its waits end too
+            raise PeerGone("closed")
         if self._counts[self._theirs] or select.select([self._pidfd], [], [], 0)[0]:
             raise PeerGone(f"{self.peer} closed the connection (killed, crashed or exited)")
         if now >= deadline:
@@ -266,7 +268,10 @@ def offer_link(store: dist.Store, mode: str, peer: str, timeout: float,
         unlink_segment(name)  # mapped by both ends by now, or by none
     if not answer:
         return None
-    return SharedLink(segment, True, int(json.loads(answer)["pid"]), peer, ring)
+    try:
+        return SharedLink(segment, True, int(json.loads(answer)["pid"]), peer, ring)
+    except OSError:  # its process ended as it answered
+        raise RuntimeError(f"{peer} ended as it connected") from None
 
 
 def take_link(store: dist.Store, mode: str, peer: str, timeout: float) -> SharedLink | None:
