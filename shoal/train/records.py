@@ -127,10 +127,13 @@ def pending_reports(epochs: dict[int, dict[int, EpochEnd]], saved: dict[int, Che
                     elastic: bool) -> tuple[dict[int, dict[int, EpochEnd]], int]:
     """What an asynchronous checkpoint keeps of the epoch reports not recorded yet
     (``epochs``: by epoch, by worker), given the states ``saved`` in it (by worker): each
-    worker's reports sent before its state (a resumed worker does the later work again); and
+    worker's reports of the epochs its state had ended (a resumed worker does the later
+    work again, and reports again an epoch its state had not ended, though it saved that
+    state at the epoch's last step: more of it may be dealt to it at the resume); and
     the samples of those it drops that count now: under ``--elastic`` a worker with no state
     in the file (lost, or a joiner) is not resumed and its work is not done again."""
-    kept = {e: {w: r for w, r in got.items() if w in saved and r.step <= saved[w].step}
+    kept = {e: {w: r for w, r in got.items()
+                if w in saved and r.epoch <= int(saved[w].own["progress"]["epoch"])}
             for e, got in epochs.items()}
     gone = sum(int(r.sums[2]) for got in epochs.values() for w, r in got.items()
                if w not in saved) if elastic else 0
