@@ -222,9 +222,9 @@ def test_auto_falls_back_to_gloo_saying_why(caplog):
         no_shm = fake_comm([("a", None), ("a", "no /dev/shm here")])
         assert join_host(no_shm, "auto") is None
     assert [(r.levelno, r.getMessage()) for r in caplog.records] == [
-        (logging.DEBUG, "shoal: gradients all-reduced through Gloo: the job spans 2 hosts, "
+        (logging.DEBUG, "shoal: the job's sums go through Gloo: the job spans 2 hosts, "
                        "one process each"),
-        (logging.WARNING, "shoal: gradients all-reduced through Gloo: rank 1: no /dev/shm here")]
+        (logging.WARNING, "shoal: the job's sums go through Gloo: rank 1: no /dev/shm here")]
     with pytest.raises(ShoalError, match="--intra-host shm: rank 1: its tensors are on cuda"):
         join_host(fake_comm([("a", None), ("a", "its tensors are on cuda")]), "shm")
     assert join_host(two_hosts, "gloo") is None

@@ -168,7 +168,7 @@ def join_host(comm: Ranks, mode: str, *, slot_bytes: int = SLOT_BYTES,
         raise ShoalError(f"--intra-host shm: {why}")
     if comm.rank == 0:  # one process a host takes Gloo by design: nothing wrong to tell
         log.log(logging.DEBUG if why.startswith(SPANS) else logging.WARNING,
-                f"shoal: gradients all-reduced through Gloo: {why}")
+                f"shoal: the job's sums go through Gloo: {why}")
     return None
 
 
