@@ -20,6 +20,7 @@ import torch.distributed as dist
 import shoal
 from shoal.core import intrahost
 from shoal.core import segment as shm
+from shoal.core.descendants import pid_alive
 from shoal.core.hostpath import attach_hosts, join_host
 from shoal.core.intrahost import HostsReducer, SharedReducer
 from shoal.errors import JobError, ShoalError, WorkerError
@@ -38,21 +39,12 @@ def ours() -> set[str]:
     return {n for n in os.listdir(shm.SHM_DIR) if n.startswith("shoal-ih-")}
 
 
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
 def left_behind(before: set[str]) -> set[str]:
     """Segments new since ``before`` whose creator has ended: what a finished job left.
     Another test's job running beside this one (pytest-xdist) holds its own segments while
     its creator lives; those are not this job's."""
-    return {n for n in ours() - before if not _alive(int(n.split("-")[2]))}
+    return {n for n in ours() - before
+            if (pid := shm.creator(n)) is not None and not pid_alive(pid)}
 
 
 def _compare() -> list[str]:

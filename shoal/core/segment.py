@@ -33,14 +33,21 @@ def segment_name(use: str = "ih") -> str:
     return f"shoal-{use}-{os.getpid()}-{secrets.token_hex(16)}"
 
 
+def creator(name: str) -> int | None:
+    """The id of the process that made the segment ``name``; ``None``: not a name of
+    :func:`segment_name`'s."""
+    match = _NAME.match(name)
+    return None if match is None else int(match.group(1))
+
+
 def sweep_stale(directory: str = SHM_DIR) -> list[str]:
     """Remove this user's segments whose creator is gone (killed before it unlinked);
     returns their names."""
     removed = []
     with contextlib.suppress(OSError):
         for name in os.listdir(directory):
-            match = _NAME.match(name)
-            if match is None or pid_alive(int(match.group(1))):
+            pid = creator(name)
+            if pid is None or pid_alive(pid):
                 continue
             path = os.path.join(directory, name)
             with contextlib.suppress(OSError):
