@@ -37,8 +37,8 @@ import torch.distributed as dist
 
 from shoal.core.comm import Comm
 from shoal.core.env import Environment
+from shoal.core.header import Header
 from shoal.core.ops import split_ranges
-from shoal.core.pairs import Header
 from shoal.core.processes import loopback_gloo_interface, loopback_store
 from shoal.ps import ServerClient, ShardServer
 

@@ -27,8 +27,8 @@ import torch
 import torch.distributed as dist
 
 from shoal.core.comm import Comm
+from shoal.core.header import Header, Kind
 from shoal.core.ops import split_sizes
-from shoal.core.pairs import Header, Kind
 from shoal.core.processes import loopback_store, start_process
 from shoal.core.sealed import SealedStore, kept
 from shoal.core.secret import SECRET_VAR, given_secret

@@ -13,7 +13,7 @@ import torch
 import shoal
 from shoal.core.comm import Comm
 from shoal.core.env import Environment, set_environment
-from shoal.core.pairs import Header, Kind
+from shoal.core.header import Header, Kind
 from shoal.errors import ShoalError
 from shoal.strategies import get_strategy, make_options
 from shoal.strategies.async_easgd import ElasticRule

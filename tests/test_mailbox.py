@@ -1,6 +1,7 @@
 """A parameter server's pair through the host's shared memory (``shoal.core.mailbox``),
 between real processes: every dtype shoal sends arrives bit for bit, messages larger than
 the ring stream through it, each tag's messages keep their order while another tag's wait,
+one that fits is read and answered where it lies (the ring's start after padding),
 a peer killed or closed is seen within a second, a silent one at the deadline; a pair whose
 ends are not on one host (or ``--intra-host gloo``, or no room in ``/dev/shm``) goes through
 Gloo, and no segment is left in ``/dev/shm``. The same pairs under the server's rules:
@@ -13,12 +14,14 @@ import signal
 import threading
 import time
 
+import numpy as np
 import pytest
 import torch
 
 from shoal.core import mailbox
+from shoal.core.header import TAG_BYTES, TAG_DATA, TAG_HEAD
 from shoal.core.mailbox import PeerGone, SharedLink, segment_bytes
-from shoal.core.pairs import TAG_BYTES, TAG_DATA, TAG_HEAD, PairChannel
+from shoal.core.pairs import PairChannel
 from shoal.core.segment import SHM_DIR, create_segment, open_segment, segment_name, unlink_segment
 
 from ps_doubles import Children, send_to_parent, served_store, store_client
@@ -163,3 +166,70 @@ def test_closing_this_end_ends_its_own_waits():
             link.recv([torch.empty(4)], [TAG_HEAD], time.perf_counter() + 20, 20)
         closer.join()
         assert time.monotonic() - start < 1.5
+
+
+#: Sizes (float32 values) of the rounds below: odd, so positions move and messages meet the
+#: ring's end; the last is larger than the ring and streams.
+IN_PLACE = [1, 333, 17, 501, 250, 999, 3, 640, 128, 777] * 3 + [3 * RING // 4 + 5]
+
+
+def echo_in_place(name: str, parent: int, conn) -> None:
+    """The far end as a server answers an exchange: each vector taken where it lies, its
+    answer (a header saying whether it was in place, and the vector doubled) written where
+    the peer reads it; through copies where a message is larger than the ring."""
+    link = SharedLink(open_segment(name, segment_bytes(RING)), False, parent, "server", RING)
+    send_to_parent(conn, "mapped")
+    for n in IN_PLACE:
+        fallback = np.empty(4 * n, dtype=np.uint8)
+        got = link.take(TAG_DATA, fallback, time.perf_counter() + 30, 30)
+        head = np.array([got is not fallback], dtype=np.int64)
+        room = link.reserve([TAG_HEAD, TAG_DATA], [8, 4 * n], time.perf_counter() + 30, 30)
+        if room is None:
+            link.send([torch.from_numpy(head), torch.from_numpy(got.view(np.float32) * 2)],
+                      [TAG_HEAD, TAG_DATA], time.perf_counter() + 30, 30)
+            continue
+        room[0][:] = head.view(np.uint8)
+        np.multiply(got.view(np.float32), 2, out=room[1].view(np.float32))
+        link.release()
+        link.commit()
+    time.sleep(30)
+
+
+def test_a_message_that_fits_is_read_and_answered_where_it_lies():
+    """Every message that fits the ring reaches the far end whole and in place (aligned
+    for its dtype), and its answer written in place reaches this end bit for bit; rounds
+    of odd sizes meet the ring's end (a padding frame), and a message larger than the ring
+    goes through copies."""
+    name = segment_name("ps")
+    segment = create_segment(name, segment_bytes(RING))
+    g = torch.Generator().manual_seed(5)
+    with Children() as kids:
+        try:
+            kids.start(echo_in_place, name, os.getpid())
+            assert kids.recv(0) == "mapped"
+        finally:
+            unlink_segment(name)
+        link = SharedLink(segment, True, kids.procs[0].pid, "client 0", RING)
+        for n in IN_PLACE:
+            sent = torch.randn(n, generator=g)
+            link.send([sent], [TAG_DATA], time.perf_counter() + 30, 30)
+            head, back = torch.empty(1, dtype=torch.int64), torch.empty(n)
+            link.recv([head, back], [TAG_HEAD, TAG_DATA], time.perf_counter() + 30, 30)
+            assert torch.equal(back, sent * 2), n
+            assert bool(head.item()) is (4 * n + 16 <= RING), n
+
+
+def test_a_malformed_frame_is_named_not_allocated():
+    """A frame whose length no message can have (a peer's bug) fails the receive in one
+    line, without allocating it."""
+    name = segment_name("ps")
+    segment = create_segment(name, segment_bytes(RING))
+    unlink_segment(name)
+    mine = SharedLink(segment, True, os.getpid(), "client 0", RING)
+    theirs = SharedLink(segment, False, os.getpid(), "server", RING)
+    theirs.send([torch.zeros(4)], [TAG_DATA], time.perf_counter() + 5, 5)
+    frame = np.ndarray((2,), dtype=np.int64, buffer=segment,
+                       offset=segment_bytes(RING) - RING)  # the client's ring, its first frame
+    frame[1] = -(1 << 62)
+    with pytest.raises(PeerGone, match=r"client 0 sent a malformed frame \(tag 1, "):
+        mine.recv([torch.empty(4)], [TAG_DATA], time.perf_counter() + 5, 5)

@@ -21,8 +21,9 @@ import torch
 
 from shoal.core.comm import Comm
 from shoal.core.env import Environment
+from shoal.core.header import Header
 from shoal.core.ops import split_ranges, split_sizes
-from shoal.core.pairs import ChannelError, Header
+from shoal.core.pairs import ChannelError
 from shoal.core.timeline import COMM, Timeline
 from shoal.errors import ShoalError
 from shoal.ps import Admission, ServerClient, ShardServer

@@ -21,8 +21,9 @@ stands on, and the only place each of these exists.
 - :mod:`~shoal.core.ops`: the reduce-op table and even splits;
 - :mod:`~shoal.core.flat`: flat packing of many tensors into one message;
 - :mod:`~shoal.core.timeline`: the time categories and the spans booked into them;
-- :mod:`~shoal.core.pairs`: the parameter server's transport: two-rank pairs, their
-  messages and failures (the servers themselves are :mod:`shoal.ps`).
+- :mod:`~shoal.core.pairs`: the parameter server's transport: two-rank pairs and their
+  failures (the servers themselves are :mod:`shoal.ps`); :mod:`~shoal.core.header`:
+  their messages.
 """
 
 #: Each name this package offers, and the module it lives in: imported on first use, so
@@ -31,7 +32,7 @@ stands on, and the only place each of these exists.
 _HOMES = {"Comm": "comm", "Environment": "env", "default_threads": "env",
           "detect_environment": "env", "pick_device": "env", "FlatParams": "flat",
           "Handle": "handle", "init_comm": "join", "ChannelError": "pairs", "Client": "pairs",
-          "Header": "pairs", "Kind": "pairs", "PairChannel": "pairs", "Timeline": "timeline"}
+          "Header": "header", "Kind": "header", "PairChannel": "pairs", "Timeline": "timeline"}
 
 
 def __getattr__(name: str) -> object:

@@ -170,14 +170,11 @@ class Comm(ObjectCollectives):
         if self._parent is not None:
             self._parent.count(nbytes)
 
-    @contextmanager
-    def point_to_point(self, name: str, nbytes: int) -> Iterator[None]:
+    def point_to_point(self, name: str, nbytes: int) -> contextlib.AbstractContextManager[None]:
         """Book an exchange issued outside this class (a parameter server's push and pull,
-        :mod:`shoal.ps`): its time as communication and, once it succeeded, its ``nbytes``
-        of payload as sent by this rank."""
-        with self.timeline.span(COMM, name):
-            yield
-        self.count(nbytes)
+        :mod:`shoal.ps`; nothing else is booked inside it): its time as communication and,
+        once it succeeded, its ``nbytes`` of payload as sent by this rank."""
+        return self.timeline.leaf(COMM, name, lambda: self.count(nbytes))
 
     @contextmanager
     def track(self, op: str, name: str | None = None) -> Iterator[None]:

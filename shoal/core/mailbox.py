@@ -8,8 +8,12 @@ and written by one side only: no atomics are needed on x86-64, whose stores beco
 visible in program order (the fast path is offered there only). A side that finds its
 ring empty (or full) waits as :mod:`shoal.core.futex` does, woken by the other side.
 
-A message is a frame (its tag and its length, 16 bytes) and its bytes; one larger than the
-ring streams through it. Each tag's messages are taken in the order they were sent: a
+A message is a frame (its tag and its length, 16 bytes) and its bytes, padded to 16: every
+frame starts 16-aligned. A message that fits the ring lies whole in it (where it would
+wrap, a padding frame first skips to the ring's start); one larger streams through it.
+So the server's rule can read a worker's vector where it lies and write its reply where
+the client will read it (:meth:`SharedLink.take`, :meth:`SharedLink.reserve`): one copy on
+the server instead of three. Each tag's messages are taken in the order they were sent: a
 message of a tag nobody waits for yet is kept aside until a receive of that tag comes (the
 server posts the receive of a worker's next vector before its header arrives). A send is
 done once its bytes are in the ring, not once the peer took them.
@@ -60,6 +64,17 @@ _HEAD = 6 * _LINE
 #: Sends larger than this are followed by a full memory barrier before their count is
 #: stored: large copies may use non-temporal stores, which x86-64 does not keep in order.
 _FENCE_BYTES = 256 << 10
+#: Frames start at multiples of this (bodies are padded to it): a frame never wraps, and a
+#: body in place is aligned for every dtype.
+_ALIGN = 16
+#: The tag of a padding frame: its length is the bytes to skip, up to the ring's end.
+_PAD = -1
+#: A frame longer than this is malformed (a peer's bug), not a message to allocate.
+_MAX_MESSAGE = 1 << 40
+
+
+def _padded(n: int) -> int:
+    return -(-n // _ALIGN) * _ALIGN
 
 
 def segment_bytes(ring: int = RING_BYTES) -> int:
@@ -111,6 +126,8 @@ class SharedLink:
         self._frame_bytes = self._frame.view(np.uint8)
         self._pidfd = os.pidfd_open(peer_pid)
         weakref.finalize(self, os.close, self._pidfd)
+        self._held = 0  # bytes of a message :meth:`take` left in place
+        self._reserved = 0  # bytes of the messages :meth:`reserve` made room for
         self._segment = segment
 
     # -- sending ----------------------------------------------------------------------------
@@ -123,17 +140,67 @@ class SharedLink:
         nbytes = 0
         for tensor, tag in zip(tensors, tags, strict=True):
             body = as_bytes(tensor)
-            self._frame[0], self._frame[1] = tag, body.size
-            self._write(self._frame_bytes, deadline, timeout)
-            self._write(body, deadline, timeout)
-            nbytes += body.size
+            n = body.size
+            if self._whole(n) and self._sent % self.ring + _ALIGN + _padded(n) > self.ring:
+                pad = self.ring - self._sent % self.ring - _ALIGN  # to the ring's start
+                self._write(self._framed(_PAD, pad), _ALIGN, deadline, timeout)
+                self._write(None, pad, deadline, timeout)
+            self._write(self._framed(tag, n), _ALIGN, deadline, timeout)
+            self._write(body, n, deadline, timeout)
+            self._write(None, _padded(n) - n, deadline, timeout)
+            nbytes += n
+        self._publish(nbytes)
+
+    def reserve(self, tags: Sequence[int], sizes: Sequence[int], deadline: float,
+                timeout: float) -> list[np.ndarray] | None:
+        """Room for messages of ``sizes`` bytes (of ``tags``), each whole, to be filled
+        where they lie: a writable view of each, or ``None`` where they do not fit the ring
+        at once (then :meth:`send` them). They reach the peer at :meth:`commit`, in order;
+        nothing else is sent meanwhile. Waits for room until ``deadline``."""
+        ring, frames, need = self.ring, [], 0
+        for tag, n in zip(tags, sizes, strict=True):
+            at = (self._sent + need) % ring
+            if at + _ALIGN + _padded(n) > ring:
+                frames.append((at, _PAD, ring - at - _ALIGN))
+                need, at = need + ring - at, 0
+            frames.append((at, tag, n))
+            need += _ALIGN + _padded(n)
+        if need > ring:
+            return None
+        while ring - (self._sent - (taken := int(self._counts[self._w + 1]))) < need:
+            self._wait(self._w + 1, taken, deadline, timeout)
+        views = []
+        for at, tag, n in frames:
+            self._out[at:at + _ALIGN] = self._framed(tag, n)
+            if tag != _PAD:
+                views.append(self._out[at + _ALIGN:at + _ALIGN + n])
+        self._sent += need
+        self._reserved += sum(sizes)
+        return views
+
+    def commit(self) -> None:
+        """Send what :meth:`reserve` made room for (filled by now)."""
+        self._publish(self._reserved)
+        self._reserved = 0
+
+    def _whole(self, n: int) -> bool:
+        """Whether a message of ``n`` bytes lies whole in the ring (else it streams)."""
+        return _ALIGN + _padded(n) <= self.ring
+
+    def _framed(self, tag: int, n: int) -> np.ndarray:
+        self._frame[0], self._frame[1] = tag, n
+        return self._frame_bytes
+
+    def _publish(self, nbytes: int) -> None:
+        """Make the bytes written so far the peer's to read, and wake it."""
         if nbytes > _FENCE_BYTES:
             futex.wake(self._addr[self._mine])  # a barrier: the bytes before their count
         self._counts[self._w] = self._sent
         futex.wake(self._addr[self._w])
 
-    def _write(self, src: np.ndarray, deadline: float, timeout: float) -> None:
-        done, n, ring = 0, src.size, self.ring
+    def _write(self, src: np.ndarray | None, n: int, deadline: float, timeout: float) -> None:
+        """Put ``n`` bytes of ``src`` (``None``: padding, left as it is) in the ring."""
+        done, ring = 0, self.ring
         while done < n:
             taken = int(self._counts[self._w + 1])
             room = ring - (self._sent - taken)
@@ -143,10 +210,11 @@ class SharedLink:
                 self._wait(self._w + 1, taken, deadline, timeout)
                 continue
             k, at = min(room, n - done), self._sent % ring
-            first = min(k, ring - at)
-            self._out[at:at + first] = src[done:done + first]
-            if k > first:
-                self._out[:k - first] = src[done + first:done + k]
+            if src is not None:
+                first = min(k, ring - at)
+                self._out[at:at + first] = src[done:done + first]
+                if k > first:
+                    self._out[:k - first] = src[done + first:done + k]
             done, self._sent = done + k, self._sent + k
 
     # -- receiving --------------------------------------------------------------------------
@@ -154,32 +222,73 @@ class SharedLink:
              timeout: float) -> None:
         """Fill each of ``tensors`` with the next message of its tag (a message of another
         tag met meanwhile is kept for its receive); waits until ``deadline``."""
+        self.release()
         for tensor, tag in zip(tensors, tags, strict=True):
-            body = as_bytes(tensor)
-            kept = self._kept.get(tag)
-            if kept:
-                self._fits(kept[0].size, body.size, tag)
-                body[:] = kept.popleft()
-                continue
-            while True:
-                self._read(self._frame_bytes, deadline, timeout)
-                got, n = int(self._frame[0]), int(self._frame[1])
-                if got == tag:
-                    self._fits(n, body.size, tag)
-                    self._read(body, deadline, timeout)
-                    break
-                aside = np.empty(n, dtype=np.uint8)
-                self._read(aside, deadline, timeout)
-                self._kept[got].append(aside)
+            self._recv_into(as_bytes(tensor), tag, deadline, timeout)
         futex.wake(self._addr[self._r + 1])  # a writer waiting for room
+
+    def take(self, tag: int, fallback: np.ndarray, deadline: float,
+             timeout: float) -> np.ndarray:
+        """The next message of ``tag``, of ``fallback.size`` bytes, where it lies in the
+        ring (no copy) if it lies there whole, else copied into ``fallback``. A message in
+        place stays as it is until :meth:`release` or the next receive."""
+        self.release()
+        if self._kept.get(tag):
+            self._recv_into(fallback, tag, deadline, timeout)
+            return fallback
+        n = self._next_frame(tag, deadline, timeout)
+        self._fits(n, fallback.size, tag)
+        if not self._whole(n):
+            self._read(fallback, n, deadline, timeout)
+            self._read(None, _padded(n) - n, deadline, timeout)
+            return fallback
+        while (sent := int(self._counts[self._r])) < self._taken + _padded(n):
+            self._wait(self._r, sent, deadline, timeout)
+        at, self._held = self._taken % self.ring, _padded(n)
+        return self._in[at:at + n]
+
+    def release(self) -> None:
+        """Give the peer back the room of the message :meth:`take` left in place."""
+        if self._held:
+            self._taken, self._held = self._taken + self._held, 0
+            self._counts[self._r + 1] = self._taken
+            futex.wake(self._addr[self._r + 1])
+
+    def _recv_into(self, body: np.ndarray, tag: int, deadline: float, timeout: float) -> None:
+        kept = self._kept.get(tag)
+        if kept:
+            self._fits(kept[0].size, body.size, tag)
+            body[:] = kept.popleft()
+            return
+        n = self._next_frame(tag, deadline, timeout)
+        self._fits(n, body.size, tag)
+        self._read(body, n, deadline, timeout)
+        self._read(None, _padded(n) - n, deadline, timeout)
+
+    def _next_frame(self, tag: int, deadline: float, timeout: float) -> int:
+        """Read frames up to the next message of ``tag`` and return its length: padding is
+        skipped, a message of another tag kept aside for its receive."""
+        while True:
+            self._read(self._frame_bytes, _ALIGN, deadline, timeout)
+            got, n = int(self._frame[0]), int(self._frame[1])
+            if not 0 <= n < _MAX_MESSAGE or (got == _PAD and n > self.ring):
+                raise PeerGone(f"{self.peer} sent a malformed frame (tag {got}, {n} bytes)")
+            if got == tag:
+                return n
+            aside = np.empty(n, dtype=np.uint8) if got != _PAD else None
+            self._read(aside, n, deadline, timeout)
+            if aside is not None:
+                self._read(None, _padded(n) - n, deadline, timeout)
+                self._kept[got].append(aside)
 
     def _fits(self, got: int, want: int, tag: int) -> None:
         if got != want:
             raise PeerGone(f"{self.peer} sent a message of {got} bytes on tag {tag} where "
                            f"{want} were expected")
 
-    def _read(self, dst: np.ndarray, deadline: float, timeout: float) -> None:
-        done, n, ring = 0, dst.size, self.ring
+    def _read(self, dst: np.ndarray | None, n: int, deadline: float, timeout: float) -> None:
+        """Take ``n`` bytes from the ring into ``dst`` (``None``: skip them)."""
+        done, ring = 0, self.ring
         while done < n:
             sent = int(self._counts[self._r])
             ready = sent - self._taken
@@ -188,10 +297,11 @@ class SharedLink:
                 self._wait(self._r, sent, deadline, timeout)
                 continue
             k, at = min(ready, n - done), self._taken % ring
-            first = min(k, ring - at)
-            dst[done:done + first] = self._in[at:at + first]
-            if k > first:
-                dst[done + first:done + k] = self._in[:k - first]
+            if dst is not None:
+                first = min(k, ring - at)
+                dst[done:done + first] = self._in[at:at + first]
+                if k > first:
+                    dst[done + first:done + k] = self._in[:k - first]
             done, self._taken = done + k, self._taken + k
             self._counts[self._r + 1] = self._taken
 

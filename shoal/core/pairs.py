@@ -1,5 +1,4 @@
-"""The parameter server's transport: pairs of a server and a client, their messages and
-their failures.
+"""The parameter server's transport: pairs of a server and a client, and their failures.
 
 An asynchronous job's servers and clients talk over one pair each (:class:`PairChannel`, in
 the store prefix ``ps/{server}/{client}``: server = pair rank 0, client = pair rank 1), so a
@@ -8,19 +7,8 @@ through a shared-memory segment of its own (:mod:`shoal.core.mailbox`, with the 
 order and failures as below); else through a two-rank ``ProcessGroupGloo``'s point-to-point
 ``send``/``recv``. Not through ``torch.distributed.rpc``. What a server does with
 the messages is :mod:`shoal.ps`'s; this module knows no server rule and no strategy.
-
-**Messages.** Every request and reply is a :class:`Header` (one small float64 tensor)
-followed by at most one payload: a vector (the client's shard slice, or the shard back) or
-a pickled object. Headers, vectors and pickled bytes travel on three Gloo tags
-(:data:`TAG_HEAD`, :data:`TAG_DATA`, :data:`TAG_BYTES`), each tag's messages matched in
-order, so a server can post the receive of a worker's next vector before its header
-arrives: Gloo moves a message only once its receive is posted.
-
-**Header fields.** A header carries the transport's fields (kind, client, versions and the
-worker's progress) and, opaque here, the named values its server's update rule reads (a
-learning rate, a moving rate): the rule declares their names, the server's end of each pair
-sets them in the pair's store prefix before it connects, and the client's end reads them
-once connected, so both pack the same header.
+The messages themselves (a header, then a vector or pickled bytes, by tag) are
+:mod:`shoal.core.header`'s.
 
 **Dead and hung peers.** Gloo fails a pending ``send``/``recv`` as soon as the connection is
 reset, so a peer killed with ``kill -9`` is detected within milliseconds. A peer that is
@@ -32,77 +20,48 @@ operation timed out) and every later use raises :class:`ChannelError`.
 from __future__ import annotations
 
 import contextlib
-import enum
-import pickle
 import threading
 import time
-from collections.abc import Sequence
-from dataclasses import dataclass, field, replace
+from collections.abc import Callable, Sequence
+from dataclasses import replace
 from datetime import timedelta
-from typing import Any, Protocol
+from typing import Any, Protocol, TypeVar
 
 import numpy as np
 import torch
 import torch.distributed as dist
 
-from shoal.core.mailbox import RING_BYTES, PeerGone, SharedLink, offer_link, take_link
+from shoal.core.header import (
+    HEADER_SIZE,
+    TAG_BYTES,
+    TAG_HEAD,
+    Header,
+    Kind,
+    check_field_names,
+    from_bytes,
+    to_bytes,
+)
+from shoal.core.mailbox import (
+    RING_BYTES,
+    PeerGone,
+    SharedLink,
+    as_bytes,
+    offer_link,
+    take_link,
+)
 from shoal.core.stop import stop_requested
 from shoal.errors import ShoalError
 
-
-class Kind(enum.IntEnum):
-    """Message kinds (a request's :attr:`Header.kind`; a reply echoes it, or is ERROR)."""
-
-    EXCHANGE = 0  #: a payload out, the rule's reply back
-    PULL = 1  #: the shard back
-    REPORT = 2  #: a pickled object for server 0's coordinator
-    STATE = 3  #: the shard's state back, pickled
-    BYE = 4  #: a clean leave
-    PING = 5  #: keep-alive from an idle client (no reply)
-    ERROR = 6  #: a reply that carries an error message
-
-
-#: Gloo tags of a pair's messages: each tag's messages are matched in order, so a server
-#: can post the receive of a worker's next vector (``TAG_DATA``) before its header arrives.
-TAG_HEAD, TAG_DATA, TAG_BYTES = 0, 1, 2
-
-#: The transport's own header fields, in the order they travel.
-BASE_FIELDS = ("kind", "client", "clock", "version", "step", "samples", "nbytes")
-HEADER_SIZE = len(BASE_FIELDS)  #: values in a header whose rule reads no field
-#: The most rule fields a header carries (each is one float64 of every message).
-MAX_RULE_FIELDS = 32
 _FIELDS_KEY = "shoal_rule_fields"  # where a pair's server sets its rule's field names
 
 
-@dataclass
-class Header:
-    """The fixed-size part of every message, sent as one float64 tensor (exact for integers
-    below 2**53) before the payload."""
+_T = TypeVar("_T")
 
-    kind: int
-    client: int
-    clock: int = 0  #: this client's number of exchanges so far (set by the caller)
-    #: in a request: the server version the client last pulled (set by the client per
-    #: server); in a reply: the server's version now
-    version: int = 0
-    step: int = 0  #: the worker's optimizer step count
-    samples: int = 0  #: samples this worker has trained on so far
-    nbytes: int = 0  #: length of a pickled object that follows (REPORT, STATE, ERROR)
-    #: the values the server's rule reads, by name (missing ones travel as 0)
-    fields: dict[str, float] = field(default_factory=dict)
 
-    def pack(self, names: Sequence[str] = ()) -> torch.Tensor:
-        """This header as a float64 tensor: the transport's fields, then ``names``' values."""
-        values = [float(getattr(self, name)) for name in BASE_FIELDS]
-        values += [float(self.fields.get(name, 0.0)) for name in names]
-        return torch.from_numpy(np.array(values, dtype=np.float64))  # a tenth of torch.tensor's
-
-    @classmethod
-    def unpack(cls, t: torch.Tensor, names: Sequence[str] = ()) -> Header:
-        """The header packed in ``t`` (as :meth:`pack` made it with ``names``)."""
-        values = t.tolist()
-        base = [int(v) for v in values[:HEADER_SIZE]]
-        return cls(*base, fields=dict(zip(names, values[HEADER_SIZE:], strict=True)))
+def _over(view: np.ndarray, like: torch.Tensor) -> torch.Tensor:
+    """A tensor of ``like``'s dtype and shape over the bytes ``view`` (no copy)."""
+    t = torch.from_numpy(view).view(like.dtype)
+    return t if like.dim() == 1 else t.view(like.shape)
 
 
 class ChannelError(ShoalError):
@@ -156,17 +115,6 @@ class Pending:
 
     def __init__(self, works: list[Any], what: str) -> None:
         self.works, self.what = works, what
-
-
-def check_field_names(names: Sequence[str], whose: str) -> tuple[str, ...]:
-    """``names`` as a tuple, if they can name a header's rule fields (identifiers, unique,
-    none of the transport's own, at most :data:`MAX_RULE_FIELDS`); else one line."""
-    names = tuple(names)
-    bad = [n for n in names if not (isinstance(n, str) and n.isidentifier()) or n in BASE_FIELDS]
-    if bad or len(set(names)) != len(names) or len(names) > MAX_RULE_FIELDS:
-        raise ShoalError(f"{whose}: header fields {list(names)!r} must be at most "
-                         f"{MAX_RULE_FIELDS} distinct names, none of {', '.join(BASE_FIELDS)}")
-    return names
 
 
 class PairChannel:
@@ -244,9 +192,10 @@ class PairChannel:
         return ChannelError(f"{self.name}: {self.broken}")
 
     # -- headers ----------------------------------------------------------------------------
-    def pack(self, header: Header) -> torch.Tensor:
-        """``header`` as this pair's messages carry it (with the rule's fields)."""
-        return header.pack(self.fields)
+    def pack(self, header: Header, **base: int) -> torch.Tensor:
+        """``header`` as this pair's messages carry it (with the rule's fields; the
+        transport's fields in ``base`` as given there)."""
+        return header.pack(self.fields, **base)
 
     def unpack(self, buf: torch.Tensor) -> Header:
         return Header.unpack(buf, self.fields)
@@ -274,7 +223,7 @@ class PairChannel:
         tags = tags or [TAG_HEAD] * len(tensors)
         if self._link is not None:  # a send is done once in the ring; a receive, when finished
             if what == "send":
-                self._through_link(self._link.send, tensors, tags, self.timeout)
+                self._through_link(self.timeout, self._link.send, tensors, tags)
                 return Pending([], what)
             return Pending(list(zip(tensors, tags, strict=True)), what)
         op = getattr(self._pg, what)
@@ -292,7 +241,7 @@ class PairChannel:
             if pending.works:
                 self._check()
                 tensors, tags = zip(*pending.works, strict=True)
-                self._through_link(self._link.recv, tensors, tags, limit)
+                self._through_link(limit, self._link.recv, tensors, tags)
             return
         deadline = time.monotonic() + limit
         for work in pending.works:
@@ -363,14 +312,45 @@ class PairChannel:
         """Whether the pair's messages go through the host's shared memory, not Gloo."""
         return self._link is not None
 
-    def _through_link(self, op: Any, tensors: Sequence[torch.Tensor], tags: Sequence[int],
-                      limit: float) -> None:
+    def _through_link(self, limit: float, op: Callable[..., _T], *args: Any) -> _T:
+        """``op(*args, deadline, limit)`` on the shared link; a peer gone breaks the pair."""
         try:
-            op(tensors, tags, time.perf_counter() + limit, limit)
+            return op(*args, time.perf_counter() + limit, limit)
         except PeerGone as exc:
             if self.broken is None:
                 self.broken = str(exc)
             raise ChannelError(f"{self.name}: {self.broken}") from None
+
+    # -- in place, where the pair shares memory ---------------------------------------------
+    def take(self, tag: int, fallback: torch.Tensor) -> torch.Tensor:
+        """The next message of ``tag``, of ``fallback``'s size: where the pair shares memory
+        and the message lies whole there, a tensor like ``fallback`` over it in place (kept
+        until the pair's next receive or :meth:`commit`); else received into ``fallback``."""
+        if self._link is None:
+            self.recv([fallback], tags=[tag])
+            return fallback
+        self._check()
+        body = as_bytes(fallback)
+        got = self._through_link(self.timeout, self._link.take, tag, body)
+        return fallback if got is body else _over(got, fallback)
+
+    def reserve(self, tags: Sequence[int], like: Sequence[torch.Tensor]) -> list[torch.Tensor] | None:
+        """Where the pair shares memory: tensors like ``like``, lying where the peer will
+        read them as the next messages of ``tags`` once filled and :meth:`commit` ted;
+        ``None`` over Gloo or where they do not fit the ring at once."""
+        if self._link is None:
+            return None
+        self._check()
+        views = self._through_link(self.timeout, self._link.reserve, tags,
+                                   [t.numel() * t.element_size() for t in like])
+        return None if views is None else [_over(v, t) for v, t in zip(views, like, strict=True)]
+
+    def commit(self) -> None:
+        """Send what :meth:`reserve` made room for, and give back the room of the message
+        :meth:`take` left in place."""
+        assert self._link is not None
+        self._link.release()
+        self._link.commit()
 
     # -- failures ---------------------------------------------------------------------------
     def _check(self) -> None:
@@ -381,14 +361,3 @@ class PairChannel:
         if self.broken is None:
             self.broken = _reason(exc, self.peer, timeout)
         return ChannelError(f"{self.name}: {self.broken}")
-
-
-def to_bytes(obj: Any) -> torch.Tensor:
-    """``obj`` pickled, as a uint8 tensor (one message)."""
-    data = pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
-    return torch.frombuffer(bytearray(data), dtype=torch.uint8)
-
-
-def from_bytes(buf: torch.Tensor) -> Any:
-    """The object :func:`to_bytes` made ``buf`` of."""
-    return pickle.loads(buf.numpy().tobytes())

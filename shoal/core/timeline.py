@@ -91,11 +91,12 @@ class Timeline:
             if self.keep_events:
                 self._keep(cat, name or cat, start, end)
 
-    def leaf(self, cat: str, name: str) -> _Leaf:
+    def leaf(self, cat: str, name: str, done: Callable[[], None] | None = None) -> _Leaf:
         """Like :meth:`span` for a body inside which nothing else is booked, at a fraction
         of its cost (no generator, no stack frame of its own): for phases on a hot path,
-        such as those of every parallel function call."""
-        return _Leaf(self, cat, name)
+        such as those of every parallel function call. ``done`` is called after a body that
+        did not raise."""
+        return _Leaf(self, cat, name, done)
 
     def record(self, cat: str, name: str, start: float, end: float) -> Event | None:
         """Add a span measured elsewhere (``perf_counter`` times) inside the open span.
@@ -178,16 +179,19 @@ class Timeline:
 class _Leaf:
     """The context manager :meth:`Timeline.leaf` returns."""
 
-    __slots__ = ("_timeline", "_cat", "_name", "_start")
+    __slots__ = ("_timeline", "_cat", "_name", "_start", "_done")
 
-    def __init__(self, timeline: Timeline, cat: str, name: str) -> None:
-        self._timeline, self._cat, self._name = timeline, cat, name
+    def __init__(self, timeline: Timeline, cat: str, name: str,
+                 done: Callable[[], None] | None) -> None:
+        self._timeline, self._cat, self._name, self._done = timeline, cat, name, done
 
     def __enter__(self) -> None:
         self._start = time.perf_counter()
 
-    def __exit__(self, *exc: object) -> None:
+    def __exit__(self, kind: type[BaseException] | None, *exc: object) -> None:
         self._timeline.record(self._cat, self._name, self._start, time.perf_counter())
+        if kind is None and self._done is not None:
+            self._done()
 
 
 def chrome_trace(lanes: Sequence[list[dict[str, Any]]], metadata: dict[str, Any] | None = None

@@ -1,9 +1,9 @@
 """The parameter server: shards of the center served to the workers of an asynchronous job.
 
-It stands on the core's transport (:mod:`shoal.core.pairs`: pairs, messages, tags,
-failures) and knows no strategy: a strategy hands it an update rule (its ``Rule``, which
-declares the header fields it reads) and an :class:`~shoal.ps.admission.Admission` (built
-from its options). Three parts:
+It stands on the core's transport (:mod:`shoal.core.pairs`: pairs and their failures;
+:mod:`shoal.core.header`: messages and tags) and knows no strategy: a strategy hands it
+an update rule (its ``Rule``, which declares the header fields it reads) and an
+:class:`~shoal.ps.admission.Admission` (built from its options). Three parts:
 
 - :mod:`~shoal.ps.server`: :class:`ShardServer`, one shard served to every client on a
   thread of its own, each request answered by the dispatch table's entry for its kind;

@@ -12,7 +12,6 @@ from __future__ import annotations
 import contextlib
 import threading
 import time
-from collections.abc import Iterator
 from dataclasses import replace
 from typing import Any
 
@@ -20,14 +19,8 @@ import torch
 import torch.distributed as dist
 
 from shoal.core.comm import Comm
-from shoal.core.pairs import (
-    TAG_DATA,
-    TAG_HEAD,
-    ChannelError,
-    Header,
-    Kind,
-    PairChannel,
-)
+from shoal.core.header import TAG_DATA, TAG_HEAD, Header, Kind
+from shoal.core.pairs import ChannelError, PairChannel
 from shoal.errors import ShoalError
 
 
@@ -107,18 +100,14 @@ class ServerClient:
         return [ch.shared for ch in self._channels]
 
     # -- requests ---------------------------------------------------------------------------
-    @contextlib.contextmanager
-    def _transaction(self, name: str, nbytes: int | None = None) -> Iterator[None]:
+    def _transaction(self, name: str, nbytes: int | None = None) -> _Held:
         """Hold every channel for one request; with ``nbytes``, book it on the Comm (the
         training's exchanges and pulls)."""
         if self._closed:
             raise ShoalError(f"client {self.client}: used after close()")
         booked = self.comm.point_to_point(name, nbytes) \
-            if self.comm is not None and nbytes is not None else contextlib.nullcontext()
-        with booked, contextlib.ExitStack() as locks:
-            for ch in self._channels:
-                locks.enter_context(ch.lock)
-            yield
+            if self.comm is not None and nbytes is not None else None
+        return _Held([ch.lock for ch in self._channels], booked)
 
     def _slice(self, flat: torch.Tensor, i: int, what: str) -> torch.Tensor:
         a, b = self.ranges[i]
@@ -135,7 +124,7 @@ class ServerClient:
             if missing:
                 raise ShoalError(f"server {self.servers[i]}'s rule reads {', '.join(missing)}, "
                                  "which this exchange's header does not carry")
-        return ch.pack(replace(header, kind=kind, client=self.client, version=self.versions[i]))
+        return ch.pack(header, kind=kind, client=self.client, version=self.versions[i])
 
     def _round(self, kind: int, header: Header, payload: torch.Tensor | None,
                reply: torch.Tensor, wait: float) -> None:
@@ -247,3 +236,26 @@ class ServerClient:
                         pass  # the next request raises it
                     finally:
                         ch.lock.release()
+
+
+class _Held:
+    """The context of one request: booked (``booked``: its time and, once it succeeded,
+    its bytes), with every channel's lock held."""
+
+    __slots__ = ("_locks", "_booked")
+
+    def __init__(self, locks: list[threading.Lock],
+                 booked: contextlib.AbstractContextManager[None] | None) -> None:
+        self._locks, self._booked = locks, booked
+
+    def __enter__(self) -> None:
+        if self._booked is not None:
+            self._booked.__enter__()
+        for lock in self._locks:
+            lock.acquire()
+
+    def __exit__(self, kind: type[BaseException] | None, *exc: Any) -> None:
+        for lock in reversed(self._locks):
+            lock.release()
+        if self._booked is not None:
+            self._booked.__exit__(kind, *exc)

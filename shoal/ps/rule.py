@@ -6,7 +6,7 @@ from typing import ClassVar, Protocol, runtime_checkable
 
 import torch
 
-from shoal.core.pairs import Header
+from shoal.core.header import Header
 
 
 @runtime_checkable

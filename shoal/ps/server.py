@@ -24,16 +24,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from shoal.core.pairs import (
-    TAG_BYTES,
-    TAG_HEAD,
-    ChannelError,
-    Header,
-    Kind,
-    PairChannel,
-    from_bytes,
-    to_bytes,
-)
+from shoal.core.header import TAG_BYTES, TAG_HEAD, Header, Kind, from_bytes, to_bytes
+from shoal.core.pairs import ChannelError, PairChannel
 from shoal.errors import ShoalError
 from shoal.ps.admission import HOLD, Admission, Ledger
 from shoal.ps.rule import Locking, NamedFields, ServerRule, tell

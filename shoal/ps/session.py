@@ -5,16 +5,8 @@ from __future__ import annotations
 
 import torch
 
-from shoal.core.pairs import (
-    TAG_BYTES,
-    TAG_DATA,
-    TAG_HEAD,
-    Header,
-    Kind,
-    PairChannel,
-    Pending,
-    to_bytes,
-)
+from shoal.core.header import TAG_BYTES, TAG_DATA, TAG_HEAD, Header, Kind, to_bytes
+from shoal.core.pairs import PairChannel, Pending
 
 
 class Session:
@@ -27,6 +19,8 @@ class Session:
         self.payload: torch.Tensor | None = None
         self.reply: torch.Tensor | None = None
         self._posted: Pending | None = None
+        #: where the pair shares memory: the reply's header and vector, in place
+        self._room: list[torch.Tensor] | None = None
         self.ahead = center is not None  #: a pusher: post its next payload's receive early
         if center is not None:
             self.allocate(center)
@@ -50,11 +44,20 @@ class Session:
         return self.channel.unpack(self.head)
 
     def receive_payload(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """The payload that follows an exchange's header, and the reply buffer."""
+        """The payload that follows an exchange's header, and the buffer of the reply. Where
+        the pair shares memory both lie in its rings: the rule reads the worker's vector
+        where it came and writes its reply where the worker reads it (no copy here)."""
+        assert self.payload is not None and self.reply is not None
+        ch = self.channel
+        if ch.shared:
+            self._posted = None  # a receive through shared memory is made when finished
+            payload = ch.take(TAG_DATA, self.payload)
+            self._room = ch.reserve([TAG_HEAD, TAG_DATA], [self.head, self.reply])
+            return payload, self.reply if self._room is None else self._room[1]
         self._post()
-        assert self._posted is not None and self.payload is not None and self.reply is not None
+        assert self._posted is not None
         pending, self._posted = self._posted, None
-        self.channel.finish(pending)
+        ch.finish(pending)
         return self.payload, self.reply
 
     def reply_with(self, kind: int, version: int, vector: torch.Tensor | None,
@@ -62,14 +65,23 @@ class Session:
         """Header (and the vector the client expects, even with an error: the client has
         posted its receive), then the error message."""
         ch = self.channel
-        head = Header(kind, ch.client, version=version)
-        out, tags = [ch.pack(head)], [TAG_HEAD]
+        head = ch.pack(Header(kind, ch.client, version=version))
+        data = None
+        if error is not None:
+            data = to_bytes(error.strip().splitlines()[0] if error.strip() else error)
+            head = ch.pack(Header(Kind.ERROR, ch.client, version=version, nbytes=data.numel()))
+        room, self._room = self._room, None
+        if room is not None and vector is room[1]:  # the rule wrote its reply in place
+            room[0].copy_(head)
+            ch.commit()
+            if data is not None:
+                ch.send([data], tags=[TAG_BYTES])
+            return
+        out, tags = [head], [TAG_HEAD]
         if vector is not None:
             out.append(vector)
             tags.append(TAG_DATA)
-        if error is not None:
-            data = to_bytes(error.strip().splitlines()[0] if error.strip() else error)
-            out[0] = ch.pack(Header(Kind.ERROR, ch.client, version=version, nbytes=data.numel()))
+        if data is not None:
             out.append(data)
             tags.append(TAG_BYTES)
         ch.send(out, tags=tags)

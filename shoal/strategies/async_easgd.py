@@ -31,7 +31,7 @@ from typing import Any, ClassVar
 import torch
 from torch import nn
 
-from shoal.core.pairs import Header
+from shoal.core.header import Header
 from shoal.ps.admission import ORDERS
 from shoal.strategies.asynchronous import AsyncElasticOptions, AsyncStrategy
 from shoal.strategies.communication import Pattern

@@ -25,7 +25,7 @@ from typing import Any
 
 import torch
 
-from shoal.core.pairs import Header
+from shoal.core.header import Header
 from shoal.strategies.async_sgd import AsyncSGD, SGDRule
 from shoal.strategies.registry import register
 

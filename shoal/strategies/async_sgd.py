@@ -26,7 +26,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from shoal.core.pairs import Header
+from shoal.core.header import Header
 from shoal.errors import ShoalError
 from shoal.schema import flag_name
 from shoal.strategies.asynchronous import AsyncOptions, AsyncStrategy, check_server_sgd, one_setting

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import torch
 
-from shoal.core.pairs import Header
+from shoal.core.header import Header
 from shoal.strategies.async_easgd import AsyncElasticBase, ElasticRule
 from shoal.strategies.asynchronous import AsyncElasticOptions
 from shoal.strategies.registry import register
