@@ -44,7 +44,8 @@ def wake(address: int) -> None:
 
 
 def wait_while(same: Callable[[], bool], address: int, value: int, deadline: float,
-               check: Callable[[float], None], nap: float = 0.1) -> None:
+               check: Callable[[float], None], nap: float = 0.1,
+               asleep: Callable[[int], None] | None = None) -> None:
     """Return once ``same()`` is false: the word at ``address``, whose low 32 bits were
     ``value``, has changed.
 
@@ -56,16 +57,28 @@ def wait_while(same: Callable[[], bool], address: int, value: int, deadline: flo
         check: Called with the time now before each sleep: raises to end the wait (past
             the deadline, a peer gone).
         nap: The longest sleep in the kernel before ``check`` is called again (seconds).
+        asleep: Called with 1 before the first sleep in the kernel (the word is read again
+            after it) and with 0 once the wait ends: a flag the writer reads to skip the
+            wake-up's system call while nobody sleeps.
     """
     start = time.perf_counter()
     sleep = _timespec(nap)
-    while same():
-        now = time.perf_counter()
-        if now - start < SPIN_S:
-            continue
-        if now - start < YIELD_S:
-            os.sched_yield()  # a runnable peer on this core gets it; else spin on
-            continue
-        check(now)
-        _LIBC.syscall(_SYS_FUTEX, ctypes.c_void_p(address), _FUTEX_WAIT, value & MASK, sleep,
-                      None, 0)
+    slept = False
+    try:
+        while same():
+            now = time.perf_counter()
+            if now - start < SPIN_S:
+                continue
+            if now - start < YIELD_S:
+                os.sched_yield()  # a runnable peer on this core gets it; else spin on
+                continue
+            check(now)
+            if asleep is not None and not slept:
+                asleep(1)
+                slept = True
+                continue
+            _LIBC.syscall(_SYS_FUTEX, ctypes.c_void_p(address), _FUTEX_WAIT, value & MASK,
+                          sleep, None, 0)
+    finally:
+        if slept and asleep is not None:
+            asleep(0)

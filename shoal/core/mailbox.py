@@ -59,8 +59,10 @@ RING_BYTES = 4 << 20
 #: The least ring: a header and a small vector pass whole.
 MIN_RING_BYTES = 64 << 10
 #: Counters, each on a cache line: ring 0's write and read counts, ring 1's, then the
-#: server's and the client's "closed" flags.
-_HEAD = 6 * _LINE
+#: server's and the client's "closed" flags, then for each count whether its reader sleeps
+#: in the kernel (its writer makes the wake-up's system call only then).
+_HEAD = 10 * _LINE
+_ASLEEP = 6
 #: Sends larger than this are followed by a full memory barrier before their count is
 #: stored: large copies may use non-temporal stores, which x86-64 does not keep in order.
 _FENCE_BYTES = 256 << 10
@@ -111,8 +113,8 @@ class SharedLink:
         if len(segment) != segment_bytes(ring):
             raise ValueError(f"segment of {len(segment)} bytes, not {segment_bytes(ring)}")
         raw = np.frombuffer(segment, dtype=np.uint8)
-        self._counts = np.ndarray((6,), dtype=np.uint64, buffer=segment, strides=(_LINE,))
-        self._addr = [raw.ctypes.data + _LINE * i for i in range(6)]
+        self._counts = np.ndarray((10,), dtype=np.uint64, buffer=segment, strides=(_LINE,))
+        self._addr = [raw.ctypes.data + _LINE * i for i in range(10)]
         data = raw[_HEAD:]
         out, into = (0, 1) if is_server else (1, 0)
         self._out, self._in = data[out * ring:(out + 1) * ring], data[into * ring:(into + 1) * ring]
@@ -196,7 +198,7 @@ class SharedLink:
         if nbytes > _FENCE_BYTES:
             futex.wake(self._addr[self._mine])  # a barrier: the bytes before their count
         self._counts[self._w] = self._sent
-        futex.wake(self._addr[self._w])
+        self._wake(self._w)
 
     def _write(self, src: np.ndarray | None, n: int, deadline: float, timeout: float) -> None:
         """Put ``n`` bytes of ``src`` (``None``: padding, left as it is) in the ring."""
@@ -206,7 +208,7 @@ class SharedLink:
             room = ring - (self._sent - taken)
             if room == 0:
                 self._counts[self._w] = self._sent  # what is written so far, then wait
-                futex.wake(self._addr[self._w])
+                self._wake(self._w)
                 self._wait(self._w + 1, taken, deadline, timeout)
                 continue
             k, at = min(room, n - done), self._sent % ring
@@ -225,7 +227,7 @@ class SharedLink:
         self.release()
         for tensor, tag in zip(tensors, tags, strict=True):
             self._recv_into(as_bytes(tensor), tag, deadline, timeout)
-        futex.wake(self._addr[self._r + 1])  # a writer waiting for room
+        self._wake(self._r + 1)  # a writer waiting for room
 
     def take(self, tag: int, fallback: np.ndarray, deadline: float,
              timeout: float) -> np.ndarray:
@@ -252,7 +254,7 @@ class SharedLink:
         if self._held:
             self._taken, self._held = self._taken + self._held, 0
             self._counts[self._r + 1] = self._taken
-            futex.wake(self._addr[self._r + 1])
+            self._wake(self._r + 1)
 
     def _recv_into(self, body: np.ndarray, tag: int, deadline: float, timeout: float) -> None:
         kept = self._kept.get(tag)
@@ -293,7 +295,7 @@ class SharedLink:
             sent = int(self._counts[self._r])
             ready = sent - self._taken
             if ready == 0:
-                futex.wake(self._addr[self._r + 1])  # room made so far, then wait
+                self._wake(self._r + 1)  # room made so far, then wait
                 self._wait(self._r, sent, deadline, timeout)
                 continue
             k, at = min(ready, n - done), self._taken % ring
@@ -311,7 +313,15 @@ class SharedLink:
         counts = self._counts
         futex.wait_while(lambda: int(counts[counter]) == before, self._addr[counter], before,
                          deadline, lambda now: self._check_peer(now, deadline, timeout),
-                         nap=0.005)
+                         nap=0.005, asleep=lambda on: counts.__setitem__(_ASLEEP + counter, on))
+
+    def _wake(self, counter: int) -> None:
+        """Wake the reader of ``counter`` if it sleeps in the kernel (one spinning or
+        yielding sees the count itself). Its flag is raised before the kernel reads the
+        count and this side reads the flag after storing the count, microseconds apart: a
+        reader that slept on an old count all the same wakes at its nap (5 ms)."""
+        if self._counts[_ASLEEP + counter]:
+            futex.wake(self._addr[counter])
 
     def _check_peer(self, now: float, deadline: float, timeout: float) -> None:
         if self._counts[self._mine]:  # closed here, by another thread: its waits end too
