@@ -3,6 +3,8 @@ function. Prints markdown tables. Run:
 
     .venv/bin/python benchmarks/bench_parallel.py --workers 2
     .venv/bin/python benchmarks/bench_parallel.py --workers 2 --only collectives
+    .venv/bin/python benchmarks/bench_parallel.py --workers 2 --only collectives \
+        --ops broadcast all_gather gather scatter --sizes 1000 20875 262144 1000000
 
 *Overhead*: a parallel function that returns an ``avg``-reduced tensor of S floats (its input
 is a ``shoal.shared`` array, so no argument moves) against ``dist.all_reduce`` of S floats in
@@ -10,9 +12,9 @@ the same process group, timed in the same processes. The difference is what a ca
 beyond the one collective it needs: the command, running the function, the status round and
 the bookkeeping. A second row per size uses ``reduce=None`` (no tensor moves at all).
 
-*Collectives* (``--only collectives``): ``shoal.all_reduce`` inside a function through the
-session's path in host memory (the default on one host) and through Gloo (the path put
-aside), beside a bare ``dist.all_reduce``, alternating.
+*Collectives* (``--only collectives``): each of ``--ops`` (``shoal.all_reduce`` by default)
+inside a function through the session's path in host memory (the default on one host) and
+through Gloo (the path put aside), beside the bare ``torch.distributed`` call, alternating.
 
 *Speedup*: a CPU-bound function (a stack of matrix products over the rows it gets) called
 directly in one process and as a parallel function on ``--workers`` processes, one torch
@@ -42,20 +44,31 @@ def nothing(w):
     return None
 
 
-def bare_all_reduce(w, reps):
-    """Time ``reps`` all-reduces of ``w`` on every rank; rank 0's median per op."""
-    times = []
-    buf = w.clone()
-    for _ in range(reps):
-        start = time.perf_counter()
-        dist.all_reduce(buf)
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
+def _bare(op: str, buf: torch.Tensor):
+    """The bare ``torch.distributed`` call of ``op`` on ``buf`` (rank 0: the root)."""
+    n, me = dist.get_world_size(), dist.get_rank()
+    if op == "all_reduce":
+        return lambda: dist.all_reduce(buf)
+    if op == "broadcast":
+        return lambda: dist.broadcast(buf, 0)
+    rows = [torch.empty_like(buf) for _ in range(n)]
+    if op == "all_gather":
+        return lambda: dist.all_gather(rows, buf)
+    if op == "gather":
+        return lambda: dist.gather(buf, rows if me == 0 else None, 0)
+    share = torch.empty_like(buf[:len(buf) // n])
+    chunks = list(buf[:len(share) * n].split(len(share))) if me == 0 else None
+    return lambda: dist.scatter(share, chunks, 0)
 
 
-def shoal_all_reduce(w, reps, path):
-    """Time ``reps`` ``shoal.all_reduce`` calls of ``w`` on every rank (the shape check and
-    the sum), through the session's path in host memory (``shm``) or, with it put aside on
+def bare_collective(w, reps, op="all_reduce"):
+    """Time ``reps`` bare calls of ``op`` on ``w`` on every rank; rank 0's median per call."""
+    return timed(_bare(op, w.clone()), reps)
+
+
+def shoal_collective(w, reps, path, op="all_reduce"):
+    """Time ``reps`` ``shoal.<op>`` calls of ``w`` on every rank (the shape check and the
+    data), through the session's path in host memory (``shm``) or, with it put aside on
     every rank, through Gloo; rank 0's median per call."""
     from shoal.parallel import hostsums
 
@@ -63,29 +76,30 @@ def shoal_all_reduce(w, reps, path):
     if path == "gloo":
         hostsums._PATH.clear()
     try:
-        buf = w.clone()
-        return timed(lambda: shoal.all_reduce(buf), reps)
+        buf, call = w.clone(), getattr(shoal, op)
+        return timed(lambda: call(buf), reps)
     finally:
         hostsums._PATH[:] = saved
 
 
-def collectives(workers: int, sizes: list[int], reps: int, rounds: int = 5) -> list[dict]:
-    """``shoal.all_reduce`` inside a function through host memory and through Gloo, and a
-    bare ``dist.all_reduce``, alternating ``rounds`` times; medians of the rounds."""
-    f = shoal.function(shoal_all_reduce, broadcast=["w"], reduce=None)
-    f_bare = shoal.function(bare_all_reduce, broadcast=["w"], reduce=None)
+def collectives(workers: int, sizes: list[int], reps: int, op: str = "all_reduce",
+                rounds: int = 5) -> list[dict]:
+    """``shoal.<op>`` inside a function through host memory and through Gloo, and the bare
+    call, alternating ``rounds`` times; medians of the rounds."""
+    f = shoal.function(shoal_collective, broadcast=["w"], reduce=None)
+    f_bare = shoal.function(bare_collective, broadcast=["w"], reduce=None)
     rows = []
     with shoal.fork(workers, threads=1):
         for size in sizes:
             w = shoal.shared(torch.ones(size))
-            f(w, 5, "shm"), f_bare(w, 5)  # warm up
+            f(w, 5, "shm", op), f_bare(w, 5, op)  # warm up
             times: dict[str, list[float]] = {"shm": [], "gloo": [], "bare": []}
             for _ in range(rounds):
-                times["shm"].append(f(w, reps, "shm"))
-                times["gloo"].append(f(w, reps, "gloo"))
-                times["bare"].append(f_bare(w, reps))
+                times["shm"].append(f(w, reps, "shm", op))
+                times["gloo"].append(f(w, reps, "gloo", op))
+                times["bare"].append(f_bare(w, reps, op))
             ms = {k: statistics.median(v) * 1e3 for k, v in times.items()}
-            rows.append({"floats": size, **{f"{k}_ms": v for k, v in ms.items()},
+            rows.append({"op": op, "floats": size, **{f"{k}_ms": v for k, v in ms.items()},
                          "ratio": ms["gloo"] / ms["shm"]})
     return rows
 
@@ -108,7 +122,7 @@ def timed(fn, reps: int) -> float:
 def overhead(workers: int, sizes: list[int], reps: int) -> list[dict]:
     f_echo = shoal.function(echo, broadcast=["w"], reduce="avg")
     f_none = shoal.function(nothing, broadcast=["w"], reduce=None)
-    f_bare = shoal.function(bare_all_reduce, broadcast=["w"], reduce=None)
+    f_bare = shoal.function(bare_collective, broadcast=["w"], reduce=None)
     rows = []
     with shoal.fork(workers, threads=1):
         for size in sizes:
@@ -188,17 +202,21 @@ def main() -> None:
     p.add_argument("--speed-reps", type=int, default=7)
     p.add_argument("--only", choices=["overhead", "speedup", "collectives"],
                    help="run one of the parts")
+    p.add_argument("--ops", nargs="+", default=["all_reduce"],
+                   choices=["all_reduce", "broadcast", "all_gather", "gather", "scatter"],
+                   help="--only collectives: the collectives timed")
     a = p.parse_args()
     print(f"load average before: {os.getloadavg()[0]:.2f} on {len(os.sched_getaffinity(0))} cores\n")
     if a.only == "collectives":
-        print(f"### shoal.all_reduce inside a function, {a.workers} processes (ms per call, "
+        print(f"### Collectives inside a function, {a.workers} processes (ms per call, "
               f"median of 5 rounds of {a.reps})\n")
-        print("| floats | through host memory | through Gloo | Gloo / host memory "
-              "| bare dist.all_reduce (Gloo) |")
-        print("| ---: | ---: | ---: | ---: | ---: |")
-        for r in collectives(a.workers, a.sizes, a.reps):
-            print(f"| {r['floats']:,} | {r['shm_ms']:.3f} | {r['gloo_ms']:.3f} | "
-                  f"**{r['ratio']:.1f}x** | {r['bare_ms']:.3f} |")
+        print("| collective | floats | through host memory | through Gloo | Gloo / host memory "
+              "| bare torch.distributed (Gloo) |")
+        print("| --- | ---: | ---: | ---: | ---: | ---: |")
+        for op in a.ops:
+            for r in collectives(a.workers, a.sizes, a.reps, op):
+                print(f"| {op} | {r['floats']:,} | {r['shm_ms']:.3f} | {r['gloo_ms']:.3f} | "
+                      f"**{r['ratio']:.1f}x** | {r['bare_ms']:.3f} |")
         return
     if a.only != "speedup":
         print(f"### Per-call overhead, {a.workers} processes (median of {a.reps} calls)\n")

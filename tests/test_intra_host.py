@@ -1,6 +1,6 @@
 """The intra-host shared-memory all-reduce (``--intra-host``: shoal/core/intrahost.py and
-segment.py): its sums against Gloo's and a fixed-order reference, its fallback, and what it
-leaves in /dev/shm (nothing)."""
+segment.py): its sums against Gloo's and a fixed-order reference, its copies (broadcast,
+gathers, scatter) against Gloo's, its fallback, and what it leaves in /dev/shm (nothing)."""
 
 from __future__ import annotations
 
@@ -80,6 +80,36 @@ def _compare() -> list[str]:
                     bound = 2 * n * torch.finfo(dtype).eps * sum(r.double().abs() for r in rows)
                     if ((got.double() - gloo.double()).abs() > bound).any():
                         wrong.append(f"{what}: beyond rounding from Gloo's sum")
+    return wrong + _compare_copies(reducer, rank, n)
+
+
+def _compare_copies(reducer: SharedReducer, rank: int, n: int) -> list[str]:
+    """On every rank: the fast path's broadcast, all-gather, gather and scatter against
+    Gloo's, bit for bit, for every dtype a parallel function may move (in several chunks
+    where the tensor is larger than a slot); returns what differed."""
+    wrong = []
+    for dtype in (*DTYPES, torch.int64, torch.bool):
+        for numel in SIZES:
+            gen = torch.Generator().manual_seed(1000 * rank + numel)
+            x = (torch.randn(numel, generator=gen, dtype=torch.float64) * 100).to(dtype)
+            what, src = f"{dtype} x{numel}", n - 1
+            got, gloo = reducer.broadcast(x.clone(), src), x.clone()
+            dist.broadcast(gloo, src)
+            rows = [torch.empty_like(x) for _ in range(n)]
+            reducer.all_gather(x, rows)
+            at_root = [torch.empty_like(x) for _ in range(n)] if rank == 0 else None
+            reducer.all_gather(x, at_root)
+            gloo_rows = [torch.empty_like(x) for _ in range(n)]
+            dist.all_gather(gloo_rows, x)
+            shares = [x + i if dtype != torch.bool else x ^ (i % 2 == 1) for i in range(n)]
+            part, gloo_part = torch.empty_like(x), torch.empty_like(x)
+            reducer.scatter(shares if rank == src else None, part, src)
+            dist.scatter(gloo_part, shares if rank == src else None, src)
+            checks = {"broadcast": torch.equal(got, gloo),
+                      "all-gather": all(map(torch.equal, rows, gloo_rows)),
+                      "gather": at_root is None or all(map(torch.equal, at_root, gloo_rows)),
+                      "scatter": torch.equal(part, gloo_part)}
+            wrong += [f"{what}: {name} is not Gloo's" for name, ok in checks.items() if not ok]
     return wrong
 
 

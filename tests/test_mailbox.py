@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 import torch
 
-from shoal.core import mailbox
+from shoal.core import linkoffer
 from shoal.core.header import TAG_BYTES, TAG_DATA, TAG_HEAD
 from shoal.core.mailbox import PeerGone, SharedLink, segment_bytes
 from shoal.core.pairs import PairChannel
@@ -116,7 +116,7 @@ def test_a_silent_peer_is_named_at_the_deadline():
 def pair_client(port: int, mode: str, elsewhere: bool, conn) -> None:
     """Client 0's end of a pair (on another host where ``elsewhere``): one round trip."""
     if elsewhere:  # as a process of another host would describe itself
-        mailbox.host_key = lambda: "another host"  # type: ignore[assignment]
+        linkoffer.host_key = lambda: "another host"  # type: ignore[assignment]
     ch = PairChannel(store_client(port), 0, 0, 20.0, intra_host=mode)
     got = torch.empty(5)
     ch.recv([got], tags=[TAG_DATA])
@@ -138,7 +138,7 @@ def test_a_pair_shares_memory_only_on_one_host_unless_told_gloo(monkeypatch, mod
     between hosts, and where ``/dev/shm`` has no room for the segment."""
     store = served_store(monkeypatch)
     if where == "full":
-        monkeypatch.setattr(mailbox, "create_segment", no_room)
+        monkeypatch.setattr(linkoffer, "create_segment", no_room)
     elsewhere = where == "elsewhere"
     before = {n for n in os.listdir(SHM_DIR) if n.startswith("shoal-ps-")}
     with Children() as kids:

@@ -189,29 +189,72 @@ def test_collectives_inside_function(session):
     torch.testing.assert_close(part, torch.arange(10.0, dtype=x.dtype).reshape(5, 2))
 
 
-def sums_both_ways(x):
-    """Each sum through the session's path and through Gloo, on rank-specific values."""
+def both_ways(x):
+    """Each collective through the session's path and through Gloo, on rank-specific values
+    (odd sizes, uneven dim 0s for the gathers, every dtype a function may move); returns
+    whether the path is there, whether every result equals Gloo's, and the Gloo calls the
+    collectives made (none: they went through the host's memory)."""
     import torch.distributed as dist
 
     from shoal.parallel.hostsums import host_path
 
-    out = []
-    for dtype in (torch.float32, torch.float64, torch.bfloat16):
+    gloo = {name: getattr(dist, name) for name in
+            ("all_reduce", "reduce", "broadcast", "gather", "all_gather", "scatter")}
+    made: list[str] = []
+
+    def counted(name):
+        def call(*args, **kwargs):
+            made.append(name)
+            return gloo[name](*args, **kwargs)
+        return call
+
+    r, equal = rank(), []
+    for dtype in (torch.float32, torch.float64, torch.bfloat16, torch.int64, torch.bool):
+        summed = dtype.is_floating_point
         for n in (1, 7, 1001, 5000):
-            mine = torch.randn(n, generator=torch.Generator().manual_seed(rank() * 100 + n),
-                               dtype=torch.float64).to(dtype)
-            gloo = mine.clone()
-            dist.all_reduce(gloo)
-            out.append(torch.equal(shoal.all_reduce(mine.clone()), gloo))
-    return host_path() is not None, all(out)
+            mine = (torch.randn(n + r, 3, generator=torch.Generator().manual_seed(r * 100 + n),
+                                dtype=torch.float64) * 50).to(dtype)  # rank 1: a row more
+            same = mine[:n].contiguous()  # alike in shape on every rank
+            ref = {"broadcast": same.clone(), "reduce": same.clone(), "all_reduce": same.clone()}
+            gloo["broadcast"](ref["broadcast"], src=1)
+            if summed:
+                gloo["reduce"](ref["reduce"], dst=1)
+                gloo["all_reduce"](ref["all_reduce"])
+            padded = torch.cat([mine, mine.new_zeros(1, 3)]) if r == 0 else mine
+            rows = [torch.empty_like(padded) for _ in range(2)]
+            gloo["all_gather"](rows, padded)
+            ref["all_gather"] = torch.cat([rows[0][:n], rows[1]])
+            table = torch.cat([same, same + 1 if summed else same.logical_not()])
+            ref["scatter"] = torch.empty_like(same)
+            gloo["scatter"](ref["scatter"], list(table.split(n)) if r == 0 else None, src=0)
+            for name in gloo:
+                setattr(dist, name, counted(name))
+            try:
+                got = {"broadcast": shoal.broadcast(same.clone(), src=1),
+                       "all_gather": shoal.all_gather(mine), "scatter": shoal.scatter(table)}
+                at_root = shoal.gather(mine, dst=0)
+                if summed:
+                    got["reduce"] = shoal.reduce(same.clone(), dst=1)
+                    got["all_reduce"] = shoal.all_reduce(same.clone())
+            finally:
+                for name, op in gloo.items():
+                    setattr(dist, name, op)
+            if r == 0:
+                equal.append(torch.equal(at_root, ref["all_gather"]))
+            else:
+                equal.append(at_root is None)
+            equal += [torch.equal(got[k], ref[k]) for k in got if k != "reduce" or r == 1]
+    return host_path() is not None, all(equal), len(made)
 
 
-def test_sums_in_a_session_go_through_the_hosts_memory_and_equal_gloos(session):
-    """Every rank of a 2-process session on one host sums CPU tensors through its shared
-    memory, bit for bit what Gloo gives (with 2 ranks the order of a sum is moot)."""
-    f = shoal.function(sums_both_ways, scatter=["x"], reduce="gather")
-    taken, equal = f(data(2))
+def test_collectives_in_a_session_go_through_the_hosts_memory_and_equal_gloos(session):
+    """Every rank of a 2-process session on one host moves CPU tensors through its shared
+    memory (no Gloo call): its sums and reduce are bit for bit Gloo's (with 2 ranks the
+    order of a sum is moot), its broadcast, gathers and scatter too, every dtype."""
+    f = shoal.function(both_ways, scatter=["x"], reduce="gather")
+    taken, equal, made = f(data(2))
     assert list(taken) == [True, True] and list(equal) == [True, True]
+    assert list(made) == [0, 0]
 
 
 def collective_mismatch(x):

@@ -189,6 +189,61 @@ class SharedReducer:
         self._barrier()
         chunk.copy_(views.result)
 
+    # -- copies: a broadcast, a gather, a scatter (any dtype: bytes are moved, not added) ----
+    def broadcast(self, tensor: torch.Tensor, src: int) -> torch.Tensor:
+        """Overwrite ``tensor`` with rank ``src``'s, in place (a contiguous CPU tensor of the
+        same size and dtype on every rank); returns it."""
+        flat = _bytes(tensor)
+        for start in range(0, flat.numel(), self.slot_bytes):
+            chunk = flat[start:start + self.slot_bytes]
+            slot = self._slot(self._take_half(), self.world_size, chunk.numel())
+            if self.rank == src:
+                slot.copy_(chunk)
+            self._barrier()
+            if self.rank != src:
+                chunk.copy_(slot)
+        return tensor
+
+    def all_gather(self, tensor: torch.Tensor, out: list[torch.Tensor] | None) -> None:
+        """Every rank's ``tensor`` (contiguous, CPU, alike on every rank) into ``out``, one
+        tensor like it per rank in rank order; ``None``: not to this rank (a gather's other
+        ranks, which only send)."""
+        flat = _bytes(tensor)
+        outs = None if out is None else [_bytes(o) for o in out]
+        for start in range(0, flat.numel(), self.slot_bytes):
+            n = min(self.slot_bytes, flat.numel() - start)
+            half = self._take_half()
+            slots = [self._slot(half, r, n) for r in range(self.world_size)]
+            slots[self.rank].copy_(flat[start:start + n])
+            self._barrier()
+            for slot, o in zip(slots, outs or (), strict=False):
+                o[start:start + n].copy_(slot)
+
+    def scatter(self, shares: list[torch.Tensor] | None, out: torch.Tensor, src: int) -> None:
+        """Rank ``src``'s ``shares`` (one per rank, each like ``out``) to the ranks: each
+        rank's into its ``out`` (``shares`` is read on ``src`` only)."""
+        flat = _bytes(out)
+        parts = None if shares is None or self.rank != src else [_bytes(s) for s in shares]
+        for start in range(0, flat.numel(), self.slot_bytes):
+            n = min(self.slot_bytes, flat.numel() - start)
+            half = self._take_half()
+            slots = [self._slot(half, r, n) for r in range(self.world_size)]
+            for slot, part in zip(slots, parts or (), strict=False):
+                slot.copy_(part[start:start + n])
+            self._barrier()
+            flat[start:start + n].copy_(slots[self.rank])
+
+    def _take_half(self) -> int:
+        """The half of the segment this call uses; the next call uses the other."""
+        half, self._half = self._half, self._half ^ 1
+        return half
+
+    def _slot(self, half: int, index: int, nbytes: int) -> torch.Tensor:
+        """The first ``nbytes`` of slot ``index`` (a rank's, or ``world_size``: the result
+        slot) of ``half``, as bytes."""
+        start = (half * (self.world_size + 1) + index) * self.slot_bytes
+        return self._data[start:start + nbytes]
+
     def _barrier(self) -> None:
         """Wait until every rank has reached this barrier. A rank waiting at barrier ``e``
         sees another's counter at ``e - 1`` (not come yet), ``e`` or ``e + 1`` (come, and
@@ -220,6 +275,13 @@ class SharedReducer:
         deadline = time.perf_counter() + self.timeout
         futex.wait_while(lambda: counters[other] == before, self._addresses[other], before,
                          deadline, check)
+
+
+def _bytes(tensor: torch.Tensor) -> torch.Tensor:
+    """A contiguous CPU tensor's memory as a flat uint8 tensor (a view)."""
+    if not tensor.is_contiguous():
+        raise ValueError("the host's memory moves contiguous tensors only")
+    return tensor.reshape(-1).view(torch.uint8)
 
 
 def _share(numel: int, world_size: int, rank: int) -> tuple[int, int]:
@@ -299,6 +361,13 @@ class HostPath:
         """Whether the host's memory sums ``tensor`` for ``op`` (else Gloo does)."""
         return op in ("sum", "avg") and tensor.device.type == "cpu" and \
             tensor.dtype in _SUMMED and tensor.is_contiguous()
+
+    def one_host(self) -> SharedReducer | None:
+        """The reducer of this host where every rank of the job is on it (its copies then
+        serve broadcasts, gathers and scatters too), else ``None``."""
+        local = self.reducer.within_host()
+        return local if local is not None and local.world_size == self.reducer.world_size \
+            else None
 
     def all_reduce(self, tensor: torch.Tensor, op: str) -> torch.Tensor:
         """Sum ``tensor`` in place, in rank order (``avg`` then divides by the number of

@@ -41,14 +41,8 @@ from shoal.core.header import (
     from_bytes,
     to_bytes,
 )
-from shoal.core.mailbox import (
-    RING_BYTES,
-    PeerGone,
-    SharedLink,
-    as_bytes,
-    offer_link,
-    take_link,
-)
+from shoal.core.linkoffer import offer_link, take_link
+from shoal.core.mailbox import RING_BYTES, PeerGone, SharedLink, as_bytes
 from shoal.core.stop import stop_requested
 from shoal.errors import ShoalError
 

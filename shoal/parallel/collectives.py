@@ -8,9 +8,9 @@ op="avg")`` averages the replicas, ``shoal.broadcast(model)`` copies rank 0's va
 all of them. Before moving data every rank checks that all ranks hold the same number of
 tensors with the same dtypes and shapes (dimension 0 may differ for ``gather`` and
 ``all_gather``); if not, every rank raises :class:`~shoal.ShoalError` naming the ranks and
-shapes, and no rank is left waiting (:mod:`shoal.parallel.agreement`). Sums of CPU tensors
-go through the host's shared memory where the session has that path
-(:mod:`shoal.parallel.hostsums`), the rest through Gloo.
+shapes, and no rank is left waiting (:mod:`shoal.parallel.agreement`). CPU tensors go
+through the host's shared memory where the session has that path (sums in rank order,
+copies of any dtype: :mod:`shoal.parallel.hostsums`), the rest through Gloo.
 
 A module stands for its parameters and floating-point buffers. ``avg`` is the plain mean
 over ranks. ``gather``, ``all_gather`` and ``scatter`` concatenate or split along dimension
@@ -31,11 +31,11 @@ from shoal.core.flat import by_dtype, flatten, unflatten_into
 from shoal.core.ops import reduce_op, split_sizes
 from shoal.core.timeline import COMM
 from shoal.errors import ShoalError
-from shoal.parallel.agreement import agree, agree_in_host
+from shoal.parallel.agreement import agree, agree_in_host, rows_in_host
 from shoal.parallel.arrays import SharedArray
 from shoal.parallel.context import booked, in_function
 from shoal.parallel.functions import Function
-from shoal.parallel.hostsums import host_path
+from shoal.parallel.hostsums import copier, host_path
 from shoal.parallel.session import active
 
 Target = torch.Tensor | nn.Module | Iterable[Any]
@@ -146,9 +146,11 @@ def _broadcast(target: Target, src: int = 0) -> Any:
     tensors, single = _tensors(target, "broadcast")
     rank, world_size = _rank_and_size()
     if world_size > 1:
+        local = copier(tensors)
         with booked(COMM, "broadcast", _nbytes(tensors) if rank == src else 0):
             _agree("broadcast", tensors, world_size, src)
-            _in_place(tensors, lambda flat: dist.broadcast(flat, src=src))
+            _in_place(tensors, lambda flat: dist.broadcast(flat, src=src) if local is None
+                      else local.broadcast(flat, src))
     return tensors[0] if single else target
 
 
@@ -177,14 +179,18 @@ def _reduce(target: Target, op: str = "sum", dst: int = 0) -> Any:
     red = _op(op, "reduce", tensors)
     rank, world_size = _rank_and_size()
     if world_size > 1:
+        host = host_path()
         with booked(COMM, "reduce", _nbytes(tensors) if rank != dst else 0):
             _agree("reduce", tensors, world_size, (op, dst))
             for group in by_dtype(tensors):
                 flat = flatten(group)  # a copy: the other ranks keep their tensors
-                dist.reduce(flat, dst=dst, op=red)
-                if rank == dst:
+                if host is not None and host.takes(flat, op):  # summed on every rank
+                    host.all_reduce(flat, op)
+                else:
+                    dist.reduce(flat, dst=dst, op=red)
                     if op == "avg":
                         flat.div_(world_size)
+                if rank == dst:
                     unflatten_into(flat, group)
     return tensors[0] if single else target
 
@@ -203,40 +209,41 @@ def _alone(tensors: list[torch.Tensor], single: bool) -> Any:
 
 
 def _gather(target: Target, dst: int = 0) -> Any:
-    tensors, single = _tensors(target, "gather")
+    return _gathered("gather", target, dst)
+
+
+def _all_gather(target: Target) -> Any:
+    return _gathered("all_gather", target, None)
+
+
+def _gathered(name: str, target: Target, dst: int | None) -> Any:
+    """Every rank's tensors concatenated along dim 0 in rank order: on rank ``dst`` (a
+    gather; ``None`` on the others), or on every rank (``dst`` ``None``: an all-gather)."""
+    tensors, single = _tensors(target, name)
     rank, world_size = _rank_and_size()
     if world_size == 1:
         return _alone(tensors, single)
-    out = []
-    with booked(COMM, "gather", _nbytes(tensors) if rank != dst else 0):
-        dims = agree("gather", tensors, world_size, True, dst)
+    receives = dst is None or rank == dst
+    local, host, out = copier(tensors), host_path(), []
+    with booked(COMM, name, _nbytes(tensors) if dst is None or rank != dst else 0):
+        extra = () if dst is None else (dst,)
+        dims = agree(name, tensors, world_size, True, *extra) if local is None or host is None \
+            else rows_in_host(host, local, name, tensors, world_size, *extra)
         assert dims is not None or not tensors
         for i, t in enumerate(tensors):
             rows = max(d[i] for d in dims)  # type: ignore[union-attr]
             mine = _padded(t, rows)
-            bufs = [torch.empty_like(mine) for _ in range(world_size)] if rank == dst else None
-            dist.gather(mine, bufs, dst=dst)
+            bufs = [torch.empty_like(mine) for _ in range(world_size)] if receives else None
+            if local is not None:
+                local.all_gather(mine, bufs)
+            elif dst is None:
+                dist.all_gather(bufs, mine)
+            else:
+                dist.gather(mine, bufs, dst=dst)
             if bufs is not None:
                 out.append(torch.cat([b[:d[i]] for b, d in zip(bufs, dims, strict=False)]))  # type: ignore[arg-type]
-    if rank != dst:
+    if not receives:
         return None
-    return out[0] if single else out
-
-
-def _all_gather(target: Target) -> Any:
-    tensors, single = _tensors(target, "all_gather")
-    rank, world_size = _rank_and_size()
-    if world_size == 1:
-        return _alone(tensors, single)
-    out = []
-    with booked(COMM, "all_gather", _nbytes(tensors)):
-        dims = agree("all_gather", tensors, world_size, True)
-        for i, t in enumerate(tensors):
-            rows = max(d[i] for d in dims)  # type: ignore[union-attr]
-            mine = _padded(t, rows)
-            bufs = [torch.empty_like(mine) for _ in range(world_size)]
-            dist.all_gather(bufs, mine)
-            out.append(torch.cat([b[:d[i]] for b, d in zip(bufs, dims, strict=False)]))  # type: ignore[index]
     return out[0] if single else out
 
 
@@ -252,6 +259,7 @@ def _scatter(target: Target, src: int = 0) -> Any:
     # The source sends every share but its own, each padded to the largest.
     sent = sum((world_size - 1) * max(split_sizes(t.shape[0], world_size)) * math.prod(t.shape[1:])
                * t.element_size() for t in tensors) if rank == src else 0
+    local = copier(tensors)
     with booked(COMM, "scatter", sent):
         _agree("scatter", tensors, world_size, src)
         for t in tensors:
@@ -261,7 +269,10 @@ def _scatter(target: Target, src: int = 0) -> Any:
             if rank == src:
                 chunks = [_padded(c, rows) for c in torch.split(t.detach(), counts)]
             recv = torch.empty((rows, *t.shape[1:]), dtype=t.dtype, device=t.device)
-            dist.scatter(recv, chunks, src=src)
+            if local is not None:
+                local.scatter(chunks, recv, src)
+            else:
+                dist.scatter(recv, chunks, src=src)
             out.append(recv[:counts[rank]])
     return out[0] if single else out
 

@@ -1,12 +1,14 @@
-"""A parallel session's sums through its host's shared memory.
+"""A parallel session's collectives through its host's shared memory.
 
 Every rank of a session (the controller, rank 0, and its workers, all on this host) joins
 the host's path once, right after the session's process group
 (:func:`shoal.core.hostpath.join_host`: one segment, owner-only, unlinked once mapped). From
-then on ``shoal.all_reduce`` of CPU tensors (``sum``, ``avg``) inside a parallel function
-sums through it, in rank order, at memory speed; other collectives, and sums the path does
-not take (GPU tensors, integer dtypes, ``max``), go through Gloo. A session on GPUs, or on a
-host without the path, is Gloo's throughout.
+then on the collectives of CPU tensors inside a parallel function go through it at memory
+speed: ``shoal.all_reduce`` and ``shoal.reduce`` (``sum``, ``avg``) sum in rank order;
+``shoal.broadcast``, ``shoal.gather``, ``shoal.all_gather`` and ``shoal.scatter`` copy
+bytes (every dtype). Sums the path does not take (GPU tensors, ``max``, ``min``,
+``prod``) go through Gloo. A session on GPUs, or on a host without the path, is Gloo's
+throughout.
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ import torch
 import torch.distributed as dist
 
 from shoal.core.hostpath import join_host
-from shoal.core.intrahost import HostPath
+from shoal.core.intrahost import HostPath, SharedReducer
 
 _PATH: list[HostPath] = []  # the session's path, where it has one
 
@@ -68,3 +70,13 @@ def leave() -> None:
 def host_path() -> HostPath | None:
     """The running session's path through the host's memory, or ``None`` (Gloo)."""
     return _PATH[0] if _PATH else None
+
+
+def copier(tensors: list[torch.Tensor]) -> SharedReducer | None:
+    """What moves ``tensors`` of a broadcast, gather or scatter among the session's ranks:
+    its host's memory where the session has that path and they are CPU tensors, else
+    ``None`` (Gloo)."""
+    path = host_path()
+    if path is None or any(t.device.type != "cpu" for t in tensors):
+        return None
+    return path.one_host()

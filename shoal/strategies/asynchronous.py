@@ -38,10 +38,8 @@ from typing import TYPE_CHECKING, Any, ClassVar
 import torch
 from torch import nn
 
-from shoal.core import FlatParams
-from shoal.core.header import Header, Kind
+from shoal.core import Client, FlatParams, Header, Kind
 from shoal.core.hostpath import HELP, MODES, check_mode
-from shoal.core.pairs import Client
 from shoal.errors import ShoalError
 from shoal.ps.admission import ORDERS, Admission, check_settings
 from shoal.schema import flag_name
