@@ -71,7 +71,10 @@ class Session:
             data = to_bytes(error.strip().splitlines()[0] if error.strip() else error)
             head = ch.pack(Header(Kind.ERROR, ch.client, version=version, nbytes=data.numel()))
         room, self._room = self._room, None
-        if room is not None and vector is room[1]:  # the rule wrote its reply in place
+        if room is not None:  # the reply's room in the ring (the rule wrote it there)
+            if vector is not room[1]:
+                assert vector is not None
+                room[1].copy_(vector)
             room[0].copy_(head)
             ch.commit()
             if data is not None:
