@@ -41,6 +41,7 @@ import os
 import select
 import time
 import weakref
+from collections.abc import Iterator
 from typing import Any, NamedTuple, Protocol
 
 import numpy as np
@@ -194,14 +195,12 @@ class SharedReducer:
         """Overwrite ``tensor`` with rank ``src``'s, in place (a contiguous CPU tensor of the
         same size and dtype on every rank); returns it."""
         flat = _bytes(tensor)
-        for start in range(0, flat.numel(), self.slot_bytes):
-            chunk = flat[start:start + self.slot_bytes]
-            slot = self._slot(self._take_half(), self.world_size, chunk.numel())
+        for part, slots in self._rounds(flat.numel()):
             if self.rank == src:
-                slot.copy_(chunk)
+                slots[self.world_size].copy_(flat[part])
             self._barrier()
             if self.rank != src:
-                chunk.copy_(slot)
+                flat[part].copy_(slots[self.world_size])
         return tensor
 
     def all_gather(self, tensor: torch.Tensor, out: list[torch.Tensor] | None) -> None:
@@ -210,39 +209,34 @@ class SharedReducer:
         ranks, which only send)."""
         flat = _bytes(tensor)
         outs = None if out is None else [_bytes(o) for o in out]
-        for start in range(0, flat.numel(), self.slot_bytes):
-            n = min(self.slot_bytes, flat.numel() - start)
-            half = self._take_half()
-            slots = [self._slot(half, r, n) for r in range(self.world_size)]
-            slots[self.rank].copy_(flat[start:start + n])
+        for part, slots in self._rounds(flat.numel()):
+            slots[self.rank].copy_(flat[part])
             self._barrier()
             for slot, o in zip(slots, outs or (), strict=False):
-                o[start:start + n].copy_(slot)
+                o[part].copy_(slot)
 
     def scatter(self, shares: list[torch.Tensor] | None, out: torch.Tensor, src: int) -> None:
         """Rank ``src``'s ``shares`` (one per rank, each like ``out``) to the ranks: each
         rank's into its ``out`` (``shares`` is read on ``src`` only)."""
         flat = _bytes(out)
         parts = None if shares is None or self.rank != src else [_bytes(s) for s in shares]
-        for start in range(0, flat.numel(), self.slot_bytes):
-            n = min(self.slot_bytes, flat.numel() - start)
-            half = self._take_half()
-            slots = [self._slot(half, r, n) for r in range(self.world_size)]
-            for slot, part in zip(slots, parts or (), strict=False):
-                slot.copy_(part[start:start + n])
+        for part, slots in self._rounds(flat.numel()):
+            for slot, share in zip(slots, parts or (), strict=False):
+                slot.copy_(share[part])
             self._barrier()
-            flat[start:start + n].copy_(slots[self.rank])
+            flat[part].copy_(slots[self.rank])
 
-    def _take_half(self) -> int:
-        """The half of the segment this call uses; the next call uses the other."""
-        half, self._half = self._half, self._half ^ 1
-        return half
-
-    def _slot(self, half: int, index: int, nbytes: int) -> torch.Tensor:
-        """The first ``nbytes`` of slot ``index`` (a rank's, or ``world_size``: the result
-        slot) of ``half``, as bytes."""
-        start = (half * (self.world_size + 1) + index) * self.slot_bytes
-        return self._data[start:start + nbytes]
+    def _rounds(self, nbytes: int) -> Iterator[tuple[slice, list[torch.Tensor]]]:
+        """A copy of ``nbytes`` bytes, a slot's worth a round: each round's byte range, and
+        the slots (every rank's, then the result slot) of the half it uses, as bytes; the
+        next round or call uses the other half."""
+        size = self.slot_bytes
+        for start in range(0, nbytes, size):
+            n = min(size, nbytes - start)
+            base = self._half * (self.world_size + 1) * size
+            self._half ^= 1
+            yield slice(start, start + n), [self._data[base + i * size:base + i * size + n]
+                                            for i in range(self.world_size + 1)]
 
     def _barrier(self) -> None:
         """Wait until every rank has reached this barrier. A rank waiting at barrier ``e``

@@ -45,7 +45,7 @@ RING_BYTES = 4 << 20
 #: The least ring: a header and a small vector pass whole.
 MIN_RING_BYTES = 64 << 10
 #: A ring's size is a multiple of this (a cache line).
-ALIGN_RING = 64
+ALIGN_RING = _LINE
 #: Counters, each on a cache line: ring 0's write and read counts, ring 1's, then the
 #: server's and the client's "closed" flags, then for each count whether its reader sleeps
 #: in the kernel (its writer makes the wake-up's system call only then).
@@ -229,8 +229,7 @@ class SharedLink:
         n = self._next_frame(tag, deadline, timeout)
         self._fits(n, fallback.size, tag)
         if not self._whole(n):
-            self._read(fallback, n, deadline, timeout)
-            self._read(None, _padded(n) - n, deadline, timeout)
+            self._read_body(fallback, n, deadline, timeout)
             return fallback
         while (sent := int(self._counts[self._r])) < self._taken + _padded(n):
             self._wait(self._r, sent, deadline, timeout)
@@ -252,8 +251,7 @@ class SharedLink:
             return
         n = self._next_frame(tag, deadline, timeout)
         self._fits(n, body.size, tag)
-        self._read(body, n, deadline, timeout)
-        self._read(None, _padded(n) - n, deadline, timeout)
+        self._read_body(body, n, deadline, timeout)
 
     def _next_frame(self, tag: int, deadline: float, timeout: float) -> int:
         """Read frames up to the next message of ``tag`` and return its length: padding is
@@ -265,16 +263,22 @@ class SharedLink:
                 raise PeerGone(f"{self.peer} sent a malformed frame (tag {got}, {n} bytes)")
             if got == tag:
                 return n
-            aside = np.empty(n, dtype=np.uint8) if got != _PAD else None
-            self._read(aside, n, deadline, timeout)
-            if aside is not None:
-                self._read(None, _padded(n) - n, deadline, timeout)
-                self._kept[got].append(aside)
+            if got == _PAD:
+                self._read(None, n, deadline, timeout)
+                continue
+            aside = np.empty(n, dtype=np.uint8)
+            self._read_body(aside, n, deadline, timeout)
+            self._kept[got].append(aside)
 
     def _fits(self, got: int, want: int, tag: int) -> None:
         if got != want:
             raise PeerGone(f"{self.peer} sent a message of {got} bytes on tag {tag} where "
                            f"{want} were expected")
+
+    def _read_body(self, dst: np.ndarray, n: int, deadline: float, timeout: float) -> None:
+        """A message's ``n`` bytes into ``dst``, and past the padding after them."""
+        self._read(dst, n, deadline, timeout)
+        self._read(None, _padded(n) - n, deadline, timeout)
 
     def _read(self, dst: np.ndarray | None, n: int, deadline: float, timeout: float) -> None:
         """Take ``n`` bytes from the ring into ``dst`` (``None``: skip them)."""

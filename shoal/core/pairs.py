@@ -317,23 +317,21 @@ class PairChannel:
 
     # -- in place, where the pair shares memory ---------------------------------------------
     def take(self, tag: int, fallback: torch.Tensor) -> torch.Tensor:
-        """The next message of ``tag``, of ``fallback``'s size: where the pair shares memory
-        and the message lies whole there, a tensor like ``fallback`` over it in place (kept
-        until the pair's next receive or :meth:`commit`); else received into ``fallback``."""
-        if self._link is None:
-            self.recv([fallback], tags=[tag])
-            return fallback
+        """The next message of ``tag``, of ``fallback``'s size, on a pair that shares memory
+        (:attr:`shared`): where the message lies whole in the ring, a tensor like
+        ``fallback`` over it in place (kept until the pair's next receive or
+        :meth:`commit`); else received into ``fallback``."""
+        assert self._link is not None
         self._check()
         body = as_bytes(fallback)
         got = self._through_link(self.timeout, self._link.take, tag, body)
         return fallback if got is body else _over(got, fallback)
 
     def reserve(self, tags: Sequence[int], like: Sequence[torch.Tensor]) -> list[torch.Tensor] | None:
-        """Where the pair shares memory: tensors like ``like``, lying where the peer will
-        read them as the next messages of ``tags`` once filled and :meth:`commit` ted;
-        ``None`` over Gloo or where they do not fit the ring at once."""
-        if self._link is None:
-            return None
+        """On a pair that shares memory (:attr:`shared`): tensors like ``like``, lying where
+        the peer will read them as the next messages of ``tags`` once filled and
+        :meth:`commit` ted; ``None`` where they do not fit the ring at once."""
+        assert self._link is not None
         self._check()
         views = self._through_link(self.timeout, self._link.reserve, tags,
                                    [t.numel() * t.element_size() for t in like])

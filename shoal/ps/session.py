@@ -21,7 +21,9 @@ class Session:
         self._posted: Pending | None = None
         #: where the pair shares memory: the reply's header and vector, in place
         self._room: list[torch.Tensor] | None = None
-        self.ahead = center is not None  #: a pusher: post its next payload's receive early
+        #: a pusher over Gloo: post its next payload's receive early (through shared memory
+        #: a receive is made when it is finished)
+        self.ahead = center is not None and not channel.shared
         if center is not None:
             self.allocate(center)
 
@@ -50,7 +52,6 @@ class Session:
         assert self.payload is not None and self.reply is not None
         ch = self.channel
         if ch.shared:
-            self._posted = None  # a receive through shared memory is made when finished
             payload = ch.take(TAG_DATA, self.payload)
             self._room = ch.reserve([TAG_HEAD, TAG_DATA], [self.head, self.reply])
             return payload, self.reply if self._room is None else self._room[1]
@@ -65,11 +66,10 @@ class Session:
         """Header (and the vector the client expects, even with an error: the client has
         posted its receive), then the error message."""
         ch = self.channel
-        head = ch.pack(Header(kind, ch.client, version=version))
-        data = None
-        if error is not None:
-            data = to_bytes(error.strip().splitlines()[0] if error.strip() else error)
-            head = ch.pack(Header(Kind.ERROR, ch.client, version=version, nbytes=data.numel()))
+        data = None if error is None else \
+            to_bytes(error.strip().splitlines()[0] if error.strip() else error)
+        head = ch.pack(Header(kind, ch.client, version=version) if data is None else
+                       Header(Kind.ERROR, ch.client, version=version, nbytes=data.numel()))
         room, self._room = self._room, None
         if room is not None:  # the reply's room in the ring (the rule wrote it there)
             if vector is not room[1]:
