@@ -12,6 +12,7 @@ import os
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 import uuid
 from pathlib import Path
@@ -25,6 +26,7 @@ from shoal.core.env import free_port
 from shoal.core.starting import ensure_server
 
 REPO = Path(__file__).resolve().parent.parent
+import warm  # noqa: E402  (tests/warm.py: pytest puts tests/ on sys.path)
 
 
 def _gpu_run(config: pytest.Config) -> bool:
@@ -164,6 +166,51 @@ def _one_thread_per_test_process():
         torch.set_num_threads(threads)
 
 
+#: This test process's warm interpreter (tests/warm.py): its process, address and environment.
+_WARM: dict[str, Any] = {}
+
+
+@pytest.fixture(autouse=True, scope="session")
+def _warm_interpreter():
+    """Start this test process's warm interpreter, which the suite's ``python -m shoal``
+    commands are forked from (:func:`run`); it imports torch while the first tests run.
+    ``SHOAL_TEST_COLD=1`` runs every command as a fresh interpreter instead."""
+    if os.environ.get("SHOAL_TEST_COLD") or not sys.platform.startswith("linux"):
+        yield
+        return
+    folder = tempfile.mkdtemp(prefix="shoal-warm-")  # owner-only
+    env = shoal_env()
+    del env["SHOAL_TEST_MARKER"]
+    address = os.path.join(folder, "socket")
+    _WARM.update(address=address, env=env, proc=warm.launch(address, env))
+    try:
+        yield
+    finally:
+        warm.stop(_WARM.pop("proc"))
+        _WARM.clear()
+        for name in os.listdir(folder):
+            os.unlink(os.path.join(folder, name))
+        os.rmdir(folder)
+
+
+_COLD = {"now": False}
+
+
+def pytest_runtest_setup(item: pytest.Item) -> None:
+    _COLD["now"] = item.get_closest_marker("cold") is not None
+
+
+def popen(args: list[str], env: dict[str, str], **kwargs: Any) -> subprocess.Popen:
+    """``subprocess.Popen(args, ...)``, forked from the warm interpreter where ``args`` is a
+    ``python -m shoal`` (or torchrun) command it runs alike (:func:`warm.can_run`) and the
+    test is not marked ``cold``; started afresh where the warm interpreter is gone."""
+    if _WARM and not _COLD["now"] and warm.can_run(args, env, _WARM["env"]) and \
+            warm.ready(_WARM["proc"], _WARM["address"]):
+        with contextlib.suppress(ConnectionError, FileNotFoundError):
+            return warm.WarmPopen(args, address=_WARM["address"], env=env, **kwargs)
+    return subprocess.Popen(args, env=env, **kwargs)
+
+
 def shoal_env(marker: str | None = None) -> dict[str, str]:
     env = dict(os.environ)
     env["PYTHONPATH"] = str(REPO) + os.pathsep + env.get("PYTHONPATH", "")
@@ -193,8 +240,8 @@ def run(args: list[str], timeout: float = 120, env: dict[str, str] | None = None
 def _run_once(args: list[str], timeout: float, env: dict[str, str] | None,
               cwd: Path | None) -> subprocess.CompletedProcess:
     env = env or shoal_env()
-    proc = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            env=env, cwd=cwd or REPO, start_new_session=True)
+    proc = popen(args, env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                 cwd=cwd or REPO, start_new_session=True)
     stray: list[int] = []
     try:
         out, err = proc.communicate(timeout=timeout)

@@ -301,6 +301,19 @@ def sigterm_at(input_shape, num_classes):
     return _SigtermAt(input_shape, num_classes)
 
 
+def mlp_late_in(input_shape, num_classes):
+    """The zoo's mlp; built in the process named ``SHOAL_TEST_LATE_IN`` (``shoal worker 2``),
+    it is ready only ``SHOAL_TEST_LATE_S`` (60) seconds later: a worker that is not ready
+    before a short job ends, or before a joiner comes."""
+    import setproctitle
+
+    from shoal.models import build_model
+
+    if setproctitle.getproctitle() == os.environ.get("SHOAL_TEST_LATE_IN"):
+        time.sleep(float(os.environ.get("SHOAL_TEST_LATE_S", "60")))
+    return build_model("mlp", input_shape, num_classes)
+
+
 def _note(what):
     """Append ``what`` and this process's id to the file ``SHOAL_TEST_COUNT_FILE``."""
     path = os.environ.get("SHOAL_TEST_COUNT_FILE")

@@ -18,7 +18,17 @@ import torch
 
 from shoal.cli import main
 
-from conftest import REPO, one_error_line, run, shoal, shoal_env, started_by, train_here, wait_gone
+from conftest import (
+    REPO,
+    one_error_line,
+    popen,
+    run,
+    shoal,
+    shoal_env,
+    started_by,
+    train_here,
+    wait_gone,
+)
 
 COMMON = ["--model", "mlp", "--dataset", "digits", "--workers", "2", "--epochs", "4"]
 STRATEGY_ARGS = {
@@ -270,11 +280,11 @@ def test_a_killed_server_other_than_0_ends_the_job_naming_it(tmp_path):
     # Ranks 0 and 1 are the servers, 2 and 3 the workers. Server 1 is killed mid-run: every
     # worker's next exchange with it fails, which is its echo, not a lost worker.
     env = shoal_env()
-    proc = subprocess.Popen(
+    proc = popen(
         [sys.executable, "-m", "shoal", "train", "--out", str(tmp_path), "--progress", "plain",
          "--model", "mlp", "--dataset", "digits", "--workers", "2", "--epochs", "500",
          "--strategy", "async-sgd", "--servers", "2"],
-        env=env, cwd=REPO, start_new_session=True, stdout=subprocess.PIPE,
+        env, cwd=REPO, start_new_session=True, stdout=subprocess.PIPE,
         stderr=subprocess.PIPE, text=True)
     try:
         deadline = time.monotonic() + 90

@@ -25,6 +25,7 @@ from conftest import (
     TorchWatch,
     assert_each_sample_once,
     one_error_line,
+    popen,
     samples_trained,
     shoal,
     shoal_env,
@@ -59,12 +60,12 @@ class HeldJob:
         launch = ["torch.distributed.run", "--standalone", "--nproc-per-node", str(workers),
                   "-m", "shoal", "train"] if torchrun else ["shoal", "train", "--workers",
                                                             str(workers)]
-        self.proc = subprocess.Popen(
+        self.proc = popen(
             [sys.executable, "-m", *launch, "--out", str(self.out), "--progress", "plain",
              "--model", f"tests.fixtures_models:{model}", "--dataset", "digits",
              "--epochs", str(EPOCHS), "--schedule", "constant",
-             "--log-every", "1", *args], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
-            text=True, env=self.env, cwd=REPO, start_new_session=True)
+             "--log-every", "1", *args], self.env, stdout=subprocess.DEVNULL,
+            stderr=subprocess.PIPE, text=True, cwd=REPO, start_new_session=True)
         self._reader = threading.Thread(target=self._read, daemon=True)
         self._reader.start()
 
@@ -88,15 +89,22 @@ class HeldJob:
         """Until the job has written the file ``shoal join`` reads."""
         self.wait_for(lambda: (self.out / ".shoal-join" / "job.json").exists(), "the job file")
 
+    def wait_for_steps(self, steps: int) -> None:
+        """Until the job has logged ``steps`` steps (``--log-every 1``)."""
+        metrics = self.out / "metrics.jsonl"
+        self.wait_for(lambda: metrics.exists() and
+                      metrics.read_text().count('"event": "step"') >= steps, f"{steps} steps")
+
     def wait_line(self, text: str) -> None:
         self.wait_for(lambda: any(text in line for line in self.lines), repr(text))
 
     def join_in_background(self, **env: str) -> subprocess.Popen:
         """``shoal join OUT`` started now, its stderr piped (ended at :meth:`stop`)."""
-        self.joiners.append(subprocess.Popen(
-            [sys.executable, "-m", "shoal", "join", str(self.out)], stdout=subprocess.DEVNULL,
-            stderr=subprocess.PIPE, text=True, cwd=REPO, start_new_session=True,
-            env={**self.env, "SHOAL_TEST_MARKER": uuid.uuid4().hex, **env}))
+        self.joiners.append(popen(
+            [sys.executable, "-m", "shoal", "join", str(self.out)],
+            {**self.env, "SHOAL_TEST_MARKER": uuid.uuid4().hex, **env},
+            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, cwd=REPO,
+            start_new_session=True))
         return self.joiners[-1]
 
     @property
@@ -225,6 +233,7 @@ def test_a_worker_joins_a_torchrun_job_with_the_secret_its_ranks_have(held, monk
     assert not (job.out / ".shoal-join").exists()  # rank 0's keeper took it away
 
 
+@pytest.mark.cold  # what the joiner's own process imports
 @pytest.mark.parametrize("strategy, servers", [("async-easgd", 2), ("hogwild", 1)])
 def test_a_worker_joins_an_asynchronous_job_in_place_of_a_killed_one(held, strategy, servers):
     """async-easgd on 2 servers: worker 2 (rank 4: the servers are ranks 0 and 1) is killed
@@ -564,6 +573,7 @@ def test_an_asynchronous_joiner_lost_before_its_first_step_stands_at_the_jobs_st
     job = held("--strategy", "async-easgd", "--tau", "4", "--elastic", "--record-samples",
                "--max-workers", "3", kill=False, workers=2, held_after=0, model="dies_at")
     job.wait_for_job_file()
+    job.wait_for_steps(2)  # the job's step is past 0 when it joins
     joined = shoal("join", str(job.out), timeout=240, env={
         **job.env, "SHOAL_TEST_MARKER": uuid.uuid4().hex, "SHOAL_TEST_DIE_AT": "train:1"})
     assert joined.returncode == 1 and "killed by signal 9" in joined.stderr, joined.stderr
@@ -573,6 +583,24 @@ def test_an_asynchronous_joiner_lost_before_its_first_step_stands_at_the_jobs_st
     assert join["joined"] == [2] and left["left"] == [2] and summary["workers"] == 2
     assert left["step"] >= join["step"] > 0
     assert_each_sample_once(job.out, EPOCHS, TRAIN_ROWS)
+
+
+def test_a_joiner_admitted_before_the_clock_starts_does_not_hold_it(held):
+    """async-easgd: a joiner admitted while worker 1 still builds its model (the run's clock
+    waits for every worker to be able to train). The joiner trains what it is dealt and
+    the clock starts without it (before: the clock waited for it too, which never says it
+    started, and the job hung until --timeout)."""
+    job = held("--strategy", "async-easgd", "--tau", "4", "--elastic", "--max-workers", "3",
+               "--timeout", "60", kill=False, workers=2, model="mlp_late_in",
+               env={"SHOAL_TEST_LATE_IN": "shoal worker 1", "SHOAL_TEST_LATE_S": "6"})
+    job.wait_for_job_file()
+    joined = shoal("join", str(job.out), timeout=120,
+                   env={**job.env, "SHOAL_TEST_MARKER": uuid.uuid4().hex})
+    assert joined.returncode == 0, joined.stderr
+    assert job.finish(timeout=60) == 0, job.stderr
+    summary = json.loads((job.out / "summary.json").read_text())
+    [join] = summary["membership_changes"]
+    assert join["joined"] == [2] and join["step"] == 0 and summary["workers"] == 3
 
 
 def test_a_member_lost_as_a_worker_joins(held):

@@ -16,6 +16,7 @@ from conftest import (
     TRAIN_ROWS,
     assert_each_sample_once,
     shoal,
+    shoal_env,
     step_workers,
     train_here,
     train_losing,
@@ -130,15 +131,17 @@ def test_a_restart_starts_the_workers_the_checkpoint_can_go_on_on(tmp_path, stra
 
 def test_a_joiner_started_at_resume_that_the_job_ends_before_is_said_and_stopped(tmp_path):
     """``--resume --workers 3`` of a hogwild checkpoint of 2 workers whose rest (a second of
-    training) ends before the joiner the launcher started is ready: the job ends 0 on its 2,
-    the launcher says in one line that the joiner did not join, stops it at once (not
-    waiting out its connection's timeouts) and leaves no process behind."""
+    training) ends before the joiner the launcher started is ready (its model takes 60 s to
+    build): the job ends 0 on its 2, the launcher says in one line that the joiner did not
+    join, stops it at once (not waiting out its connection's timeouts) and leaves no process
+    behind."""
     out = tmp_path / "run"
-    args = ["--model", "mlp", "--dataset", "digits", "--strategy", "hogwild", "--elastic",
-            "--epochs", "2"]
+    args = ["--model", "tests.fixtures_models:mlp_late_in", "--dataset", "digits",
+            "--strategy", "hogwild", "--elastic", "--epochs", "2"]
     train_here(out, *args, "--workers", "2", "--stop-at-step", "40")
     res = shoal("train", "--out", str(out), "--progress", "plain", *args, "--workers", "3",
-                "--resume", timeout=120)
+                "--resume", timeout=120,
+                env={**shoal_env(), "SHOAL_TEST_LATE_IN": "shoal worker 2"})
     assert res.returncode == 0, res.stderr
     assert "shoal: a worker started to join at --resume did not: the job ended before it " \
         "joined" in res.stderr.splitlines()

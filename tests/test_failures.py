@@ -13,7 +13,7 @@ import pytest
 
 from shoal.cli import main
 
-from conftest import REPO, marked_processes, one_error_line, run, shoal_env, wait_gone
+from conftest import REPO, marked_processes, one_error_line, popen, run, shoal_env, wait_gone
 
 JOB = ["train", "--dataset", "digits", "--workers", "3", "--epochs", "2", "--timeout", "120",
        "--progress", "none"]
@@ -95,10 +95,9 @@ def test_debug_shows_the_workers_traceback(tmp_path, capfd, monkeypatch):
 def test_workers_die_with_a_killed_launcher(tmp_path):
     """kill -9 of `shoal train` itself (not its process group) leaves no worker behind."""
     marker = uuid.uuid4().hex
-    proc = subprocess.Popen([sys.executable, "-m", "shoal", *JOB, "--epochs", "500", "--out",
-                             str(tmp_path)], env=shoal_env(marker), cwd=REPO,
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                            start_new_session=True)
+    proc = popen([sys.executable, "-m", "shoal", *JOB, "--epochs", "500", "--out",
+                  str(tmp_path)], shoal_env(marker), cwd=REPO,
+                 stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
     try:
         deadline = time.monotonic() + 60
         while not (tmp_path / "metrics.jsonl").exists() and time.monotonic() < deadline:

@@ -19,7 +19,15 @@ import shoal
 from shoal.core.env import free_port
 from shoal.core.failures import EXIT_ABORTED
 
-from conftest import REPO, marked_processes, one_error_line, shoal_env, started_by, wait_gone
+from conftest import (
+    REPO,
+    marked_processes,
+    one_error_line,
+    popen,
+    shoal_env,
+    started_by,
+    wait_gone,
+)
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -51,8 +59,8 @@ def thread_names(pid: int) -> set[str]:
 @contextlib.contextmanager
 def session(args: list[str], marker: str, env: dict[str, str] | None = None):
     """``args`` in a new session; it and every process carrying ``marker`` are killed after."""
-    proc = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            env=env or shoal_env(marker), cwd=REPO, start_new_session=True)
+    proc = popen(args, env or shoal_env(marker), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                 text=True, cwd=REPO, start_new_session=True)
     try:
         yield proc
     finally:

@@ -64,12 +64,14 @@ comm = shoal.init(timeout=60)
 t = torch.ones(2)
 comm.all_reduce(t)
 leave = {LEAVES}.get(comm.rank)
+# Each line in one write (a pipe keeps a short write whole; print's pieces, unbuffered
+# where PYTHONUNBUFFERED is set, would mix with the other ranks').
 if leave is not None:
-    print("rank", comm.rank, "ends by", leave, flush=True)
+    os.write(1, f"rank {{comm.rank}} ends by {{leave}}\\n".encode())
     exec(leave)  # its script ends here
 else:
     time.sleep(3)  # rank 0 goes on working alone, with no collective left to do
-    print("rank", comm.rank, "sum", t[0].item(), flush=True)
+    os.write(1, f"rank {{comm.rank}} sum {{t[0].item()}}\\n".encode())
 """
 #: How ranks 1, 2 and 3 of one job finish while rank 0 goes on alone.
 FINISHES = ["pass", "sys.exit(0)", "os._exit(0)"]

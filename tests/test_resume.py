@@ -19,6 +19,7 @@ from conftest import (
     REPO,
     checkpoint_params,
     max_param_diff,
+    popen,
     run,
     shoal_env,
     started_by,
@@ -53,8 +54,8 @@ def test_killed_run_resumes_from_its_last_checkpoint(tmp_path, reference):
     args = [sys.executable, "-m", "shoal", "train", "--out", str(tmp_path), "--progress", "none",
             *CONFIG, "--checkpoint-every", "5", "--log-every", "1"]
     env = shoal_env()
-    proc = subprocess.Popen(args, env=env, cwd=REPO, start_new_session=True,
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    proc = popen(args, env, cwd=REPO, start_new_session=True, stdout=subprocess.DEVNULL,
+                 stderr=subprocess.DEVNULL)
     metrics = tmp_path / "metrics.jsonl"
     deadline = time.monotonic() + 60
     try:
@@ -92,8 +93,8 @@ def _start(tmp_path, *extra, env=None):
     """Start ``shoal train`` with CONFIG in the background; returns the Popen."""
     args = [sys.executable, "-m", "shoal", "train", "--out", str(tmp_path / "run"),
             "--progress", "none", *CONFIG, "--log-every", "1", *extra]
-    return subprocess.Popen(args, env=env or shoal_env(), cwd=REPO, start_new_session=True,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    return popen(args, env or shoal_env(), cwd=REPO, start_new_session=True,
+                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
 
 def _wait_for_step(run_dir: Path, proc, step: int, timeout: float = 60) -> None:

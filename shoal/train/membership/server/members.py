@@ -303,6 +303,8 @@ class AsyncMembers:
         live = c.live - c.finals.keys()  # its step: the furthest live worker's now
         self.dealer.admit(joiner, live, self._job_step(live), epoch)
         c.live.add(joiner)
+        if c.started is not None:  # it trains what it is dealt: the clock waits not for it
+            c.started.add(joiner)
         c.recorder.changes = self.dealer.changes
         return epoch
 
