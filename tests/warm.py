@@ -155,25 +155,18 @@ def _run_command(request: dict[str, Any]) -> int:
         else:
             print(stop.code, file=sys.stderr)
             status = 1
-    except KeyboardInterrupt:
-        _finish()
+    except KeyboardInterrupt:  # as an interpreter ends on one: by SIGINT
         signal.signal(signal.SIGINT, signal.SIG_DFL)
         os.kill(os.getpid(), signal.SIGINT)
     except BaseException:
         sys.excepthook(*sys.exc_info())
         status = 1
-    _finish()
+    threading._shutdown()  # type: ignore[attr-defined]  # as an interpreter's exit
     atexit._run_exitfuncs()
     for stream in (sys.stdout, sys.stderr):
         with contextlib.suppress(Exception):
             stream.flush()
     return status
-
-
-def _finish() -> None:
-    """What an interpreter does before its exit handlers: wait for non-daemon threads."""
-    with contextlib.suppress(Exception):
-        threading._shutdown()  # type: ignore[attr-defined]
 
 
 _BASE_PATH: list[str] = []
