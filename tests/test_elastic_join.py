@@ -89,11 +89,13 @@ class HeldJob:
         """Until the job has written the file ``shoal join`` reads."""
         self.wait_for(lambda: (self.out / ".shoal-join" / "job.json").exists(), "the job file")
 
-    def wait_for_steps(self, steps: int) -> None:
-        """Until the job has logged ``steps`` steps (``--log-every 1``)."""
-        metrics = self.out / "metrics.jsonl"
-        self.wait_for(lambda: metrics.exists() and
-                      metrics.read_text().count('"event": "step"') >= steps, f"{steps} steps")
+    def wait_for_records(self, lines: int) -> None:
+        """Until a worker has written ``lines`` lines of its ``--record-samples`` (it trained
+        and exchanged)."""
+        def written() -> int:
+            return max((len(p.read_text().splitlines())
+                        for p in (self.out / "samples").glob("worker*.jsonl")), default=0)
+        self.wait_for(lambda: written() >= lines, f"{lines} lines of samples")
 
     def wait_line(self, text: str) -> None:
         self.wait_for(lambda: any(text in line for line in self.lines), repr(text))
@@ -573,7 +575,7 @@ def test_an_asynchronous_joiner_lost_before_its_first_step_stands_at_the_jobs_st
     job = held("--strategy", "async-easgd", "--tau", "4", "--elastic", "--record-samples",
                "--max-workers", "3", kill=False, workers=2, held_after=0, model="dies_at")
     job.wait_for_job_file()
-    job.wait_for_steps(2)  # the job's step is past 0 when it joins
+    job.wait_for_records(2)  # the job's step is past 0 when it joins
     joined = shoal("join", str(job.out), timeout=240, env={
         **job.env, "SHOAL_TEST_MARKER": uuid.uuid4().hex, "SHOAL_TEST_DIE_AT": "train:1"})
     assert joined.returncode == 1 and "killed by signal 9" in joined.stderr, joined.stderr
