@@ -1,7 +1,6 @@
-"""A warm interpreter that the suite's ``python -m shoal ...`` (and torchrun) commands are
-forked from.
+"""A warm interpreter the suite's ``python -m shoal ...`` (and torchrun) commands fork from.
 
-Each test process of ``make test`` starts one (:func:`start`): it imports torch and shoal
+Each test process of ``make test`` starts one (:func:`launch`): it imports torch and shoal
 once, then forks a process for each command a test runs (:class:`WarmPopen`, a
 :class:`subprocess.Popen` in every way a test uses one). That process is the command as
 ``python -m shoal ARGS`` would be, but for its start: the test's arguments, environment,
@@ -52,15 +51,22 @@ def _fields() -> list[str]:
     return stat[stat.rindex(")") + 2:].split()
 
 
-def _write_area(start: int, end: int, items: list[str]) -> bool:
+def _block(items: list[str]) -> bytes:
+    """``items`` as a process's arguments or environment lie in its memory."""
+    return b"".join(os.fsencode(item) + b"\0" for item in items)
+
+
+def _environ(env: dict[str, str]) -> list[str]:
+    return [f"{k}={v}" for k, v in env.items()]
+
+
+def _write_area(start: int, end: int, items: list[str]) -> None:
     """Put ``items`` (NUL-separated, NUL-padded) where this process's original arguments or
     environment lie (``/proc/PID/stat``'s fields 48-51): what ``/proc/PID/cmdline`` and
-    ``environ`` read. False where they do not fit."""
-    data = b"".join(os.fsencode(item) + b"\0" for item in items)
-    if len(data) > end - start:
-        return False
+    ``environ`` read. They fit (:func:`can_run` checked)."""
+    data = _block(items)
+    assert len(data) <= end - start, "the warm interpreter has no room for them"
     ctypes.memmove(start, data + b"\0" * (end - start - len(data)), end - start)
-    return True
 
 
 # -- the warm interpreter ---------------------------------------------------------------
@@ -140,7 +146,7 @@ def _run_command(request: dict[str, Any]) -> int:
     fields = _fields()
     argv = request["args"]
     _write_area(int(fields[45]), int(fields[46]), argv)
-    _write_area(int(fields[47]), int(fields[48]), [f"{k}={v}" for k, v in env.items()])
+    _write_area(int(fields[47]), int(fields[48]), _environ(env))
     paths = [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]
     sys.path[:] = [os.getcwd(), *paths, *_BASE_PATH]
     sys.argv = [argv[0], *argv[3:]]
@@ -172,23 +178,18 @@ def _run_command(request: dict[str, Any]) -> int:
 _BASE_PATH: list[str] = []
 
 
-def _serve_request(conn: socket.socket, listener: socket.socket, wake: tuple[int, int]) -> int:
+def _serve_request(conn: socket.socket, listener: socket.socket) -> int:
     """Fork the command ``conn`` asks for; its pid (0 where the request was unreadable)."""
     head, fds, _, _ = socket.recv_fds(conn, 8, 3)
-    if len(head) < 8 or len(fds) != 3:
-        return 0
-    size = int.from_bytes(head, "little")
-    body = b""
-    while len(body) < size:
-        chunk = conn.recv(size - len(body))
-        if not chunk:
-            return 0
-        body += chunk
-    request = pickle.loads(body)
-    sys.stdout.flush()
-    sys.stderr.flush()
-    pid = os.fork()
-    if pid:
+    request, pid = None, 0
+    with contextlib.suppress(OSError, EOFError, pickle.UnpicklingError):
+        if len(head) == 8 and len(fds) == 3:
+            request = pickle.loads(_recv_exactly(conn, int.from_bytes(head, "little")))
+    if request is not None:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        pid = os.fork()
+    if pid or request is None:  # the streams are the command's alone
         for fd in fds:
             os.close(fd)
         return pid
@@ -243,8 +244,8 @@ def serve(address: str) -> None:
         ready, _, _ = select.select([listener, wake[0]], [], [], 1.0)
         if listener in ready:
             conn = listener.accept()[0]
-            with contextlib.suppress(OSError, EOFError, pickle.UnpicklingError):
-                pid = _serve_request(conn, listener, wake)
+            with contextlib.suppress(OSError):  # the test's end of it closed early
+                pid = _serve_request(conn, listener)
                 if pid:
                     conn.sendall(_STATUS.pack(pid))
                     waiting[pid] = conn
@@ -304,7 +305,7 @@ def can_run(args: list[str], env: dict[str, str], warm_env: dict[str, str]) -> b
     if args[:2] != [sys.executable, "-m"] or args[2:3] not in (["shoal"], [TORCHRUN]) or \
             "--debug" in args:
         return False
-    if len(b"".join(os.fsencode(a) + b"\0" for a in args)) > ARGV_ROOM:
+    if len(_block(args)) > ARGV_ROOM or len(_block(_environ(env))) > ENV_ROOM:
         return False
     keys = {k for k in env.keys() | warm_env.keys() if k.startswith(READ_AT_START)}
     return all(env.get(k) == warm_env.get(k) for k in keys - {"PYTHONPATH"})
