@@ -721,9 +721,11 @@ def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None):
         # The session's fork server reaps what it forked for in-process runs: its own and
         # its reaped children's user and system ticks.
         pid = getattr(multiprocessing.forkserver._forkserver, "_forkserver_pid", None)
-        server = sum(map(int, _stat_fields(pid)[11:15])) if pid is not None else 0
+        # The warm interpreter (tests/warm.py) reaps the commands it forked likewise.
+        pids = [pid, _WARM["proc"].pid if _WARM else None]
+        ticks = sum(sum(map(int, _stat_fields(p)[11:15])) for p in pids if p is not None)
         return (own.ru_utime + own.ru_stime + kids.ru_utime + kids.ru_stime
-                + server / os.sysconf("SC_CLK_TCK"))
+                + ticks / os.sysconf("SC_CLK_TCK"))
 
     start, used = time.monotonic(), cpu()
     yield

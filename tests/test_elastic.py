@@ -243,6 +243,70 @@ def test_a_chain_of_collectives_is_left_as_soon_as_its_meeting_is_voted_failed()
         m.inflight.stop(timeout=5)
 
 
+def test_the_in_flight_watch_outlives_a_failed_store_call_and_a_decision_deleted():
+    """A store call of the in-flight poll thread that fails once does not end the watch:
+    before, it ended the poll thread for good, and the next member lost left this one in
+    Gloo for the collectives' timeout (120 s, seen once in a whole suite). The thread reads
+    a decision without waiting (a decision deleted between its check and its get, as every
+    member is past the meeting, held it for the client's timeout, then raised): one
+    deleted while watched is not a failed meeting."""
+    import time
+    from datetime import timedelta
+
+    import torch
+    import torch.distributed as dist
+
+    from shoal.core.inflight import FutureWork, InFlight
+
+    class Failing(dist.Store):  # the store, whose calls fail while ``fails`` > 0
+        def __init__(self) -> None:
+            super().__init__()
+            self.inner, self.fails = dist.HashStore(), 0
+
+        def _call(self, name: str, *args):
+            if self.fails > 0:
+                self.fails -= 1
+                raise RuntimeError("a store call failed")
+            return getattr(self.inner, name)(*args)
+
+        def set(self, key, value):
+            return self._call("set", key, value)
+
+        def get(self, key):
+            return self._call("get", key)
+
+        def check(self, keys):
+            return self._call("check", keys)
+
+        def compare_set(self, key, expected, desired):
+            return self._call("compare_set", key, expected, desired)
+
+    store = Failing()
+    store.inner.set_timeout(timedelta(seconds=30))
+    inflight = InFlight(lambda: store, "p")
+
+    def left_within(seconds: float, decision: str, fails: int = 0) -> bool:
+        watched = inflight.watch(FutureWork(torch.futures.Future()), decision)  # hung
+        store.fails = fails
+        store.inner.set(f"p/{decision}", "abort")
+        deadline = time.monotonic() + seconds
+        while not watched.done() and time.monotonic() < deadline:
+            time.sleep(0.02)
+        return watched.done()
+
+    try:
+        committed = inflight.watch(FutureWork(torch.futures.Future()), "0/0/decision")
+        store.inner.set("p/0/0/decision", "commit")
+        time.sleep(0.2)  # looked at, and not failed
+        store.inner.delete_key("p/0/0/decision")  # every member past it: forgotten
+        time.sleep(0.2)
+        assert not committed.done()
+        assert left_within(5, "0/1/decision", fails=1), "a failed store call ended the watch"
+        assert left_within(5, "0/2/decision")
+    finally:
+        inflight.stop(timeout=5)
+
+
 def test_a_slow_meeting_watches_the_heartbeats_so_a_stopped_member_is_gone_one_timeout_on():
     """While a meeting is waited on for more than a second, the in-flight poll thread looks at
     the members' heartbeat counters: a member whose counter stood still since is gone one

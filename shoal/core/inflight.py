@@ -50,6 +50,8 @@ SLICED = "Operation timed out"  # how a wait's slice ends (Work.wait)
 #: Seconds a meeting is waited on before the poll thread looks at the members' heartbeats
 #: too (:attr:`InFlight.observe`), and between two such looks.
 SLOW = 1.0
+RETRY = 0.5  # seconds before the poll thread looks again after a store call failed
+_NO_DECISION = "?"  # never a meeting's decision (see InFlight._aborted)
 #: decision key, shoal's future, Gloo's work, when it was started (this process's clock)
 _Entry = tuple[str, torch.futures.Future, Any, float]
 
@@ -200,13 +202,16 @@ class InFlight:
             waiter.join(timeout)
 
     def _poll(self) -> None:
-        """:meth:`_watch` until stopped or the job's store is gone: then the process that
-        held it is, and the watchdog ends this one (a traceback here would only garble
-        the line that says so)."""
-        try:
-            self._watch()
-        except (RuntimeError, OSError) as exc:  # torch's store errors are RuntimeErrors
-            log.debug("shoal: the in-flight watch stopped: the job's store is gone (%s)", exc)
+        """:meth:`_watch` until stopped. A store call that fails does not end the watch: a
+        watch ended by one error would leave this member waiting out the collective's
+        timeout at the next lost member. Where the job's store is gone, the watchdog ends
+        this process (a traceback here would only garble the line that says so)."""
+        while not self._stop.is_set():
+            try:
+                self._watch()
+            except (RuntimeError, OSError) as exc:  # torch's store errors are RuntimeErrors
+                log.debug("shoal: a look of the in-flight watch failed (%s)", exc)
+                self._stop.wait(RETRY)
 
     def _watch(self) -> None:
         """Fail the futures of every meeting decided ``abort`` while waited on; decide a
@@ -248,8 +253,11 @@ class InFlight:
             ours.set_exception(RuntimeError(ABANDONED))
 
     def _aborted(self, key: str) -> bool:
-        keys = self._keys
-        return bool(keys.check([key])) and keys.get(key) == b"abort"
+        """Whether the meeting's decision is ``abort``, read without waiting: a decision
+        deleted after a check (every member is past the meeting) would hold a get for the
+        client's timeout. A compare-and-set that never matches answers the value, or the
+        probe where there is none."""
+        return bytes(self._keys.compare_set(key, _NO_DECISION, _NO_DECISION)) == b"abort"
 
 
 def leave_group(inflight: InFlight) -> None:
