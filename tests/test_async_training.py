@@ -137,6 +137,7 @@ def check_resumed(out, resumed, counted=True):
         assert 0 < resumed["comm_fraction"] < 1
 
 
+@pytest.mark.cold  # rank 1 signals its parent, torchrun (forked warm, a rank's parent differs)
 def test_sigterm_under_torchrun_checkpoints_and_resumes_exactly(tmp_path):
     """torchrun (as Slurm's srun) starts the server and the workers itself; its SIGTERM
     reaches every rank, which stops, checkpoints and says so, as under shoal's launcher; the

@@ -1,17 +1,16 @@
 """shoal's strategies in a Hugging Face Trainer (shoal.integrations.hf_trainer).
 
-One ``torchrun`` of 2 CPU processes (Gloo) runs tests/hf_trainer_job.py: for each case the
-example (examples/hf_trainer_diloco.py) learns the bundled digits, and its parameters equal,
-bit for bit, shoal's own loop with the same strategy, seed and batches (the Trainer's own
-loader); a checkpoint holds every rank's strategy state and resuming from it continues
-exactly; what a ShoalTrainer cannot run is refused in one line.
+One ``torchrun`` (``python -m torch.distributed.run``) of 2 CPU processes (Gloo) runs
+tests/hf_trainer_job.py: for each case the example (examples/hf_trainer_diloco.py) learns
+the bundled digits, and its parameters equal, bit for bit, shoal's own loop with the same
+strategy, seed and batches (the Trainer's own loader); a checkpoint holds every rank's
+strategy state and resuming from it continues exactly; what a ShoalTrainer cannot run is refused in one line.
 """
 
 from __future__ import annotations
 
 import json
 import sys
-from pathlib import Path
 
 import pytest
 
@@ -35,11 +34,11 @@ CASES = {
 @pytest.fixture(scope="module")
 def ranks(tmp_path_factory) -> list[dict]:
     out = tmp_path_factory.mktemp("hf_trainer")
-    launcher = Path(sys.executable).parent / "torchrun"
-    env = {**shoal_env(), "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
-    res = run([str(launcher), "--nproc-per-node", "2", "--master-port", str(free_port()),
-               str(REPO / "tests" / "hf_trainer_job.py"), str(out), json.dumps(CASES),
-               str(EPOCHS)], timeout=300, env=env, cwd=REPO)
+    # torchrun (as python -m, which the suite forks warm) sets OMP_NUM_THREADS=1 for each rank.
+    env = {**shoal_env(), "TOKENIZERS_PARALLELISM": "false"}
+    res = run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
+               "--master-port", str(free_port()), str(REPO / "tests" / "hf_trainer_job.py"),
+               str(out), json.dumps(CASES), str(EPOCHS)], timeout=300, env=env, cwd=REPO)
     assert res.returncode == 0, (res.stdout + res.stderr)[-4000:]
     return [json.loads((out / f"rank{r}.json").read_text()) for r in range(2)]
 

@@ -20,6 +20,7 @@ from conftest import (
     assert_went_on_without,
     run,
     shoal_env,
+    slurmctld_runs,
 )
 
 CONF = "/etc/shoal-slurm-nodes/slurm.conf"
@@ -28,6 +29,8 @@ CONF = "/etc/shoal-slurm-nodes/slurm.conf"
 @functools.cache
 def nodes_up() -> bool:
     """Whether the two emulated nodes take jobs."""
+    if not slurmctld_runs():
+        return False
     try:
         res = subprocess.run(["ip", "netns", "exec", "slurm-emu1", "sinfo", "-h", "-N", "-o",
                               "%T"], capture_output=True, text=True, timeout=10,

@@ -10,7 +10,10 @@ the latter). The server the command starts for its workers is forked from it too
 started as a fresh interpreter, but runs the same code (multiprocessing's own ``main``):
 each command saves the import of torch (and of shoal's training modules) that its
 process or its server made: about 1.3 s of CPU, most of what a small job costs. Under
-torchrun, its own process is forked from here; its ranks start as ever.
+torchrun (``python -m torch.distributed.run``), its own process is forked from here, and so
+are its ranks (``python -u -m MODULE`` or ``python -u SCRIPT``): torchrun asks this
+interpreter for them, so a rank's parent is this interpreter, not torchrun (a test that
+signals a rank's parent runs cold).
 
 What a fresh interpreter would do differently is not tested through this: tests of a
 command's start-up (what it imports, when its server starts) run it cold, and so does a
@@ -22,6 +25,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import io
 import os
 import pickle
 import select
@@ -131,9 +135,24 @@ def _titled(title: str) -> None:
     _TITLE(title)
 
 
+def _form(args: list[str]) -> tuple[bool, str, str] | None:
+    """What ``args`` run: (``-u`` given, ``-m``'s module or "", the script or ""), for the
+    forms a test's command (``python -m MODULE ...``) and a torchrun rank (``python -u -m
+    MODULE ...``, ``python -u SCRIPT ...``) take; ``None`` for any other."""
+    if args[:1] != [sys.executable]:
+        return None
+    unbuffered = args[1:2] == ["-u"]
+    rest = args[1 + unbuffered:]
+    if rest[:1] == ["-m"] and len(rest) > 1:
+        return unbuffered, rest[1], ""
+    if unbuffered and rest and rest[0].endswith(".py") and os.path.isfile(rest[0]):
+        return unbuffered, "", rest[0]
+    return None
+
+
 def _run_command(request: dict[str, Any]) -> int:
-    """In the forked process: become ``python -m shoal ARGS`` as ``request`` says; its
-    status."""
+    """In the forked process: become ``python -m shoal ARGS`` (or a form :func:`_form`
+    reads) as ``request`` says; its status."""
     import atexit
     import runpy
 
@@ -147,12 +166,20 @@ def _run_command(request: dict[str, Any]) -> int:
     argv = request["args"]
     _write_area(int(fields[45]), int(fields[46]), argv)
     _write_area(int(fields[47]), int(fields[48]), _environ(env))
+    unbuffered, module, script = _form(argv) or (False, "", "")
     paths = [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]
-    sys.path[:] = [os.getcwd(), *paths, *_BASE_PATH]
-    sys.argv = [argv[0], *argv[3:]]
+    first = os.path.dirname(os.path.abspath(script)) if script else os.getcwd()
+    sys.path[:] = [first, *paths, *_BASE_PATH]
+    sys.argv = [argv[0], *argv[3 + unbuffered:]] if module else argv[2:]
+    _as_started(unbuffered, env.get("OMP_NUM_THREADS"))
+    if module == TORCHRUN:
+        _ranks_forked_here(env)
     status = 0
     try:
-        runpy.run_module(argv[2], run_name="__main__", alter_sys=True)
+        if module:
+            runpy.run_module(module, run_name="__main__", alter_sys=True)
+        else:
+            runpy.run_path(script, run_name="__main__")
     except SystemExit as stop:
         if stop.code is None:
             status = 0
@@ -176,6 +203,55 @@ def _run_command(request: dict[str, Any]) -> int:
 
 
 _BASE_PATH: list[str] = []
+#: Where this warm interpreter serves (a torchrun forked from it asks it for its ranks).
+_ADDRESS: list[str] = []
+
+
+def _as_started(unbuffered: bool, threads: str | None) -> None:
+    """What ``-u`` and ``OMP_NUM_THREADS`` (torchrun's ranks get both) would have done as the
+    interpreter and torch started: streams that write through, torch's intra-op threads."""
+    if unbuffered:
+        for name, fd in (("stdout", 1), ("stderr", 2)):
+            old = getattr(sys, name)
+            setattr(sys, name, io.TextIOWrapper(io.FileIO(fd, "w", closefd=False),
+                                                encoding=old.encoding, errors=old.errors,
+                                                write_through=True))
+    if threads is not None:
+        import torch
+
+        torch.set_num_threads(int(threads))
+
+
+def _rank_alike(args: list[str], env: dict[str, str], agent: dict[str, str]) -> bool:
+    """Whether torchrun's rank ``args`` with ``env`` runs alike forked from here: a form
+    :func:`_form` reads, with what an interpreter reads as it starts as in torchrun's own
+    environment ``agent`` (which ran alike), but ``OMP_NUM_THREADS`` as a whole number."""
+    if _form(args) is None or len(_block(args)) > ARGV_ROOM or \
+            len(_block(_environ(env))) > ENV_ROOM:
+        return False
+    keys = {k for k in env.keys() | agent.keys() if k.startswith(READ_AT_START)}
+    threads = env.get("OMP_NUM_THREADS", "1")
+    return threads.isdigit() and int(threads) > 0 and all(
+        env.get(k) == agent.get(k) for k in keys - {"PYTHONPATH", "OMP_NUM_THREADS"})
+
+
+def _ranks_forked_here(agent: dict[str, str]) -> None:
+    """In a torchrun forked from here: its ranks are forked from here too where they run
+    alike (:func:`_rank_alike`): children of this interpreter, not of torchrun, which
+    watches, signals and waits for them through :class:`WarmPopen` as through any Popen."""
+    from torch.distributed.elastic.multiprocessing.subprocess_handler import (
+        subprocess_handler as handler,
+    )
+
+    fresh = handler.SubprocessHandler._popen
+
+    def forked(self: Any, args: tuple[str, ...], env: dict[str, str]) -> subprocess.Popen:
+        if not _rank_alike(list(args), env, agent):
+            return fresh(self, args, env)
+        return WarmPopen(list(args), address=_ADDRESS[0], env=env, stdout=self._stdout,
+                         stderr=self._stderr, start_new_session=True)
+
+    handler.SubprocessHandler._popen = forked
 
 
 def _serve_request(conn: socket.socket, listener: socket.socket) -> int:
@@ -235,6 +311,7 @@ def serve(address: str) -> None:
     os.set_blocking(wake[1], False)
     signal.set_wakeup_fd(wake[1])
     signal.signal(signal.SIGCHLD, lambda *_: None)
+    _ADDRESS[:] = [address]
     listener = socket.socket(socket.AF_UNIX)
     listener.bind(address + ".new")
     os.rename(address + ".new", address)  # ready once it is there
