@@ -35,7 +35,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import children_of, kill_job, shoal_env, wait_gone
+from conftest import children_of, kill_job, popen, shoal_env, wait_gone
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -84,9 +84,8 @@ class Job:
         self.log = tmp_path / "log"
         self.watch: Callable[[], None] = lambda: None  # called as each wait polls
         with open(self.log, "wb") as log:
-            self.proc = subprocess.Popen([sys.executable, "-m", *args], env=env, cwd=tmp_path,
-                                         stdout=log, stderr=subprocess.STDOUT,
-                                         start_new_session=True)
+            self.proc = popen([sys.executable, "-m", *args], env=env, cwd=tmp_path,
+                              stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
 
     def __enter__(self) -> Job:
         return self
@@ -173,7 +172,12 @@ def _killed_in(tmp_path: Path, phase: str, elastic: bool, epochs: str,
     return job, pid
 
 
-@pytest.mark.parametrize(("phase", "elastic"), [("start-up", False), ("training", False),
+#: A start-up phase is a fresh interpreter's (its server imports torch): run cold. The other
+#: phases' commands are forked from the warm interpreter (conftest.popen).
+START_UP = pytest.param("start-up", False, marks=pytest.mark.cold)
+
+
+@pytest.mark.parametrize(("phase", "elastic"), [START_UP, ("training", False),
                                                 ("shutdown", False), ("training", True)])
 def test_a_lost_fork_server_is_named_in_one_line(tmp_path, phase, elastic):
     job, server = _killed_in(tmp_path, phase, elastic, "1" if phase == "shutdown" else "200",
@@ -212,7 +216,7 @@ def test_a_killed_work_process_is_named_and_its_join_file_taken_away(tmp_path):
     assert not (tmp_path / "out" / ".shoal-join").exists()
 
 
-@pytest.mark.parametrize(("phase", "elastic"), [("start-up", False), ("training", True),
+@pytest.mark.parametrize(("phase", "elastic"), [START_UP, ("training", True),
                                                 ("shutdown", False)])
 def test_a_lost_resource_tracker_is_survived(tmp_path, phase, elastic):
     job, _ = _killed_in(tmp_path, phase, elastic, "1" if phase == "shutdown" else "3", _tracker)
@@ -239,6 +243,7 @@ def _torchrun(tmp_path: Path, epochs: str, elastic: bool) -> Job:
                           *(["--elastic"] if elastic else [])])
 
 
+@pytest.mark.cold  # the keepers are torchrun's children (forked warm, the interpreter's)
 @pytest.mark.parametrize(("phase", "elastic"), [("start-up", True), ("training", True),
                                                 ("training", False)])
 def test_under_torchrun_a_lost_keeper_ends_the_job(tmp_path, phase, elastic):
@@ -297,6 +302,7 @@ def lost(tmp_path_factory):
     return tmp_path, job, children, names.seen
 
 
+@pytest.mark.cold  # the keepers are torchrun's children (forked warm, the interpreter's)
 class TestUnderTorchrunAKeepersWorker:
     """One torchrun ``--elastic`` job: each rank's process (its keeper) forks its worker
     itself (no fork server, no resource tracker of its own); while it trains, rank 1's

@@ -40,6 +40,7 @@ from conftest import (
     mpirun_failed_to_start,
     needs_mpirun,
     one_error_line,
+    popen,
     shoal_env,
     started_by,
     wait_gone,
@@ -113,8 +114,8 @@ class Job:
 
     def _start(self) -> None:
         with open(self.log, "wb") as log:
-            self.proc = subprocess.Popen(self.args, env=self.env, cwd=self.dir, stdout=log,
-                                         stderr=subprocess.STDOUT, start_new_session=True)
+            self.proc = popen(self.args, env=self.env, cwd=self.dir, stdout=log,
+                              stderr=subprocess.STDOUT, start_new_session=True)
 
     def __enter__(self) -> Job:
         return self
@@ -179,7 +180,10 @@ def _command(kind: str, tmp_path: Path) -> tuple[list[str], int]:
     return [sys.executable, "-m", "shoal", *JOBS[kind], "--out", "out"], 3 if kind == "async" else 2
 
 
-@pytest.mark.parametrize("phase", ["start-up", "rendezvous", "training", "shutdown"])
+# The start-up phase is a fresh interpreter's: its first worker imports torch (cold). The
+# others' commands are forked from the warm interpreter (conftest.popen), as their workers are.
+@pytest.mark.parametrize("phase", [pytest.param("start-up", marks=pytest.mark.cold),
+                                   "rendezvous", "training", "shutdown"])
 @pytest.mark.parametrize("kind", ["sync", "async", "run"])
 def test_nothing_outlives_a_killed_launcher(tmp_path, kind, phase):
     cmd, ranks = _command(kind, tmp_path)
@@ -247,6 +251,7 @@ def test_loader_processes_go_with_their_worker(tmp_path):
         job.kill_launcher()
 
 
+@pytest.mark.cold  # the processes a fresh command starts first
 def test_a_huge_server_count_starts_nothing(tmp_path):
     """``--servers 100000``: one line and status 2 before any worker or server starts. The
     only processes it starts are the three that ``shoal train`` starts first (multiprocessing's
@@ -311,6 +316,7 @@ def test_sigterm_during_start_up_stops_it(tmp_path):
         assert wait_gone(job.marker, GONE_S) == []  # the resource tracker ends after it
 
 
+@pytest.mark.cold  # its workers import torch as they start
 @pytest.mark.parametrize("started", [1, 2], ids=["while-starting", "while-importing"])
 def test_sigterm_to_shoal_train_in_start_up_stops_every_process(tmp_path, started):
     """SIGTERM to ``shoal train`` while its workers start (one started), or once both are
