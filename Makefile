@@ -28,7 +28,9 @@ test: $(STAMP)
 	@# Byte-compiled once: the suite starts hundreds of interpreters, which would each compile
 	@# shoal again where PYTHONDONTWRITEBYTECODE is set (as on this project's machines).
 	$(BIN)/python -m compileall -q shoal tests
-	$(BIN)/python -m pytest -q -n 2 --dist load --durations=40
+	@# Three test processes on two cores: many tests wait (heartbeat timeouts, held jobs);
+	@# with two the machine idled 17% of the run (docs/performance-log.md).
+	$(BIN)/python -m pytest -q -n 3 --dist load --durations=40
 
 # On a machine with an NVIDIA GPU: what it is, every CUDA test (pytest -m gpu), then a short
 # GPU benchmark (benchmarks/bench_gpu.py; its table in runs/bench-gpu/). Minutes in all.

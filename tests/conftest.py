@@ -74,8 +74,8 @@ def _unit_of(nodeid: str) -> str:
 
 
 def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
-    """``make test`` (``-n 2``, xdist's ``load``): every test is handed out by itself, so the
-    two test processes end together, but a file's tests that share a module-scoped fixture
+    """``make test`` (``-n 3``, xdist's ``load``): every test is handed out by itself, so the
+    test processes end together, but a file's tests that share a module-scoped fixture
     go to one process together, which computes it once (the tests of one class, where the
     fixture is class-scoped: a long file's other tests still spread). (xdist's
     ``loadgroup`` would do it with marks, but it renames node ids in a way pytest 9.2 no
@@ -150,7 +150,7 @@ def _processes_that_live_on():
 
 @pytest.fixture(autouse=True)
 def _one_thread_per_test_process():
-    """Under pytest-xdist (``make test``: two test processes on two cores) the torch work a
+    """Under pytest-xdist (``make test``: three test processes on two cores) the torch work a
     test does in its own process gets one intra-op thread, as a worker's share of the cores
     (a run's workers set their own). Two threads would spin against the other test process
     and its workers: resnet50's forward and backward took 5 s for 0.3 s alone. What a test
