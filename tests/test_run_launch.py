@@ -50,6 +50,33 @@ def test_launch_returns_every_ranks_value():
         assert shoal.launch(joined, 10, workers=2) == [(0, 2, 2.0, "10"), (1, 2, 2.0, "20")]
 
 
+def connects_late(here: str) -> bool:
+    """Rank 1 takes 2 s past its process group's connections to say it joined; whether its
+    file was there when ``shoal.init()`` returned."""
+    import torch.distributed as dist
+
+    said = os.path.join(here, "rank1")
+    if os.environ["RANK"] == "1":
+        join = dist.init_process_group
+
+        def late(*args, **kwargs):
+            join(*args, **kwargs)
+            time.sleep(2)
+            open(said, "w").close()
+
+        dist.init_process_group = late
+    shoal.init()
+    return os.path.exists(said)
+
+
+def test_init_returns_once_every_rank_has_joined_the_group(tmp_path):
+    """A rank whose group was formed may return at once and end, cutting its connections: a
+    rank still connecting to it failed to join (seen: "Gloo connectFullMesh failed ...
+    Connection closed by peer"). shoal.init() returns once every rank's group is joined."""
+    with no_stray_workers():
+        assert shoal.launch(connects_late, str(tmp_path), workers=2) == [True, True]
+
+
 def exits(codes: dict[int, int]) -> str:
     rank = int(os.environ["RANK"])
     if rank in codes:

@@ -68,4 +68,8 @@ def init_comm(
         join_group(store, env.rank, env.world_size, dev.type,
                    (heartbeat_timeout or timeout) if elastic else timeout,
                    where=f"the job at {env.master_addr}:{env.master_port}")
+        if not elastic:  # (elastic's meetings see a rank lost as the others join)
+            # A rank whose group is formed may return and end: it cuts its connections
+            # (Comm.close), and a rank still connecting to it would fail to join.
+            all_joined(store, env, timeout, what="connected")
     return Comm(env, dev, timeline, store, heartbeat_timeout, timeout=timeout, elastic=elastic)

@@ -53,20 +53,21 @@ def own_client(store: dist.Store, attempt: int) -> dist.Store:
 
 
 def all_joined(store: dist.Store, env: Environment, timeout: float, *,
-               elastic: bool = False) -> None:
+               elastic: bool = False, what: str = "joined") -> None:
     """Say in the job's ``store`` that ``env``'s rank joined, and wait until every rank did
     (at most ``timeout`` seconds): the rendezvous of a job without a process group of all
-    its ranks, after which each rank knows the others have passed their checks; and of an
+    its ranks, after which each rank knows the others have passed their checks; of an
     ``elastic`` job's first group, which stops waiting once shoal's launcher says a rank
-    ended (it would never come). SIGTERM (:func:`~shoal.core.stop.stop_requested`) ends the
-    wait at once: a rank that never comes (its keeper killed under torchrun) would hold this
-    one past the launcher's grace."""
+    ended (it would never come); and, ``what="connected"``, of the ranks that joined a
+    process group (:func:`join_group`). SIGTERM (:func:`~shoal.core.stop.stop_requested`)
+    ends the wait at once: a rank that never comes (its keeper killed under torchrun) would
+    hold this one past the launcher's grace."""
     keys = dist.PrefixStore(key_prefix(env.attempt), store)
-    if keys.add("joined", 1) >= env.world_size:
-        keys.set("joined/all", "1")
-    deadline = time.monotonic() + timeout
+    if keys.add(what, 1) >= env.world_size:
+        keys.set(f"{what}/all", "1")
+    deadline, pause = time.monotonic() + timeout, 0.001
     try:
-        while not keys.check(["joined/all"]):
+        while not keys.check([f"{what}/all"]):
             if stop_requested():  # SIGTERM: a rank that never comes is not waited for
                 raise Terminated(f"stopped by SIGTERM before every rank of the job at "
                                  f"{env.master_addr}:{env.master_port} joined (rank "
@@ -78,10 +79,11 @@ def all_joined(store: dist.Store, env: Environment, timeout: float, *,
                                      "before every rank joined")
             if time.monotonic() >= deadline:
                 raise RuntimeError("timeout")
-            time.sleep(0.2 if elastic else 0.1)
+            time.sleep(pause)  # the last rank's coming is seen within a tenth of a second
+            pause = min(2 * pause, 0.2 if elastic else 0.1)
     except RuntimeError as exc:
         raise ShoalError(f"not every rank of the job at {env.master_addr}:{env.master_port} "
-                         f"joined within {timeout:g} s (rank {env.rank} of {env.world_size})"
+                         f"{what} within {timeout:g} s (rank {env.rank} of {env.world_size})"
                          ) from exc
 
 
