@@ -46,7 +46,7 @@ ARGV_ROOM, ENV_ROOM = 8192, 65536
 #: sets any of them otherwise than the warm interpreter's runs cold.
 READ_AT_START = ("PYTHON", "OMP_", "MKL_", "KMP_", "LD_", "TORCH_CPP_LOG_LEVEL", "MALLOC_")
 _STATUS = struct.Struct("<q")
-#: torchrun's module: its own process is forked from here too (its ranks start afresh).
+#: torchrun's module: its own process is forked from here too, and its ranks.
 TORCHRUN = "torch.distributed.run"
 
 
@@ -216,23 +216,29 @@ def _as_started(unbuffered: bool, threads: str | None) -> None:
             setattr(sys, name, io.TextIOWrapper(io.FileIO(fd, "w", closefd=False),
                                                 encoding=old.encoding, errors=old.errors,
                                                 write_through=True))
-    if threads is not None:
+    if threads is not None and threads.isdigit():  # as the warm interpreter's otherwise
         import torch
 
         torch.set_num_threads(int(threads))
 
 
+def _starts_as(args: list[str], env: dict[str, str], like: dict[str, str],
+               free: frozenset[str] = frozenset({"PYTHONPATH"})) -> bool:
+    """Whether ``args`` and ``env`` fit the room a forked process shows them in, and ``env``
+    sets what an interpreter reads as it starts as ``like`` does (but the ``free`` ones)."""
+    if len(_block(args)) > ARGV_ROOM or len(_block(_environ(env))) > ENV_ROOM:
+        return False
+    keys = {k for k in env.keys() | like.keys() if k.startswith(READ_AT_START)}
+    return all(env.get(k) == like.get(k) for k in keys - free)
+
+
 def _rank_alike(args: list[str], env: dict[str, str], agent: dict[str, str]) -> bool:
     """Whether torchrun's rank ``args`` with ``env`` runs alike forked from here: a form
-    :func:`_form` reads, with what an interpreter reads as it starts as in torchrun's own
-    environment ``agent`` (which ran alike), but ``OMP_NUM_THREADS`` as a whole number."""
-    if _form(args) is None or len(_block(args)) > ARGV_ROOM or \
-            len(_block(_environ(env))) > ENV_ROOM:
-        return False
-    keys = {k for k in env.keys() | agent.keys() if k.startswith(READ_AT_START)}
+    :func:`_form` reads, started as torchrun's own environment ``agent`` (which ran alike)
+    says, but ``OMP_NUM_THREADS`` as a whole number (:func:`_as_started` sets it)."""
     threads = env.get("OMP_NUM_THREADS", "1")
-    return threads.isdigit() and int(threads) > 0 and all(
-        env.get(k) == agent.get(k) for k in keys - {"PYTHONPATH", "OMP_NUM_THREADS"})
+    return _form(args) is not None and threads.isdigit() and int(threads) > 0 and \
+        _starts_as(args, env, agent, frozenset({"PYTHONPATH", "OMP_NUM_THREADS"}))
 
 
 def _ranks_forked_here(agent: dict[str, str]) -> None:
@@ -379,13 +385,9 @@ def stop(proc: subprocess.Popen) -> None:
 def can_run(args: list[str], env: dict[str, str], warm_env: dict[str, str]) -> bool:
     """Whether ``args`` (``python -m shoal ...`` or ``python -m torch.distributed.run ...``)
     with ``env`` runs alike forked from a warm interpreter started with ``warm_env``."""
-    if args[:2] != [sys.executable, "-m"] or args[2:3] not in (["shoal"], [TORCHRUN]) or \
-            "--debug" in args:
-        return False
-    if len(_block(args)) > ARGV_ROOM or len(_block(_environ(env))) > ENV_ROOM:
-        return False
-    keys = {k for k in env.keys() | warm_env.keys() if k.startswith(READ_AT_START)}
-    return all(env.get(k) == warm_env.get(k) for k in keys - {"PYTHONPATH"})
+    form = _form(args)
+    return form is not None and not form[0] and form[1] in ("shoal", TORCHRUN) and \
+        "--debug" not in args and _starts_as(args, env, warm_env)
 
 
 class WarmPopen(subprocess.Popen):
