@@ -5,6 +5,7 @@ from __future__ import annotations
 import collections
 import contextlib
 import functools
+import importlib.util
 import json
 import multiprocessing.forkserver
 import multiprocessing.resource_tracker
@@ -140,11 +141,11 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 def _processes_that_live_on():
     """Start, before any test, what a test process keeps once it has started a job in
     itself: multiprocessing's resource tracker and the server shoal forks its processes
-    from (``shoal/core/starting.py``; with ``torch._dynamo``, which ``sync``'s workers
-    need). Started by a test instead, they would carry that test's ``SHOAL_TEST_MARKER``
-    and count as its stray processes, and which test came first would decide it."""
+    from (``shoal/core/starting.py``). Started by a test instead, they would carry that
+    test's ``SHOAL_TEST_MARKER`` and count as its stray processes, and which test came
+    first would decide it."""
     multiprocessing.resource_tracker.ensure_running()
-    ensure_server(["torch._dynamo"])
+    ensure_server()
     yield
 
 
@@ -198,6 +199,26 @@ _COLD = {"now": False}
 
 def pytest_runtest_setup(item: pytest.Item) -> None:
     _COLD["now"] = item.get_closest_marker("cold") is not None
+
+
+@contextlib.contextmanager
+def cold():
+    """Within: the commands a test starts run as fresh interpreters, as under its ``cold``
+    mark (for a test whose other commands need not)."""
+    before, _COLD["now"] = _COLD["now"], True
+    try:
+        yield
+    finally:
+        _COLD["now"] = before
+
+
+def needs(package: str) -> None:
+    """Skip the calling test module where ``package`` is not installed. It is looked up, not
+    imported as ``pytest.importorskip`` would: Lightning, Ray and transformers take seconds to
+    import in every test process that collects their modules, and their tests run them in
+    processes of their own."""
+    if importlib.util.find_spec(package) is None:
+        pytest.skip(f"{package} is not installed", allow_module_level=True)
 
 
 def popen(args: list[str], env: dict[str, str], **kwargs: Any) -> subprocess.Popen:
@@ -719,8 +740,8 @@ def launcher_variables(launcher: str, rank: int, tasks: int, port: int) -> dict[
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None):
     """With ``SHOAL_TEST_CPU=FILE``: one JSON line per test appended to FILE (its id, wall
-    seconds, and CPU seconds of this process and of the processes it waited for), to find
-    where the suite's time goes."""
+    seconds, CPU seconds of this process and of the processes it waited for, when it ended
+    and in which test process), to find where the suite's time goes."""
     path = os.environ.get("SHOAL_TEST_CPU")
     if not path:
         yield
@@ -742,6 +763,7 @@ def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None):
     start, used = time.monotonic(), cpu()
     yield
     line = {"test": item.nodeid, "wall": round(time.monotonic() - start, 2),
-            "cpu": round(cpu() - used, 2)}
+            "cpu": round(cpu() - used, 2), "end": round(time.time(), 2),
+            "process": os.environ.get("PYTEST_XDIST_WORKER", "")}
     with open(path, "a") as f:
         f.write(json.dumps(line) + "\n")

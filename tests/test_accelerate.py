@@ -19,9 +19,9 @@ import torch
 from shoal.core.env import free_port
 from shoal.errors import ShoalError
 
-from conftest import REPO, assert_same, run, shoal_env
+from conftest import REPO, assert_same, needs, run, shoal_env
 
-pytest.importorskip("accelerate")
+needs("accelerate")
 
 EPOCHS = 2
 CASES = {

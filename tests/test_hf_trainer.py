@@ -16,9 +16,9 @@ import pytest
 
 from shoal.core.env import free_port
 
-from conftest import REPO, assert_same, run, shoal_env
+from conftest import REPO, assert_same, needs, run, shoal_env
 
-pytest.importorskip("transformers")
+needs("transformers")
 
 EPOCHS = 2
 CASES = {

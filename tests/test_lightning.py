@@ -21,9 +21,9 @@ import torch
 from shoal.core.env import free_port
 from shoal.errors import ShoalError
 
-from conftest import REPO, assert_same, run, shoal_env
+from conftest import REPO, assert_same, needs, run, shoal_env
 
-pytest.importorskip("lightning")
+needs("lightning")
 
 EPOCHS = 1  # 45 steps: 1437 rows, 16 a rank a step
 TRAINER_CASES = {

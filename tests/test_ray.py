@@ -25,9 +25,9 @@ import torch
 import shoal
 from shoal.errors import ShoalError
 
-from conftest import REPO, kill_job, shoal_env, wait_gone
+from conftest import REPO, kill_job, needs, shoal_env, wait_gone
 
-pytest.importorskip("ray.train")
+needs("ray")
 
 import ray_job  # noqa: E402 - after the skip: it names the cases both sides train
 
@@ -41,7 +41,11 @@ def runs(tmp_path_factory) -> dict:
     marker = uuid.uuid4().hex  # in the environment of the driver and of every Ray process
     env = {**shoal_env(marker), "RAY_USAGE_STATS_ENABLED": "0", "RAY_TRAIN_V2_ENABLED": "1",
            "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0",  # the node's address: the loopback one
-           "OMP_NUM_THREADS": "1"}
+           "OMP_NUM_THREADS": "1",
+           # Ray Train's actors for spot preemption, metrics and its state's reconciliation:
+           # a process each per run, a quarter of the test's CPU, none of it what is tested.
+           "RAY_TRAIN_ENABLE_PREEMPTION_WATCHER": "0", "RAY_TRAIN_METRICS_ENABLED": "0",
+           "RAY_TRAIN_ENABLE_STATE_ACTOR_RECONCILIATION": "0"}
     with open(out / "driver.log", "w") as log:
         proc = subprocess.Popen([sys.executable, str(REPO / "tests" / "ray_job.py"), str(out),
                                  str(temp)], env=env, cwd=REPO, stdout=log,
