@@ -20,6 +20,7 @@ from shoal.cli import main
 
 from conftest import (
     REPO,
+    cold,
     one_error_line,
     popen,
     run,
@@ -137,7 +138,6 @@ def check_resumed(out, resumed, counted=True):
         assert 0 < resumed["comm_fraction"] < 1
 
 
-@pytest.mark.cold  # rank 1 signals its parent, torchrun (forked warm, a rank's parent differs)
 def test_sigterm_under_torchrun_checkpoints_and_resumes_exactly(tmp_path):
     """torchrun (as Slurm's srun) starts the server and the workers itself; its SIGTERM
     reaches every rank, which stops, checkpoints and says so, as under shoal's launcher; the
@@ -145,7 +145,8 @@ def test_sigterm_under_torchrun_checkpoints_and_resumes_exactly(tmp_path):
     job = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
            "3", "-m", "shoal", "train", "--out", str(tmp_path), "--progress", "plain",
            "--model", "tests.fixtures_models:sigterm_at", *COMMON[2:], "--strategy", "async-sgd"]
-    res = run(job, env=_signalled(1, 2 * STEPS_PER_EPOCH), timeout=150)
+    with cold():  # rank 1 signals its parent, torchrun (forked warm, a rank's parent differs)
+        res = run(job, env=_signalled(1, 2 * STEPS_PER_EPOCH), timeout=150)
     assert res.stray == []
     check_stopped(tmp_path, res.stderr)
     again = run([*job, "--resume"], timeout=150)

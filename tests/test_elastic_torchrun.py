@@ -30,6 +30,7 @@ from conftest import (
     needs_mpich,
     needs_mpirun,
     needs_slurm,
+    popen,
     run,
     shoal_env,
     slurm_ready,  # noqa: F401  (needs_slurm's condition reads it)
@@ -153,10 +154,9 @@ def test_a_killed_worker_leaves_and_the_others_train_its_share_under_slurm(tmp_p
     try:
         for rank in range(3):
             task = {**env, **launcher_variables("slurm", rank, 3, port)}
-            procs.append(subprocess.Popen([sys.executable, "-m", "shoal", *KILLED,
-                                           "--record-samples", "--timeout", "60", "--out",
-                                           str(out)], env=task, cwd=REPO,
-                                          stderr=subprocess.PIPE, text=True))
+            procs.append(popen([sys.executable, "-m", "shoal", *KILLED, "--record-samples",
+                                "--timeout", "60", "--out", str(out)], task, cwd=REPO,
+                               stderr=subprocess.PIPE, text=True))
         errors = [p.communicate(timeout=150)[1] for p in procs]
     finally:
         for p in procs:

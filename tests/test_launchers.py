@@ -23,6 +23,7 @@ from conftest import (
     mpirun,
     mpirun_env,
     needs_mpirun,
+    popen,
     run,
     shoal_env,
     train_here,
@@ -55,9 +56,9 @@ def test_job_started_by_an_outside_launcher(tmp_path, local, launcher):
     try:
         for rank in range(2):
             env = {**shoal_env(), **variables(launcher, rank, 2, port)}
-            procs.append(subprocess.Popen(
+            procs.append(popen(
                 [sys.executable, "-m", "shoal", "train", "--out", str(tmp_path), "--progress",
-                 "none", "--timeout", "60", *JOB], env=env, cwd=REPO, stderr=subprocess.PIPE,
+                 "none", "--timeout", "60", *JOB], env, cwd=REPO, stderr=subprocess.PIPE,
                 text=True))
         errors = [p.communicate(timeout=120)[1] for p in procs]
     finally:

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import marked_processes, one_error_line, run, shoal_env, wait_gone
+from conftest import marked_processes, one_error_line, popen, run, shoal_env, wait_gone
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -134,10 +134,10 @@ def test_sigterm_after_a_workers_loss_prints_one_stop_line(tmp_path):
     """``--elastic``: worker 1 killed with SIGKILL, the job goes on in worker 0, then SIGTERM
     to ``shoal train``: it stops with a checkpoint, one line saying so, status 143."""
     marker, out = uuid.uuid4().hex, tmp_path / "run"
-    proc = subprocess.Popen(
+    proc = popen(
         [sys.executable, "-m", "shoal", "train", "--dataset", "digits", "--model", "mlp",
          "--workers", "2", "--epochs", "200", "--elastic", "--progress", "none", "--out",
-         str(out)], env=shoal_env(marker), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+         str(out)], shoal_env(marker), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
         text=True, start_new_session=True)
     try:
         deadline = time.monotonic() + 120

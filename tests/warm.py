@@ -467,7 +467,6 @@ def _recv_exactly(conn: socket.socket, size: int) -> bytes:
 
 if __name__ == "__main__":
     import torch  # noqa: F401  what every command's process and server import
-    import torch._dynamo  # noqa: F401
     import torch.distributed  # noqa: F401
 
     import shoal.cli  # noqa: F401
