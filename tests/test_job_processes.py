@@ -35,7 +35,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import children_of, kill_job, popen, shoal_env, wait_gone
+from conftest import children_of, kill_job, marked_processes, popen, shoal_env, wait_gone
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -112,8 +112,11 @@ class Job:
         elif phase == "training":
             records = self.dir / "out" / "metrics.jsonl"
             self.wait_until("a record", lambda: records.exists() and records.stat().st_size)
-        else:
-            self.wait_until("rank 1 in its exit", (self.dir / "exiting").exists)
+        else:  # rank 1 holds in its exit; rank 0, whose work ends later (the summary), ended
+            self.wait_until("rank 1 in its exit and rank 0 ended", lambda: (
+                self.dir / "exiting").exists() and not any(
+                    _rank_of(pid) == "0" and not _ended(pid)
+                    for pid in marked_processes(self.marker)))
 
     def kill(self, *pids: int) -> None:
         """kill -9 ``pids``, release rank 1's hold once they have ended (a held rank 1 is
