@@ -29,6 +29,8 @@ from shoal.core.pool import join_pool
 from shoal.core.trust import SEAL_KEY_VAR, Seal, open_own, private_dir
 from shoal.errors import ShoalError
 
+from conftest import run
+
 ROOT = os.geteuid() == 0
 NOBODY = 65534
 EVIL = '''
@@ -113,8 +115,7 @@ def test_open_own_never_follows_a_link(tmp_path):
 
 # -- shoal as a user runs it -----------------------------------------------------------------
 def _shoal(*args: str, cwd: Path, timeout: float = 240) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "shoal", *args], cwd=cwd, capture_output=True,
-                          text=True, timeout=timeout)
+    return run([sys.executable, "-m", "shoal", *args], timeout=timeout, cwd=cwd)
 
 
 def test_a_link_planted_as_the_lock_file_is_refused_and_its_target_untouched(tmp_path):
