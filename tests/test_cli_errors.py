@@ -9,7 +9,7 @@ import pytest
 
 from shoal.cli import main
 
-from conftest import one_error_line, popen, shoal, shoal_env, train_here
+from conftest import one_error_line, shoal, train_here
 from test_data import make_mnist
 
 
@@ -303,8 +303,8 @@ def test_a_reader_that_leaves_early_ends_the_command_quietly():
     import subprocess
     import sys
 
-    proc = popen([sys.executable, "-m", "shoal", "list"], shoal_env(), stdout=subprocess.PIPE,
-                 stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen([sys.executable, "-m", "shoal", "list"], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
     proc.stdout.close()  # before the command writes a line
     err = proc.communicate(timeout=120)[1]
     assert proc.returncode == 1 and err == ""
