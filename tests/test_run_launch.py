@@ -285,3 +285,49 @@ def test_uncaught_exception_under_torchrun_stops_the_other_rank(tmp_path):
     assert codes[1] == 1 and codes[0] != 0, output
     assert time.time() - float(stamp.read_text()) < 10, output
     assert "ValueError: boom" in output
+
+
+SIGTERM_IN_RENDEZVOUS = """
+import os, signal, sys, time
+import shoal
+from shoal.errors import Terminated
+
+
+def rank(launcher):
+    from shoal.core.env import rank_environment
+    from shoal.core.group import all_joined, job_store
+    from shoal.core.stop import stop_on_sigterm
+
+    env = rank_environment()
+    store = job_store(env, 60)
+    if env.rank == 1:
+        time.sleep(60)  # never says it connected (the launcher's SIGTERM ends it)
+    stop_on_sigterm()  # as shoal train's workers take SIGTERM
+    os.kill(launcher, signal.SIGTERM)  # as Slurm's notice reaches the launcher
+    all_joined(store, env, 60, what="connected")  # SIGTERM ends the wait: Terminated
+
+
+if __name__ == "__main__":
+    try:
+        shoal.launch(rank, os.getpid(), workers=2)
+    except Terminated as exc:
+        print("stop:", exc)
+        sys.exit(143)
+    except Exception as exc:
+        print("failure:", type(exc).__name__, exc)
+        sys.exit(2)
+"""
+
+
+def test_a_rank_that_sigterm_stops_in_the_rendezvous_makes_the_job_a_stop(tmp_path):
+    """SIGTERM to the launcher while rank 0 waits for rank 1 to say it connected (as
+    ``shoal.init`` does after the group forms): rank 0's wait ends with ``Terminated``, and
+    the job is a stop (``shoal.launch`` raises ``Terminated``: the command's status 143), as
+    when a rank was still importing; not a failure of rank 0 (``shoal train`` failed with
+    status 2 so, now and then, when the SIGTERM found a rank in that wait)."""
+    script = tmp_path / "job.py"
+    script.write_text(SIGTERM_IN_RENDEZVOUS)
+    res = run([sys.executable, str(script)], timeout=60, env=shoal_env(uuid.uuid4().hex))
+    assert res.returncode == 143, res.stdout + res.stderr
+    assert res.stdout.startswith("stop: stopped by SIGTERM"), res.stdout
+    assert not res.stray

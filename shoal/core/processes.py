@@ -125,6 +125,8 @@ def _worker_main(env: Environment, job: bytes) -> None:
         result = target(*args)
     except KeyboardInterrupt:
         sys.exit(130)
+    except Terminated:  # SIGTERM came before this rank could take it: it ends as it would
+        _end_by_sigterm()  # have before it began to take it (the launcher's "a stop")
     except SystemExit as exc:
         # sys.exit(0) / sys.exit() is success; sys.exit(3) leaves with status 3, which the
         # parent reports as that exit code; sys.exit("text") is Python's "print, exit 1".
@@ -142,6 +144,15 @@ def _worker_main(env: Environment, job: bytes) -> None:
     with open(tmp, "wb") as f:
         cloudpickle.dump(result, f)
     os.replace(tmp, _result_path(errdir, env.rank))
+
+
+def _end_by_sigterm() -> None:
+    """End this process by SIGTERM's default action, as a rank that had not yet taken the
+    signal ends: its launcher, asked to stop, reports a stop (status 143), not a failure."""
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGTERM})
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    os.kill(os.getpid(), signal.SIGTERM)
+    os._exit(128 + signal.SIGTERM)  # not reached: the signal ends the process first
 
 
 def _wait_all(procs: list[Any], timeout: float) -> list[Any]:
