@@ -363,7 +363,11 @@ class _NanFrom(nn.Module):
                 return out * self.factor
             seen = os.environ.get("SHOAL_TEST_NAN_SEEN")
             if seen and not all(torch.isfinite(p).all() for p in self.parameters()):
-                (Path(seen) / f"rank{os.environ.get('RANK')}-{self.calls}").touch()
+                bad = sum(int((~torch.isfinite(p)).sum()) for p in self.parameters())
+                (Path(seen) / f"rank{os.environ.get('RANK')}-{self.calls}").write_text(
+                    f"pid {os.getpid()} model {id(self):#x} injects {self.injects}: {bad} "
+                    f"non-finite of {sum(p.numel() for p in self.parameters())}, "
+                    f"output finite {bool(torch.isfinite(out).all())}\n")
         return out
 
 

@@ -196,7 +196,8 @@ def test_an_asynchronous_workers_nan_is_named_at_its_own_step(tmp_path, train, s
     assert res.returncode == 2, res.stdout + res.stderr
     line = one_error_line(res.stderr)
     assert "worker 0 (rank 1): training loss became nan at step 60 (epoch 2)" in line, line
-    assert not sorted(p.name for p in seen.iterdir())
+    found = {p.name: p.read_text() for p in sorted(seen.iterdir())}
+    assert not found, f"{found}\n{res.stderr[-3000:]}"
 
 
 def _turns_nan(train, tmp_path, strategy: str, env: dict[str, str]):

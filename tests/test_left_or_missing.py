@@ -206,11 +206,13 @@ def test_the_heartbeat_carries_the_collective_count_without_overflowing():
     assert counter % SEQ_UNIT == len(counts)  # every call was a beat
 
 
-@pytest.mark.parametrize("elastic", [False, True])
-def test_sigterm_ends_the_wait_for_a_rank_that_never_comes(elastic):
-    """Rank 1 of 2 never joins and nobody says it ended (its keeper killed under torchrun):
-    rank 0's wait for it ends at SIGTERM with that line, not at the timeout (torchrun gives
-    a rank 30 s after its SIGTERM, then kills it)."""
+@pytest.mark.parametrize("elastic,what", [(False, "joined"), (True, "joined"),
+                                          (False, "connected")])
+def test_sigterm_ends_the_wait_for_a_rank_that_never_comes(elastic, what):
+    """Rank 1 of 2 never joins (or, once a group formed, never says it connected) and nobody
+    says it ended (its keeper killed under torchrun): rank 0's wait for it ends at SIGTERM
+    with that line, which names the wait, not at the timeout (torchrun gives a rank 30 s
+    after its SIGTERM, then kills it)."""
     from datetime import timedelta
 
     import torch.distributed as dist
@@ -226,8 +228,8 @@ def test_sigterm_ends_the_wait_for_a_rank_that_never_comes(elastic):
     timer.start()
     try:
         with pytest.raises(Terminated, match=r"stopped by SIGTERM before every rank of the job "
-                           rf"at 127\.0\.0\.1:{store.port} joined \(rank 0 of 2\)"):
-            all_joined(store, env, 20.0, elastic=elastic)
+                           rf"at 127\.0\.0\.1:{store.port} {what} \(rank 0 of 2\)"):
+            all_joined(store, env, 20.0, elastic=elastic, what=what)
     finally:
         timer.cancel()
         STOP.clear()

@@ -70,13 +70,13 @@ def all_joined(store: dist.Store, env: Environment, timeout: float, *,
         while not keys.check([f"{what}/all"]):
             if stop_requested():  # SIGTERM: a rank that never comes is not waited for
                 raise Terminated(f"stopped by SIGTERM before every rank of the job at "
-                                 f"{env.master_addr}:{env.master_port} joined (rank "
+                                 f"{env.master_addr}:{env.master_port} {what} (rank "
                                  f"{env.rank} of {env.world_size})")
             for rank in range(env.world_size) if elastic else ():
                 if keys.check([ended_key(rank)]):
                     raise ShoalError(f"rank {rank} of the job at {env.master_addr}:"
                                      f"{env.master_port} {keys.get(ended_key(rank)).decode()} "
-                                     "before every rank joined")
+                                     f"before every rank {what}")
             if time.monotonic() >= deadline:
                 raise RuntimeError("timeout")
             time.sleep(pause)  # the last rank's coming is seen within a tenth of a second
