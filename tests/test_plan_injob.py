@@ -6,6 +6,8 @@ from __future__ import annotations
 import json
 import sys
 
+import pytest
+
 from shoal.core.group import mesh_not_formed
 from shoal.emulate import can_emulate
 
@@ -44,6 +46,30 @@ def test_auto_under_torchrun_plans_on_the_jobs_ranks_and_trains_the_winner_there
     config = json.loads((out / "config.json").read_text())
     assert config["world_size"] == 2 and config["init_from"] == str(out / "checkpoint.pt")
     assert [r["epoch"] for r in _records(out) if r["event"] == "epoch"] == list(range(1, 11))
+
+
+@pytest.mark.skipif(can_emulate() is not None, reason=f"cannot emulate: {can_emulate()}")
+def test_auto_across_hosts_of_two_processes_tries_one_replica_a_host(tmp_path):
+    """Inside a torchrun job of 2 emulated hosts of 2 processes each, the plan also tries
+    local SGD one replica a host (``--host-sync``: each host's processes step together
+    through its memory, local SGD between the hosts) beside local SGD over all 4 ranks;
+    both trials train, and the winner trains the run on the same ranks. (A target no trial
+    reaches: nothing is skipped for its cost; the budget bounds the grids.)"""
+    out = tmp_path / "auto"
+    res = run([sys.executable, "-m", "shoal.emulate", "--hosts", "2", "--nproc-per-node", "2",
+               "--rate", "1gbit", "--", *AUTO, "--epochs", "1", "--trial-epochs", "0.5",
+               "--plan-budget", "6s", "--plan-candidates", "local-sgd", "--batch-size", "16",
+               "--threads-per-worker", "1", "--target-accuracy", "0.995", "--out", str(out)],
+              timeout=280)
+    assert res.returncode == 0, res.stdout + res.stderr
+    assert "planned on the job's 4 ranks" in res.stdout + res.stderr and not res.stray
+    trials = json.loads((out / "plan" / "plan.json").read_text())["trials"]
+    tried = {(t["strategy"], t["options"].get("host_sync", False)): t for t in trials
+             if t["phase"] == "hardware"}
+    assert {("sync", False), ("local-sgd", False), ("local-sgd", True)} <= set(tried), trials
+    assert all(t["curve"] and not t["error"] and t["workers"] == 4 for t in tried.values())
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["plan"]["in_job"] and summary["completed"], summary
 
 
 def test_a_run_under_torchrun_that_cannot_pay_trains_sync_in_one_line(tmp_path):
@@ -164,3 +190,33 @@ def test_inside_a_job_servers_take_ranks_and_need_two_workers_beside_them(tmp_pa
     assert families(3) == {"local-sgd": 3, "groups": 2, "async-measgd": 2}
     assert families(2) == {"local-sgd": 2}
     assert families(3, elastic=True) == {"local-sgd": 3}
+
+
+def test_a_job_of_several_hosts_of_several_processes_tries_one_replica_a_host(tmp_path):
+    """Inside a job whose hosts run several processes each (2 hosts x 2 here), each periodic
+    family is also tried one replica a host (``--host-sync``: synchronous inside a host, the
+    strategy between hosts), walked from tau = 1 as the family is, in settings a run takes;
+    ``groups`` has no such form, and a job of one host, or of one process a host, none."""
+    from shoal.config import TrainConfig
+    from shoal.plan.planner import Planner, PlanOptions
+
+    cfg = TrainConfig(model="mlp", dataset="digits", epochs=4, target_accuracy=0.9,
+                      plan_candidates=("sync", "local-sgd", "diloco", "groups"),
+                      progress="none", out=str(tmp_path)).validate()
+
+    def families(ranks, per_host):
+        planner = Planner(cfg, PlanOptions.of(cfg), None, tmp_path, ranks, show=False,
+                          session=_Session(), host_processes=per_host)
+        return planner, planner.starts()[1]
+
+    planner, rest = families(4, 2)
+    assert [(c.strategy, c.options) for c in rest] == [
+        ("local-sgd", (("tau", 1),)), ("diloco", (("tau", 1),)), ("groups", (("groups", 1),)),
+        ("local-sgd", (("host_sync", True), ("tau", 1))),
+        ("diloco", (("host_sync", True), ("tau", 1)))]
+    walked = rest[-1].with_knob(16)
+    assert dict(walked.options) == {"host_sync": True, "tau": 16}
+    run = planner.config(walked, tmp_path / "trial").validate()
+    assert run.strategy_options == {"host_sync": True, "tau": 16}
+    for ranks, per_host in ((4, 4), (4, 1), (2, 2)):
+        assert not any(dict(c.options).get("host_sync") for c in families(ranks, per_host)[1])

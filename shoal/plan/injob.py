@@ -26,6 +26,7 @@ from shoal.config import TrainConfig
 from shoal.core.comm import Comm
 from shoal.core.env import Environment
 from shoal.core.failures import first_line
+from shoal.core.hostpath import use_host_memory
 from shoal.data import Dataset
 from shoal.errors import ShoalError
 from shoal.plan.planner import Planner, PlanOptions, detached
@@ -139,6 +140,7 @@ def _probe_plan_train(cfg: TrainConfig, sync: TrainConfig, comm: Comm, env: Envi
             verdict = read_verdict(out, since=launched)
         if not comm.broadcast_object(verdict is not None and verdict["plans"]):
             return _skipped(summary, verdict, out) if comm.rank == 0 else None
+    per_host = _host_processes(comm, env, cfg)
     if comm.rank != 0:
         final = follow(comm, env, data)
         train(_final(TrainConfig.from_dict(final["final"])), comm, env, data, final["tag"])
@@ -147,7 +149,8 @@ def _probe_plan_train(cfg: TrainConfig, sync: TrainConfig, comm: Comm, env: Envi
         go_on = dataclasses.replace(cfg, init_from=str(out / "checkpoint.pt"), init_progress=True,
                                     plan_budget=f"{verdict['budget_s']}s")
     planner = Planner(go_on, PlanOptions.of(go_on), None, out / PLAN_DIR, comm.world_size,
-                      probe=verdict, session=JobSession(comm, env, data))
+                      probe=verdict, session=JobSession(comm, env, data),
+                      host_processes=per_host)
     found = planner.run()
     winner, label, why = found.or_sync(dataclasses.replace(sync, plan_probe=None,
                                                            **_from(go_on)))
@@ -161,6 +164,16 @@ def _probe_plan_train(cfg: TrainConfig, sync: TrainConfig, comm: Comm, env: Envi
                        "in_job": True}
     write_json(out / "summary.json", summary)
     return summary
+
+
+def _host_processes(comm: Comm, env: Environment, cfg: TrainConfig) -> int:
+    """The processes of each of the job's hosts where it spans hosts of several processes
+    each whose memory can sum (the plan then tries each periodic family one replica a
+    host); else 1. Every rank calls it: finding the hosts' fast path is a collective."""
+    if cfg.elastic or use_host_memory(comm, "auto") is None:
+        return 1
+    local, world = env.local_world_size, env.world_size
+    return local if 1 < local < world and world % local == 0 else 1
 
 
 def _from(go_on: TrainConfig) -> dict[str, Any]:

@@ -96,9 +96,13 @@ class Planner:
 
     def __init__(self, cfg: TrainConfig, options: PlanOptions, launcher: Launcher, out: Path,
                  workers: int, show: bool = True, incumbent: Trial | None = None,
-                 probe: dict[str, Any] | None = None, session: Any = None) -> None:
+                 probe: dict[str, Any] | None = None, session: Any = None,
+                 host_processes: int = 1) -> None:
         self.cfg, self.options, self.launcher, self.out = cfg, options, launcher, out
         self.workers, self.show = workers, show
+        #: The processes of each host, where the job spans hosts of several each and their
+        #: memory can sum (each periodic family is also tried one replica a host); else 1.
+        self.host_processes = host_processes
         data = load_dataset(cfg.dataset, data_options(cfg))
         self.global_batch = cfg.global_batch(workers)
         self.steps_per_epoch = EpochPlan(len(data.train), self.global_batch, workers,
@@ -131,7 +135,10 @@ class Planner:
     def starts(self) -> tuple[list[Candidate], list[Candidate]]:
         """``sync`` in each process layout (the job's workers; where the job is local and has
         several, also one process with all their threads: Omnivore's batching of a machine's
-        cores), and every other family (its knob set by the walk)."""
+        cores), and every other family (its knob set by the walk); where the job's hosts have
+        several processes each (:attr:`host_processes`), each periodic family also one
+        replica a host (``--host-sync``: synchronous inside a host, the strategy between
+        hosts), walked as the family is."""
         from shoal.core.env import default_threads
 
         w, threads = self.workers, self.cfg.threads_per_worker
@@ -141,6 +148,9 @@ class Planner:
         names = [n for n in self.options.candidates if n != "sync" and self.fits(n)]
         families = [Candidate(name, (("groups" if name == "groups" else "tau", 1),),
                               self.workers_of(name), threads) for name in names]
+        if 1 < self.host_processes < w:
+            families += [Candidate(name, (("host_sync", True), ("tau", 1)), w, threads)
+                         for name in names if _periodic(name)]
         return syncs, families
 
     def fits(self, strategy: str) -> bool:

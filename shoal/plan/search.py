@@ -257,8 +257,8 @@ class Omnivore:
             picked = self.walk(sync, family, knobs)
             if picked is not None:
                 chosen.append(picked)
-            elif any(t.candidate.strategy == family.strategy for t in self.trials):
-                self.notes.append(f"{family.strategy}: no step toward asynchrony made an epoch "
+            elif any(t.candidate.family() == family.family() for t in self.trials):
+                self.notes.append(f"{family.family()}: no step toward asynchrony made an epoch "
                                   f"{FASTER:.0%} faster than sync; not tuned further")
         speed = {c: self.trial(c, HARDWARE) for c in chosen}
         for c in sorted(chosen, key=lambda c: speed[c].epoch_s if speed[c] is not None

@@ -74,6 +74,13 @@ class Candidate:
         """What this configuration's workers exchange: its strategy's pattern."""
         return pattern_of(self.strategy, dict(self.options), self.workers)
 
+    def family(self) -> str:
+        """Its strategy and options but the knob (``local-sgd``, ``local-sgd:host_sync=True``):
+        what a walk moves along."""
+        knob = "groups" if self.strategy == "groups" else "tau"
+        opts = ",".join(f"{k}={v}" for k, v in self.options if k != knob)
+        return f"{self.strategy}{':' + opts if opts else ''}"
+
     def label(self) -> str:
         opts = ",".join(f"{k}={v}" for k, v in self.options)
         text = f"{self.strategy}{':' + opts if opts else ''} {self.workers}x{self.threads or 'auto'}"
