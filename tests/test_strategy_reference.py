@@ -26,7 +26,7 @@ import torch
 
 import shoal
 from shoal.core.comm import Comm
-from shoal.core.dynamo import defer_disable, eager
+from shoal.core.dynamo import eager
 from shoal.core.env import Environment
 from shoal.core.processes import spawn
 from shoal.core.timeline import WAIT
@@ -96,7 +96,6 @@ def run_case(name: str, comm: Comm, restart_at: int | None = None) -> dict[str, 
             model.bias.copy_(init[DIM:])
         # torch's SGD built and stepped as shoal train's is, leaving torch._dynamo unimported:
         # 1-3 CPU-s less in each of the processes these cases run in.
-        defer_disable(torch.optim.Optimizer)
         optimizer = eager(torch.optim.SGD)(model.parameters(), lr=LR, momentum=momentum)
         scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer,
                                                       lambda t: SCHEDULE[min(t, STEPS - 1)])

@@ -24,7 +24,7 @@ from test_strategy_reference import DIM, LR, STEPS, grad, problem, results_by_wo
 
 import shoal
 from shoal.core.comm import Comm
-from shoal.core.dynamo import defer_disable, eager
+from shoal.core.dynamo import eager
 
 TAU = 4
 # name: (strategy, options, inner momentum, restart after this many steps)
@@ -83,7 +83,6 @@ def run_case(name: str, comm: Comm, restart_at: int | None = None, cases: dict =
         model = geometry.build(geometry.init)
         # torch's SGD built and stepped as shoal train's is, leaving torch._dynamo unimported:
         # 1-3 CPU-s less in each of the processes these cases run in.
-        defer_disable(torch.optim.Optimizer)
         optimizer = eager(torch.optim.SGD)(model.parameters(), lr=LR, momentum=momentum)
         return model, optimizer, shoal.strategy(kind, model, optimizer, comm=comm,
                                                 **options_of(cases[name]))

@@ -84,8 +84,9 @@ _EAGER: dict[type, type] = {}
 
 
 def eager(cls: type[torch.optim.Optimizer]) -> type[torch.optim.Optimizer]:
-    """``cls`` (a subclass of the same name) whose ``step`` spares a process the import of
-    ``torch._dynamo`` (about 1 s of CPU, at every worker's first step) while nothing compiles.
+    """``cls`` (a subclass of the same name) whose construction and ``step`` spare a process
+    the import of ``torch._dynamo`` (about 1 s of CPU, at every worker's first step) while
+    nothing compiles (:func:`defer_disable` of :class:`torch.optim.Optimizer`, done here).
 
     torch wraps the step of its optimizers (``_use_grad_for_differentiable``) in a function
     that imports ``torch._dynamo`` to call ``graph_break()`` around it, which does nothing
@@ -95,6 +96,7 @@ def eager(cls: type[torch.optim.Optimizer]) -> type[torch.optim.Optimizer]:
     optimizer whose step torch wraps otherwise is left as it is."""
     from torch.optim.optimizer import _use_grad_for_differentiable
 
+    defer_disable(torch.optim.Optimizer)  # its construction's wrapped methods: none imports it
     if cls in _EAGER:
         return _EAGER[cls]
     wrapped, inner = cls.step, getattr(cls.step, "__wrapped__", None)

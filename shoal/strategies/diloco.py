@@ -31,7 +31,7 @@ import torch
 from torch import nn
 
 from shoal.core import FlatParams
-from shoal.core.dynamo import defer_disable, eager
+from shoal.core.dynamo import eager
 from shoal.errors import ShoalError
 from shoal.strategies.averaging import ModelCopy, average_buffers
 from shoal.strategies.communication import Pattern
@@ -87,7 +87,6 @@ class DiLoCo(PeriodicStrategy):
         # One outer optimizer a fragment: it steps theta's slice in place; its gradient is
         # the fragment's averaged pseudo-gradient.
         self.outer = []
-        defer_disable(torch.optim.Optimizer)  # and its methods none: they would import it
         for fragment in self.stream(self.flat).fragments:
             param = nn.Parameter(self.theta.vector[fragment.lo:fragment.hi], requires_grad=False)
             param.grad = self.delta[fragment.lo:fragment.hi]

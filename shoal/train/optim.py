@@ -10,7 +10,7 @@ import torch
 from torch.optim.lr_scheduler import LambdaLR
 
 from shoal.config import DEFAULT_LR, TrainConfig
-from shoal.core.dynamo import defer_disable, eager
+from shoal.core.dynamo import eager
 from shoal.strategies import get_strategy, make_options
 
 #: The share of sync's step per sample that each stale update takes under ``--momentum
@@ -26,7 +26,6 @@ ASYNC_STEP_SHARE = 5 / 6
 def build_optimizer(cfg: TrainConfig, params: Iterable[torch.nn.Parameter],
                     lr: float) -> torch.optim.Optimizer:
     """SGD (momentum, Nesterov, weight decay), Adam or AdamW at learning rate ``lr``."""
-    defer_disable(torch.optim.Optimizer)  # spares a process that only builds it the import
     if cfg.optimizer == "sgd":
         return eager(torch.optim.SGD)(params, lr=lr, momentum=cfg.momentum,
                                       nesterov=cfg.nesterov, weight_decay=cfg.weight_decay)
