@@ -65,9 +65,13 @@ class Candidate:
         """``tau`` for the periodic strategies (their exchange every so many steps), else 1."""
         return int(dict(self.options).get("tau", 1))
 
+    @property
+    def knob_name(self) -> str:
+        """The option a walk moves: ``groups`` for groups, else ``tau``."""
+        return "groups" if self.strategy == "groups" else "tau"
+
     def with_knob(self, value: int) -> Candidate:
-        key = "groups" if self.strategy == "groups" else "tau"
-        opts = {**dict(self.options), key: value}
+        opts = {**dict(self.options), self.knob_name: value}
         return dataclasses.replace(self, options=tuple(sorted(opts.items())))
 
     def pattern(self) -> Pattern | None:
@@ -77,13 +81,14 @@ class Candidate:
     def family(self) -> str:
         """Its strategy and options but the knob (``local-sgd``, ``local-sgd:host_sync=True``):
         what a walk moves along."""
-        knob = "groups" if self.strategy == "groups" else "tau"
-        opts = ",".join(f"{k}={v}" for k, v in self.options if k != knob)
+        return self._named([(k, v) for k, v in self.options if k != self.knob_name])
+
+    def _named(self, options: list[tuple[str, Any]] | tuple[tuple[str, Any], ...]) -> str:
+        opts = ",".join(f"{k}={v}" for k, v in options)
         return f"{self.strategy}{':' + opts if opts else ''}"
 
     def label(self) -> str:
-        opts = ",".join(f"{k}={v}" for k, v in self.options)
-        text = f"{self.strategy}{':' + opts if opts else ''} {self.workers}x{self.threads or 'auto'}"
+        text = f"{self._named(self.options)} {self.workers}x{self.threads or 'auto'}"
         if self.momentum is not None:
             text += f" mu={self.momentum:g}"
         if self.lr is not None:
